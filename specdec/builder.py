@@ -1,0 +1,98 @@
+"""Building an engine from model sources: `default`, a local HF directory, a .gguf file or a hub id."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdec.engine import SpecDecEngine
+from specdec.errors import IncompatibleModelsError, ModelSourceError
+from specdec.head import load_head
+from specdec.models.formats import WeightFormat, apply_weight_format
+from specdec.models.runtime import DraftRuntime, TargetRuntime
+from specdec.models.sources import model_identity, resolve_model
+
+Role = Literal["draft", "target"]
+
+
+class EngineConfig(BaseModel):
+    """Which models, head and kernels an engine runs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    draft: str = "default"
+    target: str = "default"
+    head: str | None = None
+    cache_dir: str | None = None
+    draft_format: WeightFormat = "auto"
+    target_format: WeightFormat = "auto"
+    threads: int | None = None  # torch intra-op threads; None keeps torch's default (all cores)
+
+
+def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -> SpecDecEngine:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    draft_dir = resolve_model(config.draft, role="draft", cache=config.cache_dir, progress=progress)
+    target_dir = resolve_model(config.target, role="target", cache=config.cache_dir, progress=progress)
+    draft = DraftRuntime(load_model(draft_dir, "draft", config.draft_format, progress),
+                         identity=model_identity(draft_dir), name=config.draft)
+    target = TargetRuntime(load_model(target_dir, "target", config.target_format, progress),
+                           identity=model_identity(target_dir), name=config.target)
+    tokenizer = load_tokenizer(target_dir)
+    check_same_tokenizer(draft_dir, tokenizer)
+    head = None
+    if config.head:
+        head = load_head(config.head, draft_identity=draft.identity, hidden_size=draft.hidden_size)
+    return SpecDecEngine(draft, target, tokenizer, head, eos_token_ids=eos_token_ids(target.model, tokenizer))
+
+
+def load_model(model_dir: Path, role: Role, weight_format: WeightFormat = "auto", progress: bool = True):
+    start = time.perf_counter()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    except Exception as exc:  # transformers raises OSError, ValueError, safetensors errors, ...
+        raise ModelSourceError(f"cannot load the {role} model from {model_dir}: {_first_line(exc)}") from None
+    model = apply_weight_format(model.eval(), role, weight_format)
+    if progress:
+        print(f"loaded {role} {model_dir.name} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    return model
+
+
+def load_tokenizer(model_dir: Path):
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as exc:
+        raise ModelSourceError(f"cannot load the tokenizer from {model_dir}: {_first_line(exc)}") from None
+
+
+def check_same_tokenizer(draft_dir: Path, target_tokenizer) -> None:
+    """Draft and target must map text to the same ids, or verification compares different tokens."""
+    try:
+        draft_tokenizer = AutoTokenizer.from_pretrained(draft_dir)
+    except Exception:
+        return  # a draft directory without a tokenizer: the vocabulary-size check still applies
+    if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise IncompatibleModelsError(
+            f"the draft ({draft_dir}) and target tokenizers have different vocabularies; "
+            "speculative decoding needs one shared vocabulary")
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    if configured is not None:
+        ids.update([configured] if isinstance(configured, int) else configured)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

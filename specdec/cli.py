@@ -1,0 +1,119 @@
+"""The `specdec` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specdec.errors import SpecDecError
+
+EXIT_USAGE = 2
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("models")
+    group.add_argument("--draft", default="default", help="draft model: 'default', a HF directory, a .gguf file or a hub id")
+    group.add_argument("--target", default="default", help="target model: same forms as --draft")
+    group.add_argument("--head", default=None, help="acceptance head directory (needed by --policy specdec++)")
+    group.add_argument("--cache-dir", default=None, help="where models are fetched and converted (default $SPECDEC_CACHE or ~/.cache/specdec)")
+    group.add_argument("--draft-format", default="auto", choices=["auto", "fp32", "onednn"], help="draft weight format and kernels")
+    group.add_argument("--target-format", default="auto", choices=["auto", "fp32", "onednn"], help="target weight format and kernels")
+    group.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def add_generation_flags(parser: argparse.ArgumentParser) -> None:
+    from specdec.policies import POLICY_NAMES
+
+    group = parser.add_argument_group("generation")
+    group.add_argument("--policy", default=None, help=f"stopping policy: {', '.join(POLICY_NAMES)}")
+    group.add_argument("--k", type=int, default=None,
+                       help="K for fixed, initial K for heuristic, most candidates per round for the others")
+    group.add_argument("--threshold", type=float, default=None,
+                       help="h for specdec++, entropy threshold for svip, probability threshold for confidence")
+    group.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    group.add_argument("--top-p", type=float, default=None)
+    group.add_argument("--top-k", type=int, default=None)
+    group.add_argument("--seed", type=int, default=None)
+    group.add_argument("--max-new-tokens", type=int, default=None, help="default 128")
+    group.add_argument("--n", type=int, default=None, help="independent samples (default 1)")
+    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    group.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+
+
+def generation_params(args: argparse.Namespace):
+    from specdec.engine import build_params
+
+    return build_params(
+        policy=args.policy, k=args.k, threshold=args.threshold, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_new_tokens=args.max_new_tokens,
+        n=args.n, stop=tuple(args.stop) if args.stop else None,
+        chat_template=False if args.no_chat_template else None)
+
+
+def engine_config(args: argparse.Namespace):
+    from specdec.builder import EngineConfig
+
+    return EngineConfig(draft=args.draft, target=args.target, head=args.head, cache_dir=args.cache_dir,
+                        draft_format=args.draft_format, target_format=args.target_format, threads=args.threads)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specdec.builder import build_engine
+    from specdec.policies import validate_policy
+
+    params = generation_params(args)
+    validate_policy(params.policy, has_head=bool(args.head))  # before minutes of model loading
+    engine = build_engine(engine_config(args), progress=not args.json)
+    prompt_ids = engine.encode_prompt(args.prompt, params.chat_template)
+    engine.validate(prompt_ids, params)
+
+    if args.json:
+        print(json.dumps(engine.generate_ids(prompt_ids, params).to_dict()))
+        return 0
+
+    headed: set[int] = set()
+
+    def stream(index: int, _ids: list[int], text: str) -> None:
+        if params.n > 1 and index not in headed:
+            headed.add(index)
+            sys.stdout.write(("\n" if index else "") + f"--- sample {index + 1} ---\n")
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    result = engine.generate_ids(prompt_ids, params, on_update=stream)
+    sys.stdout.write("\n")
+    print(result.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="SpecDec++ speculative decoding")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="generate text for one prompt, in this process")
+    generate.add_argument("prompt")
+    add_model_flags(generate)
+    add_generation_flags(generate)
+    generate.add_argument("--json", action="store_true", help="print one JSON object with completions and stats")
+    generate.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    generate.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecDecError as exc:
+        if args.debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

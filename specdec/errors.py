@@ -1,0 +1,22 @@
+"""Errors a user can cause and fix. The command line prints them as one line; the services map them
+to INVALID_ARGUMENT / HTTP 400. Anything else is a bug and keeps its traceback."""
+
+
+class SpecDecError(Exception):
+    """Base class: the message is a one-line reason meant for the user."""
+
+
+class InvalidRequestError(SpecDecError, ValueError):
+    """A request parameter or prompt is out of range."""
+
+
+class ModelSourceError(SpecDecError):
+    """A model could not be found, fetched, verified or loaded."""
+
+
+class ChecksumError(ModelSourceError):
+    """A downloaded or assembled file does not match its pinned SHA-256."""
+
+
+class IncompatibleModelsError(ModelSourceError):
+    """Draft, target and head do not belong together (vocabulary, hidden size, identity)."""

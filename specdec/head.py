@@ -1,0 +1,100 @@
+"""The acceptance prediction head f_theta (paper §3.2-3.3).
+
+A (D+1)-layer ResNet with SiLU on the draft model's final hidden state e_i of candidate y_i:
+D residual blocks x + SiLU(W x + b), then a linear layer to one logit. D = 0 is a linear probe.
+sigmoid(f_theta(e_i)) predicts P(y_i accepted | y_1..y_{i-1} accepted).
+
+On disk a head is a directory with `head.safetensors` and `head.json`; the JSON records the
+draft model it was trained on (hidden size and identity), and loading it for another draft fails.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from specdec.errors import IncompatibleModelsError, ModelSourceError
+
+WEIGHTS_FILE, CONFIG_FILE = "head.safetensors", "head.json"
+MAX_DEPTH = 4  # the paper sweeps D in 0..4
+
+
+class HeadConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    hidden_size: int = Field(gt=0)
+    depth: int = Field(ge=0, le=MAX_DEPTH)
+    draft_identity: str  # `specdec.models.sources.model_identity` of the draft it belongs to
+    draft_name: str = ""
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.linear(x))
+
+
+class AcceptanceHead(nn.Module):
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = config
+        self.blocks = nn.Sequential(*(ResidualBlock(config.hidden_size) for _ in range(config.depth)))
+        self.out = nn.Linear(config.hidden_size, 1)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> acceptance logits [...]."""
+        return self.out(self.blocks(hidden.to(self.out.weight.dtype))).squeeze(-1)
+
+    @torch.inference_mode()
+    def acceptance_probability(self, hidden: torch.Tensor) -> torch.Tensor:
+        """sigmoid(f_theta(e)) for hidden [..., H]."""
+        return torch.sigmoid(self(hidden))
+
+    def save(self, directory: str | Path) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, directory / WEIGHTS_FILE)
+        (directory / CONFIG_FILE).write_text(self.config.model_dump_json(indent=2) + "\n")
+        return directory
+
+
+def load_head(
+    directory: str | Path,
+    draft_identity: str | None = None,
+    hidden_size: int | None = None,
+) -> AcceptanceHead:
+    """Load a head and check that it belongs to the draft (identity and hidden size) when given."""
+    directory = Path(directory)
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    if not config_path.is_file() or not weights_path.is_file():
+        raise ModelSourceError(f"no acceptance head at {directory} (expected {CONFIG_FILE} and {WEIGHTS_FILE})")
+    try:
+        config = HeadConfig.model_validate(json.loads(config_path.read_text()))
+    except ValueError as exc:
+        raise ModelSourceError(f"corrupt head config {config_path}: {_first_line(exc)}") from None
+    if hidden_size is not None and config.hidden_size != hidden_size:
+        raise IncompatibleModelsError(
+            f"head {directory} expects hidden size {config.hidden_size} but the draft has {hidden_size}")
+    if draft_identity is not None and config.draft_identity != draft_identity:
+        raise IncompatibleModelsError(
+            f"head {directory} was trained for another draft model "
+            f"({config.draft_name or config.draft_identity[:12]}), not this one ({draft_identity[:12]})")
+    head = AcceptanceHead(config)
+    try:
+        head.load_state_dict(load_file(weights_path))
+    except Exception as exc:  # safetensors raises several types for truncated or mismatched files
+        raise ModelSourceError(f"corrupt head weights {weights_path}: {_first_line(exc)}") from None
+    return head.eval()
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -1,0 +1,121 @@
+"""Per-request metrics: the paper's (verification rate, discard rate) and what vLLM users expect
+(acceptance rate and acceptance by position, mean accepted length, K per round, time split).
+
+Cost model (paper eq. 2.1-2.3): T_total = t_draft * N_draft + t_target * N_target, and
+latency / token = t_draft + t_draft * N_discarded / N + (t_target - t_draft) * N_target / N.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestStats:
+    generated_tokens: int = 0  # N
+    draft_forward_passes: int = 0  # N_draft
+    target_forward_passes: int = 0  # N_target
+    rounds: int = 0
+    draft_tokens: int = 0  # candidates sent to verification
+    accepted_tokens: int = 0  # candidates the target accepted
+    discarded_tokens: int = 0  # N_discarded: candidates rejected
+    drafted_per_position: list[int] = field(default_factory=list)  # [j]: rounds with a candidate at position j+1
+    accepted_per_position: list[int] = field(default_factory=list)  # [j]: rounds accepting position j+1
+    k_histogram: Counter[int] = field(default_factory=Counter)  # K -> rounds
+    draft_time_s: float = 0.0
+    target_time_s: float = 0.0
+    wall_time_s: float = 0.0
+
+    def record_round(self, num_candidates: int, num_accepted: int) -> None:
+        self.rounds += 1
+        self.target_forward_passes += 1
+        self.draft_tokens += num_candidates
+        self.accepted_tokens += num_accepted
+        self.discarded_tokens += num_candidates - num_accepted
+        self.k_histogram[num_candidates] += 1
+        _add_prefix_counts(self.drafted_per_position, num_candidates)
+        _add_prefix_counts(self.accepted_per_position, num_accepted)
+
+    def merge(self, other: RequestStats) -> None:
+        for name in ("generated_tokens", "draft_forward_passes", "target_forward_passes", "rounds",
+                     "draft_tokens", "accepted_tokens", "discarded_tokens",
+                     "draft_time_s", "target_time_s", "wall_time_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for mine, theirs in ((self.drafted_per_position, other.drafted_per_position),
+                             (self.accepted_per_position, other.accepted_per_position)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for j, count in enumerate(theirs):
+                mine[j] += count
+        self.k_histogram.update(other.k_histogram)
+
+    @property
+    def verification_rate(self) -> float:
+        return _ratio(self.target_forward_passes, self.generated_tokens)
+
+    @property
+    def discard_rate(self) -> float:
+        return _ratio(self.discarded_tokens, self.generated_tokens)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return _ratio(self.accepted_tokens, self.draft_tokens)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per round, counting the correction or bonus token."""
+        return _ratio(self.accepted_tokens + self.rounds, self.rounds)
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [_ratio(a, d) for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return _ratio(self.generated_tokens, self.wall_time_s)
+
+    def to_dict(self) -> dict:
+        return {
+            "generated_tokens": self.generated_tokens,
+            "draft_forward_passes": self.draft_forward_passes,
+            "target_forward_passes": self.target_forward_passes,
+            "rounds": self.rounds,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "discarded_tokens": self.discarded_tokens,
+            "verification_rate": self.verification_rate,
+            "discard_rate": self.discard_rate,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "acceptance_by_position": self.acceptance_by_position,
+            "drafted_per_position": list(self.drafted_per_position),
+            "accepted_per_position": list(self.accepted_per_position),
+            "k_histogram": {str(k): v for k, v in sorted(self.k_histogram.items())},
+            "draft_time_s": self.draft_time_s,
+            "target_time_s": self.target_time_s,
+            "wall_time_s": self.wall_time_s,
+            "tokens_per_s": self.tokens_per_s,
+        }
+
+    def summary(self) -> str:
+        return (f"{self.generated_tokens} tokens in {self.wall_time_s:.1f}s ({self.tokens_per_s:.2f} tok/s) | "
+                f"verification rate {self.verification_rate:.3f} | discard rate {self.discard_rate:.3f} | "
+                f"acceptance {self.acceptance_rate:.1%} | mean accepted length {self.mean_accepted_length:.2f} | "
+                f"draft {self.draft_time_s:.1f}s / target {self.target_time_s:.1f}s")
+
+
+def predicted_latency_per_token(t_draft: float, t_target: float, discard_rate: float,
+                                verification_rate: float) -> float:
+    """Paper eq. 2.3."""
+    return t_draft + t_draft * discard_rate + (t_target - t_draft) * verification_rate
+
+
+def _add_prefix_counts(counts: list[int], length: int) -> None:
+    """counts[j] += 1 for j < length."""
+    counts.extend([0] * (length - len(counts)))
+    for j in range(length):
+        counts[j] += 1
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0

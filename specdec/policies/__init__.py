@@ -1,0 +1,85 @@
+"""Stopping policies: one small class each, all driven by the same drafting loop."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import BaseModel, ConfigDict
+
+from specdec.errors import InvalidRequestError
+from specdec.head import AcceptanceHead
+from specdec.policies.base import Decision, DraftStep, StoppingPolicy
+from specdec.policies.confidence import Confidence
+from specdec.policies.fixed import FixedK
+from specdec.policies.heuristic import Heuristic
+from specdec.policies.oracle import Oracle
+from specdec.policies.specdec_pp import SpecDecPP
+from specdec.policies.svip import SVIP
+from specdec.policies.target_only import TargetOnly
+
+POLICY_NAMES = ("specdec++", "fixed", "svip", "heuristic", "confidence", "oracle", "target-only")
+
+# Until a trained head for the default pair ships, the default policy needs no head.
+DEFAULT_POLICY = "svip"
+
+
+class PolicyConfig(BaseModel):
+    """The policy flags of a request. `k` is K for `fixed`, the initial K for `heuristic` and the
+    cap on candidates per round for the adaptive policies; `threshold` is h for `specdec++`, the
+    entropy threshold for `svip` and the probability threshold for `confidence`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = DEFAULT_POLICY
+    k: int | None = None
+    threshold: float | None = None
+
+
+def make_policy(
+    config: PolicyConfig,
+    head: AcceptanceHead | None = None,
+    reference: Sequence[int] | None = None,
+) -> StoppingPolicy:
+    """A fresh policy for one sequence (policies such as `heuristic` keep state across rounds)."""
+    name, k, threshold = config.name, config.k, config.threshold
+    cap = {} if k is None else {"max_candidates": k}
+    level = {} if threshold is None else {"threshold": threshold}
+    if name == "fixed":
+        return FixedK(**({} if k is None else {"k": k}))
+    if name == "heuristic":
+        return Heuristic(**({} if k is None else {"k": k}))
+    if name == "svip":
+        return SVIP(**level, **cap)
+    if name == "confidence":
+        return Confidence(**level, **cap)
+    if name == "specdec++":
+        if head is None:
+            raise InvalidRequestError("policy 'specdec++' needs an acceptance head: pass --head PATH")
+        return SpecDecPP(head, **level, **cap)
+    if name == "oracle":
+        if reference is None:
+            raise InvalidRequestError("policy 'oracle' needs the target's greedy continuation")
+        return Oracle(reference, **cap)
+    if name == "target-only":
+        return TargetOnly()
+    raise InvalidRequestError(f"unknown policy '{name}'; choose one of {', '.join(POLICY_NAMES)}")
+
+
+def validate_policy(config: PolicyConfig, has_head: bool) -> None:
+    """Check a request's policy flags before any model work (raises InvalidRequestError)."""
+    if config.name not in POLICY_NAMES:
+        raise InvalidRequestError(
+            f"unknown policy '{config.name}'; choose one of {', '.join(POLICY_NAMES)}")
+    if config.name == "specdec++" and not has_head:
+        raise InvalidRequestError("policy 'specdec++' needs an acceptance head: pass --head PATH")
+    if config.k is not None and config.k < 1:
+        raise InvalidRequestError(f"--k must be at least 1, got {config.k}")
+    if config.threshold is not None and not 0.0 < config.threshold < 1.0:
+        raise InvalidRequestError(f"--threshold must be in (0, 1), got {config.threshold}")
+
+
+__all__ = [
+    "POLICY_NAMES", "DEFAULT_POLICY", "PolicyConfig", "make_policy", "validate_policy",
+    "Decision", "DraftStep", "StoppingPolicy",
+    "FixedK", "SpecDecPP", "SVIP", "Heuristic", "Confidence", "Oracle", "TargetOnly",
+]

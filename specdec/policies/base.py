@@ -1,0 +1,71 @@
+"""The decision of the SpecDec++ MDP: after each drafted token, stop the round or draft another.
+
+The drafting loop (see `specdec.engine`) follows Algorithm 2 of the paper. Step i runs one draft
+forward pass over y_{i-1} (over the committed tail when i = 1), which yields the final hidden state
+e_{i-1} of y_{i-1} and the distribution q_i; it samples y_i ~ q_i and then asks the policy:
+
+    CONTINUE  -> step i + 1
+    STOP      -> the round's candidates are y_1..y_i
+    DROP_LAST -> the round's candidates are y_1..y_{i-1} (only the hindsight oracle uses this)
+
+A round also stops once `round_limit()` candidates are drafted, without asking.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from specdec.errors import InvalidRequestError
+
+
+class Decision(enum.Enum):
+    CONTINUE = "continue"
+    STOP = "stop"
+    DROP_LAST = "drop_last"
+
+
+@dataclass(frozen=True)
+class DraftStep:
+    index: int  # i: 1-based index of the candidate just drafted in this round
+    token: int  # y_i
+    probs: torch.Tensor  # [V] q_i, the draft distribution y_i was drawn from (plain softmax when greedy)
+    prev_hidden: torch.Tensor | None  # [H] e_{i-1}, the draft's final hidden state at y_{i-1}; None when i = 1
+    num_generated: int  # tokens generated before this round; y_i would be generated token number num_generated + i
+
+
+class StoppingPolicy(ABC):
+    """Decides per drafted token whether the round goes on. One instance serves one sequence."""
+
+    name: ClassVar[str]
+    uses_draft: ClassVar[bool] = True  # False: rounds verify no candidates (target-only decoding)
+    max_candidates: int
+
+    def round_limit(self) -> int:
+        """Most candidates this round may hold."""
+        return self.max_candidates
+
+    @abstractmethod
+    def decide(self, step: DraftStep) -> Decision: ...
+
+    def start_round(self) -> None:
+        """Called before the first draft step of every round."""
+
+    def end_round(self, num_candidates: int, num_accepted: int) -> None:
+        """Called with the verification outcome of every round."""
+
+
+def check_threshold(name: str, value: float) -> float:
+    if not 0.0 < value < 1.0:
+        raise InvalidRequestError(f"--threshold for policy '{name}' must be in (0, 1), got {value}")
+    return value
+
+
+def check_count(flag: str, value: int, minimum: int = 1) -> int:
+    if value < minimum:
+        raise InvalidRequestError(f"{flag} must be at least {minimum}, got {value}")
+    return value
