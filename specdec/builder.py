@@ -10,6 +10,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from specdec.engine import SpecDecEngine
 from specdec.errors import IncompatibleModelsError, ModelSourceError
@@ -54,6 +55,7 @@ def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -
 
 def load_model(model_dir: Path, role: Role, weight_format: WeightFormat = "auto", progress: bool = True):
     start = time.perf_counter()
+    hf_logging.disable_progress_bar()  # a cached model loads in seconds; one summary line says so
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     except Exception as exc:  # transformers raises OSError, ValueError, safetensors errors, ...

