@@ -17,8 +17,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--target", default="default", help="target model: same forms as --draft")
     group.add_argument("--head", default=None, help="acceptance head directory (needed by --policy specdec++)")
     group.add_argument("--cache-dir", default=None, help="where models are fetched and converted (default $SPECDEC_CACHE or ~/.cache/specdec)")
-    group.add_argument("--draft-format", default="auto", choices=["auto", "fp32", "onednn"], help="draft weight format and kernels")
-    group.add_argument("--target-format", default="auto", choices=["auto", "fp32", "onednn"], help="target weight format and kernels")
+    group.add_argument("--draft-format", default="auto", choices=["auto", "fp32", "onednn", "int8"], help="draft weight format and kernels")
+    group.add_argument("--target-format", default="auto", choices=["auto", "fp32", "onednn", "int8"], help="target weight format and kernels")
     group.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 

@@ -94,6 +94,8 @@ def cache_dir(override: str | Path | None = None) -> Path:
 def resolve_model(source: str, role: str, cache: str | Path | None = None, progress: bool = True) -> Path:
     """A local Hugging Face model directory (config.json, weights, tokenizer) for `source`."""
     root = cache_dir(cache)
+    if not source.strip():
+        raise ModelSourceError("empty model source: pass a local directory, a .gguf file, a hub id or 'default'")
     if source == "default":
         if role not in DEFAULTS:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
