@@ -1,0 +1,39 @@
+"""The real default pair (Qwen2.5-Coder 0.5B -> 1.5B) on HumanEval prompts. Minutes on CPU;
+run with `python -m pytest -m slow --run-slow`."""
+
+import pytest
+
+from specdec.engine import build_params
+from specdec.prompts import humaneval_prompts
+
+pytestmark = pytest.mark.slow
+
+NUM_PROMPTS, NEW_TOKENS = 3, 48
+
+
+@pytest.fixture(scope="module")
+def default_engine():
+    from specdec.builder import EngineConfig, build_engine
+
+    return build_engine(EngineConfig(), progress=False)
+
+
+@pytest.fixture(scope="module")
+def target_greedy(default_engine):
+    params = build_params(policy="target-only", max_new_tokens=NEW_TOKENS)
+    return [default_engine.generate(p, params).completions[0].token_ids for p in humaneval_prompts(NUM_PROMPTS)]
+
+
+@pytest.mark.parametrize("flags", [{"policy": "fixed", "k": 4}, {"policy": "svip"}, {"policy": "confidence"},
+                                   {"policy": "heuristic"}, {"policy": "oracle"}], ids=lambda f: f["policy"])
+def test_greedy_equals_target_only(default_engine, target_greedy, flags):
+    params = build_params(max_new_tokens=NEW_TOKENS, **flags)
+    for prompt, expected in zip(humaneval_prompts(NUM_PROMPTS), target_greedy):
+        result = default_engine.generate(prompt, params)
+        assert result.completions[0].token_ids == expected
+        assert result.stats.accepted_tokens > 0  # the pair agrees often: speculation does something
+
+
+def test_default_pair_shares_vocabulary(default_engine):
+    assert default_engine.draft.vocab_size == default_engine.target.vocab_size == 151936
+    assert default_engine.eos_token_ids
