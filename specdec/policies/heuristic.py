@@ -23,7 +23,7 @@ class Heuristic(StoppingPolicy):
         return Decision.CONTINUE
 
     def end_round(self, num_candidates: int, num_accepted: int) -> None:
-        if num_accepted == num_candidates:
+        if num_accepted >= self.k:  # as HF: all of the scheduled K matched (a round cut short does not count)
             self.k = min(self.k + self.GROWTH, self.max_candidates)
         else:
             self.k = max(self.k - self.SHRINK, self.MIN_K)

@@ -1,0 +1,126 @@
+"""The acceptance head: shapes for every depth, save/load, and the errors of a wrong or broken head."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from specdec.errors import IncompatibleModelsError, ModelSourceError
+from specdec.head import CONFIG_FILE, MAX_DEPTH, WEIGHTS_FILE, AcceptanceHead, HeadConfig, load_head
+
+HIDDEN = 12
+IDENTITY = "a" * 64
+
+
+def make_head(depth: int = 2, seed: int = 0, identity: str = IDENTITY) -> AcceptanceHead:
+    torch.manual_seed(seed)
+    return AcceptanceHead(HeadConfig(hidden_size=HIDDEN, depth=depth, draft_identity=identity,
+                                     draft_name="tiny-draft")).eval()
+
+
+@pytest.fixture
+def saved(tmp_path) -> tuple[AcceptanceHead, object]:
+    head = make_head()
+    return head, head.save(tmp_path / "head")
+
+
+@pytest.mark.parametrize("depth", range(MAX_DEPTH + 1))
+def test_shapes_for_every_depth(depth):
+    head = make_head(depth)
+    assert len(head.blocks) == depth
+    # D residual blocks (W, b each) and the output layer
+    assert sum(p.numel() for p in head.parameters()) == depth * (HIDDEN * HIDDEN + HIDDEN) + HIDDEN + 1
+    assert head(torch.randn(3, 5, HIDDEN)).shape == (3, 5)
+    assert head(torch.randn(HIDDEN)).shape == ()
+    probs = head.acceptance_probability(torch.randn(7, HIDDEN))
+    assert probs.shape == (7,) and ((probs > 0) & (probs < 1)).all()
+
+
+def test_depth_outside_the_paper_sweep_is_rejected():
+    for depth in (-1, MAX_DEPTH + 1):
+        with pytest.raises(ValidationError):
+            HeadConfig(hidden_size=HIDDEN, depth=depth, draft_identity=IDENTITY)
+
+
+def test_reads_half_precision_hidden_states():
+    head = make_head()
+    hidden = torch.randn(4, HIDDEN)
+    torch.testing.assert_close(head(hidden.to(torch.bfloat16)), head(hidden.to(torch.bfloat16).float()))
+
+
+def test_residual_block_is_x_plus_silu():
+    head = make_head(depth=1)
+    x = torch.randn(HIDDEN)
+    block = head.blocks[0]
+    expected = x + torch.nn.functional.silu(block.linear.weight @ x + block.linear.bias)
+    torch.testing.assert_close(block(x), expected)
+
+
+def test_save_load_round_trip_gives_identical_outputs(saved):
+    head, directory = saved
+    assert (directory / WEIGHTS_FILE).is_file() and (directory / CONFIG_FILE).is_file()
+    loaded = load_head(directory, draft_identity=IDENTITY, hidden_size=HIDDEN)
+    assert loaded.config == head.config
+    assert not loaded.training
+    hidden = torch.randn(6, HIDDEN)
+    assert torch.equal(loaded(hidden), head(hidden))
+    assert torch.equal(load_head(directory)(hidden), head(hidden))  # no checks asked for
+
+
+def test_load_for_another_draft_is_incompatible(saved):
+    _, directory = saved
+    with pytest.raises(IncompatibleModelsError, match="another draft") as info:
+        load_head(directory, draft_identity="b" * 64, hidden_size=HIDDEN)
+    assert "\n" not in str(info.value)
+
+
+def test_load_with_wrong_hidden_size_is_incompatible(saved):
+    _, directory = saved
+    with pytest.raises(IncompatibleModelsError, match="hidden size") as info:
+        load_head(directory, draft_identity=IDENTITY, hidden_size=HIDDEN * 2)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_directory_or_file_is_a_source_error(tmp_path, saved):
+    with pytest.raises(ModelSourceError, match="no acceptance head"):
+        load_head(tmp_path / "nowhere")
+    _, directory = saved
+    (directory / WEIGHTS_FILE).unlink()
+    with pytest.raises(ModelSourceError, match="no acceptance head"):
+        load_head(directory)
+
+
+@pytest.mark.parametrize("text", [
+    "{not json",
+    "[1, 2]",
+    json.dumps({"hidden_size": HIDDEN, "depth": 2}),  # no draft identity
+    json.dumps({"hidden_size": HIDDEN, "depth": 9, "draft_identity": IDENTITY}),
+])
+def test_corrupt_config_is_a_source_error(saved, text):
+    _, directory = saved
+    (directory / CONFIG_FILE).write_text(text)
+    with pytest.raises(ModelSourceError, match="corrupt head config") as info:
+        load_head(directory)
+    assert not isinstance(info.value, IncompatibleModelsError)
+    assert "\n" not in str(info.value)
+
+
+def test_truncated_weights_are_a_source_error(saved):
+    _, directory = saved
+    weights = directory / WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ModelSourceError, match="corrupt head weights") as info:
+        load_head(directory, draft_identity=IDENTITY, hidden_size=HIDDEN)
+    assert "\n" not in str(info.value)
+
+
+def test_weights_of_another_depth_are_a_source_error(tmp_path):
+    directory = make_head(depth=1).save(tmp_path / "head")
+    config = json.loads((directory / CONFIG_FILE).read_text())
+    (directory / CONFIG_FILE).write_text(json.dumps({**config, "depth": 3}))
+    with pytest.raises(ModelSourceError, match="corrupt head weights") as info:
+        load_head(directory)
+    assert "\n" not in str(info.value)

@@ -1,0 +1,270 @@
+"""Speculative decoding is lossless: through the real engine loop (draft and target runtimes with
+KV caches, stopping policies, verification, rollback), sampled outputs follow the target's own
+distribution and greedy outputs equal target-only greedy decoding token for token.
+
+The models are tiny random Qwen2s over a 5- or 6-token vocabulary. The draft is the target plus
+Gaussian noise on every weight, so the two agree often but not always: rounds see acceptances,
+rejections (correction tokens from the residual) and bonus tokens. The target's exact distribution
+of the first 1, 2 and 3 generated tokens is computed by running the target directly (no cache) and
+applying `probs_from_logits`; the engine's samples are compared with it by a chi-squared test at
+fixed seeds.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import specdec.engine
+from specdec.engine import GenerationParams, SpecDecEngine
+from specdec.head import AcceptanceHead, HeadConfig
+from specdec.metrics import RequestStats
+from specdec.models.runtime import DraftRuntime, TargetRuntime
+from specdec.policies import POLICY_NAMES, Decision, PolicyConfig
+from specdec.sampling import MAX_SAMPLES_PER_REQUEST, SamplingParams, probs_from_logits
+from tiny import tiny_model
+
+# A p-value below this at the fixed seeds means the engine's outputs do not follow the target.
+SIGNIFICANCE = 1e-3
+# Chi-squared needs expected counts of about 5 per category; rarer outcomes are pooled.
+MIN_EXPECTED = 5.0
+
+SAMPLED_VOCAB = 5
+SAMPLED_PROMPT = [1, 3]
+SAMPLED_NEW_TOKENS = 4  # the first round may draft 3 candidates (a round commits K + 1 tokens)
+SAMPLES_PER_CASE = 1024  # 16 requests of 64 samples; ~3-4 s per case on one core
+
+GREEDY_VOCAB = 6
+GREEDY_PROMPTS = ([1, 2, 0], [5])
+GREEDY_NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run single-threaded ~10x faster on a busy 2-core machine (no spin-waiting)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def noisy_copy(model, scale: float, seed: int):
+    """The model with N(0, scale^2) noise added to every weight: a draft that mostly agrees."""
+    noisy = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in noisy.parameters():
+            param.add_(scale * torch.randn(param.shape, generator=generator))
+    return noisy
+
+
+def random_head(hidden_size: int, seed: int) -> AcceptanceHead:
+    torch.manual_seed(seed)
+    return AcceptanceHead(HeadConfig(hidden_size=hidden_size, depth=1, draft_identity="test")).eval()
+
+
+def make_engine(vocab: int, layers: int, model_seed: int, noise: float, noise_seed: int) -> SpecDecEngine:
+    target = tiny_model(vocab, hidden_size=16, layers=layers, seed=model_seed, init_range=0.5)
+    draft = noisy_copy(target, noise, noise_seed)
+    return SpecDecEngine(DraftRuntime(draft), TargetRuntime(target), head=random_head(16, seed=11))
+
+
+@pytest.fixture(scope="module")
+def sampled_engine() -> SpecDecEngine:
+    return make_engine(SAMPLED_VOCAB, layers=1, model_seed=0, noise=0.1, noise_seed=100)
+
+
+@pytest.fixture(scope="module")
+def greedy_engine() -> SpecDecEngine:
+    return make_engine(GREEDY_VOCAB, layers=2, model_seed=3, noise=0.05, noise_seed=7)
+
+
+# ------------------------------------------------------------------------------------------------
+# The target's exact distribution
+
+
+@torch.inference_mode()
+def next_token_probs(model, ids: list[int], sampling: SamplingParams) -> np.ndarray:
+    """The target's processed next-token distribution [V] after `ids`, by a full forward pass."""
+    logits = model(torch.tensor([ids])).logits[0, -1]
+    return probs_from_logits(logits, sampling).double().numpy()
+
+
+def target_joint(model, prompt: list[int], sampling: SamplingParams, length: int) -> np.ndarray:
+    """P(first `length` generated tokens = t_1..t_length) as an array of shape [V] * length."""
+    probs = next_token_probs(model, prompt, sampling)
+    if length == 1:
+        return probs
+    return np.stack([probs[t] * target_joint(model, prompt + [t], sampling, length - 1)
+                     for t in range(len(probs))])
+
+
+def chi2_pvalue(observed: np.ndarray, probs: np.ndarray) -> float:
+    """Chi-squared goodness of fit of counts against probabilities (same shape, any rank).
+
+    Outcomes the target cannot produce must never occur; outcomes with tiny expected counts are
+    pooled (rarest first) until the pool reaches MIN_EXPECTED.
+    """
+    observed, probs = observed.ravel().astype(float), probs.ravel() / probs.sum()
+    impossible = probs <= 0
+    assert observed[impossible].sum() == 0, "the engine produced a sequence the target gives probability 0"
+    observed, expected = observed[~impossible], probs[~impossible] * observed.sum()
+    order = np.argsort(expected)
+    observed, expected = observed[order], expected[order]
+    pooled = 0
+    while pooled < len(expected) - 1 and expected[:pooled].sum() < MIN_EXPECTED:
+        pooled += 1
+    if pooled > 1:
+        observed = np.concatenate([[observed[:pooled].sum()], observed[pooled:]])
+        expected = np.concatenate([[expected[:pooled].sum()], expected[pooled:]])
+    assert len(expected) >= 2, "too few categories for a test"
+    return float(chisquare(observed, expected).pvalue)
+
+
+def prefix_counts(completions: list[list[int]], length: int, vocab: int) -> np.ndarray:
+    counts = np.zeros([vocab] * length)
+    for ids, count in Counter(tuple(ids[:length]) for ids in completions).items():
+        counts[ids] += count
+    return counts
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampled decoding follows the target's distribution
+
+SAMPLINGS = {
+    "temperature-1": SamplingParams(temperature=1.0),
+    "top-k-3": SamplingParams(temperature=1.0, top_k=3),
+    "top-p-0.8": SamplingParams(temperature=1.0, top_p=0.8),
+}
+POLICIES = ("fixed", "svip", "specdec++")
+# sqrt(gamma * H(q)) of the draft lies in about [0.25, 0.45] on these models and shrinks with
+# top-k / top-p; these thresholds make SVIP both stop and continue under each sampling.
+SVIP_THRESHOLDS = {"temperature-1": 0.38, "top-k-3": 0.35, "top-p-0.8": 0.3}
+
+
+def policy_config(policy_name: str, sampling_name: str) -> PolicyConfig:
+    if policy_name == "fixed":
+        return PolicyConfig(name="fixed", k=3)
+    if policy_name == "svip":
+        return PolicyConfig(name="svip", threshold=SVIP_THRESHOLDS[sampling_name])
+    return PolicyConfig(name=policy_name, threshold=0.5)  # specdec++: stops after 2 or 3 candidates
+
+
+class DecisionSpy:
+    """Wraps `specdec.engine.make_policy` to record every decision the policies make."""
+
+    def __init__(self, make_policy):
+        self.make_policy, self.decisions = make_policy, Counter()
+
+    def __call__(self, *args, **kwargs):
+        policy = self.make_policy(*args, **kwargs)
+        decide = policy.decide
+
+        def recorded(step):
+            decision = decide(step)
+            self.decisions[decision] += 1
+            return decision
+
+        policy.decide = recorded
+        return policy
+
+
+def sample_completions(engine: SpecDecEngine, policy: PolicyConfig, sampling: SamplingParams,
+                       samples: int, seed: int) -> tuple[list[list[int]], RequestStats]:
+    completions, stats = [], RequestStats()
+    for request in range(samples // MAX_SAMPLES_PER_REQUEST):
+        params = GenerationParams(
+            max_new_tokens=SAMPLED_NEW_TOKENS, n=MAX_SAMPLES_PER_REQUEST, policy=policy,
+            sampling=sampling.model_copy(update={"seed": seed + request}))
+        result = engine.generate_ids(SAMPLED_PROMPT, params)
+        completions += [c.token_ids for c in result.completions]
+        stats.merge(result.stats)
+    return completions, stats
+
+
+@pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
+@pytest.mark.parametrize("policy_name", POLICIES)
+def test_sampled_outputs_follow_the_target_distribution(sampled_engine, monkeypatch, policy_name, sampling_name):
+    sampling, policy = SAMPLINGS[sampling_name], policy_config(policy_name, sampling_name)
+    spy = DecisionSpy(specdec.engine.make_policy)
+    monkeypatch.setattr(specdec.engine, "make_policy", spy)
+
+    completions, stats = sample_completions(sampled_engine, policy, sampling, SAMPLES_PER_CASE, seed=1000)
+
+    # The case exercises what it should: K > 1, acceptances and rejections, adaptive stops.
+    assert all(len(ids) == SAMPLED_NEW_TOKENS for ids in completions)
+    assert max(stats.k_histogram) >= 2
+    assert stats.accepted_tokens > 0 and stats.discarded_tokens > 0
+    if policy_name != "fixed":
+        assert spy.decisions[Decision.STOP] > 0 and spy.decisions[Decision.CONTINUE] > 0, spy.decisions
+
+    target = sampled_engine.target.model
+    for length in (1, 2, 3):
+        expected = target_joint(target, SAMPLED_PROMPT, sampling, length)
+        observed = prefix_counts(completions, length, SAMPLED_VOCAB)
+        pvalue = chi2_pvalue(observed, expected)
+        assert pvalue > SIGNIFICANCE, f"first {length} token(s): chi-squared p = {pvalue:.2e}"
+
+
+def test_chi2_helper_rejects_a_wrong_distribution():
+    """The helper has power: counts drawn from one distribution fail against a nearby other one."""
+    rng = np.random.default_rng(0)
+    probs = np.array([0.5, 0.3, 0.15, 0.05, 0.0])
+    observed = np.bincount(rng.choice(5, size=SAMPLES_PER_CASE, p=probs), minlength=5)
+    assert chi2_pvalue(observed, probs) > SIGNIFICANCE
+    assert chi2_pvalue(observed, np.array([0.4, 0.35, 0.15, 0.1, 0.0])) < SIGNIFICANCE
+    with pytest.raises(AssertionError, match="probability 0"):
+        chi2_pvalue(observed, np.array([0.5, 0.3, 0.2, 0.0, 0.0]))
+
+
+def test_seeded_requests_are_reproducible(sampled_engine):
+    def run(seed: int) -> list[list[int]]:
+        params = GenerationParams(max_new_tokens=12, n=4, policy=policy_config("svip", "temperature-1"),
+                                  sampling=SamplingParams(temperature=1.0, seed=seed))
+        return [c.token_ids for c in sampled_engine.generate_ids(SAMPLED_PROMPT, params).completions]
+
+    first = run(seed=7)
+    assert run(seed=7) == first
+    assert run(seed=8) != first
+    assert len({tuple(ids) for ids in first}) > 1  # the n samples of one request differ
+
+
+# ------------------------------------------------------------------------------------------------
+# Greedy decoding equals target-only greedy decoding
+
+
+@torch.inference_mode()
+def target_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy decoding with full forward passes (no cache); checks that no step is a near-tie."""
+    ids = list(prompt)
+    for _ in range(new_tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1]
+        top2 = torch.topk(logits, 2).values
+        assert top2[0] - top2[1] > 1e-4, "near-tie in the reference: choose other seeds"
+        ids.append(int(torch.argmax(logits)))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("policy_name", POLICY_NAMES)
+def test_greedy_output_equals_target_greedy(greedy_engine, policy_name):
+    k = {"fixed": 3, "heuristic": 2}.get(policy_name)
+    params = GenerationParams(max_new_tokens=GREEDY_NEW_TOKENS, policy=PolicyConfig(name=policy_name, k=k))
+    total = RequestStats()
+    for prompt in GREEDY_PROMPTS:
+        result = greedy_engine.generate_ids(prompt, params)
+        expected = target_greedy(greedy_engine.target.model, prompt, GREEDY_NEW_TOKENS)
+        assert result.completions[0].token_ids == expected
+        total.merge(result.stats)
+
+    assert total.generated_tokens == GREEDY_NEW_TOKENS * len(GREEDY_PROMPTS)
+    if policy_name == "fixed":  # the draft partially agrees: both branches of verification ran
+        assert total.accepted_tokens > 0 and total.discarded_tokens > 0
+    if policy_name == "oracle":  # Lemma 2.1: nothing discarded
+        assert total.discarded_tokens == 0 and total.accepted_tokens > 0
+    if policy_name == "target-only":
+        assert total.draft_tokens == 0 and total.target_forward_passes == total.generated_tokens

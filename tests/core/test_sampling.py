@@ -1,0 +1,127 @@
+"""The logits -> distribution transform shared by draft and target, and the request's sampling
+parameters."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from specdec.sampling import SamplingParams, choose_token, make_generator, probs_from_logits
+
+LOGITS = torch.tensor([2.0, -1.0, 0.5, 3.0, 0.0, -2.5])  # distinct values: no ties at a cut-off
+
+
+def logits_of(probs: list[float]) -> torch.Tensor:
+    return torch.log(torch.tensor(probs))
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+def test_temperature_scales_logits(temperature):
+    probs = probs_from_logits(LOGITS, SamplingParams(temperature=temperature))
+    torch.testing.assert_close(probs, torch.softmax(LOGITS / temperature, dim=-1))
+    assert probs.dtype == torch.float32
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_top_k_keeps_exactly_k_tokens(k):
+    probs = probs_from_logits(LOGITS, SamplingParams(temperature=1.0, top_k=k))
+    kept = torch.topk(LOGITS, k).indices
+    assert int((probs > 0).sum()) == k
+    assert set(torch.nonzero(probs).flatten().tolist()) == set(kept.tolist())
+    torch.testing.assert_close(probs[kept], torch.softmax(LOGITS[kept], dim=-1))
+
+
+def test_top_k_at_or_above_vocabulary_is_no_filter():
+    for k in (0, len(LOGITS), len(LOGITS) + 3):
+        probs = probs_from_logits(LOGITS, SamplingParams(temperature=1.0, top_k=k))
+        torch.testing.assert_close(probs, torch.softmax(LOGITS, dim=-1))
+
+
+@pytest.mark.parametrize("top_p,expected", [
+    (0.75, [0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]),  # 0.5 < 0.75 <= 0.5 + 0.3: two tokens
+    (0.85, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0]),  # 0.8 < 0.85: the third is needed too
+    (0.4, [1.0, 0.0, 0.0, 0.0]),  # the top token alone already reaches the mass
+    (1.0, [0.5, 0.3, 0.15, 0.05]),
+])
+def test_top_p_keeps_the_smallest_set_reaching_the_mass(top_p, expected):
+    probs = probs_from_logits(logits_of([0.5, 0.3, 0.15, 0.05]), SamplingParams(temperature=1.0, top_p=top_p))
+    torch.testing.assert_close(probs, torch.tensor(expected))
+
+
+def test_top_p_on_shuffled_vocabulary_keeps_the_most_likely_tokens():
+    probs = probs_from_logits(logits_of([0.15, 0.5, 0.05, 0.3]), SamplingParams(temperature=1.0, top_p=0.75))
+    torch.testing.assert_close(probs, torch.tensor([0.0, 0.5 / 0.8, 0.0, 0.3 / 0.8]))
+
+
+def test_top_k_is_applied_before_top_p():
+    """HF's order: top-k renormalises to [4/7, 3/7], then top-p 0.5 keeps only the first token.
+    (Top-p first would keep two tokens.)"""
+    params = SamplingParams(temperature=1.0, top_k=2, top_p=0.5)
+    probs = probs_from_logits(logits_of([0.4, 0.3, 0.2, 0.1]), params)
+    torch.testing.assert_close(probs, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+
+
+def test_filters_apply_per_row_of_a_batch():
+    logits = torch.stack([LOGITS, LOGITS.flip(0), LOGITS * 0.1])  # [3, V]
+    params = SamplingParams(temperature=0.7, top_k=4, top_p=0.9)
+    probs = probs_from_logits(logits, params)
+    assert probs.shape == logits.shape
+    for row in range(3):
+        torch.testing.assert_close(probs[row], probs_from_logits(logits[row], params))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3))
+
+
+def test_greedy_returns_the_plain_softmax():
+    params = SamplingParams(temperature=0.0, top_k=2, top_p=0.5)  # filters are ignored when greedy
+    assert params.greedy
+    logits = LOGITS.to(torch.float16)
+    probs = probs_from_logits(logits, params)
+    assert probs.dtype == torch.float32
+    torch.testing.assert_close(probs, torch.softmax(logits.float(), dim=-1))
+    assert choose_token(probs, params, make_generator(0)) == int(torch.argmax(LOGITS))
+
+
+@pytest.mark.parametrize("fields", [
+    {"temperature": -0.1},
+    {"temperature": math.nan},
+    {"temperature": math.inf},
+    {"top_p": 0.0},
+    {"top_p": 1.01},
+    {"top_p": math.nan},
+    {"top_k": -1},
+    {"typo": 1},
+])
+def test_sampling_params_reject_out_of_range_values(fields):
+    with pytest.raises(ValidationError):
+        SamplingParams(**fields)
+
+
+def test_sampling_params_defaults_are_greedy_and_frozen():
+    params = SamplingParams()
+    assert params.greedy and params.top_k == 0 and params.top_p == 1.0 and params.seed is None
+    assert not SamplingParams(temperature=0.5).greedy
+    with pytest.raises(ValidationError):
+        params.temperature = 1.0
+
+
+def test_make_generator_is_reproducible_when_seeded():
+    first, second = make_generator(123), make_generator(123)
+    assert torch.equal(torch.rand(8, generator=first), torch.rand(8, generator=second))
+    assert not torch.equal(torch.rand(8, generator=make_generator(123)), torch.rand(8, generator=make_generator(124)))
+    unseeded = torch.rand(8, generator=make_generator(None)), torch.rand(8, generator=make_generator(None))
+    assert not torch.equal(*unseeded)
+
+
+def test_choose_token_samples_with_the_generator():
+    probs = probs_from_logits(LOGITS, SamplingParams(temperature=1.0))
+    params = SamplingParams(temperature=1.0)
+    draws = [[choose_token(probs, params, generator) for _ in range(50)]
+             for generator in (make_generator(5), make_generator(5))]
+    assert draws[0] == draws[1]
+    assert len(set(draws[0])) > 1
+    filtered = probs_from_logits(LOGITS, SamplingParams(temperature=1.0, top_k=2))
+    generator = make_generator(6)
+    assert {choose_token(filtered, params, generator) for _ in range(100)} == {0, 3}
