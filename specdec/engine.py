@@ -42,16 +42,17 @@ class GenerationParams(BaseModel):
     policy: PolicyConfig = PolicyConfig()
 
 
+POLICY_FLAGS = {"policy": "name", "k": "k", "threshold": "threshold"}  # flag -> PolicyConfig field
+
+
 def build_params(**flags) -> GenerationParams:
-    """GenerationParams from flat flags (temperature=..., policy=..., k=...), with a one-line error."""
-    sampling_keys = set(SamplingParams.model_fields)
-    sampling = {k: v for k, v in flags.items() if k in sampling_keys and v is not None}
-    policy = {key: flags.pop(flag) for flag, key in (("policy", "name"), ("k", "k"), ("threshold", "threshold"))
-              if flags.get(flag) is not None}
-    rest = {k: v for k, v in flags.items() if k not in sampling_keys and k not in ("policy", "k", "threshold")
-            and v is not None}
+    """GenerationParams from flat flags (temperature=..., policy=..., k=...; None = default),
+    raising InvalidRequestError with a one-line reason."""
+    given = {key: value for key, value in flags.items() if value is not None}
+    sampling = {key: given.pop(key) for key in list(given) if key in SamplingParams.model_fields}
+    policy = {POLICY_FLAGS[key]: given.pop(key) for key in list(given) if key in POLICY_FLAGS}
     try:
-        return GenerationParams(sampling=SamplingParams(**sampling), policy=PolicyConfig(**policy), **rest)
+        return GenerationParams(sampling=SamplingParams(**sampling), policy=PolicyConfig(**policy), **given)
     except ValidationError as exc:
         raise InvalidRequestError(validation_message(exc)) from None
 

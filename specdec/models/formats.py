@@ -18,7 +18,10 @@ from typing import Literal
 
 import torch
 from torch import nn
-from torch.utils.mkldnn import MkldnnLinear
+
+with warnings.catch_warnings():  # MkldnnLinear is a ScriptModule; torch.jit warns it is deprecated
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from torch.utils.mkldnn import MkldnnLinear
 
 WeightFormat = Literal["auto", "fp32", "onednn", "int8"]
 WEIGHT_FORMATS = ("auto", "fp32", "onednn", "int8")
@@ -37,7 +40,9 @@ def apply_weight_format(model: nn.Module, role: str, weight_format: WeightFormat
     if fmt == "fp32" or next(model.parameters()).device.type != "cpu":
         return model
     if fmt == "onednn":
-        return _replace_linears(model, lambda linear: MkldnnLinear(linear, torch.float32))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return _replace_linears(model, lambda linear: MkldnnLinear(linear, torch.float32))
     if fmt == "int8":
         with warnings.catch_warnings():  # torch.ao.quantization announces its move to torchao
             warnings.simplefilter("ignore")

@@ -41,28 +41,27 @@ def make_policy(
     reference: Sequence[int] | None = None,
 ) -> StoppingPolicy:
     """A fresh policy for one sequence (policies such as `heuristic` keep state across rounds)."""
-    name, k, threshold = config.name, config.k, config.threshold
+    validate_policy(config, has_head=head is not None)
+    k, threshold = config.k, config.threshold
     cap = {} if k is None else {"max_candidates": k}
     level = {} if threshold is None else {"threshold": threshold}
-    if name == "fixed":
-        return FixedK(**({} if k is None else {"k": k}))
-    if name == "heuristic":
-        return Heuristic(**({} if k is None else {"k": k}))
-    if name == "svip":
-        return SVIP(**level, **cap)
-    if name == "confidence":
-        return Confidence(**level, **cap)
-    if name == "specdec++":
-        if head is None:
-            raise InvalidRequestError("policy 'specdec++' needs an acceptance head: pass --head PATH")
-        return SpecDecPP(head, **level, **cap)
-    if name == "oracle":
-        if reference is None:
-            raise InvalidRequestError("policy 'oracle' needs the target's greedy continuation")
-        return Oracle(reference, **cap)
-    if name == "target-only":
-        return TargetOnly()
-    raise InvalidRequestError(f"unknown policy '{name}'; choose one of {', '.join(POLICY_NAMES)}")
+    match config.name:
+        case "fixed":
+            return FixedK() if k is None else FixedK(k)
+        case "heuristic":
+            return Heuristic() if k is None else Heuristic(k)
+        case "svip":
+            return SVIP(**level, **cap)
+        case "confidence":
+            return Confidence(**level, **cap)
+        case "specdec++":
+            return SpecDecPP(head, **level, **cap)
+        case "oracle":
+            if reference is None:
+                raise InvalidRequestError("policy 'oracle' needs the target's greedy continuation")
+            return Oracle(reference, **cap)
+        case _:
+            return TargetOnly()
 
 
 def validate_policy(config: PolicyConfig, has_head: bool) -> None:
