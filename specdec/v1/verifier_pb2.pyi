@@ -1,0 +1,38 @@
+# Generated from protos/specdec/v1/verifier.proto by protos/generate.py (grpcio-tools 1.85.1).
+# Do not edit: change the .proto and run `python protos/generate.py`.
+from specdec.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("session_id", "history", "candidates", "draft_probs", "sampling", "seed")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    history: _common_pb2.HistoryDelta
+    candidates: _containers.RepeatedScalarFieldContainer[int]
+    draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
+    sampling: _common_pb2.SamplingParams
+    seed: _common_pb2.RoundSeed
+    def __init__(self, session_id: _Optional[str] = ..., history: _Optional[_Union[_common_pb2.HistoryDelta, _Mapping]] = ..., candidates: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[_Union[_common_pb2.RoundSeed, _Mapping]] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("session_missing", "num_accepted", "next_token", "target_ms")
+    SESSION_MISSING_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MS_FIELD_NUMBER: _ClassVar[int]
+    session_missing: bool
+    num_accepted: int
+    next_token: int
+    target_ms: float
+    def __init__(self, session_missing: _Optional[bool] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., target_ms: _Optional[float] = ...) -> None: ...
