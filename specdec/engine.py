@@ -10,21 +10,21 @@ One round is the paper's MDP step, named as in the loop below:
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specdec.errors import IncompatibleModelsError, InvalidRequestError
 from specdec.head import AcceptanceHead
 from specdec.metrics import RequestStats
-from specdec.models.runtime import DraftRuntime, KVSession, TargetRuntime
-from specdec.policies import Decision, DraftStep, PolicyConfig, StoppingPolicy, make_policy, validate_policy
+from specdec.models.runtime import DraftRuntime, TargetRuntime
+from specdec.policies import PolicyConfig, StoppingPolicy, make_policy, validate_policy
 from specdec.policies.target_only import TargetOnly
-from specdec.sampling import MAX_SAMPLES_PER_REQUEST, SamplingParams, choose_token, make_generator, probs_from_logits
-from specdec.verification import Verdict, verify_greedy, verify_sampled
+from specdec.rounds import SEED_BITS, propose, round_generator, verify
+from specdec.sampling import MAX_SAMPLES_PER_REQUEST, SamplingParams
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"  # OpenAI's finish reasons
 
@@ -157,17 +157,17 @@ class SpecDecEngine:
                      on_update: UpdateCallback | None = None) -> GenerationResult:
         prompt_ids = list(prompt_ids)
         self.validate(prompt_ids, params)
-        generator = make_generator(params.sampling.seed)
+        seed = params.sampling.seed if params.sampling.seed is not None else secrets.randbits(SEED_BITS)
         reference = None
         if params.policy.name == "oracle":  # the hindsight the oracle needs; not timed
-            reference = self._decode(prompt_ids, TargetOnly(), params, generator, RequestStats()).generated
+            reference = self._decode(prompt_ids, TargetOnly(), params, seed, 0, RequestStats()).generated
         stats = RequestStats()
         completions = []
         start = time.perf_counter()
         for index in range(params.n):
             policy = make_policy(params.policy, head=self.head, reference=reference)
             notify = (lambda ids, text, i=index: on_update(i, ids, text)) if on_update else None
-            seq = self._decode(prompt_ids, policy, params, generator, stats, notify)
+            seq = self._decode(prompt_ids, policy, params, seed, index, stats, notify)
             completions.append(Completion(seq.text, seq.generated, seq.finish_reason or FINISH_LENGTH))
         stats.wall_time_s = time.perf_counter() - start
         return GenerationResult(completions, stats, prompt_tokens=len(prompt_ids))
@@ -175,20 +175,29 @@ class SpecDecEngine:
     # ----------------------------------------------------------------------------------------
     # The loop
 
-    def _decode(self, prompt_ids: list[int], policy: StoppingPolicy, params: GenerationParams,
-                generator: torch.Generator, stats: RequestStats,
+    def _decode(self, prompt_ids: list[int], policy: StoppingPolicy, params: GenerationParams, seed: int,
+                sample_index: int, stats: RequestStats,
                 notify: Callable[[list[int], str], None] | None = None) -> _Sequence:
         seq = _Sequence(prompt_ids)
         draft_session, target_session = self.draft.new_session(), self.target.new_session()
+        round_index = 0
         while seq.finish_reason is None:
-            budget = self._candidate_budget(seq, params)
-            candidates, draft_probs = self._propose(draft_session, seq, policy, budget, params, generator, stats)
-            verdict = self._verify(target_session, seq, candidates, draft_probs, params, generator, stats)
-            self.target.rollback(target_session, len(seq.history) + verdict.num_accepted)
-            policy.end_round(len(candidates), verdict.num_accepted)
-            stats.record_round(len(candidates), verdict.num_accepted)
-            new_ids, new_text = self._commit(seq, verdict.committed(candidates), params)
+            history = seq.history
+            start = time.perf_counter()
+            proposal = propose(self.draft, draft_session, history, policy, self._candidate_budget(seq, params),
+                               len(seq.generated), params.sampling,
+                               round_generator(seed, sample_index, round_index, "draft"))
+            verify_start = time.perf_counter()
+            verdict = verify(self.target, target_session, history, proposal.candidates, proposal.draft_probs,
+                             params.sampling, round_generator(seed, sample_index, round_index, "target"))
+            stats.draft_time_s += verify_start - start
+            stats.target_time_s += time.perf_counter() - verify_start
+            stats.draft_forward_passes += proposal.forward_passes
+            policy.end_round(len(proposal.candidates), verdict.num_accepted)
+            stats.record_round(len(proposal.candidates), verdict.num_accepted)
+            new_ids, new_text = self._commit(seq, verdict.committed(proposal.candidates), params)
             stats.generated_tokens += len(new_ids)
+            round_index += 1
             if notify and (new_ids or new_text):
                 notify(new_ids, new_text)
         return seq
@@ -198,48 +207,6 @@ class SpecDecEngine:
         token budget or the context."""
         left = min(params.max_new_tokens - len(seq.generated), self.max_context - len(seq.history))
         return max(left - 1, 0)
-
-    def _propose(self, session: KVSession, seq: _Sequence, policy: StoppingPolicy, budget: int,
-                 params: GenerationParams, generator: torch.Generator,
-                 stats: RequestStats) -> tuple[list[int], list[torch.Tensor]]:
-        limit = min(policy.round_limit(), budget)
-        if not policy.uses_draft or limit == 0:
-            return [], []
-        start = time.perf_counter()
-        policy.start_round()
-        candidates, draft_probs = [], []
-        out, prev_hidden = self.draft.start(session, seq.history), None
-        stats.draft_forward_passes += 1
-        while True:
-            q = probs_from_logits(out.logits, params.sampling)  # [V]
-            y = choose_token(q, params.sampling, generator)
-            decision = policy.decide(DraftStep(len(candidates) + 1, y, q, prev_hidden, len(seq.generated)))
-            if decision is Decision.DROP_LAST:
-                break
-            candidates.append(y)
-            draft_probs.append(q)
-            if decision is Decision.STOP or len(candidates) >= limit:
-                break
-            out = self.draft.step(session, y)
-            prev_hidden = out.hidden  # e_i, read by the policy at step i + 1
-            stats.draft_forward_passes += 1
-        stats.draft_time_s += time.perf_counter() - start
-        return candidates, draft_probs
-
-    def _verify(self, session: KVSession, seq: _Sequence, candidates: list[int],
-                draft_probs: list[torch.Tensor], params: GenerationParams, generator: torch.Generator,
-                stats: RequestStats) -> Verdict:
-        start = time.perf_counter()
-        target_logits = self.target.score(session, seq.history, candidates)  # [K+1, V]
-        ids = torch.tensor(candidates, dtype=torch.long)
-        if params.sampling.greedy:
-            verdict = verify_greedy(ids, target_logits)
-        else:
-            target_probs = probs_from_logits(target_logits, params.sampling)
-            q = torch.stack(draft_probs) if draft_probs else target_probs[:0]
-            verdict = verify_sampled(ids, q, target_probs, generator)
-        stats.target_time_s += time.perf_counter() - start
-        return verdict
 
     def _commit(self, seq: _Sequence, tokens: list[int], params: GenerationParams) -> tuple[list[int], str]:
         """Append the round's tokens up to the first stop condition; returns what is new for the

@@ -41,16 +41,6 @@ class SamplingParams(BaseModel):
         return self.temperature == 0.0
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A per-request generator: seeded requests are reproducible, unseeded ones draw a fresh seed."""
-    generator = torch.Generator()
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
-
-
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [..., V] -> fp32 probabilities [..., V] after temperature, top-k and top-p.
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from specdec.sampling import SamplingParams, choose_token, make_generator, probs_from_logits
+from specdec.sampling import SamplingParams, choose_token, probs_from_logits
 
 LOGITS = torch.tensor([2.0, -1.0, 0.5, 3.0, 0.0, -2.5])  # distinct values: no ties at a cut-off
 
@@ -81,7 +81,7 @@ def test_greedy_returns_the_plain_softmax():
     probs = probs_from_logits(logits, params)
     assert probs.dtype == torch.float32
     torch.testing.assert_close(probs, torch.softmax(logits.float(), dim=-1))
-    assert choose_token(probs, params, make_generator(0)) == int(torch.argmax(LOGITS))
+    assert choose_token(probs, params, torch.Generator().manual_seed(0)) == int(torch.argmax(LOGITS))
 
 
 @pytest.mark.parametrize("fields", [
@@ -107,21 +107,13 @@ def test_sampling_params_defaults_are_greedy_and_frozen():
         params.temperature = 1.0
 
 
-def test_make_generator_is_reproducible_when_seeded():
-    first, second = make_generator(123), make_generator(123)
-    assert torch.equal(torch.rand(8, generator=first), torch.rand(8, generator=second))
-    assert not torch.equal(torch.rand(8, generator=make_generator(123)), torch.rand(8, generator=make_generator(124)))
-    unseeded = torch.rand(8, generator=make_generator(None)), torch.rand(8, generator=make_generator(None))
-    assert not torch.equal(*unseeded)
-
-
 def test_choose_token_samples_with_the_generator():
     probs = probs_from_logits(LOGITS, SamplingParams(temperature=1.0))
     params = SamplingParams(temperature=1.0)
     draws = [[choose_token(probs, params, generator) for _ in range(50)]
-             for generator in (make_generator(5), make_generator(5))]
+             for generator in (torch.Generator().manual_seed(5), torch.Generator().manual_seed(5))]
     assert draws[0] == draws[1]
     assert len(set(draws[0])) > 1
     filtered = probs_from_logits(LOGITS, SamplingParams(temperature=1.0, top_k=2))
-    generator = make_generator(6)
+    generator = torch.Generator().manual_seed(6)
     assert {choose_token(filtered, params, generator) for _ in range(100)} == {0, 3}
