@@ -18,7 +18,6 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 import specdec.engine
 from specdec.engine import GenerationParams, SpecDecEngine
@@ -27,12 +26,11 @@ from specdec.metrics import RequestStats
 from specdec.models.runtime import DraftRuntime, TargetRuntime
 from specdec.policies import POLICY_NAMES, Decision, PolicyConfig
 from specdec.sampling import MAX_SAMPLES_PER_REQUEST, SamplingParams, probs_from_logits
+from stats import chi2_pvalue
 from tiny import tiny_model
 
 # A p-value below this at the fixed seeds means the engine's outputs do not follow the target.
 SIGNIFICANCE = 1e-3
-# Chi-squared needs expected counts of about 5 per category; rarer outcomes are pooled.
-MIN_EXPECTED = 5.0
 
 SAMPLED_VOCAB = 5
 SAMPLED_PROMPT = [1, 3]
@@ -102,28 +100,6 @@ def target_joint(model, prompt: list[int], sampling: SamplingParams, length: int
         return probs
     return np.stack([probs[t] * target_joint(model, prompt + [t], sampling, length - 1)
                      for t in range(len(probs))])
-
-
-def chi2_pvalue(observed: np.ndarray, probs: np.ndarray) -> float:
-    """Chi-squared goodness of fit of counts against probabilities (same shape, any rank).
-
-    Outcomes the target cannot produce must never occur; outcomes with tiny expected counts are
-    pooled (rarest first) until the pool reaches MIN_EXPECTED.
-    """
-    observed, probs = observed.ravel().astype(float), probs.ravel() / probs.sum()
-    impossible = probs <= 0
-    assert observed[impossible].sum() == 0, "the engine produced a sequence the target gives probability 0"
-    observed, expected = observed[~impossible], probs[~impossible] * observed.sum()
-    order = np.argsort(expected)
-    observed, expected = observed[order], expected[order]
-    pooled = 0
-    while pooled < len(expected) - 1 and expected[:pooled].sum() < MIN_EXPECTED:
-        pooled += 1
-    if pooled > 1:
-        observed = np.concatenate([[observed[:pooled].sum()], observed[pooled:]])
-        expected = np.concatenate([[expected[:pooled].sum()], expected[pooled:]])
-    assert len(expected) >= 2, "too few categories for a test"
-    return float(chisquare(observed, expected).pvalue)
 
 
 def prefix_counts(completions: list[list[int]], length: int, vocab: int) -> np.ndarray:

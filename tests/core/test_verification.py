@@ -8,12 +8,12 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from scipy.stats import binomtest, chisquare
+from scipy.stats import binomtest
 
 from specdec.verification import Verdict, residual_distribution, verify_greedy, verify_sampled
+from stats import chi2_pvalue
 
 SIGNIFICANCE = 1e-3  # a p-value below this at the fixed seed fails the test
-MIN_EXPECTED = 5.0  # chi-squared needs about 5 expected counts per category; rarer ones are pooled
 TRIALS = 20_000
 
 
@@ -80,23 +80,6 @@ def random_rows(rows: int, vocab: int, generator: torch.Generator, zero: int | N
     if zero is not None:
         probs[0, zero] = 0.0
     return (probs / probs.sum(-1, keepdim=True)).float()
-
-
-def chi2_pvalue(observed: np.ndarray, probs: np.ndarray) -> float:
-    """Chi-squared goodness of fit; impossible outcomes must not occur, rare ones are pooled."""
-    observed, probs = observed.ravel().astype(float), probs.ravel() / probs.sum()
-    impossible = probs <= 0
-    assert observed[impossible].sum() == 0, "an outcome of probability 0 occurred"
-    observed, expected = observed[~impossible], probs[~impossible] * observed.sum()
-    order = np.argsort(expected)
-    observed, expected = observed[order], expected[order]
-    pooled = 0
-    while pooled < len(expected) - 1 and expected[:pooled].sum() < MIN_EXPECTED:
-        pooled += 1
-    if pooled > 1:
-        observed = np.concatenate([[observed[:pooled].sum()], observed[pooled:]])
-        expected = np.concatenate([[expected[:pooled].sum()], expected[pooled:]])
-    return float(chisquare(observed, expected).pvalue)
 
 
 def run_rounds(p: torch.Tensor, q: torch.Tensor, trials: int, seed: int) -> list[tuple[int, list[int]]]:
