@@ -1,7 +1,7 @@
 """Metrics of an acceptance head on held-out positions, each epoch (issue 4).
 
-Inputs are the head's logits l_i and the soft labels P_i over draft positions (apply the mixing
-mask first, or pass it). All metrics are computed in fp64 on the CPU.
+Inputs are the head's logits l_i (or predictions) and the soft labels P_i, in that order, over
+draft positions (apply the mixing mask first, or pass it). All metrics are computed in fp64 on the CPU.
 
 - binary KL(P_i || Phat_i), mean: what the loss minimises up to the weights; 0 only when the
   predictions equal the labels.
@@ -33,8 +33,8 @@ DEFAULT_POSITION_BUCKETS = 21
 
 
 def binary_kl(
-    soft_labels: torch.Tensor,  # [N] P_i in [0, 1]
     logits: torch.Tensor,  # [N] l_i, Phat_i = sigmoid(l_i)
+    soft_labels: torch.Tensor,  # [N] P_i in [0, 1]
 ) -> torch.Tensor:
     """KL(Bernoulli(P_i) || Bernoulli(Phat_i)) per example -> [N] fp64, >= 0.
 
@@ -184,7 +184,7 @@ def _summary(logits: torch.Tensor, predictions: torch.Tensor, labels: torch.Tens
     n = logits.numel()
     if n == 0:
         return 0, math.nan, math.nan, math.nan, math.nan
-    return (n, float(labels.mean()), float(predictions.mean()), float(binary_kl(labels, logits).mean()),
+    return (n, float(labels.mean()), float(predictions.mean()), float(binary_kl(logits, labels).mean()),
             soft_label_auroc(logits, labels))
 
 
