@@ -1,0 +1,32 @@
+"""Serving the round services on a plain gRPC server (tests and benchmarks; Ray Serve hosts them
+in deployment)."""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import grpc
+
+from specdec.v1 import draft_pb2_grpc, verifier_pb2_grpc
+from services.draft_servicer import DraftServicer
+from services.verifier_servicer import VerifierServicer
+
+# Blocking torch work runs on these threads, never on an event loop. Sessions are independent, so
+# a few threads let several sessions' rounds overlap.
+DEFAULT_WORKERS = 4
+
+
+def start_server(draft: DraftServicer | None = None, verifier: VerifierServicer | None = None,
+                 address: str = "127.0.0.1:0", max_workers: int = DEFAULT_WORKERS) -> tuple[grpc.Server, str]:
+    """Start a server hosting the given servicers; returns it and its "host:port" (port 0 in
+    `address` picks a free one)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+    if draft is not None:
+        draft_pb2_grpc.add_DraftServicer_to_server(draft, server)
+    if verifier is not None:
+        verifier_pb2_grpc.add_VerifierServicer_to_server(verifier, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"cannot bind a gRPC server to {address}")
+    server.start()
+    return server, f"{address.rsplit(':', 1)[0]}:{port}"
