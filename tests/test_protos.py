@@ -71,19 +71,26 @@ STOP = ("\n\n", "```")
 
 
 def full_request(**prompt) -> generation_pb2.GenerateRequest:
-    """A GenerateRequest with every field set (prompt: text=... or token_ids=...)."""
+    """A GenerateRequest with every field set (prompt: text=..., token_ids=... or messages=...)."""
     return generation_pb2.GenerateRequest(
         **prompt, chat_template=False, policy="fixed", k=5, threshold=0.3, temperature=0.7, top_p=0.9,
         top_k=40, seed=0, max_new_tokens=64, n=2, stop=STOP, request_id="req-1")
 
 
-@pytest.mark.parametrize("prompt", [{"text": "def add(a, b):"},
-                                    {"token_ids": generation_pb2.TokenIds(ids=[151643, 0, 42])}])
+PROMPT_FIELDS = {"text", "token_ids", "messages"}
+
+
+@pytest.mark.parametrize("prompt", [
+    {"text": "def add(a, b):"},
+    {"token_ids": generation_pb2.TokenIds(ids=[151643, 0, 42])},
+    {"messages": generation_pb2.ChatMessages(messages=[
+        generation_pb2.ChatMessage(role="system", content="Be brief."),
+        generation_pb2.ChatMessage(role="user", content="def add(a, b):")])}])
 def test_generate_request_round_trip_with_every_field(prompt):
     request = full_request(**prompt)
     parsed = generation_pb2.GenerateRequest.FromString(request.SerializeToString())
     assert parsed == request
-    other_prompt = {"text", "token_ids"} - set(prompt)
+    other_prompt = PROMPT_FIELDS - set(prompt)
     every_field = {f.name for f in generation_pb2.GenerateRequest.DESCRIPTOR.fields} - other_prompt
     assert {f.name for f, _ in parsed.ListFields()} == every_field
     assert parsed.WhichOneof("prompt") == next(iter(prompt))
@@ -104,7 +111,7 @@ def request_flags(request: generation_pb2.GenerateRequest) -> dict:
     servicer needs is mechanical because the field names are the command line's."""
     flags = {}
     for field in generation_pb2.GenerateRequest.DESCRIPTOR.fields:
-        if field.name in ("text", "token_ids", "request_id"):
+        if field.name in PROMPT_FIELDS | {"request_id"}:
             continue
         value = getattr(request, field.name)
         if field.has_presence:
