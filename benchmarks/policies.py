@@ -19,7 +19,7 @@ import time
 import torch
 
 from specdec.builder import EngineConfig, build_engine
-from specdec.engine import build_params
+from specdec.params import build_params
 from specdec.metrics import RequestStats
 from specdec.prompts import humaneval_prompts
 

@@ -21,7 +21,7 @@ from services.draft_servicer import DraftServicer
 from services.local_coordinator import LocalCoordinator, RoundRecord
 from services.server import start_server
 from services.verifier_servicer import VerifierServicer
-from specdec.engine import build_params
+from specdec.params import build_params
 from specdec.models.runtime import DraftRuntime, TargetRuntime
 from specdec.v1 import draft_pb2_grpc, verifier_pb2_grpc
 

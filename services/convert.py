@@ -19,7 +19,7 @@ import grpc
 import torch
 from pydantic import ValidationError
 
-from specdec.engine import validation_message
+from specdec.params import validation_message
 from specdec.errors import InvalidRequestError
 from specdec.policies import PolicyConfig
 from specdec.rounds import round_generator

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specdec.engine import FINISH_LENGTH, FINISH_STOP, GenerationParams
+from specdec.params import FINISH_LENGTH, FINISH_STOP, GenerationParams
 from specdec.rounds import SEED_BITS
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from services.convert import delta_for, policy_to_proto, sampling_to_proto

@@ -42,7 +42,7 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def generation_params(args: argparse.Namespace):
-    from specdec.engine import build_params
+    from specdec.params import build_params
 
     return build_params(
         policy=args.policy, k=args.k, threshold=args.threshold, temperature=args.temperature,

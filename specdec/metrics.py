@@ -26,6 +26,10 @@ class RequestStats:
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
     wall_time_s: float = 0.0
+    # Served only (0 in process): round-trip time of the round calls minus the replicas' compute,
+    # and the serialized bytes of every round request and reply.
+    transport_time_s: float = 0.0
+    transport_bytes: int = 0
 
     def record_round(self, num_candidates: int, num_accepted: int) -> None:
         self.rounds += 1
@@ -40,7 +44,7 @@ class RequestStats:
     def merge(self, other: RequestStats) -> None:
         for name in ("generated_tokens", "draft_forward_passes", "target_forward_passes", "rounds",
                      "draft_tokens", "accepted_tokens", "discarded_tokens",
-                     "draft_time_s", "target_time_s", "wall_time_s"):
+                     "draft_time_s", "target_time_s", "wall_time_s", "transport_time_s", "transport_bytes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_per_position, other.drafted_per_position),
                              (self.accepted_per_position, other.accepted_per_position)):
@@ -95,6 +99,8 @@ class RequestStats:
             "target_time_s": self.target_time_s,
             "wall_time_s": self.wall_time_s,
             "tokens_per_s": self.tokens_per_s,
+            "transport_time_s": self.transport_time_s,
+            "transport_bytes": self.transport_bytes,
         }
 
     def summary(self) -> str:

@@ -3,7 +3,7 @@ run with `python -m pytest -m slow --run-slow`."""
 
 import pytest
 
-from specdec.engine import build_params
+from specdec.params import build_params
 from specdec.prompts import humaneval_prompts
 
 pytestmark = pytest.mark.slow

@@ -2,7 +2,7 @@
 
 import pytest
 
-from specdec.engine import FINISH_LENGTH, FINISH_STOP, build_params
+from specdec.params import FINISH_LENGTH, FINISH_STOP, build_params
 from specdec.errors import InvalidRequestError
 
 
@@ -17,12 +17,12 @@ def test_max_new_tokens_and_finish_reason(tiny_engine):
 def test_eos_ends_generation(tiny_engine):
     baseline = tiny_engine.generate("hi", build_params(policy="target-only", max_new_tokens=12))
     eos = baseline.completions[0].token_ids[4]
-    engine_eos = tiny_engine.eos_token_ids
-    tiny_engine.eos_token_ids = frozenset({eos})
+    engine_eos = tiny_engine.rules.eos_token_ids
+    tiny_engine.rules.eos_token_ids = frozenset({eos})
     try:
         result = tiny_engine.generate("hi", build_params(policy="fixed", k=3, max_new_tokens=12))
     finally:
-        tiny_engine.eos_token_ids = engine_eos
+        tiny_engine.rules.eos_token_ids = engine_eos
     ids = result.completions[0].token_ids
     assert ids == baseline.completions[0].token_ids[: ids.index(eos) + 1]
     assert result.completions[0].finish_reason == FINISH_STOP

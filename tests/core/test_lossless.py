@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import specdec.engine
-from specdec.engine import GenerationParams, SpecDecEngine
+from specdec.engine import SpecDecEngine
+from specdec.params import GenerationParams
 from specdec.head import AcceptanceHead, HeadConfig
 from specdec.metrics import RequestStats
 from specdec.models.runtime import DraftRuntime, TargetRuntime

@@ -2,7 +2,8 @@
 
 import torch
 
-from specdec.engine import SpecDecEngine, build_params
+from specdec.engine import SpecDecEngine
+from specdec.params import build_params
 from specdec.models.runtime import DraftRuntime, TargetRuntime
 from specdec.policies import PolicyConfig, make_policy
 from specdec.rounds import propose, round_generator, verify

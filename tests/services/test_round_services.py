@@ -12,7 +12,8 @@ from services.local_coordinator import LocalCoordinator
 from services.server import start_server
 from services.sessions import SessionStore
 from services.verifier_servicer import VerifierServicer
-from specdec.engine import SpecDecEngine, build_params
+from specdec.engine import SpecDecEngine
+from specdec.params import build_params
 from specdec.errors import InvalidRequestError
 from specdec.sampling import SamplingParams
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc

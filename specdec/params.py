@@ -1,0 +1,46 @@
+"""A request's parameters (everything but the prompt), from flags or the wire, with one-line errors."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from specdec.errors import InvalidRequestError
+from specdec.policies import PolicyConfig
+from specdec.sampling import MAX_SAMPLES_PER_REQUEST, SamplingParams
+
+FINISH_STOP, FINISH_LENGTH = "stop", "length"  # OpenAI's finish reasons
+
+
+class GenerationParams(BaseModel):
+    """Everything about a request but the prompt."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_new_tokens: int = Field(128, ge=1)
+    n: int = Field(1, ge=1, le=MAX_SAMPLES_PER_REQUEST)
+    stop: tuple[str, ...] = ()
+    chat_template: bool = True
+    sampling: SamplingParams = SamplingParams()
+    policy: PolicyConfig = PolicyConfig()
+
+
+POLICY_FLAGS = {"policy": "name", "k": "k", "threshold": "threshold"}  # flag -> PolicyConfig field
+
+
+def build_params(**flags) -> GenerationParams:
+    """GenerationParams from flat flags (temperature=..., policy=..., k=...; None = default),
+    raising InvalidRequestError with a one-line reason."""
+    given = {key: value for key, value in flags.items() if value is not None}
+    sampling = {key: given.pop(key) for key in list(given) if key in SamplingParams.model_fields}
+    policy = {POLICY_FLAGS[key]: given.pop(key) for key in list(given) if key in POLICY_FLAGS}
+    try:
+        return GenerationParams(sampling=SamplingParams(**sampling), policy=PolicyConfig(**policy), **given)
+    except ValidationError as exc:
+        raise InvalidRequestError(validation_message(exc)) from None
+
+
+def validation_message(exc: ValidationError) -> str:
+    """The first pydantic error as one line: `max_new_tokens: Input should be greater than or equal to 1`."""
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"] if part not in ("sampling", "policy"))
+    return f"{where.replace('_', '-') or 'request'}: {error['msg']}"

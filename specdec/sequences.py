@@ -1,0 +1,147 @@
+"""What a request does around the rounds, shared by the in-process engine and the served
+coordinator: encode the prompt, validate the request, bound each round's candidates, and commit a
+round's tokens (EOS, token budget, context, stop strings, streamable text).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specdec.errors import InvalidRequestError
+from specdec.params import FINISH_LENGTH, FINISH_STOP, GenerationParams
+from specdec.policies import validate_policy
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class SampleState:
+    """One sample being generated."""
+
+    prompt: list[int]
+    generated: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted_chars: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def history(self) -> list[int]:
+        return self.prompt + self.generated
+
+
+class RequestRules:
+    """The rules of a request for one model pair: its tokenizer (may be None: token ids only), EOS
+    ids, shared context length and vocabulary, and whether a head is loaded."""
+
+    def __init__(self, tokenizer, eos_token_ids: Sequence[int], max_context: int, vocab_size: int,
+                 has_head: bool):
+        self.tokenizer, self.eos_token_ids = tokenizer, frozenset(eos_token_ids)
+        self.max_context, self.vocab_size, self.has_head = max_context, vocab_size, has_head
+
+    # ----------------------------------------------------------------------------------------
+    # Prompts
+
+    def encode_prompt(self, prompt: str, chat_template: bool = True) -> list[int]:
+        if not prompt or not prompt.strip():
+            raise InvalidRequestError("prompt is empty")
+        if chat_template:
+            return self.encode_messages([{"role": "user", "content": prompt}], raw_fallback=True)
+        return list(self._tokenizer().encode(prompt, add_special_tokens=False))
+
+    def encode_messages(self, messages: Sequence[dict], raw_fallback: bool = False) -> list[int]:
+        """A conversation through the chat template, generation prompt appended. Without a template:
+        the contents joined by newlines when `raw_fallback`, else an error."""
+        tokenizer = self._tokenizer()
+        if not messages:
+            raise InvalidRequestError("messages is empty")
+        for message in messages:
+            if message.get("role") not in CHAT_ROLES:
+                raise InvalidRequestError(f"message role must be one of {', '.join(CHAT_ROLES)}, got {message.get('role')!r}")
+        if not any(str(m.get("content", "")).strip() for m in messages):
+            raise InvalidRequestError("prompt is empty")
+        if not tokenizer.chat_template:
+            if not raw_fallback:
+                raise InvalidRequestError("this model's tokenizer has no chat template: send a prompt")
+            return list(tokenizer.encode("\n".join(m["content"] for m in messages), add_special_tokens=False))
+        ids = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+                                            add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids)
+
+    def _tokenizer(self):
+        if self.tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer: pass token ids")
+        return self.tokenizer
+
+    def validate(self, prompt_ids: Sequence[int], params: GenerationParams) -> None:
+        """Reject a request before any model work."""
+        validate_policy(params.policy, has_head=self.has_head)
+        if params.policy.name == "oracle" and not params.sampling.greedy:
+            raise InvalidRequestError("policy 'oracle' is defined for greedy decoding (temperature 0) only")
+        if not prompt_ids:
+            raise InvalidRequestError("prompt is empty")
+        if len(prompt_ids) >= self.max_context:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt_ids)} tokens; the models' context holds {self.max_context}")
+        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+
+    # ----------------------------------------------------------------------------------------
+    # Rounds
+
+    def candidate_budget(self, seq: SampleState, params: GenerationParams) -> int:
+        """Most candidates worth drafting: a round commits K + 1 tokens, so never draft past the
+        token budget or the context."""
+        left = min(params.max_new_tokens - len(seq.generated), self.max_context - len(seq.history))
+        return max(left - 1, 0)
+
+    def commit(self, seq: SampleState, tokens: list[int], params: GenerationParams) -> tuple[list[int], str]:
+        """Append the round's tokens up to the first stop condition; returns what is new for the
+        caller (ids, and text that can no longer change)."""
+        new_ids = []
+        for token in tokens:
+            seq.generated.append(token)
+            new_ids.append(token)
+            if token in self.eos_token_ids:
+                seq.finish_reason = FINISH_STOP
+                break
+            if len(seq.generated) >= params.max_new_tokens or len(seq.history) >= self.max_context:
+                seq.finish_reason = FINISH_LENGTH
+                break
+        if self.tokenizer is None:
+            return new_ids, ""
+        seq.text = self.tokenizer.decode(seq.generated, skip_special_tokens=True)
+        if params.stop and self._truncate_at_stop_string(seq, new_ids, params.stop):
+            seq.finish_reason = FINISH_STOP
+        return new_ids, self._releasable_text(seq, params.stop)
+
+    def _truncate_at_stop_string(self, seq: SampleState, new_ids: list[int], stops: Sequence[str]) -> bool:
+        """Cut the text before the first stop string, and the ids after the token completing it."""
+        search_from = max(seq.emitted_chars - max(len(s) for s in stops), 0)
+        hits = [i for i in (seq.text.find(s, search_from) for s in stops) if i >= 0]
+        if not hits:
+            return False
+        first_new = len(seq.generated) - len(new_ids)
+        for keep in range(first_new + 1, len(seq.generated) + 1):
+            text = self.tokenizer.decode(seq.generated[:keep], skip_special_tokens=True)
+            if any(s in text[search_from:] for s in stops):
+                del new_ids[keep - first_new:]
+                del seq.generated[keep:]
+                break
+        seq.text = seq.text[:min(hits)]
+        return True
+
+    @staticmethod
+    def _releasable_text(seq: SampleState, stops: Sequence[str]) -> str:
+        """Text safe to stream: not a dangling partial UTF-8 character, and not a possible prefix
+        of a stop string still being completed."""
+        end = len(seq.text)
+        if seq.finish_reason is None:
+            end -= max((len(s) - 1 for s in stops), default=0)
+            while end > seq.emitted_chars and seq.text[end - 1] == "\ufffd":
+                end -= 1
+        if end <= seq.emitted_chars:
+            return ""
+        new_text = seq.text[seq.emitted_chars:end]
+        seq.emitted_chars = end
+        return new_text
