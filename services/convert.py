@@ -17,14 +17,17 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 import torch
+from google.protobuf import json_format
 from pydantic import ValidationError
 
-from specdec.params import validation_message
 from specdec.errors import InvalidRequestError
+from specdec.metrics import RequestStats
+from specdec.params import GenerationParams, build_params, validation_message
 from specdec.policies import PolicyConfig
 from specdec.rounds import round_generator
 from specdec.sampling import SamplingParams, probs_from_logits
-from specdec.v1 import common_pb2, draft_pb2
+from specdec.sequences import RequestRules
+from specdec.v1 import common_pb2, draft_pb2, generation_pb2
 
 # Draft probabilities at or below this are dropped by `sparsify_logits` (0 = keep all: exact).
 # 1e-6 keeps the argmax of any vocabulary under 10^6 tokens (max q >= 1/V) and, on Qwen-sized
@@ -43,6 +46,10 @@ def invalid_argument(context: grpc.ServicerContext) -> Iterator[None]:
         yield
     except InvalidRequestError as exc:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, one_line(str(exc)))
+
+
+class Overloaded(Exception):
+    """The server cannot take more work now (Serve's backpressure): HTTP 503, gRPC RESOURCE_EXHAUSTED."""
 
 
 def one_line(message: str) -> str:
@@ -155,3 +162,41 @@ def sparsify_logits(logits: torch.Tensor, sampling: SamplingParams, min_prob: fl
     drop = q <= min_prob
     drop[torch.argmax(q)] = False
     return logits.masked_fill(drop, -math.inf)
+
+
+# ------------------------------------------------------------------------------------------------
+# The public request and response
+
+def params_from_request(request: generation_pb2.GenerateRequest, default_policy: PolicyConfig) -> GenerationParams:
+    """The request's parameters; an unset policy, k or threshold falls back to the server's default
+    policy (k and threshold only when the request names no other policy). Raises
+    InvalidRequestError with a one-line reason."""
+    def given(name: str):
+        return getattr(request, name) if request.HasField(name) else None
+
+    policy = given("policy") or default_policy.name
+    same_policy = policy == default_policy.name
+    return build_params(
+        policy=policy,
+        k=given("k") if request.HasField("k") else (default_policy.k if same_policy else None),
+        threshold=given("threshold") if request.HasField("threshold") else (
+            default_policy.threshold if same_policy else None),
+        temperature=request.temperature, top_p=given("top_p"), top_k=request.top_k, seed=given("seed"),
+        max_new_tokens=given("max_new_tokens"), n=given("n"), stop=tuple(request.stop) or None,
+        chat_template=given("chat_template"))
+
+
+def prompt_ids_from_request(request: generation_pb2.GenerateRequest, rules: RequestRules,
+                            params: GenerationParams) -> list[int]:
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        return rules.encode_prompt(request.text, params.chat_template)
+    if kind == "token_ids":
+        return list(request.token_ids.ids)
+    if kind == "messages":
+        return rules.encode_messages([{"role": m.role, "content": m.content} for m in request.messages.messages])
+    raise InvalidRequestError("prompt is empty: send text, token_ids or messages")
+
+
+def stats_to_proto(stats: RequestStats) -> generation_pb2.Stats:
+    return json_format.ParseDict(stats.to_dict(), generation_pb2.Stats())

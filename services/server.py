@@ -17,10 +17,11 @@ DEFAULT_WORKERS = 4
 
 
 def start_server(draft: DraftServicer | None = None, verifier: VerifierServicer | None = None,
-                 address: str = "127.0.0.1:0", max_workers: int = DEFAULT_WORKERS) -> tuple[grpc.Server, str]:
+                 address: str = "127.0.0.1:0", max_workers: int = DEFAULT_WORKERS,
+                 executor: futures.ThreadPoolExecutor | None = None) -> tuple[grpc.Server, str]:
     """Start a server hosting the given servicers; returns it and its "host:port" (port 0 in
-    `address` picks a free one)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+    `address` picks a free one). `executor` replaces the server's own thread pool."""
+    server = grpc.server(executor or futures.ThreadPoolExecutor(max_workers=max_workers))
     if draft is not None:
         draft_pb2_grpc.add_DraftServicer_to_server(draft, server)
     if verifier is not None:

@@ -9,15 +9,16 @@ from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.utils import logging as hf_logging
 
 from specdec.engine import SpecDecEngine
 from specdec.errors import IncompatibleModelsError, ModelSourceError
-from specdec.head import load_head
+from specdec.head import AcceptanceHead, load_head
 from specdec.models.formats import WeightFormat, apply_weight_format
 from specdec.models.runtime import DraftRuntime, TargetRuntime
 from specdec.models.sources import model_identity, resolve_model
+from specdec.sequences import RequestRules
 
 Role = Literal["draft", "target"]
 
@@ -39,18 +40,52 @@ class EngineConfig(BaseModel):
 def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -> SpecDecEngine:
     if config.threads:
         torch.set_num_threads(config.threads)
-    draft_dir = resolve_model(config.draft, role="draft", cache=config.cache_dir, progress=progress)
-    target_dir = resolve_model(config.target, role="target", cache=config.cache_dir, progress=progress)
-    draft = DraftRuntime(load_model(draft_dir, "draft", config.draft_format, progress),
-                         identity=model_identity(draft_dir), name=config.draft)
-    target = TargetRuntime(load_model(target_dir, "target", config.target_format, progress),
-                           identity=model_identity(target_dir), name=config.target)
+    draft, draft_dir = build_draft(config, progress)
+    target, target_dir = build_target(config, progress)
     tokenizer = load_tokenizer(target_dir)
     check_same_tokenizer(draft_dir, tokenizer)
-    head = None
-    if config.head:
-        head = load_head(config.head, draft_identity=draft.identity, hidden_size=draft.hidden_size)
+    head = build_head(config, draft)
     return SpecDecEngine(draft, target, tokenizer, head, eos_token_ids=eos_token_ids(target.model, tokenizer))
+
+
+def build_draft(config: EngineConfig, progress: bool = True) -> tuple[DraftRuntime, Path]:
+    draft_dir = resolve_model(config.draft, role="draft", cache=config.cache_dir, progress=progress)
+    draft = DraftRuntime(load_model(draft_dir, "draft", config.draft_format, progress),
+                         identity=model_identity(draft_dir), name=config.draft)
+    return draft, draft_dir
+
+
+def build_target(config: EngineConfig, progress: bool = True, load=None) -> tuple[TargetRuntime, Path]:
+    """`load(model_dir) -> model` replaces the default one-device load (the sharded verifier)."""
+    target_dir = resolve_model(config.target, role="target", cache=config.cache_dir, progress=progress)
+    model = load(target_dir) if load else load_model(target_dir, "target", config.target_format, progress)
+    return TargetRuntime(model, identity=model_identity(target_dir), name=config.target), target_dir
+
+
+def build_head(config: EngineConfig, draft: DraftRuntime) -> AcceptanceHead | None:
+    if not config.head:
+        return None
+    return load_head(config.head, draft_identity=draft.identity, hidden_size=draft.hidden_size)
+
+
+def build_rules(config: EngineConfig, progress: bool = True) -> RequestRules:
+    """A request's rules without loading weights (the coordinator): tokenizer, EOS, context, vocabulary."""
+    draft_dir = resolve_model(config.draft, role="draft", cache=config.cache_dir, progress=progress)
+    target_dir = resolve_model(config.target, role="target", cache=config.cache_dir, progress=progress)
+    draft_config, target_config = AutoConfig.from_pretrained(draft_dir), AutoConfig.from_pretrained(target_dir)
+    if draft_config.vocab_size != target_config.vocab_size:
+        raise IncompatibleModelsError(
+            f"draft and target vocabularies differ ({draft_config.vocab_size} vs {target_config.vocab_size} tokens); "
+            "speculative decoding needs one shared vocabulary")
+    tokenizer = load_tokenizer(target_dir)
+    check_same_tokenizer(draft_dir, tokenizer)
+    try:
+        generation_config = GenerationConfig.from_pretrained(target_dir)
+    except OSError:  # no generation_config.json
+        generation_config = GenerationConfig()
+    max_context = min(draft_config.max_position_embeddings, target_config.max_position_embeddings)
+    return RequestRules(tokenizer, eos_token_ids_of(generation_config, tokenizer), max_context,
+                        target_config.vocab_size, has_head=bool(config.head))
 
 
 def load_model(model_dir: Path, role: Role, weight_format: WeightFormat = "auto", progress: bool = True):
@@ -86,8 +121,12 @@ def check_same_tokenizer(draft_dir: Path, target_tokenizer) -> None:
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
+    return eos_token_ids_of(model.generation_config, tokenizer)
+
+
+def eos_token_ids_of(generation_config, tokenizer) -> set[int]:
     ids = set()
-    configured = getattr(model.generation_config, "eos_token_id", None)
+    configured = getattr(generation_config, "eos_token_id", None)
     if configured is not None:
         ids.update([configured] if isinstance(configured, int) else configured)
     if tokenizer is not None and tokenizer.eos_token_id is not None:

@@ -87,6 +87,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from specdec.policies import PolicyConfig, validate_policy
+    from services.config import AppConfig, ReplicaConfig
+    from services.launch import serve_forever
+
+    policy = PolicyConfig(**{k: v for k, v in
+                             (("name", args.policy), ("k", args.k), ("threshold", args.threshold)) if v is not None})
+    validate_policy(policy, has_head=bool(args.head))
+    engine = engine_config(args)
+    config = AppConfig(
+        models=engine.model_copy(update={"threads": None}), policy=policy, model_name=args.model_name,
+        target_shards=args.target_shards,
+        draft=ReplicaConfig(num_replicas=args.draft_replicas, threads=args.threads),
+        verifier=ReplicaConfig(num_replicas=args.verifier_replicas, threads=args.threads))
+    return serve_forever(config, args.host, args.http_port, args.grpc_port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="SpecDec++ speculative decoding")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -99,6 +116,24 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--json", action="store_true", help="print one JSON object with completions and stats")
     generate.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     generate.set_defaults(func=cmd_generate)
+
+    serve = commands.add_parser("serve", help="serve the models with Ray Serve over gRPC and HTTP")
+    add_model_flags(serve)
+    group = serve.add_argument_group("serving")
+    from specdec.policies import POLICY_NAMES
+
+    group.add_argument("--policy", default=None, help=f"default stopping policy: {', '.join(POLICY_NAMES)}")
+    group.add_argument("--k", type=int, default=None, help="default k (see specdec generate --help)")
+    group.add_argument("--threshold", type=float, default=None, help="default threshold (see specdec generate --help)")
+    group.add_argument("--host", default="127.0.0.1", help="address the proxies listen on (0.0.0.0 for all)")
+    group.add_argument("--http-port", type=int, default=8000)
+    group.add_argument("--grpc-port", type=int, default=9000)
+    group.add_argument("--model-name", default="specdec", help="the model id the OpenAI routes answer to")
+    group.add_argument("--draft-replicas", type=int, default=1)
+    group.add_argument("--verifier-replicas", type=int, default=1)
+    group.add_argument("--target-shards", type=int, default=1, help="devices per verifier replica")
+    serve.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

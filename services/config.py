@@ -1,0 +1,69 @@
+"""The served application's configuration: `serve run` / `serve deploy` pass a config file's
+`args:` here (services.app:build_app), `specdec serve` builds it from its flags."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specdec.builder import EngineConfig
+from specdec.policies import PolicyConfig
+from services.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_TTL_S
+
+# The public gRPC service, for Serve's gRPC proxy (`grpc_options.grpc_servicer_functions`).
+GRPC_SERVICER_FUNCTIONS = ["specdec.v1.generation_pb2_grpc.add_GenerationServicer_to_server"]
+CONSISTENT_HASH_ROUTER = "ray.serve.experimental.consistent_hash_router:ConsistentHashRouter"
+
+
+class ReplicaConfig(BaseModel):
+    """One deployment's replicas. `num_cpus`/`num_gpus` are Ray's logical resources per replica;
+    `threads` is torch's intra-op threads in it (None: torch's default, all cores)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_replicas: int = Field(1, ge=1)
+    # {min_replicas, max_replicas, target_ongoing_requests, ...}: Serve's autoscaling_config;
+    # replaces num_replicas when set.
+    autoscaling: dict | None = None
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    max_ongoing_requests: int = Field(16, ge=1)
+    threads: int | None = Field(None, ge=1)
+
+
+class SessionConfig(BaseModel):
+    """KV-cache sessions on each draft and verifier replica (LRU + TTL)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_sessions: int = Field(DEFAULT_MAX_SESSIONS, ge=1)
+    ttl_s: float = Field(DEFAULT_TTL_S, gt=0)
+
+
+class AppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    models: EngineConfig = EngineConfig()
+    # The policy of requests that name none (and its k/threshold for requests that name it too).
+    policy: PolicyConfig = PolicyConfig()
+    # The name the OpenAI routes answer to (`model` in requests, /v1/models).
+    model_name: str = "specdec"
+    # Target shards per verifier replica (accelerate device map over its GPUs; 1 on CPU).
+    target_shards: int = Field(1, ge=1)
+    draft: ReplicaConfig = ReplicaConfig()
+    verifier: ReplicaConfig = ReplicaConfig()
+    coordinator: ReplicaConfig = ReplicaConfig(num_cpus=0.0, max_ongoing_requests=256)
+    ingress: ReplicaConfig = ReplicaConfig(num_cpus=0.0, max_ongoing_requests=256)
+    sessions: SessionConfig = SessionConfig()
+    # Send sampled draft distributions without entries at or below this probability (0 = exact).
+    sparsify_below: float = Field(0.0, ge=0, lt=1)
+    # How round calls travel (docs/serving.md compares them):
+    #   "direct": our Draft/Verifier gRPC services on each replica's own server; Serve's consistent
+    #             hash router picks a session's replica once, on its first round;
+    #   "serve-grpc": every round call through Serve's handle and router, over Serve's
+    #             inter-deployment gRPC transport, carrying our protobuf bytes;
+    #   "actor": the same through Ray actor calls.
+    round_transport: Literal["direct", "serve-grpc", "actor"] = "direct"
+    # Requests waiting for a coordinator slot before HTTP 503 / RESOURCE_EXHAUSTED (-1: unbounded).
+    max_queued_requests: int = -1

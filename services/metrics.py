@@ -1,0 +1,80 @@
+"""Serving metrics, exported by Ray's metrics agent in Prometheus format (Ray prefixes `ray_`).
+
+Named after vLLM's speculative-decoding counters (`vllm:spec_decode_num_drafts`, ...): drafts,
+draft tokens, accepted tokens, accepted tokens per position. Ours next to them: target passes,
+generated and discarded tokens (verification rate = target passes / generated tokens, discard
+rate = discarded / generated, as PromQL ratios of counters), K per round, and the time a round
+call spends in the draft, the target and transport.
+"""
+
+from __future__ import annotations
+
+import httpx
+import ray
+from ray.serve import metrics
+
+from specdec.metrics import RequestStats
+
+PREFIX = "specdec:"
+MS_BUCKETS = [0.5, 1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500]
+K_BUCKETS = [0.5, 1.5, 2.5, 3.5, 4.5, 6.5, 8.5, 12.5, 16.5, 24.5, 32.5]  # K + 0.5: bucket edges between integers
+
+
+class RayRoundMetrics:
+    """The coordinator's RoundObserver."""
+
+    def __init__(self):
+        def counter(name: str, description: str, tags: tuple[str, ...] = ("policy",)):
+            return metrics.Counter(PREFIX + name, description=description, tag_keys=tags)
+
+        self.drafts = counter("spec_decode_num_drafts", "Rounds that verified candidates (vLLM's num_drafts)")
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Candidates sent to verification")
+        self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Candidates the target accepted")
+        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted candidates by position (1-based)", ("policy", "position"))
+        self.target_passes = counter("target_forward_passes", "Target verification passes (N_target)")
+        self.generated_tokens = counter("generated_tokens", "Tokens generated (N)")
+        self.discarded_tokens = counter("discarded_tokens", "Candidates rejected (N_discarded)")
+        self.requests = counter("requests", "Finished requests", ("policy", "outcome"))
+        self.k_per_round = metrics.Histogram(PREFIX + "candidates_per_round", description="K per round",
+                                             boundaries=K_BUCKETS, tag_keys=("policy",))
+        self.call_ms = metrics.Histogram(PREFIX + "round_call_ms", description="Round call time by part (ms)",
+                                         boundaries=MS_BUCKETS, tag_keys=("role", "part"))
+        self.call_bytes = metrics.Counter(PREFIX + "round_call_bytes", description="Round request + reply bytes",
+                                          tag_keys=("role",))
+
+    def on_round(self, num_candidates: int, num_accepted: int, policy: str) -> None:
+        tags = {"policy": policy}
+        self.target_passes.inc(1, tags)
+        self.k_per_round.observe(num_candidates, tags)
+        if num_candidates:  # Ray counters take only positive increments
+            self.drafts.inc(1, tags)
+            self.draft_tokens.inc(num_candidates, tags)
+        if num_candidates > num_accepted:
+            self.discarded_tokens.inc(num_candidates - num_accepted, tags)
+        if num_accepted:
+            self.accepted_tokens.inc(num_accepted, tags)
+            for position in range(1, num_accepted + 1):
+                self.accepted_per_pos.inc(1, {"policy": policy, "position": str(position)})
+
+    def on_call(self, role: str, compute_ms: float, transport_ms: float, num_bytes: int) -> None:
+        self.call_ms.observe(compute_ms, {"role": role, "part": "compute"})
+        self.call_ms.observe(transport_ms, {"role": role, "part": "transport"})
+        if num_bytes:
+            self.call_bytes.inc(num_bytes, {"role": role})
+
+    def on_request(self, stats: RequestStats, policy: str, ok: bool) -> None:
+        self.requests.inc(1, {"policy": policy, "outcome": "ok" if ok else "error"})
+        if stats.generated_tokens:
+            self.generated_tokens.inc(stats.generated_tokens, {"policy": policy})
+
+
+async def prometheus_text() -> str:
+    """This node's metrics, as Ray's metrics agent exports them (every actor on the node)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    node = next(n for n in ray.nodes() if n["NodeID"] == node_id)
+    url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        response = await client.get(url)
+        response.raise_for_status()
+        return response.text

@@ -1,0 +1,199 @@
+"""The served system end to end on the tiny models: real Ray Serve (draft, verifier, coordinator,
+ingress deployments), real gRPC (Serve's proxy; inter-deployment transport), real HTTP.
+
+One Ray instance and one app per module (startup takes ~30 s on 2 cores)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+
+from specdec.builder import EngineConfig
+from specdec.params import build_params
+from specdec.v1 import generation_pb2, generation_pb2_grpc
+from services.config import AppConfig, ReplicaConfig
+from services.launch import APP_NAME, start
+
+PROMPTS = ["def fibonacci(n):", "Write a haiku about caches.", "SELECT name FROM users WHERE"]
+MIXED = [("svip", None), ("fixed", 3), ("heuristic", 2), ("confidence", None), ("target-only", None),
+         ("fixed", 1), ("svip", 4), ("heuristic", None)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_pair):
+    draft_dir, target_dir = tiny_pair
+    replica = dict(num_cpus=0.1, threads=1)
+    config = AppConfig(
+        models=EngineConfig(draft=str(draft_dir), target=str(target_dir)),
+        draft=ReplicaConfig(**replica), verifier=ReplicaConfig(num_replicas=2, **replica),
+        coordinator=ReplicaConfig(num_cpus=0.0, max_ongoing_requests=64),
+        ingress=ReplicaConfig(num_cpus=0.0, max_ongoing_requests=64))
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        addresses = start(config, http_port=free_port(), grpc_port=free_port())
+        yield addresses
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def stub(served):
+    with grpc.insecure_channel(served["grpc"]) as channel:
+        yield generation_pb2_grpc.GenerationStub(channel)
+
+
+def engine_ids(tiny_engine, prompt: str, **flags) -> list[int]:
+    return tiny_engine.generate(prompt, build_params(**flags)).completions[0].token_ids
+
+
+def request(prompt: str, **fields) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(text=prompt, **fields)
+
+
+# ------------------------------------------------------------------------------------------------
+# Output equals the in-process engine's
+
+@pytest.mark.parametrize(("policy", "k"), [("svip", None), ("fixed", 3), ("target-only", None), ("heuristic", None)])
+def test_grpc_unary_greedy_equals_engine(stub, tiny_engine, policy, k):
+    fields = {"policy": policy, "max_new_tokens": 40} | ({"k": k} if k else {})
+    response = stub.Generate(request(PROMPTS[0], **fields), timeout=60)
+    assert list(response.completions[0].token_ids) == engine_ids(tiny_engine, PROMPTS[0], **fields)
+    assert response.completions[0].finish_reason in ("stop", "length")
+    assert response.stats.generated_tokens == len(response.completions[0].token_ids)
+    assert response.stats.transport_bytes > 0 and response.request_id
+
+
+def test_grpc_stream_equals_unary_and_engine(stub, tiny_engine):
+    fields = {"policy": "fixed", "k": 4, "max_new_tokens": 48}
+    chunks = list(stub.GenerateStream(request(PROMPTS[1], **fields), timeout=60))
+    ids = [t for c in chunks for t in c.token_ids]
+    assert ids == engine_ids(tiny_engine, PROMPTS[1], **fields)
+    assert len(chunks) > 2 and chunks[-1].stats.generated_tokens == len(ids)
+    unary = stub.Generate(request(PROMPTS[1], **fields), timeout=60)
+    assert "".join(c.text for c in chunks) == unary.completions[0].text
+
+
+def test_seeded_sampling_equals_engine(stub, tiny_engine):
+    fields = {"policy": "svip", "temperature": 0.8, "top_p": 0.95, "seed": 7, "max_new_tokens": 32, "n": 2}
+    response = stub.Generate(request(PROMPTS[2], **fields), timeout=60)
+    expected = tiny_engine.generate(PROMPTS[2], build_params(**fields))
+    assert [list(c.token_ids) for c in response.completions] == [c.token_ids for c in expected.completions]
+
+
+def test_http_and_openai_client_equal_engine(served, tiny_engine):
+    expected = tiny_engine.generate(PROMPTS[0], build_params(policy="svip", max_new_tokens=32, chat_template=False))
+    body = {"model": "specdec", "prompt": PROMPTS[0], "max_tokens": 32, "policy": "svip"}
+    response = httpx.post(f"{served['http']}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == expected.completions[0].text
+
+    client = openai.OpenAI(base_url=f"{served['http']}/v1", api_key="unused")
+    completion = client.completions.create(model="specdec", prompt=PROMPTS[0], max_tokens=32, extra_body={"policy": "svip"})
+    assert completion.choices[0].text == expected.completions[0].text
+    streamed = client.completions.create(model="specdec", prompt=PROMPTS[0], max_tokens=32, stream=True,
+                                         stream_options={"include_usage": True}, extra_body={"policy": "svip"})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.completions[0].text
+    assert chunks[-1].usage.completion_tokens == len(expected.completions[0].token_ids)
+
+    chat_expected = tiny_engine.generate(PROMPTS[1], build_params(policy="svip", max_new_tokens=24))
+    chat = client.chat.completions.create(model="specdec", messages=[{"role": "user", "content": PROMPTS[1]}],
+                                          max_tokens=24, extra_body={"policy": "svip"})
+    assert chat.choices[0].message.content == chat_expected.completions[0].text
+    assert [m.id for m in client.models.list().data] == ["specdec"]
+    assert httpx.get(f"{served['http']}/health", timeout=10).status_code == 200
+
+
+def test_eight_concurrent_sessions_with_mixed_policies(served, tiny_engine):
+    def fields(i: int) -> dict:
+        policy, k = MIXED[i]
+        return {"policy": policy, "max_new_tokens": 32} | ({"k": k} if k else {})
+
+    async def run() -> list[list[int]]:
+        async with grpc.aio.insecure_channel(served["grpc"]) as channel:
+            aio_stub = generation_pb2_grpc.GenerationStub(channel)
+            calls = [aio_stub.Generate(request(PROMPTS[i % 3], **fields(i)), timeout=120) for i in range(8)]
+            return [list(r.completions[0].token_ids) for r in await asyncio.gather(*calls)]
+
+    results = asyncio.run(run())
+    for i, ids in enumerate(results):
+        assert ids == engine_ids(tiny_engine, PROMPTS[i % 3], **fields(i)), MIXED[i]
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: a status and one line, over both protocols
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"temperature": -1.0}, "temperature"),
+    ({"policy": "nope"}, "policy"),
+    ({"policy": "specdec++"}, "head"),
+    ({"n": 0}, "n:"),
+    ({"policy": "oracle"}, "oracle"),
+])
+def test_bad_parameters_grpc(stub, fields, message):
+    for call in (stub.Generate, lambda r, timeout: list(stub.GenerateStream(r, timeout=timeout))):
+        with pytest.raises(grpc.RpcError) as info:
+            call(request(PROMPTS[0], **fields), timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = info.value.details()
+        assert message in details and "\n" not in details and "Traceback" not in details
+
+
+def test_empty_prompt_grpc(stub):
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(generation_pb2.GenerateRequest(), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in info.value.details()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_parameters_http(served, stream):
+    body = {"model": "specdec", "prompt": PROMPTS[0], "max_tokens": 8, "policy": "nope", "stream": stream}
+    response = httpx.post(f"{served['http']}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "policy" in message and "\n" not in message and "Traceback" not in message
+
+
+# ------------------------------------------------------------------------------------------------
+# Faults: a replica that dies mid-generation costs time, not tokens
+
+def replica_names(deployment: str) -> list[str]:
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if f"#{deployment}#" in a["name"] and APP_NAME in a["name"])
+
+
+@pytest.mark.parametrize("deployment", ["Draft", "Verifier"])
+def test_killing_a_replica_mid_generation_keeps_the_output(stub, tiny_engine, deployment):
+    fields = {"policy": "fixed", "k": 1, "max_new_tokens": 160}
+    expected = engine_ids(tiny_engine, PROMPTS[0], **fields)
+    assert len(expected) > 100  # enough rounds for the kill to land mid-generation
+    before = replica_names(deployment)
+    ids, chunks_after_kill = [], 0
+    for chunk in stub.GenerateStream(request(PROMPTS[0], **fields), timeout=120):
+        ids.extend(chunk.token_ids)
+        if len(ids) >= 8 and chunks_after_kill == 0:
+            for name in before:  # every replica: the session must survive a restart, not just a re-route
+                ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        if len(ids) >= 8:
+            chunks_after_kill += 1
+    assert ids == expected
+    assert chunks_after_kill > 10
+    deadline = time.time() + 60
+    while replica_names(deployment) == before or not replica_names(deployment):
+        assert time.time() < deadline, "Serve did not replace the killed replicas"
+        time.sleep(0.5)
