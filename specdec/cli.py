@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--target-shards", type=int, default=1, help="devices per verifier replica")
     serve.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     serve.set_defaults(func=cmd_serve)
+
+    from clients.cli import add_client_parser
+
+    add_client_parser(commands, add_generation_flags)
     return parser
 
 

@@ -1,0 +1,19 @@
+"""Python clients of a running `specdec serve`: clients.grpc_client (specdec.v1.Generation) and
+clients.http_client (the OpenAI-compatible routes); `specdec client` on the command line."""
+
+from __future__ import annotations
+
+from specdec.errors import SpecDecError
+
+
+class ClientError(SpecDecError):
+    """A call failed: `code` is the gRPC status name ("INVALID_ARGUMENT"), "HTTP <status>", or
+    "UNAVAILABLE" when the server cannot be reached; str() is the server's one-line reason."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def one_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else ""

@@ -1,0 +1,350 @@
+"""OpenAI-compatible HTTP routes over any GenerationBackend. No Ray here: services/app.py mounts
+this app on the Serve ingress, the tests mount it on the in-process engine.
+
+    POST /v1/completions, /v1/chat/completions   (stream=true: server-sent events, `data: [DONE]` last)
+    GET  /v1/models, /health, /metrics
+
+Where this differs from OpenAI's API, on purpose:
+- temperature unset = 0 (greedy), as `specdec generate` (OpenAI's default is 1); max_tokens unset = 128;
+- extension fields in the body, as vLLM's `extra_body`: policy, k, threshold, top_k (-1 or 0 = off);
+- fields that would change the output and that we cannot honour (echo, logprobs, suffix, logit_bias,
+  presence/frequency penalties, best_of != n), and unknown fields, are refused with 400, never ignored;
+- every result carries "specdec": the request's Stats (protos/specdec/v1/generation.proto), on the
+  response, or on the usage chunk of a stream with stream_options.include_usage.
+Errors are OpenAI's JSON: {"error": {"message": one line, "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated, Any, Literal, Protocol
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from google.protobuf import json_format
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdec.errors import InvalidRequestError
+from specdec.sampling import MAX_SAMPLES_PER_REQUEST
+from specdec.v1 import generation_pb2
+from services.convert import Overloaded, one_line
+
+__all__ = ["GenerationBackend", "Overloaded", "create_app"]
+
+logger = logging.getLogger(__name__)
+
+INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1  # the proto fields' ranges: larger values cannot be sent on
+RETRY_AFTER_S = 1  # a round takes milliseconds: capacity frees up quickly
+# Accepted only at their neutral value (None, false, 0, "" or {}): anything else asks for output we do not produce.
+NEUTRAL_ONLY = ("echo", "logprobs", "top_logprobs", "suffix", "logit_bias", "presence_penalty", "frequency_penalty")
+
+
+class GenerationBackend(Protocol):
+    """Raises InvalidRequestError (one line) for bad parameters, possibly only when the stream is first
+    iterated, and Overloaded when it cannot take more work."""
+
+    async def generate(self, request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateResponse: ...
+
+    def generate_stream(self, request: generation_pb2.GenerateRequest) -> AsyncIterator[generation_pb2.GenerateChunk]: ...
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+# ------------------------------------------------------------------------------------------------
+# Requests
+
+def single_prompt(value: Any) -> Any:
+    """One request is one prompt: "text", [token ids], or a batch of exactly one of those."""
+    if isinstance(value, list) and value and all(isinstance(v, str | list) for v in value):
+        if len(value) > 1:
+            raise PydanticCustomError("batch", "batched prompts are not supported: send one prompt per request")
+        value = value[0]
+    if isinstance(value, str) or (isinstance(value, list) and all(type(v) is int for v in value)):
+        return value
+    raise PydanticCustomError("prompt", "must be a string or a list of token ids")
+
+
+def text_content(value: Any) -> Any:
+    """OpenAI's content parts: text parts are joined by newlines (as vLLM does); others are refused."""
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in value):
+            raise PydanticCustomError("content", "only text content parts are supported")
+        return "\n".join(p["text"] for p in value)
+    return value
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class GenerationFields(BaseModel):
+    """What both routes take: OpenAI's sampling fields and our extensions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)  # unset = 128
+    temperature: float | None = Field(None, ge=0)  # unset = 0, greedy
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1, le=MAX_SAMPLES_PER_REQUEST)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # ignored
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # Extensions (vLLM-style extra_body)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    policy: str | None = None
+    k: int | None = Field(None, ge=-INT32_MAX - 1, le=INT32_MAX)
+    threshold: float | None = None
+
+
+class CompletionRequest(GenerationFields):
+    prompt: Annotated[str | list[int], BeforeValidator(single_prompt)]
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # clients send back assistant messages with refusal, tool_calls...
+
+    role: Literal["system", "user", "assistant"]
+    content: Annotated[str, BeforeValidator(text_content)] = ""
+
+
+class ChatRequest(GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+def check_supported(body: GenerationFields) -> None:
+    for name in NEUTRAL_ONLY:
+        if getattr(body, name, None):
+            raise ApiError(400, f"{name} is not supported by this server", param=name)
+    best_of = getattr(body, "best_of", None)
+    if best_of is not None and best_of != (body.n or 1):
+        raise ApiError(400, "best_of is not supported by this server (only best_of = n)", param="best_of")
+
+
+def generate_request(body: GenerationFields, max_tokens: int | None, request_id: str) -> generation_pb2.GenerateRequest:
+    """The fields both routes share; unset stays unset (the server's default)."""
+    check_supported(body)
+    fields = {"max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "n": body.n,
+              "seed": body.seed, "top_k": None if body.top_k is None else max(body.top_k, 0),
+              "policy": body.policy, "k": body.k, "threshold": body.threshold}
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    return generation_pb2.GenerateRequest(stop=stop, request_id=request_id,
+                                          **{key: value for key, value in fields.items() if value is not None})
+
+
+def completion_to_proto(body: CompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:
+    """Completions never apply the chat template (as OpenAI's legacy route: the prompt is raw text)."""
+    request = generate_request(body, body.max_tokens, request_id)
+    if isinstance(body.prompt, str):
+        request.text, request.chat_template = body.prompt, False
+    else:
+        request.token_ids.SetInParent()
+        request.token_ids.ids.extend(body.prompt)
+    return request
+
+
+def chat_to_proto(body: ChatRequest, request_id: str) -> generation_pb2.GenerateRequest:
+    request = generate_request(body, body.max_completion_tokens or body.max_tokens, request_id)
+    request.messages.messages.extend(generation_pb2.ChatMessage(role=m.role, content=m.content) for m in body.messages)
+    return request
+
+
+# ------------------------------------------------------------------------------------------------
+# Responses
+
+def stats_dict(stats: generation_pb2.Stats) -> dict:
+    return json_format.MessageToDict(stats, preserving_proto_field_name=True,
+                                     always_print_fields_with_no_presence=True, unquote_int64_if_possible=True)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def choice(index: int, text: str, finish_reason: str | None, chat: bool) -> dict:
+    body = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+    return {"index": index, **body, "finish_reason": finish_reason or None, "logprobs": None}
+
+
+def stream_choice(chunk: generation_pb2.GenerateChunk, chat: bool, first: bool) -> dict:
+    """A chat sample's first delta names the role."""
+    if not chat:
+        return choice(chunk.index, chunk.text, chunk.finish_reason, chat=False)
+    delta = ({"role": "assistant"} if first else {}) | ({"content": chunk.text} if chunk.text or first else {})
+    return {"index": chunk.index, "delta": delta, "finish_reason": chunk.finish_reason or None, "logprobs": None}
+
+
+def response_json(response: generation_pb2.GenerateResponse, head: dict, chat: bool) -> dict:
+    choices = [choice(c.index, c.text, c.finish_reason, chat) for c in response.completions]
+    completion_tokens = sum(len(c.token_ids) for c in response.completions)
+    return head | {"choices": choices, "usage": usage(response.prompt_tokens, completion_tokens),
+                   "specdec": stats_dict(response.stats)}
+
+
+def sse(event: dict) -> str:
+    return f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+
+
+async def sse_events(first: generation_pb2.GenerateChunk | None, chunks: AsyncIterator[generation_pb2.GenerateChunk],
+                     head: dict, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    """The backend's chunks as OpenAI stream chunks; a failure after the headers went out becomes one
+    error event, and the stream ends without [DONE]."""
+    null_usage = {"usage": None} if include_usage else {}
+    started: set[int] = set()
+    completion_tokens, last = 0, None
+    try:
+        chunk = first
+        while chunk is not None:
+            completion_tokens += len(chunk.token_ids)
+            if chunk.text or chunk.finish_reason:
+                yield sse(head | {"choices": [stream_choice(chunk, chat, chunk.index not in started)]} | null_usage)
+                started.add(chunk.index)
+            if chunk.HasField("stats"):
+                last = chunk
+            chunk = await anext(chunks, None)
+        if include_usage:
+            final = last or generation_pb2.GenerateChunk()
+            yield sse(head | {"choices": [], "usage": usage(final.prompt_tokens, completion_tokens),
+                              "specdec": stats_dict(final.stats)})
+        yield "data: [DONE]\n\n"
+    except Exception as exc:  # noqa: BLE001 - the status line is gone: report in the stream
+        yield sse(error_of(exc)[1])
+    finally:
+        close = getattr(chunks, "aclose", None)
+        if close is not None:
+            await close()  # a client that went away cancels its generation
+
+
+# ------------------------------------------------------------------------------------------------
+# Errors
+
+def error_json(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_of(exc: Exception) -> tuple[int, dict, dict[str, str]]:
+    """(status, body, headers) for any exception; bugs are logged here and never described to the client."""
+    if isinstance(exc, ApiError):
+        return exc.status, error_json(exc.message, param=exc.param, code=exc.code), {}
+    if isinstance(exc, InvalidRequestError):
+        return 400, error_json(one_line(str(exc))), {}
+    if isinstance(exc, Overloaded):
+        return 503, error_json(one_line(str(exc)), "overloaded_error"), {"Retry-After": str(RETRY_AFTER_S)}
+    logger.error("request failed", exc_info=exc)
+    return 500, error_json("internal error", "internal_error"), {}
+
+
+def error_response(exc: Exception) -> JSONResponse:
+    status, body, headers = error_of(exc)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def validation_error(exc: RequestValidationError) -> ApiError:
+    """pydantic's first error as one line: `temperature: Input should be greater than or equal to 0`."""
+    error = exc.errors()[0]
+    if error["type"] == "json_invalid":
+        return ApiError(400, "the request body is not valid JSON")
+    loc = [part for part in error["loc"] if part != "body"]
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    param = str(loc[0]) if loc else None
+    return ApiError(400, f"{where or 'body'}: {one_line(error['msg'])}", param=param)
+
+
+# ------------------------------------------------------------------------------------------------
+# The app
+
+def create_app(backend_factory: Callable[[], GenerationBackend], model_name: str,
+               metrics_text: Callable[[], Awaitable[str]] | None = None) -> FastAPI:
+    """`backend_factory` is called once, on the first request that needs it (inside a Serve replica
+    it looks up a deployment handle, which needs the running replica)."""
+    app = FastAPI(title="specdec")
+    backend = functools.cache(backend_factory)
+    created = int(time.time())
+
+    async def respond(work: Callable[[], Awaitable[Response]]) -> Response:
+        try:
+            return await work()
+        except Exception as exc:  # noqa: BLE001 - every failure becomes OpenAI's error JSON
+            return error_response(exc)
+
+    async def generate(body: GenerationFields, request: generation_pb2.GenerateRequest, chat: bool) -> Response:
+        if body.model is not None and body.model != model_name:
+            raise ApiError(404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found")
+        def head(request_id: str, object_: str) -> dict:
+            return {"id": ("chatcmpl-" if chat else "cmpl-") + request_id, "object": object_,
+                    "created": int(time.time()), "model": model_name}
+
+        if not body.stream:
+            response = await backend().generate(request)
+            object_ = "chat.completion" if chat else "text_completion"
+            return JSONResponse(response_json(response, head(response.request_id or request.request_id, object_), chat))
+        chunks = aiter(backend().generate_stream(request))
+        first = await anext(chunks, None)  # a bad request fails here, while a status can still say so
+        object_ = "chat.completion.chunk" if chat else "text_completion"
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = sse_events(first, chunks, head((first and first.request_id) or request.request_id, object_),
+                            chat, include_usage)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Response:
+        return await respond(lambda: generate(body, completion_to_proto(body, uuid.uuid4().hex), chat=False))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest) -> Response:
+        return await respond(lambda: generate(body, chat_to_proto(body, uuid.uuid4().hex), chat=True))
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        model = {"id": model_name, "object": "model", "created": created, "owned_by": "specdec"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        async def text() -> Response:
+            if metrics_text is None:
+                raise ApiError(404, "metrics are not exported by this server")
+            return PlainTextResponse(await metrics_text(), media_type="text/plain; version=0.0.4")
+        return await respond(text)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_request, exc: RequestValidationError) -> Response:
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, exc: StarletteHTTPException) -> Response:
+        return JSONResponse(error_json(one_line(str(exc.detail))), status_code=exc.status_code, headers=exc.headers)
+
+    return app
