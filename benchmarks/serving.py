@@ -33,13 +33,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 def in_process(models: EngineConfig, prompts: list[str], flags: dict, threads: int | None) -> dict:
     engine = build_engine(models.model_copy(update={"threads": threads}), progress=False)
     engine.generate(prompts[0], build_params(**{**flags, "max_new_tokens": 4}))  # warm-up
-    outputs, tokens, seconds = [], 0, 0.0
+    outputs, tokens, seconds, rounds, draft_s, target_s = [], 0, 0.0, 0, 0.0, 0.0
     for prompt in prompts:
         result = engine.generate(prompt, build_params(**flags))
         outputs.append(result.completions[0].token_ids)
         tokens += result.stats.generated_tokens
         seconds += result.stats.wall_time_s
-    return {"outputs": outputs, "tokens": tokens, "seconds": seconds}
+        rounds += result.stats.rounds
+        draft_s += result.stats.draft_time_s
+        target_s += result.stats.target_time_s
+    return {"outputs": outputs, "tokens": tokens, "seconds": seconds, "rounds": rounds,
+            "draft_ms_per_round": 1000 * draft_s / rounds, "target_ms_per_round": 1000 * target_s / rounds}
 
 
 def served(models: EngineConfig, prompts: list[str], flags: dict, threads: int | None, transport: str) -> dict:
@@ -62,7 +66,7 @@ def served(models: EngineConfig, prompts: list[str], flags: dict, threads: int |
             return stub.Generate(generation_pb2.GenerateRequest(text=prompt, **{**fields, **override}), timeout=600)
 
         generate(prompts[0], max_new_tokens=4)  # warm-up
-        outputs, tokens, seconds, rounds, transport_s, transport_bytes = [], 0, 0.0, 0, 0.0, 0
+        outputs, tokens, seconds, rounds, transport_s, transport_bytes, draft_s, target_s = [], 0, 0.0, 0, 0.0, 0, 0.0, 0.0
         for prompt in prompts:
             start_s = time.perf_counter()
             response = generate(prompt)
@@ -72,7 +76,10 @@ def served(models: EngineConfig, prompts: list[str], flags: dict, threads: int |
             rounds += response.stats.rounds
             transport_s += response.stats.transport_time_s
             transport_bytes += response.stats.transport_bytes
+            draft_s += response.stats.draft_time_s
+            target_s += response.stats.target_time_s
         return {"outputs": outputs, "tokens": tokens, "seconds": seconds, "rounds": rounds,
+                "draft_ms_per_round": 1000 * draft_s / rounds, "target_ms_per_round": 1000 * target_s / rounds,
                 "transport_ms_per_round": 1000 * transport_s / rounds, "bytes_per_round": transport_bytes / rounds}
     finally:
         serve.shutdown()
@@ -113,10 +120,12 @@ def main() -> int:
     print(f"\n{'tiny' if args.tiny else 'default'} pair, policy {args.policy}"
           f"{'' if args.k is None else f' k={args.k}'}, {len(prompts)} HumanEval prompts x {args.max_new_tokens} "
           f"tokens, temperature {args.temperature}, transport {args.transport}, {platform.processor() or platform.machine()}\n")
-    print("| mode | tokens | tok/s | ratio | transport ms/round | bytes/round |")
-    print("|---|---|---|---|---|---|")
-    print(f"| in-process | {local['tokens']} | {local_tps:.2f} | 1.00 | - | - |")
-    print(f"| served (gRPC) | {remote['tokens']} | {remote_tps:.2f} | {remote_tps / local_tps:.3f} | "
+    print("| mode | tokens | rounds | tok/s | ratio | draft ms/round | target ms/round | transport ms/round | bytes/round |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| in-process | {local['tokens']} | {local['rounds']} | {local_tps:.2f} | 1.00 | "
+          f"{local['draft_ms_per_round']:.1f} | {local['target_ms_per_round']:.1f} | - | - |")
+    print(f"| served (gRPC) | {remote['tokens']} | {remote['rounds']} | {remote_tps:.2f} | {remote_tps / local_tps:.3f} | "
+          f"{remote['draft_ms_per_round']:.1f} | {remote['target_ms_per_round']:.1f} | "
           f"{remote['transport_ms_per_round']:.2f} | {remote['bytes_per_round']:.0f} |")
     print(f"\ngreedy outputs identical: {same}" if args.temperature == 0 else "")
     if args.out:

@@ -13,7 +13,9 @@ session id so a session's rounds find its KV cache. `build_app` is the `import_p
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,7 +25,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from specdec.builder import build_draft, build_head, build_rules, build_target
 from specdec.errors import InvalidRequestError
@@ -41,10 +43,11 @@ logger = logging.getLogger(__name__)
 
 
 def set_threads(threads: int | None) -> None:
+    """torch's intra-op threads in a replica; None: every core. (Ray sets OMP_NUM_THREADS to a
+    replica's num_cpus, 1 for a fractional one, which would leave a CPU model on one core.)"""
     import torch
 
-    if threads:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads or os.cpu_count() or 1)
 
 
 class ServicerCall:
@@ -137,6 +140,14 @@ class Verifier(RoundReplica):
 # ------------------------------------------------------------------------------------------------
 # The coordinator
 
+def own_request(call: Callable[[], DeploymentResponse]) -> DeploymentResponse:
+    """Make a handle call as a request of its own, outside the caller's Serve request context.
+    Ray 2.60 gives a child call its parent's internal request id and the request router indexes
+    pending requests by that id, so the n samples of one request, routing concurrently, would
+    collide and all but one wait forever."""
+    return contextvars.Context().run(call)
+
+
 class ServeRoundTransport:
     """Round calls through deployment handles: gRPC transport, session affinity."""
 
@@ -150,16 +161,16 @@ class ServeRoundTransport:
         return self._handles[role].options(session_id=session_id)  # affinity is per hop: set it every call
 
     async def propose(self, session_id: str, request: draft_pb2.ProposeRequest) -> draft_pb2.Proposal:
-        reply = await self._handle("draft", session_id).propose.remote(request.SerializeToString())
+        reply = await own_request(lambda: self._handle("draft", session_id).propose.remote(request.SerializeToString()))
         return draft_pb2.Proposal.FromString(reply)
 
     async def verify(self, session_id: str, request: verifier_pb2.VerifyRequest) -> verifier_pb2.Verdict:
-        reply = await self._handle("verifier", session_id).verify.remote(request.SerializeToString())
+        reply = await own_request(lambda: self._handle("verifier", session_id).verify.remote(request.SerializeToString()))
         return verifier_pb2.Verdict.FromString(reply)
 
     async def release(self, role: Role, session_id: str) -> None:
-        await self._handle(role, session_id).release.remote(
-            common_pb2.SessionRef(session_id=session_id).SerializeToString())
+        payload = common_pb2.SessionRef(session_id=session_id).SerializeToString()
+        await own_request(lambda: self._handle(role, session_id).release.remote(payload))
 
 
 class ReplicaGone(Exception):
@@ -183,7 +194,8 @@ class DirectRoundTransport:
     async def _address(self, role: Role, session_id: str) -> str:
         key = (role, session_id)
         if key not in self._addresses:
-            self._addresses[key] = await self._handles[role].options(session_id=session_id).address.remote()
+            handle = self._handles[role].options(session_id=session_id)
+            self._addresses[key] = await own_request(lambda: handle.address.remote())
         return self._addresses[key]
 
     def _channel(self, address: str) -> grpc.aio.Channel:
