@@ -358,6 +358,12 @@ def _deployment(cls: type, name: str, replicas: ReplicaConfig, sticky: bool = Fa
     if replicas.threads:
         env["OMP_NUM_THREADS"] = str(replicas.threads)
     actor_options = {"num_cpus": replicas.num_cpus, "num_gpus": replicas.num_gpus, "runtime_env": {"env_vars": env}}
+    if replicas.resources:
+        actor_options["resources"] = dict(replicas.resources)
+    for option in ("health_check_period_s", "health_check_timeout_s",
+                   "graceful_shutdown_wait_loop_s", "graceful_shutdown_timeout_s"):
+        if getattr(replicas, option) is not None:
+            options[option] = getattr(replicas, option)
     # Per-call access logs cost ~1 ms a round call on these hot paths; Serve's metrics count calls.
     return serve.deployment(cls, name=name, max_ongoing_requests=replicas.max_ongoing_requests,
                             ray_actor_options=actor_options, logging_config={"enable_access_log": False},

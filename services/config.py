@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from ray.serve.config import AutoscalingConfig
 
 from specdec.builder import EngineConfig
 from specdec.policies import PolicyConfig
@@ -17,8 +18,12 @@ CONSISTENT_HASH_ROUTER = "ray.serve.experimental.consistent_hash_router:Consiste
 
 
 class ReplicaConfig(BaseModel):
-    """One deployment's replicas. `num_cpus`/`num_gpus` are Ray's logical resources per replica;
-    `threads` is torch's intra-op threads in it (None: torch's default, all cores)."""
+    """One deployment's replicas. `num_cpus`/`num_gpus`/`resources` are Ray's logical resources per
+    replica: a replica starts only on a node with all of them free, which is how draft and
+    verifier replicas are placed on the nodes meant for them (docs/operations.md, "Placement").
+    `threads` is torch's intra-op threads in it (None: torch's default, all cores). The health-check
+    and graceful-shutdown fields are Serve's deployment options of the same names (None: Serve's
+    default)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -28,8 +33,39 @@ class ReplicaConfig(BaseModel):
     autoscaling: dict | None = None
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
+    # Custom resources, e.g. {"draft_node": 1}: the node types that advertise them host the replicas.
+    resources: dict[str, float] = {}
     max_ongoing_requests: int = Field(16, ge=1)
     threads: int | None = Field(None, ge=1)
+    health_check_period_s: float | None = Field(None, gt=0)
+    health_check_timeout_s: float | None = Field(None, gt=0)
+    # A replica being stopped (downscale, upgrade) stops taking requests, then waits this long
+    # between checks for in-flight ones, and at most graceful_shutdown_timeout_s in all.
+    graceful_shutdown_wait_loop_s: float | None = Field(None, gt=0)
+    graceful_shutdown_timeout_s: float | None = Field(None, ge=0)
+
+    @field_validator("autoscaling")
+    @classmethod
+    def _serve_autoscaling(cls, value: dict | None) -> dict | None:
+        if value is None:
+            return None
+        # Serve's model checks the values but ignores unknown keys; a misspelt key would be lost.
+        unknown = sorted(set(value) - set(AutoscalingConfig.model_fields))
+        if unknown:
+            raise ValueError(f"unknown autoscaling keys {unknown}; Serve's autoscaling_config takes "
+                             f"{sorted(AutoscalingConfig.model_fields)}")
+        AutoscalingConfig.model_validate(value)
+        return value
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:
+        builtin = sorted({"CPU", "GPU", "memory", "object_store_memory"} & set(value))
+        if builtin:
+            raise ValueError(f"{builtin} are not custom resources: use num_cpus / num_gpus")
+        if any(amount < 0 for amount in value.values()):
+            raise ValueError("resource amounts must be >= 0")
+        return value
 
 
 class SessionConfig(BaseModel):
