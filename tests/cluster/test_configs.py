@@ -1,0 +1,175 @@
+"""cluster/: every config validates against the schema of the tool that reads it (Serve's
+ServeDeploySchema and our AppConfig, the Ray autoscaler's JSON schema shipped in the ray package,
+the KubeRay resources' required fields), and placement is consistent across them: every custom
+resource a replica asks for is advertised by some node type, in an amount that fits it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import ray
+import yaml
+from ray.serve._private.build_app import build_app as flatten_app
+from ray.serve.schema import ServeDeploySchema
+
+from services.app import build_app
+from services.config import GRPC_SERVICER_FUNCTIONS, AppConfig
+
+CLUSTER = Path(__file__).parents[2] / "cluster"
+SERVE_CONFIGS = sorted((CLUSTER / "serve").glob("*.yaml"))
+LAUNCHER_CONFIGS = sorted((CLUSTER / "launcher").glob("*.yaml"))
+RAY_SCHEMA = Path(ray.__file__).parent / "autoscaler" / "ray-schema.json"
+ROLES = ("draft", "verifier", "coordinator", "ingress")
+
+
+def load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def app_args(config: dict) -> AppConfig:
+    (app,) = ServeDeploySchema.model_validate(config).applications
+    return AppConfig.model_validate(app.args)
+
+
+def kuberay(name: str) -> dict:
+    (doc,) = [d for d in yaml.safe_load_all((CLUSTER / "kuberay" / name).read_text()) if d["apiVersion"] == "ray.io/v1"]
+    return doc
+
+
+def worker_group_resources(group: dict) -> dict[str, float]:
+    """A KubeRay group's custom resources: rayStartParams.resources is a JSON object in a quoted string."""
+    raw = group["rayStartParams"].get("resources")
+    return json.loads(json.loads(raw)) if raw else {}
+
+
+def gpu_limit(pod_template: dict) -> int:
+    (container,) = pod_template["spec"]["containers"]
+    return int(container["resources"]["limits"].get("nvidia.com/gpu", 0))
+
+
+def test_there_are_the_three_serve_configs():
+    assert {p.name for p in SERVE_CONFIGS} >= {"local.yaml", "gpu.yaml", "multi-gpu.yaml"}
+
+
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
+def test_serve_config_validates(path):
+    config = load(path)
+    schema = ServeDeploySchema.model_validate(config)
+    (app,) = schema.applications
+    assert app.import_path == "services.app:build_app" and app.route_prefix == "/"
+    assert schema.grpc_options.grpc_servicer_functions == GRPC_SERVICER_FUNCTIONS
+    assert schema.http_options.request_timeout_s and schema.grpc_options.request_timeout_s
+    args = AppConfig.model_validate(app.args)
+    for role in ROLES:
+        replicas = getattr(args, role)
+        assert replicas.graceful_shutdown_timeout_s is not None, role
+        if role in ("coordinator", "ingress"):
+            # A coordinator holds whole generations: it must wait for them longer than the proxy does.
+            assert replicas.graceful_shutdown_timeout_s >= schema.http_options.request_timeout_s, role
+            assert replicas.autoscaling, role
+        else:
+            assert replicas.health_check_timeout_s is not None, role
+
+
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
+def test_serve_config_builds_the_deployments_it_says(path):
+    """What Serve receives (the flattened app) carries the config's placement and lifecycle options."""
+    args = app_args(load(path))
+    deployments = {d.name: d for d in flatten_app(build_app(args), name="specdec").deployments}
+    assert set(deployments) == {"Draft", "Verifier", "Coordinator", "Ingress"}
+    for role in ROLES:
+        replicas, deployment = getattr(args, role), deployments[role.capitalize()]
+        options, config = deployment.ray_actor_options, deployment._deployment_config
+        assert options["num_gpus"] == replicas.num_gpus and options.get("resources", {}) == replicas.resources
+        assert config.graceful_shutdown_timeout_s == replicas.graceful_shutdown_timeout_s
+        if replicas.autoscaling:
+            assert config.autoscaling_config.max_replicas == replicas.autoscaling["max_replicas"]
+
+
+def test_multi_gpu_verifier_takes_one_gpu_per_shard():
+    args = app_args(load(CLUSTER / "serve" / "multi-gpu.yaml"))
+    assert args.target_shards > 1 and args.verifier.num_gpus == args.target_shards
+    assert args.draft.resources and args.verifier.resources
+    assert set(args.draft.resources).isdisjoint(args.verifier.resources)
+
+
+def test_gpu_replicas_fit_one_gpu_at_full_scale():
+    args = app_args(load(CLUSTER / "serve" / "gpu.yaml"))
+    used = sum(r.num_gpus * r.autoscaling["max_replicas"] for r in (args.draft, args.verifier))
+    assert 0 < used <= 1.0
+
+
+# ------------------------------------------------------------------------------------------------
+# Ray cluster launcher
+
+@pytest.mark.parametrize("path", LAUNCHER_CONFIGS, ids=lambda p: p.name)
+def test_launcher_config_validates_against_rays_schema(path):
+    jsonschema.validate(load(path), json.loads(RAY_SCHEMA.read_text()))
+
+
+@pytest.mark.parametrize("path", LAUNCHER_CONFIGS, ids=lambda p: p.name)
+def test_launcher_node_types_host_the_multi_gpu_replicas(path):
+    launcher, args = load(path), app_args(load(CLUSTER / "serve" / "multi-gpu.yaml"))
+    types = launcher["available_node_types"]
+    assert launcher["head_node_type"] in types
+    for role in ("draft", "verifier"):
+        replicas = getattr(args, role)
+        (resource,) = replicas.resources
+        (hosts,) = [t for t in types.values() if resource in t["resources"]]
+        assert hosts["resources"].get("GPU", 0) >= replicas.num_gpus * hosts["resources"][resource] / replicas.resources[resource]
+        assert hosts["min_workers"] <= hosts["max_workers"] and hosts["idle_timeout_s"] > 0
+    assert any("pip install -e" in command for command in launcher["setup_commands"])
+
+
+# ------------------------------------------------------------------------------------------------
+# KubeRay
+
+def test_rayservice_embeds_the_multi_gpu_serve_config():
+    service = kuberay("rayservice.yaml")
+    assert service["kind"] == "RayService" and service["metadata"]["name"]
+    embedded = yaml.safe_load(service["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(embedded)
+    assert embedded == load(CLUSTER / "serve" / "multi-gpu.yaml")
+
+
+def test_rayservice_worker_groups_host_their_replicas():
+    spec = kuberay("rayservice.yaml")["spec"]
+    cluster = spec["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True and cluster["rayVersion"] == ray.__version__
+    assert cluster["headGroupSpec"]["template"]["spec"]["containers"]
+    args = app_args(yaml.safe_load(spec["serveConfigV2"]))
+    groups = cluster["workerGroupSpecs"]
+    for group in groups:
+        assert group["groupName"] and 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    for role in ("draft", "verifier"):
+        replicas = getattr(args, role)
+        (resource,) = replicas.resources
+        (group,) = [g for g in groups if resource in worker_group_resources(g)]
+        hosted = worker_group_resources(group)[resource] / replicas.resources[resource]
+        assert gpu_limit(group["template"]) == replicas.num_gpus * hosted, role
+
+
+def test_rayjob_runs_data_generation_then_head_training():
+    job = kuberay("rayjob.yaml")
+    spec = job["spec"]
+    assert job["kind"] == "RayJob" and job["metadata"]["name"]
+    entrypoint = spec["entrypoint"]
+    assert entrypoint.index("specdec gen-data --config") < entrypoint.index("specdec train-head --config")
+    cluster = spec["rayClusterSpec"]
+    assert cluster["rayVersion"] == ray.__version__ and cluster["headGroupSpec"]["template"]["spec"]["containers"]
+    assert all(gpu_limit(g["template"]) >= 1 for g in cluster["workerGroupSpecs"])
+    assert spec["shutdownAfterJobFinishes"] is True
+
+
+def test_kuberay_images_are_the_one_the_dockerfile_builds():
+    dockerfile = (CLUSTER / "kuberay" / "Dockerfile").read_text()
+    assert f"rayproject/ray:{ray.__version__}-" in dockerfile and "pip install --no-cache-dir -e" in dockerfile
+    for name in ("rayservice.yaml", "rayjob.yaml"):
+        spec = kuberay(name)["spec"]
+        cluster = spec.get("rayClusterConfig") or spec["rayClusterSpec"]
+        templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+        images = {c["image"] for t in templates for c in t["spec"]["containers"]}
+        assert len(images) == 1, (name, images)

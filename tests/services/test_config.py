@@ -1,0 +1,31 @@
+"""services.config: replica options are checked where the config is read, before Ray sees them."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from services.config import AppConfig, ReplicaConfig
+
+
+def test_misspelt_autoscaling_key_is_rejected():
+    # Serve's AutoscalingConfig itself would ignore the key and scale with its defaults.
+    with pytest.raises(ValidationError, match="max_replica"):
+        ReplicaConfig(autoscaling={"min_replicas": 1, "max_replica": 4})
+
+
+def test_inconsistent_autoscaling_is_rejected_by_serves_own_rules():
+    with pytest.raises(ValidationError, match="max_replicas"):
+        ReplicaConfig(autoscaling={"min_replicas": 3, "max_replicas": 1})
+
+
+@pytest.mark.parametrize("resources", [{"GPU": 1}, {"CPU": 2}, {"draft_node": -1}])
+def test_resources_are_custom_and_non_negative(resources):
+    with pytest.raises(ValidationError):
+        ReplicaConfig(resources=resources)
+
+
+def test_defaults_leave_serves_defaults_alone():
+    replicas = AppConfig().draft
+    assert replicas.resources == {} and replicas.health_check_timeout_s is None
+    assert replicas.graceful_shutdown_timeout_s is None
