@@ -104,6 +104,66 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_forever(config, args.host, args.http_port, args.grpc_port)
 
 
+def start_ray(address: str | None) -> None:
+    """Connect to `address` (ray job submit sets $RAY_ADDRESS), else start a private local instance:
+    never attach to some other Ray that happens to run on this machine."""
+    import os
+
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "local", log_to_driver=True)
+
+
+def cmd_gen_data(args: argparse.Namespace) -> int:
+    from specdec.training.config import load_config
+    from specdec.training.data import generate_dataset
+
+    config = load_config(args.config)
+    start_ray(args.address)
+    manifest = generate_dataset(config)
+    counts = manifest["counts"]
+    print(f"{config.data.dir}: {counts['sequences']} sequences, {counts['tokens']} labelled tokens "
+          f"in {counts['shards']} shards ({'complete' if manifest['complete'] else 'incomplete'})", file=sys.stderr)
+    return 0
+
+
+def cmd_train_head(args: argparse.Namespace) -> int:
+    from specdec.training.config import load_config
+    from specdec.training.train import check_dataset, sweep_heads, train_head
+
+    config = load_config(args.config)
+    train = config.require_train()
+    check_dataset(config)  # a foreign, empty or corrupt dataset fails before Ray starts
+    start_ray(args.address)
+    if args.sweep:
+        summary = sweep_heads(config)
+        best = summary["best"]
+        print(f"best of {len(summary['runs'])} runs by validation {summary['select_by']}: D={best['depth']} "
+              f"w_rej={best['w_rej']:g}; head saved to {train.output}", file=sys.stderr)
+        return 0
+    final = train_head(config)["epochs"][-1]
+    print(f"head saved to {train.output}: epoch {final['epoch']}, validation AUROC {final['val_auroc']:.3f}, "
+          f"ECE {final['val_ece']:.3f}, KL {final['val_kl']:.4f}", file=sys.stderr)
+    return 0
+
+
+def add_training_parsers(commands) -> None:
+    gen = commands.add_parser("gen-data", help="generate the acceptance head's training data on Ray (resumable)")
+    gen.add_argument("--config", required=True, help="pipeline YAML (see cluster/training/)")
+    gen.add_argument("--address", default=None, help="Ray address (default $RAY_ADDRESS, else a new local instance)")
+    gen.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    gen.set_defaults(func=cmd_gen_data)
+
+    train = commands.add_parser("train-head", help="train the acceptance head with Ray Train (resumable)")
+    train.add_argument("--config", required=True, help="pipeline YAML (see cluster/training/)")
+    train.add_argument("--sweep", action="store_true", help="train every (depth, w_rej) of the sweep section "
+                                                            "and keep the best on validation")
+    train.add_argument("--address", default=None, help="Ray address (default $RAY_ADDRESS, else a new local instance)")
+    train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    train.set_defaults(func=cmd_train_head)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="SpecDec++ speculative decoding")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -134,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--target-shards", type=int, default=1, help="devices per verifier replica")
     serve.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     serve.set_defaults(func=cmd_serve)
+
+    add_training_parsers(commands)
 
     from clients.cli import add_client_parser
 

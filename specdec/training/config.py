@@ -1,0 +1,213 @@
+"""The configuration of the training pipeline: one YAML file for `specdec gen-data` and
+`specdec train-head` (examples in cluster/training/).
+
+Sections: `models` (the pair), `data` (prompts, responses, labels, where shards go), `scaling`
+(Ray workers: the only section that changes between this CPU and a GPU cluster), `train` (the
+head and its optimisation) and `sweep` (the D x w_rej grid chosen on validation). Every model
+forbids unknown keys, and a bad file fails as one line before any Ray or model work.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from specdec.builder import EngineConfig
+from specdec.errors import SpecDecError
+from specdec.head import MAX_DEPTH
+from specdec.models.formats import WeightFormat
+from specdec.policies import POLICY_NAMES, PolicyConfig
+from specdec.sampling import SamplingParams
+from specdec.training.mixing import OFFICIAL_TARGET_TOKEN_RATIO
+
+PROMPT_SOURCES = ("stdlib-docstrings",)
+SELECT_BY = {"kl": "min", "auroc": "max", "ece": "min", "loss": "min"}  # validation metric -> better
+
+
+class ConfigError(SpecDecError, ValueError):
+    """A training config that cannot be used (unknown key, impossible value, unreadable file)."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*")
+    @classmethod
+    def _finite(cls, value):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+def _expand(path: str) -> str:
+    return str(Path(path).expanduser())
+
+
+class ModelsSection(Strict):
+    draft: str = "default"
+    target: str = "default"
+    cache_dir: str | None = None
+    draft_format: WeightFormat = "auto"
+    target_format: WeightFormat = "auto"
+
+    def engine_config(self, threads: int | None = None) -> EngineConfig:
+        return EngineConfig(draft=self.draft, target=self.target, cache_dir=self.cache_dir,
+                            draft_format=self.draft_format, target_format=self.target_format, threads=threads)
+
+
+class PromptsSection(Strict):
+    source: Literal["stdlib-docstrings"] = "stdlib-docstrings"
+    train: int | None = Field(None, ge=1, description="train prompts to generate (None: all)")
+    validation: int | None = Field(None, ge=1, description="validation prompts to generate (None: all)")
+    validation_fraction: float = Field(0.05, gt=0.0, lt=1.0)
+    max_prompt_tokens: int = Field(512, ge=8)
+
+
+class ResponseSection(Strict):
+    """How the target's response X is produced (through the engine: lossless, so any policy)."""
+
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    max_new_tokens: int = Field(256, ge=1)
+    policy: str = "fixed"
+    k: int | None = Field(8, ge=1)
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        if name not in POLICY_NAMES or name in ("specdec++", "oracle"):
+            raise ValueError(f"must be a policy that needs no head or hindsight, not {name!r}")
+        return name
+
+    def sampling(self, seed: int) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=seed)
+
+    def policy_config(self) -> PolicyConfig:
+        return PolicyConfig(name=self.policy, k=self.k)
+
+
+class LabelsSection(Strict):
+    """The transform p and q go through before Y_i ~ q_i and P_i = min(1, p_i(Y_i)/q_i(Y_i));
+    temperature 0 labels greedy verification (one-hot argmax, exact match)."""
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+
+class DataSection(Strict):
+    dir: str = Field(min_length=1, description="shards and manifest.json")
+    prompts: PromptsSection = PromptsSection()
+    response: ResponseSection = ResponseSection()
+    labels: LabelsSection = LabelsSection()
+    seed: int = Field(0, ge=0)
+    shard_size: int = Field(8, ge=1, description="prompts per shard (the unit of resume)")
+
+    _expand_dir = field_validator("dir")(_expand)
+
+
+class ScalingSection(Strict):
+    """Ray workers for both steps: generation actors and Ray Train workers."""
+
+    num_workers: int = Field(1, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0.0)
+    threads: int | None = Field(None, ge=1, description="torch threads per worker (None: Ray's OMP setting)")
+
+
+class TrainSection(Strict):
+    storage: str = Field(min_length=1, description="Ray Train storage path: checkpoints and the feature cache")
+    name: str = Field("head", min_length=1, pattern=r"^[\w.-]+$", description="run name (resume key)")
+    output: str = Field(min_length=1, description="where the final head is saved")
+    depth: int = Field(3, ge=0, le=MAX_DEPTH)
+    w_acc: float = Field(1.0, ge=0.0)
+    w_rej: float = Field(6.0, ge=0.0)
+    mixing_ratio: float = Field(OFFICIAL_TARGET_TOKEN_RATIO, ge=0.0, lt=1.0)
+    mixing_seed: int = Field(0, ge=0)
+    reduction: Literal["mean", "weighted_mean"] = "mean"
+    epochs: int = Field(10, ge=1)
+    batch_size: int = Field(512, ge=1)
+    lr: float = Field(1e-3, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    seed: int = Field(0, ge=0)
+    feature_batch_tokens: int = Field(4096, ge=1, description="tokens per draft forward when caching features")
+
+    _expand_paths = field_validator("storage", "output")(_expand)
+
+    @model_validator(mode="after")
+    def _some_weight(self):
+        if self.w_acc == 0.0 and self.w_rej == 0.0:
+            raise ValueError("w_acc and w_rej cannot both be 0")
+        return self
+
+
+class SweepSection(Strict):
+    depths: list[int] = Field(default_factory=lambda: list(range(MAX_DEPTH + 1)), min_length=1)
+    w_rej: list[float] = Field(default_factory=lambda: [1.0, 3.0, 6.0, 12.0], min_length=1)
+    select_by: Literal["kl", "auroc", "ece", "loss"] = "kl"
+
+    @field_validator("depths")
+    @classmethod
+    def _depths(cls, depths: list[int]) -> list[int]:
+        if any(not 0 <= d <= MAX_DEPTH for d in depths):
+            raise ValueError(f"each depth must lie in 0..{MAX_DEPTH}")
+        return depths
+
+    @field_validator("w_rej")
+    @classmethod
+    def _weights(cls, weights: list[float]) -> list[float]:
+        if any(not (math.isfinite(w) and w > 0) for w in weights):
+            raise ValueError("each w_rej must be a positive number")
+        return weights
+
+
+class PipelineConfig(Strict):
+    models: ModelsSection = ModelsSection()
+    data: DataSection
+    scaling: ScalingSection = ScalingSection()
+    train: TrainSection | None = None
+    sweep: SweepSection = SweepSection()
+
+    def require_train(self) -> TrainSection:
+        if self.train is None:
+            raise ConfigError("the config has no `train` section")
+        return self.train
+
+
+def load_config(path: str | Path) -> PipelineConfig:
+    """Read and validate a YAML config; every problem is one line naming the file and the key."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (models, data, scaling, train, sweep)")
+    return parse_config(raw, source=str(path))
+
+
+def parse_config(raw: dict, source: str = "config") -> PipelineConfig:
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {config_error_message(exc)}") from None
+
+
+def config_error_message(exc: ValidationError) -> str:
+    """`train.w_rej: Input should be greater than or equal to 0` / `data.bogus: unknown key`."""
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"]) or "config"
+    if error["type"] == "extra_forbidden":
+        return f"{where}: unknown key"
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{where}: {message}"

@@ -1,0 +1,113 @@
+"""Training and validation prompts from Python's standard library docstrings (real text, offline).
+
+HumanEval is the test set (specdec/prompts.py): the head and its threshold must never see it. The
+training prompts are coding instructions made from the public functions, classes and methods of the
+stdlib's pure-Python modules that carry a docstring:
+
+    Write a Python function `dedent(text)`.
+
+    Remove any common leading whitespace from every line in `text`. ...
+
+The source files are parsed with `ast`, never imported: importing every stdlib module has side
+effects (`antigravity` opens a browser, `this` prints), and parsing gives the same list on every
+machine with the same Python version, which the manifest records.
+
+Order and split are fixed by a hash of each prompt's id (`module:qualname`): sorting by it spreads
+any prefix of the list over all modules, and the validation split is the ids whose hash falls in the
+first `validation_fraction` of the range, so it does not move when other prompts come or go.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+SOURCE_NAME = "stdlib-docstrings"
+# Packages whose docstrings are tests, demos, or not code at all.
+EXCLUDED_TOP_LEVEL = frozenset({"test", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip",
+                                "antigravity", "this", "__phello__", "site-packages"})
+MIN_DOCSTRING_CHARS = 40  # shorter docstrings ("Return self.") describe nothing worth writing
+MAX_DOCSTRING_CHARS = 1200
+HASH_BUCKETS = 1 << 32
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str  # "module:qualname", e.g. "textwrap:dedent"
+    text: str
+    split: str  # "train" or "validation"
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def source_description(count: int) -> str:
+    """The string the manifest records: what the prompts are and where they came from."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
+    return (f"{SOURCE_NAME}: instructions from the docstrings of public functions, classes and methods in "
+            f"CPython {version}'s standard library (ast over {stdlib_root()}), {count} prompts")
+
+
+def stdlib_prompts(validation_fraction: float, root: Path | None = None) -> list[Prompt]:
+    """All prompts, in hash order, each tagged with its split."""
+    if not 0.0 < validation_fraction < 1.0:
+        raise ValueError(f"validation_fraction must lie in (0, 1), got {validation_fraction}")
+    found: dict[str, str] = {}
+    for module, path in _module_files(root or stdlib_root()):
+        for prompt_id, text in _file_prompts(module, path):
+            found.setdefault(prompt_id, text)
+    cut = int(validation_fraction * HASH_BUCKETS)
+    ordered = sorted(found, key=prompt_hash)
+    return [Prompt(pid, found[pid], "validation" if prompt_hash(pid) < cut else "train") for pid in ordered]
+
+
+def prompt_hash(prompt_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(prompt_id.encode()).digest()[:4], "big")
+
+
+def instruction(signature: str, docstring: str, owner: str | None = None) -> str:
+    what = f"the method `{signature}` of a class `{owner}`" if owner else f"a Python function `{signature}`"
+    return f"Write {what}.\n\n{docstring}"
+
+
+def _module_files(root: Path):
+    """(dotted module name, file) for every public stdlib source file, sorted; prunes excluded trees."""
+    found = []
+    for folder, subdirs, files in os.walk(root):
+        rel = Path(folder).relative_to(root).parts
+        subdirs[:] = [d for d in subdirs if not (rel == () and d in EXCLUDED_TOP_LEVEL) and d not in ("test", "tests")
+                      and not d.startswith(("_", ".")) and (Path(folder, d, "__init__.py").is_file())]
+        for name in files:
+            if name.endswith(".py") and (name == "__init__.py" or not name.startswith("_")):
+                parts = (*rel, name[:-3])
+                if parts[0] not in EXCLUDED_TOP_LEVEL:
+                    found.append((".".join(parts[:-1] if parts[-1] == "__init__" else parts), Path(folder, name)))
+    return sorted(found)
+
+
+def _file_prompts(module: str, path: Path):
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except (SyntaxError, UnicodeDecodeError, ValueError):  # a few stdlib files are templates or bytes
+        return
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
+            yield from _function_prompt(module, None, node)
+        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and not item.name.startswith("_"):
+                    yield from _function_prompt(module, node.name, item)
+
+
+def _function_prompt(module: str, owner: str | None, node: ast.FunctionDef | ast.AsyncFunctionDef):
+    docstring = ast.get_docstring(node, clean=True)
+    if not docstring or not MIN_DOCSTRING_CHARS <= len(docstring) <= MAX_DOCSTRING_CHARS:
+        return
+    qualname = f"{owner}.{node.name}" if owner else node.name
+    yield f"{module}:{qualname}", instruction(f"{node.name}({ast.unparse(node.args)})", docstring, owner)

@@ -1,0 +1,336 @@
+"""Training the acceptance head as a Ray Train job (paper §3.3; `specdec train-head`).
+
+Steps, each its own function:
+
+1. `check_dataset`: the manifest's draft identity must be the draft being trained, every shard
+   non-empty and intact (sha256) -- all before any Ray work.
+2. `cache_features` (a Ray task, on a GPU when the scaling section asks for one): for every
+   sequence one mixing draw Z (r of the tokens from the target's X, the rest from the draft's Y,
+   seeded per prompt), one frozen-draft forward pass over prompt + Z, and the final hidden state
+   e_i(prompt, Z_<i, Y_i) kept at the positions that took Y_i, with P_i and the response position.
+   Saved once as a tensor file in the run's storage directory, keyed by the data's shards, the
+   draft and the mixing settings.
+   Why cache: the draft's forward pass is >99% of the compute (a 0.5B model against a head of a few
+   MB) and does not depend on the head, so every epoch, every resumed run and all 20 runs of the D x
+   w_rej sweep read the same features instead of re-running the draft; on this CPU that turns hours
+   into seconds. The price is one fixed mixing draw per sequence instead of a fresh one per epoch
+   (the paper's recipe does not redraw either: its data are generated once).
+3. `TorchTrainer` with `train_loop`: weighted BCE (loss.py) on the cached features, data parallel
+   over the scaling section's workers; after every epoch the validation metrics (evaluation.py:
+   loss, binary KL, AUROC, ECE with reliability data, per position) are reported with a checkpoint
+   through `ray.train.report`. Re-running with the same `train.storage` and `train.name` resumes
+   from the latest checkpoint (Ray Train restores the run; `ray.train.get_checkpoint` hands it to
+   the loop), so raising `epochs` continues a finished run.
+4. The last checkpoint's head is saved in specdec.head's format (with the draft's identity) plus
+   `training.json` (settings, data counts, per-epoch history, final metrics).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from specdec.errors import SpecDecError
+from specdec.head import AcceptanceHead, HeadConfig
+from specdec.training.config import SELECT_BY, ConfigError, PipelineConfig, TrainSection
+from specdec.training.data import SPLITS, load_dataset
+from specdec.training.evaluation import evaluate_head
+from specdec.training.loss import weighted_bce_loss
+from specdec.training.mixing import mix_tokens
+
+FEATURES_SUBDIR = "features"
+STATE_FILE, METRICS_FILE, HISTORY_FILE = "state.pt", "metrics.json", "history.json"
+REPORT_FILE = "training.json"
+FEATURE_DTYPE = torch.float16  # halves the cache; the head trains in fp32
+CHECKPOINTS_TO_KEEP = 2
+# Settings that may change when a run resumes (all others would make the checkpoint meaningless).
+RESUMABLE_CHANGES = ("epochs", "output")
+
+
+# -- features ------------------------------------------------------------------------------------
+
+def mixing_generator(seed: int, prompt_id: str) -> torch.Generator:
+    digest = hashlib.sha256(f"mix\0{seed}\0{prompt_id}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") >> 1)
+
+
+@torch.inference_mode()
+def sequence_features(draft_model, row: dict, ratio: float, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden [M, H], labels [M], positions [M]) at the M draft positions of one mixed sequence.
+
+    The draft reads prompt + Z; its final hidden state at response position i is e(prompt, Z_<i, Z_i),
+    which is e(prompt, Z_<i, Y_i) exactly where Z_i was taken from Y (mixing.py)."""
+    x = torch.tensor(row["response_ids"], dtype=torch.long)  # [N]
+    y = torch.tensor(row["draft_ids"], dtype=torch.long)  # [N]
+    z, is_draft = mix_tokens(x, y, ratio, mixing_generator(seed, row["prompt_id"]))  # [N], [N]
+    device = next(draft_model.parameters()).device
+    ids = torch.tensor([list(row["prompt_ids"]) + z.tolist()], dtype=torch.long, device=device)
+    hidden = draft_model.model(input_ids=ids).last_hidden_state[0, -len(x):]  # [N, H]
+    labels = torch.tensor(row["labels"], dtype=torch.float32)
+    positions = torch.arange(len(x))
+    return hidden.cpu()[is_draft].to(FEATURE_DTYPE), labels[is_draft], positions[is_draft]
+
+
+def feature_key(manifest: dict, train: TrainSection) -> str:
+    shards = [s["sha256"] for s in manifest["shards"]]
+    blob = json.dumps([manifest["settings"]["draft_identity"], shards, train.mixing_ratio, train.mixing_seed])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def compute_features(config: PipelineConfig, data_dir: str, out_path: str) -> str:
+    """Run the frozen draft over every sequence once and save the features (see module docstring)."""
+    from tqdm.auto import tqdm
+
+    from specdec.builder import build_draft
+
+    train, scaling = config.require_train(), config.scaling
+    if scaling.threads:
+        torch.set_num_threads(scaling.threads)
+    manifest, rows = load_dataset(data_dir)
+    draft, _ = build_draft(config.models.engine_config(scaling.threads), progress=False)
+    model = draft.model
+    if scaling.use_gpu and torch.cuda.is_available():
+        model = model.to("cuda")
+    features = {}
+    for split in SPLITS:
+        hidden, labels, positions = [], [], []
+        for row in tqdm([r for r in rows if r["split"] == split and r["labels"]], desc=f"features ({split})",
+                        unit="seq"):
+            h, p, pos = sequence_features(model, row, train.mixing_ratio, train.mixing_seed)
+            hidden.append(h), labels.append(p), positions.append(pos)
+        size = draft.hidden_size
+        features[split] = {
+            "hidden": torch.cat(hidden) if hidden else torch.empty(0, size, dtype=FEATURE_DTYPE),
+            "labels": torch.cat(labels) if labels else torch.empty(0),
+            "positions": torch.cat(positions) if positions else torch.empty(0, dtype=torch.long),
+        }
+    features["hidden_size"] = draft.hidden_size
+    features["draft_identity"] = manifest["settings"]["draft_identity"]
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    partial = out_path + ".partial"
+    torch.save(features, partial)
+    os.replace(partial, out_path)
+    return out_path
+
+
+# -- the Ray Train loop --------------------------------------------------------------------------
+
+def train_loop(loop_config: dict) -> None:
+    """Runs on every Ray Train worker: the head on cached features, one report per epoch."""
+    import ray.train
+    import ray.train.torch
+
+    train = TrainSection(**loop_config["train"])
+    features = torch.load(loop_config["features"], weights_only=True)
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    torch.manual_seed(train.seed)
+    head = AcceptanceHead(HeadConfig(hidden_size=features["hidden_size"], depth=train.depth,
+                                     draft_identity=features["draft_identity"]))
+    optimizer = torch.optim.AdamW(head.parameters(), lr=train.lr, weight_decay=train.weight_decay)
+    start_epoch, history = 0, []
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as directory:
+            state = torch.load(Path(directory) / STATE_FILE, weights_only=True)
+            history = json.loads((Path(directory) / HISTORY_FILE).read_text())
+        head.load_state_dict(state["head"])
+        optimizer.load_state_dict(state["optimizer"])
+        start_epoch = state["epoch"]
+    model = ray.train.torch.prepare_model(head)
+    device = ray.train.torch.get_device()
+
+    train_set, val_set = features["train"], features["validation"]
+    per_worker = len(train_set["labels"]) // world  # equal shares: every worker takes the same number of steps
+    for epoch in range(start_epoch, train.epochs):
+        order = torch.randperm(len(train_set["labels"]), generator=torch.Generator().manual_seed(train.seed + epoch))
+        train_loss = train_epoch(model, optimizer, train_set, order[rank * per_worker:(rank + 1) * per_worker],
+                                 train, device)
+        metrics, full = validate(head, val_set, train, device)
+        metrics.update(epoch=epoch + 1, train_loss=train_loss, resumed_from_epoch=start_epoch)
+        history.append(metrics)
+        if rank == 0:
+            with tempfile.TemporaryDirectory() as directory:
+                torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1},
+                           Path(directory) / STATE_FILE)
+                (Path(directory) / METRICS_FILE).write_text(json.dumps(full, indent=2) + "\n")
+                (Path(directory) / HISTORY_FILE).write_text(json.dumps(history, indent=2) + "\n")
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+        else:
+            ray.train.report(metrics)
+
+
+def train_epoch(model, optimizer, train_set: dict, order: torch.Tensor, train: TrainSection, device="cpu") -> float:
+    """One pass over train_set's rows in `order` (this worker's share); returns the mean loss."""
+    model.train()
+    total, count = 0.0, 0
+    for start in range(0, len(order), train.batch_size):
+        index = order[start:start + train.batch_size]
+        hidden = train_set["hidden"][index].float().to(device)  # [B, H]
+        labels = train_set["labels"][index].to(device)  # [B]
+        loss = weighted_bce_loss(model(hidden), labels, w_acc=train.w_acc, w_rej=train.w_rej,
+                                 reduction=train.reduction)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        total, count = total + float(loss) * len(index), count + len(index)
+    return total / max(count, 1)
+
+
+@torch.no_grad()
+def validate(head: AcceptanceHead, val_set: dict, train: TrainSection, device) -> tuple[dict, dict]:
+    """(scalar metrics for ray.train.report, the full metrics with reliability and per position)."""
+    head.eval()
+    logits = torch.cat([head(val_set["hidden"][i:i + train.batch_size].float().to(device)).cpu()
+                        for i in range(0, len(val_set["labels"]), train.batch_size)] or [torch.empty(0)])
+    labels = val_set["labels"]
+    result = evaluate_head(logits, labels, positions=val_set["positions"])
+    loss = float(weighted_bce_loss(logits, labels, w_acc=train.w_acc, w_rej=train.w_rej, reduction=train.reduction))
+    scalars = {f"val_{k}": v for k, v in result.scalars().items()}
+    scalars["val_loss"] = loss
+    return scalars, {"val_loss": loss, **result.to_dict()}
+
+
+# -- the job -------------------------------------------------------------------------------------
+
+def check_dataset(config: PipelineConfig) -> tuple[dict, str, str]:
+    """(manifest, draft identity, draft name) after checking the data belong to this draft; no Ray."""
+    from specdec.models.sources import model_identity, resolve_model
+
+    draft_dir = resolve_model(config.models.draft, role="draft", cache=config.models.cache_dir)
+    identity = model_identity(draft_dir)
+    manifest, rows = load_dataset(config.data.dir, draft_identity=identity)
+    counts = {split: sum(len(r["labels"]) for r in rows if r["split"] == split) for split in SPLITS}
+    if not counts["train"] or not counts["validation"]:
+        raise SpecDecError(f"dataset {config.data.dir} needs labelled tokens in both splits "
+                           f"(train {counts['train']}, validation {counts['validation']})")
+    return manifest, identity, config.models.draft
+
+
+def ensure_features(config: PipelineConfig, manifest: dict) -> str:
+    import ray
+
+    train = config.require_train()
+    path = Path(train.storage).resolve() / FEATURES_SUBDIR / f"{feature_key(manifest, train)}.pt"
+    if path.is_file():
+        return str(path)
+    if not config.scaling.use_gpu:  # in this process: a CPU task would only add a worker's start-up
+        return compute_features(config, str(Path(config.data.dir).resolve()), str(path))
+    task = ray.remote(compute_features).options(num_cpus=config.scaling.cpus_per_worker,
+                                                num_gpus=1 if config.scaling.use_gpu else 0)
+    return ray.get(task.remote(config, str(Path(config.data.dir).resolve()), str(path)))
+
+
+def check_run_settings(train: TrainSection) -> None:
+    """A run name resumes only the run it started: refuse other settings under the same name."""
+    path = Path(train.storage).resolve() / f"{train.name}.settings.json"
+    wanted = train.model_dump(exclude=set(RESUMABLE_CHANGES))
+    if path.is_file():
+        found = json.loads(path.read_text())
+        changed = sorted(k for k in wanted if found.get(k) != wanted[k])
+        if changed:
+            raise ConfigError(f"run {train.name!r} in {train.storage} was started with other settings "
+                              f"({', '.join(changed)}); choose another train.name to start a new run")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(wanted, indent=2) + "\n")
+
+
+def fit_head(config: PipelineConfig, train: TrainSection, features: str):
+    """One TorchTrainer run; returns Ray Train's Result (its checkpoint holds the last epoch)."""
+    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    check_run_settings(train)
+    scaling = config.scaling
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"train": train.model_dump(), "features": features},
+        scaling_config=ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu,
+                                     resources_per_worker={"CPU": scaling.cpus_per_worker}),
+        run_config=RunConfig(name=train.name, storage_path=str(Path(train.storage).resolve()),
+                             checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_TO_KEEP)),
+    )
+    return trainer.fit()
+
+
+def save_result(result, train: TrainSection, draft_identity: str, draft_name: str, manifest: dict) -> dict:
+    """Save the head of the run's last checkpoint to `train.output` with its report; returns the report."""
+    if result.checkpoint is None:
+        raise SpecDecError(f"training run {train.name!r} produced no checkpoint")
+    with result.checkpoint.as_directory() as directory:
+        state = torch.load(Path(directory) / STATE_FILE, weights_only=True)
+        final = json.loads((Path(directory) / METRICS_FILE).read_text())
+        history = json.loads((Path(directory) / HISTORY_FILE).read_text())
+    hidden_size = state["head"]["out.weight"].shape[1]
+    head = AcceptanceHead(HeadConfig(hidden_size=hidden_size, depth=train.depth, draft_identity=draft_identity,
+                                     draft_name=draft_name))
+    head.load_state_dict(state["head"])
+    head.save(train.output)
+    report = {"train": train.model_dump(), "data": {"dir": manifest.get("dir"), "counts": manifest["counts"],
+                                                     "prompt_source": manifest.get("prompt_source")},
+              "epochs": history, "final": final}
+    (Path(train.output) / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def train_head(config: PipelineConfig) -> dict:
+    """`specdec train-head`: check, cache features, train, save. Returns the training report."""
+    import ray
+
+    train = config.require_train()
+    manifest, identity, name = check_dataset(config)  # bad data fail here, before Ray starts
+    manifest["dir"] = config.data.dir
+    if not ray.is_initialized():
+        ray.init()
+    features = ensure_features(config, manifest)
+    return save_result(fit_head(config, train, features), train, identity, name, manifest)
+
+
+def select_run(runs: list[dict], metric: str) -> dict:
+    """The run with the best final `val_<metric>` (lower is better but for AUROC); NaN never wins."""
+    scored = [r for r in runs if not math.isnan(r[f"val_{metric}"])]
+    if not scored:
+        raise SpecDecError(f"no sweep run has a defined validation {metric}")
+    return (max if SELECT_BY[metric] == "max" else min)(scored, key=lambda r: r[f"val_{metric}"])
+
+
+def sweep_heads(config: PipelineConfig) -> dict:
+    """`specdec train-head --sweep`: one run per (D, w_rej) on the same cached features; the head
+    with the best final validation metric (`sweep.select_by`) is saved to `train.output`.
+
+    The default criterion is AUROC: w_rej > 1 shifts predictions down on purpose, so calibration
+    metrics (KL, ECE) always favour w_rej = 1, while the threshold h, chosen later on validation
+    prompts, can absorb a shift but not a poor ranking."""
+    import ray
+
+    train = config.require_train()
+    manifest, identity, name = check_dataset(config)
+    manifest["dir"] = config.data.dir
+    if not ray.is_initialized():
+        ray.init()
+    features = ensure_features(config, manifest)
+    sweep, runs, metric = config.sweep, [], config.sweep.select_by
+    for depth in sweep.depths:
+        for w_rej in sweep.w_rej:
+            run = train.model_copy(update={"depth": depth, "w_rej": w_rej, "name": f"{train.name}-D{depth}-wrej{w_rej:g}",
+                                           "output": str(Path(train.output) / "sweep" / f"D{depth}-wrej{w_rej:g}")})
+            report = save_result(fit_head(config, run, features), run, identity, name, manifest)
+            value = report["epochs"][-1][f"val_{metric}"]
+            runs.append({"depth": depth, "w_rej": w_rej, "output": run.output, f"val_{metric}": value,
+                         **{k: report["epochs"][-1][k] for k in ("val_kl", "val_auroc", "val_ece", "val_loss")}})
+    best = select_run(runs, metric)
+    chosen = train.model_copy(update={"depth": best["depth"], "w_rej": best["w_rej"]})
+    from specdec.head import load_head
+
+    load_head(best["output"]).save(chosen.output)
+    summary = {"select_by": metric, "best": best, "runs": runs}
+    report = json.loads((Path(best["output"]) / REPORT_FILE).read_text())
+    report["sweep"] = summary
+    (Path(chosen.output) / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    return summary

@@ -1,0 +1,42 @@
+"""Fixtures for the training pipeline tests: one private local Ray instance, a tiny config."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.training.stdlib_prompts import Prompt
+
+TINY_PROMPTS = [Prompt(f"tiny:{i}", f"Write a function number {i} that adds {i}.", "validation" if i < 2 else "train")
+                for i in range(7)]
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A local Ray instance for this session only (never the shared cluster, never `ray stop`)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+def tiny_config(tiny_pair, tmp_path, **train) -> dict:
+    draft, target = tiny_pair
+    return {
+        "models": {"draft": str(draft), "target": str(target)},
+        "data": {"dir": str(tmp_path / "data"), "shard_size": 3, "seed": 1,
+                 "response": {"temperature": 1.0, "max_new_tokens": 12, "policy": "fixed", "k": 3}},
+        "scaling": {"num_workers": 2, "threads": 1},
+        "train": {"storage": str(tmp_path / "runs"), "output": str(tmp_path / "head"), "depth": 1,
+                  "epochs": 1, "batch_size": 16, "lr": 1e-2, **train},
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tiny_pair, tmp_path_factory, ray_local):
+    """(raw config dict, manifest) of a dataset generated once on the tiny pair by two Ray workers."""
+    from specdec.training.config import parse_config
+    from specdec.training.data import generate_dataset
+
+    raw = tiny_config(tiny_pair, tmp_path_factory.mktemp("pipeline"))
+    return raw, generate_dataset(parse_config(raw), prompts=TINY_PROMPTS, progress=False)

@@ -1,0 +1,85 @@
+"""The pipeline's YAML config: shipped examples load, unknown keys and impossible values are one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specdec.training.config import ConfigError, load_config, parse_config
+
+SHIPPED = sorted((Path(__file__).parents[3] / "cluster" / "training").glob("*.yaml"))
+MINIMAL = {"data": {"dir": "d"}, "train": {"storage": "s", "output": "o"}}
+
+
+def with_change(section: str, key: str, value) -> dict:
+    raw = {k: dict(v) for k, v in MINIMAL.items()}
+    raw.setdefault(section, {})[key] = value
+    return raw
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    config = load_config(path)
+    assert config.train is not None and config.data.prompts.source == "stdlib-docstrings"
+
+
+def test_gpu_config_differs_only_in_scaling():
+    cpu, gpu = (yaml.safe_load((SHIPPED[0].parent / name).read_text()) for name in ("default-pair.yaml", "gpu.yaml"))
+    assert {k for k in cpu if cpu[k] != gpu.get(k)} == {"scaling"}
+    assert load_config(SHIPPED[0].parent / "gpu.yaml").scaling.use_gpu
+
+
+def test_defaults_follow_the_paper():
+    config = parse_config(MINIMAL)
+    assert (config.train.depth, config.train.w_acc, config.train.w_rej, config.train.mixing_ratio) == (3, 1.0, 6.0, 0.15)
+    assert config.sweep.depths == [0, 1, 2, 3, 4] and config.sweep.w_rej == [1.0, 3.0, 6.0, 12.0]
+
+
+@pytest.mark.parametrize("raw, message", [
+    (with_change("train", "bogus", 1), "train.bogus: unknown key"),
+    ({**MINIMAL, "extra_section": {}}, "extra_section: unknown key"),
+    (with_change("train", "depth", 5), "train.depth: Input should be less than or equal to 4"),
+    (with_change("train", "w_rej", -1), "train.w_rej"),
+    (with_change("train", "mixing_ratio", 1.0), "train.mixing_ratio"),
+    (with_change("train", "lr", float("nan")), "train.lr"),
+    (with_change("scaling", "num_workers", 0), "scaling.num_workers"),
+    (with_change("data", "shard_size", 0), "data.shard_size"),
+    (with_change("sweep", "depths", [0, 7]), "sweep.depths: each depth must lie in 0..4"),
+    (with_change("sweep", "w_rej", [0]), "sweep.w_rej"),
+    (with_change("sweep", "select_by", "accuracy"), "sweep.select_by"),
+    ({"data": {"dir": "d", "response": {"policy": "specdec++"}}}, "data.response.policy"),
+    ({"data": {"dir": "d", "prompts": {"validation_fraction": 0}}}, "data.prompts.validation_fraction"),
+    ({"train": {"storage": "s", "output": "o"}}, "data: Field required"),
+])
+def test_bad_values_are_one_line_errors(raw, message):
+    with pytest.raises(ConfigError) as info:
+        parse_config(raw, source="x.yaml")
+    text = str(info.value)
+    assert text.startswith("x.yaml: ") and message in text and "\n" not in text
+
+
+def test_both_weights_zero_is_an_error():
+    raw = with_change("train", "w_rej", 0)
+    raw["train"]["w_acc"] = 0
+    with pytest.raises(ConfigError, match="cannot both be 0"):
+        parse_config(raw)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("data: [unclosed", "not valid YAML"),
+    ("- a\n- b\n", "expected a mapping"),
+])
+def test_unreadable_files(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_train_section_is_required_for_training():
+    with pytest.raises(ConfigError, match="no `train` section"):
+        parse_config({"data": {"dir": "d"}}).require_train()

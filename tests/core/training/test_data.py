@@ -1,0 +1,139 @@
+"""Training data: teacher-forced labels, shards + manifest generated on Ray workers, resume, bad data."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import TINY_PROMPTS
+
+from specdec.builder import EngineConfig, build_engine
+from specdec.errors import IncompatibleModelsError
+from specdec.sampling import SamplingParams
+from specdec.training.config import parse_config
+from specdec.training.data import (
+    MANIFEST_FILE,
+    DatasetError,
+    generate_dataset,
+    label_distribution,
+    label_response,
+    load_dataset,
+    read_manifest,
+    shard_paths,
+)
+
+
+def test_labels_are_min_one_p_over_q_of_the_teacher_forced_models(tiny_pair):
+    # fp32 weights: int8 dynamic quantization scales activations per pass, so one pass over all
+    # positions and one pass per position would differ slightly by design.
+    engine = build_engine(EngineConfig(draft=str(tiny_pair[0]), target=str(tiny_pair[1]), draft_format="fp32",
+                                       target_format="fp32"), progress=False)
+    draft, target = engine.draft.model, engine.target.model
+    prompt, response = [257, 40, 41], [50, 51, 52, 53]
+    sampling = SamplingParams(temperature=1.0)
+    out = label_response(draft, target, prompt, response, sampling, torch.Generator().manual_seed(0))
+    for i, (y, label) in enumerate(zip(out.draft_ids, out.labels)):
+        prefix = torch.tensor([prompt + response[:i]])  # position i from scratch, no shared pass
+        with torch.no_grad():
+            q = torch.softmax(draft(prefix).logits[0, -1].float(), -1)
+            p = torch.softmax(target(prefix).logits[0, -1].float(), -1)
+        assert label == pytest.approx(min(1.0, float(p[y] / q[y])), rel=1e-4)
+    assert out.response_ids == response and len(out.draft_ids) == len(response)
+
+
+def test_greedy_labels_are_exact_match():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    assert label_distribution(logits, SamplingParams()).tolist() == [[0, 1, 0], [1, 0, 0]]
+
+
+def test_shards_and_manifest(tiny_dataset, tiny_pair):
+    raw, manifest = tiny_dataset
+    directory = raw["data"]["dir"]
+    on_disk = read_manifest(directory)
+    assert on_disk == json.loads(json.dumps(manifest)) and manifest["complete"]
+    assert len(shard_paths(__import__("pathlib").Path(directory))) == 3  # 7 prompts, 3 per shard
+    counts = manifest["counts"]
+    assert (counts["sequences"], counts["validation_sequences"], counts["train_sequences"]) == (7, 2, 5)
+    assert counts["tokens"] == 7 * 12  # max_new_tokens, no EOS at these settings
+    assert manifest["settings"]["labels"]["temperature"] == 1.0 and manifest["prompt_source"].startswith("custom")
+    engine = build_engine(EngineConfig(draft=str(tiny_pair[0]), target=str(tiny_pair[1])), progress=False)
+    assert manifest["draft"]["identity"] == engine.draft.identity
+    assert manifest["target"]["identity"] == engine.target.identity
+    _, rows = load_dataset(directory, draft_identity=engine.draft.identity)
+    assert sorted(r["prompt_id"] for r in rows) == sorted(p.id for p in TINY_PROMPTS)
+    for row in rows:
+        assert len(row["response_ids"]) == len(row["draft_ids"]) == len(row["labels"]) == 12
+        assert all(0.0 <= x <= 1.0 for x in row["labels"])
+
+
+def test_resume_generates_only_missing_prompts(tiny_dataset, tmp_path):
+    raw, _ = tiny_dataset
+    directory = tmp_path / "data"
+    shutil.copytree(raw["data"]["dir"], directory)
+    raw = {**raw, "data": {**raw["data"], "dir": str(directory)}}
+    removed = shard_paths(directory)[1]
+    removed_ids = set(pq.read_table(removed).column("prompt_id").to_pylist())
+    kept = {p.name: p.read_bytes() for p in shard_paths(directory) if p != removed}
+    removed.unlink()
+
+    manifest = generate_dataset(parse_config(raw), prompts=TINY_PROMPTS, progress=False)
+    new = [p for p in shard_paths(directory) if p.name not in kept]
+    assert [set(pq.read_table(p).column("prompt_id").to_pylist()) for p in new] == [removed_ids]
+    assert all(p.read_bytes() == kept[p.name] for p in shard_paths(directory) if p.name in kept)  # untouched
+    assert manifest["counts"]["sequences"] == 7 and manifest["complete"]
+
+    again = generate_dataset(parse_config(raw), prompts=TINY_PROMPTS, progress=False)  # nothing left: no Ray work
+    assert again["counts"] == manifest["counts"] and len(shard_paths(directory)) == 3
+
+
+def test_other_settings_in_the_same_directory_are_refused(tiny_dataset):
+    raw, _ = tiny_dataset
+    changed = {**raw, "data": {**raw["data"], "labels": {"temperature": 0.5}}}
+    with pytest.raises(DatasetError, match="made with other settings \\(labels differs\\)"):
+        generate_dataset(parse_config(changed), prompts=TINY_PROMPTS, progress=False)
+
+
+def copy_dataset(tiny_dataset, tmp_path):
+    raw, _ = tiny_dataset
+    directory = tmp_path / "data"
+    shutil.copytree(raw["data"]["dir"], directory)
+    return directory
+
+
+def test_dataset_made_with_another_draft(tiny_dataset, tmp_path):
+    directory = copy_dataset(tiny_dataset, tmp_path)
+    with pytest.raises(IncompatibleModelsError, match="made with another draft model"):
+        load_dataset(directory, draft_identity="0" * 64)
+
+
+def test_corrupt_shard(tiny_dataset, tmp_path):
+    directory = copy_dataset(tiny_dataset, tmp_path)
+    shard = shard_paths(directory)[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(DatasetError, match=f"shard {shard} is corrupt"):
+        load_dataset(directory)
+    manifest = json.loads((directory / MANIFEST_FILE).read_text())
+    manifest["shards"][0].pop("sha256")  # without a checksum the parquet reader still catches it
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(DatasetError, match="is corrupt or not parquet"):
+        load_dataset(directory)
+
+
+def test_empty_shard(tiny_dataset, tmp_path):
+    directory = copy_dataset(tiny_dataset, tmp_path)
+    shard = shard_paths(directory)[0]
+    table = pq.read_table(shard)
+    pq.write_table(table.slice(0, 0), shard)
+    manifest = json.loads((directory / MANIFEST_FILE).read_text())
+    manifest["shards"][0].pop("sha256")
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(DatasetError, match=f"shard {shard} is empty"):
+        load_dataset(directory)
+
+
+def test_missing_dataset(tmp_path):
+    with pytest.raises(DatasetError, match="no dataset at .* run `specdec gen-data` first"):
+        load_dataset(tmp_path)

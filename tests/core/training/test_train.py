@@ -1,0 +1,127 @@
+"""Head training: features, the epoch on a learnable synthetic task, the real TorchTrainer with
+checkpoint and resume, sweep selection, bad input before training."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from specdec.builder import EngineConfig, build_draft
+from specdec.errors import IncompatibleModelsError
+from specdec.head import AcceptanceHead, HeadConfig, load_head
+from specdec.training.config import ConfigError, TrainSection, parse_config
+from specdec.training.mixing import mix_tokens
+from specdec.training.train import (
+    REPORT_FILE,
+    check_run_settings,
+    mixing_generator,
+    select_run,
+    sequence_features,
+    train_epoch,
+    train_head,
+    validate,
+)
+
+TRAIN = dict(storage="s", output="o")
+
+
+def synthetic_split(n: int, hidden: int, seed: int) -> dict:
+    """Acceptance decided by a direction in feature space: P = sigmoid(8 * <w, e>)."""
+    generator = torch.Generator().manual_seed(seed)
+    features = torch.randn(n, hidden, generator=generator)
+    direction = torch.ones(hidden) / math.sqrt(hidden)
+    labels = torch.sigmoid(8.0 * features @ direction)
+    return {"hidden": features.half(), "labels": labels, "positions": torch.arange(n) % 25}
+
+
+def test_head_learns_a_predictable_acceptance():
+    train_set, val_set = synthetic_split(2048, 16, seed=0), synthetic_split(512, 16, seed=1)
+    config = TrainSection(**TRAIN, depth=1, w_rej=1.0, batch_size=64, lr=1e-2)
+    torch.manual_seed(0)
+    head = AcceptanceHead(HeadConfig(hidden_size=16, depth=1, draft_identity="x"))
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr)
+    before, _ = validate(head, val_set, config, "cpu")
+    losses = [train_epoch(head, optimizer, train_set, torch.randperm(2048), config) for _ in range(5)]
+    after, full = validate(head, val_set, config, "cpu")
+    assert losses[-1] < losses[0]
+    assert after["val_auroc"] > 0.95 > before["val_auroc"]  # the ceiling with these soft labels is about 0.98
+    assert after["val_kl"] < 0.02 and after["val_ece"] < 0.05
+    assert [row["position"] for row in full["per_position"]][-1] == "20+"
+    assert len(full["reliability"]["count"]) == 10
+
+
+def test_features_are_the_draft_states_at_draft_positions(tiny_pair):
+    draft, _ = build_draft(EngineConfig(draft=str(tiny_pair[0]), draft_format="fp32"), progress=False)
+    row = {"prompt_id": "p", "prompt_ids": [257, 40, 41], "response_ids": [50, 51, 52, 53, 54, 55],
+           "draft_ids": [60, 61, 62, 63, 64, 65], "labels": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]}
+    hidden, labels, positions = sequence_features(draft.model, row, ratio=0.5, seed=3)
+    z, is_draft = mix_tokens(torch.tensor(row["response_ids"]), torch.tensor(row["draft_ids"]), 0.5,
+                             mixing_generator(3, "p"))
+    assert positions.tolist() == torch.nonzero(is_draft).flatten().tolist() and 0 < len(positions) < 6
+    assert labels.tolist() == pytest.approx([row["labels"][i] for i in positions.tolist()])
+    for k, i in enumerate(positions.tolist()):  # e(prompt, Z_<i, Y_i), recomputed alone
+        ids = torch.tensor([row["prompt_ids"] + z[:i].tolist() + [row["draft_ids"][i]]])
+        with torch.no_grad():
+            expected = draft.model.model(input_ids=ids).last_hidden_state[0, -1]
+        torch.testing.assert_close(hidden[k].float(), expected, atol=2e-3, rtol=2e-3)
+
+
+def test_train_resume_and_saved_head(tiny_dataset, tiny_pair, tmp_path):
+    """Two steps through the real TorchTrainer: one epoch, then the same run with epochs = 2
+    resumes from its checkpoint and trains only the second epoch."""
+    raw, _ = tiny_dataset
+    raw = {**raw, "scaling": {"num_workers": 1, "threads": 1},
+           "train": {**raw["train"], "storage": str(tmp_path / "runs"), "output": str(tmp_path / "head")}}
+    first = train_head(parse_config(raw))
+    assert [e["epoch"] for e in first["epochs"]] == [1] and first["epochs"][0]["resumed_from_epoch"] == 0
+    features = list((tmp_path / "runs" / "features").glob("*.pt"))
+    assert len(features) == 1
+
+    raw["train"]["epochs"] = 2
+    second = train_head(parse_config(raw))
+    assert [e["epoch"] for e in second["epochs"]] == [1, 2]
+    assert second["epochs"][0] == first["epochs"][0]  # epoch 1 came from the checkpoint, not retrained
+    assert second["epochs"][1]["resumed_from_epoch"] == 1
+    assert list((tmp_path / "runs" / "features").glob("*.pt")) == features  # reused
+
+    draft, _ = build_draft(EngineConfig(draft=str(tiny_pair[0])), progress=False)
+    head = load_head(tmp_path / "head", draft_identity=draft.identity, hidden_size=draft.hidden_size)
+    assert head.config.depth == 1
+    report = json.loads((tmp_path / "head" / REPORT_FILE).read_text())
+    final = report["final"]
+    assert {"val_loss", "kl", "auroc", "ece", "reliability", "per_position"} <= set(final)
+    assert report["data"]["counts"]["train_tokens"] == 60
+
+
+def test_training_refuses_a_foreign_dataset(tiny_dataset, tmp_path):
+    """Data made with another draft fail at the identity check, before any features or training."""
+    from tiny import byte_tokenizer, tiny_model
+
+    other = tmp_path / "other-draft"
+    tokenizer = byte_tokenizer()
+    tiny_model(len(tokenizer), 16, 1, seed=7).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    raw, _ = tiny_dataset
+    raw = {**raw, "models": {**raw["models"], "draft": str(other)},
+           "train": {**raw["train"], "storage": str(tmp_path / "runs")}}
+    with pytest.raises(IncompatibleModelsError, match="made with another draft model"):
+        train_head(parse_config(raw))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_changed_settings_under_the_same_run_name(tmp_path):
+    train = TrainSection(storage=str(tmp_path), output="o", depth=2)
+    check_run_settings(train)
+    check_run_settings(train.model_copy(update={"epochs": 20}))  # more epochs: a resume
+    with pytest.raises(ConfigError, match="run 'head' .* started with other settings \\(depth\\)"):
+        check_run_settings(train.model_copy(update={"depth": 3}))
+
+
+def test_sweep_selection():
+    runs = [{"depth": 0, "val_auroc": 0.7, "val_kl": 0.2}, {"depth": 3, "val_auroc": 0.8, "val_kl": 0.3},
+            {"depth": 4, "val_auroc": math.nan, "val_kl": math.nan}]
+    assert select_run(runs, "auroc")["depth"] == 3
+    assert select_run(runs, "kl")["depth"] == 0
