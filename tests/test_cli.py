@@ -107,3 +107,21 @@ def test_debug_shows_traceback(tiny_pair):
     proc = run_cli("generate", "hi", *tiny_flags(tiny_pair), "--policy", "bogus")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == "error: unknown policy 'bogus'; choose one of specdec++, fixed, svip, heuristic, confidence, oracle, target-only"
+
+
+def test_training_commands_reject_a_bad_config_in_one_line(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("data: {dir: d}\ntrain: {storage: s, output: o, depht: 3}\n")
+    for command in ("gen-data", "train-head"):
+        proc = run_cli(command, "--config", str(config))
+        assert proc.returncode == 2
+        assert proc.stderr == f"error: {config}: train.depht: unknown key\n"
+
+
+def test_train_head_without_data_fails_before_ray(tmp_path, tiny_pair):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"models: {{draft: {tiny_pair[0]}, target: {tiny_pair[1]}}}\n"
+                      f"data: {{dir: {tmp_path / 'none'}}}\ntrain: {{storage: {tmp_path / 'runs'}, output: o}}\n")
+    proc = run_cli("train-head", "--config", str(config))
+    assert proc.returncode == 2 and "no dataset at" in proc.stderr and "run `specdec gen-data` first" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()
