@@ -35,6 +35,9 @@ class EngineConfig(BaseModel):
     draft_format: WeightFormat = "auto"
     target_format: WeightFormat = "auto"
     threads: int | None = None  # torch intra-op threads; None keeps torch's default (all cores)
+    # Where each model runs: "auto" = the first GPU when there is one, else the CPU; or a torch
+    # device string ("cpu", "cuda", "cuda:1"). A sharded verifier places itself (models/sharding.py).
+    device: str = "auto"
 
 
 def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -> SpecDecEngine:
@@ -50,7 +53,7 @@ def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -
 
 def build_draft(config: EngineConfig, progress: bool = True) -> tuple[DraftRuntime, Path]:
     draft_dir = resolve_model(config.draft, role="draft", cache=config.cache_dir, progress=progress)
-    draft = DraftRuntime(load_model(draft_dir, "draft", config.draft_format, progress),
+    draft = DraftRuntime(load_model(draft_dir, "draft", config.draft_format, progress, config.device),
                          identity=model_identity(draft_dir), name=config.draft)
     return draft, draft_dir
 
@@ -58,7 +61,8 @@ def build_draft(config: EngineConfig, progress: bool = True) -> tuple[DraftRunti
 def build_target(config: EngineConfig, progress: bool = True, load=None) -> tuple[TargetRuntime, Path]:
     """`load(model_dir) -> model` replaces the default one-device load (the sharded verifier)."""
     target_dir = resolve_model(config.target, role="target", cache=config.cache_dir, progress=progress)
-    model = load(target_dir) if load else load_model(target_dir, "target", config.target_format, progress)
+    model = load(target_dir) if load else load_model(target_dir, "target", config.target_format, progress,
+                                                     config.device)
     return TargetRuntime(model, identity=model_identity(target_dir), name=config.target), target_dir
 
 
@@ -88,16 +92,34 @@ def build_rules(config: EngineConfig, progress: bool = True) -> RequestRules:
                         target_config.vocab_size, has_head=bool(config.head))
 
 
-def load_model(model_dir: Path, role: Role, weight_format: WeightFormat = "auto", progress: bool = True):
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ModelSourceError(f"unknown device {device!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ModelSourceError(f"device {device!r}: no CUDA GPU is visible to this process")
+    return resolved
+
+
+def load_model(model_dir: Path, role: Role, weight_format: WeightFormat = "auto", progress: bool = True,
+               device: str = "auto"):
     start = time.perf_counter()
+    target_device = resolve_device(device)
     hf_logging.disable_progress_bar()  # a cached model loads in seconds; one summary line says so
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     except Exception as exc:  # transformers raises OSError, ValueError, safetensors errors, ...
         raise ModelSourceError(f"cannot load the {role} model from {model_dir}: {_first_line(exc)}") from None
-    model = apply_weight_format(model.eval(), role, weight_format)
+    if target_device.type == "cpu":
+        model = apply_weight_format(model.eval(), role, weight_format)  # CPU kernels (models/formats.py)
+    else:
+        model = model.to(target_device).eval()
     if progress:
-        print(f"loaded {role} {model_dir.name} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+        print(f"loaded {role} {model_dir.name} on {target_device} in {time.perf_counter() - start:.1f}s",
+              file=sys.stderr)
     return model
 
 

@@ -84,13 +84,16 @@ class CausalLMRuntime:
         """Feed `tokens` into the session's cache.
 
         Returns (logits [num_outputs, V] fp32, hidden [num_outputs, H]) for the last num_outputs
-        positions; the LM head runs only on those (a prompt prefill would otherwise compute
-        logits for every prompt position).
+        positions, on the CPU where sampling, verification and the head run; the LM head runs
+        only on those positions (a prompt prefill would otherwise compute logits for every prompt
+        position).
         """
-        input_ids = torch.tensor([tokens], dtype=torch.long)
+        input_ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
         out = self.model.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True)
         hidden = out.last_hidden_state[0, -num_outputs:]  # [num_outputs, H]
         logits = self.model.lm_head(hidden).float()  # [num_outputs, V]
+        if logits.device.type != "cpu":
+            logits, hidden = logits.cpu(), hidden.float().cpu()
         session.tokens.extend(tokens)
         self.forward_passes += 1
         return logits, hidden

@@ -1,0 +1,27 @@
+import pytest
+import torch
+
+from specdec.builder import EngineConfig, build_engine, resolve_device
+from specdec.errors import ModelSourceError
+
+
+def test_auto_device_is_the_cpu_without_a_gpu():
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without a GPU")
+def test_cuda_without_a_gpu_is_a_clear_error():
+    with pytest.raises(ModelSourceError, match="no CUDA GPU"):
+        resolve_device("cuda")
+
+
+def test_unknown_device_is_a_clear_error():
+    with pytest.raises(ModelSourceError, match="unknown device 'tpu7'"):
+        resolve_device("tpu7")
+
+
+def test_models_load_on_the_configured_device(tiny_pair):
+    draft, target = tiny_pair
+    engine = build_engine(EngineConfig(draft=str(draft), target=str(target), device="cpu"), progress=False)
+    assert engine.draft.model.device.type == engine.target.model.device.type == "cpu"
