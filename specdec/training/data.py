@@ -47,7 +47,7 @@ SHARD_PREFIX, SHARD_SUFFIX = "shard-", ".parquet"
 SPLITS = ("train", "validation")
 SHARD_COLUMNS = ("prompt_id", "split", "prompt_ids", "response_ids", "draft_ids", "labels", "finish_reason", "seed")
 SEED_BITS = 63
-FINISH_TOO_LONG = "prompt_too_long"  # a row with no response: the prompt exceeds data.prompts.max_prompt_tokens
+FINISH_TOO_LONG = "prompt_too_long"  # a row with no response: over max_prompt_tokens or the models' context
 
 
 class DatasetError(SpecDecError):
@@ -121,7 +121,8 @@ class ExampleWriter:
             prompt_ids = self.engine.encode_prompt(prompt.text)
             row = {"prompt_id": prompt.id, "split": prompt.split, "prompt_ids": prompt_ids, "response_ids": [],
                    "draft_ids": [], "labels": [], "finish_reason": FINISH_TOO_LONG, "seed": seed}
-            if len(prompt_ids) > self.data.prompts.max_prompt_tokens:  # kept as a row: resume skips it
+            limit = min(self.data.prompts.max_prompt_tokens, self.engine.max_context - 1)
+            if len(prompt_ids) > limit:  # kept as a row without a response: resume skips it
                 rows.append(row)
                 continue
             params = GenerationParams(max_new_tokens=response.max_new_tokens, sampling=response.sampling(seed),

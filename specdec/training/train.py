@@ -179,7 +179,7 @@ def train_epoch(model, optimizer, train_set: dict, order: torch.Tensor, train: T
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        total, count = total + float(loss) * len(index), count + len(index)
+        total, count = total + float(loss.detach()) * len(index), count + len(index)
     return total / max(count, 1)
 
 

@@ -137,3 +137,14 @@ def test_empty_shard(tiny_dataset, tmp_path):
 def test_missing_dataset(tmp_path):
     with pytest.raises(DatasetError, match="no dataset at .* run `specdec gen-data` first"):
         load_dataset(tmp_path)
+
+
+def test_prompts_longer_than_the_context_get_an_empty_row(tiny_pair):
+    from specdec.training.data import FINISH_TOO_LONG, ExampleWriter
+    from specdec.training.stdlib_prompts import Prompt
+
+    raw = parse_config({"models": {"draft": str(tiny_pair[0]), "target": str(tiny_pair[1])},
+                        "data": {"dir": "unused", "response": {"max_new_tokens": 4}}})
+    writer = ExampleWriter(raw.models, raw.data, threads=1)
+    (row,) = writer.rows([Prompt("long", "x" * 300, "train")])  # byte tokens: 300+ > 256 positions
+    assert row["finish_reason"] == FINISH_TOO_LONG and row["labels"] == [] and row["response_ids"] == []
