@@ -20,6 +20,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft-format", default="auto", choices=["auto", "fp32", "onednn", "int8"], help="draft weight format and kernels")
     group.add_argument("--target-format", default="auto", choices=["auto", "fp32", "onednn", "int8"], help="target weight format and kernels")
     group.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    group.add_argument("--device", default="auto", help="where the models run: auto (a GPU when present), cpu, cuda, cuda:N")
 
 
 def add_generation_flags(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +56,8 @@ def engine_config(args: argparse.Namespace):
     from specdec.builder import EngineConfig
 
     return EngineConfig(draft=args.draft, target=args.target, head=args.head, cache_dir=args.cache_dir,
-                        draft_format=args.draft_format, target_format=args.target_format, threads=args.threads)
+                        draft_format=args.draft_format, target_format=args.target_format, threads=args.threads,
+                        device=args.device)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -61,6 +61,7 @@ def test_n_samples_json(tiny_pair, capsys):
     (["--top-p", "0"], "top-p"),
     (["--max-new-tokens", "0"], "max-new-tokens"),
     (["--head", "/nonexistent/head"], "no acceptance head"),
+    (["--device", "tpu7"], "unknown device 'tpu7'"),
 ])
 def test_bad_flags_exit_with_one_line(tiny_pair, capsys, flags, reason):
     code = main(["generate", "hello", *tiny_flags(tiny_pair), *flags])
