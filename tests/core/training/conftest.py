@@ -10,14 +10,28 @@ TINY_PROMPTS = [Prompt(f"tiny:{i}", f"Write a function number {i} that adds {i}.
                 for i in range(7)]
 
 
-@pytest.fixture(scope="session")
-def ray_local():
-    """A local Ray instance for this session only (never the shared cluster, never `ray stop`)."""
+def start_local_ray():
+    """A private local Ray instance (never the shared cluster, never `ray stop`)."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield ray
-    ray.shutdown()
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    return ray
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    yield start_local_ray()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_ray_left_behind():
+    """Later test modules start Ray their own way (ray.init twice fails): shut down what ran here."""
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 def tiny_config(tiny_pair, tmp_path, **train) -> dict:
@@ -33,10 +47,11 @@ def tiny_config(tiny_pair, tmp_path, **train) -> dict:
 
 
 @pytest.fixture(scope="session")
-def tiny_dataset(tiny_pair, tmp_path_factory, ray_local):
+def tiny_dataset(tiny_pair, tmp_path_factory):
     """(raw config dict, manifest) of a dataset generated once on the tiny pair by two Ray workers."""
     from specdec.training.config import parse_config
     from specdec.training.data import generate_dataset
 
     raw = tiny_config(tiny_pair, tmp_path_factory.mktemp("pipeline"))
+    start_local_ray()  # left running for the requesting module; no_ray_left_behind stops it
     return raw, generate_dataset(parse_config(raw), prompts=TINY_PROMPTS, progress=False)
