@@ -49,7 +49,13 @@ def invalid_argument(context: grpc.ServicerContext) -> Iterator[None]:
 
 
 class Overloaded(Exception):
-    """The server cannot take more work now (Serve's backpressure): HTTP 503, gRPC RESOURCE_EXHAUSTED."""
+    """The server cannot take more work now (Serve's backpressure): HTTP 429, gRPC RESOURCE_EXHAUSTED.
+    Retriable after a pause."""
+
+
+class Unavailable(Exception):
+    """The replica running the request died (or none is up yet): HTTP 503, gRPC UNAVAILABLE.
+    Retriable at once: a greedy or seeded request gives the same result again."""
 
 
 def one_line(message: str) -> str:
@@ -74,7 +80,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 
 def policy_from_proto(msg: draft_pb2.PolicyConfig) -> PolicyConfig:
     try:
-        return PolicyConfig(name=msg.name,
+        return PolicyConfig(name=msg.name or None,
                             k=msg.k if msg.HasField("k") else None,
                             threshold=msg.threshold if msg.HasField("threshold") else None)
     except ValidationError as exc:
@@ -82,7 +88,7 @@ def policy_from_proto(msg: draft_pb2.PolicyConfig) -> PolicyConfig:
 
 
 def policy_to_proto(config: PolicyConfig) -> draft_pb2.PolicyConfig:
-    msg = draft_pb2.PolicyConfig(name=config.name)
+    msg = draft_pb2.PolicyConfig(name=config.name or "")
     if config.k is not None:
         msg.k = config.k
     if config.threshold is not None:

@@ -33,7 +33,7 @@ from google.protobuf.message import Message
 from specdec.errors import InvalidRequestError
 from specdec.metrics import RequestStats
 from specdec.params import GenerationParams
-from specdec.policies import PolicyConfig
+from specdec.policies import PolicyConfig, resolve_policy
 from specdec.rounds import SEED_BITS
 from specdec.sequences import RequestRules, SampleState
 from specdec.v1 import common_pb2, draft_pb2, generation_pb2, verifier_pb2
@@ -44,6 +44,10 @@ logger = logging.getLogger(__name__)
 
 Role = Literal["draft", "verifier"]
 MS_PER_S = 1000.0
+# Most candidates a served round may draft. A sampled round sends each candidate's draft
+# distribution (~1 MB on a 152k-token vocabulary), so K bounds a round call's size; the adaptive
+# policies' own caps are at most this.
+MAX_CANDIDATES_PER_ROUND = 64
 
 
 class RoundTransport(Protocol):
@@ -86,6 +90,7 @@ class Coordinator:
                  observer: RoundObserver | None = None, retry: RetryPolicy = RetryPolicy()):
         self.transport, self.rules, self.default_policy = transport, rules, default_policy
         self.observer, self.retry = observer, retry
+        self.sessions: set[str] = set()  # samples being decoded (or releasing their replicas' caches)
 
     # ----------------------------------------------------------------------------------------
     # Requests
@@ -93,9 +98,15 @@ class Coordinator:
     def prepare(self, request: generation_pb2.GenerateRequest) -> tuple[list[int], GenerationParams]:
         """Parse and validate a request before any model work; raises InvalidRequestError."""
         params = params_from_request(request, self.default_policy)
+        params = params.model_copy(update={"policy": resolve_policy(params.policy, self.rules.has_head)})
         if params.policy.name == "oracle":
             raise InvalidRequestError("policy 'oracle' needs the target's continuation in advance and runs in "
                                       "process only (specdec generate, benchmarks/)")
+        if params.policy.k is not None and params.policy.k > MAX_CANDIDATES_PER_ROUND:
+            raise InvalidRequestError(f"k must be at most {MAX_CANDIDATES_PER_ROUND} on this server, got {params.policy.k}")
+        if params.max_new_tokens > self.rules.max_context:
+            raise InvalidRequestError(f"max-new-tokens {params.max_new_tokens} exceeds the models' context of "
+                                      f"{self.rules.max_context} tokens")
         prompt_ids = prompt_ids_from_request(request, self.rules, params)
         self.rules.validate(prompt_ids, params)
         return prompt_ids, params
@@ -127,8 +138,12 @@ class Coordinator:
             queue.put_nowait(generation_pb2.GenerateChunk(index=index, token_ids=ids, text=text,
                                                           finish_reason=finish_reason or "", request_id=request_id))
 
+        # Session ids are ours, not the client's request id: two requests naming the same id must
+        # not share the replicas' caches.
+        session = uuid.uuid4().hex
+
         async def run(index: int) -> None:
-            await self._decode(prompt_ids, params, seed, index, f"{request_id}/{index}", stats, emit)
+            await self._decode(prompt_ids, params, seed, index, f"{session}/{index}", stats, emit)
 
         tasks = [asyncio.create_task(run(i)) for i in range(params.n)]
         done = asyncio.gather(*tasks)
@@ -159,6 +174,7 @@ class Coordinator:
         synced: dict[Role, int | None] = {"draft": None, "verifier": None}  # history length each replica holds
         outcomes: list[draft_pb2.RoundOutcome] = []  # every round's (K, n), for a draft that rebuilds
         unsent = 0  # outcomes the draft has not been told about
+        self.sessions.add(session_id)
         try:
             while seq.finish_reason is None:
                 history = seq.history
@@ -194,7 +210,10 @@ class Coordinator:
                 if new_ids or new_text or seq.finish_reason:
                     emit(index, new_ids, new_text, seq.finish_reason)
         finally:
-            await self._release(session_id, uses_draft)
+            try:
+                await self._release(session_id, uses_draft)
+            finally:
+                self.sessions.discard(session_id)
 
     async def _call(self, role: Role, session_id: str, build: Callable[[bool], Message],
                     synced: dict[Role, int | None], stats: RequestStats) -> Message:

@@ -15,6 +15,7 @@ from transformers.utils import logging as hf_logging
 from specdec.engine import SpecDecEngine
 from specdec.errors import IncompatibleModelsError, ModelSourceError
 from specdec.head import AcceptanceHead, load_head
+from specdec.heads import resolve_head
 from specdec.models.formats import WeightFormat, apply_weight_format
 from specdec.models.runtime import DraftRuntime, TargetRuntime
 from specdec.models.sources import model_identity, resolve_model
@@ -30,7 +31,8 @@ class EngineConfig(BaseModel):
 
     draft: str = "default"
     target: str = "default"
-    head: str | None = None
+    # Acceptance head: "auto" = the head shipped for the draft (specdec/heads/), if any; "none"; a path.
+    head: str | None = "auto"
     cache_dir: str | None = None
     draft_format: WeightFormat = "auto"
     target_format: WeightFormat = "auto"
@@ -66,10 +68,15 @@ def build_target(config: EngineConfig, progress: bool = True, load=None) -> tupl
     return TargetRuntime(model, identity=model_identity(target_dir), name=config.target), target_dir
 
 
+def head_path(config: EngineConfig) -> str | None:
+    return resolve_head(config.head, config.draft)
+
+
 def build_head(config: EngineConfig, draft: DraftRuntime) -> AcceptanceHead | None:
-    if not config.head:
+    path = head_path(config)
+    if path is None:
         return None
-    return load_head(config.head, draft_identity=draft.identity, hidden_size=draft.hidden_size)
+    return load_head(path, draft_identity=draft.identity, hidden_size=draft.hidden_size)
 
 
 def build_rules(config: EngineConfig, progress: bool = True) -> RequestRules:
@@ -89,7 +96,7 @@ def build_rules(config: EngineConfig, progress: bool = True) -> RequestRules:
         generation_config = GenerationConfig()
     max_context = min(draft_config.max_position_embeddings, target_config.max_position_embeddings)
     return RequestRules(tokenizer, eos_token_ids_of(generation_config, tokenizer), max_context,
-                        target_config.vocab_size, has_head=bool(config.head))
+                        target_config.vocab_size, has_head=head_path(config) is not None)
 
 
 def resolve_device(device: str = "auto") -> torch.device:

@@ -15,7 +15,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("models")
     group.add_argument("--draft", default="default", help="draft model: 'default', a HF directory, a .gguf file or a hub id")
     group.add_argument("--target", default="default", help="target model: same forms as --draft")
-    group.add_argument("--head", default=None, help="acceptance head directory (needed by --policy specdec++)")
+    group.add_argument("--head", default="auto",
+                       help="acceptance head for specdec++: a directory, 'auto' (the head shipped for the default "
+                            "pair; none for other drafts) or 'none'")
     group.add_argument("--cache-dir", default=None, help="where models are fetched and converted (default $SPECDEC_CACHE or ~/.cache/specdec)")
     group.add_argument("--draft-format", default="auto", choices=["auto", "fp32", "onednn", "int8"], help="draft weight format and kernels")
     group.add_argument("--target-format", default="auto", choices=["auto", "fp32", "onednn", "int8"], help="target weight format and kernels")
@@ -60,12 +62,18 @@ def engine_config(args: argparse.Namespace):
                         device=args.device)
 
 
+def has_head(args: argparse.Namespace) -> bool:
+    from specdec.heads import resolve_head
+
+    return resolve_head(args.head, args.draft) is not None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from specdec.builder import build_engine
     from specdec.policies import validate_policy
 
     params = generation_params(args)
-    validate_policy(params.policy, has_head=bool(args.head))  # before minutes of model loading
+    validate_policy(params.policy, has_head=has_head(args))  # before minutes of model loading
     engine = build_engine(engine_config(args), progress=not args.json)
     prompt_ids = engine.encode_prompt(args.prompt, params.chat_template)
     engine.validate(prompt_ids, params)
@@ -96,7 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     policy = PolicyConfig(**{k: v for k, v in
                              (("name", args.policy), ("k", args.k), ("threshold", args.threshold)) if v is not None})
-    validate_policy(policy, has_head=bool(args.head))
+    validate_policy(policy, has_head=has_head(args))
     engine = engine_config(args)
     config = AppConfig(
         models=engine.model_copy(update={"threads": None}), policy=policy, model_name=args.model_name,

@@ -19,20 +19,31 @@ from specdec.policies.target_only import TargetOnly
 
 POLICY_NAMES = ("specdec++", "fixed", "svip", "heuristic", "confidence", "oracle", "target-only")
 
-# Until a trained head for the default pair ships, the default policy needs no head.
-DEFAULT_POLICY = "svip"
+# A request that names no policy gets SpecDec++ when the engine has an acceptance head (the default
+# pair ships one: specdec/heads/), else SVIP, the best policy that needs no training.
+DEFAULT_POLICY, FALLBACK_POLICY = "specdec++", "svip"
 
 
 class PolicyConfig(BaseModel):
     """The policy flags of a request. `k` is K for `fixed`, the initial K for `heuristic` and the
     cap on candidates per round for the adaptive policies; `threshold` is h for `specdec++`, the
-    entropy threshold for `svip` and the probability threshold for `confidence`."""
+    entropy threshold for `svip` and the probability threshold for `confidence`. No `name`: the
+    default, resolved by `resolve_policy` where the engine's head is known."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = DEFAULT_POLICY
+    name: str | None = None
     k: int | None = None
     threshold: float | None = None
+
+
+def default_policy_name(has_head: bool) -> str:
+    return DEFAULT_POLICY if has_head else FALLBACK_POLICY
+
+
+def resolve_policy(config: PolicyConfig, has_head: bool) -> PolicyConfig:
+    """The config with its name filled in (a request that names no policy gets the default)."""
+    return config if config.name else config.model_copy(update={"name": default_policy_name(has_head)})
 
 
 def make_policy(
@@ -41,6 +52,7 @@ def make_policy(
     reference: Sequence[int] | None = None,
 ) -> StoppingPolicy:
     """A fresh policy for one sequence (policies such as `heuristic` keep state across rounds)."""
+    config = resolve_policy(config, has_head=head is not None)
     validate_policy(config, has_head=head is not None)
     k, threshold = config.k, config.threshold
     cap = {} if k is None else {"max_candidates": k}
@@ -66,6 +78,7 @@ def make_policy(
 
 def validate_policy(config: PolicyConfig, has_head: bool) -> None:
     """Check a request's policy flags before any model work (raises InvalidRequestError)."""
+    config = resolve_policy(config, has_head)
     if config.name not in POLICY_NAMES:
         raise InvalidRequestError(
             f"unknown policy '{config.name}'; choose one of {', '.join(POLICY_NAMES)}")
@@ -78,7 +91,8 @@ def validate_policy(config: PolicyConfig, has_head: bool) -> None:
 
 
 __all__ = [
-    "POLICY_NAMES", "DEFAULT_POLICY", "PolicyConfig", "make_policy", "validate_policy",
+    "POLICY_NAMES", "DEFAULT_POLICY", "FALLBACK_POLICY", "PolicyConfig", "default_policy_name", "resolve_policy",
+    "make_policy", "validate_policy",
     "Decision", "DraftStep", "StoppingPolicy",
     "FixedK", "SpecDecPP", "SVIP", "Heuristic", "Confidence", "Oracle", "TargetOnly",
 ]

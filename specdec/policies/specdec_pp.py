@@ -17,12 +17,14 @@ class SpecDecPP(StoppingPolicy):
     is such a threshold policy)."""
 
     name = "specdec++"
-    DEFAULT_THRESHOLD = 0.7  # the paper's robust choice (D=3, w_rej=6, h=0.7)
+    DEFAULT_THRESHOLD = 0.7  # the paper's robust choice (D=3, w_rej=6, h=0.7), for a head without its own
     DEFAULT_MAX_K = 20  # the paper stops every round at 20 candidates
 
-    def __init__(self, head: AcceptanceHead, threshold: float = DEFAULT_THRESHOLD,
+    def __init__(self, head: AcceptanceHead, threshold: float | None = None,
                  max_candidates: int = DEFAULT_MAX_K):
         self.head = head
+        if threshold is None:  # the h chosen for this head on validation prompts, when it records one
+            threshold = head.config.threshold if head.config.threshold is not None else self.DEFAULT_THRESHOLD
         self.threshold = check_threshold(self.name, threshold)
         self.max_candidates = check_count("--k", max_candidates)
         self._accept_all = 1.0  # p-hat: predicted probability that every candidate so far is accepted

@@ -55,7 +55,7 @@ class ModelsSection(Strict):
     target_format: WeightFormat = "auto"
 
     def engine_config(self, threads: int | None = None) -> EngineConfig:
-        return EngineConfig(draft=self.draft, target=self.target, cache_dir=self.cache_dir,
+        return EngineConfig(draft=self.draft, target=self.target, head="none", cache_dir=self.cache_dir,
                             draft_format=self.draft_format, target_format=self.target_format, threads=threads)
 
 

@@ -124,3 +124,25 @@ def test_weights_of_another_depth_are_a_source_error(tmp_path):
     with pytest.raises(ModelSourceError, match="corrupt head weights") as info:
         load_head(directory)
     assert "\n" not in str(info.value)
+
+
+def test_the_chosen_threshold_is_saved_and_loaded(tmp_path):
+    head = make_head()
+    head.config.threshold = 0.3
+    assert load_head(head.save(tmp_path / "head")).config.threshold == 0.3
+    with pytest.raises(ValidationError):
+        HeadConfig(hidden_size=HIDDEN, depth=0, draft_identity=IDENTITY, threshold=1.5)
+
+
+def test_auto_is_the_head_shipped_for_the_default_draft_only(tmp_path, monkeypatch):
+    from specdec import heads
+
+    shipped = make_head().save(tmp_path / "default-pair")
+    monkeypatch.setitem(heads.SHIPPED, "default", shipped)
+    assert heads.resolve_head("auto", "default") == str(shipped)
+    assert heads.resolve_head("auto", "/some/other/draft") is None
+    assert heads.resolve_head("none", "default") is None
+    assert heads.resolve_head(None, "default") is None
+    assert heads.resolve_head("/a/head", "default") == "/a/head"
+    monkeypatch.setitem(heads.SHIPPED, "default", tmp_path / "missing")
+    assert heads.resolve_head("auto", "default") is None  # a checkout without the shipped head

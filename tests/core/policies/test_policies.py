@@ -11,7 +11,7 @@ from specdec.errors import InvalidRequestError
 from specdec.head import AcceptanceHead, HeadConfig
 from specdec.policies import (
     POLICY_NAMES, SVIP, Confidence, Decision, DraftStep, FixedK, Heuristic, Oracle, PolicyConfig, SpecDecPP,
-    TargetOnly, make_policy, validate_policy,
+    TargetOnly, make_policy, resolve_policy, validate_policy,
 )
 from specdec.policies.specdec_pp import rejection_probability
 from specdec.policies.svip import entropy
@@ -259,3 +259,19 @@ def test_policy_constructors_validate_directly():
         Oracle(reference=[1], max_candidates=0)
     with pytest.raises(InvalidRequestError):
         SpecDecPP(constant_head(0.5), threshold=1.0)
+
+
+def test_a_request_without_a_policy_gets_specdecpp_with_a_head_and_svip_without():
+    assert resolve_policy(PolicyConfig(), has_head=True).name == "specdec++"
+    assert resolve_policy(PolicyConfig(), has_head=False).name == "svip"
+    assert resolve_policy(PolicyConfig(name="fixed", k=3), has_head=True) == PolicyConfig(name="fixed", k=3)
+    assert isinstance(make_policy(PolicyConfig(), head=constant_head(0.9)), SpecDecPP)
+    assert isinstance(make_policy(PolicyConfig()), SVIP)
+
+
+def test_specdecpp_takes_the_threshold_its_head_records():
+    head = constant_head(0.9)
+    assert make_policy(PolicyConfig(name="specdec++"), head=head).threshold == SpecDecPP.DEFAULT_THRESHOLD
+    head.config.threshold = 0.3
+    assert make_policy(PolicyConfig(name="specdec++"), head=head).threshold == 0.3
+    assert make_policy(PolicyConfig(name="specdec++", threshold=0.5), head=head).threshold == 0.5  # the request wins
