@@ -3,36 +3,20 @@
     python benchmarks/forward_times.py --role draft --formats fp32 onednn int8 --ks 1 2 4 8 16
     python benchmarks/forward_times.py --role target --formats fp32 onednn --ks 1 2 4 8 16
 
-Prints a markdown table of median milliseconds for one pass over k tokens after a ~200-token prompt.
+Prints a markdown table of median milliseconds for one pass over k tokens after a ~200-token prompt
+(the timing itself is specdec/bench/forward.py, which `specdec bench` uses for its t(k) curves).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from specdec.bench.forward import time_pass
 from specdec.builder import load_model
 from specdec.models.runtime import CausalLMRuntime
 from specdec.models.sources import resolve_model
-
-PROMPT_TOKENS = 200
-
-
-def time_pass(runtime: CausalLMRuntime, k: int, repeats: int) -> float:
-    session = runtime.new_session()
-    prompt = [(i * 7919) % 30000 + 100 for i in range(PROMPT_TOKENS)]
-    runtime._forward(session, prompt, num_outputs=1)
-    times = []
-    for r in range(repeats + 1):
-        tokens = [(r * 31 + j) % 30000 + 100 for j in range(k)]
-        start = time.perf_counter()
-        runtime._forward(session, tokens, num_outputs=k)
-        times.append(time.perf_counter() - start)
-        runtime.rollback(session, PROMPT_TOKENS)
-    return statistics.median(times[1:]) * 1000
 
 
 def main() -> None:
@@ -50,7 +34,7 @@ def main() -> None:
     print("|---" * (len(args.ks) + 1) + "|")
     for fmt in args.formats:
         runtime = CausalLMRuntime(load_model(model_dir, args.role, fmt, progress=False))
-        row = [f"{time_pass(runtime, k, args.repeats):.0f}" for k in args.ks]
+        row = [f"{time_pass(runtime, k, args.repeats) * 1000:.0f}" for k in args.ks]
         print(f"| {fmt} | " + " | ".join(row) + " |", flush=True)
         del runtime
 

@@ -174,6 +174,62 @@ def add_training_parsers(commands) -> None:
     train.set_defaults(func=cmd_train_head)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from specdec.bench.runner import BenchConfig, run_bench
+    from specdec.bench.specs import parse_specs
+    from specdec.errors import InvalidRequestError
+    from specdec.params import validation_message
+
+    parse_specs([*args.policies, *args.chosen])  # a bad spec fails before minutes of model loading
+    try:
+        config = BenchConfig(engine=engine_config(args), policies=args.policies, temperatures=args.temperatures,
+                             prompts=args.prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                             seed=args.seed, out=args.out, forward_ks=args.forward_ks,
+                             forward_repeats=args.forward_repeats, chosen=args.chosen)
+    except ValidationError as exc:
+        raise InvalidRequestError(validation_message(exc)) from None
+    results = run_bench(config, progress=not args.no_progress, report_only=args.report_only)
+    print((args.out / "summary.md").read_text())
+    if results["lossless"]["ours_equal"] is False:
+        print(f"error: greedy outputs differ from target-only: {results['lossless']['mismatched']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_bench_parser(commands) -> None:
+    from pathlib import Path
+
+    from specdec.bench.specs import DEFAULT_POLICIES
+
+    bench = commands.add_parser("bench", help="every policy, the HF peer and the oracle on HumanEval (resumable)")
+    add_model_flags(bench)
+    group = bench.add_argument_group("benchmark")
+    group.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), metavar="SPEC",
+                       help="policy specs: target-only, fixed:K, specdec++:H, svip:T, confidence:T, heuristic[:K], "
+                            "oracle, hf-heuristic[:K], hf-dynamic[:T] (default: the issue's full sweep)")
+    group.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
+    group.add_argument("--prompts", default="humaneval",
+                       help="humaneval (default), validation (stdlib validation split, for choosing thresholds) "
+                            "or a .jsonl/.txt file")
+    group.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    group.add_argument("--max-new-tokens", type=int, default=128)
+    group.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i")
+    group.add_argument("--out", type=Path, default=Path("bench-results"),
+                       help="output directory; a rerun with the same directory resumes")
+    group.add_argument("--chosen", nargs="+", default=[], metavar="SPEC",
+                       help="operating points chosen on validation prompts, e.g. specdec++:0.5 (the goals use "
+                            "them; default: the head's recorded h)")
+    group.add_argument("--forward-ks", nargs="*", type=int, default=[1, 2, 4, 8, 16],
+                       help="k for the forward-time curves (none: skip them)")
+    group.add_argument("--forward-repeats", type=int, default=5)
+    group.add_argument("--report-only", action="store_true", help="rewrite the outputs from the records, run nothing")
+    group.add_argument("--no-progress", action="store_true")
+    bench.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    bench.set_defaults(func=cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="SpecDec++ speculative decoding")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -206,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     add_training_parsers(commands)
+    add_bench_parser(commands)
 
     from clients.cli import add_client_parser
 

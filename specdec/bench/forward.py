@@ -1,0 +1,42 @@
+"""Forward-time curves t_draft(k) and t_target(k): median time of one pass over k tokens with a warm
+KV cache (a prompt already cached), the k a verification pass feeds being K + 1."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+from specdec.models.runtime import CausalLMRuntime
+
+PROMPT_TOKENS = 200  # a typical HumanEval chat prompt's length with the Qwen tokenizer
+DEFAULT_KS = (1, 2, 4, 8, 16)
+DEFAULT_REPEATS = 5
+
+
+def synthetic_tokens(count: int, vocab_size: int, offset: int = 0) -> list[int]:
+    """Deterministic ids spread over the vocabulary (forward time does not depend on which)."""
+    return [((offset + i) * 7919 + 100) % vocab_size for i in range(count)]
+
+
+def time_pass(runtime: CausalLMRuntime, k: int, repeats: int = DEFAULT_REPEATS,
+              prompt_tokens: int = PROMPT_TOKENS) -> float:
+    """Median seconds of one pass over k tokens after a cached prompt (the first pass, a warm-up, is
+    not counted); the prompt is shortened where the model's context is smaller."""
+    prompt_tokens = max(1, min(prompt_tokens, runtime.max_context - k - 1))
+    session = runtime.new_session()
+    runtime._forward(session, synthetic_tokens(prompt_tokens, runtime.vocab_size), num_outputs=1)
+    times = []
+    for r in range(repeats + 1):
+        tokens = synthetic_tokens(k, runtime.vocab_size, offset=31 * (r + 1))
+        start = time.perf_counter()
+        runtime._forward(session, tokens, num_outputs=k)
+        times.append(time.perf_counter() - start)
+        runtime.rollback(session, prompt_tokens)
+    return statistics.median(times[1:])
+
+
+def forward_time_curve(runtime: CausalLMRuntime, ks: Sequence[int] = DEFAULT_KS, repeats: int = DEFAULT_REPEATS,
+                       prompt_tokens: int = PROMPT_TOKENS) -> dict[int, float]:
+    """{k: median seconds per pass}."""
+    return {k: time_pass(runtime, k, repeats, prompt_tokens) for k in ks}

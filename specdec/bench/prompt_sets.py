@@ -1,0 +1,54 @@
+"""The prompts a bench run decodes: HumanEval (the test set), the stdlib validation split (where
+thresholds are chosen), or a file.
+
+    humaneval     the 164 HumanEval problems as chat instructions (specdec/prompts.py)
+    validation    the validation split of the head's training prompts (specdec/training/stdlib_prompts.py,
+                  the split fraction of cluster/training/default-pair.yaml); the head never trained on it
+    PATH          a .jsonl file (one JSON string, or object with "prompt", per line) or a text file
+                  (one prompt per line)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specdec.errors import InvalidRequestError
+
+PROMPT_SETS = ("humaneval", "validation")
+VALIDATION_FRACTION = 0.05  # data.prompts.validation_fraction in cluster/training/default-pair.yaml
+
+
+def load_prompts(source: str, limit: int | None = None) -> list[str]:
+    if source == "humaneval":
+        from specdec.prompts import humaneval_prompts
+
+        prompts = humaneval_prompts()
+    elif source == "validation":
+        from specdec.training.stdlib_prompts import stdlib_prompts
+
+        prompts = [p.text for p in stdlib_prompts(VALIDATION_FRACTION) if p.split == "validation"]
+    else:
+        prompts = _file_prompts(Path(source))
+    if not prompts:
+        raise InvalidRequestError(f"prompt set {source!r} holds no prompts")
+    return prompts[:limit]
+
+
+def _file_prompts(path: Path) -> list[str]:
+    if not path.is_file():
+        raise InvalidRequestError(f"--prompts {path}: no such file; use {', '.join(PROMPT_SETS)} or a file")
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if path.suffix != ".jsonl":
+        return lines
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            raise InvalidRequestError(f"--prompts {path}:{number}: not JSON") from None
+        prompt = item.get("prompt") if isinstance(item, dict) else item
+        if not isinstance(prompt, str):
+            raise InvalidRequestError(f"--prompts {path}:{number}: expected a string or an object with \"prompt\"")
+        prompts.append(prompt)
+    return prompts

@@ -1,0 +1,327 @@
+"""From records to results: per-policy totals, the lossless check, the cost-model fit, frontiers,
+the issue's goals, and the files a run leaves (results.json, summary.md, PNG plots).
+
+Totals are taken over the prompts every measured policy finished at that temperature (all of them
+once a run is complete), so tokens/s compare like with like; tokens/s is total tokens over total
+wall time, prefill included.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from specdec.bench.costmodel import CostFit, fit_cost_model, fit_standalone, speedup_share
+from specdec.bench.frontier import frontier_dominance, pareto_frontier
+from specdec.bench.records import RecordStore, record_key, stats_from_dict, temperature_key
+from specdec.bench.specs import SWEPT_FAMILIES, PolicySpec
+from specdec.metrics import RequestStats
+
+RESULTS_FILE, SUMMARY_FILE = "results.json", "summary.md"
+PLOT_FILES = {"plane": "plane-t{t}.png", "throughput": "tokens-per-s.png", "cost": "cost-model.png",
+              "forward": "forward-times.png"}
+BASELINE = "target-only"
+NOT_SPECULATIVE = ("target-only",)  # families left out of the cost-model fit (no draft passes)
+
+# The issue's goals, measured at temperature 0 (the frontier one at temperature 1).
+GOAL_FIXED, GOAL_SVIP, GOAL_PEER, GOAL_TARGET, GOAL_ORACLE_SHARE = 1.10, 1.05, 1.5, 2.0, 0.85
+
+
+def build_results(store: RecordStore, specs: list[PolicySpec], config, prompt_count: int, notes: dict) -> dict:
+    temperatures = [float(t) for t in config.temperatures]
+    results = {
+        "settings": config.settings(), "head": notes.get("head"), "machine": notes.get("machine"),
+        "date": notes.get("date") or time.strftime("%Y-%m-%d"),
+        "prompts": {"source": config.prompts, "count": prompt_count,
+                    "skipped": notes.get("skipped_prompts", {})},
+        "policies": [s.key for s in specs], "temperatures": temperatures,
+        "skipped_specs": {k: v for k, v in notes.get("skipped_specs", {}).items()
+                          if k.split("@")[0] in {s.key for s in specs}},
+        "chosen": notes.get("chosen", {}), "forward_times": notes.get("forward_times"),
+        "by_temperature": {}, "records": [],
+    }
+    for temperature in temperatures:
+        records = {s.key: [store.get(record_key(s.key, temperature, i)) for i in range(prompt_count)] for s in specs}
+        records = {k: [r for r in rs if r is not None] for k, rs in records.items()}
+        results["records"].extend(r for rs in records.values() for r in rs)
+        results["by_temperature"][temperature_key(temperature)] = summarize_temperature(specs, records, temperature)
+    results["lossless"] = lossless_summary(results)
+    results["goals"] = evaluate_goals(results)
+    return results
+
+
+def lossless_summary(results: dict) -> dict:
+    """Greedy only: which policies' tokens differ from target-only's. Ours must never differ; the HF
+    peer feeds the target its positions in other groupings, so a floating-point near-tie could flip
+    one of its tokens: reported, not a failure."""
+    greedy = results["by_temperature"].get(temperature_key(0.0), {}).get("policies", {})
+    checks = {k: p["lossless"] for k, p in greedy.items() if "lossless" in p and k != BASELINE}
+    mismatched = {k: c["mismatched_prompts"] for k, c in checks.items() if not c["equal"]}
+    ours_ok = not any(greedy[k]["family"] != "hf" for k in mismatched)
+    return {"checked": sorted(checks), "mismatched": mismatched, "ours_equal": ours_ok if checks else None}
+
+
+def common_prompts(records: dict[str, list[dict]]) -> list[int]:
+    measured = [{r["prompt"] for r in rs} for rs in records.values() if rs]
+    return sorted(set.intersection(*measured)) if measured else []
+
+
+def summarize_temperature(specs: list[PolicySpec], records: dict[str, list[dict]], temperature: float) -> dict:
+    prompts = common_prompts(records)
+    chosen = {k: [r for r in rs if r["prompt"] in set(prompts)] for k, rs in records.items()}
+    totals: dict[str, RequestStats] = {}
+    for spec in specs:
+        if chosen[spec.key]:
+            total = RequestStats()
+            for record in chosen[spec.key]:
+                total.merge(stats_from_dict(record["stats"]))
+            totals[spec.key] = total
+    ours = [r for s in specs if not s.is_peer and s.family not in NOT_SPECULATIVE for r in chosen[s.key]]
+    fit = fit_cost_model([r["stats"]["draft_forward_passes"] for r in ours],
+                         [r["stats"]["target_forward_passes"] for r in ours], [r["stats"]["wall_time_s"] for r in ours])
+    baseline_records = chosen.get(BASELINE, [])
+    standalone = fit_standalone([r["stats"]["target_forward_passes"] for r in baseline_records],
+                                [r["stats"]["wall_time_s"] for r in baseline_records])
+    base = totals.get(BASELINE)
+    lossless = lossless_check(chosen) if temperature == 0 else {}
+    policies = {}
+    for spec in specs:
+        total = totals.get(spec.key)
+        if total is None:
+            continue
+        row = {"family": spec.family, "value": spec.value, "prompts": len(chosen[spec.key]), **total.to_dict(),
+               "speedup": total.tokens_per_s / base.tokens_per_s if base and base.tokens_per_s else None,
+               "predicted_tokens_per_s": fit.throughput(total.verification_rate, total.discard_rate) if fit else None,
+               "predicted_speedup": fit.speedup(total.verification_rate, total.discard_rate) if fit else None}
+        if spec.key in lossless:
+            row["lossless"] = lossless[spec.key]
+        policies[spec.key] = row
+    families = {}
+    for family in SWEPT_FAMILIES:
+        points = [(p["verification_rate"], p["discard_rate"]) for p in policies.values() if p["family"] == family]
+        if points:
+            families[family] = {"points": points, "frontier": pareto_frontier(points)}
+    dominance = {}
+    for family in families:
+        if family != "fixed" and "fixed" in families:
+            dominance[f"{family} over fixed"] = frontier_dominance(families[family]["points"],
+                                                                   families["fixed"]["points"]).to_dict()
+    return {"temperature": temperature, "prompts": prompts, "policies": policies,
+            "cost_model": fit.to_dict() if fit else None,
+            "standalone_target": standalone.to_dict() if standalone else None,
+            "frontiers": families, "dominance": dominance}
+
+
+def lossless_check(records: dict[str, list[dict]]) -> dict[str, dict]:
+    """Greedy: every policy's tokens equal target-only's, prompt by prompt."""
+    reference = {r["prompt"]: r["token_ids"] for r in records.get(BASELINE, [])}
+    if not reference:
+        return {}
+    checks = {}
+    for key, recs in records.items():
+        compared = [r for r in recs if r["prompt"] in reference]
+        mismatched = [r["prompt"] for r in compared if r["token_ids"] != reference[r["prompt"]]]
+        checks[key] = {"compared": len(compared), "mismatched_prompts": mismatched, "equal": not mismatched}
+    return checks
+
+
+# ----------------------------------------------------------------------------------------------
+# Goals
+
+
+def _best(policies: dict, family: str) -> tuple[str, dict] | None:
+    rows = [(k, p) for k, p in policies.items() if p["family"] == family]
+    return max(rows, key=lambda kp: kp[1]["tokens_per_s"]) if rows else None
+
+
+def _specdec_pp_point(policies: dict, chosen: dict) -> tuple[str, dict, str] | None:
+    """The h chosen on validation prompts when there is one, else the sweep's best (optimistic:
+    that h was picked on this very prompt set)."""
+    pick = chosen.get("specdec++")
+    if pick and pick["spec"] in policies:
+        return pick["spec"], policies[pick["spec"]], f"h chosen on validation ({pick['source']})"
+    best = _best(policies, "specdec++")
+    if best is None:
+        return None
+    return best[0], best[1], "best h of the sweep on these prompts (not chosen on validation: optimistic)"
+
+
+def _ratio_goal(name: str, target: float, ours, theirs, theirs_label: str) -> dict:
+    row = {"goal": name, "target": target, "measured": None, "met": None, "detail": ""}
+    if ours is None:
+        row["detail"] = "not measured: no specdec++ records (no acceptance head?)"
+        return row
+    if theirs is None:
+        row["detail"] = f"not measured: no {theirs_label} records"
+        return row
+    (our_key, our_row, how), (their_key, their_tps) = ours, theirs
+    measured = our_row["tokens_per_s"] / their_tps if their_tps else None
+    row.update(measured=measured, met=measured is not None and measured >= target,
+               detail=f"{our_key} ({how}) {our_row['tokens_per_s']:.2f} tok/s vs {their_key} {their_tps:.2f} tok/s")
+    if measured is not None and measured < target:
+        row["detail"] += f"; short by {(target - measured) / target:.1%}"
+    return row
+
+
+def evaluate_goals(results: dict) -> list[dict]:
+    goals = []
+    greedy = results["by_temperature"].get(temperature_key(0.0))
+    if greedy is not None:
+        policies = greedy["policies"]
+        ours = _specdec_pp_point(policies, results["chosen"])
+        for family, target, label in (("fixed", GOAL_FIXED, "the best fixed K"), ("svip", GOAL_SVIP, "the best svip")):
+            best = _best(policies, family)
+            goals.append(_ratio_goal(f"specdec++ tok/s >= {target:.2f}x {label} (greedy)", target, ours,
+                                     (best[0], best[1]["tokens_per_s"]) if best else None, family))
+        peer = _best(policies, "hf")
+        goals.append(_ratio_goal(f"specdec++ tok/s >= {GOAL_PEER:.1f}x the best HF assisted generation (greedy)",
+                                 GOAL_PEER, ours, (peer[0], peer[1]["tokens_per_s"]) if peer else None, "hf-*"))
+        base = policies.get(BASELINE)
+        goals.append(_ratio_goal(f"specdec++ tok/s >= {GOAL_TARGET:.1f}x target-only (greedy)", GOAL_TARGET, ours,
+                                 (BASELINE, base["tokens_per_s"]) if base else None, BASELINE))
+        goals.append(_oracle_goal(policies, ours, greedy["cost_model"]))
+    sampled = results["by_temperature"].get(temperature_key(1.0))
+    if sampled is not None:
+        goals.append(_frontier_goal(sampled))
+    return goals
+
+
+def _oracle_goal(policies: dict, ours, cost_model: dict | None) -> dict:
+    row = {"goal": f"specdec++ speedup >= {GOAL_ORACLE_SHARE:.0%} of the oracle's speedup predicted by the cost model "
+                   "(greedy)", "target": GOAL_ORACLE_SHARE, "measured": None, "met": None, "detail": ""}
+    oracle = policies.get("oracle")
+    if ours is None or oracle is None or cost_model is None or ours[1]["speedup"] is None:
+        missing = [what for what, value in (("specdec++", ours), ("oracle", oracle), ("a cost-model fit", cost_model))
+                   if value is None] or ["target-only"]
+        row["detail"] = f"not measured: no {', '.join(missing)}"
+        return row
+    fit = CostFit(**cost_model)
+    oracle_speedup = fit.speedup(oracle["verification_rate"], oracle["discard_rate"])
+    key, mine, how = ours
+    share = speedup_share(mine["speedup"], oracle_speedup)
+    predicted_share = speedup_share(mine["predicted_speedup"], oracle_speedup)
+    row.update(measured=share, met=share >= GOAL_ORACLE_SHARE,
+               detail=(f"{key} ({how}) measured {mine['speedup']:.2f}x vs oracle predicted {oracle_speedup:.2f}x "
+                       f"(oracle measured {oracle['speedup']:.2f}x; specdec++ predicted {mine['predicted_speedup']:.2f}x "
+                       f"= {predicted_share:.0%} of the oracle's)"))
+    if share < GOAL_ORACLE_SHARE:
+        row["detail"] += f"; short by {(GOAL_ORACLE_SHARE - share) / GOAL_ORACLE_SHARE:.1%}"
+    return row
+
+
+def _frontier_goal(sampled: dict) -> dict:
+    row = {"goal": "specdec++ frontier dominates fixed's in the verification/discard plane (temperature 1)",
+           "target": 1.0, "measured": None, "met": None, "detail": ""}
+    dominance = sampled["dominance"].get("specdec++ over fixed")
+    if dominance is None:
+        row["detail"] = "not measured: needs specdec++ and fixed records at temperature 1"
+        return row
+    row.update(measured=dominance["dominated"] / dominance["total"], met=dominance["dominates"],
+               detail=f"{dominance['dominated']} of fixed's {dominance['total']} frontier points on or above "
+                      f"specdec++'s frontier ({dominance['uncovered']} at a verification rate specdec++ does not reach)")
+    return row
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+
+
+def write_outputs(results: dict, out: Path) -> dict[str, Path]:
+    """results.json, summary.md and the PNG plots; returns {what: path}."""
+    from specdec.bench import plots
+
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"results": out / RESULTS_FILE, "summary": out / SUMMARY_FILE}
+    files.update(plots.write_plots(results, out))
+    results["files"] = {k: p.name for k, p in files.items()}
+    files["results"].write_text(json.dumps(results, indent=1, default=_json_default) + "\n")
+    files["summary"].write_text(markdown(results))
+    return files
+
+
+def _json_default(value):
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def markdown(results: dict) -> str:
+    settings, prompts = results["settings"], results["prompts"]
+    machine = results.get("machine") or {}
+    lines = [
+        f"# specdec bench ({results['date']})", "",
+        f"{prompts['count']} prompts from `{prompts['source']}`, {settings['max_new_tokens']} new tokens, "
+        f"draft `{settings['draft']}` ({settings['draft_format']}), target `{settings['target']}` "
+        f"({settings['target_format']}), head `{results['head']}`, seed {settings['seed']}.",
+        f"Machine: {machine.get('cpu', '?')}, {machine.get('threads', '?')} threads, torch {machine.get('torch', '?')}, "
+        f"transformers {machine.get('transformers', '?')}" + (f", GPU {machine['gpu']}" if machine.get("gpu") else "") + ".",
+        "",
+        "Tokens/s: total tokens over total wall time (prefill included) on the prompts every policy finished. "
+        "Predicted: eq. 2.3 with the fitted (t_draft, t_target). `hf-*`: HF transformers assisted generation "
+        "on the same loaded models.", "",
+    ]
+    for key, summary in results["by_temperature"].items():
+        lines += _temperature_section(key, summary)
+    lossless = results["lossless"]
+    if lossless["checked"]:
+        lines += [("Greedy outputs equal target-only's, prompt by prompt, for every policy checked "
+                   f"({len(lossless['checked'])})." if not lossless["mismatched"] else
+                   f"Greedy outputs that differ from target-only's (policy: prompts): {lossless['mismatched']}."), ""]
+    lines += ["## Goals", "", "| goal | target | measured | met | detail |", "|---|---|---|---|---|"]
+    for goal in results["goals"]:
+        met = {True: "yes", False: "**no**", None: "-"}[goal["met"]]
+        lines.append(f"| {goal['goal']} | {goal['target']:g} | {_fmt(goal['measured'], '.3f')} | {met} | {goal['detail']} |")
+    lines.append("")
+    forward = results.get("forward_times")
+    if forward:
+        ks = forward["ks"]
+        lines += ["## Forward time per pass (median ms, warm cache, k tokens fed)", "",
+                  "| model | " + " | ".join(f"k={k}" for k in ks) + " |", "|---" * (len(ks) + 1) + "|"]
+        for role in ("draft", "target"):
+            lines.append(f"| {role} | " + " | ".join(f"{forward[f'{role}_s'][str(k)] * 1000:.1f}" for k in ks) + " |")
+        lines.append("")
+    skipped = results["skipped_specs"]
+    if skipped or prompts["skipped"]:
+        lines += ["## Skipped", ""]
+        lines += [f"- `{spec}`: {reason}" for spec, reason in skipped.items()]
+        lines += [f"- prompt {index}: {reason}" for index, reason in prompts["skipped"].items()]
+        lines.append("")
+    files = results.get("files", {})
+    if files:
+        lines += ["Files: " + ", ".join(f"`{name}`" for name in files.values()), ""]
+    return "\n".join(lines)
+
+
+def _temperature_section(key: str, summary: dict) -> list[str]:
+    title = "greedy" if float(key) == 0 else f"temperature {key}"
+    lines = [f"## {title.capitalize()} ({len(summary['prompts'])} prompts)", "",
+             "| policy | tokens | tok/s | speedup | predicted tok/s | verification rate | discard rate | acceptance "
+             "| mean accepted length |" + (" lossless |" if float(key) == 0 else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if float(key) == 0 else "")]
+    for spec, p in summary["policies"].items():
+        row = (f"| {spec} | {p['generated_tokens']} | {p['tokens_per_s']:.2f} | {_fmt(p['speedup'], '.2f', 'x')} | "
+               f"{_fmt(p['predicted_tokens_per_s'])} | {p['verification_rate']:.3f} | {p['discard_rate']:.3f} | "
+               f"{p['acceptance_rate']:.1%} | {p['mean_accepted_length']:.2f} |")
+        if float(key) == 0:
+            check = p.get("lossless")
+            row += (" - |" if check is None else " yes |" if check["equal"]
+                    else f" **no** ({len(check['mismatched_prompts'])}/{check['compared']}) |")
+        lines.append(row)
+    lines.append("")
+    fit, standalone = summary["cost_model"], summary["standalone_target"]
+    if fit:
+        lines.append(f"Cost model (eq. 2.1 over {fit['points']} speculative generations): t_draft = "
+                     f"{fit['t_draft'] * 1000:.2f} ms, t_target = {fit['t_target'] * 1000:.2f} ms, R² = {fit['r2']:.3f}.")
+    if standalone:
+        lines.append(f"Target-only alone: t_target = {standalone['t_target'] * 1000:.2f} ms per pass "
+                     f"(R² = {standalone['r2']:.3f}).")
+    for name, d in summary["dominance"].items():
+        lines.append(f"Frontier {name}: {d['dominated']}/{d['total']} of fixed's frontier points dominated"
+                     f" ({d['uncovered']} out of reach).")
+    lines.append("")
+    return lines

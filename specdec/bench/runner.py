@@ -1,0 +1,267 @@
+"""The `specdec bench` run loop: every policy spec on every prompt at every temperature, in one
+process on one engine, each generation timed alone and recorded as soon as it ends.
+
+Order: temperature, then prompt, then policy, so a run stopped early holds every policy on the same
+first prompts, and slow drifts of the machine (other load, heat) spread over all policies alike.
+A rerun with the same --out skips the records already there (records.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from tqdm import tqdm
+
+from specdec.bench.prompt_sets import load_prompts
+from specdec.bench.records import RecordStore, record_key, temperature_key
+from specdec.bench.specs import DEFAULT_POLICIES, PolicySpec, parse_specs
+from specdec.builder import EngineConfig
+from specdec.errors import InvalidRequestError
+from specdec.params import GenerationParams
+from specdec.policies import PolicyConfig
+from specdec.sampling import SamplingParams
+
+NOTES_FILE = "notes.json"  # what a --report-only run cannot recompute: skips, forward times, machine
+WARMUP_TOKENS = 4
+
+
+class BenchConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineConfig = EngineConfig()
+    policies: list[str] = Field(default_factory=lambda: list(DEFAULT_POLICIES))
+    temperatures: list[Annotated[float, Field(ge=0.0)]] = Field(default_factory=lambda: [0.0, 1.0], min_length=1)
+    prompts: str = "humaneval"
+    limit: int | None = Field(None, ge=1)
+    max_new_tokens: int = Field(128, ge=1)
+    seed: int = 0  # prompt i samples with seed + i, the same for every policy
+    out: Path = Path("bench-results")
+    forward_ks: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 2, 4, 8, 16])  # empty: skip
+    forward_repeats: int = Field(5, ge=1)
+    chosen: list[str] = Field(default_factory=list)  # specs chosen on validation prompts (the goals use them)
+
+    def settings(self) -> dict:
+        """What every record depends on: a resumed run must match these. (The head only matters to
+        specdec++ records, which carry its fingerprint: a new head redoes them and keeps the rest.)"""
+        engine = self.engine
+        return {"draft": engine.draft, "target": engine.target, "draft_format": engine.draft_format,
+                "target_format": engine.target_format, "device": engine.device,
+                "threads": engine.threads, "prompts": self.prompts, "max_new_tokens": self.max_new_tokens,
+                "seed": self.seed}
+
+
+def read_notes(out: Path) -> dict:
+    path = out / NOTES_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def write_notes(out: Path, notes: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / NOTES_FILE).write_text(json.dumps(notes, indent=1, sort_keys=True) + "\n")
+
+
+def head_fingerprint(engine: EngineConfig) -> str | None:
+    """`path#sha256-prefix` of the head an engine with this config loads; None without one."""
+    from specdec.head import WEIGHTS_FILE
+    from specdec.heads import resolve_head
+
+    path = resolve_head(engine.head, engine.draft)
+    if path is None:
+        return None
+    weights = Path(path) / WEIGHTS_FILE
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:16] if weights.is_file() else "missing"
+    return f"{path}#{digest}"
+
+
+def machine() -> dict:
+    import transformers
+
+    return {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+class BenchRun:
+    """One process's pass over whatever records are missing."""
+
+    def __init__(self, config: BenchConfig, specs: list[PolicySpec], prompts: list[str], store: RecordStore,
+                 progress: bool = True):
+        self.config, self.specs, self.prompts, self.store, self.progress = config, specs, prompts, store, progress
+        self.notes = read_notes(config.out)
+        self.engine = self.peer = None
+        self.head_id = head_fingerprint(config.engine)
+
+    def execute(self) -> dict:
+        """Run what is missing; returns the notes (skips, chosen points, forward times, machine)."""
+        from specdec.builder import build_engine
+
+        self.engine = build_engine(self.config.engine, progress=self.progress)
+        self._note_head()
+        prompt_ids = self._encode_prompts()
+        todo = self._todo(prompt_ids)
+        if todo:
+            self._warm_up(prompt_ids)
+        self._forward_times()
+        self.notes["machine"], self.notes["head"] = machine(), self.head_id
+        write_notes(self.config.out, self.notes)
+        bar = tqdm(todo, desc="bench", unit="gen", disable=not self.progress, file=sys.stderr, dynamic_ncols=True)
+        for temperature, index, spec in bar:
+            bar.set_postfix_str(f"t={temperature:g} prompt {index} {spec.key}", refresh=False)
+            self.store.append(self._generate(spec, temperature, index, prompt_ids[index]))
+        bar.close()
+        self.notes["date"] = time.strftime("%Y-%m-%d")
+        write_notes(self.config.out, self.notes)
+        return self.notes
+
+    # ----------------------------------------------------------------------------------------
+
+    def _note_head(self) -> None:
+        """specdec++ needs a head; a head that records its validation-chosen h makes that h the
+        chosen operating point (and adds it to the sweep when missing)."""
+        skipped = self.notes.setdefault("skipped_specs", {})
+        wants_head = [s for s in self.specs if s.name == "specdec++"]
+        if self.engine.head is None:
+            for spec in wants_head:
+                skipped[spec.key] = "no acceptance head for this draft: pass --head DIR"
+            return
+        for spec in wants_head:
+            skipped.pop(spec.key, None)
+        threshold = getattr(self.engine.head.config, "threshold", None)
+        if wants_head and threshold is not None:
+            spec = PolicySpec("specdec++", float(threshold))
+            if spec.key not in {s.key for s in self.specs}:
+                self.specs.append(spec)
+            self.notes.setdefault("chosen", {})["specdec++"] = {
+                "spec": spec.key, "source": "the head's head.json threshold (chosen on validation prompts)"}
+
+    def _encode_prompts(self) -> list[list[int] | None]:
+        """Token ids per prompt; None (and a note why) for one the run cannot decode in full."""
+        skipped = self.notes.setdefault("skipped_prompts", {})
+        encoded: list[list[int] | None] = []
+        check = GenerationParams(max_new_tokens=self.config.max_new_tokens, policy=PolicyConfig(name="target-only"))
+        for index, prompt in enumerate(self.prompts):
+            try:
+                ids = self.engine.encode_prompt(prompt)
+                self.engine.validate(ids, check)
+                if len(ids) + self.config.max_new_tokens > self.engine.max_context:
+                    raise InvalidRequestError(f"{len(ids)} prompt tokens + {self.config.max_new_tokens} new tokens "
+                                              f"exceed the models' context ({self.engine.max_context})")
+            except InvalidRequestError as exc:
+                skipped[str(index)] = str(exc)
+                encoded.append(None)
+                continue
+            skipped.pop(str(index), None)
+            encoded.append(ids)
+        return encoded
+
+    def _todo(self, prompt_ids: list[list[int] | None]) -> list[tuple[float, int, PolicySpec]]:
+        skipped = self.notes.setdefault("skipped_specs", {})
+        todo = []
+        for temperature in self.config.temperatures:
+            for spec in self.specs:
+                if spec.greedy_only and temperature > 0:
+                    skipped[f"{spec.key}@t={temperature:g}"] = "greedy only: the hindsight oracle is defined at temperature 0"
+            for index, ids in enumerate(prompt_ids):
+                if ids is None:
+                    continue
+                for spec in self.specs:
+                    if spec.key in skipped or (spec.greedy_only and temperature > 0):
+                        continue
+                    done = self.store.get(record_key(spec.key, temperature, index))
+                    if done is None or (spec.name == "specdec++" and done.get("head") != self.head_id):
+                        todo.append((temperature, index, spec))
+        return todo
+
+    def _peer(self):
+        if self.peer is None:
+            from specdec.bench.peer import HFAssistedPeer
+
+            self.peer = HFAssistedPeer(self.engine.draft.model, self.engine.target.model, self.engine.eos_token_ids)
+        return self.peer
+
+    def _warm_up(self, prompt_ids: list[list[int] | None]) -> None:
+        """One short generation per code path, untimed: first calls pay for lazy initialisation."""
+        ids = next((p for p in prompt_ids if p is not None), None)
+        if ids is None:
+            return
+        self.engine.generate_ids(ids, GenerationParams(max_new_tokens=WARMUP_TOKENS, policy=PolicyConfig(name="fixed", k=2)))
+        if any(spec.is_peer for spec in self.specs):
+            from specdec.bench.peer import peer_mode
+
+            self._peer().generate(ids, peer_mode("hf-dynamic"), WARMUP_TOKENS, 0.0, self.config.seed)
+
+    def _forward_times(self) -> None:
+        ks = sorted(set(self.config.forward_ks))
+        stored = self.notes.get("forward_times")
+        if not ks or (stored and stored.get("ks") == ks):
+            return
+        from specdec.bench.forward import forward_time_curve
+
+        if self.progress:
+            print(f"timing forward passes over k = {ks} tokens", file=sys.stderr)
+        repeats = self.config.forward_repeats
+        self.notes["forward_times"] = {
+            "ks": ks, "repeats": repeats,
+            "draft_s": {str(k): t for k, t in forward_time_curve(self.engine.draft, ks, repeats).items()},
+            "target_s": {str(k): t for k, t in forward_time_curve(self.engine.target, ks, repeats).items()}}
+
+    def _generate(self, spec: PolicySpec, temperature: float, index: int, prompt_ids: list[int]) -> dict:
+        seed = self.config.seed + index
+        record = {"spec": spec.key, "family": spec.family, "temperature": temperature, "prompt": index,
+                  "prompt_tokens": len(prompt_ids), "seed": seed}
+        if spec.is_peer:
+            from specdec.bench.peer import peer_mode, threshold_adaptation
+
+            mode = peer_mode(spec.name, spec.value)
+            result = self._peer().generate(prompt_ids, mode, self.config.max_new_tokens, temperature, seed)
+            record["peer"] = {"num_assistant_tokens": mode.num_assistant_tokens, "schedule": mode.schedule,
+                              "confidence_threshold": mode.confidence_threshold,
+                              "threshold_adaptation": bool(mode.confidence_threshold) and threshold_adaptation()}
+            return {**record, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+                    "stats": result.stats.to_dict()}
+        if spec.name == "specdec++":
+            record["head"] = self.head_id
+        params = GenerationParams(max_new_tokens=self.config.max_new_tokens, policy=spec.policy_config(),
+                                  sampling=SamplingParams(temperature=temperature, seed=seed))
+        result = self.engine.generate_ids(prompt_ids, params)
+        completion = result.completions[0]
+        return {**record, "token_ids": completion.token_ids, "finish_reason": completion.finish_reason,
+                "stats": result.stats.to_dict()}
+
+
+def run_bench(config: BenchConfig, progress: bool = True, report_only: bool = False) -> dict:
+    """Run what is missing (unless `report_only`), then write results.json, summary.md and the
+    plots into config.out; returns the results."""
+    from specdec.bench.report import build_results, write_outputs
+
+    chosen = parse_specs(config.chosen)
+    specs = parse_specs([*config.policies, *config.chosen])  # a chosen point is measured even off the sweep
+    store = RecordStore(config.out)
+    if report_only and not len(store):
+        raise InvalidRequestError(f"--report-only: no records in {config.out}")
+    store.check_settings(config.settings())
+    prompts = load_prompts(config.prompts, config.limit)
+    if report_only:
+        notes = read_notes(config.out)
+    else:
+        run = BenchRun(config, specs, prompts, store, progress)
+        notes = run.execute()
+        specs = run.specs  # the head's own h may have joined the sweep
+    notes.setdefault("chosen", {})
+    for spec in chosen:  # --chosen overrides the head's h
+        notes["chosen"][spec.family] = {"spec": spec.key, "source": "--chosen"}
+    specs = parse_specs([*(s.key for s in specs), *(c["spec"] for c in notes["chosen"].values())])
+    results = build_results(store, specs, config, len(prompts), notes)
+    write_outputs(results, config.out)
+    return results
+
+
+__all__ = ["BenchConfig", "BenchRun", "run_bench", "temperature_key"]

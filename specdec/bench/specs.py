@@ -1,0 +1,109 @@
+"""Policy specs: the strings `specdec bench --policies` takes, one per operating point.
+
+    target-only            the baseline speedups are measured against
+    fixed:4                fixed K = 4 (bare `fixed`: the policy's default K)
+    heuristic[:K]          HF's heuristic schedule in our loop, initial K
+    svip:0.5               SVIP at entropy threshold 0.5
+    confidence:0.4         HF's confidence rule in our loop, at probability threshold 0.4
+    specdec++:0.3          SpecDec++ at stopping threshold h = 0.3 (needs an acceptance head)
+    oracle                 the greedy hindsight oracle (the limit; greedy only)
+    hf-heuristic[:K]       the peer: HF `generate(assistant_model=...)`, heuristic schedule, initial K
+    hf-dynamic[:T]         the peer: HF's dynamic default, confidence threshold T, at most 20 tokens
+
+A spec's canonical form (`fixed:4`, `svip:0.5`, `hf-dynamic`) keys its records, so `svip:0.50`
+and `svip:0.5` are the same operating point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.errors import InvalidRequestError
+from specdec.policies import POLICY_NAMES, PolicyConfig
+
+PEER_NAMES = ("hf-heuristic", "hf-dynamic")
+K_NAMES = ("fixed", "heuristic", "hf-heuristic")  # whose value is an integer K; the others take a threshold
+SWEPT_FAMILIES = ("fixed", "specdec++", "svip", "confidence")  # families drawn as a frontier
+
+# The issue's sweep: the paper's K in {2..14}, h in {0.1..0.9}; small sweeps for the training-free
+# rules around their official defaults (SVIP 0.3, HF confidence 0.4).
+FIXED_KS = (2, 4, 6, 8, 10, 12, 14)
+SPECDEC_PP_THRESHOLDS = (0.1, 0.3, 0.5, 0.7, 0.9)
+SVIP_THRESHOLDS = (0.2, 0.3, 0.4, 0.5, 0.6)
+CONFIDENCE_THRESHOLDS = (0.2, 0.4, 0.6, 0.8)
+DEFAULT_POLICIES = (
+    "target-only",
+    *(f"fixed:{k}" for k in FIXED_KS),
+    *(f"specdec++:{h}" for h in SPECDEC_PP_THRESHOLDS),
+    *(f"svip:{t}" for t in SVIP_THRESHOLDS),
+    *(f"confidence:{t}" for t in CONFIDENCE_THRESHOLDS),
+    "heuristic",
+    "oracle",
+    *PEER_NAMES,
+)
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    name: str  # a policy of specdec.policies, or a peer in PEER_NAMES
+    value: float | int | None = None  # K or threshold; None: the policy's default
+
+    @property
+    def key(self) -> str:
+        """Canonical form: `fixed:4`, `svip:0.5`, `oracle`."""
+        return self.name if self.value is None else f"{self.name}:{self.value:g}"
+
+    @property
+    def family(self) -> str:
+        return "hf" if self.is_peer else self.name
+
+    @property
+    def is_peer(self) -> bool:
+        return self.name in PEER_NAMES
+
+    @property
+    def greedy_only(self) -> bool:
+        return self.name == "oracle"
+
+    def policy_config(self) -> PolicyConfig:
+        """The engine's policy flags (ours only)."""
+        if self.value is None:
+            return PolicyConfig(name=self.name)
+        if self.name in K_NAMES:
+            return PolicyConfig(name=self.name, k=int(self.value))
+        return PolicyConfig(name=self.name, threshold=float(self.value))
+
+    def __str__(self) -> str:
+        return self.key
+
+
+def parse_spec(text: str) -> PolicySpec:
+    """`fixed:4` -> PolicySpec("fixed", 4); raises InvalidRequestError with a one-line reason."""
+    name, sep, raw = text.strip().partition(":")
+    if name not in POLICY_NAMES and name not in PEER_NAMES:
+        raise InvalidRequestError(
+            f"unknown policy spec {text!r}; use one of {', '.join(POLICY_NAMES + PEER_NAMES)}, "
+            "with :K or :THRESHOLD where it takes one")
+    if not sep:
+        return PolicySpec(name)
+    if name in ("target-only", "oracle"):
+        raise InvalidRequestError(f"policy spec {text!r}: {name} takes no value")
+    try:
+        value: float | int = int(raw) if name in K_NAMES else float(raw)
+    except ValueError:
+        kind = "an integer K" if name in K_NAMES else "a threshold"
+        raise InvalidRequestError(f"policy spec {text!r}: {raw!r} is not {kind}") from None
+    if name in K_NAMES and value < 1:
+        raise InvalidRequestError(f"policy spec {text!r}: K must be at least 1")
+    if name not in K_NAMES and not 0.0 < value < 1.0:
+        raise InvalidRequestError(f"policy spec {text!r}: the threshold must be in (0, 1)")
+    return PolicySpec(name, value)
+
+
+def parse_specs(texts: list[str] | tuple[str, ...]) -> list[PolicySpec]:
+    """Parsed specs in the given order, duplicates (by canonical form) dropped."""
+    specs: dict[str, PolicySpec] = {}
+    for text in texts:
+        spec = parse_spec(text)
+        specs.setdefault(spec.key, spec)
+    return list(specs.values())

@@ -1,0 +1,120 @@
+"""`specdec bench` end to end on the tiny pair, in process: records, results.json, summary.md,
+PNGs, the greedy lossless check, the HF peer, skips, resume and --report-only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdec.bench.records import RECORDS_FILE
+from specdec.cli import main
+from specdec.head import AcceptanceHead, HeadConfig
+from specdec.models.sources import model_identity
+
+PROMPTS = ["def add(a, b):", "Write hello world."]
+POLICIES = ["target-only", "fixed:3", "svip:0.3", "oracle", "specdec++:0.5", "hf-dynamic", "hf-heuristic:4"]
+
+
+@pytest.fixture
+def one_thread():
+    """The smoke runs use one torch thread (fast on a busy 2-core machine); put the count back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return path
+
+
+def bench_args(tiny_pair, prompt_file, out, policies=POLICIES, *extra) -> list[str]:
+    draft, target = tiny_pair
+    return ["bench", "--draft", str(draft), "--target", str(target), "--threads", "1", "--prompts", str(prompt_file),
+            "--max-new-tokens", "8", "--temperatures", "0", "1", "--policies", *policies, "--out", str(out),
+            "--forward-ks", "1", "2", "--forward-repeats", "1", "--no-progress", *extra]
+
+
+def record_lines(out) -> int:
+    return len((out / RECORDS_FILE).read_text().splitlines())
+
+
+def test_bench_end_to_end_then_resume(tiny_pair, prompt_file, tmp_path, capsys, one_thread):
+    out = tmp_path / "run"
+    assert main(bench_args(tiny_pair, prompt_file, out)) == 0
+    summary = capsys.readouterr().out
+    assert "## Greedy (2 prompts)" in summary and "## Goals" in summary and "hf-dynamic" in summary
+
+    results = json.loads((out / "results.json").read_text())
+    for name in ("summary.md", "plane-t0.png", "plane-t1.png", "tokens-per-s.png", "cost-model.png",
+                 "forward-times.png"):
+        assert (out / name).stat().st_size > 0, name
+    # 2 prompts x (5 runnable policies at t=0 + 4 at t=1: no head for specdec++, oracle greedy only)
+    assert len(results["records"]) == record_lines(out) == 2 * (6 + 5)
+    assert "no acceptance head" in results["skipped_specs"]["specdec++:0.5"]
+    assert "greedy only" in results["skipped_specs"]["oracle@t=1"]
+
+    greedy = results["by_temperature"]["0"]["policies"]
+    assert set(greedy) == {"target-only", "fixed:3", "svip:0.3", "oracle", "hf-dynamic", "hf-heuristic:4"}
+    assert results["lossless"]["ours_equal"] is True and results["lossless"]["mismatched"] == {}
+    assert all(p["lossless"]["equal"] and p["lossless"]["compared"] == 2 for p in greedy.values())
+    assert greedy["oracle"]["discard_rate"] == 0.0
+    peer = greedy["hf-heuristic:4"]
+    assert peer["rounds"] == peer["target_forward_passes"] > 0 and peer["generated_tokens"] == 16
+    assert peer["draft_forward_passes"] > 0 and peer["wall_time_s"] > 0
+    assert results["by_temperature"]["0"]["cost_model"]["points"] == 6  # fixed, svip, oracle x 2 prompts
+    assert set(results["forward_times"]["draft_s"]) == {"1", "2"}
+    assert all(g["met"] is None for g in results["goals"])  # nothing to compare without specdec++
+
+    # Resume: the same run again generates nothing; one more policy adds only its own records.
+    assert main(bench_args(tiny_pair, prompt_file, out)) == 0
+    assert record_lines(out) == 22
+    assert main(bench_args(tiny_pair, prompt_file, out, [*POLICIES, "fixed:2"])) == 0
+    assert record_lines(out) == 22 + 4
+    capsys.readouterr()
+
+    # Other settings in the same directory are refused; --report-only rewrites the files only.
+    assert main(bench_args(tiny_pair, prompt_file, out, POLICIES, "--seed", "7")) == 2
+    assert "pass another --out" in capsys.readouterr().err
+    (out / "summary.md").unlink()
+    assert main(bench_args(tiny_pair, prompt_file, out, POLICIES, "--report-only")) == 0
+    assert (out / "summary.md").is_file() and record_lines(out) == 26
+
+
+def test_bench_with_a_head_measures_the_goals(tiny_pair, prompt_file, tmp_path, capsys, one_thread):
+    head_dir = tmp_path / "head"
+    torch.manual_seed(0)
+    AcceptanceHead(HeadConfig(hidden_size=16, depth=1, draft_identity=model_identity(tiny_pair[0]),
+                              threshold=0.4)).save(head_dir)
+    out = tmp_path / "run"
+    policies = ["target-only", "fixed:2", "fixed:4", "specdec++:0.2", "svip:0.3", "oracle", "hf-dynamic"]
+    assert main(bench_args(tiny_pair, prompt_file, out, policies, "--head", str(head_dir), "--forward-ks")) == 0
+    results = json.loads((out / "results.json").read_text())
+    greedy = results["by_temperature"]["0"]["policies"]
+    assert "specdec++:0.4" in greedy  # the head's own h joined the sweep and is the chosen point
+    assert results["chosen"]["specdec++"]["spec"] == "specdec++:0.4"
+    assert greedy["specdec++:0.2"]["lossless"]["equal"] and greedy["specdec++:0.4"]["lossless"]["equal"]
+    goals = results["goals"]
+    assert len(goals) == 6 and all(g["measured"] is not None for g in goals), goals
+    assert "h chosen on validation" in goals[0]["detail"]
+    assert results["forward_times"] is None and not (out / "forward-times.png").exists()
+    assert "specdec++" in results["by_temperature"]["1"]["frontiers"]
+
+    # A new head redoes the specdec++ records (2 specs x 2 prompts x 2 temperatures) and keeps the rest.
+    before = record_lines(out)
+    AcceptanceHead(HeadConfig(hidden_size=16, depth=1, draft_identity=model_identity(tiny_pair[0]),
+                              threshold=0.4)).save(head_dir)
+    assert main(bench_args(tiny_pair, prompt_file, out, policies, "--head", str(head_dir), "--forward-ks")) == 0
+    assert record_lines(out) == before + 8
+
+
+def test_bench_rejects_bad_flags_before_loading(tiny_pair, prompt_file, tmp_path, capsys):
+    assert main(bench_args(tiny_pair, prompt_file, tmp_path / "x", ["fixed:zero"])) == 2
+    assert "is not an integer K" in capsys.readouterr().err
+    assert main(bench_args(tiny_pair, prompt_file, tmp_path / "x", ["fixed:2"], "--limit", "0")) == 2
+    assert capsys.readouterr().err.startswith("error: limit")
+    assert not (tmp_path / "x").exists()
