@@ -147,7 +147,7 @@ class HFAssistedPeer:
         token_ids = output[0, input_ids.shape[1]:].tolist()
         stats = _peer_stats(len(prompt_ids), target_counter.fed, streamer.rounds)
         stats.generated_tokens = len(token_ids)
-        stats.draft_forward_passes = draft_counter.passes
+        stats.draft_forward_passes, stats.target_forward_passes = draft_counter.passes, target_counter.passes
         stats.draft_time_s, stats.target_time_s, stats.wall_time_s = draft_counter.seconds, target_counter.seconds, wall
         finish = FINISH_STOP if token_ids and token_ids[-1] in self.eos_token_ids else FINISH_LENGTH
         return PeerResult(token_ids, finish, stats)

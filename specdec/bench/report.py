@@ -69,28 +69,29 @@ def common_prompts(records: dict[str, list[dict]]) -> list[int]:
 
 def summarize_temperature(specs: list[PolicySpec], records: dict[str, list[dict]], temperature: float) -> dict:
     prompts = common_prompts(records)
-    chosen = {k: [r for r in rs if r["prompt"] in set(prompts)] for k, rs in records.items()}
+    common = set(prompts)
+    kept = {k: [r for r in rs if r["prompt"] in common] for k, rs in records.items()}
     totals: dict[str, RequestStats] = {}
     for spec in specs:
-        if chosen[spec.key]:
+        if kept[spec.key]:
             total = RequestStats()
-            for record in chosen[spec.key]:
+            for record in kept[spec.key]:
                 total.merge(stats_from_dict(record["stats"]))
             totals[spec.key] = total
-    ours = [r for s in specs if not s.is_peer and s.family not in NOT_SPECULATIVE for r in chosen[s.key]]
+    ours = [r for s in specs if not s.is_peer and s.family not in NOT_SPECULATIVE for r in kept[s.key]]
     fit = fit_cost_model([r["stats"]["draft_forward_passes"] for r in ours],
                          [r["stats"]["target_forward_passes"] for r in ours], [r["stats"]["wall_time_s"] for r in ours])
-    baseline_records = chosen.get(BASELINE, [])
+    baseline_records = kept.get(BASELINE, [])
     standalone = fit_standalone([r["stats"]["target_forward_passes"] for r in baseline_records],
                                 [r["stats"]["wall_time_s"] for r in baseline_records])
     base = totals.get(BASELINE)
-    lossless = lossless_check(chosen) if temperature == 0 else {}
+    lossless = lossless_check(kept) if temperature == 0 else {}
     policies = {}
     for spec in specs:
         total = totals.get(spec.key)
         if total is None:
             continue
-        row = {"family": spec.family, "value": spec.value, "prompts": len(chosen[spec.key]), **total.to_dict(),
+        row = {"family": spec.family, "value": spec.value, "prompts": len(kept[spec.key]), **total.to_dict(),
                "speedup": total.tokens_per_s / base.tokens_per_s if base and base.tokens_per_s else None,
                "predicted_tokens_per_s": fit.throughput(total.verification_rate, total.discard_rate) if fit else None,
                "predicted_speedup": fit.speedup(total.verification_rate, total.discard_rate) if fit else None}
@@ -191,10 +192,10 @@ def _oracle_goal(policies: dict, ours, cost_model: dict | None) -> dict:
     row = {"goal": f"specdec++ speedup >= {GOAL_ORACLE_SHARE:.0%} of the oracle's speedup predicted by the cost model "
                    "(greedy)", "target": GOAL_ORACLE_SHARE, "measured": None, "met": None, "detail": ""}
     oracle = policies.get("oracle")
-    if ours is None or oracle is None or cost_model is None or ours[1]["speedup"] is None:
-        missing = [what for what, value in (("specdec++", ours), ("oracle", oracle), ("a cost-model fit", cost_model))
-                   if value is None] or ["target-only"]
-        row["detail"] = f"not measured: no {', '.join(missing)}"
+    needed = (("specdec++", ours), ("oracle", oracle), ("cost-model fit", cost_model), (BASELINE, policies.get(BASELINE)))
+    missing = [what for what, value in needed if value is None]
+    if missing:
+        row["detail"] = f"not measured: no {', '.join(missing)} records"
         return row
     fit = CostFit(**cost_model)
     oracle_speedup = fit.speedup(oracle["verification_rate"], oracle["discard_rate"])
