@@ -8,11 +8,12 @@ from specdec.errors import SpecDecError
 
 class ClientError(SpecDecError):
     """A call failed: `code` is the gRPC status name ("INVALID_ARGUMENT"), "HTTP <status>", or
-    "UNAVAILABLE" when the server cannot be reached; str() is the server's one-line reason."""
+    "UNAVAILABLE" when the server cannot be reached; str() is the server's one-line reason;
+    `retry_after_s` the server's Retry-After, when it sent one."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, retry_after_s: float | None = None):
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.retry_after_s = code, message, retry_after_s
 
 
 def one_line(message: str) -> str:

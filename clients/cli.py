@@ -50,6 +50,9 @@ def add_client_parser(commands: argparse._SubParsersAction,
 def add_connection_flags(parser: argparse.ArgumentParser, address_help: str) -> None:
     parser.add_argument("--address", default=None, help=address_help)
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds for the whole call")
+    parser.add_argument("--api-key", default=None, help="the server's API key (default: $SPECDEC_API_KEY)")
+    parser.add_argument("--retries", type=int, default=2,
+                        help="retries when the server is at capacity or a replica died (default 2)")
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
 
 
@@ -122,7 +125,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def generate_grpc(args: argparse.Namespace) -> int:
     options = grpc_options(args)
-    with GrpcClient(args.address or DEFAULT_ADDRESS, args.timeout) as client:
+    with GrpcClient(args.address or DEFAULT_ADDRESS, args.timeout, args.api_key, args.retries) as client:
         if args.json:
             print(json.dumps(proto_dict(client.generate(args.prompt, **options))))
             return 0
@@ -143,7 +146,7 @@ def generate_http(args: argparse.Namespace) -> int:
     """The chat route (the server applies the template to one user turn), or with
     --no-chat-template the completions route (raw text), as `specdec generate` treats the prompt."""
     fields = http_fields(args)
-    with HttpClient(http_url(args.address), args.timeout) as client:
+    with HttpClient(http_url(args.address), args.timeout, args.api_key, args.retries) as client:
         if args.no_chat_template:
             prompt, unary, stream = args.prompt, client.complete, client.complete_stream
         else:
@@ -167,13 +170,13 @@ def choice_text(choice: dict) -> str:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    with HttpClient(http_url(args.address), args.timeout) as client:
+    with HttpClient(http_url(args.address), args.timeout, args.api_key, args.retries) as client:
         for model in client.models()["data"]:
             print(model["id"])
     return 0
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    with HttpClient(http_url(args.address), args.timeout) as client:
+    with HttpClient(http_url(args.address), args.timeout, args.api_key, args.retries) as client:
         print(client.health().get("status", "ok"))
     return 0

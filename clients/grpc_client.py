@@ -6,20 +6,27 @@
             print(chunk.text, end="")
 
 Parameters are named as `specdec generate`'s flags; unset (or None) = the server's default.
+`api_key` (default: the SPECDEC_API_KEY environment variable) goes as `authorization: Bearer` metadata.
+Calls that failed retriably are retried (clients/retry.py); a retried stream resumes where it was.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import TypedDict, Unpack
 
 import grpc
 
 from clients import ClientError, one_line
+from clients.retry import ChunkReplay, RetryPolicy, pinned_seed, retry_policy
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 
 DEFAULT_ADDRESS = "localhost:9000"
 DEFAULT_TIMEOUT_S = 600.0  # a whole generation: hundreds of tokens on CPU take minutes
+API_KEY_ENV = "SPECDEC_API_KEY"
 
 # Text (chat template applied unless chat_template=False), token ids, or chat messages ({"role", "content"}).
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
@@ -67,31 +74,73 @@ def client_error(exc: grpc.RpcError, address: str) -> ClientError:
     return ClientError(code.name, details or code.name)
 
 
-class GrpcClient:
-    """Blocking client; a channel per client (thread-safe, reuse it)."""
+def retriable(error: ClientError) -> bool:
+    """At capacity, or the serving replica died; not: the server is not there, or the message was
+    over gRPC's size limit (also RESOURCE_EXHAUSTED)."""
+    if error.code == "RESOURCE_EXHAUSTED":
+        return "larger than max" not in error.message
+    return error.code == "UNAVAILABLE" and not error.message.startswith("cannot reach")
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout_s: float | None = DEFAULT_TIMEOUT_S):
+
+class _Options:
+    """What both clients share: the address, the key, the retry policy, building a call."""
+
+    def __init__(self, address: str, timeout_s: float | None, api_key: str | None,
+                 retries: int | RetryPolicy | None):
         self.address, self.timeout_s = address, timeout_s
+        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        self.retry = retry_policy(retries)
+
+    def _call(self, prompt: Prompt, options: dict) -> tuple[generation_pb2.GenerateRequest, Metadata]:
+        request, metadata = build_request(prompt, **pinned_seed(options, self.retry))
+        auth = (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
+        return request, (metadata or ()) + auth
+
+    def _give_up(self, exc: grpc.RpcError, attempt: int) -> ClientError | None:
+        """The error to raise, or None to retry."""
+        error = client_error(exc, self.address)
+        return error if attempt >= self.retry.retries or not retriable(error) else None
+
+
+class GrpcClient(_Options):
+    """Blocking client; a channel per client (thread-safe, reuse it). `retries`: attempts after
+    the first for retriable failures (None: 2)."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout_s: float | None = DEFAULT_TIMEOUT_S,
+                 api_key: str | None = None, retries: int | RetryPolicy | None = None):
+        super().__init__(address, timeout_s, api_key, retries)
         self._channel = grpc.insecure_channel(address)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     def generate(self, prompt: Prompt, **options: Unpack[GenerationOptions]) -> generation_pb2.GenerateResponse:
-        request, metadata = build_request(prompt, **options)
-        try:
-            return self._stub.Generate(request, timeout=self.timeout_s, metadata=metadata)
-        except grpc.RpcError as exc:
-            raise client_error(exc, self.address) from None
+        request, metadata = self._call(prompt, options)
+        for attempt in range(self.retry.retries + 1):
+            try:
+                return self._stub.Generate(request, timeout=self.timeout_s, metadata=metadata)
+            except grpc.RpcError as exc:
+                if (error := self._give_up(exc, attempt)) is not None:
+                    raise error from None
+            time.sleep(self.retry.delay(attempt))
+        raise AssertionError("unreachable")
 
     def generate_stream(self, prompt: Prompt, **options: Unpack[GenerationOptions]) -> Iterator[generation_pb2.GenerateChunk]:
         """Chunks as rounds commit; the last carries the stats. Leaving the loop early cancels the call."""
-        request, metadata = build_request(prompt, **options)
-        call = self._stub.GenerateStream(request, timeout=self.timeout_s, metadata=metadata)
-        try:
-            yield from call
-        except grpc.RpcError as exc:
-            raise client_error(exc, self.address) from None
-        finally:
-            call.cancel()
+        request, metadata = self._call(prompt, options)
+        replay = ChunkReplay()
+        for attempt in range(self.retry.retries + 1):
+            replay.restart()
+            call = self._stub.GenerateStream(request, timeout=self.timeout_s, metadata=metadata)
+            try:
+                for chunk in call:
+                    if (fresh := replay.fresh(chunk)) is not None:
+                        yield fresh
+                return
+            except grpc.RpcError as exc:
+                if (error := self._give_up(exc, attempt)) is not None:
+                    raise error from None
+            finally:
+                call.cancel()
+            time.sleep(self.retry.delay(attempt))
 
     def close(self) -> None:
         self._channel.close()
@@ -103,32 +152,44 @@ class GrpcClient:
         self.close()
 
 
-class AsyncGrpcClient:
+class AsyncGrpcClient(_Options):
     """asyncio client (grpc.aio); create it inside the event loop that uses it."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout_s: float | None = DEFAULT_TIMEOUT_S):
-        self.address, self.timeout_s = address, timeout_s
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout_s: float | None = DEFAULT_TIMEOUT_S,
+                 api_key: str | None = None, retries: int | RetryPolicy | None = None):
+        super().__init__(address, timeout_s, api_key, retries)
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     async def generate(self, prompt: Prompt, **options: Unpack[GenerationOptions]) -> generation_pb2.GenerateResponse:
-        request, metadata = build_request(prompt, **options)
-        try:
-            return await self._stub.Generate(request, timeout=self.timeout_s, metadata=metadata)
-        except grpc.RpcError as exc:
-            raise client_error(exc, self.address) from None
+        request, metadata = self._call(prompt, options)
+        for attempt in range(self.retry.retries + 1):
+            try:
+                return await self._stub.Generate(request, timeout=self.timeout_s, metadata=metadata)
+            except grpc.RpcError as exc:
+                if (error := self._give_up(exc, attempt)) is not None:
+                    raise error from None
+            await asyncio.sleep(self.retry.delay(attempt))
+        raise AssertionError("unreachable")
 
     async def generate_stream(self, prompt: Prompt,
                               **options: Unpack[GenerationOptions]) -> AsyncIterator[generation_pb2.GenerateChunk]:
-        request, metadata = build_request(prompt, **options)
-        call = self._stub.GenerateStream(request, timeout=self.timeout_s, metadata=metadata)
-        try:
-            async for chunk in call:
-                yield chunk
-        except grpc.RpcError as exc:
-            raise client_error(exc, self.address) from None
-        finally:
-            call.cancel()
+        request, metadata = self._call(prompt, options)
+        replay = ChunkReplay()
+        for attempt in range(self.retry.retries + 1):
+            replay.restart()
+            call = self._stub.GenerateStream(request, timeout=self.timeout_s, metadata=metadata)
+            try:
+                async for chunk in call:
+                    if (fresh := replay.fresh(chunk)) is not None:
+                        yield fresh
+                return
+            except grpc.RpcError as exc:
+                if (error := self._give_up(exc, attempt)) is not None:
+                    raise error from None
+            finally:
+                call.cancel()
+            await asyncio.sleep(self.retry.delay(attempt))
 
     async def close(self) -> None:
         await self._channel.close()

@@ -9,23 +9,33 @@
 Body fields are OpenAI's (max_tokens, temperature, top_p, n, stop, seed, ...) plus the server's
 extensions (policy, k, threshold, top_k), sent as given; None values are left out. Streams ask for
 the final usage chunk, which carries the "specdec" stats, unless stream_options says otherwise.
+`api_key` (default: the SPECDEC_API_KEY environment variable) goes as `Authorization: Bearer`.
+Calls that failed retriably (429, 503, a stream cut short) are retried (clients/retry.py); a
+retried stream resumes where it was.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import aclosing, closing, contextmanager
 from typing import Any
 
 import httpx
 
 from clients import ClientError, one_line
+from clients.retry import EventReplay, RetryPolicy, pinned_seed, retry_policy
 
 DEFAULT_BASE_URL = "http://localhost:8000"
 DEFAULT_TIMEOUT_S = 600.0  # a whole generation: hundreds of tokens on CPU take minutes
 DONE = "[DONE]"
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+API_KEY_ENV = "SPECDEC_API_KEY"
+# At capacity (429), the serving replica died (503, or that error in a stream), a stream cut short.
+RETRIABLE = frozenset({"HTTP 429", "HTTP 503", "overloaded_error", "unavailable_error", "TRANSPORT"})
 
 Messages = Sequence[Mapping[str, Any]]
 
@@ -53,12 +63,29 @@ def parse_sse_line(line: str) -> dict | str | None:
 
 
 def response_error(response: httpx.Response) -> ClientError:
-    """An error status as ClientError("HTTP <status>", the server's one-line message)."""
+    """An error status as ClientError("HTTP <status>", the server's one-line message); the
+    Retry-After header, if any, as `retry_after_s`."""
     try:
         message = response.json()["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = one_line(response.text) or response.reason_phrase
-    return ClientError(f"HTTP {response.status_code}", message)
+    try:
+        retry_after_s = float(response.headers.get("retry-after", ""))
+    except ValueError:
+        retry_after_s = None
+    return ClientError(f"HTTP {response.status_code}", message, retry_after_s)
+
+
+def headers(api_key: str | None) -> dict[str, str]:
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def retry_delay(policy: RetryPolicy, error: ClientError, attempt: int) -> float | None:
+    """Seconds to wait before the next attempt, or None to give up."""
+    if attempt >= policy.retries or error.code not in RETRIABLE:
+        return None
+    return policy.delay(attempt, error.retry_after_s)
 
 
 @contextmanager
@@ -78,23 +105,26 @@ def stream_cut_short(base_url: str) -> ClientError:
 
 
 class HttpClient:
-    """Blocking client; one connection pool per client (reuse it)."""
+    """Blocking client; one connection pool per client (reuse it). `retries`: attempts after the
+    first for retriable failures (None: 2)."""
 
-    def __init__(self, base_url: str = DEFAULT_BASE_URL, timeout_s: float | None = DEFAULT_TIMEOUT_S):
+    def __init__(self, base_url: str = DEFAULT_BASE_URL, timeout_s: float | None = DEFAULT_TIMEOUT_S,
+                 api_key: str | None = None, retries: int | RetryPolicy | None = None):
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
+        self.retry = retry_policy(retries)
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers(api_key))
 
     def complete(self, prompt: str | Sequence[int], **fields: Any) -> dict:
-        return self._send("POST", COMPLETIONS, request_body({"prompt": prompt, **fields}, stream=False))
+        return self._send("POST", COMPLETIONS, self._body({"prompt": prompt, **fields}, stream=False))
 
     def chat(self, messages: Messages, **fields: Any) -> dict:
-        return self._send("POST", CHAT, request_body({"messages": messages, **fields}, stream=False))
+        return self._send("POST", CHAT, self._body({"messages": messages, **fields}, stream=False))
 
     def complete_stream(self, prompt: str | Sequence[int], **fields: Any) -> Iterator[dict]:
-        return self._stream(COMPLETIONS, request_body({"prompt": prompt, **fields}, stream=True))
+        return self._stream(COMPLETIONS, self._body({"prompt": prompt, **fields}, stream=True))
 
     def chat_stream(self, messages: Messages, **fields: Any) -> Iterator[dict]:
-        return self._stream(CHAT, request_body({"messages": messages, **fields}, stream=True))
+        return self._stream(CHAT, self._body({"messages": messages, **fields}, stream=True))
 
     def models(self) -> dict:
         return self._send("GET", "/v1/models")
@@ -102,14 +132,37 @@ class HttpClient:
     def health(self) -> dict:
         return self._send("GET", "/health")
 
+    def _body(self, fields: dict[str, Any], stream: bool) -> dict[str, Any]:
+        return request_body(pinned_seed(fields, self.retry), stream)
+
     def _send(self, method: str, path: str, body: dict | None = None) -> dict:
-        with transport_errors(self.base_url):
-            response = self._http.request(method, path, json=body)
-        if response.is_error:
-            raise response_error(response)
-        return response.json()
+        for attempt in range(self.retry.retries + 1):
+            with transport_errors(self.base_url):
+                response = self._http.request(method, path, json=body)
+            if not response.is_error:
+                return response.json()
+            error = response_error(response)
+            if (delay := retry_delay(self.retry, error, attempt)) is None:
+                raise error
+            time.sleep(delay)
+        raise AssertionError("unreachable")
 
     def _stream(self, path: str, body: dict) -> Iterator[dict]:
+        replay = EventReplay()
+        for attempt in range(self.retry.retries + 1):
+            replay.restart()
+            try:
+                with closing(self._attempt(path, body)) as events:
+                    for event in events:
+                        if (fresh := replay.fresh(event)) is not None:
+                            yield fresh
+                return
+            except ClientError as error:
+                if (delay := retry_delay(self.retry, error, attempt)) is None:
+                    raise
+            time.sleep(delay)
+
+    def _attempt(self, path: str, body: dict) -> Iterator[dict]:
         with transport_errors(self.base_url), self._http.stream("POST", path, json=body) as response:
             if response.is_error:
                 response.read()
@@ -134,21 +187,23 @@ class HttpClient:
 class AsyncHttpClient:
     """asyncio twin of HttpClient."""
 
-    def __init__(self, base_url: str = DEFAULT_BASE_URL, timeout_s: float | None = DEFAULT_TIMEOUT_S):
+    def __init__(self, base_url: str = DEFAULT_BASE_URL, timeout_s: float | None = DEFAULT_TIMEOUT_S,
+                 api_key: str | None = None, retries: int | RetryPolicy | None = None):
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s)
+        self.retry = retry_policy(retries)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, headers=headers(api_key))
 
     async def complete(self, prompt: str | Sequence[int], **fields: Any) -> dict:
-        return await self._send("POST", COMPLETIONS, request_body({"prompt": prompt, **fields}, stream=False))
+        return await self._send("POST", COMPLETIONS, self._body({"prompt": prompt, **fields}, stream=False))
 
     async def chat(self, messages: Messages, **fields: Any) -> dict:
-        return await self._send("POST", CHAT, request_body({"messages": messages, **fields}, stream=False))
+        return await self._send("POST", CHAT, self._body({"messages": messages, **fields}, stream=False))
 
     def complete_stream(self, prompt: str | Sequence[int], **fields: Any) -> AsyncIterator[dict]:
-        return self._stream(COMPLETIONS, request_body({"prompt": prompt, **fields}, stream=True))
+        return self._stream(COMPLETIONS, self._body({"prompt": prompt, **fields}, stream=True))
 
     def chat_stream(self, messages: Messages, **fields: Any) -> AsyncIterator[dict]:
-        return self._stream(CHAT, request_body({"messages": messages, **fields}, stream=True))
+        return self._stream(CHAT, self._body({"messages": messages, **fields}, stream=True))
 
     async def models(self) -> dict:
         return await self._send("GET", "/v1/models")
@@ -156,14 +211,37 @@ class AsyncHttpClient:
     async def health(self) -> dict:
         return await self._send("GET", "/health")
 
+    def _body(self, fields: dict[str, Any], stream: bool) -> dict[str, Any]:
+        return request_body(pinned_seed(fields, self.retry), stream)
+
     async def _send(self, method: str, path: str, body: dict | None = None) -> dict:
-        with transport_errors(self.base_url):
-            response = await self._http.request(method, path, json=body)
-        if response.is_error:
-            raise response_error(response)
-        return response.json()
+        for attempt in range(self.retry.retries + 1):
+            with transport_errors(self.base_url):
+                response = await self._http.request(method, path, json=body)
+            if not response.is_error:
+                return response.json()
+            error = response_error(response)
+            if (delay := retry_delay(self.retry, error, attempt)) is None:
+                raise error
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
 
     async def _stream(self, path: str, body: dict) -> AsyncIterator[dict]:
+        replay = EventReplay()
+        for attempt in range(self.retry.retries + 1):
+            replay.restart()
+            try:
+                async with aclosing(self._attempt(path, body)) as events:
+                    async for event in events:
+                        if (fresh := replay.fresh(event)) is not None:
+                            yield fresh
+                return
+            except ClientError as error:
+                if (delay := retry_delay(self.retry, error, attempt)) is None:
+                    raise
+            await asyncio.sleep(delay)
+
+    async def _attempt(self, path: str, body: dict) -> AsyncIterator[dict]:
         with transport_errors(self.base_url):
             async with self._http.stream("POST", path, json=body) as response:
                 if response.is_error:

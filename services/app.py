@@ -13,6 +13,7 @@ session id so a session's rounds find its KV cache. `build_app` is the `import_p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import os
@@ -21,20 +22,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import ray
+from google.protobuf.message import DecodeError
 from ray import serve
 from ray.exceptions import RayActorError
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from specdec.builder import build_draft, build_head, build_rules, build_target
 from specdec.errors import InvalidRequestError
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, generation_pb2, verifier_pb2, verifier_pb2_grpc
+from services.auth import MISSING_KEY, call_metadata, key_matches, metadata_authorization
 from services.config import CONSISTENT_HASH_ROUTER, AppConfig, ReplicaConfig
-from services.convert import Overloaded, one_line
+from services.convert import Overloaded, Unavailable, one_line
 from services.coordinator import Coordinator, Role
 from services.draft_servicer import DraftServicer
-from services.server import start_server
+from services.server import MAX_ROUND_MESSAGE_BYTES, start_server
 from services.metrics import RayRoundMetrics, prometheus_text
 from services.sessions import SessionStore
 from services.verifier_servicer import VerifierServicer
@@ -73,10 +76,13 @@ class RoundReplica:
         self._server = None
         self._address = ""
 
-    def _start_grpc(self) -> None:
-        self._server, bound = start_server(address="[::]:0", executor=self._executor,
-                                           **{self.role: self.servicer})
-        self._address = f"{ray.util.get_node_ip_address()}:{bound.rsplit(':', 1)[1]}"
+    def _start_grpc(self, api_key: str | None) -> None:
+        """Bound to the Ray node's address (the cluster network), not every interface: these
+        services are for the coordinator only (docs/reliability.md, "Access")."""
+        host = ray.util.get_node_ip_address()
+        host = f"[{host}]" if ":" in host else host
+        self._server, self._address = start_server(address=f"{host}:0", executor=self._executor,
+                                                   api_key=api_key, **{self.role: self.servicer})
 
     async def address(self) -> str:
         """This replica's round gRPC server ("host:port"); routed like a round call, so it names
@@ -96,6 +102,10 @@ class RoundReplica:
     async def release(self, payload: bytes) -> bytes:
         return await self._serve(self.servicer.Release, common_pb2.SessionRef, payload)
 
+    async def live_sessions(self) -> int:
+        """Sessions whose cache this replica holds (tests and the load benchmark read it)."""
+        return len(self.servicer.sessions)
+
     def check_health(self) -> None:
         """Serve calls this every few seconds: also when idle sessions' caches are freed."""
         self.servicer.sessions.evict_expired()
@@ -110,7 +120,7 @@ class Draft(RoundReplica):
         draft, _ = build_draft(config.models, progress=False)
         sessions = SessionStore(config.sessions.max_sessions, config.sessions.ttl_s)
         self.servicer = DraftServicer(draft, build_head(config.models, draft), sessions, config.sparsify_below)
-        self._start_grpc()
+        self._start_grpc(config.key)
 
     async def propose(self, payload: bytes) -> bytes:
         return await self._serve(self.servicer.Propose, draft_pb2.ProposeRequest, payload)
@@ -131,7 +141,7 @@ class Verifier(RoundReplica):
         target, _ = build_target(config.models, progress=False, load=load)
         sessions = SessionStore(config.sessions.max_sessions, config.sessions.ttl_s)
         self.servicer = VerifierServicer(target, sessions)
-        self._start_grpc()
+        self._start_grpc(config.key)
 
     async def verify(self, payload: bytes) -> bytes:
         return await self._serve(self.servicer.Verify, verifier_pb2.VerifyRequest, payload)
@@ -186,10 +196,11 @@ class DirectRoundTransport:
     retryable = (ReplicaGone, RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
     CALL_TIMEOUT_S = 300.0  # a long prompt's prefill on CPU takes seconds; a hung replica is a bug
 
-    def __init__(self, draft: DeploymentHandle, verifier: DeploymentHandle):
+    def __init__(self, draft: DeploymentHandle, verifier: DeploymentHandle, api_key: str | None = None):
         self._handles = {"draft": draft, "verifier": verifier}
         self._addresses: dict[tuple[Role, str], str] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._metadata = call_metadata(api_key)
 
     async def _address(self, role: Role, session_id: str) -> str:
         key = (role, session_id)
@@ -200,14 +211,15 @@ class DirectRoundTransport:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address)
+            self._channels[address] = grpc.aio.insecure_channel(
+                address, options=[("grpc.max_send_message_length", MAX_ROUND_MESSAGE_BYTES)])
         return self._channels[address]
 
     async def _call(self, role: Role, session_id: str, method: str, request):
         address = await self._address(role, session_id)
         stub = (draft_pb2_grpc.DraftStub if role == "draft" else verifier_pb2_grpc.VerifierStub)(self._channel(address))
         try:
-            return await getattr(stub, method)(request, timeout=self.CALL_TIMEOUT_S)
+            return await getattr(stub, method)(request, timeout=self.CALL_TIMEOUT_S, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidRequestError(exc.details()) from None
@@ -229,9 +241,9 @@ class DirectRoundTransport:
             self._addresses.pop((role, session_id), None)
 
 
-def round_transport(kind: str, draft: DeploymentHandle, verifier: DeploymentHandle):
+def round_transport(kind: str, draft: DeploymentHandle, verifier: DeploymentHandle, api_key: str | None = None):
     if kind == "direct":
-        return DirectRoundTransport(draft, verifier)
+        return DirectRoundTransport(draft, verifier, api_key)
     return ServeRoundTransport(draft, verifier, grpc_transport=kind == "serve-grpc")
 
 
@@ -240,7 +252,7 @@ class CoordinatorDeployment:
 
     def __init__(self, draft: DeploymentHandle, verifier: DeploymentHandle, config: AppConfig):
         rules = build_rules(config.models, progress=False)
-        transport = round_transport(config.round_transport, draft, verifier)
+        transport = round_transport(config.round_transport, draft, verifier, config.key)
         self.coordinator = Coordinator(transport, rules, config.policy,
                                        observer=RayRoundMetrics())
 
@@ -251,6 +263,10 @@ class CoordinatorDeployment:
     async def generate_stream(self, payload: bytes) -> AsyncIterator[bytes]:
         async for chunk in self.coordinator.generate_stream(generation_pb2.GenerateRequest.FromString(payload)):
             yield chunk.SerializeToString()
+
+    async def live_sessions(self) -> int:
+        """Samples this replica is decoding (tests and the load benchmark read it)."""
+        return len(self.coordinator.sessions)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -263,6 +279,25 @@ def user_error(exc: BaseException) -> str:
     return one_line(str(cause if cause is not None else exc))
 
 
+# A coordinator replica that died (or none up yet): the request's work is lost, not wrong.
+COORDINATOR_LOST = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
+
+
+@contextlib.contextmanager
+def coordinator_errors():
+    """The coordinator's failures as the GenerationBackend's errors: user errors keep their one-line
+    reason, backpressure becomes Overloaded, a lost replica Unavailable (retriable)."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(user_error(exc)) from None
+    except BackPressureError:
+        raise Overloaded("the server is at capacity; retry later") from None
+    except COORDINATOR_LOST as exc:
+        logger.warning("coordinator lost: %s", type(exc).__name__)
+        raise Unavailable("the replica serving this request failed; retry") from None
+
+
 class CoordinatorBackend:
     """The coordinator behind a handle, as services.openai_api's GenerationBackend."""
 
@@ -270,44 +305,70 @@ class CoordinatorBackend:
         self._handle = handle
 
     async def generate(self, request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateResponse:
-        try:
+        with coordinator_errors():
             payload = await self._handle.generate.remote(request.SerializeToString())
-        except InvalidRequestError as exc:
-            raise InvalidRequestError(user_error(exc)) from None
-        except BackPressureError:
-            raise Overloaded("the server is at capacity; retry later") from None
         return generation_pb2.GenerateResponse.FromString(payload)
 
     async def generate_stream(self, request: generation_pb2.GenerateRequest) -> AsyncIterator[generation_pb2.GenerateChunk]:
         stream = self._handle.options(stream=True).generate_stream.remote(request.SerializeToString())
+        finished = False
         try:
-            async for payload in stream:
-                yield generation_pb2.GenerateChunk.FromString(payload)
-        except InvalidRequestError as exc:
-            raise InvalidRequestError(user_error(exc)) from None
-        except BackPressureError:
-            raise Overloaded("the server is at capacity; retry later") from None
+            with coordinator_errors():
+                async for payload in stream:
+                    yield generation_pb2.GenerateChunk.FromString(payload)
+            finished = True
+        finally:
+            if not finished:
+                stream.cancel()  # the consumer stopped early (client gone): free the coordinator's sessions
+
+
+def parse_request(request: bytes | generation_pb2.GenerateRequest, max_bytes: int) -> generation_pb2.GenerateRequest:
+    """The public request as the proxy hands it over (bytes: services/public_grpc.py), checked for
+    size before it is parsed."""
+    size = len(request) if isinstance(request, bytes) else request.ByteSize()
+    if size > max_bytes:
+        raise InvalidRequestError(f"the request is {size} bytes; the limit is {max_bytes}")
+    if not isinstance(request, bytes):
+        return request
+    try:
+        return generation_pb2.GenerateRequest.FromString(request)
+    except DecodeError as exc:
+        reason = str(exc).rpartition(": ")[2] or "wire format was corrupt"
+        raise InvalidRequestError(f"the request is not a valid specdec.v1.GenerateRequest ({reason})") from None
+
+
+class Unauthenticated(Exception):
+    pass
 
 
 class GrpcIngress:
     """The public gRPC service (specdec.v1.Generation) on Serve's gRPC proxy: the proxy calls these
-    methods by RPC name. Errors carry a status code and a one-line reason, never a traceback."""
+    methods by RPC name. Errors carry a status code and a one-line reason, never a traceback.
+    The API key is checked here: Serve's gRPC proxy (Ray 2.60) takes no server interceptors, and
+    hands the call's metadata to the servicer."""
 
-    def __init__(self, coordinator: DeploymentHandle):
+    def __init__(self, coordinator: DeploymentHandle, config: AppConfig):
         self._backend = CoordinatorBackend(coordinator)
+        self._api_key, self._max_bytes = config.key, config.max_request_bytes
 
-    async def Generate(self, request: generation_pb2.GenerateRequest, grpc_context) -> generation_pb2.GenerateResponse:
+    def _admit(self, request: bytes | generation_pb2.GenerateRequest, grpc_context) -> generation_pb2.GenerateRequest:
+        if not key_matches(self._api_key, metadata_authorization(grpc_context.invocation_metadata())):
+            raise Unauthenticated(MISSING_KEY)
+        return parse_request(request, self._max_bytes)
+
+    async def Generate(self, request: bytes | generation_pb2.GenerateRequest, grpc_context) -> generation_pb2.GenerateResponse:
         try:
-            return await self._backend.generate(request)
+            return await self._backend.generate(self._admit(request, grpc_context))
         except Exception as exc:  # noqa: BLE001 - mapped to a status, logged when it is a bug
             code, details = grpc_status(exc)
             grpc_context.set_code(code)
             grpc_context.set_details(details)
             return generation_pb2.GenerateResponse()
 
-    async def GenerateStream(self, request: generation_pb2.GenerateRequest, grpc_context) -> AsyncIterator[generation_pb2.GenerateChunk]:
+    async def GenerateStream(self, request: bytes | generation_pb2.GenerateRequest,
+                             grpc_context) -> AsyncIterator[generation_pb2.GenerateChunk]:
         try:
-            async for chunk in self._backend.generate_stream(request):
+            async for chunk in self._backend.generate_stream(self._admit(request, grpc_context)):
                 yield chunk
         except Exception as exc:  # noqa: BLE001
             code, details = grpc_status(exc)
@@ -321,6 +382,10 @@ def grpc_status(exc: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, user_error(exc)
     if isinstance(exc, Overloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, Unavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, Unauthenticated):
+        return grpc.StatusCode.UNAUTHENTICATED, str(exc)
     logger.exception("request failed")
     return grpc.StatusCode.INTERNAL, "internal error"
 
@@ -334,7 +399,8 @@ def ingress_class(config: AppConfig) -> type:
         def backend():
             app_name = serve.get_replica_context().app_name
             return CoordinatorBackend(serve.get_deployment_handle("Coordinator", app_name=app_name))
-        return create_app(backend, config.model_name, prometheus_text)
+        return create_app(backend, config.model_name, prometheus_text, api_key=config.key,
+                          max_body_bytes=config.max_request_bytes)
 
     @serve.ingress(make_http_app)
     class Ingress(GrpcIngress):
@@ -354,7 +420,8 @@ def _deployment(cls: type, name: str, replicas: ReplicaConfig, sticky: bool = Fa
     if sticky:
         options["request_router_config"] = RequestRouterConfig(request_router_class=CONSISTENT_HASH_ROUTER)
     # Idle OpenMP threads must sleep, not spin: the draft and the verifier take turns on the same cores.
-    env = {"OMP_WAIT_POLICY": "PASSIVE"}
+    # Serve's inter-deployment gRPC (round_transport serve-grpc) receives at most 4 MiB by default.
+    env = {"OMP_WAIT_POLICY": "PASSIVE", "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(MAX_ROUND_MESSAGE_BYTES)}
     if replicas.threads:
         env["OMP_NUM_THREADS"] = str(replicas.threads)
     actor_options = {"num_cpus": replicas.num_cpus, "num_gpus": replicas.num_gpus, "runtime_env": {"env_vars": env}}
@@ -375,6 +442,10 @@ def build_app(args: dict | AppConfig | None = None) -> serve.Application:
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     draft = _deployment(Draft, "Draft", config.draft, sticky=True).bind(config)
     verifier = _deployment(Verifier, "Verifier", config.verifier, sticky=True).bind(config)
+    # At capacity a request is refused at once (HTTP 429 + Retry-After, gRPC RESOURCE_EXHAUSTED),
+    # whether the proxies' queue for the ingress or the ingress's queue for a coordinator is full.
+    bounded = {"max_queued_requests": config.max_queued_requests,
+               "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=1)}
     coordinator = _deployment(CoordinatorDeployment, "Coordinator", config.coordinator,
-                              max_queued_requests=config.max_queued_requests).bind(draft, verifier, config)
-    return _deployment(ingress_class(config), "Ingress", config.ingress).bind(coordinator)
+                              **bounded).bind(draft, verifier, config)
+    return _deployment(ingress_class(config), "Ingress", config.ingress, **bounded).bind(coordinator, config)

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from ray.serve.config import AutoscalingConfig
 
 from specdec.builder import EngineConfig
 from specdec.policies import PolicyConfig
+from services.auth import env_api_key
 from services.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_TTL_S
 
-# The public gRPC service, for Serve's gRPC proxy (`grpc_options.grpc_servicer_functions`).
-GRPC_SERVICER_FUNCTIONS = ["specdec.v1.generation_pb2_grpc.add_GenerationServicer_to_server"]
+# The public gRPC service, for Serve's gRPC proxy (`grpc_options.grpc_servicer_functions`): the
+# requests reach the ingress as bytes, so that it answers a malformed one (services/public_grpc.py).
+GRPC_SERVICER_FUNCTIONS = ["services.public_grpc.add_generation_servicer"]
 CONSISTENT_HASH_ROUTER = "ray.serve.experimental.consistent_hash_router:ConsistentHashRouter"
 
 
@@ -101,5 +103,29 @@ class AppConfig(BaseModel):
     #             inter-deployment gRPC transport, carrying our protobuf bytes;
     #   "actor": the same through Ray actor calls.
     round_transport: Literal["direct", "serve-grpc", "actor"] = "direct"
-    # Requests waiting for a coordinator slot before HTTP 503 / RESOURCE_EXHAUSTED (-1: unbounded).
-    max_queued_requests: int = -1
+    # Requests waiting for an ingress or a coordinator slot (per caller: each proxy, each ingress
+    # replica) beyond which clients get HTTP 429 / RESOURCE_EXHAUSTED at once (-1: unbounded).
+    max_queued_requests: int = Field(256, ge=-1)
+    # Every route of both ingresses and the round services need `Authorization: Bearer <key>`
+    # (docs/reliability.md, "Access"). Unset: the SPECDEC_API_KEY environment variable of the
+    # process that builds the app, else no authentication.
+    api_key: SecretStr | None = None
+    # Largest request accepted: HTTP body bytes (413 beyond), gRPC request message bytes
+    # (INVALID_ARGUMENT beyond). 1 MiB holds a 32k-token prompt several times over.
+    max_request_bytes: int = Field(1 << 20, ge=1024)
+
+    @field_validator("api_key", mode="after")
+    @classmethod
+    def _not_empty(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value():
+            raise ValueError("api_key must not be empty (leave it unset for no authentication)")
+        return value
+
+    def model_post_init(self, _context) -> None:
+        if self.api_key is None and env_api_key():
+            self.api_key = SecretStr(env_api_key())
+
+    @property
+    def key(self) -> str | None:
+        """The API key in clear, or None when authentication is off."""
+        return self.api_key.get_secret_value() if self.api_key is not None else None

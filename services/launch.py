@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -14,16 +15,25 @@ from services.config import GRPC_SERVICER_FUNCTIONS, AppConfig
 
 APP_NAME = "specdec"
 DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT = 8000, 9000  # Serve's defaults
+# Serve's gRPC proxy reads this when it starts (its default is 2 GiB): the most it buffers of one
+# request or response. Requests are refused beyond AppConfig.max_request_bytes anyway; responses of
+# n samples of a long context need more.
+PROXY_MAX_MESSAGE_ENV, PROXY_MAX_MESSAGE_BYTES = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", 32 * 1024 * 1024
 
 
 def start(config: AppConfig, host: str = "127.0.0.1", http_port: int = DEFAULT_HTTP_PORT,
           grpc_port: int = DEFAULT_GRPC_PORT, num_cpus: int | None = None) -> dict[str, str]:
-    """Start (or join) Ray and run the app; returns its addresses once every replica is up."""
+    """Start (or join) Ray and run the app; returns its addresses once every replica is up. The
+    gRPC proxy's message limit applies only when this call starts Ray (its processes inherit the
+    environment); on a cluster set it where `ray start` runs (docs/reliability.md)."""
     if not ray.is_initialized():
+        os.environ.setdefault(PROXY_MAX_MESSAGE_ENV, str(PROXY_MAX_MESSAGE_BYTES))
         ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING",
                  log_to_driver=False, configure_logging=False)
+    # With an API key, reflection (which would list our services to anyone) is off.
     serve.start(http_options={"host": host, "port": http_port},
-                grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))
+                grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS,
+                                         enable_reflection=config.key is None))
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     return {"grpc": f"{host}:{grpc_port}", "http": f"http://{host}:{http_port}"}
 

@@ -11,7 +11,9 @@ Where this differs from OpenAI's API, on purpose:
   presence/frequency penalties, best_of != n), and unknown fields, are refused with 400, never ignored;
 - every result carries "specdec": the request's Stats (protos/specdec/v1/generation.proto), on the
   response, or on the usage chunk of a stream with stream_options.include_usage.
-Errors are OpenAI's JSON: {"error": {"message": one line, "type", "param", "code"}}.
+Errors are OpenAI's JSON: {"error": {"message": one line, "type", "param", "code"}}: 400 bad
+parameters, 401 missing key, 404 unknown model, 413 body too large, 415 not JSON, 429 at capacity
+(Retry-After), 503 the replica serving the request died (retriable), 500 a bug ("internal error").
 """
 
 from __future__ import annotations
@@ -24,20 +26,23 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, Literal, Protocol
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from google.protobuf import json_format
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
+from starlette.authentication import AuthenticationBackend, AuthenticationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.authentication import AuthenticationMiddleware
 
 from specdec.errors import InvalidRequestError
 from specdec.sampling import MAX_SAMPLES_PER_REQUEST
 from specdec.v1 import generation_pb2
-from services.convert import Overloaded, one_line
+from services.auth import MISSING_KEY, key_matches
+from services.convert import Overloaded, Unavailable, one_line
 
-__all__ = ["GenerationBackend", "Overloaded", "create_app"]
+__all__ = ["GenerationBackend", "Overloaded", "Unavailable", "create_app"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +54,7 @@ NEUTRAL_ONLY = ("echo", "logprobs", "top_logprobs", "suffix", "logit_bias", "pre
 
 class GenerationBackend(Protocol):
     """Raises InvalidRequestError (one line) for bad parameters, possibly only when the stream is first
-    iterated, and Overloaded when it cannot take more work."""
+    iterated, Overloaded when it cannot take more work, Unavailable when the work was lost."""
 
     async def generate(self, request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateResponse: ...
 
@@ -257,7 +262,9 @@ def error_of(exc: Exception) -> tuple[int, dict, dict[str, str]]:
     if isinstance(exc, InvalidRequestError):
         return 400, error_json(one_line(str(exc))), {}
     if isinstance(exc, Overloaded):
-        return 503, error_json(one_line(str(exc)), "overloaded_error"), {"Retry-After": str(RETRY_AFTER_S)}
+        return 429, error_json(one_line(str(exc)), "overloaded_error"), {"Retry-After": str(RETRY_AFTER_S)}
+    if isinstance(exc, Unavailable):
+        return 503, error_json(one_line(str(exc)), "unavailable_error"), {"Retry-After": "0"}
     logger.error("request failed", exc_info=exc)
     return 500, error_json("internal error", "internal_error"), {}
 
@@ -278,14 +285,81 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, f"{where or 'body'}: {one_line(error['msg'])}", param=param)
 
 
+def is_json(content_type: str | None) -> bool:
+    media = (content_type or "").split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Access
+
+class ApiKeyBackend(AuthenticationBackend):
+    """`Authorization: Bearer <key>` on every request. Starlette's AuthenticationMiddleware rather
+    than a FastAPI dependency: dependencies run after routing and after the body is read and
+    parsed, so a client without the key would still get 404/400/413 answers (and make us read its
+    body); the middleware refuses before any of that, on every path."""
+
+    def __init__(self, api_key: str):
+        self.api_key = api_key
+
+    async def authenticate(self, conn):
+        if not key_matches(self.api_key, conn.headers.get("authorization")):
+            raise AuthenticationError(MISSING_KEY)
+        return None
+
+
+def unauthorized(_conn, exc: AuthenticationError) -> Response:
+    return JSONResponse(error_json(str(exc), code="invalid_api_key"), status_code=401,
+                        headers={"WWW-Authenticate": "Bearer"})
+
+
+def body_too_large(max_body_bytes: int) -> JSONResponse:
+    return JSONResponse(error_json(f"the request body is larger than {max_body_bytes} bytes"), status_code=413)
+
+
+class BodyLimit:
+    """413 for a body over the limit: at once when its Content-Length says so, else as soon as the
+    bytes read pass it (the route's body reading re-raises the HTTPException, which becomes our
+    error JSON). Not FastAPI's max_body_size: for a declared length it answers in plain text, which
+    OpenAI clients cannot read."""
+
+    def __init__(self, app, max_body_bytes: int):
+        self.app, self.max_body_bytes = app, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return await body_too_large(self.max_body_bytes)(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_body_bytes:
+                raise StarletteHTTPException(413)
+            return message
+
+        return await self.app(scope, limited_receive, send)
+
+
 # ------------------------------------------------------------------------------------------------
 # The app
 
 def create_app(backend_factory: Callable[[], GenerationBackend], model_name: str,
-               metrics_text: Callable[[], Awaitable[str]] | None = None) -> FastAPI:
+               metrics_text: Callable[[], Awaitable[str]] | None = None, api_key: str | None = None,
+               max_body_bytes: int | None = None) -> FastAPI:
     """`backend_factory` is called once, on the first request that needs it (inside a Serve replica
-    it looks up a deployment handle, which needs the running replica)."""
+    it looks up a deployment handle, which needs the running replica). With `api_key` every path
+    (the OpenAPI docs, /health and /metrics included) answers 401 without it; `max_body_bytes` caps
+    request bodies (413)."""
     app = FastAPI(title="specdec")
+    if max_body_bytes is not None:
+        app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
+    if api_key:  # added last: runs first
+        app.add_middleware(AuthenticationMiddleware, backend=ApiKeyBackend(api_key), on_error=unauthorized)
     backend = functools.cache(backend_factory)
     created = int(time.time())
 
@@ -340,11 +414,18 @@ def create_app(backend_factory: Callable[[], GenerationBackend], model_name: str
         return await respond(text)
 
     @app.exception_handler(RequestValidationError)
-    async def bad_body(_request, exc: RequestValidationError) -> Response:
+    async def bad_body(request: Request, exc: RequestValidationError) -> Response:
+        if request.method == "POST" and not is_json(request.headers.get("content-type")):
+            return error_response(ApiError(415, "the request body must be JSON (Content-Type: application/json)"))
         return error_response(validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, exc: StarletteHTTPException) -> Response:
-        return JSONResponse(error_json(one_line(str(exc.detail))), status_code=exc.status_code, headers=exc.headers)
+        if exc.status_code == 413 and max_body_bytes is not None:
+            return body_too_large(max_body_bytes)
+        message = one_line(str(exc.detail))
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not read the body
+            message = "the request body is not valid JSON (UTF-8)"
+        return JSONResponse(error_json(message), status_code=exc.status_code, headers=exc.headers)
 
     return app

@@ -8,20 +8,29 @@ from concurrent import futures
 import grpc
 
 from specdec.v1 import draft_pb2_grpc, verifier_pb2_grpc
+from services.auth import ApiKeyInterceptor
 from services.draft_servicer import DraftServicer
 from services.verifier_servicer import VerifierServicer
 
 # Blocking torch work runs on these threads, never on an event loop. Sessions are independent, so
 # a few threads let several sessions' rounds overlap.
 DEFAULT_WORKERS = 4
+# A sampled round carries each candidate's draft distribution: ~1.06 MB per candidate on a
+# 151,936-token vocabulary, so gRPC's default 4 MiB would fail sampled rounds with K > 3. 128 MiB
+# holds the most candidates a served round may draft (services.coordinator.MAX_CANDIDATES_PER_ROUND).
+MAX_ROUND_MESSAGE_BYTES = 128 * 1024 * 1024
 
 
 def start_server(draft: DraftServicer | None = None, verifier: VerifierServicer | None = None,
                  address: str = "127.0.0.1:0", max_workers: int = DEFAULT_WORKERS,
-                 executor: futures.ThreadPoolExecutor | None = None) -> tuple[grpc.Server, str]:
+                 executor: futures.ThreadPoolExecutor | None = None,
+                 api_key: str | None = None) -> tuple[grpc.Server, str]:
     """Start a server hosting the given servicers; returns it and its "host:port" (port 0 in
-    `address` picks a free one). `executor` replaces the server's own thread pool."""
-    server = grpc.server(executor or futures.ThreadPoolExecutor(max_workers=max_workers))
+    `address` picks a free one). `executor` replaces the server's own thread pool. With `api_key`
+    every call must carry it (services.auth)."""
+    server = grpc.server(executor or futures.ThreadPoolExecutor(max_workers=max_workers),
+                         interceptors=[ApiKeyInterceptor(api_key)] if api_key else None,
+                         options=[("grpc.max_receive_message_length", MAX_ROUND_MESSAGE_BYTES)])
     if draft is not None:
         draft_pb2_grpc.add_DraftServicer_to_server(draft, server)
     if verifier is not None:

@@ -239,10 +239,10 @@ def test_backend_is_built_lazily_once(tiny_engine):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_overloaded_is_503_with_retry_after(stream):
+def test_overloaded_is_429_with_retry_after(stream):
     app = create_app(lambda: FailingBackend(Overloaded("the server is at capacity; retry later")), MODEL)
     response = TestClient(app).post("/v1/completions", json={"prompt": "x", "stream": stream})
-    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    assert response.status_code == 429 and response.headers["retry-after"] == "1"
     assert response.json()["error"]["message"] == "the server is at capacity; retry later"
 
 
