@@ -4,7 +4,9 @@ For every prompt (specdec.training.stdlib_prompts; never HumanEval):
 
 1. the target's response X_1..X_N, written by the project's lossless engine (its output follows
    the target's distribution exactly, and it is faster than the target alone);
-2. teacher-forced, one pass of each model over prompt + X gives q_i and p_i at every position;
+2. p_i at every position: the target's logits from the verification passes that wrote X (every
+   committed token is a row of some pass, scored after exactly X_<i: `RecordingTarget`), so the
+   target never runs twice; q_i: one teacher-forced pass of the draft over prompt + X;
 3. one Y_i ~ q_i per position and the soft label P_i = min(1, p_i(Y_i) / q_i(Y_i)) (labels.py),
    p and q through the `labels` sampling transform (temperature 0: one-hot argmax, exact match).
 
@@ -85,12 +87,46 @@ def response_logits(model, prompt_ids: Sequence[int], response_ids: Sequence[int
 
 
 def label_response(draft_model, target_model, prompt_ids: Sequence[int], response_ids: Sequence[int],
-                   sampling: SamplingParams, generator: torch.Generator) -> LabelledResponse:
+                   sampling: SamplingParams, generator: torch.Generator,
+                   target_logits: torch.Tensor | None = None) -> LabelledResponse:
+    """`target_logits` [N, V]: the target's logits at the response positions when already known
+    (recorded during generation); otherwise a teacher-forced pass of `target_model` computes them."""
     q = label_distribution(response_logits(draft_model, prompt_ids, response_ids), sampling)  # [N, V]
-    p = label_distribution(response_logits(target_model, prompt_ids, response_ids), sampling)  # [N, V]
+    if target_logits is None:
+        target_logits = response_logits(target_model, prompt_ids, response_ids)
+    p = label_distribution(target_logits.float(), sampling)  # [N, V]
     y = sample_draft_tokens(q.cpu(), generator)  # [N]
     labels = soft_acceptance_labels(p.cpu(), q.cpu(), y)  # [N]
     return LabelledResponse(list(response_ids), y.tolist(), labels.tolist())
+
+
+class RecordingTarget:
+    """A TargetRuntime that keeps every verification pass's logits, keyed by the history length it
+    scored after, so the logits of the committed response can be read back (`committed_logits`)."""
+
+    def __init__(self, target):
+        self.target, self.calls = target, []  # calls: [(len(history), logits [K+1, V])]
+
+    def __getattr__(self, name: str):
+        return getattr(self.target, name)
+
+    def score(self, session, history: list[int], candidates: list[int]) -> torch.Tensor:
+        logits = self.target.score(session, history, candidates)
+        self.calls.append((len(history), logits))
+        return logits
+
+    def committed_logits(self, prompt_len: int, num_tokens: int) -> torch.Tensor:
+        """[N, V]: row i is the target's logits for response token X_{i+1}, i.e. after prompt + X_1..X_i.
+
+        Worked example: prompt of 5 tokens; round 1 scored after h=5 with rows for positions 5..8 and
+        committed 3 tokens (absolute 5, 6, 7); round 2 scored after h=8. Position 7 comes from round 1
+        row 2; position 8 from round 2 row 0: the last pass with h <= position is the one that
+        committed it (every pass starts right after the committed history)."""
+        rows = []
+        for position in range(prompt_len, prompt_len + num_tokens):
+            start, logits = next((h, x) for h, x in reversed(self.calls) if h <= position)
+            rows.append(logits[position - start])
+        return torch.stack(rows)
 
 
 def prompt_seed(base_seed: int, prompt_id: str) -> int:
@@ -111,6 +147,7 @@ class ExampleWriter:
             torch.set_num_threads(threads)
         self.data = data
         self.engine = build_engine(models.engine_config(threads), progress=False)
+        self.target = self.engine.target = RecordingTarget(self.engine.target)
 
     def rows(self, prompts: Sequence[Prompt]) -> list[dict]:
         from specdec.params import GenerationParams
@@ -127,12 +164,15 @@ class ExampleWriter:
                 continue
             params = GenerationParams(max_new_tokens=response.max_new_tokens, sampling=response.sampling(seed),
                                       policy=response.policy_config())
+            self.target.calls.clear()
             completion = self.engine.generate_ids(prompt_ids, params).completions[0]
             row["finish_reason"] = completion.finish_reason
             if completion.token_ids:
-                labelled = label_response(self.engine.draft.model, self.engine.target.model, prompt_ids,
+                target_logits = self.target.committed_logits(len(prompt_ids), len(completion.token_ids))
+                self.target.calls.clear()
+                labelled = label_response(self.engine.draft.model, self.target.model, prompt_ids,
                                           completion.token_ids, self.data.labels.sampling(),
-                                          torch.Generator().manual_seed(seed))
+                                          torch.Generator().manual_seed(seed), target_logits)
                 row.update(response_ids=labelled.response_ids, draft_ids=labelled.draft_ids, labels=labelled.labels)
             rows.append(row)
         return rows

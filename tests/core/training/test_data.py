@@ -44,6 +44,29 @@ def test_labels_are_min_one_p_over_q_of_the_teacher_forced_models(tiny_pair):
     assert out.response_ids == response and len(out.draft_ids) == len(response)
 
 
+def test_recorded_verification_logits_are_the_teacher_forced_targets(tiny_pair):
+    from specdec.params import build_params
+    from specdec.training.data import RecordingTarget, response_logits
+
+    engine = build_engine(EngineConfig(draft=str(tiny_pair[0]), target=str(tiny_pair[1]), draft_format="fp32",
+                                       target_format="fp32"), progress=False)
+    engine.target = recording = RecordingTarget(engine.target)
+    prompt = [257, 40, 41]
+    response = engine.generate_ids(prompt, build_params(policy="fixed", k=3, max_new_tokens=12)).completions[0].token_ids
+    assert len(recording.calls) > 1  # several rounds, so rows come from different passes
+    recorded = recording.committed_logits(len(prompt), len(response))
+    teacher_forced = response_logits(recording.model, prompt, response)
+    assert recorded.shape == teacher_forced.shape
+    assert torch.allclose(recorded, teacher_forced, atol=1e-4)
+    sampling = SamplingParams(temperature=1.0)
+    with_recorded = label_response(engine.draft.model, None, prompt, response, sampling,
+                                   torch.Generator().manual_seed(0), recorded)
+    with_pass = label_response(engine.draft.model, recording.model, prompt, response, sampling,
+                               torch.Generator().manual_seed(0))
+    assert with_recorded.draft_ids == with_pass.draft_ids
+    assert with_recorded.labels == pytest.approx(with_pass.labels, abs=1e-4)
+
+
 def test_greedy_labels_are_exact_match():
     logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
     assert label_distribution(logits, SamplingParams()).tolist() == [[0, 1, 0], [1, 0, 0]]
