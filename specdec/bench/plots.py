@@ -51,8 +51,9 @@ def plot_plane(summary: dict, path: Path) -> Path:
         family = p["family"]
         if family == "target-only":
             continue  # (1, 0) by definition; it would squash the plot
-        ax.scatter(p["verification_rate"], p["discard_rate"], color=_color(family), marker=FAMILY_MARKERS.get(family, "o"),
-                   s=70 if family == "specdec++" else 40, label=None if family in labelled else family, zorder=3)
+        ax.scatter(p["verification_rate"], p["discard_rate"], color=_color(family),
+                   marker=FAMILY_MARKERS.get(family, "o"), s=70 if family == "specdec++" else 40,
+                   label=None if family in labelled else family, zorder=3)
         labelled.add(family)
         ax.annotate(spec.split(":", 1)[1] if ":" in spec else spec, (p["verification_rate"], p["discard_rate"]),
                     fontsize=7, xytext=(3, 3), textcoords="offset points")

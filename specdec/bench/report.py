@@ -192,7 +192,8 @@ def _oracle_goal(policies: dict, ours, cost_model: dict | None) -> dict:
     row = {"goal": f"specdec++ speedup >= {GOAL_ORACLE_SHARE:.0%} of the oracle's speedup predicted by the cost model "
                    "(greedy)", "target": GOAL_ORACLE_SHARE, "measured": None, "met": None, "detail": ""}
     oracle = policies.get("oracle")
-    needed = (("specdec++", ours), ("oracle", oracle), ("cost-model fit", cost_model), (BASELINE, policies.get(BASELINE)))
+    needed = (("specdec++", ours), ("oracle", oracle), ("cost-model fit", cost_model),
+              (BASELINE, policies.get(BASELINE)))
     missing = [what for what, value in needed if value is None]
     if missing:
         row["detail"] = f"not measured: no {', '.join(missing)} records"
@@ -204,8 +205,8 @@ def _oracle_goal(policies: dict, ours, cost_model: dict | None) -> dict:
     predicted_share = speedup_share(mine["predicted_speedup"], oracle_speedup)
     row.update(measured=share, met=share >= GOAL_ORACLE_SHARE,
                detail=(f"{key} ({how}) measured {mine['speedup']:.2f}x vs oracle predicted {oracle_speedup:.2f}x "
-                       f"(oracle measured {oracle['speedup']:.2f}x; specdec++ predicted {mine['predicted_speedup']:.2f}x "
-                       f"= {predicted_share:.0%} of the oracle's)"))
+                       f"(oracle measured {oracle['speedup']:.2f}x; specdec++ predicted "
+                       f"{mine['predicted_speedup']:.2f}x = {predicted_share:.0%} of the oracle's)"))
     if share < GOAL_ORACLE_SHARE:
         row["detail"] += f"; short by {(GOAL_ORACLE_SHARE - share) / GOAL_ORACLE_SHARE:.1%}"
     return row
@@ -220,7 +221,8 @@ def _frontier_goal(sampled: dict) -> dict:
         return row
     row.update(measured=dominance["dominated"] / dominance["total"], met=dominance["dominates"],
                detail=f"{dominance['dominated']} of fixed's {dominance['total']} frontier points on or above "
-                      f"specdec++'s frontier ({dominance['uncovered']} at a verification rate specdec++ does not reach)")
+                      f"specdec++'s frontier ({dominance['uncovered']} at a verification rate specdec++ does not "
+                      "reach)")
     return row
 
 
@@ -259,8 +261,9 @@ def markdown(results: dict) -> str:
         f"{prompts['count']} prompts from `{prompts['source']}`, {settings['max_new_tokens']} new tokens, "
         f"draft `{settings['draft']}` ({settings['draft_format']}), target `{settings['target']}` "
         f"({settings['target_format']}), head `{results['head']}`, seed {settings['seed']}.",
-        f"Machine: {machine.get('cpu', '?')}, {machine.get('threads', '?')} threads, torch {machine.get('torch', '?')}, "
-        f"transformers {machine.get('transformers', '?')}" + (f", GPU {machine['gpu']}" if machine.get("gpu") else "") + ".",
+        f"Machine: {machine.get('cpu', '?')}, {machine.get('threads', '?')} threads, "
+        f"torch {machine.get('torch', '?')}, transformers {machine.get('transformers', '?')}"
+        + (f", GPU {machine['gpu']}" if machine.get("gpu") else "") + ".",
         "",
         "Tokens/s: total tokens over total wall time (prefill included) on the prompts every policy finished. "
         "Predicted: eq. 2.3 with the fitted (t_draft, t_target). `hf-*`: HF transformers assisted generation "
@@ -276,7 +279,8 @@ def markdown(results: dict) -> str:
     lines += ["## Goals", "", "| goal | target | measured | met | detail |", "|---|---|---|---|---|"]
     for goal in results["goals"]:
         met = {True: "yes", False: "**no**", None: "-"}[goal["met"]]
-        lines.append(f"| {goal['goal']} | {goal['target']:g} | {_fmt(goal['measured'], '.3f')} | {met} | {goal['detail']} |")
+        lines.append(f"| {goal['goal']} | {goal['target']:g} | {_fmt(goal['measured'], '.3f')} | {met} "
+                     f"| {goal['detail']} |")
     lines.append("")
     forward = results.get("forward_times")
     if forward:
@@ -317,7 +321,8 @@ def _temperature_section(key: str, summary: dict) -> list[str]:
     fit, standalone = summary["cost_model"], summary["standalone_target"]
     if fit:
         lines.append(f"Cost model (eq. 2.1 over {fit['points']} speculative generations): t_draft = "
-                     f"{fit['t_draft'] * 1000:.2f} ms, t_target = {fit['t_target'] * 1000:.2f} ms, R² = {fit['r2']:.3f}.")
+                     f"{fit['t_draft'] * 1000:.2f} ms, t_target = {fit['t_target'] * 1000:.2f} ms, "
+                     f"R² = {fit['r2']:.3f}.")
     if standalone:
         lines.append(f"Target-only alone: t_target = {standalone['t_target'] * 1000:.2f} ms per pass "
                      f"(R² = {standalone['r2']:.3f}).")

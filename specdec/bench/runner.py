@@ -86,7 +86,8 @@ def machine() -> dict:
 
     return {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+            "python": platform.python_version(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
 class BenchRun:
@@ -168,7 +169,8 @@ class BenchRun:
         for temperature in self.config.temperatures:
             for spec in self.specs:
                 if spec.greedy_only and temperature > 0:
-                    skipped[f"{spec.key}@t={temperature:g}"] = "greedy only: the hindsight oracle is defined at temperature 0"
+                    skipped[f"{spec.key}@t={temperature:g}"] = ("greedy only: the hindsight oracle is defined "
+                                                                "at temperature 0")
             for index, ids in enumerate(prompt_ids):
                 if ids is None:
                     continue
@@ -192,7 +194,8 @@ class BenchRun:
         ids = next((p for p in prompt_ids if p is not None), None)
         if ids is None:
             return
-        self.engine.generate_ids(ids, GenerationParams(max_new_tokens=WARMUP_TOKENS, policy=PolicyConfig(name="fixed", k=2)))
+        warm_up = GenerationParams(max_new_tokens=WARMUP_TOKENS, policy=PolicyConfig(name="fixed", k=2))
+        self.engine.generate_ids(ids, warm_up)
         if any(spec.is_peer for spec in self.specs):
             from specdec.bench.peer import peer_mode
 
