@@ -371,7 +371,8 @@ def create_app(backend_factory: Callable[[], GenerationBackend], model_name: str
 
     async def generate(body: GenerationFields, request: generation_pb2.GenerateRequest, chat: bool) -> Response:
         if body.model is not None and body.model != model_name:
-            raise ApiError(404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found")
+            name = body.model.encode("unicode_escape").decode()  # one line whatever the client sent
+            raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
         def head(request_id: str, object_: str) -> dict:
             return {"id": ("chatcmpl-" if chat else "cmpl-") + request_id, "object": object_,
                     "created": int(time.time()), "model": model_name}

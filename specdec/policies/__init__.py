@@ -81,7 +81,7 @@ def validate_policy(config: PolicyConfig, has_head: bool) -> None:
     config = resolve_policy(config, has_head)
     if config.name not in POLICY_NAMES:
         raise InvalidRequestError(
-            f"unknown policy '{config.name}'; choose one of {', '.join(POLICY_NAMES)}")
+            f"unknown policy {config.name!r}; choose one of {', '.join(POLICY_NAMES)}")
     if config.name == "specdec++" and not has_head:
         raise InvalidRequestError("policy 'specdec++' needs an acceptance head: pass --head PATH")
     if config.k is not None and config.k < 1:
