@@ -182,6 +182,41 @@ def test_missing_session_is_reported_not_guessed(services):
     assert "never" not in draft.sessions and "never" not in verifier.sessions
 
 
+def test_expired_or_unknown_session_leaves_nothing_behind(tiny_engine):
+    clock = FakeClock()
+    draft = DraftServicer(tiny_engine.draft, sessions=SessionStore(max_sessions=4, ttl_s=10.0, clock=clock))
+    server, address = start_server(draft=draft)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = draft_pb2_grpc.DraftStub(channel)
+            assert not stub.Propose(propose_request(session_id="s")).session_missing
+            clock.now = 11.0  # idle past the TTL: expired
+            delta = common_pb2.HistoryDelta(history_length=5, tail=[4, 5], full=False)
+            assert stub.Propose(propose_request(session_id="s", history=delta)).session_missing
+            assert len(draft.sessions) == 0
+            assert not stub.Release(common_pb2.SessionRef(session_id="s")).released
+            assert not stub.Release(common_pb2.SessionRef(session_id="unknown")).released
+    finally:
+        server.stop(None)
+
+
+def test_round_server_with_a_key_refuses_calls_without_it(tiny_engine):
+    draft = DraftServicer(tiny_engine.draft)
+    server, address = start_server(draft=draft, api_key="round-key")
+    ref = common_pb2.SessionRef(session_id="x")
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = draft_pb2_grpc.DraftStub(channel)
+            for metadata in ((), (("authorization", "Bearer other"),), (("authorization", "round-key"),)):
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.Propose(propose_request(), metadata=metadata)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert len(draft.sessions) == 0  # refused before the servicer ran
+            assert not stub.Release(ref, metadata=(("authorization", "Bearer round-key"),)).released
+    finally:
+        server.stop(None)
+
+
 # ------------------------------------------------------------------------------------------------
 # Conversions
 
