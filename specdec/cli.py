@@ -121,8 +121,13 @@ def start_ray(address: str | None) -> None:
 
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "local", log_to_driver=True)
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:  # Ray starts workers at nice 15; here they are the job, so they must not yield to everything else
+        ray.init(address="local", log_to_driver=True, _system_config={"worker_niceness": 0})
 
 
 def cmd_gen_data(args: argparse.Namespace) -> int:
