@@ -49,6 +49,7 @@ class LoadReport:
     requests: int = 0
     tokens: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    error_examples: dict[str, str] = field(default_factory=dict)  # code -> its first message
     tokens_lost: int = 0
     mismatched_requests: int = 0
     latency_s: list[float] = field(default_factory=list, repr=False)
@@ -83,21 +84,22 @@ def tokens_lost(got: list, expected: list) -> int:
     return max(len(got), len(expected)) - same
 
 
-async def one_request(client, protocol: str, prompt: str, fields: dict) -> tuple[list, float | None]:
-    """Streams one request; returns what it carried (token ids over gRPC, characters over HTTP)
-    and when its first chunk came."""
-    start, first, out = time.perf_counter(), None, []
+async def one_request(client, protocol: str, prompt: str, fields: dict) -> tuple[list, int, float | None]:
+    """Streams one request; returns what it carried (token ids over gRPC, characters over HTTP:
+    OpenAI's stream has text only), its token count and when its first chunk came."""
+    start, first, out, tokens = time.perf_counter(), None, [], 0
     if protocol == "grpc":
         async for chunk in client.generate_stream(prompt, **fields):
             first = first or time.perf_counter() - start
             out.extend(chunk.token_ids)
-    else:
-        body = {"max_tokens": fields.get("max_new_tokens"), "policy": fields.get("policy"), "k": fields.get("k")}
-        async for event in client.complete_stream(prompt, **body):
-            first = first or time.perf_counter() - start
-            out.extend(c.get("text") or "" for c in event["choices"])
-        out = list("".join(out))
-    return out, first
+        return out, len(out), first
+    body = {"max_tokens": fields.get("max_new_tokens"), "policy": fields.get("policy"), "k": fields.get("k")}
+    async for event in client.complete_stream(prompt, **body):
+        first = first or time.perf_counter() - start
+        out.extend(c.get("text") or "" for c in event["choices"])
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+    return list("".join(out)), tokens, first
 
 
 async def run_load(address: str, protocol: str, clients: int, seconds: float, fields: dict,
@@ -105,7 +107,8 @@ async def run_load(address: str, protocol: str, clients: int, seconds: float, fi
                    api_key: str | None = None) -> LoadReport:
     """`clients` workers stream requests back to back until `seconds` have passed (a request under
     way then finishes). `expected`: prompt -> its output (token ids over gRPC, characters over
-    HTTP); without it, each prompt's first output is the reference."""
+    HTTP, where "tokens lost" counts characters); without it, each prompt's first output is the
+    reference."""
     report = LoadReport(protocol, clients, seconds)
     reference = dict(expected or {})
     errors: Counter = Counter()
@@ -120,16 +123,17 @@ async def run_load(address: str, protocol: str, clients: int, seconds: float, fi
                 turn += 1
                 start = time.perf_counter()
                 try:
-                    out, first = await one_request(client, protocol, prompt, fields)
+                    out, tokens, first = await one_request(client, protocol, prompt, fields)
                 except ClientError as exc:
                     errors[exc.code] += 1
+                    report.error_examples.setdefault(exc.code, exc.message)
                     await asyncio.sleep(0.05)  # a refused client does not spin
                     continue
                 report.latency_s.append(time.perf_counter() - start)
                 if first is not None:
                     report.first_chunk_s.append(first)
                 report.requests += 1
-                report.tokens += len(out)
+                report.tokens += tokens
                 lost = tokens_lost(out, reference.setdefault(prompt, out))
                 report.tokens_lost += lost
                 report.mismatched_requests += bool(lost)
@@ -247,6 +251,8 @@ def print_report(report: LoadReport) -> None:
         values = [mb for _, mb in report.rss_mb]
         print(f"\nServe processes' RSS (MB) every sample: {' '.join(f'{mb:.0f}' for mb in values)}"
               f"\nfirst {values[0]:.0f}, last {values[-1]:.0f}, max {max(values):.0f}")
+    for code, message in sorted(report.error_examples.items()):
+        print(f"{code}: {message}")
     if report.live_sessions is not None:
         print(f"live sessions after the load: {report.live_sessions}")
 

@@ -311,15 +311,17 @@ class CoordinatorBackend:
 
     async def generate_stream(self, request: generation_pb2.GenerateRequest) -> AsyncIterator[generation_pb2.GenerateChunk]:
         stream = self._handle.options(stream=True).generate_stream.remote(request.SerializeToString())
-        finished = False
         try:
             with coordinator_errors():
                 async for payload in stream:
                     yield generation_pb2.GenerateChunk.FromString(payload)
-            finished = True
-        finally:
-            if not finished:
-                stream.cancel()  # the consumer stopped early (client gone): free the coordinator's sessions
+        except (GeneratorExit, asyncio.CancelledError):
+            # The consumer stopped early (the client went away): cancel the coordinator's work, which
+            # frees its sessions. Best effort: the call may have ended meanwhile (cancel() then
+            # raises its outcome).
+            with contextlib.suppress(Exception):
+                stream.cancel()
+            raise
 
 
 def parse_request(request: bytes | generation_pb2.GenerateRequest, max_bytes: int) -> generation_pb2.GenerateRequest:

@@ -10,6 +10,7 @@ holds no session anywhere (coordinator, draft and verifier replicas) and still s
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import socket
@@ -359,21 +360,30 @@ LONG = {"policy": "fixed", "k": 2, "max_new_tokens": 40}
 
 
 def test_overload_grpc_is_resource_exhausted(served, tiny_engine):
+    """Unary calls and streams alike (a refused stream fails before its first chunk)."""
     async def burst():
         async with grpc.aio.insecure_channel(served["grpc"]) as aio_channel:
             aio_stub = generation_pb2_grpc.GenerationStub(aio_channel)
-            calls = [aio_stub.Generate(req(**LONG), timeout=300, metadata=AUTH) for _ in range(BURST)]
-            return await asyncio.gather(*calls, return_exceptions=True)
+
+            async def unary() -> list[int]:
+                response = await aio_stub.Generate(req(**LONG), timeout=300, metadata=AUTH)
+                return list(response.completions[0].token_ids)
+
+            async def stream() -> list[int]:
+                return [t async for chunk in aio_stub.GenerateStream(req(**LONG), timeout=300, metadata=AUTH)
+                        for t in chunk.token_ids]
+
+            return await asyncio.gather(*[(unary if i % 2 else stream)() for i in range(BURST)],
+                                        return_exceptions=True)
 
     results = asyncio.run(burst())
     refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
-    served_ok = [r for r in results if isinstance(r, generation_pb2.GenerateResponse)]
+    served_ok = [r for r in results if isinstance(r, list)]
     assert len(refused) + len(served_ok) == BURST and refused  # capacity is a third of the burst
     assert {e.code() for e in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
     for error in refused:
         assert_one_line(error.details())
-    expected = engine_ids(tiny_engine, PROMPT, **LONG)
-    assert served_ok and all(list(r.completions[0].token_ids) == expected for r in served_ok)
+    assert served_ok and all(ids == engine_ids(tiny_engine, PROMPT, **LONG) for ids in served_ok)
     assert_no_sessions()
 
 
@@ -381,16 +391,27 @@ def test_overload_http_is_429_with_retry_after(served, tiny_engine):
     async def burst():
         async with httpx.AsyncClient(timeout=300, headers=HEADERS) as client:
             fields = body(max_tokens=LONG["max_new_tokens"], policy="fixed", k=2)
-            return await asyncio.gather(*[client.post(f"{served['http']}/v1/completions", json=fields)
-                                          for _ in range(BURST)])
+            return await asyncio.gather(*[client.post(f"{served['http']}/v1/completions",
+                                                      json=fields | {"stream": bool(i % 2)}) for i in range(BURST)])
 
     responses = asyncio.run(burst())
     refused = [r for r in responses if r.status_code == 429]
     served_ok = [r for r in responses if r.status_code == 200]
     assert len(refused) + len(served_ok) == BURST and refused
     assert all(r.headers["retry-after"] == "1" for r in refused)
+    for response in refused:  # ours (the coordinator's queue) in OpenAI's JSON; Serve's proxy's in plain text
+        is_json = response.headers["content-type"].startswith("application/json")
+        assert_one_line(response.json()["error"]["message"] if is_json else response.text)
     expected = tiny_engine.generate(PROMPT, build_params(chat_template=False, **LONG)).completions[0].text
-    assert all(r.json()["choices"][0]["text"] == expected for r in served_ok)
+
+    def text(response: httpx.Response) -> str:
+        if not response.headers["content-type"].startswith("text/event-stream"):
+            return response.json()["choices"][0]["text"]
+        events = [json.loads(line[6:]) for line in response.text.split("\n\n") if line.startswith("data: {")]
+        assert all("error" not in event for event in events)
+        return "".join(c["text"] for event in events for c in event["choices"])
+
+    assert all(text(r) == expected for r in served_ok)
     assert_no_sessions()
 
 
