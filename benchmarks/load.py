@@ -149,13 +149,14 @@ async def run_load(address: str, protocol: str, clients: int, seconds: float, fi
 # The Serve processes (same machine)
 
 def serve_rss_mb() -> float:
-    """Resident memory of this machine's Serve processes (replicas, proxies, controller), MB."""
+    """Resident memory of the Serve processes (replicas, proxies, controller) of the Ray instance
+    this process started (its descendants: other Ray instances on the machine are not counted), MB."""
     import psutil
 
     total = 0
-    for process in psutil.process_iter(["cmdline"]):
+    for process in psutil.Process().children(recursive=True):
         try:
-            title = " ".join(process.info["cmdline"] or ())
+            title = " ".join(process.cmdline())
             if title.startswith("ray::") and any(name in title for name in SERVE_PROCESSES):
                 total += process.memory_info().rss
         except (psutil.NoSuchProcess, psutil.AccessDenied):

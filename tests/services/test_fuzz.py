@@ -24,6 +24,7 @@ from specdec.verification import residual_distribution, verify_greedy, verify_sa
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                          HealthCheck.function_scoped_fixture])
+VERIFY_FUZZ = settings(FUZZ, max_examples=200)
 INT32 = st.integers(-2**31, 2**31 - 1)
 INT64 = st.integers(-2**63, 2**63 - 1)
 ANY_FLOAT = st.floats(allow_nan=True, allow_infinity=True, width=64)
@@ -210,7 +211,7 @@ def rounds(draw):
     return torch.tensor(candidates), q, p, draw(st.integers(0, 2**32))
 
 
-@FUZZ
+@VERIFY_FUZZ
 @given(p=distributions(vocab=8, count=1), q=distributions(vocab=8, count=1))
 def test_one_step_is_lossless(p, q):
     """Draw y ~ q, accept with min(1, p/q), else draw from the residual: exactly p."""
@@ -222,7 +223,7 @@ def test_one_step_is_lossless(p, q):
     assert torch.allclose(output, p, atol=1e-6)
 
 
-@FUZZ
+@VERIFY_FUZZ
 @given(case=rounds())
 def test_sampled_verdicts_only_commit_what_the_target_allows(case):
     candidates, q, p, seed = case
@@ -238,7 +239,7 @@ def test_sampled_verdicts_only_commit_what_the_target_allows(case):
     assert same == verdict  # the served rounds rely on this: same seed, same verdict
 
 
-@FUZZ
+@VERIFY_FUZZ
 @given(case=rounds())
 def test_equal_distributions_accept_everything(case):
     candidates, q, _, seed = case
@@ -246,7 +247,7 @@ def test_equal_distributions_accept_everything(case):
     assert verify_sampled(candidates, q, p, torch.Generator().manual_seed(seed)).num_accepted == len(candidates)
 
 
-@FUZZ
+@VERIFY_FUZZ
 @given(case=rounds())
 def test_greedy_verdict_is_the_longest_argmax_prefix(case):
     candidates, _, p, _ = case
@@ -257,7 +258,7 @@ def test_greedy_verdict_is_the_longest_argmax_prefix(case):
     assert verdict.num_accepted == n and verdict.next_token == argmax[n]
 
 
-@FUZZ
+@VERIFY_FUZZ
 @given(q=distributions(vocab=32, count=1), case=rounds())
 def test_wire_encoding_is_exact(q, case):
     """Draft distributions travel as their nonzero entries: the verifier rebuilds them bit for bit,
