@@ -41,7 +41,7 @@ def markdown(report: dict, head_config: dict) -> str:
     for e in report["epochs"]:
         lines.append(f"| {e['epoch']} | {fmt(e.get('train_loss', math.nan))} | {fmt(e['val_loss'])} | "
                      f"{fmt(e['val_kl'])} | {fmt(e['val_auroc'])} | {fmt(e['val_ece'])} |")
-    metrics = final.get("metrics", final)
+    metrics = final  # the last epoch's full validation metrics
     if metrics.get("per_position"):
         lines += ["", "Per response position (validation):", "",
                   "| position | tokens | mean label | mean prediction | KL | AUROC |", "|---|---|---|---|---|---|"]
@@ -74,7 +74,7 @@ def plot(report: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = report["final"].get("metrics", report["final"])
+    metrics = report["final"]
     rel = metrics["reliability"]
     kept = [b for b, c in enumerate(rel["count"]) if c]
     fig, ax = plt.subplots(figsize=(4.5, 4.5))

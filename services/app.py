@@ -340,7 +340,7 @@ def parse_request(request: bytes | generation_pb2.GenerateRequest, max_bytes: in
 
 
 class Unauthenticated(Exception):
-    pass
+    """A call without the configured API key."""
 
 
 class GrpcIngress:

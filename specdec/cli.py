@@ -63,9 +63,9 @@ def engine_config(args: argparse.Namespace):
 
 
 def has_head(args: argparse.Namespace) -> bool:
-    from specdec.heads import resolve_head
+    from specdec.builder import head_path
 
-    return resolve_head(args.head, args.draft) is not None
+    return head_path(engine_config(args)) is not None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

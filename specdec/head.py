@@ -31,7 +31,7 @@ class HeadConfig(BaseModel):
     depth: int = Field(ge=0, le=MAX_DEPTH)
     draft_identity: str  # `specdec.models.sources.model_identity` of the draft it belongs to
     draft_name: str = ""
-    # SpecDec++'s h for this head, chosen on validation prompts (benchmarks/choose_threshold.py);
+    # SpecDec++'s h for this head, chosen on validation prompts (`specdec bench --prompts validation`);
     # None: the policy's default.
     threshold: float | None = Field(None, gt=0.0, lt=1.0)
 

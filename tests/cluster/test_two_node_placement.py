@@ -16,7 +16,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,16 +36,11 @@ from ray.util.state import list_actors
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 from services.app import build_app
 from services.config import AppConfig
+from engine_backend import free_port
 
 CONFIG = Path(__file__).parents[2] / "cluster" / "serve" / "multi-gpu.yaml"
 NODE_START_TIMEOUT_S = 120
 REPLICAS_PER_ROLE = 2  # more than one, so a replica placed by chance would show
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node_ports() -> list[str]:

@@ -13,7 +13,6 @@ import asyncio
 import json
 import math
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from specdec.v1 import common_pb2, draft_pb2_grpc, generation_pb2, generation_pb
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.load import RssSampler, run_load, wait_until_idle  # noqa: E402
+from engine_backend import free_port
 
 API_KEY = "test-key-5d1e"
 AUTH = (("authorization", f"Bearer {API_KEY}"),)
@@ -46,12 +46,6 @@ MAX_ONGOING, MAX_QUEUED = 4, 8  # per coordinator replica; the overload test sen
 CONTEXT = 256  # the tiny models' (tests/tiny.py)
 PROMPT = "def fibonacci(n):"
 NO_SESSIONS = {"Coordinator": 0, "Draft": 0, "Verifier": 0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

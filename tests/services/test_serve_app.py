@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import threading
 import time
 
@@ -26,16 +25,11 @@ from specdec.params import build_params
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 from services.config import AppConfig, ReplicaConfig
 from services.launch import APP_NAME, start
+from engine_backend import free_port
 
 PROMPTS = ["def fibonacci(n):", "Write a haiku about caches.", "SELECT name FROM users WHERE"]
 MIXED = [("svip", None), ("fixed", 3), ("heuristic", 2), ("confidence", None), ("target-only", None),
          ("fixed", 1), ("svip", 4), ("heuristic", None)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
