@@ -133,6 +133,7 @@ def train_loop(loop_config: dict) -> None:
     torch.manual_seed(train.seed)
     head = AcceptanceHead(HeadConfig(hidden_size=features["hidden_size"], depth=train.depth,
                                      draft_identity=features["draft_identity"]))
+    head.fit_input_statistics(features["train"]["hidden"])  # every worker sees the same features
     optimizer = torch.optim.AdamW(head.parameters(), lr=train.lr, weight_decay=train.weight_decay)
     start_epoch, history = 0, []
     checkpoint = ray.train.get_checkpoint()

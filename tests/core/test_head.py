@@ -59,6 +59,29 @@ def test_residual_block_is_x_plus_silu():
     torch.testing.assert_close(block(x), expected)
 
 
+def test_input_is_standardised_with_the_training_statistics():
+    head = make_head(depth=0)
+    features = torch.randn(1000, HIDDEN, dtype=torch.float64) * torch.linspace(0.5, 3, HIDDEN) + 7
+    features[:, 0] = 150.0  # a constant "massive" dimension: centred, not divided by ~0
+    head.fit_input_statistics(features.to(torch.bfloat16), chunk=64)  # chunks sum to the whole
+    mean, std = features.to(torch.bfloat16).double().mean(0), features.to(torch.bfloat16).double().std(0, correction=0)
+    torch.testing.assert_close(head.input_mean, mean.float())
+    torch.testing.assert_close(head.input_std[1:], std[1:].float())
+    assert head.input_std[0] == pytest.approx(1e-3)
+    x = torch.randn(5, HIDDEN)
+    expected = head.out.weight @ ((x - head.input_mean) / head.input_std).T + head.out.bias
+    torch.testing.assert_close(head(x), expected.squeeze(0))
+
+
+def test_saved_head_keeps_its_input_statistics(tmp_path):
+    head = make_head()
+    head.fit_input_statistics(torch.randn(50, HIDDEN) * 4 + 2)
+    loaded = load_head(head.save(tmp_path / "head"))
+    assert torch.equal(loaded.input_mean, head.input_mean) and torch.equal(loaded.input_std, head.input_std)
+    hidden = torch.randn(3, HIDDEN)
+    assert torch.equal(loaded(hidden), head(hidden))
+
+
 def test_save_load_round_trip_gives_identical_outputs(saved):
     head, directory = saved
     assert (directory / WEIGHTS_FILE).is_file() and (directory / CONFIG_FILE).is_file()
