@@ -25,13 +25,22 @@ def target_greedy(default_engine):
 
 
 @pytest.mark.parametrize("flags", [{"policy": "fixed", "k": 4}, {"policy": "svip"}, {"policy": "confidence"},
-                                   {"policy": "heuristic"}, {"policy": "oracle"}], ids=lambda f: f["policy"])
+                                   {"policy": "heuristic"}, {"policy": "oracle"}, {"policy": "specdec++"}, {}],
+                         ids=lambda f: f.get("policy", "default"))
 def test_greedy_equals_target_only(default_engine, target_greedy, flags):
     params = build_params(max_new_tokens=NEW_TOKENS, **flags)
     for prompt, expected in zip(humaneval_prompts(NUM_PROMPTS), target_greedy):
         result = default_engine.generate(prompt, params)
         assert result.completions[0].token_ids == expected
         assert result.stats.accepted_tokens > 0  # the pair agrees often: speculation does something
+
+
+def test_default_engine_loads_the_shipped_head_and_defaults_to_specdecpp(default_engine):
+    from specdec.policies import resolve_policy
+
+    head = default_engine.head
+    assert head is not None and head.config.threshold is not None  # --head auto: specdec/heads/default-pair
+    assert resolve_policy(build_params(max_new_tokens=1).policy, has_head=True).name == "specdec++"
 
 
 def test_default_pair_shares_vocabulary(default_engine):

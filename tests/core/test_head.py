@@ -169,3 +169,15 @@ def test_auto_is_the_head_shipped_for_the_default_draft_only(tmp_path, monkeypat
     assert heads.resolve_head("/a/head", "default") == "/a/head"
     monkeypatch.setitem(heads.SHIPPED, "default", tmp_path / "missing")
     assert heads.resolve_head("auto", "default") is None  # a checkout without the shipped head
+
+
+def test_the_shipped_default_pair_head_loads_with_its_threshold():
+    from specdec import heads
+
+    directory = heads.resolve_head("auto", "default")
+    assert directory == str(heads.SHIPPED["default"])
+    head = load_head(directory, hidden_size=896)  # the draft's identity: tests/test_default_pair.py
+    assert head.config.threshold is not None and 0 < head.config.threshold < 1
+    assert (head.input_std > 0).all() and not torch.equal(head.input_std, torch.ones(896))  # trained statistics
+    report = json.loads((heads.SHIPPED["default"] / "training.json").read_text())
+    assert report["train"]["depth"] == head.config.depth and report["sweep"]["best"]["depth"] == head.config.depth
