@@ -41,14 +41,13 @@ def markdown(report: dict, head_config: dict) -> str:
     for e in report["epochs"]:
         lines.append(f"| {e['epoch']} | {fmt(e.get('train_loss', math.nan))} | {fmt(e['val_loss'])} | "
                      f"{fmt(e['val_kl'])} | {fmt(e['val_auroc'])} | {fmt(e['val_ece'])} |")
-    metrics = final  # the last epoch's full validation metrics
-    if metrics.get("per_position"):
+    if final.get("per_position"):
         lines += ["", "Per response position (validation):", "",
                   "| position | tokens | mean label | mean prediction | KL | AUROC |", "|---|---|---|---|---|---|"]
-        for row in metrics["per_position"]:
+        for row in final["per_position"]:
             lines.append(f"| {row['position']} | {row['count']} | {fmt(row['mean_label'])} | "
                          f"{fmt(row['mean_prediction'])} | {fmt(row['kl'])} | {fmt(row['auroc'])} |")
-    rel = metrics.get("reliability")
+    rel = final.get("reliability")
     if rel:
         lines += ["", f"Reliability (validation, ECE {fmt(rel['ece'])}):", "",
                   "| bin | tokens | mean prediction | mean label |", "|---|---|---|---|"]
@@ -74,8 +73,7 @@ def plot(report: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = report["final"]
-    rel = metrics["reliability"]
+    rel = report["final"]["reliability"]
     kept = [b for b, c in enumerate(rel["count"]) if c]
     fig, ax = plt.subplots(figsize=(4.5, 4.5))
     ax.plot([0, 1], [0, 1], "--", color="grey", label="perfect calibration")
