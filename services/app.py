@@ -65,16 +65,27 @@ class ServicerCall:
 
 class RoundReplica:
     """A replica hosting one round servicer, reachable two ways: through Serve (handle calls
-    carrying the protobuf bytes) and on its own gRPC server (the `direct` transport). Torch work
-    runs on one thread, off the event loop: one forward at a time, with all the replica's
-    intra-op threads."""
+    carrying the protobuf bytes) and on its own gRPC server (the `direct` transport).
+
+    Every torch call, the model's loading included, runs on one thread (off the event loop): one
+    forward at a time, with all the replica's intra-op threads. One thread also means one OpenMP
+    team in the process. libgomp gives each calling thread a team of its own, and once a process
+    holds more OpenMP threads than cores it stops spinning between parallel regions; loading on
+    the actor's thread and running on another made two teams, and a 2-thread replica ran its
+    draft steps no faster than a 1-thread one (docs/serving.md, "Served vs in-process")."""
 
     servicer: DraftServicer | VerifierServicer
+    role: str
 
-    def __init__(self):
-        self._executor = ThreadPoolExecutor(max_workers=1)
+    def __init__(self, config: AppConfig):
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-torch")
         self._server = None
         self._address = ""
+        self.servicer = self._executor.submit(self._load, config).result()
+        self._start_grpc(config.key)
+
+    def _load(self, config: AppConfig) -> DraftServicer | VerifierServicer:
+        raise NotImplementedError
 
     def _start_grpc(self, api_key: str | None) -> None:
         """Bound to the Ray node's address (the cluster network), not every interface: these
@@ -114,13 +125,11 @@ class RoundReplica:
 class Draft(RoundReplica):
     role = "draft"
 
-    def __init__(self, config: AppConfig):
-        super().__init__()
+    def _load(self, config: AppConfig) -> DraftServicer:
         set_threads(config.draft.threads)
         draft, _ = build_draft(config.models, progress=False)
         sessions = SessionStore(config.sessions.max_sessions, config.sessions.ttl_s)
-        self.servicer = DraftServicer(draft, build_head(config.models, draft), sessions, config.sparsify_below)
-        self._start_grpc(config.key)
+        return DraftServicer(draft, build_head(config.models, draft), sessions, config.sparsify_below)
 
     async def propose(self, payload: bytes) -> bytes:
         return await self._serve(self.servicer.Propose, draft_pb2.ProposeRequest, payload)
@@ -129,8 +138,7 @@ class Draft(RoundReplica):
 class Verifier(RoundReplica):
     role = "verifier"
 
-    def __init__(self, config: AppConfig):
-        super().__init__()
+    def _load(self, config: AppConfig) -> VerifierServicer:
         set_threads(config.verifier.threads)
         load = None
         if config.target_shards > 1:
@@ -140,8 +148,7 @@ class Verifier(RoundReplica):
             load = lambda model_dir: load_sharded(model_dir, sharding)  # noqa: E731
         target, _ = build_target(config.models, progress=False, load=load)
         sessions = SessionStore(config.sessions.max_sessions, config.sessions.ttl_s)
-        self.servicer = VerifierServicer(target, sessions)
-        self._start_grpc(config.key)
+        return VerifierServicer(target, sessions)
 
     async def verify(self, payload: bytes) -> bytes:
         return await self._serve(self.servicer.Verify, verifier_pb2.VerifyRequest, payload)
@@ -421,9 +428,11 @@ def _deployment(cls: type, name: str, replicas: ReplicaConfig, sticky: bool = Fa
         options["num_replicas"] = replicas.num_replicas
     if sticky:
         options["request_router_config"] = RequestRouterConfig(request_router_class=CONSISTENT_HASH_ROUTER)
-    # Idle OpenMP threads must sleep, not spin: the draft and the verifier take turns on the same cores.
     # Serve's inter-deployment gRPC (round_transport serve-grpc) receives at most 4 MiB by default.
-    env = {"OMP_WAIT_POLICY": "PASSIVE", "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(MAX_ROUND_MESSAGE_BYTES)}
+    # No OMP_WAIT_POLICY: PASSIVE made every parallel region wake a sleeping thread, and a 2-thread
+    # draft step then cost as much as a 1-thread one; libgomp's default short spin is faster here
+    # even though the draft and the verifier take turns on the same cores (docs/benchmarks.md).
+    env = {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(MAX_ROUND_MESSAGE_BYTES)}
     if replicas.threads:
         env["OMP_NUM_THREADS"] = str(replicas.threads)
     actor_options = {"num_cpus": replicas.num_cpus, "num_gpus": replicas.num_gpus, "runtime_env": {"env_vars": env}}

@@ -89,7 +89,7 @@ class CausalLMRuntime:
         position).
         """
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
-        out = self.model.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True)
+        out = self.model.model(input_ids=input_ids, cache=session.cache, use_cache=True)
         hidden = out.last_hidden_state[0, -num_outputs:]  # [num_outputs, H]
         logits = self.model.lm_head(hidden).float()  # [num_outputs, V]
         if logits.device.type != "cpu":

@@ -1,0 +1,69 @@
+"""The round replicas' classes, outside Serve: every torch call on one thread (services/app.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from services.app import Draft, Verifier
+from services.config import AppConfig
+from specdec.builder import EngineConfig
+from specdec.v1 import common_pb2, draft_pb2, verifier_pb2
+
+
+class Recording:
+    """Wraps a replica class so that loading and every servicer call record their thread."""
+
+    def __init__(self, cls):
+        self.threads: dict[str, set[int]] = {"load": set(), "call": set()}
+        threads = self.threads
+
+        class Recorded(cls):
+            def _load(self, config):
+                threads["load"].add(threading.get_ident())
+                servicer = super()._load(config)
+                for name in ("Propose", "Verify"):
+                    if hasattr(servicer, name):
+                        method = getattr(servicer, name)
+                        setattr(servicer, name, lambda *args, method=method: (
+                            threads["call"].add(threading.get_ident()), method(*args))[1])
+                return servicer
+
+        self.cls = Recorded
+
+
+def config(tiny_pair) -> AppConfig:
+    return AppConfig(models=EngineConfig(draft=str(tiny_pair[0]), target=str(tiny_pair[1])))
+
+
+def test_draft_loads_and_drafts_on_one_thread_off_the_event_loop(tiny_pair):
+    recording = Recording(Draft)
+    replica = recording.cls(config(tiny_pair))
+    request = draft_pb2.ProposeRequest(
+        session_id="s", history=common_pb2.HistoryDelta(history_length=3, tail=[40, 41, 42], full=True),
+        policy=draft_pb2.PolicyConfig(name="fixed", k=3), sampling=common_pb2.SamplingParams(top_p=1.0),
+        max_candidates=3, seed=common_pb2.RoundSeed(request_seed=1))
+
+    async def rounds():
+        return [draft_pb2.Proposal.FromString(await replica.propose(request.SerializeToString())) for _ in range(3)]
+
+    proposals = asyncio.run(rounds())
+    assert all(len(proposal.candidates) == 3 for proposal in proposals)
+    assert len(recording.threads["load"]) == 1
+    assert recording.threads["call"] == recording.threads["load"]
+    assert threading.get_ident() not in recording.threads["load"]
+
+
+def test_verifier_loads_and_verifies_on_one_thread(tiny_pair):
+    recording = Recording(Verifier)
+    replica = recording.cls(config(tiny_pair))
+    request = verifier_pb2.VerifyRequest(
+        session_id="s", history=common_pb2.HistoryDelta(history_length=3, tail=[40, 41, 42], full=True),
+        candidates=[43, 44], sampling=common_pb2.SamplingParams(top_p=1.0), seed=common_pb2.RoundSeed(request_seed=1))
+
+    async def verify():
+        return verifier_pb2.Verdict.FromString(await replica.verify(request.SerializeToString()))
+
+    asyncio.run(verify())
+    assert len(recording.threads["load"]) == 1
+    assert recording.threads["call"] == recording.threads["load"]
