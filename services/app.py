@@ -72,7 +72,7 @@ class RoundReplica:
     team in the process. libgomp gives each calling thread a team of its own, and once a process
     holds more OpenMP threads than cores it stops spinning between parallel regions; loading on
     the actor's thread and running on another made two teams, and a 2-thread replica ran its
-    draft steps no faster than a 1-thread one (docs/serving.md, "Served vs in-process")."""
+    draft steps no faster than a 1-thread one (docs/benchmarks.md, "Served vs in-process")."""
 
     servicer: DraftServicer | VerifierServicer
     role: str
@@ -85,6 +85,7 @@ class RoundReplica:
         self._start_grpc(config.key)
 
     def _load(self, config: AppConfig) -> DraftServicer | VerifierServicer:
+        """Load the model and build the servicer; each role defines it, and it runs on the torch thread."""
         raise NotImplementedError
 
     def _start_grpc(self, api_key: str | None) -> None:

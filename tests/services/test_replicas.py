@@ -12,21 +12,24 @@ from specdec.v1 import common_pb2, draft_pb2, verifier_pb2
 
 
 class Recording:
-    """Wraps a replica class so that loading and every servicer call record their thread."""
+    """Wraps a replica class so that loading and every round call record their thread."""
 
     def __init__(self, cls):
         self.threads: dict[str, set[int]] = {"load": set(), "call": set()}
         threads = self.threads
 
+        def recorded(method):
+            def call(*args):
+                threads["call"].add(threading.get_ident())
+                return method(*args)
+            return call
+
         class Recorded(cls):
             def _load(self, config):
                 threads["load"].add(threading.get_ident())
                 servicer = super()._load(config)
-                for name in ("Propose", "Verify"):
-                    if hasattr(servicer, name):
-                        method = getattr(servicer, name)
-                        setattr(servicer, name, lambda *args, method=method: (
-                            threads["call"].add(threading.get_ident()), method(*args))[1])
+                name = "Propose" if cls is Draft else "Verify"
+                setattr(servicer, name, recorded(getattr(servicer, name)))
                 return servicer
 
         self.cls = Recorded
