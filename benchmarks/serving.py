@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import grpc
 
+from specdec.bench.runner import cpu_name
 from specdec.builder import EngineConfig, build_engine
 from specdec.params import build_params
 from specdec.prompts import humaneval_prompts
@@ -46,7 +46,11 @@ def in_process(models: EngineConfig, prompts: list[str], flags: dict, threads: i
             "draft_ms_per_round": 1000 * draft_s / rounds, "target_ms_per_round": 1000 * target_s / rounds}
 
 
-def served(models: EngineConfig, prompts: list[str], flags: dict, threads: int | None, transport: str) -> dict:
+def served(models: EngineConfig, prompts: list[str], flags: dict, threads: int | None, transport: str,
+           control: bool = False) -> dict:
+    """Through the Serve app; with `control`, the in-process engine runs once more afterwards while
+    the app sits idle, which prices Ray's own background work (timers, health checks, metrics) apart
+    from the serving path's."""
     import ray
     from ray import serve
 
@@ -78,9 +82,12 @@ def served(models: EngineConfig, prompts: list[str], flags: dict, threads: int |
             transport_bytes += response.stats.transport_bytes
             draft_s += response.stats.draft_time_s
             target_s += response.stats.target_time_s
-        return {"outputs": outputs, "tokens": tokens, "seconds": seconds, "rounds": rounds,
-                "draft_ms_per_round": 1000 * draft_s / rounds, "target_ms_per_round": 1000 * target_s / rounds,
-                "transport_ms_per_round": 1000 * transport_s / rounds, "bytes_per_round": transport_bytes / rounds}
+        result = {"outputs": outputs, "tokens": tokens, "seconds": seconds, "rounds": rounds,
+                  "draft_ms_per_round": 1000 * draft_s / rounds, "target_ms_per_round": 1000 * target_s / rounds,
+                  "transport_ms_per_round": 1000 * transport_s / rounds, "bytes_per_round": transport_bytes / rounds}
+        if control:
+            result["control"] = in_process(models, prompts, flags, threads)
+        return result
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -97,6 +104,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads per model (default: all cores)")
     parser.add_argument("--transport", default="direct", choices=["direct", "serve-grpc", "actor"])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--ray-idle-control", action="store_true",
+                        help="also time the in-process engine while the Serve app idles (Ray's background cost)")
     args = parser.parse_args()
 
     if args.tiny:
@@ -114,12 +123,12 @@ def main() -> int:
 
     local = in_process(models, prompts, flags, args.threads)
     gc.collect()
-    remote = served(models, prompts, flags, args.threads, args.transport)
+    remote = served(models, prompts, flags, args.threads, args.transport, args.ray_idle_control)
     same = local["outputs"] == remote["outputs"]
     local_tps, remote_tps = local["tokens"] / local["seconds"], remote["tokens"] / remote["seconds"]
     print(f"\n{'tiny' if args.tiny else 'default'} pair, policy {args.policy}"
           f"{'' if args.k is None else f' k={args.k}'}, {len(prompts)} HumanEval prompts x {args.max_new_tokens} "
-          f"tokens, temperature {args.temperature}, transport {args.transport}, {platform.processor() or platform.machine()}\n")
+          f"tokens, temperature {args.temperature}, transport {args.transport}, {cpu_name()}\n")
     print("| mode | tokens | rounds | tok/s | ratio | draft ms/round | target ms/round | transport ms/round | bytes/round |")
     print("|---|---|---|---|---|---|---|---|---|")
     print(f"| in-process | {local['tokens']} | {local['rounds']} | {local_tps:.2f} | 1.00 | "
@@ -127,12 +136,21 @@ def main() -> int:
     print(f"| served (gRPC) | {remote['tokens']} | {remote['rounds']} | {remote_tps:.2f} | {remote_tps / local_tps:.3f} | "
           f"{remote['draft_ms_per_round']:.1f} | {remote['target_ms_per_round']:.1f} | "
           f"{remote['transport_ms_per_round']:.2f} | {remote['bytes_per_round']:.0f} |")
+    control = remote.get("control")
+    if control:
+        control_tps = control["tokens"] / control["seconds"]
+        print(f"| in-process, Ray + Serve app idle | {control['tokens']} | {control['rounds']} | {control_tps:.2f} | "
+              f"{control_tps / local_tps:.3f} | {control['draft_ms_per_round']:.1f} | "
+              f"{control['target_ms_per_round']:.1f} | - | - |")
+        print(f"\nserved / in-process with Ray idle: {remote_tps / control_tps:.3f} (the serving path's own cost)")
     print(f"\ngreedy outputs identical: {same}" if args.temperature == 0 else "")
     if args.out:
         record = {"args": vars(args), "in_process_tok_s": local_tps, "served_tok_s": remote_tps,
                   "ratio": remote_tps / local_tps, "rounds": remote["rounds"],
                   "transport_ms_per_round": remote["transport_ms_per_round"],
                   "bytes_per_round": remote["bytes_per_round"], "outputs_identical": same}
+        if control:
+            record["in_process_ray_idle_tok_s"] = control_tps
         Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     return 0 if same or args.temperature else 1
 

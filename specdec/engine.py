@@ -86,12 +86,17 @@ class SpecDecEngine:
         return self.generate_ids(self.encode_prompt(prompt, params.chat_template), params, on_update)
 
     def generate_ids(self, prompt_ids: Sequence[int], params: GenerationParams = GenerationParams(),
-                     on_update: UpdateCallback | None = None) -> GenerationResult:
+                     on_update: UpdateCallback | None = None,
+                     reference: Sequence[int] | None = None) -> GenerationResult:
+        """`reference`: the oracle's hindsight, the target's greedy tokens for this prompt and
+        budget, when the caller has them already (the bench reuses target-only's); else decoded
+        here, untimed."""
         prompt_ids = list(prompt_ids)
         self.validate(prompt_ids, params)
         seed = params.sampling.seed if params.sampling.seed is not None else secrets.randbits(SEED_BITS)
-        reference = None
-        if params.policy.name == "oracle":  # the hindsight the oracle needs; not timed
+        if params.policy.name != "oracle":
+            reference = None
+        elif reference is None:
             reference = self._decode(prompt_ids, TargetOnly(), params, seed, 0, RequestStats()).generated
         stats = RequestStats()
         completions = []

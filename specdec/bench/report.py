@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 from specdec.bench.costmodel import CostFit, fit_cost_model, fit_standalone, speedup_share
@@ -46,6 +47,7 @@ def build_results(store: RecordStore, specs: list[PolicySpec], config, prompt_co
         records = {k: [r for r in rs if r is not None] for k, rs in records.items()}
         results["records"].extend(r for rs in records.values() for r in rs)
         results["by_temperature"][temperature_key(temperature)] = summarize_temperature(specs, records, temperature)
+    results["cpus"] = dict(Counter(r.get("cpu", "?") for r in results["records"]))
     results["lossless"] = lossless_summary(results)
     results["goals"] = evaluate_goals(results)
     return results
@@ -253,6 +255,15 @@ def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _mixed_machines(cpus: dict) -> list[str]:
+    """A run resumed on another machine: its records say which CPU ran them (the run order is
+    prompt by prompt, so each prompt's policies mostly share one)."""
+    if len(cpus) < 2:
+        return []
+    return ["Records from more than one machine (a resumed run): "
+            + ", ".join(f"{n} on {cpu}" for cpu, n in sorted(cpus.items(), key=lambda kv: -kv[1])) + "."]
+
+
 def markdown(results: dict) -> str:
     settings, prompts = results["settings"], results["prompts"]
     machine = results.get("machine") or {}
@@ -264,6 +275,7 @@ def markdown(results: dict) -> str:
         f"Machine: {machine.get('cpu', '?')}, {machine.get('threads', '?')} threads, "
         f"torch {machine.get('torch', '?')}, transformers {machine.get('transformers', '?')}"
         + (f", GPU {machine['gpu']}" if machine.get("gpu") else "") + ".",
+        *_mixed_machines(results.get("cpus") or {}),
         "",
         "Tokens/s: total tokens over total wall time (prefill included) on the prompts every policy finished. "
         "Predicted: eq. 2.3 with the fitted (t_draft, t_target). `hf-*`: HF transformers assisted generation "

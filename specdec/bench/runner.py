@@ -81,10 +81,21 @@ def head_fingerprint(engine: EngineConfig) -> str | None:
     return f"{path}#{digest}"
 
 
+def cpu_name() -> str:
+    """The CPU's model name (platform.processor() says only "x86_64" on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine() -> dict:
     import transformers
 
-    return {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+    return {"cpu": cpu_name(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
@@ -99,6 +110,7 @@ class BenchRun:
         self.notes = read_notes(config.out)
         self.engine = self.peer = None
         self.head_id = head_fingerprint(config.engine)
+        self.cpu = cpu_name()  # in every record: a run resumed on another machine says so in its report
 
     def execute(self) -> dict:
         """Run what is missing; returns the notes (skips, chosen points, forward times, machine)."""
@@ -219,7 +231,7 @@ class BenchRun:
     def _generate(self, spec: PolicySpec, temperature: float, index: int, prompt_ids: list[int]) -> dict:
         seed = self.config.seed + index
         record = {"spec": spec.key, "family": spec.family, "temperature": temperature, "prompt": index,
-                  "prompt_tokens": len(prompt_ids), "seed": seed}
+                  "prompt_tokens": len(prompt_ids), "seed": seed, "cpu": self.cpu}
         if spec.is_peer:
             from specdec.bench.peer import peer_mode, threshold_adaptation
 
@@ -234,10 +246,18 @@ class BenchRun:
             record["head"] = self.head_id
         params = GenerationParams(max_new_tokens=self.config.max_new_tokens, policy=spec.policy_config(),
                                   sampling=SamplingParams(temperature=temperature, seed=seed))
-        result = self.engine.generate_ids(prompt_ids, params)
+        result = self.engine.generate_ids(prompt_ids, params, reference=self._oracle_reference(spec, temperature, index))
         completion = result.completions[0]
         return {**record, "token_ids": completion.token_ids, "finish_reason": completion.finish_reason,
                 "stats": result.stats.to_dict()}
+
+    def _oracle_reference(self, spec: PolicySpec, temperature: float, index: int) -> list[int] | None:
+        """The oracle's hindsight is target-only's greedy output, which the run may hold already
+        (the same prompt, budget and stops): reusing it saves one untimed target decode a prompt."""
+        if spec.name != "oracle":
+            return None
+        done = self.store.get(record_key("target-only", temperature, index))
+        return list(done["token_ids"]) if done is not None else None
 
 
 def run_bench(config: BenchConfig, progress: bool = True, report_only: bool = False) -> dict:

@@ -106,3 +106,15 @@ def test_empty_and_overlong_prompts(tiny_engine):
         tiny_engine.generate("   ", build_params())
     with pytest.raises(InvalidRequestError, match="context holds"):
         tiny_engine.generate("x" * (tiny_engine.max_context + 5), build_params(), )
+
+
+def test_oracle_reuses_a_given_reference(tiny_engine):
+    params = build_params(policy="oracle", max_new_tokens=12)
+    ids = tiny_engine.encode_prompt("hi")
+    reference = tiny_engine.generate_ids(ids, build_params(policy="target-only", max_new_tokens=12)).completions[0]
+    decoded = tiny_engine.generate_ids(ids, params)
+    reused = tiny_engine.generate_ids(ids, params, reference=reference.token_ids)
+    assert reused.completions[0].token_ids == decoded.completions[0].token_ids == reference.token_ids
+    counts = lambda stats: (stats.rounds, stats.draft_tokens, stats.accepted_tokens, stats.target_forward_passes)
+    assert counts(reused.stats) == counts(decoded.stats)
+    assert reused.stats.discarded_tokens == 0  # the hindsight is exact: nothing drafted is thrown away

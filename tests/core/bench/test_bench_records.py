@@ -92,3 +92,12 @@ def test_peer_rounds_from_target_passes_and_committed_tokens():
     assert peer_mode("hf-dynamic").confidence_threshold == 0.4
     assert peer_mode("hf-heuristic", 5).num_assistant_tokens == 5 and peer_mode("hf-heuristic").schedule == "heuristic"
     json.dumps(stats.to_dict())
+
+
+def test_the_oracle_takes_target_only_tokens_from_the_run(tmp_path):
+    store = RecordStore(tmp_path)
+    store.append(record("target-only", 0.0, 0))
+    run = BenchRun(BenchConfig(out=tmp_path), parse_specs(["target-only", "oracle"]), ["a", "b"], store, progress=False)
+    assert run._oracle_reference(PolicySpec("oracle"), 0.0, 0) == [1, 2, 3, 4]
+    assert run._oracle_reference(PolicySpec("oracle"), 0.0, 1) is None  # not there yet: the engine decodes it
+    assert run._oracle_reference(PolicySpec("fixed", 4), 0.0, 0) is None
