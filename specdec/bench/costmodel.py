@@ -5,7 +5,9 @@ Eq. 2.3:  latency / token = t_draft + t_draft * N_discarded / N + (t_target - t_
 
 `fit_cost_model` finds (t_draft, t_target) by least squares over many generations, no intercept, as
 the paper does (R^2 >= 0.98 there). Target-only decoding is eq. 2.3 with verification rate 1 and
-discard rate 0, i.e. t_target per token, so a predicted speedup is t_target / predicted latency.
+discard rate 0, i.e. t_target per token, so the paper's predicted speedup is t_target / predicted
+latency (`CostFit.speedup`). The bench report divides predicted tok/s by target-only's measured
+tok/s instead: on CPU the fitted t_target, a pass over K+1 tokens, is dearer than a one-token step.
 
 Worked example: t_draft = 0.03 s, t_target = 0.35 s; a policy with verification rate 0.1 and
 discard rate 0.2 predicts 0.03 + 0.03 * 0.2 + 0.32 * 0.1 = 0.068 s/token, i.e. 14.7 tok/s and a

@@ -153,7 +153,7 @@ class BenchRun:
             if spec.key not in {s.key for s in self.specs}:
                 self.specs.append(spec)
             self.notes.setdefault("chosen", {})["specdec++"] = {
-                "spec": spec.key, "source": "the head's head.json threshold (chosen on validation prompts)"}
+                "spec": spec.key, "source": "head.json's h, chosen on validation prompts"}
 
     def _encode_prompts(self) -> list[list[int] | None]:
         """Token ids per prompt; None (and a note why) for one the run cannot decode in full."""
@@ -280,7 +280,7 @@ def run_bench(config: BenchConfig, progress: bool = True, report_only: bool = Fa
         specs = run.specs  # the head's own h may have joined the sweep
     notes.setdefault("chosen", {})
     for spec in chosen:  # --chosen overrides the head's h
-        notes["chosen"][spec.family] = {"spec": spec.key, "source": "--chosen"}
+        notes["chosen"][spec.family] = {"spec": spec.key, "source": "--chosen, picked on validation prompts"}
     specs = parse_specs([*(s.key for s in specs), *(c["spec"] for c in notes["chosen"].values())])
     results = build_results(store, specs, config, len(prompts), notes)
     write_outputs(results, config.out)

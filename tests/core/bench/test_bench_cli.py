@@ -100,7 +100,9 @@ def test_bench_with_a_head_measures_the_goals(tiny_pair, prompt_file, tmp_path, 
     assert greedy["specdec++:0.2"]["lossless"]["equal"] and greedy["specdec++:0.4"]["lossless"]["equal"]
     goals = results["goals"]
     assert len(goals) == 6 and all(g["measured"] is not None for g in goals), goals
-    assert "h chosen on validation" in goals[0]["detail"]
+    assert "chosen on validation prompts" in goals[0]["detail"]
+    oracle, baseline = greedy["oracle"], greedy["target-only"]  # predicted speedups share the measured baseline
+    assert oracle["predicted_speedup"] == pytest.approx(oracle["predicted_tokens_per_s"] / baseline["tokens_per_s"])
     assert results["forward_times"] is None and not (out / "forward-times.png").exists()
     assert "specdec++" in results["by_temperature"]["1"]["frontiers"]
 
