@@ -68,6 +68,21 @@ class RecordStore:
             out.flush()
         self.records[record_key(record["spec"], record["temperature"], record["prompt"])] = record
 
+    def drop_incomplete_prompts(self) -> list[RecordKey]:
+        """Drop the records of prompts that fewer specs finished than the most complete prompt at
+        their temperature (the prompt in flight when a run was stopped), and rewrite the file, so a
+        run resumed on another machine redoes each prompt whole. Returns (temperature, prompt) of
+        those dropped."""
+        per_prompt = Counter((t, prompt) for _, t, prompt in self.records)
+        full = Counter()
+        for (t, _), count in per_prompt.items():
+            full[t] = max(full[t], count)
+        dropped = sorted(key for key, count in per_prompt.items() if count < full[key[0]])
+        self.records = {k: r for k, r in self.records.items() if (k[1], k[2]) not in dropped}
+        with self.path.open("w", encoding="utf-8") as out:
+            out.writelines(json.dumps(r, separators=(",", ":")) + "\n" for r in self.records.values())
+        return dropped
+
     def check_settings(self, settings: dict) -> None:
         """Record the run's settings, or refuse when the directory holds records made with others."""
         run_file = self.directory / RUN_FILE

@@ -115,6 +115,8 @@ def test_oracle_reuses_a_given_reference(tiny_engine):
     decoded = tiny_engine.generate_ids(ids, params)
     reused = tiny_engine.generate_ids(ids, params, reference=reference.token_ids)
     assert reused.completions[0].token_ids == decoded.completions[0].token_ids == reference.token_ids
-    counts = lambda stats: (stats.rounds, stats.draft_tokens, stats.accepted_tokens, stats.target_forward_passes)
+    def counts(stats):
+        return stats.rounds, stats.draft_tokens, stats.accepted_tokens, stats.target_forward_passes
+
     assert counts(reused.stats) == counts(decoded.stats)
     assert reused.stats.discarded_tokens == 0  # the hindsight is exact: nothing drafted is thrown away

@@ -101,3 +101,13 @@ def test_the_oracle_takes_target_only_tokens_from_the_run(tmp_path):
     assert run._oracle_reference(PolicySpec("oracle"), 0.0, 0) == [1, 2, 3, 4]
     assert run._oracle_reference(PolicySpec("oracle"), 0.0, 1) is None  # not there yet: the engine decodes it
     assert run._oracle_reference(PolicySpec("fixed", 4), 0.0, 0) is None
+
+
+def test_a_stopped_run_drops_the_prompt_in_flight(tmp_path):
+    store = RecordStore(tmp_path)
+    for spec, temperature, prompt in (("target-only", 0.0, 0), ("oracle", 0.0, 0), ("target-only", 0.0, 1),
+                                      ("target-only", 1.0, 0)):  # t=1 has no oracle: one record is whole
+        store.append(record(spec, temperature, prompt))
+    assert store.drop_incomplete_prompts() == [("0", 1)]
+    again = RecordStore(tmp_path)
+    assert len(again) == 3 and record_key("target-only", 0.0, 1) not in again
