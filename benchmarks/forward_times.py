@@ -2,6 +2,7 @@
 
     python benchmarks/forward_times.py --role draft --formats fp32 onednn int8 --ks 1 2 4 8 16
     python benchmarks/forward_times.py --role target --formats fp32 onednn --ks 1 2 4 8 16
+    python benchmarks/forward_times.py --role draft --formats int8 --vocabs full ascii --ks 1 2 4 8
 
 Prints a markdown table of median milliseconds for one pass over k tokens after a ~200-token prompt
 (the timing itself is specdec/bench/forward.py, which `specdec bench` uses for its t(k) curves).
@@ -14,7 +15,7 @@ import argparse
 import torch
 
 from specdec.bench.forward import time_pass
-from specdec.builder import load_model
+from specdec.builder import draft_vocabulary, load_model
 from specdec.models.runtime import CausalLMRuntime
 from specdec.models.sources import resolve_model
 
@@ -25,18 +26,24 @@ def main() -> None:
     parser.add_argument("--source", default="default")
     parser.add_argument("--formats", nargs="+", default=["fp32", "onednn"])
     parser.add_argument("--ks", nargs="+", type=int, default=[1, 2, 4, 8, 16])
+    parser.add_argument("--vocabs", nargs="+", default=["full"],
+                        help="draft output vocabularies (--draft-vocab values; the draft only)")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
 
     model_dir = resolve_model(args.source, role=args.role)
     print(f"{args.role} {model_dir.name}, {torch.get_num_threads()} threads, median ms per pass")
-    print("| format | " + " | ".join(f"k={k}" for k in args.ks) + " |")
-    print("|---" * (len(args.ks) + 1) + "|")
+    vocabs = args.vocabs if args.role == "draft" else ["full"]
+    print("| format | vocabulary | " + " | ".join(f"k={k}" for k in args.ks) + " |")
+    print("|---" * (len(args.ks) + 2) + "|")
     for fmt in args.formats:
-        runtime = CausalLMRuntime(load_model(model_dir, args.role, fmt, progress=False))
-        row = [f"{time_pass(runtime, k, args.repeats) * 1000:.0f}" for k in args.ks]
-        print(f"| {fmt} | " + " | ".join(row) + " |", flush=True)
-        del runtime
+        for vocab in vocabs:
+            keep = draft_vocabulary(vocab, model_dir)
+            runtime = CausalLMRuntime(load_model(model_dir, args.role, fmt, progress=False, keep_tokens=keep))
+            row = [f"{time_pass(runtime, k, args.repeats) * 1000:.1f}" for k in args.ks]
+            size = f"{len(set(keep))} tokens" if keep is not None else "full"
+            print(f"| {fmt} | {vocab} ({size}) | " + " | ".join(row) + " |", flush=True)
+            del runtime
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ from specdec.head import AcceptanceHead, load_head
 from specdec.heads import resolve_head
 from specdec.models.formats import WeightFormat, apply_weight_format
 from specdec.models.runtime import DraftRuntime, TargetRuntime
+from specdec.models.vocab import FULL as FULL_VOCAB
+from specdec.models.vocab import resolve_draft_vocab, trim_lm_head
 from specdec.models.sources import model_identity, resolve_model
 from specdec.sequences import RequestRules
 
@@ -36,6 +38,8 @@ class EngineConfig(BaseModel):
     cache_dir: str | None = None
     draft_format: WeightFormat = "auto"
     target_format: WeightFormat = "auto"
+    # The draft's output vocabulary: "full", "ascii" or a JSON list of ids (models/vocab.py).
+    draft_vocab: str = "full"
     threads: int | None = None  # torch intra-op threads; None keeps torch's default (all cores)
     # Where each model runs: "auto" = the first GPU when there is one, else the CPU; or a torch
     # device string ("cpu", "cuda", "cuda:1"). A sharded verifier places itself (models/sharding.py).
@@ -55,9 +59,17 @@ def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -
 
 def build_draft(config: EngineConfig, progress: bool = True) -> tuple[DraftRuntime, Path]:
     draft_dir = resolve_model(config.draft, role="draft", cache=config.cache_dir, progress=progress)
-    draft = DraftRuntime(load_model(draft_dir, "draft", config.draft_format, progress, config.device),
+    keep = draft_vocabulary(config.draft_vocab, draft_dir)
+    draft = DraftRuntime(load_model(draft_dir, "draft", config.draft_format, progress, config.device, keep),
                          identity=model_identity(draft_dir), name=config.draft)
     return draft, draft_dir
+
+
+def draft_vocabulary(vocab: str, draft_dir: Path) -> list[int] | None:
+    if vocab == FULL_VOCAB:
+        return None
+    vocab_size = AutoConfig.from_pretrained(draft_dir).vocab_size
+    return resolve_draft_vocab(vocab, vocab_size, lambda: load_tokenizer(draft_dir))
 
 
 def build_target(config: EngineConfig, progress: bool = True, load=None) -> tuple[TargetRuntime, Path]:
@@ -112,7 +124,8 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 
 def load_model(model_dir: Path, role: Role, weight_format: WeightFormat = "auto", progress: bool = True,
-               device: str = "auto"):
+               device: str = "auto", keep_tokens: list[int] | None = None):
+    """`keep_tokens`: the only ids the LM head scores (a trimmed draft vocabulary, models/vocab.py)."""
     start = time.perf_counter()
     target_device = resolve_device(device)
     hf_logging.disable_progress_bar()  # a cached model loads in seconds; one summary line says so
@@ -120,12 +133,15 @@ def load_model(model_dir: Path, role: Role, weight_format: WeightFormat = "auto"
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     except Exception as exc:  # transformers raises OSError, ValueError, safetensors errors, ...
         raise ModelSourceError(f"cannot load the {role} model from {model_dir}: {_first_line(exc)}") from None
+    if keep_tokens is not None:
+        model = trim_lm_head(model, keep_tokens)
     if target_device.type == "cpu":
         model = apply_weight_format(model.eval(), role, weight_format)  # CPU kernels (models/formats.py)
     else:
         model = model.to(target_device).eval()
     if progress:
-        print(f"loaded {role} {model_dir.name} on {target_device} in {time.perf_counter() - start:.1f}s",
+        vocab = f", {len(set(keep_tokens))} output tokens" if keep_tokens is not None else ""
+        print(f"loaded {role} {model_dir.name} on {target_device}{vocab} in {time.perf_counter() - start:.1f}s",
               file=sys.stderr)
     return model
 

@@ -21,6 +21,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cache-dir", default=None, help="where models are fetched and converted (default $SPECDEC_CACHE or ~/.cache/specdec)")
     group.add_argument("--draft-format", default="auto", choices=["auto", "fp32", "onednn", "int8"], help="draft weight format and kernels")
     group.add_argument("--target-format", default="auto", choices=["auto", "fp32", "onednn", "int8"], help="target weight format and kernels")
+    group.add_argument("--draft-vocab", default="full",
+                       help="tokens the draft's LM head scores: full, ascii, or a JSON list of ids (lossless either way)")
     group.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     group.add_argument("--device", default="auto", help="where the models run: auto (a GPU when present), cpu, cuda, cuda:N")
 
@@ -58,8 +60,8 @@ def engine_config(args: argparse.Namespace):
     from specdec.builder import EngineConfig
 
     return EngineConfig(draft=args.draft, target=args.target, head=args.head, cache_dir=args.cache_dir,
-                        draft_format=args.draft_format, target_format=args.target_format, threads=args.threads,
-                        device=args.device)
+                        draft_format=args.draft_format, target_format=args.target_format,
+                        draft_vocab=args.draft_vocab, threads=args.threads, device=args.device)
 
 
 def has_head(args: argparse.Namespace) -> bool:

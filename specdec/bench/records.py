@@ -83,11 +83,12 @@ class RecordStore:
             out.writelines(json.dumps(r, separators=(",", ":")) + "\n" for r in self.records.values())
         return dropped
 
-    def check_settings(self, settings: dict) -> None:
-        """Record the run's settings, or refuse when the directory holds records made with others."""
+    def check_settings(self, settings: dict, added: dict | None = None) -> None:
+        """Record the run's settings, or refuse when the directory holds records made with others.
+        `added`: settings newer than some runs, with the value a run.json without them was made with."""
         run_file = self.directory / RUN_FILE
         if run_file.is_file():
-            stored = json.loads(run_file.read_text())
+            stored = {**(added or {}), **json.loads(run_file.read_text())}
             changed = {k: (stored.get(k), v) for k, v in settings.items() if stored.get(k) != v}
             if changed and self.records:
                 name, (before, now) = next(iter(changed.items()))

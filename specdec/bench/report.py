@@ -285,7 +285,9 @@ def markdown(results: dict) -> str:
     lines = [
         f"# specdec bench ({results['date']})", "",
         f"{prompts['count']} prompts from `{prompts['source']}`, {settings['max_new_tokens']} new tokens, "
-        f"draft `{settings['draft']}` ({settings['draft_format']}), target `{settings['target']}` "
+        f"draft `{settings['draft']}` ({settings['draft_format']}"
+        + (f", vocabulary {settings['draft_vocab']}" if settings.get("draft_vocab", "full") != "full" else "")
+        + f"), target `{settings['target']}` "
         f"({settings['target_format']}), head `{results['head']}`, seed {settings['seed']}.",
         f"Machine: {machine.get('cpu', '?')}, {machine.get('threads', '?')} threads, "
         f"torch {machine.get('torch', '?')}, transformers {machine.get('transformers', '?')}"

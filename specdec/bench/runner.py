@@ -24,6 +24,7 @@ from specdec.bench.prompt_sets import load_prompts
 from specdec.bench.records import RecordStore, record_key, temperature_key
 from specdec.bench.specs import DEFAULT_POLICIES, PolicySpec, parse_specs
 from specdec.builder import EngineConfig
+from specdec.models.vocab import vocab_setting
 from specdec.errors import InvalidRequestError
 from specdec.params import GenerationParams
 from specdec.policies import PolicyConfig
@@ -31,6 +32,7 @@ from specdec.sampling import SamplingParams
 
 NOTES_FILE = "notes.json"  # what a --report-only run cannot recompute: skips, forward times, machine
 WARMUP_TOKENS = 4
+ADDED_SETTINGS = {"draft_vocab": "full"}  # settings later than the first runs, as those runs had them
 
 
 class BenchConfig(BaseModel):
@@ -53,9 +55,9 @@ class BenchConfig(BaseModel):
         specdec++ records, which carry its fingerprint: a new head redoes them and keeps the rest.)"""
         engine = self.engine
         return {"draft": engine.draft, "target": engine.target, "draft_format": engine.draft_format,
-                "target_format": engine.target_format, "device": engine.device,
-                "threads": engine.threads, "prompts": self.prompts, "max_new_tokens": self.max_new_tokens,
-                "seed": self.seed}
+                "target_format": engine.target_format, "draft_vocab": vocab_setting(engine.draft_vocab),
+                "device": engine.device, "threads": engine.threads, "prompts": self.prompts,
+                "max_new_tokens": self.max_new_tokens, "seed": self.seed}
 
 
 def read_notes(out: Path) -> dict:
@@ -267,7 +269,7 @@ def run_bench(config: BenchConfig, progress: bool = True, report_only: bool = Fa
     store = RecordStore(config.out)
     if report_only and not len(store):
         raise InvalidRequestError(f"--report-only: no records in {config.out}")
-    store.check_settings(config.settings())
+    store.check_settings(config.settings(), added=ADDED_SETTINGS)
     prompts = load_prompts(config.prompts, config.limit)
     if report_only:
         notes = read_notes(config.out)

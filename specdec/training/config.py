@@ -53,10 +53,12 @@ class ModelsSection(Strict):
     cache_dir: str | None = None
     draft_format: WeightFormat = "auto"
     target_format: WeightFormat = "auto"
+    draft_vocab: str = "full"  # label with the draft vocabulary the head will serve with (models/vocab.py)
 
     def engine_config(self, threads: int | None = None) -> EngineConfig:
         return EngineConfig(draft=self.draft, target=self.target, head="none", cache_dir=self.cache_dir,
-                            draft_format=self.draft_format, target_format=self.target_format, threads=threads)
+                            draft_format=self.draft_format, target_format=self.target_format,
+                            draft_vocab=self.draft_vocab, threads=threads)
 
 
 class PromptsSection(Strict):

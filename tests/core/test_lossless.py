@@ -25,6 +25,7 @@ from specdec.params import GenerationParams
 from specdec.head import AcceptanceHead, HeadConfig
 from specdec.metrics import RequestStats
 from specdec.models.runtime import DraftRuntime, TargetRuntime
+from specdec.models.vocab import trim_lm_head
 from specdec.policies import POLICY_NAMES, Decision, PolicyConfig
 from specdec.sampling import MAX_SAMPLES_PER_REQUEST, SamplingParams, probs_from_logits
 from stats import chi2_pvalue
@@ -188,6 +189,32 @@ def test_sampled_outputs_follow_the_target_distribution(sampled_engine, monkeypa
         assert pvalue > SIGNIFICANCE, f"first {length} token(s): chi-squared p = {pvalue:.2e}"
 
 
+def test_a_draft_that_never_proposes_some_tokens_stays_lossless(monkeypatch):
+    """q = 0 off a trimmed draft vocabulary (models/vocab.py): the target's tokens 3 and 4 come only
+    from corrections drawn from the residual, and the output still follows the target."""
+    engine = make_engine(SAMPLED_VOCAB, layers=1, model_seed=0, noise=0.1, noise_seed=100)
+    trim_lm_head(engine.draft.model, [0, 1, 2])
+    proposed, propose = Counter(), specdec.engine.propose
+
+    def counting_propose(*args, **kwargs):
+        proposal = propose(*args, **kwargs)
+        proposed.update(proposal.candidates)
+        return proposal
+
+    monkeypatch.setattr(specdec.engine, "propose", counting_propose)
+    sampling = SAMPLINGS["temperature-1"]
+    completions, stats = sample_completions(engine, policy_config("fixed", "temperature-1"), sampling,
+                                            SAMPLES_PER_CASE, seed=2000)
+
+    assert set(proposed) <= {0, 1, 2} and sum(proposed.values()) > 0
+    assert stats.accepted_tokens > 0 and stats.discarded_tokens > 0
+    assert any(t in (3, 4) for ids in completions for t in ids)
+    for length in (1, 2, 3):
+        expected = target_joint(engine.target.model, SAMPLED_PROMPT, sampling, length)
+        pvalue = chi2_pvalue(prefix_counts(completions, length, SAMPLED_VOCAB), expected)
+        assert pvalue > SIGNIFICANCE, f"first {length} token(s): chi-squared p = {pvalue:.2e}"
+
+
 def test_chi2_helper_rejects_a_wrong_distribution():
     """The helper has power: counts drawn from one distribution fail against a nearby other one."""
     rng = np.random.default_rng(0)
@@ -245,3 +272,13 @@ def test_greedy_output_equals_target_greedy(greedy_engine, policy_name):
         assert total.discarded_tokens == 0 and total.accepted_tokens > 0
     if policy_name == "target-only":
         assert total.draft_tokens == 0 and total.target_forward_passes == total.generated_tokens
+
+
+def test_greedy_output_with_a_trimmed_draft_vocabulary_equals_target_greedy():
+    engine = make_engine(GREEDY_VOCAB, layers=2, model_seed=3, noise=0.05, noise_seed=7)
+    trim_lm_head(engine.draft.model, [0, 1, 2, 3])
+    params = GenerationParams(max_new_tokens=GREEDY_NEW_TOKENS, policy=PolicyConfig(name="fixed", k=3))
+    expected = [target_greedy(engine.target.model, prompt, GREEDY_NEW_TOKENS) for prompt in GREEDY_PROMPTS]
+    assert any(t in (4, 5) for ids in expected for t in ids)  # tokens the draft can no longer propose
+    for prompt, ids in zip(GREEDY_PROMPTS, expected):
+        assert engine.generate_ids(prompt, params).completions[0].token_ids == ids

@@ -70,6 +70,16 @@ def test_settings_mismatch_is_refused(tmp_path):
         RecordStore(tmp_path).check_settings({"max_new_tokens": 64})
 
 
+def test_a_setting_newer_than_the_run_reads_as_its_old_value(tmp_path):
+    store = RecordStore(tmp_path)
+    store.check_settings({"max_new_tokens": 128})
+    store.append(record("fixed:4", 0.0, 0))
+    added = {"draft_vocab": "full"}
+    RecordStore(tmp_path).check_settings({"max_new_tokens": 128, "draft_vocab": "full"}, added=added)
+    with pytest.raises(SpecDecError, match="draft_vocab='full', not 'ascii'"):
+        RecordStore(tmp_path).check_settings({"max_new_tokens": 128, "draft_vocab": "ascii"}, added=added)
+
+
 def test_resume_leaves_only_missing_records(tmp_path):
     config = BenchConfig(out=tmp_path, temperatures=[0.0, 1.0])
     specs = parse_specs(["target-only", "fixed:4", "oracle"])

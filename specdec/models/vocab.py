@@ -1,0 +1,113 @@
+"""A draft whose LM head scores only part of the vocabulary.
+
+Any draft distribution q keeps decoding lossless: verification accepts y with probability
+min(1, p(y) / q(y)) and otherwise draws from norm(max(0, p - q)), so the output is the target's
+whatever q is (greedy: exact match against the target's argmax). A draft that gives q = 0 to tokens
+a workload never uses loses acceptance only where the target picks one of them, and its step skips
+that part of the largest matrix a small model has: the default 0.5B draft's 151,936 x 896 LM head is
+about 27% of its weights, and a draft step is bound by reading them.
+
+Vocabularies (`--draft-vocab`):
+- `full`: every token (the stock head).
+- `ascii`: the tokens whose text is printable ASCII or whitespace (code, English), every special and
+  added token, and the single-byte tokens, so any text can still be spelled.
+- a path to a JSON list of token ids (for instance the ids a deployment's own traffic uses).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import string
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdec.errors import ModelSourceError
+
+FULL, ASCII = "full", "ascii"
+_PRINTABLE = frozenset(string.printable)  # letters, digits, punctuation and whitespace
+_BYTE_FALLBACK = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")  # sentencepiece's byte tokens
+
+
+class TrimmedLMHead(nn.Module):
+    """`lm_head` restricted to the rows `keep`; returns logits over the full vocabulary with -inf
+    (q = 0) at every other id, so samplers and verification see the usual [.., V] shape."""
+
+    def __init__(self, lm_head: nn.Linear, keep: torch.Tensor):
+        super().__init__()
+        if not isinstance(lm_head, nn.Linear):  # a weight format already applied: trim first
+            raise TypeError(f"can only trim a plain nn.Linear LM head, not {type(lm_head).__name__}")
+        if len(keep) == 0 or int(keep.min()) < 0 or int(keep.max()) >= lm_head.out_features:
+            raise ModelSourceError(f"a draft vocabulary must list token ids in [0, {lm_head.out_features})")
+        self.vocab_size = lm_head.out_features
+        keep = keep.to(device=lm_head.weight.device, dtype=torch.long)
+        self.proj = nn.Linear(lm_head.in_features, len(keep), bias=lm_head.bias is not None,
+                              device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+        with torch.no_grad():
+            self.proj.weight.copy_(lm_head.weight[keep])  # a copy: the input embedding it was tied to stays whole
+            if lm_head.bias is not None:
+                self.proj.bias.copy_(lm_head.bias[keep])
+        self.register_buffer("keep", keep, persistent=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        scores = self.proj(hidden)
+        logits = scores.new_full((*scores.shape[:-1], self.vocab_size), float("-inf"))
+        return logits.index_copy_(-1, self.keep, scores)
+
+
+def trim_lm_head(model: nn.Module, keep: list[int]) -> nn.Module:
+    """Replace the model's output layer by a `TrimmedLMHead` over `keep` (before any weight format,
+    so the smaller matrix is the one that gets quantized or reordered)."""
+    model.lm_head = TrimmedLMHead(model.lm_head, torch.tensor(sorted(set(keep))))
+    return model
+
+
+def ascii_token_ids(tokenizer, vocab_size: int) -> list[int]:
+    """Ids below `vocab_size` (the model's rows) whose decoded text is printable ASCII, plus special,
+    added and single-byte tokens. Ids the tokenizer does not know decode to "" and are left out."""
+    ids = range(vocab_size)
+    texts = tokenizer.backend_tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
+    pieces = tokenizer.convert_ids_to_tokens(list(ids))
+    always = {i for i in [*tokenizer.all_special_ids, *tokenizer.added_tokens_decoder] if i is not None}
+    return [i for i, text, piece in zip(ids, texts, pieces)
+            if (text and _PRINTABLE.issuperset(text)) or i in always or is_byte_token(piece)]
+
+
+def is_byte_token(piece: str | None) -> bool:
+    """A byte-level BPE base symbol (one character stands for one byte) or a byte-fallback token."""
+    return piece is not None and (len(piece) == 1 or bool(_BYTE_FALLBACK.match(piece)))
+
+
+def resolve_draft_vocab(vocab: str, vocab_size: int, load_tokenizer=None) -> list[int] | None:
+    """The ids a draft keeps (None: all of them) for a `--draft-vocab` value; `load_tokenizer()`
+    gives the draft's tokenizer, which only `ascii` needs."""
+    if vocab == FULL:
+        return None
+    if vocab == ASCII:
+        return ascii_token_ids(load_tokenizer(), vocab_size)
+    path = Path(vocab)
+    try:
+        ids = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelSourceError(f"--draft-vocab {vocab!r}: expected 'full', 'ascii' or a JSON list of token ids "
+                               f"({type(exc).__name__})") from None
+    if not isinstance(ids, list) or not ids or not all(type(i) is int and 0 <= i < vocab_size for i in ids):
+        raise ModelSourceError(f"--draft-vocab {vocab}: must be a non-empty JSON list of token ids in "
+                               f"[0, {vocab_size})")
+    return ids
+
+
+def vocab_setting(vocab: str) -> str:
+    """How a run records its draft vocabulary: the name, or a file's absolute path and content hash
+    (an edited list is another vocabulary)."""
+    if vocab in (FULL, ASCII):
+        return vocab
+    path = Path(vocab).expanduser().resolve()
+    try:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    except OSError:
+        digest = "missing"
+    return f"{path}#{digest}"
