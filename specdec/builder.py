@@ -18,9 +18,9 @@ from specdec.head import AcceptanceHead, load_head
 from specdec.heads import resolve_head
 from specdec.models.formats import WeightFormat, apply_weight_format
 from specdec.models.runtime import DraftRuntime, TargetRuntime
+from specdec.models.sources import model_identity, resolve_model
 from specdec.models.vocab import FULL as FULL_VOCAB
 from specdec.models.vocab import resolve_draft_vocab, trim_lm_head
-from specdec.models.sources import model_identity, resolve_model
 from specdec.sequences import RequestRules
 
 Role = Literal["draft", "target"]
@@ -66,6 +66,7 @@ def build_draft(config: EngineConfig, progress: bool = True) -> tuple[DraftRunti
 
 
 def draft_vocabulary(vocab: str, draft_dir: Path) -> list[int] | None:
+    """The ids the draft's LM head keeps (None: all); `full` reads nothing from the model directory."""
     if vocab == FULL_VOCAB:
         return None
     vocab_size = AutoConfig.from_pretrained(draft_dir).vocab_size

@@ -24,15 +24,14 @@ from specdec.bench.prompt_sets import load_prompts
 from specdec.bench.records import RecordStore, record_key, temperature_key
 from specdec.bench.specs import DEFAULT_POLICIES, PolicySpec, parse_specs
 from specdec.builder import EngineConfig
-from specdec.models.vocab import vocab_setting
 from specdec.errors import InvalidRequestError
+from specdec.models.vocab import SETTINGS_BEFORE_DRAFT_VOCAB, vocab_setting
 from specdec.params import GenerationParams
 from specdec.policies import PolicyConfig
 from specdec.sampling import SamplingParams
 
 NOTES_FILE = "notes.json"  # what a --report-only run cannot recompute: skips, forward times, machine
 WARMUP_TOKENS = 4
-ADDED_SETTINGS = {"draft_vocab": "full"}  # settings later than the first runs, as those runs had them
 
 
 class BenchConfig(BaseModel):
@@ -269,7 +268,7 @@ def run_bench(config: BenchConfig, progress: bool = True, report_only: bool = Fa
     store = RecordStore(config.out)
     if report_only and not len(store):
         raise InvalidRequestError(f"--report-only: no records in {config.out}")
-    store.check_settings(config.settings(), added=ADDED_SETTINGS)
+    store.check_settings(config.settings(), added=SETTINGS_BEFORE_DRAFT_VOCAB)
     prompts = load_prompts(config.prompts, config.limit)
     if report_only:
         notes = read_notes(config.out)

@@ -5,7 +5,7 @@ min(1, p(y) / q(y)) and otherwise draws from norm(max(0, p - q)), so the output 
 whatever q is (greedy: exact match against the target's argmax). A draft that gives q = 0 to tokens
 a workload never uses loses acceptance only where the target picks one of them, and its step skips
 that part of the largest matrix a small model has: the default 0.5B draft's 151,936 x 896 LM head is
-about 27% of its weights, and a draft step is bound by reading them.
+about 27% of its weights (3.6 ms of a ~34 ms int8 step on CPU; docs/performance.md).
 
 Vocabularies (`--draft-vocab`):
 - `full`: every token (the stock head).
@@ -28,6 +28,8 @@ from torch import nn
 from specdec.errors import ModelSourceError
 
 FULL, ASCII = "full", "ascii"
+# What bench runs and datasets recorded before `--draft-vocab` existed were made with.
+SETTINGS_BEFORE_DRAFT_VOCAB = {"draft_vocab": FULL}
 _PRINTABLE = frozenset(string.printable)  # letters, digits, punctuation and whitespace
 _BYTE_FALLBACK = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")  # sentencepiece's byte tokens
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from specdec.errors import IncompatibleModelsError, SpecDecError
-from specdec.models.vocab import vocab_setting
+from specdec.models.vocab import SETTINGS_BEFORE_DRAFT_VOCAB, vocab_setting
 from specdec.sampling import SamplingParams, probs_from_logits
 from specdec.training.config import DataSection, ModelsSection, PipelineConfig, ScalingSection
 from specdec.training.labels import sample_draft_tokens, soft_acceptance_labels
@@ -244,9 +244,6 @@ def model_entry(source: str, role: str, cache_dir: str | None) -> dict:
             "hidden_size": config.hidden_size, "vocab_size": config.vocab_size}
 
 
-ADDED_SETTINGS = {"draft_vocab": "full"}  # settings newer than some datasets, as those were made
-
-
 def settings_of(config: PipelineConfig, draft: dict, target: dict) -> dict:
     """What must be equal for shards to belong to one dataset."""
     data = config.data
@@ -360,7 +357,7 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
 
 
 def _check_same_settings(directory: Path, found: dict, wanted: dict) -> None:
-    found = {**ADDED_SETTINGS, **found}
+    found = {**SETTINGS_BEFORE_DRAFT_VOCAB, **found}
     for key in wanted:
         if found.get(key) != wanted[key]:
             raise DatasetError(f"{directory} holds data made with other settings ({key} differs); "
