@@ -17,6 +17,7 @@ from pathlib import Path
 
 from specdec.builder import load_tokenizer
 from specdec.models.sources import resolve_model
+from specdec.models.vocab import special_token_ids
 
 
 def main() -> None:
@@ -33,8 +34,7 @@ def main() -> None:
     texts = [f.read_text(encoding="utf-8", errors="ignore") for f in files]
     counts = Counter(i for ids in tokenizer(texts)["input_ids"] for i in ids)
     top = [i for i, _ in counts.most_common(args.top)]
-    always = {i for i in [*tokenizer.all_special_ids, *tokenizer.added_tokens_decoder] if i is not None}
-    ids = sorted(set(top) | set(range(256)) | always)
+    ids = sorted(set(top) | set(range(256)) | special_token_ids(tokenizer))
     Path(args.out).write_text(json.dumps(ids))
     total = sum(counts.values())
     print(f"{len(files)} files, {total} tokens, {len(counts)} distinct; the top {len(top)} cover "

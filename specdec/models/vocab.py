@@ -73,9 +73,14 @@ def ascii_token_ids(tokenizer, vocab_size: int) -> list[int]:
     ids = range(vocab_size)
     texts = tokenizer.backend_tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
     pieces = tokenizer.convert_ids_to_tokens(list(ids))
-    always = {i for i in [*tokenizer.all_special_ids, *tokenizer.added_tokens_decoder] if i is not None}
+    always = special_token_ids(tokenizer)
     return [i for i, text, piece in zip(ids, texts, pieces)
             if (text and _PRINTABLE.issuperset(text)) or i in always or is_byte_token(piece)]
+
+
+def special_token_ids(tokenizer) -> set[int]:
+    """Every special and added token's id: a trimmed vocabulary keeps them all (end of turn, ...)."""
+    return {i for i in [*tokenizer.all_special_ids, *tokenizer.added_tokens_decoder] if i is not None}
 
 
 def is_byte_token(piece: str | None) -> bool:
