@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from transformers.utils import logging as hf_logging
 
 from specdec.engine import SpecDecEngine
+from specdec.loop import BatchConfig
 from specdec.errors import IncompatibleModelsError, ModelSourceError
 from specdec.head import AcceptanceHead, load_head
 from specdec.heads import resolve_head
@@ -44,6 +45,12 @@ class EngineConfig(BaseModel):
     # Where each model runs: "auto" = the first GPU when there is one, else the CPU; or a torch
     # device string ("cpu", "cuda", "cuda:1"). A sharded verifier places itself (models/sharding.py).
     device: str = "auto"
+    # Sessions per step and tokens per pass (specdec/loop.py); shared by the in-process engine,
+    # the replicas and the served coordinator.
+    batch: BatchConfig = BatchConfig()
+    # "slots": many sessions per pass (models/cache.py); "reference": the batch-1 path, one pass per
+    # session (kept to compare against).
+    kv_cache: Literal["slots", "reference"] = "slots"
 
 
 def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -> SpecDecEngine:
@@ -54,14 +61,15 @@ def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -
     tokenizer = load_tokenizer(target_dir)
     check_same_tokenizer(draft_dir, tokenizer)
     head = build_head(config, draft)
-    return SpecDecEngine(draft, target, tokenizer, head, eos_token_ids=eos_token_ids(target.model, tokenizer))
+    return SpecDecEngine(draft, target, tokenizer, head, eos_token_ids=eos_token_ids(target.model, tokenizer),
+                         batch=config.batch)
 
 
 def build_draft(config: EngineConfig, progress: bool = True) -> tuple[DraftRuntime, Path]:
     draft_dir = resolve_model(config.draft, role="draft", cache=config.cache_dir, progress=progress)
     keep = draft_vocabulary(config.draft_vocab, draft_dir)
     draft = DraftRuntime(load_model(draft_dir, "draft", config.draft_format, progress, config.device, keep),
-                         identity=model_identity(draft_dir), name=config.draft)
+                         identity=model_identity(draft_dir), name=config.draft, **runtime_options(config))
     return draft, draft_dir
 
 
@@ -78,7 +86,12 @@ def build_target(config: EngineConfig, progress: bool = True, load=None) -> tupl
     target_dir = resolve_model(config.target, role="target", cache=config.cache_dir, progress=progress)
     model = load(target_dir) if load else load_model(target_dir, "target", config.target_format, progress,
                                                      config.device)
-    return TargetRuntime(model, identity=model_identity(target_dir), name=config.target), target_dir
+    return (TargetRuntime(model, identity=model_identity(target_dir), name=config.target, **runtime_options(config)),
+            target_dir)
+
+
+def runtime_options(config: EngineConfig) -> dict:
+    return {"kv": config.kv_cache, "max_tokens_per_pass": config.batch.max_tokens_per_pass}
 
 
 def head_path(config: EngineConfig) -> str | None:

@@ -1,6 +1,7 @@
-"""The in-process speculative decoding engine.
+"""The in-process speculative decoding engine: the round loop (specdec/loop.py) over the draft and
+verifier workers in this process. Every prompt and sample given at once shares the batch.
 
-One round is the paper's MDP step, named as in the loop below:
+One round is the paper's MDP step:
     propose -> the draft extends its cache with the committed tokens, then drafts y_1..y_K,
                asking the stopping policy after every token (Algorithm 2);
     verify  -> one target pass over the unseen committed tokens plus y_1..y_K, then Algorithm 1;
@@ -10,43 +11,18 @@ One round is the paper's MDP step, named as in the loop below:
 
 from __future__ import annotations
 
-import secrets
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import asyncio
+from collections.abc import Sequence
 
 from specdec.errors import IncompatibleModelsError
 from specdec.head import AcceptanceHead
-from specdec.metrics import RequestStats
+from specdec.loop import BatchConfig, Completion, GenerationResult, LocalTransport, RoundLoop, UpdateCallback
 from specdec.models.runtime import DraftRuntime, TargetRuntime
-from specdec.params import FINISH_LENGTH, GenerationParams
-from specdec.policies import StoppingPolicy, make_policy
-from specdec.policies.target_only import TargetOnly
-from specdec.rounds import SEED_BITS, propose, round_generator, verify
-from specdec.sequences import RequestRules, SampleState
+from specdec.params import GenerationParams
+from specdec.sequences import RequestRules
+from specdec.workers import DraftWorker, VerifierWorker
 
-@dataclass
-class Completion:
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-
-    def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason}
-
-
-@dataclass
-class GenerationResult:
-    completions: list[Completion]
-    stats: RequestStats
-    prompt_tokens: int
-
-    def to_dict(self) -> dict:
-        return {"completions": [c.to_dict() for c in self.completions], "stats": self.stats.to_dict()}
-
-
-# on_update(sample_index, new_token_ids, new_text): called after every round with what it committed.
-UpdateCallback = Callable[[int, list[int], str], None]
+__all__ = ["Completion", "GenerationResult", "SpecDecEngine", "UpdateCallback"]
 
 
 class SpecDecEngine:
@@ -57,6 +33,7 @@ class SpecDecEngine:
         tokenizer=None,
         head: AcceptanceHead | None = None,
         eos_token_ids: Sequence[int] = (),
+        batch: BatchConfig = BatchConfig(),
     ):
         if draft.vocab_size != target.vocab_size:
             raise IncompatibleModelsError(
@@ -66,13 +43,12 @@ class SpecDecEngine:
         self.rules = RequestRules(tokenizer, eos_token_ids, min(draft.max_context, target.max_context),
                                   target.vocab_size, has_head=head is not None)
         self.max_context = self.rules.max_context
+        self.draft_worker, self.verifier_worker = DraftWorker(draft, head), VerifierWorker(target)
+        self.loop = RoundLoop(LocalTransport(self.draft_worker, self.verifier_worker), self.rules, batch)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
         return self.rules.eos_token_ids
-
-    # ----------------------------------------------------------------------------------------
-    # Requests
 
     def encode_prompt(self, prompt: str, chat_template: bool = True) -> list[int]:
         return self.rules.encode_prompt(prompt, chat_template)
@@ -88,53 +64,29 @@ class SpecDecEngine:
     def generate_ids(self, prompt_ids: Sequence[int], params: GenerationParams = GenerationParams(),
                      on_update: UpdateCallback | None = None,
                      reference: Sequence[int] | None = None) -> GenerationResult:
-        """`reference`: the oracle's hindsight, the target's greedy tokens for this prompt and
-        budget, when the caller has them already (the bench reuses target-only's); else decoded
-        here, untimed."""
-        prompt_ids = list(prompt_ids)
-        self.validate(prompt_ids, params)
-        seed = params.sampling.seed if params.sampling.seed is not None else secrets.randbits(SEED_BITS)
-        if params.policy.name != "oracle":
-            reference = None
-        elif reference is None:
-            reference = self._decode(prompt_ids, TargetOnly(), params, seed, 0, RequestStats()).generated
-        stats = RequestStats()
-        completions = []
-        start = time.perf_counter()
-        for index in range(params.n):
-            policy = make_policy(params.policy, head=self.head, reference=reference)
-            notify = (lambda ids, text, i=index: on_update(i, ids, text)) if on_update else None
-            seq = self._decode(prompt_ids, policy, params, seed, index, stats, notify)
-            completions.append(Completion(seq.text, seq.generated, seq.finish_reason or FINISH_LENGTH))
-        stats.wall_time_s = time.perf_counter() - start
-        return GenerationResult(completions, stats, prompt_tokens=len(prompt_ids))
+        """One request (its n samples share the batch). `reference`: the oracle's hindsight, the
+        target's greedy tokens for this prompt and budget, when the caller has them already (the
+        bench reuses target-only's); else decoded here, untimed."""
+        return asyncio.run(self.loop.generate(prompt_ids, params, on_update, reference))
 
-    # ----------------------------------------------------------------------------------------
-    # The loop
+    def generate_many(self, prompts: Sequence[Sequence[int]], params: GenerationParams = GenerationParams(),
+                      on_update=None, references: Sequence[Sequence[int] | None] | None = None,
+                      ) -> list[GenerationResult]:
+        """Every prompt at once, in one batch (a request each; results in order). `on_update`
+        (prompt_index, sample_index, ids, text, finish_reason). A failed request raises its error
+        after the others finish."""
+        references = references or [None] * len(prompts)
 
-    def _decode(self, prompt_ids: list[int], policy: StoppingPolicy, params: GenerationParams, seed: int,
-                sample_index: int, stats: RequestStats,
-                notify: Callable[[list[int], str], None] | None = None) -> SampleState:
-        seq = SampleState(prompt_ids)
-        draft_session, target_session = self.draft.new_session(), self.target.new_session()
-        round_index = 0
-        while seq.finish_reason is None:
-            history = seq.history
-            start = time.perf_counter()
-            proposal = propose(self.draft, draft_session, history, policy, self.rules.candidate_budget(seq, params),
-                               len(seq.generated), params.sampling,
-                               round_generator(seed, sample_index, round_index, "draft"))
-            verify_start = time.perf_counter()
-            verdict = verify(self.target, target_session, history, proposal.candidates, proposal.draft_probs,
-                             params.sampling, round_generator(seed, sample_index, round_index, "target"))
-            stats.draft_time_s += verify_start - start
-            stats.target_time_s += time.perf_counter() - verify_start
-            stats.draft_forward_passes += proposal.forward_passes
-            policy.end_round(len(proposal.candidates), verdict.num_accepted)
-            stats.record_round(len(proposal.candidates), verdict.num_accepted)
-            new_ids, new_text = self.rules.commit(seq, verdict.committed(proposal.candidates), params)
-            stats.generated_tokens += len(new_ids)
-            round_index += 1
-            if notify and (new_ids or new_text):
-                notify(new_ids, new_text)
-        return seq
+        async def run_all() -> list[GenerationResult]:
+            def update_for(i: int):
+                return (lambda index, ids, text, finish: on_update(i, index, ids, text, finish)) if on_update else None
+
+            results = await asyncio.gather(
+                *(self.loop.generate(p, params, update_for(i), r) for i, (p, r) in enumerate(zip(prompts, references))),
+                return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            return results
+
+        return asyncio.run(run_all())

@@ -20,3 +20,13 @@ class ChecksumError(ModelSourceError):
 
 class IncompatibleModelsError(ModelSourceError):
     """Draft, target and head do not belong together (vocabulary, hidden size, identity)."""
+
+
+class Overloaded(SpecDecError):
+    """The server cannot take more work now (Serve's backpressure): HTTP 429, gRPC RESOURCE_EXHAUSTED.
+    Retriable after a pause."""
+
+
+class Unavailable(SpecDecError):
+    """The replica running the request died (or none is up yet): HTTP 503, gRPC UNAVAILABLE.
+    Retriable at once: a greedy or seeded request gives the same result again."""

@@ -7,7 +7,7 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from specdec.models.runtime import CausalLMRuntime
+from specdec.models.runtime import CausalLMRuntime, Feed
 
 PROMPT_TOKENS = 200  # a typical HumanEval chat prompt's length with the Qwen tokenizer
 DEFAULT_KS = (1, 2, 4, 8, 16)
@@ -25,12 +25,12 @@ def time_pass(runtime: CausalLMRuntime, k: int, repeats: int = DEFAULT_REPEATS,
     not counted); the prompt is shortened where the model's context is smaller."""
     prompt_tokens = max(1, min(prompt_tokens, runtime.max_context - k - 1))
     session = runtime.new_session()
-    runtime._forward(session, synthetic_tokens(prompt_tokens, runtime.vocab_size), num_outputs=1)
+    runtime._forward([Feed(session, synthetic_tokens(prompt_tokens, runtime.vocab_size), 1)])
     times = []
     for r in range(repeats + 1):
         tokens = synthetic_tokens(k, runtime.vocab_size, offset=31 * (r + 1))
         start = time.perf_counter()
-        runtime._forward(session, tokens, num_outputs=k)
+        runtime._forward([Feed(session, tokens, k)])
         times.append(time.perf_counter() - start)
         runtime.rollback(session, prompt_tokens)
     return statistics.median(times[1:])

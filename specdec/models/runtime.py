@@ -1,31 +1,32 @@
-"""Model runtimes with per-session KV caches.
+"""Model runtimes: one forward pass over many sessions' KV caches.
 
 A session's cache mirrors a token sequence: `KVSession.tokens` are the ids whose keys and values
-the cache holds. Each call names the full sequence the caller believes in (the coordinator's
-history is the truth); the runtime keeps the longest prefix its cache shares with it, crops the
-rest (rollback) and feeds only the tokens it has not seen. The same rule re-prefills a session
-from scratch when the cache is gone, so a cache is only ever a cache.
+the cache holds. Each call names, per session, the full sequence the caller believes in (the
+coordinator's history is the truth); the runtime keeps the longest prefix the cache shares with it,
+crops the rest (rollback) and feeds only the tokens it has not seen. The same rule re-prefills a
+session from scratch when the cache is gone, so a cache is only ever a cache.
 
 Worked example: the cache holds [a b c y1 y2 y3] after a round that drafted y1..y3; verification
 accepted y1 and replaced y2 by z. The next call names [a b c y1 z]: the common prefix is
-[a b c y1], the cache is cropped to 4 positions and one forward pass feeds [z].
+[a b c y1], the cache is cropped to 4 positions and the pass feeds [z].
+
+Every method takes a batch (one entry per session) and runs one ragged pass over all of them
+(models/cache.py); `kv="reference"` runs today's batch-1 path instead, one pass per session, which
+the tests compare against. `max_tokens_per_pass` splits a batch whose tokens exceed it into
+several passes (a single session's feed is never split).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
+from specdec.models.cache import KV_KINDS, Feed, KVSession, supports_slots
 
-@dataclass
-class KVSession:
-    cache: DynamicCache = field(default_factory=DynamicCache)
-    tokens: list[int] = field(default_factory=list)  # ids whose K/V the cache holds, in order
-
-    def __len__(self) -> int:
-        return len(self.tokens)
+__all__ = ["CausalLMRuntime", "DraftOutput", "DraftRuntime", "Feed", "KVSession", "TargetRuntime",
+           "common_prefix_length"]
 
 
 @dataclass(frozen=True)
@@ -43,12 +44,16 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 
 class CausalLMRuntime:
-    """A decoder-only HF model run one session at a time."""
+    """A decoder-only HF model serving many sessions per forward pass."""
 
-    def __init__(self, model: PreTrainedModel, identity: str = "", name: str = ""):
+    def __init__(self, model: PreTrainedModel, identity: str = "", name: str = "", kv: str = "slots",
+                 max_tokens_per_pass: int | None = None):
         self.model = model.eval()
-        self.identity = identity
-        self.name = name
+        self.identity, self.name = identity, name
+        if kv == "slots" and not supports_slots(self.model):
+            kv = "reference"  # sliding-window layers: one session per pass
+        self.kv = KV_KINDS[kv](self.model)
+        self.max_tokens_per_pass = max_tokens_per_pass
         self.forward_passes = 0
 
     @property
@@ -64,13 +69,11 @@ class CausalLMRuntime:
         return self.model.config.max_position_embeddings
 
     def new_session(self) -> KVSession:
-        return KVSession()
+        return self.kv.new_session()
 
     def rollback(self, session: KVSession, length: int) -> None:
         """Keep only the first `length` cached positions."""
-        if length < len(session.tokens):
-            session.cache.crop(length - len(session.tokens))  # a negative count removes that many positions
-            del session.tokens[length:]
+        self.kv.rollback(session, length)
 
     def _pending(self, session: KVSession, sequence: list[int]) -> list[int]:
         """Crop the cache to its common prefix with `sequence`; return the tokens still to feed
@@ -80,48 +83,62 @@ class CausalLMRuntime:
         return sequence[keep:]
 
     @torch.inference_mode()
-    def _forward(self, session: KVSession, tokens: list[int], num_outputs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed `tokens` into the session's cache.
+    def _forward(self, feeds: list[Feed]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Feed every session its tokens. Returns per feed (logits [num_outputs, V] fp32, hidden
+        [num_outputs, H]) for its last num_outputs positions, on the CPU where sampling,
+        verification and the head run; the LM head runs only on those positions."""
+        results = []
+        for part in self._passes(feeds):
+            hidden = self.kv.hidden_states(self.model, part)  # [sum num_outputs, H]
+            logits = self.model.lm_head(hidden).float()  # [sum num_outputs, V]
+            if logits.device.type != "cpu":
+                logits, hidden = logits.cpu(), hidden.float().cpu()
+            start = 0
+            for feed in part:
+                results.append((logits[start:start + feed.num_outputs], hidden[start:start + feed.num_outputs]))
+                start += feed.num_outputs
+                feed.session.tokens.extend(feed.tokens)
+            self.forward_passes += 1
+        return results
 
-        Returns (logits [num_outputs, V] fp32, hidden [num_outputs, H]) for the last num_outputs
-        positions, on the CPU where sampling, verification and the head run; the LM head runs
-        only on those positions (a prompt prefill would otherwise compute logits for every prompt
-        position).
-        """
-        input_ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
-        out = self.model.model(input_ids=input_ids, cache=session.cache, use_cache=True)
-        hidden = out.last_hidden_state[0, -num_outputs:]  # [num_outputs, H]
-        logits = self.model.lm_head(hidden).float()  # [num_outputs, V]
-        if logits.device.type != "cpu":
-            logits, hidden = logits.cpu(), hidden.float().cpu()
-        session.tokens.extend(tokens)
-        self.forward_passes += 1
-        return logits, hidden
+    def _passes(self, feeds: list[Feed]) -> list[list[Feed]]:
+        """Feeds grouped into passes of at most max_tokens_per_pass tokens, in order."""
+        if self.max_tokens_per_pass is None:
+            return [feeds] if feeds else []
+        passes, tokens = [], 0
+        for feed in feeds:
+            if not passes or tokens + len(feed.tokens) > self.max_tokens_per_pass:
+                passes.append([])
+                tokens = 0
+            passes[-1].append(feed)
+            tokens += len(feed.tokens)
+        return passes
 
 
 class DraftRuntime(CausalLMRuntime):
-    """The draft model: catches up on committed tokens, then drafts one token per step."""
+    """The draft model: catches up on committed tokens, then drafts one token per session per step."""
 
-    def start(self, session: KVSession, history: list[int]) -> DraftOutput:
-        """Extend the cache with every committed token it lacks (corrections included) before
-        drafting; returns the distribution of y_1."""
-        return self._draft_output(session, self._pending(session, history))
+    def start(self, sessions: list[KVSession], histories: list[list[int]]) -> list[DraftOutput]:
+        """Extend each cache with every committed token it lacks (corrections included) before
+        drafting; returns each session's distribution of y_1."""
+        feeds = [Feed(s, self._pending(s, h), 1) for s, h in zip(sessions, histories)]
+        return self._draft_outputs(feeds)
 
-    def step(self, session: KVSession, token: int) -> DraftOutput:
-        """Feed candidate y_i; returns e_i (its hidden state) and the logits of q_{i+1}."""
-        return self._draft_output(session, [token])
+    def step(self, sessions: list[KVSession], tokens: list[int]) -> list[DraftOutput]:
+        """Feed each session its candidate y_i; returns e_i (its hidden state) and the logits of q_{i+1}."""
+        return self._draft_outputs([Feed(s, [t], 1) for s, t in zip(sessions, tokens)])
 
-    def _draft_output(self, session: KVSession, tokens: list[int]) -> DraftOutput:
-        logits, hidden = self._forward(session, tokens, num_outputs=1)
-        return DraftOutput(logits=logits[0], hidden=hidden[0])
+    def _draft_outputs(self, feeds: list[Feed]) -> list[DraftOutput]:
+        return [DraftOutput(logits=logits[0], hidden=hidden[0]) for logits, hidden in self._forward(feeds)]
 
 
 class TargetRuntime(CausalLMRuntime):
-    """The target model: scores the committed-but-unseen tokens plus K candidates in one pass."""
+    """The target model: scores each session's committed-but-unseen tokens plus its K candidates,
+    every session in one pass (a different K each)."""
 
-    def score(self, session: KVSession, history: list[int], candidates: list[int]) -> torch.Tensor:
-        """Returns logits [K+1, V] fp32: row i is the target's next-token logits after
+    def score(self, sessions: list[KVSession], histories: list[list[int]],
+              candidates: list[list[int]]) -> list[torch.Tensor]:
+        """Returns per session logits [K+1, V] fp32: row i is the target's next-token logits after
         history + y_1..y_i (row 0 scores y_1, row K gives the bonus distribution)."""
-        pending = self._pending(session, history)
-        logits, _ = self._forward(session, pending + candidates, num_outputs=len(candidates) + 1)
-        return logits
+        feeds = [Feed(s, self._pending(s, h) + c, len(c) + 1) for s, h, c in zip(sessions, histories, candidates)]
+        return [logits for logits, _ in self._forward(feeds)]

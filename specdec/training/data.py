@@ -103,7 +103,8 @@ def label_response(draft_model, target_model, prompt_ids: Sequence[int], respons
 
 class RecordingTarget:
     """A TargetRuntime that keeps every verification pass's logits, keyed by the history length it
-    scored after, so the logits of the committed response can be read back (`committed_logits`)."""
+    scored after, so the logits of the committed response can be read back (`committed_logits`).
+    For one sequence at a time."""
 
     def __init__(self, target):
         self.target, self.calls = target, []  # calls: [(len(history), logits [K+1, V])]
@@ -111,10 +112,10 @@ class RecordingTarget:
     def __getattr__(self, name: str):
         return getattr(self.target, name)
 
-    def score(self, session, history: list[int], candidates: list[int]) -> torch.Tensor:
-        logits = self.target.score(session, history, candidates)
-        self.calls.append((len(history), logits))
-        return logits
+    def score(self, sessions: list, histories: list[list[int]], candidates: list[list[int]]) -> list[torch.Tensor]:
+        rows = self.target.score(sessions, histories, candidates)
+        self.calls.extend((len(history), logits) for history, logits in zip(histories, rows))
+        return rows
 
     def committed_logits(self, prompt_len: int, num_tokens: int) -> torch.Tensor:
         """[N, V]: row i is the target's logits for response token X_{i+1}, i.e. after prompt + X_1..X_i.
@@ -148,7 +149,7 @@ class ExampleWriter:
             torch.set_num_threads(threads)
         self.data = data
         self.engine = build_engine(models.engine_config(threads), progress=False)
-        self.target = self.engine.target = RecordingTarget(self.engine.target)
+        self.target = self.engine.verifier_worker.target = RecordingTarget(self.engine.target)
 
     def rows(self, prompts: Sequence[Prompt]) -> list[dict]:
         from specdec.params import GenerationParams

@@ -46,9 +46,13 @@ def test_streamed_text_equals_final_text(tiny_engine):
     pieces: dict[int, list[str]] = {}
     ids: dict[int, list[int]] = {}
 
-    def on_update(index, new_ids, new_text):
+    finished: dict[int, str] = {}
+
+    def on_update(index, new_ids, new_text, finish_reason):
         pieces.setdefault(index, []).append(new_text)
         ids.setdefault(index, []).extend(new_ids)
+        if finish_reason:
+            finished[index] = finish_reason
 
     params = build_params(policy="svip", max_new_tokens=24, temperature=0.8, seed=1, n=3)
     result = tiny_engine.generate("hello", params, on_update=on_update)
@@ -56,6 +60,7 @@ def test_streamed_text_equals_final_text(tiny_engine):
     for i, completion in enumerate(result.completions):
         assert "".join(pieces[i]) == completion.text
         assert ids[i] == completion.token_ids
+        assert finished[i] == completion.finish_reason
 
 
 def test_samples_are_independent_and_seeded(tiny_engine):

@@ -1,6 +1,8 @@
 """Speculative decoding is lossless: through the real engine loop (draft and target runtimes with
 KV caches, stopping policies, verification, rollback), sampled outputs follow the target's own
-distribution and greedy outputs equal target-only greedy decoding token for token.
+distribution and greedy outputs equal target-only greedy decoding token for token. Every case runs
+batched: a request's samples (and the requests of one case) share the draft's steps and the
+target's passes, each session with its own K.
 
 The models are tiny random Qwen2s over a 5- or 6-token vocabulary. The draft is the target plus
 Gaussian noise on every weight, so the two agree often but not always: rounds see acceptances,
@@ -19,7 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-import specdec.engine
+import asyncio
+
+import specdec.workers
 from specdec.engine import SpecDecEngine
 from specdec.params import GenerationParams
 from specdec.head import AcceptanceHead, HeadConfig
@@ -134,7 +138,7 @@ def policy_config(policy_name: str, sampling_name: str) -> PolicyConfig:
 
 
 class DecisionSpy:
-    """Wraps `specdec.engine.make_policy` to record every decision the policies make."""
+    """Wraps `specdec.workers.make_policy` to record every decision the policies make."""
 
     def __init__(self, make_policy):
         self.make_policy, self.decisions = make_policy, Counter()
@@ -152,14 +156,20 @@ class DecisionSpy:
         return policy
 
 
+def run_together(engine: SpecDecEngine, requests: list[GenerationParams]) -> list:
+    """Every request at once in the engine's loop: they share its steps and passes."""
+    async def run():
+        return await asyncio.gather(*(engine.loop.generate(SAMPLED_PROMPT, params) for params in requests))
+    return asyncio.run(run())
+
+
 def sample_completions(engine: SpecDecEngine, policy: PolicyConfig, sampling: SamplingParams,
                        samples: int, seed: int) -> tuple[list[list[int]], RequestStats]:
+    requests = [GenerationParams(max_new_tokens=SAMPLED_NEW_TOKENS, n=MAX_SAMPLES_PER_REQUEST, policy=policy,
+                                 sampling=sampling.model_copy(update={"seed": seed + request}))
+                for request in range(samples // MAX_SAMPLES_PER_REQUEST)]
     completions, stats = [], RequestStats()
-    for request in range(samples // MAX_SAMPLES_PER_REQUEST):
-        params = GenerationParams(
-            max_new_tokens=SAMPLED_NEW_TOKENS, n=MAX_SAMPLES_PER_REQUEST, policy=policy,
-            sampling=sampling.model_copy(update={"seed": seed + request}))
-        result = engine.generate_ids(SAMPLED_PROMPT, params)
+    for result in run_together(engine, requests):
         completions += [c.token_ids for c in result.completions]
         stats.merge(result.stats)
     return completions, stats
@@ -169,8 +179,8 @@ def sample_completions(engine: SpecDecEngine, policy: PolicyConfig, sampling: Sa
 @pytest.mark.parametrize("policy_name", POLICIES)
 def test_sampled_outputs_follow_the_target_distribution(sampled_engine, monkeypatch, policy_name, sampling_name):
     sampling, policy = SAMPLINGS[sampling_name], policy_config(policy_name, sampling_name)
-    spy = DecisionSpy(specdec.engine.make_policy)
-    monkeypatch.setattr(specdec.engine, "make_policy", spy)
+    spy = DecisionSpy(specdec.workers.make_policy)
+    monkeypatch.setattr(specdec.workers, "make_policy", spy)
 
     completions, stats = sample_completions(sampled_engine, policy, sampling, SAMPLES_PER_CASE, seed=1000)
 
@@ -194,14 +204,15 @@ def test_a_draft_that_never_proposes_some_tokens_stays_lossless(monkeypatch):
     from corrections drawn from the residual, and the output still follows the target."""
     engine = make_engine(SAMPLED_VOCAB, layers=1, model_seed=0, noise=0.1, noise_seed=100)
     trim_lm_head(engine.draft.model, [0, 1, 2])
-    proposed, propose = Counter(), specdec.engine.propose
+    proposed, propose = Counter(), specdec.workers.propose
 
     def counting_propose(*args, **kwargs):
-        proposal = propose(*args, **kwargs)
-        proposed.update(proposal.candidates)
-        return proposal
+        proposals = propose(*args, **kwargs)
+        for proposal in proposals:
+            proposed.update(proposal.candidates)
+        return proposals
 
-    monkeypatch.setattr(specdec.engine, "propose", counting_propose)
+    monkeypatch.setattr(specdec.workers, "propose", counting_propose)
     sampling = SAMPLINGS["temperature-1"]
     completions, stats = sample_completions(engine, policy_config("fixed", "temperature-1"), sampling,
                                             SAMPLES_PER_CASE, seed=2000)
@@ -213,6 +224,29 @@ def test_a_draft_that_never_proposes_some_tokens_stays_lossless(monkeypatch):
         expected = target_joint(engine.target.model, SAMPLED_PROMPT, sampling, length)
         pvalue = chi2_pvalue(prefix_counts(completions, length, SAMPLED_VOCAB), expected)
         assert pvalue > SIGNIFICANCE, f"first {length} token(s): chi-squared p = {pvalue:.2e}"
+
+
+def test_sessions_with_different_k_in_one_pass_stay_lossless(sampled_engine):
+    """Requests with K = 1, K = 3 and SVIP's adaptive K at once: every verification pass mixes
+    sessions of different K, and each request's samples follow the target."""
+    sampling = SAMPLINGS["temperature-1"]
+    policies = [PolicyConfig(name="fixed", k=1), PolicyConfig(name="fixed", k=3),
+                policy_config("svip", "temperature-1")]
+    requests = [GenerationParams(max_new_tokens=SAMPLED_NEW_TOKENS, n=MAX_SAMPLES_PER_REQUEST, policy=policy,
+                                 sampling=sampling.model_copy(update={"seed": 3000 + 10 * p + r}))
+                for r in range(SAMPLES_PER_CASE // MAX_SAMPLES_PER_REQUEST // 2) for p, policy in enumerate(policies)]
+    passes = sampled_engine.target.forward_passes
+    results = run_together(sampled_engine, requests)
+    rounds = sum(result.stats.rounds for result in results)
+    assert sampled_engine.target.forward_passes - passes < rounds / 8  # rounds shared passes
+    for p in range(len(policies)):
+        completions = [c.token_ids for result in results[p::len(policies)] for c in result.completions]
+        ks = {k for result in results[p::len(policies)] for k in result.stats.k_histogram if k}
+        assert max(ks) == 1 if p == 0 else max(ks) == 3 if p == 1 else len(ks) > 1, ks  # svip: adaptive
+        for length in (1, 2, 3):
+            expected = target_joint(sampled_engine.target.model, SAMPLED_PROMPT, sampling, length)
+            pvalue = chi2_pvalue(prefix_counts(completions, length, SAMPLED_VOCAB), expected)
+            assert pvalue > SIGNIFICANCE, f"{policies[p]}, first {length} token(s): chi-squared p = {pvalue:.2e}"
 
 
 def test_chi2_helper_rejects_a_wrong_distribution():

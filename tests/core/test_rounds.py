@@ -6,7 +6,7 @@ from specdec.engine import SpecDecEngine
 from specdec.params import build_params
 from specdec.models.runtime import DraftRuntime, TargetRuntime
 from specdec.policies import PolicyConfig, make_policy
-from specdec.rounds import propose, round_generator, verify
+from specdec.rounds import DraftRow, TargetRow, propose, round_generator, verify
 from tiny import tiny_model
 
 VOCAB, PROMPT = 48, [3, 9, 27, 4]
@@ -30,10 +30,10 @@ def test_rounds_survive_lost_caches():
     history, policy, round_index = list(PROMPT), make_policy(PolicyConfig(name="fixed", k=3)), 0
     while len(history) - len(PROMPT) < params.max_new_tokens:
         budget = params.max_new_tokens - (len(history) - len(PROMPT)) - 1
-        proposal = propose(draft, draft.new_session(), history, policy, budget, len(history) - len(PROMPT),
-                           params.sampling, round_generator(42, 0, round_index, "draft"))
-        verdict = verify(target, target.new_session(), history, proposal.candidates, proposal.draft_probs,
-                         params.sampling, round_generator(42, 0, round_index, "target"))
+        [proposal] = propose(draft, [DraftRow(draft.new_session(), history, policy, budget, len(history) - len(PROMPT),
+                                              params.sampling, round_generator(42, 0, round_index, "draft"))])
+        [verdict] = verify(target, [TargetRow(target.new_session(), history, proposal.candidates, proposal.draft_probs,
+                                              params.sampling, round_generator(42, 0, round_index, "target"))])
         history += verdict.committed(proposal.candidates)
         round_index += 1
     assert history[len(PROMPT):][: len(expected)] == expected

@@ -7,7 +7,7 @@ import torch
 
 from specdec.builder import EngineConfig, build_engine, load_model
 from specdec.models.formats import WEIGHT_FORMATS, apply_weight_format, resolve_format
-from specdec.models.runtime import CausalLMRuntime, DraftRuntime
+from specdec.models.runtime import CausalLMRuntime, DraftRuntime, Feed
 from specdec.params import build_params
 
 PROMPT = "def add(a, b):"
@@ -30,14 +30,14 @@ def test_onednn_computes_the_fp32_model(tiny_pair):
     logits = {}
     for fmt in ("fp32", "onednn"):
         runtime = CausalLMRuntime(load_model(tiny_pair[1], "target", fmt, progress=False))
-        logits[fmt], _ = runtime._forward(runtime.new_session(), tokens, len(tokens))
+        [(logits[fmt], _)] = runtime._forward([Feed(runtime.new_session(), tokens, len(tokens))])
     torch.testing.assert_close(logits["onednn"], logits["fp32"], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["onednn", "int8"])
 def test_draft_formats_hand_fp32_to_sampling_and_the_head(tiny_pair, fmt):
     draft = DraftRuntime(load_model(tiny_pair[0], "draft", fmt, progress=False))
-    out = draft.start(draft.new_session(), list(range(40, 60)))
+    [out] = draft.start([draft.new_session()], [list(range(40, 60))])
     assert out.logits.dtype == torch.float32 and out.hidden.dtype == torch.float32
     assert out.logits.shape == (draft.vocab_size,) and out.hidden.shape == (draft.hidden_size,)
 

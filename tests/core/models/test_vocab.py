@@ -111,7 +111,7 @@ def test_engine_with_a_trimmed_draft_matches_target_only(tiny_pair, tmp_path):
     engine = build_engine(EngineConfig(draft=str(draft), target=str(target), head="none", draft_vocab=str(keep)),
                           progress=False)
     prompt = engine.tokenizer.encode("def add(a, b):")
-    out = engine.draft.start(engine.draft.new_session(), prompt)
+    [out] = engine.draft.start([engine.draft.new_session()], [prompt])
     assert torch.isfinite(out.logits[kept]).all() and torch.isneginf(out.logits[1::2]).all()
 
     fixed = engine.generate_ids(prompt, GenerationParams(max_new_tokens=24, policy=PolicyConfig(name="fixed", k=4)))

@@ -50,7 +50,7 @@ def test_recorded_verification_logits_are_the_teacher_forced_targets(tiny_pair):
 
     engine = build_engine(EngineConfig(draft=str(tiny_pair[0]), target=str(tiny_pair[1]), draft_format="fp32",
                                        target_format="fp32"), progress=False)
-    engine.target = recording = RecordingTarget(engine.target)
+    engine.verifier_worker.target = recording = RecordingTarget(engine.target)
     prompt = [257, 40, 41]
     response = engine.generate_ids(prompt, build_params(policy="fixed", k=3, max_new_tokens=12)).completions[0].token_ids
     assert len(recording.calls) > 1  # several rounds, so rows come from different passes

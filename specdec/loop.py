@@ -1,0 +1,416 @@
+"""The round loop: the paper's MDP step, written once, over a batch of sessions.
+
+    while sessions:
+        admit(waiting)                        # requests join between steps; their prefill joins this step
+        proposals = propose(batch)            # one batched call: draft steps, each session stops on its own policy
+        verdicts = verify(batch, proposals)   # one batched call: a ragged target pass, rollback per session
+        for s in batch:
+            commit(s); decide(s)              # history, stream, stop conditions; finished sessions leave
+
+A `RoundTransport` carries the two calls: the in-process workers (`LocalTransport`, below), gRPC
+stubs or Ray Serve handles (services/); the loop does not know which. The loop's history is the
+truth and a worker's session a cache of it (specdec/protocol.py): each call sends a session only the
+tokens its worker has not seen; a `SessionMissing` answer gets the round again with the whole
+history; an `Unreachable` one (the replica is gone) is retried, after a backoff, elsewhere. Rounds
+draw their random numbers from (request seed, sample, round, role), so a retried round, or one on
+another replica, draws the same numbers. What shares a pass changes only rounding (fp32), and the
+output is the target's whatever the draft proposes; the one visible effect is the int8 draft's
+(models/formats.py): it scales activations per pass, so a seeded sampled request's draws may depend
+on what shares its draft steps, while greedy outputs never do.
+
+Sessions join and leave between steps (continuous batching): a request's samples join the lane with
+the fewest sessions; a finished, failed or cancelled session leaves at once and its workers' caches
+are freed. A step takes at most `max_sessions_per_step` sessions, the others wait their turn
+(round robin). With `lanes` > 1 each lane is a loop of its own over its own sessions, so the draft
+can draft one lane's batch while the verifier checks another's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specdec.errors import InvalidRequestError, Unavailable
+from specdec.metrics import RequestStats
+from specdec.params import FINISH_LENGTH, GenerationParams
+from specdec.policies import resolve_policy
+from specdec.protocol import (ROLES, BatchReply, CallTiming, ProposeItem, ProposeReply, Refused, Role, RoundSeed,
+                              SessionMissing, Unreachable, VerifyItem, VerifyReply, delta_for)
+from specdec.rounds import SEED_BITS, Proposal
+from specdec.sequences import RequestRules, SampleState
+from specdec.workers import DraftWorker, VerifierWorker
+
+logger = logging.getLogger(__name__)
+
+MS_PER_S = 1000.0
+NO_PROPOSAL = Proposal()  # target-only rounds verify no candidates
+
+
+class BatchConfig(BaseModel):
+    """How many sessions share a step, and how the work is cut into passes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Sessions one step advances at most; the others wait for the next step (round robin).
+    max_sessions_per_step: int = Field(16, ge=1)
+    # Tokens one forward pass feeds at most (a longer batch runs as several passes; a single
+    # session's feed is never split). None: no limit. Read by the runtimes (builder.py).
+    max_tokens_per_pass: int | None = Field(None, ge=1)
+    # Concurrent loops over disjoint sessions: 2 lets the draft work on one lane's batch while the
+    # verifier checks the other's (served; in process the calls run on one thread anyway).
+    lanes: int = Field(1, ge=1, le=8)
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason}
+
+
+@dataclass
+class GenerationResult:
+    completions: list[Completion]
+    stats: RequestStats
+    prompt_tokens: int
+
+    def to_dict(self) -> dict:
+        return {"completions": [c.to_dict() for c in self.completions], "stats": self.stats.to_dict()}
+
+
+# on_update(sample_index, new_token_ids, new_text, finish_reason): after every round that committed
+# something, and once with the finish reason (which may come with the last tokens).
+UpdateCallback = Callable[[int, list[int], str, str | None], None]
+
+
+class RoundTransport(Protocol):
+    """Carries batched round calls to the workers; each answer comes back in its item's place.
+
+    A replica that is gone makes its items `Unreachable` (the loop retries them); anything else
+    raised fails every session of the call."""
+
+    async def propose(self, items: list[ProposeItem]) -> ProposeReply: ...
+
+    async def verify(self, items: list[VerifyItem]) -> VerifyReply: ...
+
+    async def release(self, role: Role, session_ids: list[str]) -> None: ...
+
+
+class RoundObserver(Protocol):
+    """Metrics sink (services/metrics.py)."""
+
+    def on_round(self, num_candidates: int, num_accepted: int, policy: str) -> None: ...
+
+    def on_call(self, role: Role, compute_ms: float, transport_ms: float, num_bytes: int) -> None: ...
+
+    def on_request(self, stats: RequestStats, policy: str, ok: bool) -> None: ...
+
+
+@dataclass
+class RetryPolicy:
+    """How long a session waits for a replica to come back (a restart takes seconds)."""
+
+    attempts: int = 30
+    first_backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+
+    def backoff(self, attempt: int) -> float:
+        return min(self.first_backoff_s * 2 ** attempt, self.max_backoff_s)
+
+
+@dataclass(eq=False)
+class Request:
+    """What a request's samples share."""
+
+    params: GenerationParams
+    seed: int
+    stats: RequestStats = field(default_factory=RequestStats)
+    on_update: UpdateCallback | None = None
+    reference: list[int] | None = None  # the oracle's hindsight
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample while the loop decodes it: a session on the workers."""
+
+    session_id: str
+    index: int  # which of the request's samples
+    request: Request
+    sample: SampleState
+    done: asyncio.Future  # the sample's outcome: set once its workers' caches are released
+    round_index: int = 0
+    synced: dict = field(default_factory=lambda: {"draft": None, "verifier": None})  # history length each side holds
+    outcomes: list[tuple[int, int]] = field(default_factory=list)  # every round's (K, n), for a draft that rebuilds
+    unsent: int = 0  # outcomes the draft has not been told about
+    contacted: set = field(default_factory=set)  # roles that may hold the session: released when it leaves
+    error: BaseException | None = None
+
+    @property
+    def uses_draft(self) -> bool:
+        return self.request.params.policy.name != "target-only"
+
+    @property
+    def over(self) -> bool:
+        """Finished, failed or cancelled: it leaves the loop at the next step boundary."""
+        return self.sample.finish_reason is not None or self.error is not None or self.done.done()
+
+
+class RoundLoop:
+    def __init__(self, transport: RoundTransport, rules: RequestRules, batch: BatchConfig = BatchConfig(),
+                 observer: RoundObserver | None = None, retry: RetryPolicy = RetryPolicy()):
+        self.transport, self.rules, self.batch = transport, rules, batch
+        self.observer, self.retry = observer, retry
+        self._lanes: list[list[Sequence]] = [[] for _ in range(batch.lanes)]
+        self._tasks: list[asyncio.Task | None] = [None] * batch.lanes
+
+    @property
+    def live_sessions(self) -> int:
+        """Samples being decoded (or releasing their workers' caches)."""
+        return sum(len(lane) for lane in self._lanes)
+
+    # ----------------------------------------------------------------------------------------
+    # Requests
+
+    async def generate(self, prompt_ids: Seq[int], params: GenerationParams, on_update: UpdateCallback | None = None,
+                       reference: Seq[int] | None = None) -> GenerationResult:
+        """Decode a request's samples in the shared batch. Raises InvalidRequestError before any
+        model work, or the first sample's error. `reference`: the oracle's hindsight, the target's
+        greedy tokens for this prompt and budget, when the caller has them (else decoded here,
+        untimed)."""
+        prompt_ids = list(prompt_ids)
+        params = params.model_copy(update={"policy": resolve_policy(params.policy, self.rules.has_head)})
+        self.rules.validate(prompt_ids, params)
+        if params.policy.name != "oracle":
+            reference = None
+        elif reference is None:
+            alone = params.model_copy(update={"policy": params.policy.model_copy(update={"name": "target-only"}), "n": 1})
+            reference = (await self.generate(prompt_ids, alone)).completions[0].token_ids
+        seed = params.sampling.seed if params.sampling.seed is not None else secrets.randbits(SEED_BITS)
+        request = Request(params, seed, on_update=on_update, reference=list(reference) if reference else None)
+        session = uuid.uuid4().hex  # ours, never the client's request id: two requests must not share caches
+        loop = asyncio.get_running_loop()
+        samples = [Sequence(f"{session}/{i}", i, request, SampleState(prompt_ids), loop.create_future())
+                   for i in range(params.n)]
+        start = time.perf_counter()
+        ok = False
+        try:
+            for s in samples:
+                self.submit(s)
+            await asyncio.gather(*(s.done for s in samples))
+            ok = True
+        finally:
+            for s in samples:
+                self.cancel(s)
+            request.stats.wall_time_s = time.perf_counter() - start
+            if self.observer:
+                self.observer.on_request(request.stats, params.policy.name, ok)
+        completions = [Completion(s.sample.text, s.sample.generated, s.sample.finish_reason or FINISH_LENGTH)
+                       for s in samples]
+        return GenerationResult(completions, request.stats, prompt_tokens=len(prompt_ids))
+
+    def submit(self, sequence: Sequence) -> None:
+        """The sequence joins the lane with the fewest sessions, at its next step."""
+        lane = min(range(len(self._lanes)), key=lambda i: len(self._lanes[i]))
+        self._lanes[lane].append(sequence)
+        task = self._tasks[lane]
+        if task is None or task.done():
+            self._tasks[lane] = asyncio.get_running_loop().create_task(self._run(lane))
+
+    def cancel(self, sequence: Sequence) -> None:
+        """The sequence leaves at the next step boundary (its caches are freed then); a no-op once it is done."""
+        if not sequence.done.done():
+            sequence.done.cancel()
+        elif not sequence.done.cancelled():
+            sequence.done.exception()  # retrieved: a sample that failed beside another needs no warning
+
+    # ----------------------------------------------------------------------------------------
+    # The loop
+
+    async def _run(self, lane: int) -> None:
+        running = self._lanes[lane]
+        try:
+            while True:
+                await asyncio.sleep(0)  # requests join, cancellations land
+                await self._retire([s for s in running if s.over], running)
+                if not running:
+                    return
+                batch = running[:self.batch.max_sessions_per_step]
+                if len(running) > len(batch):  # round robin: the others go first next step
+                    running[:] = running[len(batch):] + batch
+                await self._step(batch)
+        except BaseException as exc:  # a bug in the loop: every sample fails rather than hangs
+            for s in running:
+                if not s.done.done():
+                    s.done.set_exception(exc if isinstance(exc, Exception) else RuntimeError("the round loop stopped"))
+            running.clear()
+            raise
+
+    async def _step(self, batch: list[Sequence]) -> None:
+        # propose
+        drafting = [s for s in batch if s.uses_draft]
+        proposals = await self._call("draft", drafting, self._propose_item, self.transport.propose)
+        for s in proposals:
+            s.unsent = 0
+        # verify
+        verifying = [s for s in batch if not s.over and (s in proposals or not s.uses_draft)]
+        verdicts = await self._call("verifier", verifying, partial(self._verify_item, proposals=proposals),
+                                    self.transport.verify)
+        # commit, decide
+        for s, verdict in verdicts.items():
+            if not s.over:
+                self._commit(s, proposals.get(s, NO_PROPOSAL), verdict)
+
+    def _propose_item(self, s: Sequence, full: bool) -> ProposeItem:
+        history, params = s.sample.history, s.request.params
+        return ProposeItem(
+            session_id=s.session_id, history=delta_for(history, None if full else s.synced["draft"]),
+            policy=params.policy, sampling=params.sampling, max_candidates=self.rules.candidate_budget(s.sample, params),
+            num_generated=len(s.sample.generated), rounds=list(s.outcomes if full else s.outcomes[len(s.outcomes) - s.unsent:]),
+            seed=RoundSeed(s.request.seed, s.index, s.round_index), reference=s.request.reference)
+
+    def _verify_item(self, s: Sequence, full: bool, proposals: dict) -> VerifyItem:
+        proposal = proposals.get(s, NO_PROPOSAL)
+        return VerifyItem(
+            session_id=s.session_id, history=delta_for(s.sample.history, None if full else s.synced["verifier"]),
+            candidates=proposal.candidates, draft_probs=proposal.draft_probs, sampling=s.request.params.sampling,
+            seed=RoundSeed(s.request.seed, s.index, s.round_index))
+
+    async def _call(self, role: Role, sequences: list[Sequence], build: Callable[[Sequence, bool], object],
+                    send: Callable[[list], object]) -> dict[Sequence, object]:
+        """One batched call for every sequence (as deltas); SessionMissing answers are sent again in
+        full, Unreachable ones retried after a backoff; Refused ones fail their sequence only."""
+        results: dict[Sequence, object] = {}
+        pending = [s for s in sequences if not s.over]
+        for attempt in range(self.retry.attempts):
+            if not pending:
+                return results
+            items = [build(s, s.synced[role] is None) for s in pending]
+            for s in pending:
+                s.contacted.add(role)
+            try:
+                reply: BatchReply = await send(items)
+            except Exception as exc:  # noqa: BLE001 - a failure of the call itself fails its sessions, no others
+                logger.exception("%s call failed", role)
+                for s in pending:
+                    self._fail(s, exc)
+                return results
+            self._record(role, pending, reply.calls)
+            again, lost = [], False
+            for s, item, answer in zip(pending, items, reply.answers):
+                if s.over:
+                    continue
+                match answer:
+                    case SessionMissing():
+                        if item.history.full:
+                            self._fail(s, RuntimeError(f"the {role} answered session_missing to a full history"))
+                        else:
+                            s.synced[role] = None
+                            again.append(s)
+                    case Unreachable(reason=reason):
+                        logger.warning("%s call for session %s failed (%s); retrying", role, s.session_id, reason)
+                        s.synced[role] = None
+                        again.append(s)
+                        lost = True
+                    case Refused(reason=reason):
+                        self._fail(s, InvalidRequestError(reason))
+                    case _:
+                        s.synced[role] = item.history.length
+                        results[s] = answer
+            pending = again
+            if lost and pending:
+                await asyncio.sleep(self.retry.backoff(attempt))
+        for s in pending:
+            self._fail(s, Unavailable(f"the {role} serving this request did not come back; retry"))
+        return results
+
+    def _record(self, role: Role, sequences: list[Sequence], calls: list[CallTiming]) -> None:
+        """Each request in a call is charged the call's time once, however many of its samples it carried."""
+        for call in calls:
+            transport_s = max(call.wall_s - call.compute_s, 0.0)
+            for stats in {id(sequences[i].request.stats): sequences[i].request.stats for i in call.indices}.values():
+                if role == "draft":
+                    stats.draft_time_s += call.compute_s
+                else:
+                    stats.target_time_s += call.compute_s
+                stats.transport_time_s += transport_s
+                stats.transport_bytes += call.num_bytes
+            if self.observer:
+                self.observer.on_call(role, call.compute_s * MS_PER_S, transport_s * MS_PER_S, call.num_bytes)
+
+    def _commit(self, s: Sequence, proposal: Proposal, verdict) -> None:
+        request, k, n = s.request, len(proposal.candidates), verdict.num_accepted
+        s.outcomes.append((k, n))
+        s.unsent += 1
+        s.round_index += 1
+        request.stats.draft_forward_passes += proposal.forward_passes
+        request.stats.record_round(k, n)
+        if self.observer:
+            self.observer.on_round(k, n, request.params.policy.name)
+        new_ids, new_text = self.rules.commit(s.sample, verdict.committed(proposal.candidates), request.params)
+        request.stats.generated_tokens += len(new_ids)
+        # decide: the stop conditions were checked while committing
+        if request.on_update and (new_ids or new_text or s.sample.finish_reason):
+            try:
+                request.on_update(s.index, new_ids, new_text, s.sample.finish_reason)
+            except Exception as exc:  # noqa: BLE001 - the caller's callback failed: its sample stops, no other
+                self._fail(s, exc)
+
+    def _fail(self, s: Sequence, exc: BaseException) -> None:
+        if s.error is None and not s.done.done():
+            s.error = exc
+
+    async def _retire(self, leaving: list[Sequence], running: list[Sequence]) -> None:
+        """Sequences that are over leave: their workers' caches are freed (best effort: a replica
+        that lost the session has nothing to free), then their outcome is set."""
+        if not leaving:
+            return
+        for s in leaving:
+            running.remove(s)
+        for role in ROLES:
+            ids = [s.session_id for s in leaving if role in s.contacted]
+            if ids:
+                try:
+                    await self.transport.release(role, ids)
+                except Exception:  # noqa: BLE001 - the request's result does not depend on it
+                    logger.debug("release on the %s failed", role, exc_info=True)
+        for s in leaving:
+            if not s.done.done():
+                if s.error is not None:
+                    s.done.set_exception(s.error)
+                else:
+                    s.done.set_result(None)
+
+
+class LocalTransport:
+    """The in-process carrier: the workers called directly on this thread, nothing serialized."""
+
+    def __init__(self, draft: DraftWorker, verifier: VerifierWorker):
+        self.draft, self.verifier = draft, verifier
+
+    async def propose(self, items: list[ProposeItem]) -> ProposeReply:
+        return self._timed(self.draft.propose, items)
+
+    async def verify(self, items: list[VerifyItem]) -> VerifyReply:
+        return self._timed(self.verifier.verify, items)
+
+    async def release(self, role: Role, session_ids: list[str]) -> None:
+        (self.draft if role == "draft" else self.verifier).release(session_ids)
+
+    @staticmethod
+    def _timed(call: Callable[[list], list], items: list) -> BatchReply:
+        start = time.perf_counter()
+        answers = call(items)
+        elapsed = time.perf_counter() - start
+        return BatchReply(answers, [CallTiming(list(range(len(items))), elapsed, elapsed)])

@@ -1,0 +1,160 @@
+"""The round protocol between the loop and the draft and verifier workers, whatever carries it (in
+process, gRPC, Ray Serve). protos/specdec/v1 mirrors these messages field for field; the services
+convert at their edges (services/convert.py).
+
+The loop's token history is the truth; a worker's session (KV cache, policy, history) is a cache of
+it. Every call carries, per session, only the committed tokens the worker has not seen
+(`HistoryDelta`); a worker whose session cannot take the delta (evicted, restarted, another
+replica) answers `SessionMissing`, and the loop sends the same round again with the whole history.
+A worker never guesses missing tokens.
+
+One batched call holds many sessions; each gets its own answer: its result, `SessionMissing`,
+`Refused` (a user error for that session only) or, set by a transport whose replica is gone,
+`Unreachable` (the loop retries it, elsewhere).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Generic, Literal, TypeVar
+
+import torch
+
+from specdec.errors import InvalidRequestError
+from specdec.policies import PolicyConfig
+from specdec.rounds import Proposal, round_generator
+from specdec.sampling import SamplingParams
+from specdec.verification import Verdict
+
+Role = Literal["draft", "verifier"]
+ROLES: tuple[Role, Role] = ("draft", "verifier")
+
+
+@dataclass(frozen=True)
+class HistoryDelta:
+    """The committed tokens a worker needs before it can serve a round.
+
+    Worked example: the first call sends length 7, tail [p1..p7] (the prompt), full; a round then
+    commits y1 y2 y'; the next call sends length 10, tail [y1 y2 y'], not full. A worker serves a
+    call that is not full only if it holds exactly length - len(tail) tokens of the session.
+    """
+
+    length: int  # of the full history, tail included
+    tail: list[int]  # the last len(tail) tokens: those committed since the previous call
+    full: bool  # the tail is the whole history: create or replace the session
+
+
+def delta_for(history: Sequence[int], synced_length: int | None) -> HistoryDelta:
+    """What a worker that last saw the first `synced_length` tokens needs (None: it saw nothing)."""
+    if synced_length is None:
+        return HistoryDelta(len(history), list(history), full=True)
+    return HistoryDelta(len(history), list(history[synced_length:]), full=False)
+
+
+def history_from_delta(held: list[int] | None, delta: HistoryDelta, vocab_size: int) -> list[int] | None:
+    """The full committed history after `delta`, or None when the worker must answer SessionMissing
+    (it holds no session, or a history of the wrong length). Raises InvalidRequestError on a
+    malformed delta.
+
+    Worked example: held = [p1..p7]; delta = (10, [y1 y2 y'], not full) -> 7 == 10 - 3, so the
+    history is [p1..p7 y1 y2 y']. With held = None -> None.
+    """
+    if delta.length < 1:
+        raise InvalidRequestError(f"history-length must be at least 1, got {delta.length}")
+    if any(not 0 <= t < vocab_size for t in delta.tail):
+        raise InvalidRequestError(f"history token ids must be in [0, {vocab_size})")
+    if delta.full:
+        if len(delta.tail) != delta.length:
+            raise InvalidRequestError(f"a full history must send all {delta.length} tokens, got {len(delta.tail)}")
+        return list(delta.tail)
+    if held is None or len(held) != delta.length - len(delta.tail):
+        return None
+    return held + list(delta.tail)
+
+
+@dataclass(frozen=True)
+class RoundSeed:
+    """Where a round's random numbers come from: each side seeds a fresh generator from it and its
+    role, so a round draws the same numbers on any replica, in any batch and after a retry."""
+
+    request_seed: int
+    sample_index: int  # which of the request's n samples
+    round_index: int  # of this sample; a round sent again keeps its index
+
+    def generator(self, role: str) -> torch.Generator:
+        return round_generator(self.request_seed, self.sample_index, self.round_index, role)
+
+
+@dataclass
+class ProposeItem:
+    """One session's part of a batched Propose."""
+
+    session_id: str
+    history: HistoryDelta
+    policy: PolicyConfig
+    sampling: SamplingParams
+    max_candidates: int  # the token budget and the context left, minus the round's correction/bonus token
+    num_generated: int  # tokens generated before this round
+    # (K, n) of the rounds since the previous call, oldest first; with history.full, every round so
+    # far, so a worker that rebuilds the session replays them into a fresh policy.
+    rounds: list[tuple[int, int]]
+    seed: RoundSeed
+    reference: list[int] | None = None  # the oracle's hindsight (in process only; never on the wire)
+
+
+@dataclass
+class VerifyItem:
+    """One session's part of a batched Verify."""
+
+    session_id: str
+    history: HistoryDelta
+    candidates: list[int]  # y_1..y_K, K >= 0
+    draft_probs: list[torch.Tensor]  # q_1..q_K [V] each when sampled; empty when greedy
+    sampling: SamplingParams
+    seed: RoundSeed
+
+
+@dataclass(frozen=True)
+class SessionMissing:
+    """The worker does not hold the session's history: send the round again in full."""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A user error in this session's request (one line); the rest of the batch is served."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Unreachable:
+    """The replica holding this session is gone: the loop retries the round, in full, elsewhere."""
+
+    reason: str
+
+
+T = TypeVar("T")
+Answer = T | SessionMissing | Refused | Unreachable
+
+
+@dataclass
+class CallTiming:
+    """One call to one replica, covering `indices` of the batch."""
+
+    indices: list[int]
+    compute_s: float  # the worker's own time (reported by it)
+    wall_s: float  # the call's wall time at the caller; wall - compute is transport
+    num_bytes: int = 0  # serialized request + reply (0 in process)
+
+
+@dataclass
+class BatchReply(Generic[T]):
+    """What a transport returns for a batched call: an answer per item, in order, and its calls."""
+
+    answers: list  # [B] of Answer[T]
+    calls: list[CallTiming] = field(default_factory=list)
+
+
+ProposeReply = BatchReply[Proposal]
+VerifyReply = BatchReply[Verdict]
