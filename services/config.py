@@ -11,7 +11,7 @@ from ray.serve.config import AutoscalingConfig
 from specdec.builder import EngineConfig
 from specdec.policies import PolicyConfig
 from services.auth import env_api_key
-from services.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_TTL_S
+from specdec.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_TTL_S
 
 # The public gRPC service, for Serve's gRPC proxy (`grpc_options.grpc_servicer_functions`): the
 # requests reach the ingress as bytes, so that it answers a malformed one (services/public_grpc.py).

@@ -1,5 +1,5 @@
-"""The one place that maps between the protobuf contracts (specdec/v1) and the core types, and
-between user errors and gRPC status codes.
+"""The one place that maps between the protobuf contracts (specdec/v1) and the core types
+(specdec/protocol.py, specdec/params.py).
 
 Draft distributions on the wire (SparseDistribution): the draft sends q_i as (token id, prob)
 pairs. `dense_to_sparse` keeps every nonzero entry, so the verifier rebuilds q_i bit for bit and
@@ -11,11 +11,8 @@ correctness.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator, Sequence
 
-import grpc
 import torch
 from google.protobuf import json_format
 from pydantic import ValidationError
@@ -24,42 +21,18 @@ from specdec.errors import InvalidRequestError
 from specdec.metrics import RequestStats
 from specdec.params import GenerationParams, build_params, validation_message
 from specdec.policies import PolicyConfig
-from specdec.rounds import round_generator
+from specdec.protocol import HistoryDelta, ProposeItem, Refused, RoundSeed, SessionMissing, VerifyItem
+from specdec.rounds import Proposal
 from specdec.sampling import SamplingParams, probs_from_logits
 from specdec.sequences import RequestRules
-from specdec.v1 import common_pb2, draft_pb2, generation_pb2
+from specdec.v1 import common_pb2, draft_pb2, generation_pb2, verifier_pb2
+from specdec.verification import Verdict
+from services.errors import one_line
 
 # Draft probabilities at or below this are dropped by `sparsify_logits` (0 = keep all: exact).
 # 1e-6 keeps the argmax of any vocabulary under 10^6 tokens (max q >= 1/V) and, on Qwen-sized
 # vocabularies, trims the long tail that carries almost no mass but most of the bytes.
 SPARSE_MIN_PROB = 1e-6
-
-
-# ------------------------------------------------------------------------------------------------
-# Errors
-
-@contextlib.contextmanager
-def invalid_argument(context: grpc.ServicerContext) -> Iterator[None]:
-    """Map a user error (InvalidRequestError) to INVALID_ARGUMENT with a one-line reason; anything
-    else is a bug and stays INTERNAL."""
-    try:
-        yield
-    except InvalidRequestError as exc:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, one_line(str(exc)))
-
-
-class Overloaded(Exception):
-    """The server cannot take more work now (Serve's backpressure): HTTP 429, gRPC RESOURCE_EXHAUSTED.
-    Retriable after a pause."""
-
-
-class Unavailable(Exception):
-    """The replica running the request died (or none is up yet): HTTP 503, gRPC UNAVAILABLE.
-    Retriable at once: a greedy or seeded request gives the same result again."""
-
-
-def one_line(message: str) -> str:
-    return message.strip().splitlines()[0] if message.strip() else "invalid request"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -96,41 +69,119 @@ def policy_to_proto(config: PolicyConfig) -> draft_pb2.PolicyConfig:
     return msg
 
 
-def generator_from_seed(seed: common_pb2.RoundSeed, role: str) -> torch.Generator:
-    return round_generator(seed.request_seed, seed.sample_index, seed.round_index, role)
+def seed_to_proto(seed: RoundSeed) -> common_pb2.RoundSeed:
+    return common_pb2.RoundSeed(request_seed=seed.request_seed, sample_index=seed.sample_index,
+                                round_index=seed.round_index)
+
+
+def seed_from_proto(msg: common_pb2.RoundSeed) -> RoundSeed:
+    return RoundSeed(msg.request_seed, msg.sample_index, msg.round_index)
+
+
+def delta_to_proto(delta: HistoryDelta) -> common_pb2.HistoryDelta:
+    return common_pb2.HistoryDelta(history_length=delta.length, tail=delta.tail, full=delta.full)
+
+
+def delta_from_proto(msg: common_pb2.HistoryDelta) -> HistoryDelta:
+    return HistoryDelta(msg.history_length, list(msg.tail), msg.full)
 
 
 # ------------------------------------------------------------------------------------------------
-# History
+# Round items and answers (specdec/protocol.py)
 
-def history_from_delta(held: list[int] | None, delta: common_pb2.HistoryDelta, vocab_size: int) -> list[int] | None:
-    """The full committed history after `delta`, or None when the replica must answer
-    session_missing (it holds no session, or a history of the wrong length).
-
-    Worked example: held = [p1..p7]; delta = (history_length 10, tail [y1 y2 y'], full false)
-    -> 7 == 10 - 3, so the history is [p1..p7 y1 y2 y']. With held = None -> None.
-    """
-    tail = list(delta.tail)
-    if delta.history_length < 1:
-        raise InvalidRequestError(f"history-length must be at least 1, got {delta.history_length}")
-    if any(not 0 <= t < vocab_size for t in tail):
-        raise InvalidRequestError(f"history token ids must be in [0, {vocab_size})")
-    if delta.full:
-        if len(tail) != delta.history_length:
-            raise InvalidRequestError(
-                f"a full history must send all {delta.history_length} tokens, got {len(tail)}")
-        return tail
-    if held is None or len(held) != delta.history_length - len(tail):
-        return None
-    return held + tail
+def propose_item_to_proto(item: ProposeItem) -> draft_pb2.ProposeRequest:
+    return draft_pb2.ProposeRequest(
+        session_id=item.session_id, history=delta_to_proto(item.history), policy=policy_to_proto(item.policy),
+        sampling=sampling_to_proto(item.sampling), max_candidates=item.max_candidates,
+        num_generated=item.num_generated, seed=seed_to_proto(item.seed),
+        rounds=[draft_pb2.RoundOutcome(num_candidates=k, num_accepted=n) for k, n in item.rounds])
 
 
-def delta_for(history: Sequence[int], synced_length: int | None) -> common_pb2.HistoryDelta:
-    """What a replica that last saw the first `synced_length` tokens needs (None: it saw nothing,
-    send everything)."""
-    if synced_length is None:
-        return common_pb2.HistoryDelta(history_length=len(history), tail=history, full=True)
-    return common_pb2.HistoryDelta(history_length=len(history), tail=history[synced_length:], full=False)
+def propose_item_from_proto(msg: draft_pb2.ProposeRequest) -> ProposeItem:
+    """Raises InvalidRequestError with a one-line reason."""
+    return ProposeItem(
+        session_id=msg.session_id, history=delta_from_proto(msg.history), policy=policy_from_proto(msg.policy),
+        sampling=sampling_from_proto(msg.sampling), max_candidates=msg.max_candidates,
+        num_generated=msg.num_generated, rounds=[(r.num_candidates, r.num_accepted) for r in msg.rounds],
+        seed=seed_from_proto(msg.seed))
+
+
+def proposal_to_proto(answer) -> draft_pb2.Proposal:
+    """A worker's answer for one item (a proposal carries q_i only when sampled)."""
+    match answer:
+        case SessionMissing():
+            return draft_pb2.Proposal(session_missing=True)
+        case Refused(reason=reason):
+            return draft_pb2.Proposal(error=one_line(reason))
+        case Proposal():
+            return draft_pb2.Proposal(candidates=answer.candidates, forward_passes=answer.forward_passes,
+                                      draft_probs=[dense_to_sparse(q) for q in answer.draft_probs])
+    raise TypeError(f"not a proposal answer: {answer!r}")
+
+
+def proposal_from_proto(msg: draft_pb2.Proposal):
+    """-> Proposal | SessionMissing | Refused. The q_i stay in wire form: the coordinator only
+    passes them on to the verifier (`verify_item_to_proto`)."""
+    if msg.session_missing:
+        return SessionMissing()
+    if msg.error:
+        return Refused(msg.error)
+    return Proposal(list(msg.candidates), list(msg.draft_probs), msg.forward_passes)
+
+
+def verify_item_to_proto(item: VerifyItem) -> verifier_pb2.VerifyRequest:
+    return verifier_pb2.VerifyRequest(
+        session_id=item.session_id, history=delta_to_proto(item.history), candidates=item.candidates,
+        draft_probs=[q if isinstance(q, common_pb2.SparseDistribution) else dense_to_sparse(q)
+                     for q in item.draft_probs],
+        sampling=sampling_to_proto(item.sampling), seed=seed_to_proto(item.seed))
+
+
+def verify_item_from_proto(msg: verifier_pb2.VerifyRequest, vocab_size: int) -> VerifyItem:
+    """Raises InvalidRequestError with a one-line reason."""
+    sampling = sampling_from_proto(msg.sampling)
+    return VerifyItem(
+        session_id=msg.session_id, history=delta_from_proto(msg.history), candidates=list(msg.candidates),
+        draft_probs=[] if sampling.greedy else [sparse_to_dense(q, vocab_size) for q in msg.draft_probs],
+        sampling=sampling, seed=seed_from_proto(msg.seed))
+
+
+def verdict_to_proto(answer) -> verifier_pb2.Verdict:
+    match answer:
+        case SessionMissing():
+            return verifier_pb2.Verdict(session_missing=True)
+        case Refused(reason=reason):
+            return verifier_pb2.Verdict(error=one_line(reason))
+        case Verdict():
+            return verifier_pb2.Verdict(num_accepted=answer.num_accepted, next_token=answer.next_token)
+    raise TypeError(f"not a verdict answer: {answer!r}")
+
+
+def verdict_from_proto(msg: verifier_pb2.Verdict):
+    """-> Verdict | SessionMissing | Refused."""
+    if msg.session_missing:
+        return SessionMissing()
+    if msg.error:
+        return Refused(msg.error)
+    return Verdict(msg.num_accepted, msg.next_token)
+
+
+def convert_items(messages, convert) -> tuple[list, dict[int, Refused]]:
+    """Convert each wire item; one that does not convert is Refused on its own. Returns (the items
+    that converted, {index in `messages`: Refused})."""
+    items, refused = [], {}
+    for i, msg in enumerate(messages):
+        try:
+            items.append(convert(msg))
+        except InvalidRequestError as exc:
+            refused[i] = Refused(str(exc))
+    return items, refused
+
+
+def merge_answers(count: int, answers: list, refused: dict[int, Refused]) -> list:
+    """Put `answers` (for the items that converted, in order) back beside the refusals."""
+    converted = iter(answers)
+    return [refused[i] if i in refused else next(converted) for i in range(count)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -153,6 +204,13 @@ def sparse_to_dense(msg: common_pb2.SparseDistribution, vocab_size: int) -> torc
     if bool((probs < 0).any()) or not math.isclose(float(probs.double().sum()), 1.0, abs_tol=1e-3):
         raise InvalidRequestError("draft distribution probs must be non-negative and sum to 1")
     return torch.zeros(vocab_size, dtype=torch.float32).index_put_((ids,), probs)
+
+
+def sparsifier(min_prob: float):
+    """The draft worker's logits filter for `min_prob` (None when 0: q travels exactly)."""
+    if min_prob <= 0:
+        return None
+    return lambda sampling: (None if sampling.greedy else lambda logits: sparsify_logits(logits, sampling, min_prob))
 
 
 def sparsify_logits(logits: torch.Tensor, sampling: SamplingParams, min_prob: float = SPARSE_MIN_PROB) -> torch.Tensor:

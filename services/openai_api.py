@@ -40,14 +40,13 @@ from specdec.errors import InvalidRequestError
 from specdec.sampling import MAX_SAMPLES_PER_REQUEST
 from specdec.v1 import generation_pb2
 from services.auth import MISSING_KEY, key_matches
-from services.convert import Overloaded, Unavailable, one_line
+from services.errors import TABLE, Unauthenticated, describe, one_line, retry_after
 
-__all__ = ["GenerationBackend", "Overloaded", "Unavailable", "create_app"]
+__all__ = ["GenerationBackend", "create_app"]
 
 logger = logging.getLogger(__name__)
 
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1  # the proto fields' ranges: larger values cannot be sent on
-RETRY_AFTER_S = 1  # a round takes milliseconds: capacity frees up quickly
 # Accepted only at their neutral value (None, false, 0, "" or {}): anything else asks for output we do not produce.
 NEUTRAL_ONLY = ("echo", "logprobs", "top_logprobs", "suffix", "logit_bias", "presence_penalty", "frequency_penalty")
 
@@ -256,17 +255,13 @@ def error_json(message: str, type_: str = "invalid_request_error", param: str | 
 
 
 def error_of(exc: Exception) -> tuple[int, dict, dict[str, str]]:
-    """(status, body, headers) for any exception; bugs are logged here and never described to the client."""
+    """(status, body, headers) for any exception (services/errors.py's table); bugs are logged
+    there and never described to the client."""
     if isinstance(exc, ApiError):
         return exc.status, error_json(exc.message, param=exc.param, code=exc.code), {}
-    if isinstance(exc, InvalidRequestError):
-        return 400, error_json(one_line(str(exc))), {}
-    if isinstance(exc, Overloaded):
-        return 429, error_json(one_line(str(exc)), "overloaded_error"), {"Retry-After": str(RETRY_AFTER_S)}
-    if isinstance(exc, Unavailable):
-        return 503, error_json(one_line(str(exc)), "unavailable_error"), {"Retry-After": "0"}
-    logger.error("request failed", exc_info=exc)
-    return 500, error_json("internal error", "internal_error"), {}
+    status, reason = describe(exc)
+    wait = retry_after(exc)
+    return status.http, error_json(reason, status.kind), {} if wait is None else {"Retry-After": str(wait)}
 
 
 def error_response(exc: Exception) -> JSONResponse:
@@ -309,7 +304,8 @@ class ApiKeyBackend(AuthenticationBackend):
 
 
 def unauthorized(_conn, exc: AuthenticationError) -> Response:
-    return JSONResponse(error_json(str(exc), code="invalid_api_key"), status_code=401,
+    status = TABLE[Unauthenticated]
+    return JSONResponse(error_json(str(exc), status.kind, code="invalid_api_key"), status_code=status.http,
                         headers={"WWW-Authenticate": "Bearer"})
 
 

@@ -9,16 +9,16 @@ import grpc
 
 from specdec.v1 import draft_pb2_grpc, verifier_pb2_grpc
 from services.auth import ApiKeyInterceptor
-from services.draft_servicer import DraftServicer
-from services.verifier_servicer import VerifierServicer
+from services.servicers import DraftServicer, VerifierServicer
 
-# Blocking torch work runs on these threads, never on an event loop. Sessions are independent, so
-# a few threads let several sessions' rounds overlap.
-DEFAULT_WORKERS = 4
+# Blocking torch work runs on these threads, never on an event loop. A worker serves one batch at a
+# time (its sessions share a pass): one thread, one OpenMP team (services/replicas.py).
+DEFAULT_WORKERS = 1
 # A sampled round carries each candidate's draft distribution: ~1.06 MB per candidate on a
-# 151,936-token vocabulary, so gRPC's default 4 MiB would fail sampled rounds with K > 3. 128 MiB
-# holds the most candidates a served round may draft (services.coordinator.MAX_CANDIDATES_PER_ROUND).
-MAX_ROUND_MESSAGE_BYTES = 128 * 1024 * 1024
+# 151,936-token vocabulary, so gRPC's default 4 MiB would fail sampled rounds with K > 3. A batch
+# carries many sessions' rounds: 1 GiB holds 16 sessions of 64 sampled candidates
+# (services.coordinator.MAX_CANDIDATES_PER_ROUND); gRPC's own ceiling is 2 GiB.
+MAX_ROUND_MESSAGE_BYTES = 1024 * 1024 * 1024
 
 
 def start_server(draft: DraftServicer | None = None, verifier: VerifierServicer | None = None,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
-from specdec.errors import SpecDecError
+from specdec.errors import InvalidRequestError, SpecDecError
 
 EXIT_USAGE = 2
 
@@ -25,6 +26,13 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                        help="tokens the draft's LM head scores: full, ascii, or a JSON list of ids (lossless either way)")
     group.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     group.add_argument("--device", default="auto", help="where the models run: auto (a GPU when present), cpu, cuda, cuda:N")
+    group = parser.add_argument_group("batching (sessions share every forward pass)")
+    group.add_argument("--max-batch-sessions", type=int, default=None,
+                       help="sessions one step advances at most (default 16; the others wait their turn)")
+    group.add_argument("--max-pass-tokens", type=int, default=None,
+                       help="tokens one forward pass feeds at most; more run as several passes (default: no limit)")
+    group.add_argument("--kv-cache", default="slots", choices=["slots", "reference"],
+                       help="slots: many sessions per pass; reference: the batch-1 path, one pass per session")
 
 
 def add_generation_flags(parser: argparse.ArgumentParser) -> None:
@@ -59,9 +67,21 @@ def generation_params(args: argparse.Namespace):
 def engine_config(args: argparse.Namespace):
     from specdec.builder import EngineConfig
 
+    from pydantic import ValidationError
+
+    from specdec.loop import BatchConfig
+    from specdec.params import validation_message
+
+    batch = {key: value for key, value in (("max_sessions_per_step", args.max_batch_sessions),
+                                           ("max_tokens_per_pass", args.max_pass_tokens)) if value is not None}
+    try:
+        batch = BatchConfig(**batch)
+    except ValidationError as exc:
+        raise InvalidRequestError(validation_message(exc)) from None
     return EngineConfig(draft=args.draft, target=args.target, head=args.head, cache_dir=args.cache_dir,
                         draft_format=args.draft_format, target_format=args.target_format,
-                        draft_vocab=args.draft_vocab, threads=args.threads, device=args.device)
+                        draft_vocab=args.draft_vocab, threads=args.threads, device=args.device,
+                        batch=batch, kv_cache=args.kv_cache)
 
 
 def has_head(args: argparse.Namespace) -> bool:
@@ -70,32 +90,58 @@ def has_head(args: argparse.Namespace) -> bool:
     return head_path(engine_config(args)) is not None
 
 
+def prompt_texts(args: argparse.Namespace) -> list[str]:
+    """The prompts on the command line, then those of --prompts (limited by --limit)."""
+    prompts = list(args.prompt)
+    if args.prompts:
+        from specdec.bench.prompt_sets import load_prompts
+
+        prompts += load_prompts(args.prompts, args.limit)
+    if not prompts:
+        raise InvalidRequestError("no prompt: give one or more prompts, or --prompts FILE")
+    return prompts
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    """One prompt, one sample: the text streams as rounds commit. Several prompts (or samples) run
+    at once, sharing every forward pass, and print when all are done."""
     from specdec.builder import build_engine
+    from specdec.metrics import aggregate_summary
     from specdec.policies import validate_policy
 
     params = generation_params(args)
+    texts = prompt_texts(args)
     validate_policy(params.policy, has_head=has_head(args))  # before minutes of model loading
     engine = build_engine(engine_config(args), progress=not args.json)
-    prompt_ids = engine.encode_prompt(args.prompt, params.chat_template)
-    engine.validate(prompt_ids, params)
+    prompts = [engine.encode_prompt(text, params.chat_template) for text in texts]
+    for prompt_ids in prompts:
+        engine.validate(prompt_ids, params)
 
-    if args.json:
-        print(json.dumps(engine.generate_ids(prompt_ids, params).to_dict()))
+    if len(prompts) == 1 and params.n == 1 and not args.json:
+        def stream(_index: int, _ids: list[int], text: str, _finish: str | None) -> None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+        result = engine.generate_ids(prompts[0], params, on_update=stream)
+        sys.stdout.write("\n")
+        print(result.stats.summary(), file=sys.stderr)
         return 0
 
-    headed: set[int] = set()
-
-    def stream(index: int, _ids: list[int], text: str) -> None:
-        if params.n > 1 and index not in headed:
-            headed.add(index)
-            sys.stdout.write(("\n" if index else "") + f"--- sample {index + 1} ---\n")
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
-    result = engine.generate_ids(prompt_ids, params, on_update=stream)
-    sys.stdout.write("\n")
-    print(result.stats.summary(), file=sys.stderr)
+    start = time.perf_counter()
+    results = engine.generate_many(prompts, params)
+    wall_s = time.perf_counter() - start
+    if args.json:  # one object per prompt, one per line
+        for result in results:
+            print(json.dumps(result.to_dict()))
+        return 0
+    for p, result in enumerate(results):
+        for s, completion in enumerate(result.completions):
+            where = ([f"prompt {p + 1}"] if len(prompts) > 1 else []) + ([f"sample {s + 1}"] if params.n > 1 else [])
+            sys.stdout.write(f"--- {', '.join(where)} ---\n{completion.text}\n")
+        print(result.stats.summary() if len(prompts) == 1 else f"prompt {p + 1}: {result.stats.summary()}",
+              file=sys.stderr)
+    if len(prompts) > 1:
+        print(aggregate_summary([r.stats for r in results], wall_s), file=sys.stderr)
     return 0
 
 
@@ -108,6 +154,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              (("name", args.policy), ("k", args.k), ("threshold", args.threshold)) if v is not None})
     validate_policy(policy, has_head=has_head(args))
     engine = engine_config(args)
+    engine.batch = engine.batch.model_copy(update={"lanes": args.lanes})
     config = AppConfig(
         models=engine.model_copy(update={"threads": None}), policy=policy, model_name=args.model_name,
         target_shards=args.target_shards,
@@ -194,7 +241,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         config = BenchConfig(engine=engine_config(args), policies=args.policies, temperatures=args.temperatures,
                              prompts=args.prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
                              seed=args.seed, out=args.out, forward_ks=args.forward_ks,
-                             forward_repeats=args.forward_repeats, chosen=args.chosen)
+                             forward_repeats=args.forward_repeats, chosen=args.chosen, concurrency=args.concurrency)
     except ValidationError as exc:
         raise InvalidRequestError(validation_message(exc)) from None
     results = run_bench(config, progress=not args.no_progress, report_only=args.report_only)
@@ -221,6 +268,8 @@ def add_bench_parser(commands) -> None:
                        help="humaneval (default), validation (stdlib validation split, for choosing thresholds) "
                             "or a .jsonl/.txt file")
     group.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    group.add_argument("--concurrency", type=int, default=1,
+                       help="prompts of one policy decoded at once, sharing the batch (default 1: one at a time)")
     group.add_argument("--max-new-tokens", type=int, default=128)
     group.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i")
     group.add_argument("--out", type=Path, default=Path("bench-results"),
@@ -242,8 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    generate = commands.add_parser("generate", help="generate text for one prompt, in this process")
-    generate.add_argument("prompt")
+    generate = commands.add_parser("generate", help="generate text for one or more prompts, in this process")
+    generate.add_argument("prompt", nargs="*", help="one or more prompts (they share every forward pass)")
+    generate.add_argument("--prompts", default=None, metavar="SOURCE",
+                          help="more prompts: a .txt file (one per line), a .jsonl file, humaneval or validation")
+    generate.add_argument("--limit", type=int, default=None, help="first N prompts of --prompts only")
     add_model_flags(generate)
     add_generation_flags(generate)
     generate.add_argument("--json", action="store_true", help="print one JSON object with completions and stats")
@@ -265,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--draft-replicas", type=int, default=1)
     group.add_argument("--verifier-replicas", type=int, default=1)
     group.add_argument("--target-shards", type=int, default=1, help="devices per verifier replica")
+    group.add_argument("--lanes", type=int, default=1, choices=range(1, 9), metavar="N",
+                       help="batches in flight: 2 lets the draft work on one while the verifier checks the other "
+                            "(pays where they run on different devices; docs/benchmarks.md)")
     serve.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     serve.set_defaults(func=cmd_serve)
 

@@ -69,20 +69,22 @@ class SpecDecEngine:
         bench reuses target-only's); else decoded here, untimed."""
         return asyncio.run(self.loop.generate(prompt_ids, params, on_update, reference))
 
-    def generate_many(self, prompts: Sequence[Sequence[int]], params: GenerationParams = GenerationParams(),
+    def generate_many(self, prompts: Sequence[Sequence[int]],
+                      params: GenerationParams | Sequence[GenerationParams] = GenerationParams(),
                       on_update=None, references: Sequence[Sequence[int] | None] | None = None,
                       ) -> list[GenerationResult]:
-        """Every prompt at once, in one batch (a request each; results in order). `on_update`
-        (prompt_index, sample_index, ids, text, finish_reason). A failed request raises its error
-        after the others finish."""
+        """Every prompt at once, in one batch (a request each; results in order). `params`: one for
+        all, or one per prompt. `on_update(prompt_index, sample_index, ids, text, finish_reason)`.
+        A failed request raises its error after the others finish."""
         references = references or [None] * len(prompts)
+        each = [params] * len(prompts) if isinstance(params, GenerationParams) else list(params)
 
         async def run_all() -> list[GenerationResult]:
             def update_for(i: int):
                 return (lambda index, ids, text, finish: on_update(i, index, ids, text, finish)) if on_update else None
 
             results = await asyncio.gather(
-                *(self.loop.generate(p, params, update_for(i), r) for i, (p, r) in enumerate(zip(prompts, references))),
+                *(self.loop.generate(p, q, update_for(i), r) for i, (p, q, r) in enumerate(zip(prompts, each, references))),
                 return_exceptions=True)
             for result in results:
                 if isinstance(result, BaseException):

@@ -222,11 +222,14 @@ class RoundLoop:
 
     def submit(self, sequence: Sequence) -> None:
         """The sequence joins the lane with the fewest sessions, at its next step."""
+        running_loop = asyncio.get_running_loop()
+        if any(t is not None and not t.done() and t.get_loop() is not running_loop for t in self._tasks):
+            raise RuntimeError("a RoundLoop serves one event loop at a time")
         lane = min(range(len(self._lanes)), key=lambda i: len(self._lanes[i]))
         self._lanes[lane].append(sequence)
         task = self._tasks[lane]
         if task is None or task.done():
-            self._tasks[lane] = asyncio.get_running_loop().create_task(self._run(lane))
+            self._tasks[lane] = running_loop.create_task(self._run(lane))
 
     def cancel(self, sequence: Sequence) -> None:
         """The sequence leaves at the next step boundary (its caches are freed then); a no-op once it is done."""

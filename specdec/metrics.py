@@ -110,6 +110,13 @@ class RequestStats:
                 f"draft {self.draft_time_s:.1f}s / target {self.target_time_s:.1f}s")
 
 
+def aggregate_summary(stats: list[RequestStats], wall_time_s: float) -> str:
+    """One line for requests that ran together: their tokens over the wall time they shared."""
+    tokens = sum(s.generated_tokens for s in stats)
+    return (f"{len(stats)} requests together: {tokens} tokens in {wall_time_s:.1f}s "
+            f"({_ratio(tokens, wall_time_s):.2f} tok/s aggregate)")
+
+
 def predicted_latency_per_token(t_draft: float, t_target: float, discard_rate: float,
                                 verification_rate: float) -> float:
     """Paper eq. 2.3."""

@@ -36,7 +36,7 @@ def round_generator(request_seed: int, sample_index: int, round_index: int, role
 @dataclass
 class Proposal:
     candidates: list[int] = field(default_factory=list)  # y_1..y_K
-    draft_probs: list[torch.Tensor] = field(default_factory=list)  # q_1..q_K, each [V]
+    draft_probs: list[torch.Tensor] = field(default_factory=list)  # q_1..q_K, each [V]; sampled rounds only
     forward_passes: int = 0  # draft passes this session took part in
 
 
@@ -86,7 +86,8 @@ class _Drafting:
         if decision is Decision.DROP_LAST:
             return False
         proposal.candidates.append(y)
-        proposal.draft_probs.append(q)
+        if not row.sampling.greedy:  # greedy verification is exact match: q stays here
+            proposal.draft_probs.append(q)
         return decision is not Decision.STOP and len(proposal.candidates) < self.limit
 
 

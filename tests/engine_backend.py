@@ -1,5 +1,6 @@
-"""Test-side servers over the in-process engine: `EngineBackend` (services.openai_api's
-GenerationBackend), a real gRPC server for specdec.v1.Generation, and a real HTTP server (uvicorn)."""
+"""Test-side servers over the in-process engine: `EngineBackend` (the coordinator over the engine's
+workers, services.openai_api's GenerationBackend), a real gRPC server for specdec.v1.Generation,
+and a real HTTP server (uvicorn)."""
 
 from __future__ import annotations
 
@@ -7,68 +8,24 @@ import asyncio
 import socket
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import grpc
 import uvicorn
 
-from specdec.engine import GenerationResult, SpecDecEngine
-from specdec.errors import InvalidRequestError
-from specdec.params import GenerationParams
-from specdec.policies import PolicyConfig
-from specdec.v1 import generation_pb2, generation_pb2_grpc
-from services.convert import params_from_request, prompt_ids_from_request, stats_to_proto
+from specdec.engine import SpecDecEngine
+from specdec.v1 import generation_pb2_grpc
+from services.coordinator import Coordinator
+from services.errors import grpc_status
 
 
-class EngineBackend:
-    """The engine behind the GenerationBackend protocol; one generation at a time, off the event loop."""
+class EngineBackend(Coordinator):
+    """The coordinator over the in-process engine's workers (services.openai_api's
+    GenerationBackend): the served request path, batching included, without Ray."""
 
     def __init__(self, engine: SpecDecEngine):
-        self.engine = engine
-        self._lock = threading.Lock()
-
-    def _prepare(self, request: generation_pb2.GenerateRequest) -> tuple[list[int], GenerationParams]:
-        params = params_from_request(request, PolicyConfig())
-        prompt_ids = prompt_ids_from_request(request, self.engine.rules, params)
-        self.engine.validate(prompt_ids, params)
-        return prompt_ids, params
-
-    def _run(self, prompt_ids: list[int], params: GenerationParams,
-             on_update: Callable[[int, list[int], str], None] | None = None) -> GenerationResult:
-        with self._lock:
-            return self.engine.generate_ids(prompt_ids, params, on_update)
-
-    async def generate(self, request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateResponse:
-        prompt_ids, params = self._prepare(request)
-        result = await asyncio.to_thread(self._run, prompt_ids, params)
-        completions = [generation_pb2.Completion(index=i, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason)
-                       for i, c in enumerate(result.completions)]
-        return generation_pb2.GenerateResponse(completions=completions, stats=stats_to_proto(result.stats),
-                                               prompt_tokens=result.prompt_tokens,
-                                               request_id=request.request_id or uuid.uuid4().hex)
-
-    async def generate_stream(self, request: generation_pb2.GenerateRequest) -> AsyncIterator[generation_pb2.GenerateChunk]:
-        """Chunks as the engine commits rounds; finish reasons on token-less chunks, then the stats
-        chunk (the coordinator puts finish reasons on the last token chunk: the routes take both)."""
-        prompt_ids, params = self._prepare(request)
-        request_id = request.request_id or uuid.uuid4().hex
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-
-        def on_update(index: int, ids: list[int], text: str) -> None:
-            chunk = generation_pb2.GenerateChunk(index=index, token_ids=ids, text=text, request_id=request_id)
-            loop.call_soon_threadsafe(queue.put_nowait, chunk)
-
-        done = loop.run_in_executor(None, self._run, prompt_ids, params, on_update)
-        done.add_done_callback(lambda _: queue.put_nowait(None))
-        while (chunk := await queue.get()) is not None:
-            yield chunk
-        result = await done
-        for index, completion in enumerate(result.completions):
-            yield generation_pb2.GenerateChunk(index=index, finish_reason=completion.finish_reason, request_id=request_id)
-        yield generation_pb2.GenerateChunk(stats=stats_to_proto(result.stats), prompt_tokens=result.prompt_tokens,
-                                           request_id=request_id)
+        super().__init__(engine.loop.transport, engine.rules)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -82,16 +39,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.metadata = dict(context.invocation_metadata())
         try:
             return await self.backend.generate(request)
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:  # noqa: BLE001 - as the ingress: services/errors.py's table
+            await context.abort(*grpc_status(exc))
 
     async def GenerateStream(self, request, context):
         self.metadata = dict(context.invocation_metadata())
         try:
             async for chunk in self.backend.generate_stream(request):
                 yield chunk
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:  # noqa: BLE001
+            await context.abort(*grpc_status(exc))
 
 
 def free_port() -> int:
@@ -114,11 +71,18 @@ def grpc_server(servicer: GenerationServicer) -> Iterator[str]:
         await server.start()
         return server, port
 
+    async def stop() -> None:  # the server, then whatever its calls left running (a generation in flight)
+        await server.stop(None)
+        tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     server, port = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=10)
     try:
         yield f"127.0.0.1:{port}"
     finally:
-        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(timeout=10)
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         loop.close()

@@ -170,17 +170,19 @@ def test_round_messages_round_trip():
             session_id="req-1/1", history=history, policy=draft_pb2.PolicyConfig(name="heuristic", k=4),
             sampling=sampling, max_candidates=20, num_generated=6,
             rounds=[draft_pb2.RoundOutcome(num_candidates=4, num_accepted=2)], seed=seed),
-        draft_pb2.Proposal(candidates=[7], draft_probs=probs, draft_ms=12.5, forward_passes=2),
-        draft_pb2.Proposal(session_missing=True),
+        draft_pb2.ProposalBatch(proposals=[draft_pb2.Proposal(candidates=[7], draft_probs=probs, forward_passes=2),
+                                           draft_pb2.Proposal(session_missing=True),
+                                           draft_pb2.Proposal(error="top-p: must be in (0, 1]")], draft_ms=12.5),
         verifier_pb2.VerifyRequest(session_id="req-1/1", history=history, candidates=[7], draft_probs=probs,
                                    sampling=sampling, seed=seed),
-        verifier_pb2.Verdict(num_accepted=1, next_token=3, target_ms=40.25),
-        common_pb2.SessionRef(session_id="req-1/1"),
-        common_pb2.ReleaseResponse(released=True),
+        verifier_pb2.VerdictBatch(verdicts=[verifier_pb2.Verdict(num_accepted=1, next_token=3),
+                                            verifier_pb2.Verdict(session_missing=True)], target_ms=40.25),
+        common_pb2.SessionRefs(session_ids=["req-1/1", "req-1/2"]),
+        common_pb2.ReleaseResponse(released=[True, False]),
     ]
     for message in messages:
         assert type(message).FromString(message.SerializeToString()) == message
-    parsed = verifier_pb2.VerifyRequest.FromString(messages[3].SerializeToString())
+    parsed = verifier_pb2.VerifyRequest.FromString(messages[2].SerializeToString())
     assert list(parsed.draft_probs[0].probs) == q  # exactly the q the draft sampled from
     assert not draft_pb2.PolicyConfig(name="svip").HasField("k")
 

@@ -95,6 +95,7 @@ def summarize_temperature(specs: list[PolicySpec], records: dict[str, list[dict]
             continue
         predicted = fit.throughput(total.verification_rate, total.discard_rate) if fit else None
         row = {"family": spec.family, "value": spec.value, "prompts": len(kept[spec.key]), **total.to_dict(),
+               "aggregate_tokens_per_s": aggregate_tokens_per_s(kept[spec.key]),
                "speedup": total.tokens_per_s / base.tokens_per_s if base and base.tokens_per_s else None,
                "predicted_tokens_per_s": predicted,
                "predicted_speedup": predicted_speedup(fit, predicted, base, total)}
@@ -115,6 +116,15 @@ def summarize_temperature(specs: list[PolicySpec], records: dict[str, list[dict]
             "cost_model": fit.to_dict() if fit else None,
             "standalone_target": standalone.to_dict() if standalone else None,
             "frontiers": families, "dominance": dominance}
+
+
+def aggregate_tokens_per_s(records: list[dict]) -> float | None:
+    """Tokens over the wall time of the groups they were decoded in (a run with --concurrency > 1);
+    None for one prompt at a time (then tokens/s is the aggregate)."""
+    groups = {r["group"]: r["group_wall_s"] for r in records if "group_wall_s" in r}
+    if not groups:
+        return None
+    return sum(r["stats"]["generated_tokens"] for r in records) / sum(groups.values())
 
 
 def lossless_check(records: dict[str, list[dict]]) -> dict[str, dict]:
@@ -296,7 +306,10 @@ def markdown(results: dict) -> str:
         "",
         "Tokens/s: total tokens over total wall time (prefill included) on the prompts every policy finished. "
         "Predicted: eq. 2.3 with the fitted (t_draft, t_target). `hf-*`: HF transformers assisted generation "
-        "on the same loaded models.", "",
+        "on the same loaded models."
+        + (f" Concurrency {settings['concurrency']}: that many prompts of a policy at once; tokens/s is per "
+           "request (its own wall time), the aggregate below is tokens over the groups' wall time."
+           if settings.get("concurrency", 1) > 1 else ""), "",
     ]
     for key, summary in results["by_temperature"].items():
         lines += _temperature_section(key, summary)
@@ -347,6 +360,11 @@ def _temperature_section(key: str, summary: dict) -> list[str]:
                     else f" **no** ({len(check['mismatched_prompts'])}/{check['compared']}) |")
         lines.append(row)
     lines.append("")
+    aggregate = {spec: p["aggregate_tokens_per_s"] for spec, p in summary["policies"].items()
+                 if p.get("aggregate_tokens_per_s")}
+    if aggregate:
+        lines += ["Aggregate tok/s (prompts decoded together): "
+                  + ", ".join(f"{spec} {tps:.2f}" for spec, tps in aggregate.items()) + ".", ""]
     fit, standalone = summary["cost_model"], summary["standalone_target"]
     if fit:
         lines.append(f"Cost model (eq. 2.1 over {fit['points']} speculative generations): t_draft = "

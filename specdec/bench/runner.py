@@ -4,6 +4,11 @@ process on one engine, each generation timed alone and recorded as soon as it en
 Order: temperature, then prompt, then policy, so a run stopped early holds every policy on the same
 first prompts, and slow drifts of the machine (other load, heat) spread over all policies alike.
 A rerun with the same --out skips the records already there (records.py).
+
+With `concurrency` C > 1, C prompts of one policy run at once in the engine's batch (temperature,
+then policy, then groups of C prompts); each record keeps its own request's stats and its group's
+wall time, from which the report gives the aggregate tokens/s. HF's assisted generation runs one
+prompt at a time whatever C is.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class BenchConfig(BaseModel):
     forward_ks: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 2, 4, 8, 16])  # empty: skip
     forward_repeats: int = Field(5, ge=1)
     chosen: list[str] = Field(default_factory=list)  # specs chosen on validation prompts (the goals use them)
+    concurrency: int = Field(1, ge=1)  # prompts of one policy decoded at once (they share the batch)
 
     def settings(self) -> dict:
         """What every record depends on: a resumed run must match these. (The head only matters to
@@ -56,7 +62,7 @@ class BenchConfig(BaseModel):
         return {"draft": engine.draft, "target": engine.target, "draft_format": engine.draft_format,
                 "target_format": engine.target_format, "draft_vocab": vocab_setting(engine.draft_vocab),
                 "device": engine.device, "threads": engine.threads, "prompts": self.prompts,
-                "max_new_tokens": self.max_new_tokens, "seed": self.seed}
+                "max_new_tokens": self.max_new_tokens, "seed": self.seed, "concurrency": self.concurrency}
 
 
 def read_notes(out: Path) -> dict:
@@ -123,10 +129,17 @@ class BenchRun:
         self._forward_times()
         self.notes["machine"], self.notes["head"] = machine(), self.head_id
         write_notes(self.config.out, self.notes)
-        bar = tqdm(todo, desc="bench", unit="gen", disable=not self.progress, file=sys.stderr, dynamic_ncols=True)
-        for temperature, index, spec in bar:
-            bar.set_postfix_str(f"t={temperature:g} prompt {index} {spec.key}", refresh=False)
-            self.store.append(self._generate(spec, temperature, index, prompt_ids[index]))
+        bar = tqdm(total=len(todo), desc="bench", unit="gen", disable=not self.progress, file=sys.stderr,
+                   dynamic_ncols=True)
+        for temperature, spec, indices in self._groups(todo):
+            bar.set_postfix_str(f"t={temperature:g} prompt {indices[0]} {spec.key}", refresh=False)
+            if len(indices) == 1:
+                records = [self._generate(spec, temperature, indices[0], prompt_ids[indices[0]])]
+            else:
+                records = self._generate_group(spec, temperature, indices, [prompt_ids[i] for i in indices])
+            for record in records:
+                self.store.append(record)
+            bar.update(len(records))
         bar.close()
         self.notes["date"] = time.strftime("%Y-%m-%d")
         write_notes(self.config.out, self.notes)
@@ -192,6 +205,23 @@ class BenchRun:
                         todo.append((temperature, index, spec))
         return todo
 
+    def _groups(self, todo: list[tuple[float, int, PolicySpec]]) -> list[tuple[float, PolicySpec, list[int]]]:
+        """(temperature, spec, prompt indices) to decode together: one prompt each at concurrency 1
+        (and for HF's peer), else groups of `concurrency` prompts of one spec."""
+        size = self.config.concurrency
+        if size == 1:
+            return [(temperature, spec, [index]) for temperature, index, spec in todo]
+        order = {spec.key: i for i, spec in enumerate(self.specs)}
+        groups: list[tuple[float, PolicySpec, list[int]]] = []
+        for temperature, index, spec in sorted(todo, key=lambda t: (t[0], order[t[2].key], t[1])):
+            last = groups[-1] if groups else None
+            if (last and not spec.is_peer and last[0] == temperature and last[1].key == spec.key
+                    and len(last[2]) < size):
+                last[2].append(index)
+            else:
+                groups.append((temperature, spec, [index]))
+        return groups
+
     def _peer(self):
         if self.peer is None:
             from specdec.bench.peer import HFAssistedPeer
@@ -240,11 +270,28 @@ class BenchRun:
                               "threshold_adaptation": bool(mode.confidence_threshold) and threshold_adaptation()}
             return {**record, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
                     "stats": result.stats.to_dict()}
+        result = self.engine.generate_ids(prompt_ids, self._params(spec, temperature, index),
+                                          reference=self._oracle_reference(spec, temperature, index))
+        return self._record(record, spec, result)
+
+    def _generate_group(self, spec: PolicySpec, temperature: float, indices: list[int],
+                        prompt_ids: list[list[int]]) -> list[dict]:
+        start = time.perf_counter()
+        results = self.engine.generate_many(prompt_ids, [self._params(spec, temperature, i) for i in indices],
+                                            references=[self._oracle_reference(spec, temperature, i) for i in indices])
+        wall_s = time.perf_counter() - start
+        return [self._record({"spec": spec.key, "family": spec.family, "temperature": temperature, "prompt": index,
+                              "prompt_tokens": len(ids), "seed": self.config.seed + index, "cpu": self.cpu,
+                              "group": indices[0], "group_wall_s": wall_s}, spec, result)
+                for index, ids, result in zip(indices, prompt_ids, results)]
+
+    def _params(self, spec: PolicySpec, temperature: float, index: int) -> GenerationParams:
+        return GenerationParams(max_new_tokens=self.config.max_new_tokens, policy=spec.policy_config(),
+                                sampling=SamplingParams(temperature=temperature, seed=self.config.seed + index))
+
+    def _record(self, record: dict, spec: PolicySpec, result) -> dict:
         if spec.name == "specdec++":
             record["head"] = self.head_id
-        params = GenerationParams(max_new_tokens=self.config.max_new_tokens, policy=spec.policy_config(),
-                                  sampling=SamplingParams(temperature=temperature, seed=seed))
-        result = self.engine.generate_ids(prompt_ids, params, reference=self._oracle_reference(spec, temperature, index))
         completion = result.completions[0]
         return {**record, "token_ids": completion.token_ids, "finish_reason": completion.finish_reason,
                 "stats": result.stats.to_dict()}
@@ -268,7 +315,7 @@ def run_bench(config: BenchConfig, progress: bool = True, report_only: bool = Fa
     store = RecordStore(config.out)
     if report_only and not len(store):
         raise InvalidRequestError(f"--report-only: no records in {config.out}")
-    store.check_settings(config.settings(), added=SETTINGS_BEFORE_DRAFT_VOCAB)
+    store.check_settings(config.settings(), added={**SETTINGS_BEFORE_DRAFT_VOCAB, "concurrency": 1})
     prompts = load_prompts(config.prompts, config.limit)
     if report_only:
         notes = read_notes(config.out)

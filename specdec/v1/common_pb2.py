@@ -26,23 +26,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\" \n\nSessionRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"B\n\x0cHistoryDelta\x12\x16\n\x0ehistory_length\x18\x01 \x01(\x05\x12\x0c\n\x04tail\x18\x02 \x03(\x05\x12\x0c\n\x04\x66ull\x18\x03 \x01(\x08\"C\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\"L\n\tRoundSeed\x12\x14\n\x0crequest_seed\x18\x01 \x01(\x04\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x13\n\x0bround_index\x18\x03 \x01(\x05\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"\"\n\x0bSessionRefs\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\")\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x02 \x03(\x08J\x04\x08\x01\x10\x02\"B\n\x0cHistoryDelta\x12\x16\n\x0ehistory_length\x18\x01 \x01(\x05\x12\x0c\n\x04tail\x18\x02 \x03(\x05\x12\x0c\n\x04\x66ull\x18\x03 \x01(\x08\"C\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\"L\n\tRoundSeed\x12\x14\n\x0crequest_seed\x18\x01 \x01(\x04\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x13\n\x0bround_index\x18\x03 \x01(\x05\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SESSIONREF']._serialized_start=39
-  _globals['_SESSIONREF']._serialized_end=71
-  _globals['_RELEASERESPONSE']._serialized_start=73
-  _globals['_RELEASERESPONSE']._serialized_end=108
-  _globals['_HISTORYDELTA']._serialized_start=110
-  _globals['_HISTORYDELTA']._serialized_end=176
-  _globals['_SAMPLINGPARAMS']._serialized_start=178
-  _globals['_SAMPLINGPARAMS']._serialized_end=245
-  _globals['_ROUNDSEED']._serialized_start=247
-  _globals['_ROUNDSEED']._serialized_end=323
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=325
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=379
+  _globals['_SESSIONREFS']._serialized_start=39
+  _globals['_SESSIONREFS']._serialized_end=73
+  _globals['_RELEASERESPONSE']._serialized_start=75
+  _globals['_RELEASERESPONSE']._serialized_end=116
+  _globals['_HISTORYDELTA']._serialized_start=118
+  _globals['_HISTORYDELTA']._serialized_end=184
+  _globals['_SAMPLINGPARAMS']._serialized_start=186
+  _globals['_SAMPLINGPARAMS']._serialized_end=253
+  _globals['_ROUNDSEED']._serialized_start=255
+  _globals['_ROUNDSEED']._serialized_end=331
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=333
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=387
 # @@protoc_insertion_point(module_scope)

@@ -8,17 +8,17 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class SessionRef(_message.Message):
-    __slots__ = ("session_id",)
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+class SessionRefs(_message.Message):
+    __slots__ = ("session_ids",)
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)
     RELEASED_FIELD_NUMBER: _ClassVar[int]
-    released: bool
-    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+    released: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, released: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class HistoryDelta(_message.Message):
     __slots__ = ("history_length", "tail", "full")

@@ -9,6 +9,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ProposeBatch(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ProposeRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ...) -> None: ...
+
+class ProposalBatch(_message.Message):
+    __slots__ = ("proposals", "draft_ms")
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    proposals: _containers.RepeatedCompositeFieldContainer[Proposal]
+    draft_ms: float
+    def __init__(self, proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., draft_ms: _Optional[float] = ...) -> None: ...
+
 class PolicyConfig(_message.Message):
     __slots__ = ("name", "k", "threshold")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -48,15 +62,15 @@ class ProposeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., history: _Optional[_Union[_common_pb2.HistoryDelta, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_candidates: _Optional[int] = ..., num_generated: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[RoundOutcome, _Mapping]]] = ..., seed: _Optional[_Union[_common_pb2.RoundSeed, _Mapping]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("session_missing", "candidates", "draft_probs", "draft_ms", "forward_passes")
+    __slots__ = ("session_missing", "error", "candidates", "draft_probs", "forward_passes")
     SESSION_MISSING_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_PASSES_FIELD_NUMBER: _ClassVar[int]
     session_missing: bool
+    error: str
     candidates: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
-    draft_ms: float
     forward_passes: int
-    def __init__(self, session_missing: _Optional[bool] = ..., candidates: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., draft_ms: _Optional[float] = ..., forward_passes: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_missing: _Optional[bool] = ..., error: _Optional[str] = ..., candidates: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., forward_passes: _Optional[int] = ...) -> None: ...

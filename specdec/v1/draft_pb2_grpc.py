@@ -29,7 +29,7 @@ if _version_not_supported:
 
 
 class DraftStub:
-    """Drafts one round for a session; one replica serves many sessions.
+    """Drafts one round for each session of a batch; one replica serves many sessions.
     """
 
     def __init__(self, channel):
@@ -40,29 +40,30 @@ class DraftStub:
         """
         self.Propose = channel.unary_unary(
                 '/specdec.v1.Draft/Propose',
-                request_serializer=specdec_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
-                response_deserializer=specdec_dot_v1_dot_draft__pb2.Proposal.FromString,
+                request_serializer=specdec_dot_v1_dot_draft__pb2.ProposeBatch.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_draft__pb2.ProposalBatch.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.v1.Draft/Release',
-                request_serializer=specdec_dot_v1_dot_common__pb2.SessionRef.SerializeToString,
+                request_serializer=specdec_dot_v1_dot_common__pb2.SessionRefs.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_common__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
 
 
 class DraftServicer:
-    """Drafts one round for a session; one replica serves many sessions.
+    """Drafts one round for each session of a batch; one replica serves many sessions.
     """
 
     def Propose(self, request, context):
-        """Sync the session with the committed history, then draft y_1..y_K.
+        """Sync every session with its committed history, then draft its y_1..y_K. Each session gets its
+        own answer (a proposal, session_missing or error); a bad item never fails the others.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Drop a session's cache and policy (request finished, cancelled, or evicted by the caller).
+        """Drop sessions' caches and policies (requests finished, cancelled, or evicted by the caller).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -73,12 +74,12 @@ def add_DraftServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Propose': grpc.unary_unary_rpc_method_handler(
                     servicer.Propose,
-                    request_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
-                    response_serializer=specdec_dot_v1_dot_draft__pb2.Proposal.SerializeToString,
+                    request_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeBatch.FromString,
+                    response_serializer=specdec_dot_v1_dot_draft__pb2.ProposalBatch.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=specdec_dot_v1_dot_common__pb2.SessionRef.FromString,
+                    request_deserializer=specdec_dot_v1_dot_common__pb2.SessionRefs.FromString,
                     response_serializer=specdec_dot_v1_dot_common__pb2.ReleaseResponse.SerializeToString,
             ),
     }
@@ -90,7 +91,7 @@ def add_DraftServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Draft:
-    """Drafts one round for a session; one replica serves many sessions.
+    """Drafts one round for each session of a batch; one replica serves many sessions.
     """
 
     @staticmethod
@@ -108,8 +109,8 @@ class Draft:
             request,
             target,
             '/specdec.v1.Draft/Propose',
-            specdec_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
-            specdec_dot_v1_dot_draft__pb2.Proposal.FromString,
+            specdec_dot_v1_dot_draft__pb2.ProposeBatch.SerializeToString,
+            specdec_dot_v1_dot_draft__pb2.ProposalBatch.FromString,
             options,
             channel_credentials,
             insecure,
@@ -135,7 +136,7 @@ class Draft:
             request,
             target,
             '/specdec.v1.Draft/Release',
-            specdec_dot_v1_dot_common__pb2.SessionRef.SerializeToString,
+            specdec_dot_v1_dot_common__pb2.SessionRefs.SerializeToString,
             specdec_dot_v1_dot_common__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,

@@ -9,6 +9,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class VerifyBatch(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[VerifyRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ...) -> None: ...
+
+class VerdictBatch(_message.Message):
+    __slots__ = ("verdicts", "target_ms")
+    VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MS_FIELD_NUMBER: _ClassVar[int]
+    verdicts: _containers.RepeatedCompositeFieldContainer[Verdict]
+    target_ms: float
+    def __init__(self, verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., target_ms: _Optional[float] = ...) -> None: ...
+
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "history", "candidates", "draft_probs", "sampling", "seed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -26,13 +40,13 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., history: _Optional[_Union[_common_pb2.HistoryDelta, _Mapping]] = ..., candidates: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[_Union[_common_pb2.RoundSeed, _Mapping]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("session_missing", "num_accepted", "next_token", "target_ms")
+    __slots__ = ("session_missing", "error", "num_accepted", "next_token")
     SESSION_MISSING_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    TARGET_MS_FIELD_NUMBER: _ClassVar[int]
     session_missing: bool
+    error: str
     num_accepted: int
     next_token: int
-    target_ms: float
-    def __init__(self, session_missing: _Optional[bool] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., target_ms: _Optional[float] = ...) -> None: ...
+    def __init__(self, session_missing: _Optional[bool] = ..., error: _Optional[str] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ...) -> None: ...

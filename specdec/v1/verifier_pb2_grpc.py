@@ -29,7 +29,7 @@ if _version_not_supported:
 
 
 class VerifierStub:
-    """Verifies one round for a session; one replica serves many sessions.
+    """Verifies one round for each session of a batch; one replica serves many sessions.
     """
 
     def __init__(self, channel):
@@ -40,31 +40,32 @@ class VerifierStub:
         """
         self.Verify = channel.unary_unary(
                 '/specdec.v1.Verifier/Verify',
-                request_serializer=specdec_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
-                response_deserializer=specdec_dot_v1_dot_verifier__pb2.Verdict.FromString,
+                request_serializer=specdec_dot_v1_dot_verifier__pb2.VerifyBatch.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_verifier__pb2.VerdictBatch.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.v1.Verifier/Release',
-                request_serializer=specdec_dot_v1_dot_common__pb2.SessionRef.SerializeToString,
+                request_serializer=specdec_dot_v1_dot_common__pb2.SessionRefs.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_common__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
 
 
 class VerifierServicer:
-    """Verifies one round for a session; one replica serves many sessions.
+    """Verifies one round for each session of a batch; one replica serves many sessions.
     """
 
     def Verify(self, request, context):
-        """Sync the session with the committed history, score history tail + y_1..y_K in one pass,
-        accept the longest passing prefix, draw the correction or bonus token, and roll the cache
-        back to history + the accepted candidates.
+        """Sync every session with its committed history, score each history tail + y_1..y_K in one
+        pass over all sessions, accept each session's longest passing prefix, draw its correction or
+        bonus token, and roll each cache back to its history + the accepted candidates. Each session
+        gets its own answer; a bad item never fails the others.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Drop a session's cache (request finished, cancelled, or evicted by the caller).
+        """Drop sessions' caches (requests finished, cancelled, or evicted by the caller).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -75,12 +76,12 @@ def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
-                    request_deserializer=specdec_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
-                    response_serializer=specdec_dot_v1_dot_verifier__pb2.Verdict.SerializeToString,
+                    request_deserializer=specdec_dot_v1_dot_verifier__pb2.VerifyBatch.FromString,
+                    response_serializer=specdec_dot_v1_dot_verifier__pb2.VerdictBatch.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=specdec_dot_v1_dot_common__pb2.SessionRef.FromString,
+                    request_deserializer=specdec_dot_v1_dot_common__pb2.SessionRefs.FromString,
                     response_serializer=specdec_dot_v1_dot_common__pb2.ReleaseResponse.SerializeToString,
             ),
     }
@@ -92,7 +93,7 @@ def add_VerifierServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Verifier:
-    """Verifies one round for a session; one replica serves many sessions.
+    """Verifies one round for each session of a batch; one replica serves many sessions.
     """
 
     @staticmethod
@@ -110,8 +111,8 @@ class Verifier:
             request,
             target,
             '/specdec.v1.Verifier/Verify',
-            specdec_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
-            specdec_dot_v1_dot_verifier__pb2.Verdict.FromString,
+            specdec_dot_v1_dot_verifier__pb2.VerifyBatch.SerializeToString,
+            specdec_dot_v1_dot_verifier__pb2.VerdictBatch.FromString,
             options,
             channel_credentials,
             insecure,
@@ -137,7 +138,7 @@ class Verifier:
             request,
             target,
             '/specdec.v1.Verifier/Release',
-            specdec_dot_v1_dot_common__pb2.SessionRef.SerializeToString,
+            specdec_dot_v1_dot_common__pb2.SessionRefs.SerializeToString,
             specdec_dot_v1_dot_common__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,

@@ -13,9 +13,8 @@ from clients import ClientError
 from clients.grpc_client import AsyncGrpcClient, GrpcClient
 from clients.http_client import HttpClient
 from clients.retry import ChunkReplay, EventReplay, RetryPolicy, pinned_seed
-from services.convert import Overloaded, Unavailable
 from services.openai_api import create_app
-from specdec.errors import InvalidRequestError
+from specdec.errors import InvalidRequestError, Overloaded, Unavailable
 from specdec.params import build_params
 from specdec.v1 import generation_pb2
 from engine_backend import EngineBackend, GenerationServicer, grpc_server, http_server
@@ -51,26 +50,6 @@ class FlakyBackend:
             yield chunk
 
 
-class StatusServicer(GenerationServicer):
-    """Maps the backend's errors to gRPC statuses as the Serve ingress does."""
-
-    STATUS = {Unavailable: grpc.StatusCode.UNAVAILABLE, Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
-              InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT}
-
-    async def Generate(self, request, context):
-        try:
-            return await self.backend.generate(request)
-        except tuple(self.STATUS) as exc:
-            await context.abort(self.STATUS[type(exc)], str(exc))
-
-    async def GenerateStream(self, request, context):
-        try:
-            async for chunk in self.backend.generate_stream(request):
-                yield chunk
-        except tuple(self.STATUS) as exc:
-            await context.abort(self.STATUS[type(exc)], str(exc))
-
-
 def engine_ids(tiny_engine, prompt: str, **flags) -> list[int]:
     return tiny_engine.generate(prompt, build_params(**flags)).completions[0].token_ids
 
@@ -79,7 +58,7 @@ def engine_ids(tiny_engine, prompt: str, **flags) -> list[int]:
                                    Overloaded("the server is at capacity; retry later")])
 def test_grpc_unary_is_retried(tiny_engine, error):
     backend = FlakyBackend(tiny_engine, error, failures=2)
-    with grpc_server(StatusServicer(backend)) as address, GrpcClient(address, timeout_s=60, retries=FAST) as client:
+    with grpc_server(GenerationServicer(backend)) as address, GrpcClient(address, timeout_s=60, retries=FAST) as client:
         response = client.generate(PROMPT, **FIELDS)
     assert list(response.completions[0].token_ids) == engine_ids(tiny_engine, PROMPT, **FIELDS)
     assert len(backend.requests) == 3
@@ -87,7 +66,7 @@ def test_grpc_unary_is_retried(tiny_engine, error):
 
 def test_grpc_stream_resumes_without_loss_or_repeat(tiny_engine):
     backend = FlakyBackend(tiny_engine, Unavailable("lost"), failures=2, after=3)
-    with grpc_server(StatusServicer(backend)) as address, GrpcClient(address, timeout_s=60, retries=FAST) as client:
+    with grpc_server(GenerationServicer(backend)) as address, GrpcClient(address, timeout_s=60, retries=FAST) as client:
         chunks = list(client.generate_stream(PROMPT, **FIELDS))
     ids = [t for chunk in chunks for t in chunk.token_ids]
     assert ids == engine_ids(tiny_engine, PROMPT, **FIELDS)
@@ -105,7 +84,7 @@ def test_sampled_stream_gets_a_seed_and_resumes(tiny_engine):
         async with AsyncGrpcClient(address, timeout_s=60, retries=FAST) as client:
             return [t async for chunk in client.generate_stream(PROMPT, **fields) for t in chunk.token_ids]
 
-    with grpc_server(StatusServicer(backend)) as address:
+    with grpc_server(GenerationServicer(backend)) as address:
         ids = asyncio.run(run())
     seeds = {request.seed for request in backend.requests}
     assert len(backend.requests) == 2 and len(seeds) == 1 and all(r.HasField("seed") for r in backend.requests)
@@ -114,7 +93,7 @@ def test_sampled_stream_gets_a_seed_and_resumes(tiny_engine):
 
 def test_a_replay_that_differs_is_data_loss(tiny_engine):
     backend = FlakyBackend(tiny_engine, Unavailable("lost"), after=3, other_prompt="SELECT name FROM users")
-    with grpc_server(StatusServicer(backend)) as address, GrpcClient(address, timeout_s=60, retries=FAST) as client:
+    with grpc_server(GenerationServicer(backend)) as address, GrpcClient(address, timeout_s=60, retries=FAST) as client:
         with pytest.raises(ClientError) as info:
             list(client.generate_stream(PROMPT, **FIELDS))
     assert info.value.code == "DATA_LOSS"
@@ -122,7 +101,7 @@ def test_a_replay_that_differs_is_data_loss(tiny_engine):
 
 def test_bad_input_is_not_retried(tiny_engine):
     backend = FlakyBackend(tiny_engine, InvalidRequestError("prompt is empty"), failures=5)
-    with grpc_server(StatusServicer(backend)) as address, GrpcClient(address, timeout_s=60, retries=FAST) as client:
+    with grpc_server(GenerationServicer(backend)) as address, GrpcClient(address, timeout_s=60, retries=FAST) as client:
         with pytest.raises(ClientError) as info:
             client.generate(PROMPT)
     assert info.value.code == "INVALID_ARGUMENT" and len(backend.requests) == 1
@@ -130,7 +109,7 @@ def test_bad_input_is_not_retried(tiny_engine):
 
 def test_retries_run_out(tiny_engine):
     backend = FlakyBackend(tiny_engine, Unavailable("lost"), failures=10)
-    with grpc_server(StatusServicer(backend)) as address, GrpcClient(address, timeout_s=60, retries=FAST) as client:
+    with grpc_server(GenerationServicer(backend)) as address, GrpcClient(address, timeout_s=60, retries=FAST) as client:
         with pytest.raises(ClientError) as info:
             client.generate(PROMPT)
     assert info.value.code == "UNAVAILABLE" and len(backend.requests) == FAST.retries + 1

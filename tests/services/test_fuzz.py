@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from services.app import parse_request
+from services.ingress import parse_request
 from services.convert import dense_to_sparse, sparse_to_dense
 from services.coordinator import MAX_CANDIDATES_PER_ROUND, Coordinator
 from services.openai_api import ApiError, ChatRequest, CompletionRequest, chat_to_proto, completion_to_proto, \

@@ -13,7 +13,8 @@ from fastapi.testclient import TestClient
 from specdec.errors import InvalidRequestError
 from specdec.params import build_params
 from specdec.v1 import generation_pb2
-from services.openai_api import Overloaded, create_app
+from services.openai_api import create_app
+from specdec.errors import Overloaded
 from engine_backend import EngineBackend, http_server
 
 PROMPTS = ["def fibonacci(n):", "Write a haiku about caches.", "SELECT name FROM users WHERE"]

@@ -332,13 +332,13 @@ def test_round_services_need_the_key_and_bind_the_node_address(served):
     address = serve.get_deployment_handle("Draft", APP_NAME).options(session_id="probe").address.remote().result()
     host, port = address.rsplit(":", 1)
     assert host.strip("[]") == ray.util.get_node_ip_address()
-    ref = common_pb2.SessionRef(session_id="nobody")
+    ref = common_pb2.SessionRefs(session_ids=["nobody"])
     with grpc.insecure_channel(address) as round_channel:
         draft = draft_pb2_grpc.DraftStub(round_channel)
         with pytest.raises(grpc.RpcError) as info:
             draft.Release(ref, timeout=10)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert draft.Release(ref, timeout=10, metadata=AUTH).released is False  # unknown session: nothing to free
+        assert draft.Release(ref, timeout=10, metadata=AUTH).released == [False]  # unknown session: nothing to free
     if host != "127.0.0.1":
         with grpc.insecure_channel(f"127.0.0.1:{port}") as loopback:
             with pytest.raises(grpc.RpcError) as info:

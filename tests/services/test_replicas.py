@@ -1,11 +1,11 @@
-"""The round replicas' classes, outside Serve: every torch call on one thread (services/app.py)."""
+"""The round replicas' classes, outside Serve: every torch call on one thread (services/replicas.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 
-from services.app import Draft, Verifier
+from services.replicas import Draft, Verifier
 from services.config import AppConfig
 from specdec.builder import EngineConfig
 from specdec.v1 import common_pb2, draft_pb2, verifier_pb2
@@ -42,16 +42,16 @@ def config(tiny_pair) -> AppConfig:
 def test_draft_loads_and_drafts_on_one_thread_off_the_event_loop(tiny_pair):
     recording = Recording(Draft)
     replica = recording.cls(config(tiny_pair))
-    request = draft_pb2.ProposeRequest(
-        session_id="s", history=common_pb2.HistoryDelta(history_length=3, tail=[40, 41, 42], full=True),
+    request = draft_pb2.ProposeBatch(items=[draft_pb2.ProposeRequest(
+        session_id=f"s{i}", history=common_pb2.HistoryDelta(history_length=3, tail=[40, 41, 42 + i], full=True),
         policy=draft_pb2.PolicyConfig(name="fixed", k=3), sampling=common_pb2.SamplingParams(top_p=1.0),
-        max_candidates=3, seed=common_pb2.RoundSeed(request_seed=1))
+        max_candidates=3, seed=common_pb2.RoundSeed(request_seed=1)) for i in range(2)])
 
     async def rounds():
-        return [draft_pb2.Proposal.FromString(await replica.propose(request.SerializeToString())) for _ in range(3)]
+        return [draft_pb2.ProposalBatch.FromString(await replica.propose(request.SerializeToString())) for _ in range(3)]
 
-    proposals = asyncio.run(rounds())
-    assert all(len(proposal.candidates) == 3 for proposal in proposals)
+    batches = asyncio.run(rounds())
+    assert all(len(proposal.candidates) == 3 for batch in batches for proposal in batch.proposals)
     assert len(recording.threads["load"]) == 1
     assert recording.threads["call"] == recording.threads["load"]
     assert threading.get_ident() not in recording.threads["load"]
@@ -60,13 +60,13 @@ def test_draft_loads_and_drafts_on_one_thread_off_the_event_loop(tiny_pair):
 def test_verifier_loads_and_verifies_on_one_thread(tiny_pair):
     recording = Recording(Verifier)
     replica = recording.cls(config(tiny_pair))
-    request = verifier_pb2.VerifyRequest(
+    request = verifier_pb2.VerifyBatch(items=[verifier_pb2.VerifyRequest(
         session_id="s", history=common_pb2.HistoryDelta(history_length=3, tail=[40, 41, 42], full=True),
-        candidates=[43, 44], sampling=common_pb2.SamplingParams(top_p=1.0), seed=common_pb2.RoundSeed(request_seed=1))
+        candidates=[43, 44], sampling=common_pb2.SamplingParams(top_p=1.0), seed=common_pb2.RoundSeed(request_seed=1))])
 
     async def verify():
-        return verifier_pb2.Verdict.FromString(await replica.verify(request.SerializeToString()))
+        return verifier_pb2.VerdictBatch.FromString(await replica.verify(request.SerializeToString()))
 
-    asyncio.run(verify())
+    assert len(asyncio.run(verify()).verdicts) == 1
     assert len(recording.threads["load"]) == 1
     assert recording.threads["call"] == recording.threads["load"]

@@ -1,43 +1,89 @@
-"""The draft and verifier services over real gRPC (127.0.0.1) against the in-process engine."""
+"""The draft and verifier services over real gRPC (127.0.0.1), driven by the round loop through
+GrpcTransport, against the in-process engine: the served path's batching, history deltas,
+session_missing resends, replica failover and cancellation run here without Ray."""
 
 from __future__ import annotations
+
+import asyncio
+import threading
 
 import grpc
 import pytest
 import torch
 
-from services.convert import dense_to_sparse, history_from_delta, sparse_to_dense, sparsify_logits
-from services.draft_servicer import DraftServicer, SparsifyingDraft
-from services.local_coordinator import LocalCoordinator
+from services.convert import dense_to_sparse, sparse_to_dense, sparsifier, sparsify_logits
 from services.server import start_server
-from services.sessions import SessionStore
-from services.verifier_servicer import VerifierServicer
+from services.servicers import DraftServicer, VerifierServicer
+from services.transports import GrpcTransport
 from specdec.engine import SpecDecEngine
-from specdec.params import build_params
 from specdec.errors import InvalidRequestError
+from specdec.loop import RetryPolicy, RoundLoop
+from specdec.params import build_params
+from specdec.protocol import HistoryDelta, history_from_delta
 from specdec.sampling import SamplingParams
+from specdec.sessions import SessionStore
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from specdec.workers import DraftWorker, VerifierWorker
 
 torch.set_num_threads(1)
 
-PROMPTS = ([5, 72, 101, 108, 108, 111, 44, 32], list(range(40, 61)))
+PROMPTS = ([5, 72, 101, 108, 108, 111, 44, 32], list(range(40, 61)), [257, 100, 101, 102], list(range(120, 135)))
 MAX_NEW_TOKENS = 40
+FAST_RETRY = RetryPolicy(attempts=10, first_backoff_s=0.01, max_backoff_s=0.05)
+
+
+class Servers:
+    """A draft and a verifier server over the tiny engine's models (workers of their own)."""
+
+    def __init__(self, engine: SpecDecEngine, draft_sessions: SessionStore | None = None, min_prob: float = 0.0,
+                 api_key: str | None = None):
+        self.draft = DraftServicer(DraftWorker(engine.draft, engine.head, draft_sessions, sparsifier(min_prob)))
+        self.verifier = VerifierServicer(VerifierWorker(engine.target))
+        self.servers = [start_server(draft=self.draft, api_key=api_key), start_server(verifier=self.verifier, api_key=api_key)]
+
+    @property
+    def addresses(self) -> tuple[str, str]:
+        return self.servers[0][1], self.servers[1][1]
+
+    def stop(self) -> None:
+        for server, _ in self.servers:
+            server.stop(None)
+
+
+class RecordingTransport(GrpcTransport):
+    """Records every item it sends: (role, session id, full, tail length); `after_verify(n)` runs
+    after the n-th verify call (tests evict sessions there)."""
+
+    def __init__(self, *args, after_verify=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sent, self.calls, self.after_verify = [], {"draft": 0, "verifier": 0}, after_verify
+
+    async def propose(self, items):
+        self.calls["draft"] += 1
+        self.sent += [("draft", i.session_id, i.history.full, len(i.history.tail)) for i in items]
+        return await super().propose(items)
+
+    async def verify(self, items):
+        self.calls["verifier"] += 1
+        self.sent += [("verifier", i.session_id, i.history.full, len(i.history.tail)) for i in items]
+        reply = await super().verify(items)
+        if self.after_verify:
+            self.after_verify(self.calls["verifier"])
+        return reply
+
+
+def run(loop: RoundLoop, requests: list[tuple[list[int], object]]) -> list:
+    async def all_at_once():
+        return await asyncio.gather(*(loop.generate(prompt, params) for prompt, params in requests),
+                                    return_exceptions=True)
+    return asyncio.run(all_at_once())
 
 
 @pytest.fixture(scope="module")
-def services(tiny_engine):
-    """(draft servicer, verifier servicer, coordinator) on two real gRPC servers."""
-    draft, verifier = DraftServicer(tiny_engine.draft, tiny_engine.head), VerifierServicer(tiny_engine.target)
-    draft_server, draft_address = start_server(draft=draft)
-    verifier_server, verifier_address = start_server(verifier=verifier)
-    channels = [grpc.insecure_channel(draft_address), grpc.insecure_channel(verifier_address)]
-    coordinator = LocalCoordinator(draft_pb2_grpc.DraftStub(channels[0]), verifier_pb2_grpc.VerifierStub(channels[1]),
-                                   max_context=tiny_engine.max_context, eos_token_ids=tiny_engine.eos_token_ids)
-    yield draft, verifier, coordinator
-    for channel in channels:
-        channel.close()
-    draft_server.stop(None)
-    verifier_server.stop(None)
+def servers(tiny_engine):
+    servers = Servers(tiny_engine)
+    yield servers
+    servers.stop()
 
 
 def engine_ids(engine: SpecDecEngine, prompt, params) -> tuple[list[int], str]:
@@ -46,57 +92,88 @@ def engine_ids(engine: SpecDecEngine, prompt, params) -> tuple[list[int], str]:
 
 
 @pytest.mark.parametrize("policy,k", [("target-only", None), ("fixed", 3), ("svip", 4), ("heuristic", 2)])
-@pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_matches_engine(services, tiny_engine, prompt, policy, k):
-    draft, verifier, coordinator = services
+def test_greedy_matches_engine_with_deltas(servers, tiny_engine, policy, k):
+    transport = RecordingTransport(*servers.addresses)
+    loop = RoundLoop(transport, tiny_engine.rules)
     params = build_params(policy=policy, k=k, max_new_tokens=MAX_NEW_TOKENS)
-    result = coordinator.generate_ids(prompt, params)
-    assert (result.token_ids, result.finish_reason) == engine_ids(tiny_engine, prompt, params)
-    assert result.resends == 0
-    assert all(r.draft is None for r in result.rounds) == (policy == "target-only")
-    # the prompt travels once; after that only each round's committed tokens (n + 1)
-    calls = [[r.verify] + ([r.draft] if r.draft else []) for r in result.rounds]
-    assert all(call.history_tokens == len(prompt) for call in calls[0])
-    for previous, current in zip(result.rounds, calls[1:]):
-        assert all(call.history_tokens == previous.num_accepted + 1 for call in current)
-    assert len(draft.sessions) == len(verifier.sessions) == 0  # released at the end
+    [result] = run(loop, [(PROMPTS[0], params)])
+    completion = result.completions[0]
+    assert (completion.token_ids, completion.finish_reason) == engine_ids(tiny_engine, PROMPTS[0], params)
+    roles = {role for role, *_ in transport.sent}
+    assert roles == ({"verifier"} if policy == "target-only" else {"draft", "verifier"})
+    for role in roles:  # the prompt travels once, in full; then each round's committed tokens (n + 1)
+        sent = [(full, tail) for r, _, full, tail in transport.sent if r == role]
+        assert sent[0] == (True, len(PROMPTS[0])) and not any(full for full, _ in sent[1:])
+        assert sum(tail for _, tail in sent[1:]) == len(completion.token_ids) - 1
+    assert len(servers.draft.sessions) == len(servers.verifier.sessions) == 0  # released at the end
+
+
+def test_concurrent_requests_share_calls_and_equal_the_engine(servers, tiny_engine):
+    """Four requests (one with three samples) at once: one batched call per step per role."""
+    transport = RecordingTransport(*servers.addresses)
+    loop = RoundLoop(transport, tiny_engine.rules)
+    requests = [(PROMPTS[0], build_params(policy="fixed", k=3, max_new_tokens=MAX_NEW_TOKENS)),
+                (PROMPTS[1], build_params(policy="svip", max_new_tokens=MAX_NEW_TOKENS)),
+                (PROMPTS[2], build_params(policy="target-only", max_new_tokens=24)),
+                (PROMPTS[3], build_params(policy="fixed", k=2, temperature=1.0, seed=5, n=3,
+                                          max_new_tokens=MAX_NEW_TOKENS))]
+    results = run(loop, requests)
+    rounds = sum(result.stats.rounds for result in results)
+    assert transport.calls["verifier"] < rounds / 3
+    for (prompt, params), result in zip(requests, results):
+        expected = tiny_engine.generate_ids(prompt, params)
+        if params.sampling.greedy:  # (an int8 draft's draws depend on what shares its steps: specdec/loop.py)
+            assert [c.token_ids for c in result.completions] == [c.token_ids for c in expected.completions]
+        assert all(c.finish_reason for c in result.completions)
+    assert len(servers.draft.sessions) == len(servers.verifier.sessions) == 0
 
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (50, 0.9)])
-def test_seeded_sampling_matches_engine(services, tiny_engine, top_k, top_p):
-    _, _, coordinator = services
+def test_seeded_sampling_matches_engine(servers, tiny_engine, top_k, top_p):
+    loop = RoundLoop(GrpcTransport(*servers.addresses), tiny_engine.rules)
     params = build_params(policy="fixed", k=3, temperature=1.0, top_k=top_k, top_p=top_p, seed=1234,
                           max_new_tokens=MAX_NEW_TOKENS)
-    result = coordinator.generate_ids(PROMPTS[0], params)
-    assert (result.token_ids, result.finish_reason) == engine_ids(tiny_engine, PROMPTS[0], params)
-    assert any(r.num_candidates for r in result.rounds)
+    [result] = run(loop, [(PROMPTS[0], params)])
+    assert (result.completions[0].token_ids, result.completions[0].finish_reason) == \
+        engine_ids(tiny_engine, PROMPTS[0], params)
+    assert result.stats.draft_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def exact_engine(tiny_pair):
+    """The tiny pair with an fp32 draft: a pass's outputs do not depend on how many tokens share it
+    (the int8 draft's activation scale does), so a re-prefilled session draws what it drew before."""
+    from specdec.builder import EngineConfig, build_engine
+
+    return build_engine(EngineConfig(draft=str(tiny_pair[0]), target=str(tiny_pair[1]), draft_format="fp32"),
+                        progress=False)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_evicted_sessions_are_resent_in_full(services, tiny_engine, temperature):
-    draft, verifier, coordinator = services
-    params = build_params(policy="heuristic", k=2, temperature=temperature, seed=7, max_new_tokens=MAX_NEW_TOKENS)
-    session = "evict-me"
-    ref = common_pb2.SessionRef(session_id=session)
+def test_evicted_sessions_are_resent_in_full(exact_engine, temperature):
+    params = build_params(policy="heuristic", k=2, temperature=temperature, seed=8, max_new_tokens=MAX_NEW_TOKENS)
+    servers = Servers(exact_engine)
 
-    def evict(round_index: int) -> None:
-        if round_index == 1:
-            assert coordinator.draft.Release(ref).released
-        if round_index == 2:
-            verifier.sessions.clear()
-        if round_index == 3:
-            draft.sessions.clear()
-            assert coordinator.verifier.Release(ref).released
+    def evict(verify_calls: int) -> None:  # a resend is a call too: the evictions stay apart
+        if verify_calls in (2, 7):
+            servers.draft.sessions.clear()
+        if verify_calls in (4, 7):
+            servers.verifier.sessions.clear()
 
-    result = coordinator.generate_ids(PROMPTS[1], params, session_id=session, between_rounds=evict)
-    assert (result.token_ids, result.finish_reason) == engine_ids(tiny_engine, PROMPTS[1], params)
-    assert len(result.rounds) > 4
-    assert [r.draft.attempts for r in result.rounds[1:5]] == [1, 2, 1, 2]
-    assert [r.verify.attempts for r in result.rounds[1:5]] == [1, 1, 2, 2]
-    assert result.resends == 4
-    # a full resend carries the whole history again
-    assert result.rounds[2].draft.history_tokens == result.rounds[1].num_accepted + 1 + len(PROMPTS[1]) + sum(
-        r.num_accepted + 1 for r in result.rounds[:2])
+    transport = RecordingTransport(*servers.addresses, after_verify=evict)
+    try:
+        [result] = run(RoundLoop(transport, exact_engine.rules), [(PROMPTS[1], params)])
+    finally:
+        servers.stop()
+    assert (result.completions[0].token_ids, result.completions[0].finish_reason) == \
+        engine_ids(exact_engine, PROMPTS[1], params)
+    assert result.stats.rounds > 5
+    fulls = {role: [full for r, _, full, _ in transport.sent if r == role] for role in ("draft", "verifier")}
+    # the first call of each role, then one resend after each eviction of that role's cache
+    assert sum(fulls["draft"]) == 3 and sum(fulls["verifier"]) == 3
+    history = [(tail, full) for r, _, full, tail in transport.sent if r == "draft"]
+    assert history[2][1] is False and history[3][1] is True  # session_missing, then the whole history
+    assert history[3][0] == len(PROMPTS[1]) + sum(tail for tail, _ in history[1:3])
 
 
 def test_sparsified_draft_is_exact_for_what_it_sends(tiny_engine):
@@ -104,42 +181,114 @@ def test_sparsified_draft_is_exact_for_what_it_sends(tiny_engine):
     in-process engine running the same truncated draft, and fewer bytes travel."""
     params = build_params(policy="fixed", k=3, temperature=0.7, seed=99, max_new_tokens=24)
     min_prob = 2e-3
-    draft = DraftServicer(tiny_engine.draft, sparsify_below=min_prob)
-    truncated = SpecDecEngine(SparsifyingDraft(tiny_engine.draft, params.sampling, min_prob), tiny_engine.target,
-                              eos_token_ids=tiny_engine.eos_token_ids)
-    exact_draft = DraftServicer(tiny_engine.draft)
-    verifier = VerifierServicer(tiny_engine.target)
-    servers = [start_server(draft=draft), start_server(draft=exact_draft), start_server(verifier=verifier)]
-    channels = [grpc.insecure_channel(address) for _, address in servers]
-    try:
-        stubs = [draft_pb2_grpc.DraftStub(channels[0]), draft_pb2_grpc.DraftStub(channels[1])]
-        verifier_stub = verifier_pb2_grpc.VerifierStub(channels[2])
-        results = [LocalCoordinator(stub, verifier_stub, tiny_engine.max_context, tiny_engine.eos_token_ids)
-                   .generate_ids(PROMPTS[0], params) for stub in stubs]
-    finally:
-        for channel in channels:
-            channel.close()
-        for server, _ in servers:
-            server.stop(None)
-    assert (results[0].token_ids, results[0].finish_reason) == engine_ids(truncated, PROMPTS[0], params)
-    assert (results[1].token_ids, results[1].finish_reason) == engine_ids(tiny_engine, PROMPTS[0], params)
-    per_candidate = [sum(r.draft.bytes_received for r in res.rounds) / sum(r.num_candidates for r in res.rounds)
-                     for res in results]
-    assert per_candidate[0] < per_candidate[1]
+    truncated = SpecDecEngine(tiny_engine.draft, tiny_engine.target, eos_token_ids=tiny_engine.eos_token_ids)
+    truncated.draft_worker.logits_filter = sparsifier(min_prob)
+    results, sizes = [], []
+    for servers in (Servers(tiny_engine, min_prob=min_prob), Servers(tiny_engine)):
+        try:
+            [result] = run(RoundLoop(GrpcTransport(*servers.addresses), tiny_engine.rules), [(PROMPTS[0], params)])
+        finally:
+            servers.stop()
+        results.append(result.completions[0].token_ids)
+        sizes.append(result.stats.transport_bytes / result.stats.draft_tokens)
+    assert results[0] == truncated.generate_ids(PROMPTS[0], params).completions[0].token_ids
+    assert results[1] == tiny_engine.generate_ids(PROMPTS[0], params).completions[0].token_ids
+    assert sizes[0] < sizes[1]
 
 
 # ------------------------------------------------------------------------------------------------
-# Bad input
+# Replicas that fail, cancellation
 
-def assert_invalid(call, fragment: str) -> None:
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    details = info.value.details()
-    assert fragment in details and "\n" not in details and "Traceback" not in details
+class FailoverTransport(GrpcTransport):
+    """Two draft servers: sessions use the first until it stops answering, then the second."""
+
+    def __init__(self, drafts: list[str], verifier: str):
+        super().__init__(drafts[0], verifier)
+        self.drafts, self.moved = drafts, False
+
+    def _forget(self, role, session_id):
+        if role == "draft":
+            self._fixed["draft"], self.moved = self.drafts[1], True
 
 
-def propose_request(**overrides) -> draft_pb2.ProposeRequest:
+def test_a_lost_draft_replica_mid_batch_costs_a_retry_not_tokens(tiny_engine):
+    """Four sessions share every step; after two steps the draft replica dies. All four move to the
+    other replica (resent in full) and every output equals the engine's."""
+    primary, backup = Servers(tiny_engine), Servers(tiny_engine)
+    transport = FailoverTransport([primary.addresses[0], backup.addresses[0]], primary.addresses[1])
+    steps = 0
+
+    class Killing(RoundLoop):
+        async def _step(self, batch):
+            nonlocal steps
+            steps += 1
+            if steps == 3:
+                primary.servers[0][0].stop(None)  # the draft server goes away between calls
+            await super()._step(batch)
+
+    requests = [(prompt, build_params(policy="fixed", k=3, max_new_tokens=MAX_NEW_TOKENS)) for prompt in PROMPTS]
+    try:
+        results = run(Killing(transport, tiny_engine.rules, retry=FAST_RETRY), requests)
+    finally:
+        primary.stop()
+        backup.stop()
+    assert transport.moved
+    for (prompt, params), result in zip(requests, results):
+        assert result.completions[0].token_ids == tiny_engine.generate_ids(prompt, params).completions[0].token_ids
+
+
+def test_a_cancelled_session_leaves_the_others_unchanged(servers, tiny_engine):
+    transport = RecordingTransport(*servers.addresses)
+    loop = RoundLoop(transport, tiny_engine.rules)
+    params = build_params(policy="fixed", k=3, max_new_tokens=MAX_NEW_TOKENS)
+
+    async def scenario():
+        tasks = [asyncio.create_task(loop.generate(prompt, params)) for prompt in PROMPTS]
+        while transport.calls["verifier"] < 2:
+            await asyncio.sleep(0.001)
+        tasks[1].cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(scenario())
+    assert isinstance(results[1], asyncio.CancelledError)
+    for i in (0, 2, 3):
+        assert results[i].completions[0].token_ids == engine_ids(tiny_engine, PROMPTS[i], params)[0]
+    assert len(servers.draft.sessions) == len(servers.verifier.sessions) == 0  # the cancelled one's too
+    assert loop.live_sessions == 0
+
+
+def test_a_refused_item_fails_only_its_session(servers, tiny_engine):
+    """One session's item is malformed on the wire: that request fails in one line, the others in
+    the same batch are served."""
+    class Corrupting(GrpcTransport):
+        async def verify(self, items):
+            for item in items:
+                if item.session_id.startswith(victim[0]):
+                    item.candidates = [10 ** 6]  # out of the vocabulary
+            return await super().verify(items)
+
+    victim = [""]
+    loop = RoundLoop(Corrupting(*servers.addresses), tiny_engine.rules)
+    params = build_params(policy="fixed", k=3, max_new_tokens=16)
+
+    async def scenario():
+        tasks = [asyncio.create_task(loop.generate(prompt, params)) for prompt in PROMPTS[:3]]
+        await asyncio.sleep(0)
+        victim[0] = next(s.session_id for lane in loop._lanes for s in lane if s.sample.prompt == PROMPTS[1])[:32]
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(scenario())
+    assert isinstance(results[1], InvalidRequestError) and "candidate token ids" in str(results[1])
+    assert "\n" not in str(results[1])
+    for i in (0, 2):
+        assert results[i].completions[0].token_ids == engine_ids(tiny_engine, PROMPTS[i], params)[0]
+    assert len(servers.draft.sessions) == len(servers.verifier.sessions) == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# The services' wire: bad items, missing sessions, access
+
+def propose_item(**overrides) -> draft_pb2.ProposeRequest:
     fields = dict(session_id="bad", history=common_pb2.HistoryDelta(history_length=3, tail=[1, 2, 3], full=True),
                   policy=draft_pb2.PolicyConfig(name="fixed"), sampling=common_pb2.SamplingParams(top_p=1.0),
                   max_candidates=3, seed=common_pb2.RoundSeed(request_seed=1))
@@ -147,74 +296,111 @@ def propose_request(**overrides) -> draft_pb2.ProposeRequest:
     return draft_pb2.ProposeRequest(**fields)
 
 
-def test_invalid_parameters_are_invalid_argument(services):
-    _, _, coordinator = services
-    draft, verifier = coordinator.draft, coordinator.verifier
-    assert_invalid(lambda: draft.Propose(propose_request(sampling=common_pb2.SamplingParams(top_p=0.0))), "top-p")
-    assert_invalid(lambda: draft.Propose(propose_request(
-        sampling=common_pb2.SamplingParams(temperature=-1.0, top_p=1.0))), "temperature")
-    assert_invalid(lambda: draft.Propose(propose_request(policy=draft_pb2.PolicyConfig(name="nope"))), "unknown policy")
-    assert_invalid(lambda: draft.Propose(propose_request(policy=draft_pb2.PolicyConfig(name="fixed", k=0))),
-                   "at least 1")
-    assert_invalid(lambda: draft.Propose(propose_request(
-        history=common_pb2.HistoryDelta(history_length=4, tail=[1, 2], full=True))), "full history")
-    assert_invalid(lambda: draft.Propose(propose_request(
-        history=common_pb2.HistoryDelta(history_length=1, tail=[10 ** 6], full=True))), "token ids")
-    verify = verifier_pb2.VerifyRequest(
-        session_id="bad", history=common_pb2.HistoryDelta(history_length=2, tail=[1, 2], full=True), candidates=[3],
-        sampling=common_pb2.SamplingParams(temperature=float("nan"), top_p=1.0))
-    assert_invalid(lambda: verifier.Verify(verify), "temperature")
-    verify.sampling.temperature = 1.0
-    assert_invalid(lambda: verifier.Verify(verify), "one draft distribution per candidate")
-    verify.draft_probs.add(token_ids=[3, 3], probs=[0.5, 0.5])
-    assert_invalid(lambda: verifier.Verify(verify), "distinct")
-    # through the coordinator: specdec++ without a head
-    assert_invalid(lambda: coordinator.generate_ids([1, 2, 3], build_params(policy="specdec++")), "acceptance head")
+@pytest.fixture(scope="module")
+def stubs(servers):
+    channels = [grpc.insecure_channel(address) for address in servers.addresses]
+    yield draft_pb2_grpc.DraftStub(channels[0]), verifier_pb2_grpc.VerifierStub(channels[1])
+    for channel in channels:
+        channel.close()
 
 
-def test_missing_session_is_reported_not_guessed(services):
-    draft, verifier, coordinator = services
+def assert_refused(answer, fragment: str) -> None:
+    assert fragment in answer.error and "\n" not in answer.error and "Traceback" not in answer.error, answer.error
+
+
+def test_bad_items_are_refused_one_by_one(stubs, servers):
+    draft, verifier = stubs
+    bad = [
+        (propose_item(session_id="a", sampling=common_pb2.SamplingParams(top_p=0.0)), "top-p"),
+        (propose_item(session_id="b", sampling=common_pb2.SamplingParams(temperature=-1.0, top_p=1.0)), "temperature"),
+        (propose_item(session_id="c", policy=draft_pb2.PolicyConfig(name="nope")), "unknown policy"),
+        (propose_item(session_id="d", policy=draft_pb2.PolicyConfig(name="fixed", k=0)), "at least 1"),
+        (propose_item(session_id="e", history=common_pb2.HistoryDelta(history_length=4, tail=[1, 2], full=True)),
+         "full history"),
+        (propose_item(session_id="f", history=common_pb2.HistoryDelta(history_length=1, tail=[10 ** 6], full=True)),
+         "token ids"),
+        (propose_item(session_id="good"), None),
+        (propose_item(session_id="good"), "appears twice"),
+    ]
+    reply = draft.Propose(draft_pb2.ProposeBatch(items=[item for item, _ in bad]))
+    assert len(reply.proposals) == len(bad)
+    for (_, fragment), answer in zip(bad, reply.proposals):
+        if fragment is None:
+            assert not answer.error and len(answer.candidates) == 3
+        else:
+            assert_refused(answer, fragment)
+    assert draft.Release(common_pb2.SessionRefs(session_ids=["good", "a"])).released == [True, False]
+
+    def verify_item(**fields):
+        base = dict(session_id="v", history=common_pb2.HistoryDelta(history_length=2, tail=[1, 2], full=True),
+                    candidates=[3], sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1.0))
+        return verifier_pb2.VerifyRequest(**{**base, **fields})
+
+    reply = verifier.Verify(verifier_pb2.VerifyBatch(items=[
+        verify_item(session_id="v1", sampling=common_pb2.SamplingParams(temperature=float("nan"), top_p=1.0)),
+        verify_item(session_id="v2"),
+        verify_item(session_id="v3", draft_probs=[common_pb2.SparseDistribution(token_ids=[3, 3], probs=[0.5, 0.5])]),
+        verify_item(session_id="v4", candidates=[10 ** 6], sampling=common_pb2.SamplingParams(top_p=1.0)),
+        verify_item(session_id="v5", sampling=common_pb2.SamplingParams(top_p=1.0)),
+    ]))
+    for answer, fragment in zip(reply.verdicts, ["temperature", "one draft distribution per candidate", "distinct",
+                                                 "candidate token ids", None]):
+        if fragment is None:
+            assert not answer.error and not answer.session_missing
+        else:
+            assert_refused(answer, fragment)
+    verifier.Release(common_pb2.SessionRefs(session_ids=["v5"]))
+    assert len(servers.draft.sessions) == len(servers.verifier.sessions) == 0
+
+
+def test_missing_session_is_reported_not_guessed(stubs, servers):
+    draft, verifier = stubs
     delta = common_pb2.HistoryDelta(history_length=5, tail=[4, 5], full=False)
-    assert coordinator.draft.Propose(propose_request(session_id="never", history=delta)).session_missing
-    reply = coordinator.verifier.Verify(verifier_pb2.VerifyRequest(
-        session_id="never", history=delta, sampling=common_pb2.SamplingParams(top_p=1.0)))
-    assert reply.session_missing and not reply.next_token
-    assert "never" not in draft.sessions and "never" not in verifier.sessions
+    reply = draft.Propose(draft_pb2.ProposeBatch(items=[propose_item(session_id="never", history=delta)]))
+    assert reply.proposals[0].session_missing
+    reply = verifier.Verify(verifier_pb2.VerifyBatch(items=[verifier_pb2.VerifyRequest(
+        session_id="never", history=delta, sampling=common_pb2.SamplingParams(top_p=1.0))]))
+    assert reply.verdicts[0].session_missing and not reply.verdicts[0].next_token
+    assert "never" not in servers.draft.sessions and "never" not in servers.verifier.sessions
 
 
 def test_expired_or_unknown_session_leaves_nothing_behind(tiny_engine):
     clock = FakeClock()
-    draft = DraftServicer(tiny_engine.draft, sessions=SessionStore(max_sessions=4, ttl_s=10.0, clock=clock))
-    server, address = start_server(draft=draft)
+    servers = Servers(tiny_engine, draft_sessions=SessionStore(max_sessions=4, ttl_s=10.0, clock=clock))
     try:
-        with grpc.insecure_channel(address) as channel:
+        with grpc.insecure_channel(servers.addresses[0]) as channel:
             stub = draft_pb2_grpc.DraftStub(channel)
-            assert not stub.Propose(propose_request(session_id="s")).session_missing
+            assert not stub.Propose(draft_pb2.ProposeBatch(items=[propose_item(session_id="s")])).proposals[0].error
             clock.now = 11.0  # idle past the TTL: expired
             delta = common_pb2.HistoryDelta(history_length=5, tail=[4, 5], full=False)
-            assert stub.Propose(propose_request(session_id="s", history=delta)).session_missing
-            assert len(draft.sessions) == 0
-            assert not stub.Release(common_pb2.SessionRef(session_id="s")).released
-            assert not stub.Release(common_pb2.SessionRef(session_id="unknown")).released
+            reply = stub.Propose(draft_pb2.ProposeBatch(items=[propose_item(session_id="s", history=delta)]))
+            assert reply.proposals[0].session_missing and len(servers.draft.sessions) == 0
+            assert stub.Release(common_pb2.SessionRefs(session_ids=["s", "unknown"])).released == [False, False]
     finally:
-        server.stop(None)
+        servers.stop()
 
 
 def test_round_server_with_a_key_refuses_calls_without_it(tiny_engine):
-    draft = DraftServicer(tiny_engine.draft)
-    server, address = start_server(draft=draft, api_key="round-key")
-    ref = common_pb2.SessionRef(session_id="x")
+    servers = Servers(tiny_engine, api_key="round-key")
+    refs = common_pb2.SessionRefs(session_ids=["x"])
     try:
-        with grpc.insecure_channel(address) as channel:
+        with grpc.insecure_channel(servers.addresses[0]) as channel:
             stub = draft_pb2_grpc.DraftStub(channel)
             for metadata in ((), (("authorization", "Bearer other"),), (("authorization", "round-key"),)):
                 with pytest.raises(grpc.RpcError) as info:
-                    stub.Propose(propose_request(), metadata=metadata)
+                    stub.Propose(draft_pb2.ProposeBatch(items=[propose_item()]), metadata=metadata)
                 assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert len(draft.sessions) == 0  # refused before the servicer ran
-            assert not stub.Release(ref, metadata=(("authorization", "Bearer round-key"),)).released
+            assert len(servers.draft.sessions) == 0  # refused before the servicer ran
+            assert stub.Release(refs, metadata=(("authorization", "Bearer round-key"),)).released == [False]
+        # the transport sends the key; without it the call's sessions fail with the reason
+        loop = RoundLoop(GrpcTransport(*servers.addresses), tiny_engine.rules)
+        [failed] = run(loop, [(PROMPTS[0], build_params(policy="fixed", k=2, max_new_tokens=8))])
+        assert "API key" in str(failed)
+        loop = RoundLoop(GrpcTransport(*servers.addresses, api_key="round-key"), tiny_engine.rules)
+        [result] = run(loop, [(PROMPTS[0], build_params(policy="fixed", k=2, max_new_tokens=8))])
+        assert len(result.completions[0].token_ids) == 8
     finally:
-        server.stop(None)
+        servers.stop()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -222,12 +408,13 @@ def test_round_server_with_a_key_refuses_calls_without_it(tiny_engine):
 
 def test_history_delta_worked_example():
     held = [1, 2, 3, 4, 5, 6, 7]
-    delta = common_pb2.HistoryDelta(history_length=10, tail=[8, 9, 10])
+    delta = HistoryDelta(10, [8, 9, 10], full=False)
     assert history_from_delta(held, delta, vocab_size=100) == list(range(1, 11))
     assert history_from_delta(None, delta, vocab_size=100) is None
     assert history_from_delta(held[:-1], delta, vocab_size=100) is None  # length mismatch
-    full = common_pb2.HistoryDelta(history_length=2, tail=[3, 4], full=True)
-    assert history_from_delta(held, full, vocab_size=100) == [3, 4]
+    assert history_from_delta(held, HistoryDelta(2, [3, 4], full=True), vocab_size=100) == [3, 4]
+    with pytest.raises(InvalidRequestError, match="full history"):
+        history_from_delta(None, HistoryDelta(3, [3, 4], full=True), vocab_size=100)
 
 
 def test_sparse_round_trip_is_exact():
@@ -249,10 +436,8 @@ def test_sparsify_logits_keeps_argmax_and_drops_the_tail():
     assert torch.isinf(masked[[2, 4]]).all() and torch.equal(masked[[0, 1, 3]], logits[[0, 1, 3]])
     assert torch.equal(sparsify_logits(logits, SamplingParams(), 0.5), logits)  # greedy: untouched
     assert int(torch.argmax(sparsify_logits(torch.zeros(4), sampling, min_prob=0.9))) == 0
+    assert sparsifier(0.0) is None and sparsifier(1e-3)(SamplingParams()) is None
 
-
-# ------------------------------------------------------------------------------------------------
-# SessionStore
 
 class FakeClock:
     def __init__(self):
@@ -262,36 +447,19 @@ class FakeClock:
         return self.now
 
 
-def test_store_evicts_least_recently_used():
-    store: SessionStore[int] = SessionStore(max_sessions=2)
-    store.put("a", 1)
-    store.put("b", 2)
-    assert store.get("a") == 1
-    store.put("c", 3)
-    assert "b" not in store and store.get("a") == 1 and store.get("c") == 3 and len(store) == 2
-    for i in range(100):
-        store.put(str(i), i)
-    assert len(store) == 2
+def test_one_event_loop_at_a_time(servers, tiny_engine):
+    loop = RoundLoop(GrpcTransport(*servers.addresses), tiny_engine.rules)
+    params = build_params(policy="fixed", k=2, max_new_tokens=8)
+    errors = []
 
+    async def hold():
+        task = asyncio.create_task(loop.generate(PROMPTS[0], params))
+        await asyncio.sleep(0)
+        thread = threading.Thread(target=lambda: errors.append(run(loop, [(PROMPTS[1], params)])[0]))
+        thread.start()
+        thread.join()
+        return await task
 
-def test_store_expires_idle_sessions():
-    clock = FakeClock()
-    store: SessionStore[str] = SessionStore(max_sessions=10, ttl_s=10.0, clock=clock)
-    store.put("a", "A")
-    clock.now = 5.0
-    store.put("b", "B")
-    clock.now = 9.0
-    assert store.get("a") == "A"  # touched: idle time restarts
-    clock.now = 15.0
-    assert store.evict_expired() == 1 and "b" not in store
-    clock.now = 19.0
-    assert store.get("a") is None and len(store) == 0
-
-
-def test_store_pop_and_replace():
-    store: SessionStore[int] = SessionStore(max_sessions=3)
-    store.put("a", 1)
-    store.put("a", 2)
-    assert len(store) == 1 and store.pop("a") == 2 and store.pop("a") is None
-    with pytest.raises(ValueError):
-        SessionStore(max_sessions=0)
+    result = asyncio.run(hold())
+    assert len(result.completions[0].token_ids) == 8
+    assert isinstance(errors[0], RuntimeError) and "one event loop" in str(errors[0])

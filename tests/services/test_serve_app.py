@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -26,6 +28,9 @@ from specdec.v1 import generation_pb2, generation_pb2_grpc
 from services.config import AppConfig, ReplicaConfig
 from services.launch import APP_NAME, start
 from engine_backend import free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.load import wait_until_idle  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "Write a haiku about caches.", "SELECT name FROM users WHERE"]
 MIXED = [("svip", None), ("fixed", 3), ("heuristic", 2), ("confidence", None), ("target-only", None),
@@ -226,6 +231,40 @@ def test_draft_and_verifier_killed_at_random_rounds_keep_the_output(tiny_engine,
             wait_replaced(deployment, before)
     replicas = sum(len(before) for round_kills in kills for _, before in round_kills)
     print(f"\nfaults: {replicas} draft/verifier replicas killed at tokens {points}; {len(ids)} tokens, 0 lost")
+
+
+def test_replicas_killed_while_four_sessions_share_steps(tiny_engine, served):
+    """Four greedy streams at once share the coordinator's steps (one batched call per role per
+    step, split over the two verifier replicas). One client goes away midway; the draft and every
+    verifier are killed while the others run. The three others give the engine's output, and no
+    session is left anywhere."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(4)]
+    expected = [engine_ids(tiny_engine, prompt, **LONG) for prompt in prompts]
+    results: dict[int, list[int]] = {}
+    killed: list[str] = []
+
+    def stream(i: int) -> None:
+        ids = []
+        with GrpcClient(served["grpc"], timeout_s=300, retries=0) as client:
+            for chunk in client.generate_stream(prompts[i], **LONG):
+                ids.extend(chunk.token_ids)
+                if i == 1 and len(ids) >= 20:
+                    break  # the client goes away: its session leaves the batch
+                if i == 0 and len(ids) >= 50 and not killed:
+                    killed.extend(kill_all("Draft") + kill_all("Verifier"))
+        results[i] = ids
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert killed and len(results[1]) >= 20
+    for i in (0, 2, 3):
+        assert results[i] == expected[i], i
+    for deployment in ("Draft", "Verifier"):
+        wait_replaced(deployment, [name for name in killed if f"#{deployment}#" in name])
+    assert wait_until_idle(APP_NAME) == {"Coordinator": 0, "Draft": 0, "Verifier": 0}
 
 
 def test_killed_coordinator_is_retried_to_the_same_result(tiny_engine, served):

@@ -120,3 +120,18 @@ def test_bench_rejects_bad_flags_before_loading(tiny_pair, prompt_file, tmp_path
     assert main(bench_args(tiny_pair, prompt_file, tmp_path / "x", ["fixed:2"], "--limit", "0")) == 2
     assert capsys.readouterr().err.startswith("error: limit")
     assert not (tmp_path / "x").exists()
+
+
+def test_bench_with_concurrency_decodes_prompts_together(tiny_pair, prompt_file, tmp_path, capsys, one_thread):
+    out = tmp_path / "together"
+    policies = ["target-only", "fixed:3", "oracle", "hf-dynamic"]
+    assert main(bench_args(tiny_pair, prompt_file, out, policies, "--concurrency", "2", "--forward-ks")) == 0
+    assert "Aggregate tok/s (prompts decoded together)" in capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    records = [r for r in results["records"] if r["family"] != "hf"]
+    assert records and all(r["group"] == 0 and r["group_wall_s"] > 0 for r in records)  # both prompts in one group
+    greedy = results["by_temperature"]["0"]["policies"]
+    assert greedy["fixed:3"]["lossless"]["equal"] and greedy["oracle"]["discard_rate"] == 0.0
+    assert greedy["fixed:3"]["aggregate_tokens_per_s"] > 0 and greedy["hf-dynamic"]["aggregate_tokens_per_s"] is None
+    assert main(bench_args(tiny_pair, prompt_file, out, policies, "--forward-ks")) == 2  # concurrency 1 != 2
+    assert "concurrency=2" in capsys.readouterr().err

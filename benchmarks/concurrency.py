@@ -1,0 +1,267 @@
+"""Concurrent sessions: aggregate tokens/s, request latency and time to first token, in process and
+served, at several concurrency levels (the batched engine core: specdec/loop.py).
+
+    python benchmarks/concurrency.py                                   # default pair, the full table
+    python benchmarks/concurrency.py --modes in-process --concurrency 1 4 --policies fixed:8
+    python benchmarks/concurrency.py --tiny --requests-per-client 1    # tiny random models (smoke)
+
+C clients each send `--requests-per-client` greedy requests one after another (a closed loop: a
+client's next request starts when its last one ends), HumanEval prompts in turn, so C sessions
+share every step for most of the run. Aggregate tokens/s is every request's tokens over the wall
+time from the first request to the last answer. Latency: request to last token; time to first
+token: request to the first committed token (the prefill and a first round). In process the
+requests go to the engine's loop; served, through Serve's gRPC proxy as streams. The modes run one
+after the other, never together (they would share the cores). `--baseline` adds the batch-1
+reference runtime (one pass per session, today's path before batching) at concurrency 1.
+Greedy outputs are compared across every mode and level: a prompt's tokens must not depend on what
+shares its batch (any difference is counted and printed). Prints a markdown table; --out writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from specdec.bench.runner import cpu_name  # noqa: E402
+from specdec.bench.specs import parse_specs  # noqa: E402
+from specdec.builder import EngineConfig, build_engine  # noqa: E402
+from specdec.loop import BatchConfig  # noqa: E402
+from specdec.params import GenerationParams  # noqa: E402
+from specdec.prompts import humaneval_prompts  # noqa: E402
+
+MS_PER_S = 1000.0
+
+
+@dataclass
+class Run:
+    mode: str
+    policy: str
+    concurrency: int
+    requests: int = 0
+    tokens: int = 0
+    wall_s: float = 0.0
+    latency_s: list[float] = field(default_factory=list)
+    first_token_s: list[float] = field(default_factory=list)
+    outputs: dict[int, list[int]] = field(default_factory=dict)  # prompt index -> greedy tokens
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    def row(self) -> dict:
+        def pct(values: list[float], q: float) -> float:
+            return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+        return {"mode": self.mode, "policy": self.policy, "concurrency": self.concurrency, "requests": self.requests,
+                "tokens": self.tokens, "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s,
+                "latency_p50_s": pct(self.latency_s, 50), "latency_p99_s": pct(self.latency_s, 99),
+                "ttft_p50_s": pct(self.first_token_s, 50), "ttft_p99_s": pct(self.first_token_s, 99)}
+
+
+def client_prompts(client: int, concurrency: int, per_client: int, pool: int) -> list[int]:
+    """Prompt indices client `client` sends, in order: the pool in turn across clients."""
+    return [(client + r * concurrency) % pool for r in range(per_client)]
+
+
+async def closed_loop(send, concurrency: int, per_client: int, pool: int, run: Run) -> Run:
+    """`send(prompt_index) -> (tokens, seconds to first token)` is awaited for every request."""
+    async def client(c: int) -> None:
+        for index in client_prompts(c, concurrency, per_client, pool):
+            start = time.perf_counter()
+            tokens, first_s = await send(index)
+            run.latency_s.append(time.perf_counter() - start)
+            run.first_token_s.append(first_s)
+            run.requests += 1
+            run.tokens += len(tokens)
+            run.outputs.setdefault(index, tokens)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client(c) for c in range(concurrency)))
+    run.wall_s = time.perf_counter() - start
+    return run
+
+
+def in_process(models: EngineConfig, prompts: list[str], specs, levels: list[int], per_client: int,
+               max_new_tokens: int, mode: str = "in-process") -> list[Run]:
+    engine = build_engine(models, progress=False)
+    ids = [engine.encode_prompt(p) for p in prompts]
+    runs = []
+    for spec in specs:
+        params = GenerationParams(max_new_tokens=max_new_tokens, policy=spec.policy_config())
+        engine.generate_ids(ids[0], params.model_copy(update={"max_new_tokens": 4}))  # warm-up
+
+        async def send(index: int) -> tuple[list[int], float]:
+            start, first = time.perf_counter(), []
+
+            def on_update(_sample, new_ids, _text, _finish):
+                if new_ids and not first:
+                    first.append(time.perf_counter() - start)
+
+            result = await engine.loop.generate(ids[index], params, on_update)
+            return result.completions[0].token_ids, first[0] if first else 0.0
+
+        for level in levels:
+            run = asyncio.run(closed_loop(send, level, per_client, len(ids), Run(mode, spec.key, level)))
+            print(f"  {mode} {spec.key} C={level}: {run.tokens_per_s:.2f} tok/s", file=sys.stderr, flush=True)
+            runs.append(run)
+    del engine
+    gc.collect()
+    return runs
+
+
+def served(models: EngineConfig, prompts: list[str], specs, levels: list[int], per_client: int,
+           max_new_tokens: int, lanes: list[int], threads: int | None) -> list[Run]:
+    import grpc
+    import ray
+    from ray import serve
+
+    from services.config import AppConfig, ReplicaConfig
+    from services.launch import start
+    from specdec.v1 import generation_pb2, generation_pb2_grpc
+
+    runs = []
+    for lane_count in lanes:
+        mode = "served" if lane_count == 1 else f"served, {lane_count} lanes"
+        config = AppConfig(models=models.model_copy(update={"batch": models.batch.model_copy(update={"lanes": lane_count})}),
+                           draft=ReplicaConfig(num_cpus=0.5, threads=threads),
+                           verifier=ReplicaConfig(num_cpus=0.5, threads=threads))
+        ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        try:
+            addresses = start(config, http_port=18000, grpc_port=19000)
+            for spec in specs:
+                policy = spec.policy_config()
+                fields = {"policy": policy.name, "max_new_tokens": max_new_tokens,
+                          **({"k": policy.k} if policy.k is not None else {}),
+                          **({"threshold": policy.threshold} if policy.threshold is not None else {})}
+
+                async def measure(level: int) -> Run:
+                    channel = grpc.aio.insecure_channel(addresses["grpc"])
+                    stub = generation_pb2_grpc.GenerationStub(channel)
+
+                    async def send(index: int) -> tuple[list[int], float]:
+                        start, first, tokens = time.perf_counter(), None, []
+                        request = generation_pb2.GenerateRequest(text=prompts[index], **fields)
+                        async for chunk in stub.GenerateStream(request, timeout=3600):
+                            if chunk.token_ids and first is None:
+                                first = time.perf_counter() - start
+                            tokens.extend(chunk.token_ids)
+                        return tokens, first or 0.0
+
+                    await send(0)  # warm-up
+                    run = await closed_loop(send, level, per_client, len(prompts), Run(mode, spec.key, level))
+                    await channel.close()
+                    return run
+
+                for level in levels:
+                    run = asyncio.run(measure(level))
+                    print(f"  {mode} {spec.key} C={level}: {run.tokens_per_s:.2f} tok/s", file=sys.stderr, flush=True)
+                    runs.append(run)
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+    return runs
+
+
+def mismatches(runs: list[Run]) -> list[str]:
+    """Prompts whose greedy tokens differ between runs (the first run of a prompt is the reference)."""
+    reference: dict[int, tuple[str, list[int]]] = {}
+    found = []
+    for run in runs:
+        for index, tokens in run.outputs.items():
+            where = f"{run.mode} {run.policy} C={run.concurrency}"
+            if index not in reference:
+                reference[index] = (where, tokens)
+            elif tokens != reference[index][1]:
+                first = next((i for i, (a, b) in enumerate(zip(tokens, reference[index][1])) if a != b),
+                             min(len(tokens), len(reference[index][1])))
+                found.append(f"prompt {index}: {where} differs from {reference[index][0]} at token {first}")
+    return found
+
+
+def table(rows: list[dict]) -> str:
+    alone = {(r["mode"], r["policy"]): r["tokens_per_s"] for r in rows if r["concurrency"] == 1}
+    in_process = {(r["policy"], r["concurrency"]): r["tokens_per_s"] for r in rows if r["mode"] == "in-process"}
+    lines = ["| mode | policy | C | requests | tokens | tok/s (aggregate) | vs C=1 | served / in process "
+             "| latency p50 / p99 (s) | first token p50 / p99 (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = alone.get((r["mode"], r["policy"]))
+        local = in_process.get((r["policy"], r["concurrency"]))
+        ratio = f"{r['tokens_per_s'] / local:.3f}" if r["mode"].startswith("served") and local else "-"
+        scaling = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        lines.append(f"| {r['mode']} | {r['policy']} | {r['concurrency']} | {r['requests']} | {r['tokens']} | "
+                     f"{r['tokens_per_s']:.2f} | {scaling} | {ratio} | "
+                     f"{r['latency_p50_s']:.1f} / {r['latency_p99_s']:.1f} | "
+                     f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny random models (smoke)")
+    parser.add_argument("--modes", nargs="+", default=["in-process", "served"], choices=["in-process", "served"])
+    parser.add_argument("--policies", nargs="+", default=["specdec++", "fixed:8"], metavar="SPEC",
+                        help="policy specs as `specdec bench` takes them; `specdec++` alone: the head's own h")
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4, 8, 16])
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=int, default=32, help="HumanEval prompts in the pool")
+    parser.add_argument("--max-batch-sessions", type=int, default=None)
+    parser.add_argument("--max-pass-tokens", type=int, default=None)
+    parser.add_argument("--lanes", nargs="+", type=int, default=[1], help="served: batches in flight (1, 2)")
+    parser.add_argument("--baseline", action="store_true",
+                        help="also the batch-1 reference runtime at concurrency 1 (one pass per session)")
+    parser.add_argument("--threads", type=int, default=None, help="served: torch threads per replica")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    batch = BatchConfig(**{k: v for k, v in (("max_sessions_per_step", args.max_batch_sessions),
+                                             ("max_tokens_per_pass", args.max_pass_tokens)) if v is not None})
+    prompts = humaneval_prompts(args.prompts)
+    if args.tiny:
+        from tiny import save_tiny_pair
+
+        draft_dir, target_dir = save_tiny_pair(Path(tempfile.mkdtemp()))
+        models = EngineConfig(draft=str(draft_dir), target=str(target_dir), batch=batch)
+        prompts = [prompt[-48:] for prompt in prompts]  # the tiny models' context is 256 byte tokens
+    else:
+        models = EngineConfig(batch=batch)
+    specs = parse_specs(args.policies)
+    levels = sorted(set(args.concurrency))
+
+    runs: list[Run] = []
+    if args.baseline:
+        runs += in_process(models.model_copy(update={"kv_cache": "reference"}), prompts, specs, [1],
+                           args.requests_per_client, args.max_new_tokens, mode="in-process, batch-1 reference")
+    if "in-process" in args.modes:
+        runs += in_process(models, prompts, specs, levels, args.requests_per_client, args.max_new_tokens)
+    if "served" in args.modes:
+        runs += served(models, prompts, specs, levels, args.requests_per_client, args.max_new_tokens,
+                       args.lanes, args.threads)
+    rows = [run.row() for run in runs]
+    differ = mismatches(runs)
+    print(f"\n{'tiny' if args.tiny else 'default'} pair, greedy, {args.max_new_tokens} new tokens, HumanEval prompts "
+          f"(pool of {len(prompts)}), {args.requests_per_client} requests per client, {cpu_name()}, "
+          f"{time.strftime('%Y-%m-%d')}; batch {batch.model_dump()}\n")
+    print(table(rows))
+    print(f"\ngreedy outputs identical across every mode and level: {not differ}")
+    for line in differ:
+        print(f"- {line}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "cpu": cpu_name(), "date": time.strftime("%Y-%m-%d"),
+                                              "rows": rows, "mismatches": differ,
+                                              "runs": [asdict(run) for run in runs]}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

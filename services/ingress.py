@@ -1,0 +1,145 @@
+"""The public entry points: the gRPC service specdec.v1.Generation on Serve's gRPC proxy and the
+OpenAI-compatible HTTP routes (services/openai_api.py), in one deployment in front of the
+coordinator. Errors reach clients as services/errors.py's table says: a status code and a line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from google.protobuf.message import DecodeError
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+from ray.serve.handle import DeploymentHandle
+
+from specdec.errors import InvalidRequestError, Overloaded, Unavailable
+from specdec.v1 import generation_pb2
+from services.auth import MISSING_KEY, key_matches, metadata_authorization
+from services.config import AppConfig
+from services.errors import Unauthenticated, grpc_status, user_error
+
+logger = logging.getLogger(__name__)
+
+# A coordinator replica that died (or none up yet): the request's work is lost, not wrong.
+COORDINATOR_LOST = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
+
+
+@contextlib.contextmanager
+def coordinator_errors():
+    """The coordinator's failures as the GenerationBackend's errors: a user error raised in the
+    coordinator comes out as itself (not Ray's wrapper), backpressure becomes Overloaded, a lost
+    replica Unavailable (retriable)."""
+    try:
+        yield
+    except BackPressureError:
+        raise Overloaded("the server is at capacity; retry later") from None
+    except COORDINATOR_LOST as exc:
+        logger.warning("coordinator lost: %s", type(exc).__name__)
+        raise Unavailable("the replica serving this request failed; retry") from None
+    except Exception as exc:  # noqa: BLE001 - unwrapped when it is a user error, else re-raised as is
+        cause = user_error(exc)
+        if cause is exc:
+            raise
+        raise cause from None
+
+
+class CoordinatorBackend:
+    """The coordinator behind a handle, as services.openai_api's GenerationBackend."""
+
+    def __init__(self, handle: DeploymentHandle):
+        self._handle = handle
+
+    async def generate(self, request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateResponse:
+        with coordinator_errors():
+            payload = await self._handle.generate.remote(request.SerializeToString())
+        return generation_pb2.GenerateResponse.FromString(payload)
+
+    async def generate_stream(self, request: generation_pb2.GenerateRequest) -> AsyncIterator[generation_pb2.GenerateChunk]:
+        stream = self._handle.options(stream=True).generate_stream.remote(request.SerializeToString())
+        try:
+            with coordinator_errors():
+                async for payload in stream:
+                    yield generation_pb2.GenerateChunk.FromString(payload)
+        except (GeneratorExit, asyncio.CancelledError):
+            # The consumer stopped early (the client went away): cancel the coordinator's work, which
+            # frees its sessions. Best effort: the call may have ended meanwhile (cancel() then
+            # raises its outcome).
+            with contextlib.suppress(Exception):
+                stream.cancel()
+            raise
+
+
+def parse_request(request: bytes | generation_pb2.GenerateRequest, max_bytes: int) -> generation_pb2.GenerateRequest:
+    """The public request as the proxy hands it over (bytes: services/public_grpc.py), checked for
+    size before it is parsed."""
+    size = len(request) if isinstance(request, bytes) else request.ByteSize()
+    if size > max_bytes:
+        raise InvalidRequestError(f"the request is {size} bytes; the limit is {max_bytes}")
+    if not isinstance(request, bytes):
+        return request
+    try:
+        return generation_pb2.GenerateRequest.FromString(request)
+    except DecodeError as exc:
+        reason = str(exc).rpartition(": ")[2] or "wire format was corrupt"
+        raise InvalidRequestError(f"the request is not a valid specdec.v1.GenerateRequest ({reason})") from None
+
+
+class GrpcIngress:
+    """The public gRPC service (specdec.v1.Generation) on Serve's gRPC proxy: the proxy calls these
+    methods by RPC name. Errors carry a status code and a one-line reason, never a traceback.
+    The API key is checked here: Serve's gRPC proxy (Ray 2.60) takes no server interceptors, and
+    hands the call's metadata to the servicer."""
+
+    def __init__(self, coordinator: DeploymentHandle, config: AppConfig):
+        self._backend = CoordinatorBackend(coordinator)
+        self._api_key, self._max_bytes = config.key, config.max_request_bytes
+
+    def _admit(self, request: bytes | generation_pb2.GenerateRequest, grpc_context) -> generation_pb2.GenerateRequest:
+        if not key_matches(self._api_key, metadata_authorization(grpc_context.invocation_metadata())):
+            raise Unauthenticated(MISSING_KEY)
+        return parse_request(request, self._max_bytes)
+
+    async def Generate(self, request: bytes | generation_pb2.GenerateRequest, grpc_context) -> generation_pb2.GenerateResponse:
+        try:
+            return await self._backend.generate(self._admit(request, grpc_context))
+        except Exception as exc:  # noqa: BLE001 - mapped to a status, logged when it is a bug
+            code, details = grpc_status(exc)
+            grpc_context.set_code(code)
+            grpc_context.set_details(details)
+            return generation_pb2.GenerateResponse()
+
+    async def GenerateStream(self, request: bytes | generation_pb2.GenerateRequest,
+                             grpc_context) -> AsyncIterator[generation_pb2.GenerateChunk]:
+        try:
+            async for chunk in self._backend.generate_stream(self._admit(request, grpc_context)):
+                yield chunk
+        except Exception as exc:  # noqa: BLE001
+            code, details = grpc_status(exc)
+            grpc_context.set_code(code)
+            grpc_context.set_details(details)
+            raise RuntimeError(details) from None  # Serve keeps the code and details set above
+
+
+def ingress_class(config: AppConfig) -> type:
+    """The ingress: GrpcIngress plus the OpenAI HTTP routes, in one deployment (one Serve app, so
+    gRPC clients need no `application` metadata)."""
+    from services.metrics import prometheus_text
+
+    def make_http_app():
+        from services.openai_api import create_app
+
+        def backend():
+            app_name = serve.get_replica_context().app_name
+            return CoordinatorBackend(serve.get_deployment_handle("Coordinator", app_name=app_name))
+        return create_app(backend, config.model_name, prometheus_text, api_key=config.key,
+                          max_body_bytes=config.max_request_bytes)
+
+    @serve.ingress(make_http_app)
+    class Ingress(GrpcIngress):
+        pass
+
+    return Ingress

@@ -1,0 +1,148 @@
+"""The deployments that hold state: the draft and verifier replicas (a model, its KV-cache
+sessions, and a gRPC server of their own) and the coordinator (the round loop for every session
+routed to it). services/app.py binds them into the application.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import ray
+
+from specdec.builder import build_draft, build_head, build_rules, build_target
+from specdec.sessions import SessionStore
+from specdec.v1 import common_pb2, draft_pb2, generation_pb2, verifier_pb2
+from specdec.workers import DraftWorker, VerifierWorker
+from services.config import AppConfig
+from services.convert import sparsifier
+from services.coordinator import Coordinator
+from services.metrics import RayRoundMetrics
+from services.server import start_server
+from services.servicers import DraftServicer, VerifierServicer
+from services.transports import round_transport
+
+
+def set_threads(threads: int | None) -> None:
+    """torch's intra-op threads in a replica; None: every core. (Ray sets OMP_NUM_THREADS to a
+    replica's num_cpus, 1 for a fractional one, which would leave a CPU model on one core.)"""
+    import torch
+
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+
+
+class RoundReplica:
+    """A replica hosting one round servicer, reachable two ways: through Serve (handle calls
+    carrying the protobuf bytes) and on its own gRPC server (the `direct` transport).
+
+    Every torch call, the model's loading included, runs on one thread (off the event loop): one
+    batch at a time, with all the replica's intra-op threads. One thread also means one OpenMP
+    team in the process. libgomp gives each calling thread a team of its own, and once a process
+    holds more OpenMP threads than cores it stops spinning between parallel regions; loading on
+    the actor's thread and running on another made two teams, and a 2-thread replica ran its
+    draft steps no faster than a 1-thread one (docs/benchmarks.md, "Served vs in-process")."""
+
+    servicer: DraftServicer | VerifierServicer
+    role: str
+
+    def __init__(self, config: AppConfig):
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-torch")
+        self._server = None
+        self._address = ""
+        self.servicer = self._executor.submit(self._load, config).result()
+        self._start_grpc(config.key)
+
+    def _load(self, config: AppConfig) -> DraftServicer | VerifierServicer:
+        """Load the model and build the servicer; each role defines it, and it runs on the torch thread."""
+        raise NotImplementedError
+
+    def _start_grpc(self, api_key: str | None) -> None:
+        """Bound to the Ray node's address (the cluster network), not every interface: these
+        services are for the coordinator only (docs/reliability.md, "Access")."""
+        host = ray.util.get_node_ip_address()
+        host = f"[{host}]" if ":" in host else host
+        self._server, self._address = start_server(address=f"{host}:0", executor=self._executor,
+                                                   api_key=api_key, **{self.role: self.servicer})
+
+    async def address(self) -> str:
+        """This replica's round gRPC server ("host:port"); routed like a round call, so it names
+        the replica that owns the caller's session."""
+        return self._address
+
+    def __del__(self):
+        if self._server is not None:
+            self._server.stop(grace=None)
+
+    async def _serve(self, method: Callable, request_type, payload: bytes) -> bytes:
+        request = request_type.FromString(payload)
+        loop = asyncio.get_running_loop()
+        reply = await loop.run_in_executor(self._executor, method, request, None)
+        return reply.SerializeToString()
+
+    async def release(self, payload: bytes) -> bytes:
+        return await self._serve(self.servicer.Release, common_pb2.SessionRefs, payload)
+
+    async def live_sessions(self) -> int:
+        """Sessions whose cache this replica holds (tests and the load benchmark read it)."""
+        return len(self.servicer.sessions)
+
+    def check_health(self) -> None:
+        """Serve calls this every few seconds: also when idle sessions' caches are freed."""
+        self.servicer.sessions.evict_expired()
+
+
+class Draft(RoundReplica):
+    role = "draft"
+
+    def _load(self, config: AppConfig) -> DraftServicer:
+        set_threads(config.draft.threads)
+        draft, _ = build_draft(config.models, progress=False)
+        sessions = SessionStore(config.sessions.max_sessions, config.sessions.ttl_s)
+        return DraftServicer(DraftWorker(draft, build_head(config.models, draft), sessions,
+                                         sparsifier(config.sparsify_below)))
+
+    async def propose(self, payload: bytes) -> bytes:
+        return await self._serve(self.servicer.Propose, draft_pb2.ProposeBatch, payload)
+
+
+class Verifier(RoundReplica):
+    role = "verifier"
+
+    def _load(self, config: AppConfig) -> VerifierServicer:
+        set_threads(config.verifier.threads)
+        load = None
+        if config.target_shards > 1:
+            from specdec.models.sharding import ShardingConfig, load_sharded
+
+            sharding = ShardingConfig(shards=config.target_shards)
+            load = lambda model_dir: load_sharded(model_dir, sharding)  # noqa: E731
+        target, _ = build_target(config.models, progress=False, load=load)
+        sessions = SessionStore(config.sessions.max_sessions, config.sessions.ttl_s)
+        return VerifierServicer(VerifierWorker(target, sessions))
+
+    async def verify(self, payload: bytes) -> bytes:
+        return await self._serve(self.servicer.Verify, verifier_pb2.VerifyBatch, payload)
+
+
+class CoordinatorDeployment:
+    """A Serve replica is an async Ray actor: this one runs the round loop for every session routed to it."""
+
+    def __init__(self, draft, verifier, config: AppConfig):
+        rules = build_rules(config.models, progress=False)
+        transport = round_transport(config.round_transport, draft, verifier, config.key)
+        self.coordinator = Coordinator(transport, rules, config.policy, observer=RayRoundMetrics(),
+                                       batch=config.models.batch)
+
+    async def generate(self, payload: bytes) -> bytes:
+        response = await self.coordinator.generate(generation_pb2.GenerateRequest.FromString(payload))
+        return response.SerializeToString()
+
+    async def generate_stream(self, payload: bytes) -> AsyncIterator[bytes]:
+        async for chunk in self.coordinator.generate_stream(generation_pb2.GenerateRequest.FromString(payload)):
+            yield chunk.SerializeToString()
+
+    async def live_sessions(self) -> int:
+        """Samples this replica is decoding (tests and the load benchmark read it)."""
+        return self.coordinator.live_sessions

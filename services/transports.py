@@ -1,0 +1,227 @@
+"""Round transports: how the coordinator's batched calls reach the draft and verifier workers
+(specdec/loop.py's RoundTransport; the in-process one is specdec.loop.LocalTransport).
+
+A batch is split by the replica that owns each session, and the groups go out at once, one call
+each. A group whose replica does not answer (gone, restarting, unreachable) comes back
+`Unreachable` and its sessions forget their replica: the loop retries them, in full, wherever
+Serve's router sends them next. Any other failure of a call fails that call's sessions only.
+
+    GrpcTransport     our gRPC services at fixed addresses (one draft, one verifier: tests, benchmarks)
+    DirectTransport   our gRPC services on each replica's own server; Serve's consistent-hash
+                      router names a session's replica once (its first round), then calls go there
+    HandleTransport   every call through a Serve deployment handle ("serve-grpc": Serve's
+                      inter-deployment gRPC carrying our protobuf bytes; "actor": Ray actor calls)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+
+from specdec.protocol import BatchReply, CallTiming, ProposeItem, Role, Unreachable, VerifyItem
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from services.auth import call_metadata
+from services.convert import proposal_from_proto, propose_item_to_proto, verdict_from_proto, verify_item_to_proto
+from services.errors import from_grpc
+from services.server import MAX_ROUND_MESSAGE_BYTES
+
+logger = logging.getLogger(__name__)
+
+MS_PER_S = 1000.0
+CALL_TIMEOUT_S = 300.0  # a long prompt's prefill on CPU takes seconds; a hung replica is a bug
+# A replica answering these is not gone: the call's sessions fail instead of being retried.
+FINAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INTERNAL)
+STUBS = {"draft": draft_pb2_grpc.DraftStub, "verifier": verifier_pb2_grpc.VerifierStub}
+
+
+class ReplicaGone(Exception):
+    """A round call found no replica where it went (the loop retries its sessions)."""
+
+
+class GrpcTransport:
+    """Batched round calls over grpc.aio to the replica that owns each session; here one fixed
+    address per role."""
+
+    # Raised by `_send` or `_owner` when the replica is gone: its sessions come back Unreachable.
+    retryable: tuple[type[BaseException], ...] = (ReplicaGone,)
+
+    def __init__(self, draft_address: str | None = None, verifier_address: str | None = None,
+                 api_key: str | None = None, timeout_s: float = CALL_TIMEOUT_S):
+        self._fixed = {"draft": draft_address, "verifier": verifier_address}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._metadata, self.timeout_s = call_metadata(api_key), timeout_s
+
+    # ----------------------------------------------------------------------------------------
+    # The calls
+
+    async def propose(self, items: list[ProposeItem]) -> BatchReply:
+        return await self._batched(
+            "draft", items, lambda group: draft_pb2.ProposeBatch(items=[propose_item_to_proto(i) for i in group]),
+            lambda reply: ([proposal_from_proto(p) for p in reply.proposals], reply.draft_ms))
+
+    async def verify(self, items: list[VerifyItem]) -> BatchReply:
+        return await self._batched(
+            "verifier", items, lambda group: verifier_pb2.VerifyBatch(items=[verify_item_to_proto(i) for i in group]),
+            lambda reply: ([verdict_from_proto(v) for v in reply.verdicts], reply.target_ms))
+
+    async def release(self, role: Role, session_ids: list[str]) -> None:
+        """Best effort, per replica: a session whose replica is unknown has nothing to free there."""
+        groups: dict[str, list[str]] = {}
+        for session_id in session_ids:
+            owner = self._known_owner(role, session_id)
+            if owner is not None:
+                groups.setdefault(owner, []).append(session_id)
+            self._forget(role, session_id)
+        results = await asyncio.gather(
+            *(self._send(role, owner, "Release", common_pb2.SessionRefs(session_ids=ids), ids[0])
+              for owner, ids in groups.items()), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                logger.debug("release on the %s failed: %s", role, result)
+
+    async def _batched(self, role: Role, items: list, to_request: Callable[[list], Message],
+                       from_reply: Callable[[Message], tuple[list, float]]) -> BatchReply:
+        answers: list = [None] * len(items)
+        groups: dict[str | None, list[int]] = {}
+        for i, owner in enumerate(await asyncio.gather(*(self._owner_or_none(role, it.session_id) for it in items))):
+            groups.setdefault(owner, []).append(i)
+        calls = []
+
+        async def call(owner: str | None, indices: list[int]) -> None:
+            group = [items[i] for i in indices]
+            if owner is None:  # no replica to be found now
+                for i in indices:
+                    answers[i] = Unreachable(f"no {role} replica")
+                return
+            request = to_request(group)
+            start = time.perf_counter()
+            try:
+                reply = await self._send(role, owner, "Propose" if role == "draft" else "Verify", request,
+                                         group[0].session_id)
+            except self.retryable as exc:
+                for i, item in zip(indices, group):
+                    self._forget(role, item.session_id)
+                    answers[i] = Unreachable(str(exc) or type(exc).__name__)
+                return
+            wall_s = time.perf_counter() - start
+            group_answers, compute_ms = from_reply(reply)
+            if len(group_answers) != len(indices):
+                raise RuntimeError(f"the {role} at {owner} answered {len(group_answers)} of {len(indices)} items")
+            for i, answer in zip(indices, group_answers):
+                answers[i] = answer
+            calls.append(CallTiming(indices, compute_ms / MS_PER_S, wall_s, request.ByteSize() + reply.ByteSize()))
+
+        await asyncio.gather(*(call(owner, indices) for owner, indices in groups.items()))
+        return BatchReply(answers, calls)
+
+    # ----------------------------------------------------------------------------------------
+    # Replicas
+
+    async def _owner(self, role: Role, session_id: str) -> str:
+        """The address of the replica that holds (or will hold) the session."""
+        return self._fixed[role]
+
+    def _known_owner(self, role: Role, session_id: str) -> str | None:
+        return self._fixed[role]
+
+    def _forget(self, role: Role, session_id: str) -> None:
+        """The session's replica is gone or it left: look it up again next time."""
+
+    async def _owner_or_none(self, role: Role, session_id: str) -> str | None:
+        try:
+            return await self._owner(role, session_id)
+        except self.retryable:
+            return None
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(
+                address, options=[("grpc.max_send_message_length", MAX_ROUND_MESSAGE_BYTES),
+                                  ("grpc.max_receive_message_length", MAX_ROUND_MESSAGE_BYTES)])
+        return self._channels[address]
+
+    async def _send(self, role: Role, owner: str, method: str, request: Message, routing_key: str) -> Any:
+        stub = STUBS[role](self._channel(owner))
+        try:
+            return await getattr(stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in FINAL_CODES:
+                raise from_grpc(exc.code(), exc.details()) from None
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and owner in self._channels:
+                await self._channels.pop(owner).close()
+            raise ReplicaGone(f"{role} at {owner}: {exc.code().name}") from None
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+
+def own_request(call: Callable[[], Any]) -> Any:
+    """Make a handle call as a request of its own, outside the caller's Serve request context.
+    Ray 2.60 gives a child call its parent's internal request id and the request router indexes
+    pending requests by that id, so concurrent calls from one request would collide and all but
+    one wait forever."""
+    return contextvars.Context().run(call)
+
+
+def _serve_retryable() -> tuple[type[BaseException], ...]:
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+
+    return ReplicaGone, RayActorError, ReplicaUnavailableError, DeploymentUnavailableError
+
+
+class DirectTransport(GrpcTransport):
+    """Our gRPC services on each replica's own server. Serve still picks the replica: a session's
+    first call asks the deployment, through the consistent hash router, for the address of the
+    replica that owns the session; later rounds go straight there."""
+
+    def __init__(self, draft, verifier, api_key: str | None = None, timeout_s: float = CALL_TIMEOUT_S):
+        super().__init__(api_key=api_key, timeout_s=timeout_s)
+        self.retryable = _serve_retryable()
+        self._handles = {"draft": draft, "verifier": verifier}
+        self._owners: dict[tuple[Role, str], str] = {}
+
+    async def _owner(self, role: Role, session_id: str) -> str:
+        key = (role, session_id)
+        if key not in self._owners:
+            handle = self._handles[role].options(session_id=session_id)
+            self._owners[key] = await own_request(lambda: handle.address.remote())
+        return self._owners[key]
+
+    def _known_owner(self, role: Role, session_id: str) -> str | None:
+        return self._owners.get((role, session_id))
+
+    def _forget(self, role: Role, session_id: str) -> None:
+        self._owners.pop((role, session_id), None)
+
+
+class HandleTransport(DirectTransport):
+    """Every round call through the deployment handle, routed by the consistent hash router on one
+    of the group's sessions (all of a group's sessions live on that replica), carrying our
+    protobuf bytes over Serve's gRPC transport (`grpc_transport`) or as Ray actor calls."""
+
+    def __init__(self, draft, verifier, grpc_transport: bool = True):
+        super().__init__(draft.options(_by_reference=not grpc_transport),
+                         verifier.options(_by_reference=not grpc_transport))
+
+    async def _send(self, role: Role, owner: str, method: str, request: Message, routing_key: str) -> Any:
+        handle = self._handles[role].options(session_id=routing_key)  # affinity is per hop: set it every call
+        payload = await own_request(lambda: getattr(handle, method.lower()).remote(request.SerializeToString()))
+        reply_type = {"Propose": draft_pb2.ProposalBatch, "Verify": verifier_pb2.VerdictBatch,
+                      "Release": common_pb2.ReleaseResponse}[method]
+        return reply_type.FromString(payload)
+
+
+def round_transport(kind: str, draft, verifier, api_key: str | None = None) -> GrpcTransport:
+    if kind == "direct":
+        return DirectTransport(draft, verifier, api_key)
+    return HandleTransport(draft, verifier, grpc_transport=kind == "serve-grpc")
