@@ -3,9 +3,12 @@
     python benchmarks/forward_times.py --role draft --formats fp32 onednn int8 --ks 1 2 4 8 16
     python benchmarks/forward_times.py --role target --formats fp32 onednn --ks 1 2 4 8 16
     python benchmarks/forward_times.py --role draft --formats int8 --vocabs full ascii --ks 1 2 4 8
+    python benchmarks/forward_times.py --role target --formats onednn --ks 1 9 --sessions 1 2 4 8 16
 
 Prints a markdown table of median milliseconds for one pass over k tokens after a ~200-token prompt
 (the timing itself is specdec/bench/forward.py, which `specdec bench` uses for its t(k) curves).
+With --sessions, one ragged pass in which every one of B sessions feeds its k tokens (a batched
+draft step is k = 1; a batched verification k = K + 1).
 """
 
 from __future__ import annotations
@@ -28,21 +31,23 @@ def main() -> None:
     parser.add_argument("--ks", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     parser.add_argument("--vocabs", nargs="+", default=["full"],
                         help="draft output vocabularies (--draft-vocab values; the draft only)")
+    parser.add_argument("--sessions", nargs="+", type=int, default=[1], help="sessions sharing each pass")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
 
     model_dir = resolve_model(args.source, role=args.role)
     print(f"{args.role} {model_dir.name}, {torch.get_num_threads()} threads, median ms per pass")
     vocabs = args.vocabs if args.role == "draft" else ["full"]
-    print("| format | vocabulary | " + " | ".join(f"k={k}" for k in args.ks) + " |")
-    print("|---" * (len(args.ks) + 2) + "|")
+    print("| format | vocabulary | sessions | " + " | ".join(f"k={k}" for k in args.ks) + " |")
+    print("|---" * (len(args.ks) + 3) + "|")
     for fmt in args.formats:
         for vocab in vocabs:
             keep = draft_vocabulary(vocab, model_dir)
             runtime = CausalLMRuntime(load_model(model_dir, args.role, fmt, progress=False, keep_tokens=keep))
-            row = [f"{time_pass(runtime, k, args.repeats) * 1000:.1f}" for k in args.ks]
             size = f"{len(set(keep))} tokens" if keep is not None else "full"
-            print(f"| {fmt} | {vocab} ({size}) | " + " | ".join(row) + " |", flush=True)
+            for sessions in args.sessions:
+                row = [f"{time_pass(runtime, k, args.repeats, sessions=sessions) * 1000:.1f}" for k in args.ks]
+                print(f"| {fmt} | {vocab} ({size}) | {sessions} | " + " | ".join(row) + " |", flush=True)
             del runtime
 
 

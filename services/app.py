@@ -16,7 +16,9 @@ from __future__ import annotations
 from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
+from specdec.errors import Overloaded
 from services.config import CONSISTENT_HASH_ROUTER, AppConfig, ReplicaConfig
+from services.errors import RETRY_AFTER_S, TABLE
 from services.ingress import ingress_class
 from services.replicas import CoordinatorDeployment, Draft, Verifier
 from services.server import MAX_ROUND_MESSAGE_BYTES
@@ -60,7 +62,8 @@ def build_app(args: dict | AppConfig | None = None) -> serve.Application:
     # At capacity a request is refused at once (HTTP 429 + Retry-After, gRPC RESOURCE_EXHAUSTED),
     # whether the proxies' queue for the ingress or the ingress's queue for a coordinator is full.
     bounded = {"max_queued_requests": config.max_queued_requests,
-               "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=1)}
+               "backpressure_config": BackpressureConfig(status_code=TABLE[Overloaded].http,
+                                                         retry_after_s=RETRY_AFTER_S[Overloaded])}
     coordinator = _deployment(CoordinatorDeployment, "Coordinator", config.coordinator,
                               **bounded).bind(draft, verifier, config)
     return _deployment(ingress_class(config), "Ingress", config.ingress, **bounded).bind(coordinator, config)

@@ -18,6 +18,8 @@ from collections.abc import Iterable
 
 import grpc
 
+from services.errors import Unauthenticated, grpc_status
+
 API_KEY_ENV = "SPECDEC_API_KEY"
 METADATA_KEY = "authorization"  # gRPC metadata keys are lower case
 SCHEME = "bearer"
@@ -64,7 +66,7 @@ class ApiKeyInterceptor(grpc.ServerInterceptor):
         self._api_key = api_key
 
         def deny(_request, context: grpc.ServicerContext):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, MISSING_KEY)
+            context.abort(*grpc_status(Unauthenticated(MISSING_KEY)))
 
         self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
         self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)

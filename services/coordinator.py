@@ -6,7 +6,7 @@ RoundTransport (services/transports.py when served, the in-process workers in te
 token history is the truth, the replicas' KV caches are caches: a replica that lacks a session
 re-prefills it from the history, a replica that dies costs a retry, not tokens.
 
-Framework-free: services/app.py hosts it in a Serve deployment.
+Framework-free: services/replicas.py hosts it in a Serve deployment.
 """
 
 from __future__ import annotations

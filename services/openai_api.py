@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP routes over any GenerationBackend. No Ray here: services/app.py mounts
+"""OpenAI-compatible HTTP routes over any GenerationBackend. No Ray here: services/ingress.py mounts
 this app on the Serve ingress, the tests mount it on the in-process engine.
 
     POST /v1/completions, /v1/chat/completions   (stream=true: server-sent events, `data: [DONE]` last)

@@ -1,7 +1,7 @@
 """The public gRPC service as Serve's gRPC proxy registers it (`grpc_options.grpc_servicer_functions`).
 
 Light on purpose: the proxy imports it. The service is specdec.v1.Generation with its requests
-left as bytes: the ingress parses them (services/app.py), so a malformed request (corrupt wire
+left as bytes: the ingress parses them (services/ingress.py), so a malformed request (corrupt wire
 format, a string field that is not UTF-8) gets INVALID_ARGUMENT and a reason. With the generated
 `add_GenerationServicer_to_server` the proxy itself would fail to parse it and answer UNKNOWN,
 naming a Python exception class.

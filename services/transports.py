@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 MS_PER_S = 1000.0
 CALL_TIMEOUT_S = 300.0  # a long prompt's prefill on CPU takes seconds; a hung replica is a bug
+RELEASE_TIMEOUT_S = 10.0  # best effort: a replica that cannot free a session soon has lost it anyway
 # A replica answering these is not gone: the call's sessions fail instead of being retried.
 FINAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INTERNAL)
 STUBS = {"draft": draft_pb2_grpc.DraftStub, "verifier": verifier_pb2_grpc.VerifierStub}
@@ -149,8 +150,9 @@ class GrpcTransport:
 
     async def _send(self, role: Role, owner: str, method: str, request: Message, routing_key: str) -> Any:
         stub = STUBS[role](self._channel(owner))
+        timeout_s = RELEASE_TIMEOUT_S if method == "Release" else self.timeout_s
         try:
-            return await getattr(stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
+            return await getattr(stub, method)(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in FINAL_CODES:
                 raise from_grpc(exc.code(), exc.details()) from None

@@ -174,11 +174,12 @@ class RoundLoop:
         self.observer, self.retry = observer, retry
         self._lanes: list[list[Sequence]] = [[] for _ in range(batch.lanes)]
         self._tasks: list[asyncio.Task | None] = [None] * batch.lanes
+        self._releasing: set[asyncio.Task] = set()  # retired sequences' releases, off the step path
 
     @property
     def live_sessions(self) -> int:
         """Samples being decoded (or releasing their workers' caches)."""
-        return sum(len(lane) for lane in self._lanes)
+        return sum(len(lane) for lane in self._lanes) + sum(len(task.leaving) for task in self._releasing)
 
     # ----------------------------------------------------------------------------------------
     # Requests
@@ -246,7 +247,7 @@ class RoundLoop:
         try:
             while True:
                 await asyncio.sleep(0)  # requests join, cancellations land
-                await self._retire([s for s in running if s.over], running)
+                self._retire([s for s in running if s.over], running)
                 if not running:
                     return
                 batch = running[:self.batch.max_sessions_per_step]
@@ -374,20 +375,25 @@ class RoundLoop:
         if s.error is None and not s.done.done():
             s.error = exc
 
-    async def _retire(self, leaving: list[Sequence], running: list[Sequence]) -> None:
-        """Sequences that are over leave: their workers' caches are freed (best effort: a replica
-        that lost the session has nothing to free), then their outcome is set."""
+    def _retire(self, leaving: list[Sequence], running: list[Sequence]) -> None:
+        """Sequences that are over leave the lane at once; their workers' caches are freed in the
+        background (the next step does not wait for it), then their outcome is set."""
         if not leaving:
             return
         for s in leaving:
             running.remove(s)
-        for role in ROLES:
-            ids = [s.session_id for s in leaving if role in s.contacted]
-            if ids:
-                try:
-                    await self.transport.release(role, ids)
-                except Exception:  # noqa: BLE001 - the request's result does not depend on it
-                    logger.debug("release on the %s failed", role, exc_info=True)
+        task = asyncio.get_running_loop().create_task(self._release(leaving))
+        task.leaving = leaving
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
+    async def _release(self, leaving: list[Sequence]) -> None:
+        """Best effort: a replica that lost the session (or is gone) has nothing to free."""
+        calls = [self.transport.release(role, ids) for role in ROLES
+                 if (ids := [s.session_id for s in leaving if role in s.contacted])]
+        for outcome in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(outcome, Exception):  # the request's result does not depend on it
+                logger.debug("a release failed: %s", outcome)
         for s in leaving:
             if not s.done.done():
                 if s.error is not None:

@@ -51,6 +51,24 @@ def test_n_samples_json(tiny_pair, capsys):
     assert len(json.loads(capsys.readouterr().out)["completions"]) == 3
 
 
+def test_several_prompts_run_together(tiny_pair, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\nWrite hello world.\n")
+    flags = [*tiny_flags(tiny_pair), "--policy", "fixed", "--k", "2", "--max-new-tokens", "6", "--no-chat-template"]
+    assert main(["generate", "hello", "--prompts", str(prompts), *flags]) == 0
+    captured = capsys.readouterr()
+    assert [line for line in captured.out.splitlines() if line.startswith("---")] == \
+        ["--- prompt 1 ---", "--- prompt 2 ---", "--- prompt 3 ---"]
+    assert "3 requests together:" in captured.err and "tok/s aggregate" in captured.err
+    assert [line.split(":")[0] for line in captured.err.splitlines() if line.startswith("prompt ")] == \
+        ["prompt 1", "prompt 2", "prompt 3"]
+    assert main(["generate", "hello", "--prompts", str(prompts), "--limit", "1", *flags, "--json"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(1 <= len(json.loads(line)["completions"][0]["token_ids"]) <= 6 for line in lines)
+    assert main(["generate", *flags]) == 2
+    assert "no prompt" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flags, reason", [
     (["--policy", "bogus"], "unknown policy 'bogus'"),
     (["--policy", "svip", "--threshold", "1.2"], "must be in (0, 1)"),

@@ -46,3 +46,18 @@ def test_default_engine_loads_the_shipped_head_and_defaults_to_specdecpp(default
 def test_default_pair_shares_vocabulary(default_engine):
     assert default_engine.draft.vocab_size == default_engine.target.vocab_size == 151936
     assert default_engine.eos_token_ids
+
+
+def test_batched_sessions_equal_target_only_whatever_shares_the_batch(default_engine, target_greedy):
+    """Every prompt under three policies, and target-only itself, all in one batch: nine sessions of
+    different K share every draft step and verification pass, three more decode alone-style beside
+    them. Each equals target-only greedy decoding of its prompt, one session at a time."""
+    prompts = [default_engine.encode_prompt(p) for p in humaneval_prompts(NUM_PROMPTS)]
+    policies = [{"policy": "fixed", "k": 4}, {"policy": "svip"}, {"policy": "specdec++"}, {"policy": "target-only"}]
+    requests = [(ids, build_params(max_new_tokens=NEW_TOKENS, **flags)) for flags in policies for ids in prompts]
+    passes = default_engine.target.forward_passes
+    results = default_engine.generate_many([ids for ids, _ in requests], [params for _, params in requests])
+    rounds = sum(r.stats.rounds for r in results)
+    assert default_engine.target.forward_passes - passes < rounds / 4  # the sessions shared passes
+    for i, result in enumerate(results):
+        assert result.completions[0].token_ids == target_greedy[i % NUM_PROMPTS], requests[i][1].policy

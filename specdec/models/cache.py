@@ -106,9 +106,9 @@ class SlotLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """key_states, value_states [1, kv_heads, T, head_dim]; `kwargs["kwargs"]["ragged"]` (the
-        model call's keyword arguments, as transformers passes them) is the pass's RaggedBatch."""
-        batch: RaggedBatch = kwargs["kwargs"]["ragged"]
+        """key_states, value_states [1, kv_heads, T, head_dim]; the pass's RaggedBatch comes with the
+        model call's keyword arguments (transformers 5.x hands them over as `kwargs=`)."""
+        batch: RaggedBatch = kwargs.get("ragged") or kwargs["kwargs"]["ragged"]
         layer = self.layer_index
         for b, slot in enumerate(batch.slots):
             lo, hi = batch.bounds[b], batch.bounds[b + 1]

@@ -1,0 +1,149 @@
+"""The round loop (specdec/loop.py) over the in-process workers: continuous batching, the step
+limit, lanes, retries and session_missing, failures that stay with their session."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specdec.errors import Unavailable
+from specdec.loop import BatchConfig, LocalTransport, RetryPolicy, RoundLoop
+from specdec.params import build_params
+from specdec.protocol import SessionMissing, Unreachable
+from specdec.workers import DraftWorker, VerifierWorker
+
+PROMPTS = [[5, 72, 101, 108], list(range(40, 61)), [257, 100, 101, 102], list(range(120, 135)), [7, 8, 9]]
+PARAMS = build_params(policy="fixed", k=3, max_new_tokens=24)
+FAST_RETRY = RetryPolicy(attempts=6, first_backoff_s=0.001, max_backoff_s=0.002)
+
+
+class CountingTransport(LocalTransport):
+    """The in-process workers; records the sessions of every call and can answer some items itself."""
+
+    def __init__(self, engine, answer=None):
+        super().__init__(DraftWorker(engine.draft, engine.head), VerifierWorker(engine.target))
+        self.calls: list[tuple[str, list[str]]] = []
+        self.answer = answer  # (role, call number, item) -> an answer instead of the worker's, or None
+
+    async def propose(self, items):
+        return await self._forward("draft", items, super().propose)
+
+    async def verify(self, items):
+        return await self._forward("verifier", items, super().verify)
+
+    async def _forward(self, role, items, call):
+        self.calls.append((role, [item.session_id for item in items]))
+        reply = await call(items)
+        if self.answer:
+            for i, item in enumerate(items):
+                replaced = self.answer(role, len(self.calls), item)
+                if replaced is not None:
+                    reply.answers[i] = replaced
+        return reply
+
+
+def run(loop: RoundLoop, requests) -> list:
+    async def together():
+        return await asyncio.gather(*(loop.generate(prompt, params) for prompt, params in requests),
+                                    return_exceptions=True)
+    return asyncio.run(together())
+
+
+def expected(engine, prompt, params=PARAMS) -> list[int]:
+    return engine.generate_ids(prompt, params).completions[0].token_ids
+
+
+def test_a_step_takes_at_most_max_sessions_and_every_session_gets_its_turn(tiny_engine):
+    transport = CountingTransport(tiny_engine)
+    loop = RoundLoop(transport, tiny_engine.rules, BatchConfig(max_sessions_per_step=2))
+    results = run(loop, [(prompt, PARAMS) for prompt in PROMPTS])
+    assert max(len(ids) for _, ids in transport.calls) == 2
+    for prompt, result in zip(PROMPTS, results):
+        assert result.completions[0].token_ids == expected(tiny_engine, prompt)
+    assert loop.live_sessions == 0 and len(transport.draft.sessions) == len(transport.verifier.sessions) == 0
+
+
+def test_a_request_joins_running_sessions_between_steps(tiny_engine):
+    transport = CountingTransport(tiny_engine)
+    loop = RoundLoop(transport, tiny_engine.rules)
+    long = build_params(policy="fixed", k=2, max_new_tokens=60)
+
+    async def scenario():
+        first = asyncio.create_task(loop.generate(PROMPTS[0], long))
+        while len(transport.calls) < 4:  # two steps of the first request alone
+            await asyncio.sleep(0)
+        second = await loop.generate(PROMPTS[1], PARAMS)
+        return await first, second
+
+    first, second = asyncio.run(scenario())
+    sizes = [len(ids) for role, ids in transport.calls if role == "verifier"]
+    assert sizes[0] == 1 and 2 in sizes  # the second request joined the running one's steps
+    assert first.completions[0].token_ids == expected(tiny_engine, PROMPTS[0], long)
+    assert second.completions[0].token_ids == expected(tiny_engine, PROMPTS[1])
+
+
+def test_two_lanes_split_the_sessions_and_change_no_output(tiny_engine):
+    transport = CountingTransport(tiny_engine)
+    loop = RoundLoop(transport, tiny_engine.rules, BatchConfig(lanes=2))
+    results = run(loop, [(prompt, PARAMS) for prompt in PROMPTS[:4]])
+    assert max(len(ids) for _, ids in transport.calls) == 2  # four sessions, two lanes of two
+    for prompt, result in zip(PROMPTS, results):
+        assert result.completions[0].token_ids == expected(tiny_engine, prompt)
+
+
+def test_unreachable_and_missing_sessions_are_retried_in_full(tiny_engine):
+    """Every third call loses one session's replica, every fifth finds another's cache gone: the
+    loop sends those rounds again in full and every output is the engine's."""
+    def answer(role, call, item):
+        if call % 3 == 0 and item.session_id.endswith("/0") and not item.history.full:
+            return Unreachable("replica gone")
+        if call % 5 == 0 and not item.history.full:
+            return SessionMissing()
+        return None
+
+    transport = CountingTransport(tiny_engine, answer)
+    loop = RoundLoop(transport, tiny_engine.rules, retry=FAST_RETRY)
+    results = run(loop, [(prompt, PARAMS) for prompt in PROMPTS[:3]])
+    for prompt, result in zip(PROMPTS, results):
+        assert result.completions[0].token_ids == expected(tiny_engine, prompt)
+
+
+def test_a_replica_that_never_comes_back_fails_its_sessions_only(tiny_engine):
+    victim: list[str] = []
+
+    def answer(role, call, item):
+        if role == "verifier" and call > 4 and (not victim or item.session_id == victim[0]):
+            victim[:1] = [item.session_id]
+            return Unreachable("replica gone")
+        return None
+
+    loop = RoundLoop(CountingTransport(tiny_engine, answer), tiny_engine.rules, retry=FAST_RETRY)
+    results = run(loop, [(prompt, PARAMS) for prompt in PROMPTS[:3]])
+    failed = [r for r in results if isinstance(r, Exception)]
+    assert len(failed) == 1 and isinstance(failed[0], Unavailable) and "did not come back" in str(failed[0])
+    for prompt, result in zip(PROMPTS, results):
+        if not isinstance(result, Exception):
+            assert result.completions[0].token_ids == expected(tiny_engine, prompt)
+
+
+def test_a_failing_callback_stops_its_sample_only(tiny_engine):
+    loop = RoundLoop(CountingTransport(tiny_engine), tiny_engine.rules)
+
+    def broken(*_):
+        raise ValueError("the consumer broke")
+
+    async def scenario():
+        return await asyncio.gather(loop.generate(PROMPTS[0], PARAMS, broken), loop.generate(PROMPTS[1], PARAMS),
+                                    return_exceptions=True)
+
+    failed, ok = asyncio.run(scenario())
+    assert isinstance(failed, ValueError)
+    assert ok.completions[0].token_ids == expected(tiny_engine, PROMPTS[1])
+
+
+def test_batch_config_bounds():
+    with pytest.raises(ValueError):
+        BatchConfig(max_sessions_per_step=0)
+    with pytest.raises(ValueError):
+        BatchConfig(lanes=9)
