@@ -114,8 +114,6 @@ def in_process(models: EngineConfig, prompts: list[str], specs, levels: list[int
             run = asyncio.run(closed_loop(send, level, per_client, len(ids), Run(mode, spec.key, level)))
             print(f"  {mode} {spec.key} C={level}: {run.tokens_per_s:.2f} tok/s", file=sys.stderr, flush=True)
             runs.append(run)
-    del engine
-    gc.collect()
     return runs
 
 
@@ -244,6 +242,7 @@ def main() -> int:
                            args.requests_per_client, args.max_new_tokens, mode="in-process, batch-1 reference")
     if "in-process" in args.modes:
         runs += in_process(models, prompts, specs, levels, args.requests_per_client, args.max_new_tokens)
+    gc.collect()  # the in-process engine's models go before the served replicas load theirs
     if "served" in args.modes:
         runs += served(models, prompts, specs, levels, args.requests_per_client, args.max_new_tokens,
                        args.lanes, args.threads)

@@ -36,7 +36,6 @@ from starlette.authentication import AuthenticationBackend, AuthenticationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.authentication import AuthenticationMiddleware
 
-from specdec.errors import InvalidRequestError
 from specdec.sampling import MAX_SAMPLES_PER_REQUEST
 from specdec.v1 import generation_pb2
 from services.auth import MISSING_KEY, key_matches

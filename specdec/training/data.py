@@ -40,7 +40,7 @@ import torch
 from specdec.errors import IncompatibleModelsError, SpecDecError
 from specdec.models.vocab import SETTINGS_BEFORE_DRAFT_VOCAB, vocab_setting
 from specdec.sampling import SamplingParams, probs_from_logits
-from specdec.training.config import DataSection, ModelsSection, PipelineConfig, ScalingSection
+from specdec.training.config import DataSection, ModelsSection, PipelineConfig
 from specdec.training.labels import sample_draft_tokens, soft_acceptance_labels
 from specdec.training.stdlib_prompts import Prompt, source_description, stdlib_prompts
 

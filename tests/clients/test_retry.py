@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 
 from clients import ClientError

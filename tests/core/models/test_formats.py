@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec.builder import EngineConfig, build_engine, load_model
-from specdec.models.formats import WEIGHT_FORMATS, apply_weight_format, resolve_format
+from specdec.models.formats import apply_weight_format, resolve_format
 from specdec.models.runtime import CausalLMRuntime, DraftRuntime, Feed
 from specdec.params import build_params
 
