@@ -39,8 +39,6 @@ from specdec.loop import BatchConfig  # noqa: E402
 from specdec.params import GenerationParams  # noqa: E402
 from specdec.prompts import humaneval_prompts  # noqa: E402
 
-MS_PER_S = 1000.0
-
 
 @dataclass
 class Run:
@@ -222,8 +220,8 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    batch = BatchConfig(**{k: v for k, v in (("max_sessions_per_step", args.max_batch_sessions),
-                                             ("max_tokens_per_pass", args.max_pass_tokens)) if v is not None})
+    batch = BatchConfig.from_flags(max_sessions_per_step=args.max_batch_sessions,
+                                   max_tokens_per_pass=args.max_pass_tokens)
     prompts = humaneval_prompts(args.prompts)
     if args.tiny:
         from tiny import save_tiny_pair

@@ -55,7 +55,8 @@ class RoundReplica:
         self._start_grpc(config.key)
 
     def _load(self, config: AppConfig) -> DraftServicer | VerifierServicer:
-        """Load the model and build the servicer; each role defines it, and it runs on the torch thread."""
+        """Load the model and build the servicer (its batches run on this same torch thread); each
+        role defines it, and it runs on the torch thread."""
         raise NotImplementedError
 
     def _start_grpc(self, api_key: str | None) -> None:
@@ -63,8 +64,7 @@ class RoundReplica:
         services are for the coordinator only (docs/reliability.md, "Access")."""
         host = ray.util.get_node_ip_address()
         host = f"[{host}]" if ":" in host else host
-        self._server, self._address = start_server(address=f"{host}:0", executor=self._executor,
-                                                   api_key=api_key, **{self.role: self.servicer})
+        self._server, self._address = start_server(address=f"{host}:0", api_key=api_key, **{self.role: self.servicer})
 
     async def address(self) -> str:
         """This replica's round gRPC server ("host:port"); routed like a round call, so it names
@@ -76,13 +76,12 @@ class RoundReplica:
             self._server.stop(grace=None)
 
     async def _serve(self, method: Callable, request_type, payload: bytes) -> bytes:
-        request = request_type.FromString(payload)
-        loop = asyncio.get_running_loop()
-        reply = await loop.run_in_executor(self._executor, method, request, None)
+        """A handle call: off the event loop; the servicer hands the batch to the torch thread."""
+        reply = await asyncio.to_thread(method, request_type.FromString(payload), None)
         return reply.SerializeToString()
 
     async def release(self, payload: bytes) -> bytes:
-        return await self._serve(self.servicer.Release, common_pb2.SessionRefs, payload)
+        return self.servicer.Release(common_pb2.SessionRefs.FromString(payload), None).SerializeToString()
 
     async def live_sessions(self) -> int:
         """Sessions whose cache this replica holds (tests and the load benchmark read it)."""
@@ -101,7 +100,7 @@ class Draft(RoundReplica):
         draft, _ = build_draft(config.models, progress=False)
         sessions = SessionStore(config.sessions.max_sessions, config.sessions.ttl_s)
         return DraftServicer(DraftWorker(draft, build_head(config.models, draft), sessions,
-                                         sparsifier(config.sparsify_below)))
+                                         sparsifier(config.sparsify_below)), self._executor)
 
     async def propose(self, payload: bytes) -> bytes:
         return await self._serve(self.servicer.Propose, draft_pb2.ProposeBatch, payload)
@@ -120,7 +119,7 @@ class Verifier(RoundReplica):
             load = lambda model_dir: load_sharded(model_dir, sharding)  # noqa: E731
         target, _ = build_target(config.models, progress=False, load=load)
         sessions = SessionStore(config.sessions.max_sessions, config.sessions.ttl_s)
-        return VerifierServicer(VerifierWorker(target, sessions))
+        return VerifierServicer(VerifierWorker(target, sessions), self._executor)
 
     async def verify(self, payload: bytes) -> bytes:
         return await self._serve(self.servicer.Verify, verifier_pb2.VerifyBatch, payload)

@@ -11,14 +11,14 @@ from specdec.v1 import draft_pb2_grpc, verifier_pb2_grpc
 from services.auth import ApiKeyInterceptor
 from services.servicers import DraftServicer, VerifierServicer
 
-# Blocking torch work runs on these threads, never on an event loop. A worker serves one batch at a
-# time (its sessions share a pass): one thread, one OpenMP team (services/replicas.py).
-DEFAULT_WORKERS = 1
+# The server's threads. A servicer runs its worker on the replica's one torch thread when given one
+# (services/servicers.py), so these only wait for it, and a Release is never stuck behind a batch.
+DEFAULT_WORKERS = 4
 # A sampled round carries each candidate's draft distribution: ~1.06 MB per candidate on a
 # 151,936-token vocabulary, so gRPC's default 4 MiB would fail sampled rounds with K > 3. A batch
-# carries many sessions' rounds: 1 GiB holds 16 sessions of 64 sampled candidates
-# (services.coordinator.MAX_CANDIDATES_PER_ROUND); gRPC's own ceiling is 2 GiB.
-MAX_ROUND_MESSAGE_BYTES = 1024 * 1024 * 1024
+# carries many sessions' rounds: 16 sessions (a step's default) of 64 sampled candidates
+# (services.coordinator.MAX_CANDIDATES_PER_ROUND) are ~1.1 GB; gRPC's ceiling (2 GiB) holds them.
+MAX_ROUND_MESSAGE_BYTES = 2**31 - 1
 
 
 def start_server(draft: DraftServicer | None = None, verifier: VerifierServicer | None = None,
@@ -26,8 +26,9 @@ def start_server(draft: DraftServicer | None = None, verifier: VerifierServicer 
                  executor: futures.ThreadPoolExecutor | None = None,
                  api_key: str | None = None) -> tuple[grpc.Server, str]:
     """Start a server hosting the given servicers; returns it and its "host:port" (port 0 in
-    `address` picks a free one). `executor` replaces the server's own thread pool. With `api_key`
-    every call must carry it (services.auth)."""
+    `address` picks a free one). `executor` replaces the server's own thread pool (the servicers'
+    torch work has its own thread: services/servicers.py). With `api_key` every call must carry it
+    (services.auth)."""
     server = grpc.server(executor or futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=[ApiKeyInterceptor(api_key)] if api_key else None,
                          options=[("grpc.max_receive_message_length", MAX_ROUND_MESSAGE_BYTES)])

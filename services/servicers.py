@@ -1,56 +1,66 @@
 """The round services (protos/specdec/v1 draft.proto, verifier.proto): thin. Convert the batch from
 protobuf, call the worker (specdec/workers.py), convert the answers back. An item that does not
-convert is refused on its own; the others are served.
+convert is refused on its own; the others are served. A failure of the whole call (a bug) answers
+with services/errors.py's status (INTERNAL, "internal error"), never a traceback.
+
+The worker's model runs on `torch_executor` when one is given (a replica's one torch thread, so the
+process holds one OpenMP team: services/replicas.py); Release never waits for it.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from concurrent.futures import Executor
 
-import grpc
-
+from specdec.metrics import MS_PER_S
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specdec.workers import DraftWorker, VerifierWorker
 from services.convert import (convert_items, merge_answers, propose_item_from_proto, proposal_to_proto,
                               verdict_to_proto, verify_item_from_proto)
+from services.errors import grpc_status
 
-MS_PER_S = 1000.0
 
+class RoundServicer:
+    """What both round services share: the worker's sessions, Release, the batch's conversions."""
 
-class DraftServicer(draft_pb2_grpc.DraftServicer):
-    def __init__(self, worker: DraftWorker):
-        self.worker = worker
+    def __init__(self, worker: DraftWorker | VerifierWorker, torch_executor: Executor | None = None):
+        self.worker, self._executor = worker, torch_executor
 
     @property
     def sessions(self):
         return self.worker.sessions
 
-    def Propose(self, request: draft_pb2.ProposeBatch, context: grpc.ServicerContext) -> draft_pb2.ProposalBatch:
-        start = time.perf_counter()
-        items, refused = convert_items(request.items, propose_item_from_proto)
-        answers = merge_answers(len(request.items), self.worker.propose(items), refused)
-        return draft_pb2.ProposalBatch(proposals=[proposal_to_proto(a) for a in answers],
-                                       draft_ms=(time.perf_counter() - start) * MS_PER_S)
-
-    def Release(self, request: common_pb2.SessionRefs, context: grpc.ServicerContext) -> common_pb2.ReleaseResponse:
+    def Release(self, request: common_pb2.SessionRefs, context) -> common_pb2.ReleaseResponse:
         return common_pb2.ReleaseResponse(released=self.worker.release(list(request.session_ids)))
 
-
-class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, worker: VerifierWorker):
-        self.worker = worker
-
-    @property
-    def sessions(self):
-        return self.worker.sessions
-
-    def Verify(self, request: verifier_pb2.VerifyBatch, context: grpc.ServicerContext) -> verifier_pb2.VerdictBatch:
+    def _serve(self, messages, convert: Callable, run: Callable[[list], list], context) -> tuple[list, float]:
+        """(the answers for `messages`, in order; the milliseconds it took). A call that fails as a
+        whole aborts with its status (a Serve handle call, without a gRPC context, raises)."""
         start = time.perf_counter()
+        try:
+            items, refused = convert_items(messages, convert)
+            answers = self._executor.submit(run, items).result() if self._executor else run(items)
+            return merge_answers(len(messages), answers, refused), (time.perf_counter() - start) * MS_PER_S
+        except Exception as exc:
+            if context is None:
+                raise
+            context.abort(*grpc_status(exc))
+
+
+class DraftServicer(RoundServicer, draft_pb2_grpc.DraftServicer):
+    worker: DraftWorker
+
+    def Propose(self, request: draft_pb2.ProposeBatch, context) -> draft_pb2.ProposalBatch:
+        answers, ms = self._serve(request.items, propose_item_from_proto, self.worker.propose, context)
+        return draft_pb2.ProposalBatch(proposals=[proposal_to_proto(a) for a in answers], draft_ms=ms)
+
+
+class VerifierServicer(RoundServicer, verifier_pb2_grpc.VerifierServicer):
+    worker: VerifierWorker
+
+    def Verify(self, request: verifier_pb2.VerifyBatch, context) -> verifier_pb2.VerdictBatch:
         vocab = self.worker.target.vocab_size
-        items, refused = convert_items(request.items, lambda msg: verify_item_from_proto(msg, vocab))
-        answers = merge_answers(len(request.items), self.worker.verify(items), refused)
-        return verifier_pb2.VerdictBatch(verdicts=[verdict_to_proto(a) for a in answers],
-                                         target_ms=(time.perf_counter() - start) * MS_PER_S)
-
-    def Release(self, request: common_pb2.SessionRefs, context: grpc.ServicerContext) -> common_pb2.ReleaseResponse:
-        return common_pb2.ReleaseResponse(released=self.worker.release(list(request.session_ids)))
+        answers, ms = self._serve(request.items, lambda msg: verify_item_from_proto(msg, vocab), self.worker.verify,
+                                  context)
+        return verifier_pb2.VerdictBatch(verdicts=[verdict_to_proto(a) for a in answers], target_ms=ms)

@@ -2,9 +2,10 @@
 (specdec/loop.py's RoundTransport; the in-process one is specdec.loop.LocalTransport).
 
 A batch is split by the replica that owns each session, and the groups go out at once, one call
-each. A group whose replica does not answer (gone, restarting, unreachable) comes back
-`Unreachable` and its sessions forget their replica: the loop retries them, in full, wherever
-Serve's router sends them next. Any other failure of a call fails that call's sessions only.
+each. A group whose replica does not answer (gone, restarting, unreachable, hung past the call
+timeout) comes back `Unreachable` and its sessions forget their replica: the loop retries them, in
+full, wherever Serve's router sends them next. Any other failure of a call comes back `Failed`:
+that call's sessions fail, the other replicas' go on.
 
     GrpcTransport     our gRPC services at fixed addresses (one draft, one verifier: tests, benchmarks)
     DirectTransport   our gRPC services on each replica's own server; Serve's consistent-hash
@@ -25,7 +26,8 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from specdec.protocol import BatchReply, CallTiming, ProposeItem, Role, Unreachable, VerifyItem
+from specdec.metrics import MS_PER_S
+from specdec.protocol import BatchReply, CallTiming, Failed, ProposeItem, Role, Unreachable, VerifyItem
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from services.auth import call_metadata
 from services.convert import proposal_from_proto, propose_item_to_proto, verdict_from_proto, verify_item_to_proto
@@ -34,11 +36,11 @@ from services.server import MAX_ROUND_MESSAGE_BYTES
 
 logger = logging.getLogger(__name__)
 
-MS_PER_S = 1000.0
 CALL_TIMEOUT_S = 300.0  # a long prompt's prefill on CPU takes seconds; a hung replica is a bug
-RELEASE_TIMEOUT_S = 10.0  # best effort: a replica that cannot free a session soon has lost it anyway
-# A replica answering these is not gone: the call's sessions fail instead of being retried.
-FINAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INTERNAL)
+# A replica answering these is not gone: the call's sessions fail instead of being retried
+# (RESOURCE_EXHAUSTED: a message over the size limit would be over it again).
+FINAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INTERNAL,
+               grpc.StatusCode.RESOURCE_EXHAUSTED)
 STUBS = {"draft": draft_pb2_grpc.DraftStub, "verifier": verifier_pb2_grpc.VerifierStub}
 
 
@@ -106,15 +108,20 @@ class GrpcTransport:
             try:
                 reply = await self._send(role, owner, "Propose" if role == "draft" else "Verify", request,
                                          group[0].session_id)
+                group_answers, compute_ms = from_reply(reply)
+                if len(group_answers) != len(indices):
+                    raise RuntimeError(f"the {role} at {owner} answered {len(group_answers)} of {len(indices)} items")
             except self.retryable as exc:
                 for i, item in zip(indices, group):
                     self._forget(role, item.session_id)
                     answers[i] = Unreachable(str(exc) or type(exc).__name__)
                 return
+            except Exception as exc:  # noqa: BLE001 - this replica's call failed for good: its sessions only
+                logger.warning("%s call to %s failed: %s", role, owner, exc)
+                for i in indices:
+                    answers[i] = Failed(exc)
+                return
             wall_s = time.perf_counter() - start
-            group_answers, compute_ms = from_reply(reply)
-            if len(group_answers) != len(indices):
-                raise RuntimeError(f"the {role} at {owner} answered {len(group_answers)} of {len(indices)} items")
             for i, answer in zip(indices, group_answers):
                 answers[i] = answer
             calls.append(CallTiming(indices, compute_ms / MS_PER_S, wall_s, request.ByteSize() + reply.ByteSize()))
@@ -150,14 +157,11 @@ class GrpcTransport:
 
     async def _send(self, role: Role, owner: str, method: str, request: Message, routing_key: str) -> Any:
         stub = STUBS[role](self._channel(owner))
-        timeout_s = RELEASE_TIMEOUT_S if method == "Release" else self.timeout_s
         try:
-            return await getattr(stub, method)(request, timeout=timeout_s, metadata=self._metadata)
-        except grpc.aio.AioRpcError as exc:
+            return await getattr(stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:  # the channel stays: grpc reconnects, and other calls share it
             if exc.code() in FINAL_CODES:
                 raise from_grpc(exc.code(), exc.details()) from None
-            if exc.code() == grpc.StatusCode.UNAVAILABLE and owner in self._channels:
-                await self._channels.pop(owner).close()
             raise ReplicaGone(f"{role} at {owner}: {exc.code().name}") from None
 
     async def close(self) -> None:
@@ -217,7 +221,12 @@ class HandleTransport(DirectTransport):
 
     async def _send(self, role: Role, owner: str, method: str, request: Message, routing_key: str) -> Any:
         handle = self._handles[role].options(session_id=routing_key)  # affinity is per hop: set it every call
-        payload = await own_request(lambda: getattr(handle, method.lower()).remote(request.SerializeToString()))
+        try:
+            payload = await asyncio.wait_for(
+                own_request(lambda: getattr(handle, method.lower()).remote(request.SerializeToString())),
+                self.timeout_s)
+        except TimeoutError:
+            raise ReplicaGone(f"{role}: no answer in {self.timeout_s:g} s") from None
         reply_type = {"Propose": draft_pb2.ProposalBatch, "Verify": verifier_pb2.VerdictBatch,
                       "Release": common_pb2.ReleaseResponse}[method]
         return reply_type.FromString(payload)

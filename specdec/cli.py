@@ -67,17 +67,10 @@ def generation_params(args: argparse.Namespace):
 def engine_config(args: argparse.Namespace):
     from specdec.builder import EngineConfig
 
-    from pydantic import ValidationError
-
     from specdec.loop import BatchConfig
-    from specdec.params import validation_message
 
-    batch = {key: value for key, value in (("max_sessions_per_step", args.max_batch_sessions),
-                                           ("max_tokens_per_pass", args.max_pass_tokens)) if value is not None}
-    try:
-        batch = BatchConfig(**batch)
-    except ValidationError as exc:
-        raise InvalidRequestError(validation_message(exc)) from None
+    batch = BatchConfig.from_flags(max_sessions_per_step=args.max_batch_sessions,
+                                   max_tokens_per_pass=args.max_pass_tokens)
     return EngineConfig(draft=args.draft, target=args.target, head=args.head, cache_dir=args.cache_dir,
                         draft_format=args.draft_format, target_format=args.target_format,
                         draft_vocab=args.draft_vocab, threads=args.threads, device=args.device,

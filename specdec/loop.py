@@ -37,22 +37,23 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specdec.errors import InvalidRequestError, Unavailable
-from specdec.metrics import RequestStats
-from specdec.params import FINISH_LENGTH, GenerationParams
+from specdec.metrics import MS_PER_S, RequestStats
+from specdec.params import FINISH_LENGTH, GenerationParams, validation_message
 from specdec.policies import resolve_policy
-from specdec.protocol import (ROLES, BatchReply, CallTiming, ProposeItem, ProposeReply, Refused, Role, RoundSeed,
-                              SessionMissing, Unreachable, VerifyItem, VerifyReply, delta_for)
+from specdec.protocol import (ROLES, BatchReply, CallTiming, Failed, ProposeItem, ProposeReply, Refused, Role,
+                              RoundSeed, SessionMissing, Unreachable, VerifyItem, VerifyReply, delta_for)
 from specdec.rounds import SEED_BITS, Proposal
 from specdec.sequences import RequestRules, SampleState
 from specdec.workers import DraftWorker, VerifierWorker
 
 logger = logging.getLogger(__name__)
 
-MS_PER_S = 1000.0
 NO_PROPOSAL = Proposal()  # target-only rounds verify no candidates
+# Best effort: a replica that cannot free a session this soon has lost it (its LRU/TTL frees it).
+RELEASE_TIMEOUT_S = 10.0
 
 
 class BatchConfig(BaseModel):
@@ -68,6 +69,14 @@ class BatchConfig(BaseModel):
     # Concurrent loops over disjoint sessions: 2 lets the draft work on one lane's batch while the
     # verifier checks the other's (served; in process the calls run on one thread anyway).
     lanes: int = Field(1, ge=1, le=8)
+
+    @classmethod
+    def from_flags(cls, **flags) -> BatchConfig:
+        """From command-line flags (None: the default); raises InvalidRequestError in one line."""
+        try:
+            return cls(**{key: value for key, value in flags.items() if value is not None})
+        except ValidationError as exc:
+            raise InvalidRequestError(validation_message(exc)) from None
 
 
 @dataclass
@@ -98,8 +107,8 @@ UpdateCallback = Callable[[int, list[int], str, str | None], None]
 class RoundTransport(Protocol):
     """Carries batched round calls to the workers; each answer comes back in its item's place.
 
-    A replica that is gone makes its items `Unreachable` (the loop retries them); anything else
-    raised fails every session of the call."""
+    A replica that is gone makes its items `Unreachable` (the loop retries them), a call that
+    failed otherwise makes them `Failed`; anything raised fails every session of the call."""
 
     async def propose(self, items: list[ProposeItem]) -> ProposeReply: ...
 
@@ -274,7 +283,11 @@ class RoundLoop:
         # commit, decide
         for s, verdict in verdicts.items():
             if not s.over:
-                self._commit(s, proposals.get(s, NO_PROPOSAL), verdict)
+                try:
+                    self._commit(s, proposals.get(s, NO_PROPOSAL), verdict)
+                except Exception as exc:  # noqa: BLE001 - one session's failure (a bad verdict, decoding) is its own
+                    logger.exception("commit failed for session %s", s.session_id)
+                    self._fail(s, exc)
 
     def _propose_item(self, s: Sequence, full: bool) -> ProposeItem:
         history, params = s.sample.history, s.request.params
@@ -329,6 +342,8 @@ class RoundLoop:
                         lost = True
                     case Refused(reason=reason):
                         self._fail(s, InvalidRequestError(reason))
+                    case Failed(error=error):
+                        self._fail(s, error)
                     case _:
                         s.synced[role] = item.history.length
                         results[s] = answer
@@ -340,21 +355,30 @@ class RoundLoop:
         return results
 
     def _record(self, role: Role, sequences: list[Sequence], calls: list[CallTiming]) -> None:
-        """Each request in a call is charged the call's time once, however many of its samples it carried."""
+        """Each request in a call is charged the call's time once (it waited that long), however
+        many of its samples the call carried, and its own items' share of the call's bytes."""
         for call in calls:
             transport_s = max(call.wall_s - call.compute_s, 0.0)
-            for stats in {id(sequences[i].request.stats): sequences[i].request.stats for i in call.indices}.values():
+            items: dict[int, int] = {}
+            for i in call.indices:
+                items[id(sequences[i].request)] = items.get(id(sequences[i].request), 0) + 1
+            requests = {id(sequences[i].request): sequences[i].request for i in call.indices}
+            for key, request in requests.items():
+                stats = request.stats
                 if role == "draft":
                     stats.draft_time_s += call.compute_s
                 else:
                     stats.target_time_s += call.compute_s
                 stats.transport_time_s += transport_s
-                stats.transport_bytes += call.num_bytes
+                stats.transport_bytes += call.num_bytes * items[key] // len(call.indices)
             if self.observer:
                 self.observer.on_call(role, call.compute_s * MS_PER_S, transport_s * MS_PER_S, call.num_bytes)
 
     def _commit(self, s: Sequence, proposal: Proposal, verdict) -> None:
         request, k, n = s.request, len(proposal.candidates), verdict.num_accepted
+        if not 0 <= n <= k or not 0 <= verdict.next_token < self.rules.vocab_size:
+            raise RuntimeError(f"the verifier answered an impossible verdict ({n} of {k} accepted, "
+                               f"next token {verdict.next_token})")
         s.outcomes.append((k, n))
         s.unsent += 1
         s.round_index += 1
@@ -366,10 +390,7 @@ class RoundLoop:
         request.stats.generated_tokens += len(new_ids)
         # decide: the stop conditions were checked while committing
         if request.on_update and (new_ids or new_text or s.sample.finish_reason):
-            try:
-                request.on_update(s.index, new_ids, new_text, s.sample.finish_reason)
-            except Exception as exc:  # noqa: BLE001 - the caller's callback failed: its sample stops, no other
-                self._fail(s, exc)
+            request.on_update(s.index, new_ids, new_text, s.sample.finish_reason)
 
     def _fail(self, s: Sequence, exc: BaseException) -> None:
         if s.error is None and not s.done.done():
@@ -389,7 +410,7 @@ class RoundLoop:
 
     async def _release(self, leaving: list[Sequence]) -> None:
         """Best effort: a replica that lost the session (or is gone) has nothing to free."""
-        calls = [self.transport.release(role, ids) for role in ROLES
+        calls = [asyncio.wait_for(self.transport.release(role, ids), RELEASE_TIMEOUT_S) for role in ROLES
                  if (ids := [s.session_id for s in leaving if role in s.contacted])]
         for outcome in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(outcome, Exception):  # the request's result does not depend on it

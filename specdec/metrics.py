@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+MS_PER_S = 1000.0
+
 
 @dataclass
 class RequestStats:

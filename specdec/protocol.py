@@ -9,8 +9,9 @@ replica) answers `SessionMissing`, and the loop sends the same round again with 
 A worker never guesses missing tokens.
 
 One batched call holds many sessions; each gets its own answer: its result, `SessionMissing`,
-`Refused` (a user error for that session only) or, set by a transport whose replica is gone,
-`Unreachable` (the loop retries it, elsewhere).
+`Refused` (a user error for that session only) or, set by a transport, `Unreachable` (its replica
+is gone: the loop retries it, elsewhere) or `Failed` (the call that carried it failed otherwise:
+that session fails, the other replicas' sessions go on).
 """
 
 from __future__ import annotations
@@ -134,8 +135,14 @@ class Unreachable:
     reason: str
 
 
+@dataclass(frozen=True)
+class Failed:
+    """The call carrying this session failed for good (a bug or a final error on its replica)."""
+
+    error: Exception
+
+
 T = TypeVar("T")
-Answer = T | SessionMissing | Refused | Unreachable
 
 
 @dataclass
@@ -152,7 +159,7 @@ class CallTiming:
 class BatchReply(Generic[T]):
     """What a transport returns for a batched call: an answer per item, in order, and its calls."""
 
-    answers: list  # [B] of Answer[T]
+    answers: list  # [B]: T | SessionMissing | Refused | Unreachable | Failed
     calls: list[CallTiming] = field(default_factory=list)
 
 

@@ -69,7 +69,16 @@ def serve_batch(items: list, row_for: Callable, run: Callable[[list], list]) -> 
     return answers
 
 
-class DraftWorker:
+class Worker:
+    """A role's sessions: `release` drops them (a session never seen is not an error)."""
+
+    sessions: SessionStore
+
+    def release(self, session_ids: list[str]) -> list[bool]:
+        return [self.sessions.pop(session_id) is not None for session_id in session_ids]
+
+
+class DraftWorker(Worker):
     """The draft model (plus its acceptance head): drafts one round for every session of a batch."""
 
     def __init__(self, draft: DraftRuntime, head: AcceptanceHead | None = None,
@@ -102,11 +111,9 @@ class DraftWorker:
         return DraftRow(entry.kv, history, entry.policy, item.max_candidates, item.num_generated, item.sampling,
                         item.seed.generator("draft"), logits_filter)
 
-    def release(self, session_ids: list[str]) -> list[bool]:
-        return [self.sessions.pop(session_id) is not None for session_id in session_ids]
 
 
-class VerifierWorker:
+class VerifierWorker(Worker):
     """The target model: verifies one round for every session of a batch in one pass."""
 
     def __init__(self, target: TargetRuntime, sessions: SessionStore[VerifierSession] | None = None):
@@ -137,6 +144,3 @@ class VerifierWorker:
         self.sessions.put(item.session_id, entry)
         return TargetRow(entry.kv, history, item.candidates, item.draft_probs if not item.sampling.greedy else [],
                          item.sampling, item.seed.generator("target"))
-
-    def release(self, session_ids: list[str]) -> list[bool]:
-        return [self.sessions.pop(session_id) is not None for session_id in session_ids]

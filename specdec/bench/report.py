@@ -95,7 +95,7 @@ def summarize_temperature(specs: list[PolicySpec], records: dict[str, list[dict]
             continue
         predicted = fit.throughput(total.verification_rate, total.discard_rate) if fit else None
         row = {"family": spec.family, "value": spec.value, "prompts": len(kept[spec.key]), **total.to_dict(),
-               "aggregate_tokens_per_s": aggregate_tokens_per_s(kept[spec.key]),
+               "aggregate_tokens_per_s": aggregate_tokens_per_s(records[spec.key]),
                "speedup": total.tokens_per_s / base.tokens_per_s if base and base.tokens_per_s else None,
                "predicted_tokens_per_s": predicted,
                "predicted_speedup": predicted_speedup(fit, predicted, base, total)}
@@ -119,12 +119,14 @@ def summarize_temperature(specs: list[PolicySpec], records: dict[str, list[dict]
 
 
 def aggregate_tokens_per_s(records: list[dict]) -> float | None:
-    """Tokens over the wall time of the groups they were decoded in (a run with --concurrency > 1);
-    None for one prompt at a time (then tokens/s is the aggregate)."""
-    groups = {r["group"]: r["group_wall_s"] for r in records if "group_wall_s" in r}
-    if not groups:
+    """Tokens over the wall time of the groups they were decoded in (a run with --concurrency > 1),
+    over every prompt of the policy (a group's wall time covers all of its prompts); None for one
+    prompt at a time (then tokens/s is the aggregate)."""
+    grouped = [r for r in records if "group_wall_s" in r]
+    if not grouped:
         return None
-    return sum(r["stats"]["generated_tokens"] for r in records) / sum(groups.values())
+    walls = {r["group"]: r["group_wall_s"] for r in grouped}
+    return sum(r["stats"]["generated_tokens"] for r in grouped) / sum(walls.values())
 
 
 def lossless_check(records: dict[str, list[dict]]) -> dict[str, dict]:

@@ -133,7 +133,7 @@ class BenchRun:
                    dynamic_ncols=True)
         for temperature, spec, indices in self._groups(todo):
             bar.set_postfix_str(f"t={temperature:g} prompt {indices[0]} {spec.key}", refresh=False)
-            if len(indices) == 1:
+            if self.config.concurrency == 1 or spec.is_peer:
                 records = [self._generate(spec, temperature, indices[0], prompt_ids[indices[0]])]
             else:
                 records = self._generate_group(spec, temperature, indices, [prompt_ids[i] for i in indices])
@@ -256,10 +256,13 @@ class BenchRun:
             "draft_s": {str(k): t for k, t in forward_time_curve(self.engine.draft, ks, repeats).items()},
             "target_s": {str(k): t for k, t in forward_time_curve(self.engine.target, ks, repeats).items()}}
 
+    def _base_record(self, spec: PolicySpec, temperature: float, index: int, prompt_ids: list[int]) -> dict:
+        return {"spec": spec.key, "family": spec.family, "temperature": temperature, "prompt": index,
+                "prompt_tokens": len(prompt_ids), "seed": self.config.seed + index, "cpu": self.cpu}
+
     def _generate(self, spec: PolicySpec, temperature: float, index: int, prompt_ids: list[int]) -> dict:
         seed = self.config.seed + index
-        record = {"spec": spec.key, "family": spec.family, "temperature": temperature, "prompt": index,
-                  "prompt_tokens": len(prompt_ids), "seed": seed, "cpu": self.cpu}
+        record = self._base_record(spec, temperature, index, prompt_ids)
         if spec.is_peer:
             from specdec.bench.peer import peer_mode, threshold_adaptation
 
@@ -280,9 +283,8 @@ class BenchRun:
         results = self.engine.generate_many(prompt_ids, [self._params(spec, temperature, i) for i in indices],
                                             references=[self._oracle_reference(spec, temperature, i) for i in indices])
         wall_s = time.perf_counter() - start
-        return [self._record({"spec": spec.key, "family": spec.family, "temperature": temperature, "prompt": index,
-                              "prompt_tokens": len(ids), "seed": self.config.seed + index, "cpu": self.cpu,
-                              "group": indices[0], "group_wall_s": wall_s}, spec, result)
+        return [self._record({**self._base_record(spec, temperature, index, ids), "group": indices[0],
+                              "group_wall_s": wall_s}, spec, result)
                 for index, ids, result in zip(indices, prompt_ids, results)]
 
     def _params(self, spec: PolicySpec, temperature: float, index: int) -> GenerationParams:

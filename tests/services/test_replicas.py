@@ -1,4 +1,5 @@
-"""The round replicas' classes, outside Serve: every torch call on one thread (services/replicas.py)."""
+"""The round replicas' classes, outside Serve: every torch call on one thread (services/replicas.py),
+whichever thread the call came in on."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ class Recording:
             def _load(self, config):
                 threads["load"].add(threading.get_ident())
                 servicer = super()._load(config)
-                name = "Propose" if cls is Draft else "Verify"
-                setattr(servicer, name, recorded(getattr(servicer, name)))
+                name = "propose" if cls is Draft else "verify"  # the worker's batch: where torch runs
+                setattr(servicer.worker, name, recorded(getattr(servicer.worker, name)))
                 return servicer
 
         self.cls = Recorded

@@ -237,6 +237,45 @@ def test_a_lost_draft_replica_mid_batch_costs_a_retry_not_tokens(tiny_engine):
         assert result.completions[0].token_ids == tiny_engine.generate_ids(prompt, params).completions[0].token_ids
 
 
+class TwoVerifiers(GrpcTransport):
+    """Sessions alternate between two verifier servers, in the order they first show up."""
+
+    def __init__(self, draft: str, verifiers: list[str]):
+        super().__init__(draft, verifiers[0])
+        self.verifiers, self.owners = verifiers, {}
+
+    async def _owner(self, role, session_id):
+        return self._known_owner(role, session_id)
+
+    def _known_owner(self, role, session_id):
+        if role == "draft":
+            return self._fixed["draft"]
+        return self.owners.setdefault(session_id, self.verifiers[len(self.owners) % 2])
+
+
+def test_a_replica_that_fails_for_good_fails_only_its_own_sessions(servers, tiny_engine):
+    """One of two verifier replicas crashes on every batch (a bug: INTERNAL, "internal error"); the
+    sessions it holds fail in one line, the other replica's sessions in the same steps finish."""
+    class Crashing(VerifierWorker):
+        def verify(self, items):
+            raise RuntimeError("boom")
+
+    broken = VerifierServicer(Crashing(tiny_engine.target))
+    server, address = start_server(verifier=broken)
+    transport = TwoVerifiers(servers.addresses[0], [servers.addresses[1], address])
+    params = build_params(policy="fixed", k=3, max_new_tokens=MAX_NEW_TOKENS)
+    try:
+        results = run(RoundLoop(transport, tiny_engine.rules, retry=FAST_RETRY), [(p, params) for p in PROMPTS])
+    finally:
+        server.stop(None)
+    failed = [r for r in results if isinstance(r, Exception)]
+    assert len(failed) == 2 and all(str(r) == "INTERNAL: internal error" for r in failed)  # no traceback
+    for prompt, result in zip(PROMPTS, results):
+        if not isinstance(result, Exception):
+            assert result.completions[0].token_ids == engine_ids(tiny_engine, prompt, params)[0]
+    assert len(servers.draft.sessions) == len(servers.verifier.sessions) == 0
+
+
 def test_a_cancelled_session_leaves_the_others_unchanged(servers, tiny_engine):
     transport = RecordingTransport(*servers.addresses)
     loop = RoundLoop(transport, tiny_engine.rules)
