@@ -42,6 +42,7 @@ CALL_TIMEOUT_S = 300.0  # a long prompt's prefill on CPU takes seconds; a hung r
 FINAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INTERNAL,
                grpc.StatusCode.RESOURCE_EXHAUSTED)
 STUBS = {"draft": draft_pb2_grpc.DraftStub, "verifier": verifier_pb2_grpc.VerifierStub}
+REPLIES = {"Propose": draft_pb2.ProposalBatch, "Verify": verifier_pb2.VerdictBatch, "Release": common_pb2.ReleaseResponse}
 
 
 class ReplicaGone(Exception):
@@ -227,9 +228,7 @@ class HandleTransport(DirectTransport):
                 self.timeout_s)
         except TimeoutError:
             raise ReplicaGone(f"{role}: no answer in {self.timeout_s:g} s") from None
-        reply_type = {"Propose": draft_pb2.ProposalBatch, "Verify": verifier_pb2.VerdictBatch,
-                      "Release": common_pb2.ReleaseResponse}[method]
-        return reply_type.FromString(payload)
+        return REPLIES[method].FromString(payload)
 
 
 def round_transport(kind: str, draft, verifier, api_key: str | None = None) -> GrpcTransport:

@@ -32,6 +32,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 from functools import partial
@@ -183,12 +184,12 @@ class RoundLoop:
         self.observer, self.retry = observer, retry
         self._lanes: list[list[Sequence]] = [[] for _ in range(batch.lanes)]
         self._tasks: list[asyncio.Task | None] = [None] * batch.lanes
-        self._releasing: set[asyncio.Task] = set()  # retired sequences' releases, off the step path
+        self._releasing: dict[asyncio.Task, list[Sequence]] = {}  # retired sequences' releases, off the step path
 
     @property
     def live_sessions(self) -> int:
         """Samples being decoded (or releasing their workers' caches)."""
-        return sum(len(lane) for lane in self._lanes) + sum(len(task.leaving) for task in self._releasing)
+        return sum(len(lane) for lane in self._lanes) + sum(len(leaving) for leaving in self._releasing.values())
 
     # ----------------------------------------------------------------------------------------
     # Requests
@@ -359,18 +360,15 @@ class RoundLoop:
         many of its samples the call carried, and its own items' share of the call's bytes."""
         for call in calls:
             transport_s = max(call.wall_s - call.compute_s, 0.0)
-            items: dict[int, int] = {}
-            for i in call.indices:
-                items[id(sequences[i].request)] = items.get(id(sequences[i].request), 0) + 1
-            requests = {id(sequences[i].request): sequences[i].request for i in call.indices}
-            for key, request in requests.items():
+            items = Counter(sequences[i].request for i in call.indices)  # a request's items in the call
+            for request, count in items.items():
                 stats = request.stats
                 if role == "draft":
                     stats.draft_time_s += call.compute_s
                 else:
                     stats.target_time_s += call.compute_s
                 stats.transport_time_s += transport_s
-                stats.transport_bytes += call.num_bytes * items[key] // len(call.indices)
+                stats.transport_bytes += call.num_bytes * count // len(call.indices)
             if self.observer:
                 self.observer.on_call(role, call.compute_s * MS_PER_S, transport_s * MS_PER_S, call.num_bytes)
 
@@ -404,9 +402,8 @@ class RoundLoop:
         for s in leaving:
             running.remove(s)
         task = asyncio.get_running_loop().create_task(self._release(leaving))
-        task.leaving = leaving
-        self._releasing.add(task)
-        task.add_done_callback(self._releasing.discard)
+        self._releasing[task] = leaving
+        task.add_done_callback(self._releasing.pop)
 
     async def _release(self, leaving: list[Sequence]) -> None:
         """Best effort: a replica that lost the session (or is gone) has nothing to free."""

@@ -194,8 +194,6 @@ class KVSession:
 class SlotKV:
     """Every session in slots of one `SlotCache`: one ragged pass for any number of sessions."""
 
-    kind = "slots"
-
     def __init__(self, model):
         model.set_attn_implementation(RAGGED_ATTENTION)
         self.cache = SlotCache(model.config.num_hidden_layers)
@@ -224,9 +222,7 @@ class ReferenceKV:
     """Today's batch-1 path, kept as the reference the tests compare against: a DynamicCache per
     session and one forward pass per session."""
 
-    kind = "reference"
-
-    def __init__(self, model):
+    def __init__(self, model):  # as SlotKV's; a DynamicCache needs nothing from the model
         pass
 
     def new_session(self) -> KVSession:
