@@ -18,13 +18,15 @@ from specdec.errors import IncompatibleModelsError, ModelSourceError
 from specdec.head import AcceptanceHead, load_head
 from specdec.heads import resolve_head
 from specdec.models.formats import WeightFormat, apply_weight_format
-from specdec.models.runtime import DraftRuntime, TargetRuntime
-from specdec.models.sources import model_identity, resolve_model
+from specdec.models.llamacpp import LlamaCppDraftRuntime, LlamaCppOptions, LlamaCppTargetRuntime, llamacpp_available
+from specdec.models.runtime import DraftRole, DraftRuntime, TargetRole, TargetRuntime
+from specdec.models.sources import model_identity, resolve_gguf, resolve_model
 from specdec.models.vocab import FULL as FULL_VOCAB
 from specdec.models.vocab import resolve_draft_vocab, trim_lm_head
 from specdec.sequences import RequestRules
 
 Role = Literal["draft", "target"]
+RuntimeName = Literal["auto", "torch", "llamacpp"]
 
 
 class EngineConfig(BaseModel):
@@ -51,6 +53,12 @@ class EngineConfig(BaseModel):
     # "slots": many sessions per pass (models/cache.py); "reference": the batch-1 path, one pass per
     # session (kept to compare against).
     kv_cache: Literal["slots", "reference"] = "slots"
+    # Which kernels run the models: "llamacpp" reads a GGUF file as it is (models/llamacpp.py),
+    # "torch" runs a Hugging Face model (a GGUF converted once to fp32); "auto" = llamacpp for
+    # `default` and .gguf sources (faster and a tenth of the memory on CPU, docs/performance.md),
+    # torch for the rest and on a GPU.
+    runtime: RuntimeName = "auto"
+    llamacpp: LlamaCppOptions = LlamaCppOptions()
 
 
 def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -> SpecDecEngine:
@@ -61,11 +69,35 @@ def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -
     tokenizer = load_tokenizer(target_dir)
     check_same_tokenizer(draft_dir, tokenizer)
     head = build_head(config, draft)
-    return SpecDecEngine(draft, target, tokenizer, head, eos_token_ids=eos_token_ids(target.model, tokenizer),
+    return SpecDecEngine(draft, target, tokenizer, head,
+                         eos_token_ids=eos_token_ids_of(load_generation_config(target_dir), tokenizer),
                          batch=config.batch)
 
 
-def build_draft(config: EngineConfig, progress: bool = True) -> tuple[DraftRuntime, Path]:
+def resolve_runtime(config: EngineConfig, source: str) -> str:
+    """The runtime a model source runs on (see EngineConfig.runtime)."""
+    if config.runtime != "auto":
+        return config.runtime
+    is_gguf = source == "default" or source.lower().endswith(".gguf")
+    on_cpu = resolve_device(config.device).type == "cpu"
+    return "llamacpp" if is_gguf and on_cpu and llamacpp_available() else "torch"
+
+
+def model_dir(config: EngineConfig, role: Role, progress: bool = True) -> Path:
+    """The directory with a model's config and tokenizer (no weights loaded)."""
+    source = config.draft if role == "draft" else config.target
+    if resolve_runtime(config, source) == "llamacpp":
+        return resolve_gguf(source, role=role, cache=config.cache_dir, progress=progress).meta_dir
+    return resolve_model(source, role=role, cache=config.cache_dir, progress=progress)
+
+
+def build_draft(config: EngineConfig, progress: bool = True) -> tuple[DraftRole, Path]:
+    if resolve_runtime(config, config.draft) == "llamacpp":
+        if config.draft_vocab != FULL_VOCAB:
+            raise ModelSourceError("--draft-vocab needs the torch runtime (llama.cpp's output layer is its own)")
+        source = resolve_gguf(config.draft, role="draft", cache=config.cache_dir, progress=progress)
+        return (LlamaCppDraftRuntime(source.gguf, identity=source.identity, name=config.draft,
+                                     options=llamacpp_options(config)), source.meta_dir)
     draft_dir = resolve_model(config.draft, role="draft", cache=config.cache_dir, progress=progress)
     keep = draft_vocabulary(config.draft_vocab, draft_dir)
     draft = DraftRuntime(load_model(draft_dir, "draft", config.draft_format, progress, config.device, keep),
@@ -81,13 +113,26 @@ def draft_vocabulary(vocab: str, draft_dir: Path) -> list[int] | None:
     return resolve_draft_vocab(vocab, vocab_size, lambda: load_tokenizer(draft_dir))
 
 
-def build_target(config: EngineConfig, progress: bool = True, load=None) -> tuple[TargetRuntime, Path]:
-    """`load(model_dir) -> model` replaces the default one-device load (the sharded verifier)."""
+def build_target(config: EngineConfig, progress: bool = True, load=None) -> tuple[TargetRole, Path]:
+    """`load(model_dir) -> model` replaces the default one-device load (the sharded verifier, torch)."""
+    if load is None and resolve_runtime(config, config.target) == "llamacpp":
+        source = resolve_gguf(config.target, role="target", cache=config.cache_dir, progress=progress)
+        return (LlamaCppTargetRuntime(source.gguf, identity=source.identity, name=config.target,
+                                      options=llamacpp_options(config)), source.meta_dir)
     target_dir = resolve_model(config.target, role="target", cache=config.cache_dir, progress=progress)
     model = load(target_dir) if load else load_model(target_dir, "target", config.target_format, progress,
                                                      config.device)
     return (TargetRuntime(model, identity=model_identity(target_dir), name=config.target, **runtime_options(config)),
             target_dir)
+
+
+def llamacpp_options(config: EngineConfig) -> LlamaCppOptions:
+    options = config.llamacpp
+    if config.threads and options.threads is None:
+        options = options.model_copy(update={"threads": config.threads})
+    if config.batch.max_tokens_per_pass:
+        options = options.model_copy(update={"batch": config.batch.max_tokens_per_pass})
+    return options
 
 
 def runtime_options(config: EngineConfig) -> dict:
@@ -98,7 +143,7 @@ def head_path(config: EngineConfig) -> str | None:
     return resolve_head(config.head, config.draft)
 
 
-def build_head(config: EngineConfig, draft: DraftRuntime) -> AcceptanceHead | None:
+def build_head(config: EngineConfig, draft: DraftRole) -> AcceptanceHead | None:
     path = head_path(config)
     if path is None:
         return None
@@ -107,8 +152,7 @@ def build_head(config: EngineConfig, draft: DraftRuntime) -> AcceptanceHead | No
 
 def build_rules(config: EngineConfig, progress: bool = True) -> RequestRules:
     """A request's rules without loading weights (the coordinator): tokenizer, EOS, context, vocabulary."""
-    draft_dir = resolve_model(config.draft, role="draft", cache=config.cache_dir, progress=progress)
-    target_dir = resolve_model(config.target, role="target", cache=config.cache_dir, progress=progress)
+    draft_dir, target_dir = model_dir(config, "draft", progress), model_dir(config, "target", progress)
     draft_config, target_config = AutoConfig.from_pretrained(draft_dir), AutoConfig.from_pretrained(target_dir)
     if draft_config.vocab_size != target_config.vocab_size:
         raise IncompatibleModelsError(
@@ -116,11 +160,10 @@ def build_rules(config: EngineConfig, progress: bool = True) -> RequestRules:
             "speculative decoding needs one shared vocabulary")
     tokenizer = load_tokenizer(target_dir)
     check_same_tokenizer(draft_dir, tokenizer)
-    try:
-        generation_config = GenerationConfig.from_pretrained(target_dir)
-    except OSError:  # no generation_config.json
-        generation_config = GenerationConfig()
+    generation_config = load_generation_config(target_dir)
     max_context = min(draft_config.max_position_embeddings, target_config.max_position_embeddings)
+    if "llamacpp" in (resolve_runtime(config, config.draft), resolve_runtime(config, config.target)):
+        max_context = min(max_context, config.llamacpp.context)
     return RequestRules(tokenizer, eos_token_ids_of(generation_config, tokenizer), max_context,
                         target_config.vocab_size, has_head=head_path(config) is not None)
 
@@ -179,8 +222,11 @@ def check_same_tokenizer(draft_dir: Path, target_tokenizer) -> None:
             "speculative decoding needs one shared vocabulary")
 
 
-def eos_token_ids(model, tokenizer) -> set[int]:
-    return eos_token_ids_of(model.generation_config, tokenizer)
+def load_generation_config(model_dir: Path) -> GenerationConfig:
+    try:
+        return GenerationConfig.from_pretrained(model_dir)
+    except OSError:  # no generation_config.json: what transformers derives from the model's config
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_dir))
 
 
 def eos_token_ids_of(generation_config, tokenizer) -> set[int]:

@@ -24,7 +24,12 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--target-format", default="auto", choices=["auto", "fp32", "onednn", "int8"], help="target weight format and kernels")
     group.add_argument("--draft-vocab", default="full",
                        help="tokens the draft's LM head scores: full, ascii, or a JSON list of ids (lossless either way)")
-    group.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    group.add_argument("--runtime", default="auto", choices=["auto", "torch", "llamacpp"],
+                       help="kernels: llamacpp reads GGUF files as they are; torch runs HF models (GGUF converted "
+                            "to fp32 once); auto = llamacpp for default and .gguf on CPU, else torch")
+    group.add_argument("--llamacpp-context", type=int, default=None,
+                       help="llama.cpp cache positions per model, shared by all sessions (default 16384)")
+    group.add_argument("--threads", type=int, default=None, help="CPU threads (torch and llama.cpp)")
     group.add_argument("--device", default="auto", help="where the models run: auto (a GPU when present), cpu, cuda, cuda:N")
     group = parser.add_argument_group("batching (sessions share every forward pass)")
     group.add_argument("--max-batch-sessions", type=int, default=None,
@@ -69,12 +74,15 @@ def engine_config(args: argparse.Namespace):
 
     from specdec.loop import BatchConfig
 
+    from specdec.models.llamacpp import LlamaCppOptions
+
     batch = BatchConfig.from_flags(max_sessions_per_step=args.max_batch_sessions,
                                    max_tokens_per_pass=args.max_pass_tokens)
+    llamacpp = LlamaCppOptions(**({"context": args.llamacpp_context} if args.llamacpp_context else {}))
     return EngineConfig(draft=args.draft, target=args.target, head=args.head, cache_dir=args.cache_dir,
                         draft_format=args.draft_format, target_format=args.target_format,
                         draft_vocab=args.draft_vocab, threads=args.threads, device=args.device,
-                        batch=batch, kv_cache=args.kv_cache)
+                        batch=batch, kv_cache=args.kv_cache, runtime=args.runtime, llamacpp=llamacpp)
 
 
 def has_head(args: argparse.Namespace) -> bool:

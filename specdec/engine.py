@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from specdec.errors import IncompatibleModelsError
 from specdec.head import AcceptanceHead
 from specdec.loop import BatchConfig, Completion, GenerationResult, LocalTransport, RoundLoop, UpdateCallback
-from specdec.models.runtime import DraftRuntime, TargetRuntime
+from specdec.models.runtime import DraftRole, TargetRole
 from specdec.params import GenerationParams
 from specdec.sequences import RequestRules
 from specdec.workers import DraftWorker, VerifierWorker
@@ -28,8 +28,8 @@ __all__ = ["Completion", "GenerationResult", "SpecDecEngine", "UpdateCallback"]
 class SpecDecEngine:
     def __init__(
         self,
-        draft: DraftRuntime,
-        target: TargetRuntime,
+        draft: DraftRole,
+        target: TargetRole,
         tokenizer=None,
         head: AcceptanceHead | None = None,
         eos_token_ids: Sequence[int] = (),

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.models.runtime import DraftRuntime, KVSession, TargetRuntime
+from specdec.models.runtime import DraftRole, KVSession, TargetRole
 from specdec.policies import Decision, DraftStep, StoppingPolicy
 from specdec.sampling import SamplingParams, choose_token, probs_from_logits
 from specdec.verification import Verdict, verify_greedy, verify_sampled
@@ -91,7 +91,7 @@ class _Drafting:
         return decision is not Decision.STOP and len(proposal.candidates) < self.limit
 
 
-def propose(draft: DraftRuntime, rows: list[DraftRow]) -> list[Proposal]:
+def propose(draft: DraftRole, rows: list[DraftRow]) -> list[Proposal]:
     """Draft up to each row's limit after its history, asking its policy after every token."""
     drafting = [_Drafting(row) for row in rows]
     active = [d for d in drafting if d.row.policy.uses_draft and d.limit > 0]
@@ -112,7 +112,7 @@ def propose(draft: DraftRuntime, rows: list[DraftRow]) -> list[Proposal]:
     return [d.proposal for d in drafting]
 
 
-def verify(target: TargetRuntime, rows: list[TargetRow]) -> list[Verdict]:
+def verify(target: TargetRole, rows: list[TargetRow]) -> list[Verdict]:
     """One target pass over every row's unseen history plus its candidates, Algorithm 1 per row, and
     each cache rolled back to its history + the accepted candidates."""
     if not rows:

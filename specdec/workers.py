@@ -16,7 +16,7 @@ import torch
 
 from specdec.errors import InvalidRequestError
 from specdec.head import AcceptanceHead
-from specdec.models.runtime import DraftRuntime, KVSession, TargetRuntime
+from specdec.models.runtime import DraftRole, KVSession, TargetRole
 from specdec.policies import StoppingPolicy, make_policy, validate_policy
 from specdec.protocol import ProposeItem, Refused, SessionMissing, VerifyItem, history_from_delta
 from specdec.rounds import DraftRow, Proposal, TargetRow, propose, verify
@@ -81,7 +81,7 @@ class Worker:
 class DraftWorker(Worker):
     """The draft model (plus its acceptance head): drafts one round for every session of a batch."""
 
-    def __init__(self, draft: DraftRuntime, head: AcceptanceHead | None = None,
+    def __init__(self, draft: DraftRole, head: AcceptanceHead | None = None,
                  sessions: SessionStore[DraftSession] | None = None,
                  logits_filter: LogitsFilterFactory | None = None):
         self.draft, self.head, self.logits_filter = draft, head, logits_filter
@@ -116,7 +116,7 @@ class DraftWorker(Worker):
 class VerifierWorker(Worker):
     """The target model: verifies one round for every session of a batch in one pass."""
 
-    def __init__(self, target: TargetRuntime, sessions: SessionStore[VerifierSession] | None = None):
+    def __init__(self, target: TargetRole, sessions: SessionStore[VerifierSession] | None = None):
         self.target = target
         self.sessions: SessionStore[VerifierSession] = sessions if sessions is not None else SessionStore()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -51,3 +52,77 @@ def save_tiny_pair(root: Path, draft_hidden: int = 16, target_hidden: int = 32) 
         tokenizer.save_pretrained(path)
         dirs.append(path)
     return dirs[0], dirs[1]
+
+
+# -- tiny GGUF files (llama.cpp and the GGUF conversion) ------------------------------------------------
+
+def byte_level_tokens() -> list[str]:
+    """The GGUF token list of `byte_tokenizer`: 256 byte tokens, "Ġt", then the special tokens."""
+    return sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt"] + SPECIAL_TOKENS
+
+
+def tiny_gguf_weights(vocab: int, hidden: int = 16, layers: int = 1, heads: int = 4, kv_heads: int = 2,
+                      ffn: int = 32, seed: int = 0, scale: float = 0.2) -> dict[str, np.ndarray]:
+    """Random qwen2 weights under their GGUF tensor names (numpy shapes are [out, in])."""
+    rng = np.random.default_rng(seed)
+
+    def rand(*shape):
+        return rng.normal(0, scale, shape).astype(np.float32)
+
+    kv = kv_heads * (hidden // heads)
+    weights = {"token_embd.weight": rand(vocab, hidden), "output_norm.weight": np.ones(hidden, np.float32)}
+    for i in range(layers):
+        block = f"blk.{i}."
+        weights[block + "attn_norm.weight"] = np.ones(hidden, np.float32)
+        for name, rows in (("attn_q", hidden), ("attn_k", kv), ("attn_v", kv)):
+            weights[f"{block}{name}.weight"] = rand(rows, hidden)
+            weights[f"{block}{name}.bias"] = rand(rows)
+        weights[block + "attn_output.weight"] = rand(hidden, hidden)
+        weights[block + "ffn_norm.weight"] = np.ones(hidden, np.float32)
+        weights[block + "ffn_gate.weight"] = rand(ffn, hidden)
+        weights[block + "ffn_up.weight"] = rand(ffn, hidden)
+        weights[block + "ffn_down.weight"] = rand(hidden, ffn)
+    return weights
+
+
+def noisy_weights(weights: dict[str, np.ndarray], scale: float, seed: int) -> dict[str, np.ndarray]:
+    """Every matrix with N(0, scale^2) noise added: a draft that mostly agrees (norms stay)."""
+    rng = np.random.default_rng(seed)
+    return {name: w if name.endswith("norm.weight") else (w + rng.normal(0, scale, w.shape)).astype(np.float32)
+            for name, w in weights.items()}
+
+
+def write_tiny_gguf(path: Path, weights: dict[str, np.ndarray], tokens: list[str] | None = None,
+                    heads: int = 4, kv_heads: int = 2, context: int = 256) -> Path:
+    """A qwen2 GGUF (F32 tensors, tied output) that transformers and llama.cpp load. `tokens` default to
+    the byte-level vocabulary; its last three are the control tokens <|endoftext|> <|im_start|> <|im_end|>."""
+    import gguf
+
+    tokens = tokens or byte_level_tokens()
+    vocab, hidden = weights["token_embd.weight"].shape
+    layers = sum(1 for name in weights if name.endswith("attn_norm.weight"))
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_block_count(layers)
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(weights["blk.0.ffn_gate.weight"].shape[0])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * (len(tokens) - 3) + [gguf.TokenType.CONTROL] * 3)
+    writer.add_token_merges(["Ġ t"] if "Ġt" in tokens else [])  # BPE needs a merge whose result is in the vocab
+    writer.add_bos_token_id(len(tokens) - 3)
+    writer.add_pad_token_id(len(tokens) - 3)
+    writer.add_eos_token_id(len(tokens) - 1)
+    assert vocab == len(tokens), (vocab, len(tokens))
+    for name, tensor in weights.items():
+        writer.add_tensor(name, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

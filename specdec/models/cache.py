@@ -186,6 +186,7 @@ class KVSession:
     tokens: list[int] = field(default_factory=list)
     slot: SlotBuffers | None = None  # slot runtimes
     dynamic: DynamicCache | None = None  # the batch-1 reference runtime
+    seq: int | None = None  # llama.cpp runtimes (models/llamacpp.py): the session's sequence id
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -25,8 +25,8 @@ from transformers import PreTrainedModel
 
 from specdec.models.cache import KV_KINDS, Feed, KVSession, supports_slots
 
-__all__ = ["CausalLMRuntime", "DraftOutput", "DraftRuntime", "Feed", "KVSession", "TargetRuntime",
-           "common_prefix_length"]
+__all__ = ["CausalLMRuntime", "DraftOutput", "DraftRole", "DraftRuntime", "Feed", "KVSession", "Runtime", "TargetRole",
+           "TargetRuntime", "common_prefix_length"]
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,50 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     return n
 
 
-class CausalLMRuntime:
-    """A decoder-only HF model serving many sessions per forward pass."""
+class Runtime:
+    """The batched runtime interface the rounds call (`DraftRole.start/step`, `TargetRole.score`):
+    sessions, rollback and one `_forward` over many sessions' feeds. A backend (torch here,
+    llama.cpp in models/llamacpp.py) implements the abstract parts."""
+
+    identity: str
+    name: str
+    forward_passes: int
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def hidden_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def max_context(self) -> int:
+        raise NotImplementedError
+
+    def new_session(self) -> KVSession:
+        raise NotImplementedError
+
+    def rollback(self, session: KVSession, length: int) -> None:
+        """Keep only the first `length` cached positions."""
+        raise NotImplementedError
+
+    def _forward(self, feeds: list[Feed]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Feed every session its tokens (extending `session.tokens`). Returns per feed (logits
+        [num_outputs, V] fp32, hidden [num_outputs, H]) for its last num_outputs positions, on the CPU
+        where sampling, verification and the head run."""
+        raise NotImplementedError
+
+    def _pending(self, session: KVSession, sequence: list[int]) -> list[int]:
+        """Crop the cache to its common prefix with `sequence`; return the tokens still to feed
+        (at least one, because the caller needs the outputs at the sequence's last position)."""
+        keep = min(common_prefix_length(session.tokens, sequence), len(sequence) - 1)
+        self.rollback(session, keep)
+        return sequence[keep:]
+
+
+class CausalLMRuntime(Runtime):
+    """A decoder-only HF model in torch serving many sessions per forward pass."""
 
     def __init__(self, model: PreTrainedModel, identity: str = "", name: str = "", kv: str = "slots",
                  max_tokens_per_pass: int | None = None):
@@ -72,21 +114,11 @@ class CausalLMRuntime:
         return self.kv.new_session()
 
     def rollback(self, session: KVSession, length: int) -> None:
-        """Keep only the first `length` cached positions."""
         self.kv.rollback(session, length)
-
-    def _pending(self, session: KVSession, sequence: list[int]) -> list[int]:
-        """Crop the cache to its common prefix with `sequence`; return the tokens still to feed
-        (at least one, because the caller needs the outputs at the sequence's last position)."""
-        keep = min(common_prefix_length(session.tokens, sequence), len(sequence) - 1)
-        self.rollback(session, keep)
-        return sequence[keep:]
 
     @torch.inference_mode()
     def _forward(self, feeds: list[Feed]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Feed every session its tokens. Returns per feed (logits [num_outputs, V] fp32, hidden
-        [num_outputs, H]) for its last num_outputs positions, on the CPU where sampling,
-        verification and the head run; the LM head runs only on those positions."""
+        """The LM head runs only on the positions asked for."""
         results = []
         for part in self._passes(feeds):
             hidden = self.kv.hidden_states(self.model, part)  # [sum num_outputs, H]
@@ -115,7 +147,7 @@ class CausalLMRuntime:
         return passes
 
 
-class DraftRuntime(CausalLMRuntime):
+class DraftRole(Runtime):
     """The draft model: catches up on committed tokens, then drafts one token per session per step."""
 
     def start(self, sessions: list[KVSession], histories: list[list[int]]) -> list[DraftOutput]:
@@ -132,7 +164,7 @@ class DraftRuntime(CausalLMRuntime):
         return [DraftOutput(logits=logits[0], hidden=hidden[0]) for logits, hidden in self._forward(feeds)]
 
 
-class TargetRuntime(CausalLMRuntime):
+class TargetRole(Runtime):
     """The target model: scores each session's committed-but-unseen tokens plus its K candidates,
     every session in one pass (a different K each)."""
 
@@ -142,3 +174,11 @@ class TargetRuntime(CausalLMRuntime):
         history + y_1..y_i (row 0 scores y_1, row K gives the bonus distribution)."""
         feeds = [Feed(s, self._pending(s, h) + c, len(c) + 1) for s, h, c in zip(sessions, histories, candidates)]
         return [logits for logits, _ in self._forward(feeds)]
+
+
+class DraftRuntime(DraftRole, CausalLMRuntime):
+    """The draft on torch."""
+
+
+class TargetRuntime(TargetRole, CausalLMRuntime):
+    """The target on torch."""

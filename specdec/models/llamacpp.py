@@ -1,0 +1,303 @@
+"""The llama.cpp runtime: the batched draft and target interface of models/runtime.py on llama.cpp's
+CPU kernels, reading a GGUF file as it is (no conversion, no fp32 copy).
+
+One llama.cpp context per model holds every session as a sequence (`seq_id`) of one unified KV
+cache. A pass is one or more `llama_decode` calls over a batch whose tokens carry their session's
+sequence id and position, the same ragged layout as the torch runtime: a drafting step of 8
+sessions is 8 tokens, a verification of K = 3 and K = 9 is 4 + 10 tokens. Outputs (logits, and for
+the draft the final hidden state: embeddings with pooling NONE, taken after the output norm as
+transformers' last_hidden_state) are read only at the positions a feed asks for. Rollback is
+`llama_memory_seq_rm` from the kept length on.
+
+Sequences and cache cells are finite, and a session's cache is only a cache (models/runtime.py):
+a session gets a sequence at its first pass; when none is free, or a pass finds no room in the
+cache, the least recently used sessions outside the pass lose theirs (their next call re-prefills).
+A session dropped anywhere (released, evicted, failed) hands its sequence back through a finalizer,
+which only queues the id: llama.cpp is called from the runtime's own thread.
+
+llama.cpp's numerics depend on how many tokens share a pass (its matrix kernels differ by batch
+size), so a verification pass over K + 1 tokens can score a token slightly differently from
+plain one-token decoding; docs/performance.md reports how often that changes a greedy token.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import weakref
+from collections import OrderedDict, deque
+from pathlib import Path
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from specdec.errors import ModelSourceError, SpecDecError
+from specdec.models.runtime import DraftRole, Feed, KVSession, Runtime, TargetRole
+
+MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
+DEFAULT_SEQUENCES = 64
+DEFAULT_CONTEXT = 16384  # cache cells shared by every session of a model (f16 keys and values)
+DEFAULT_BATCH = 512  # tokens per llama_decode call; a larger pass takes several
+NO_KV_SLOT = 1  # llama_decode: no room in the cache for the batch
+# llama.cpp's AMX kernels crash on Q4_K weights (ggml-org/llama.cpp#20824, closed unfixed); a build
+# compiled with AMX (-march=native on an AMX CPU) then runs without its extra (repacked) buffers.
+AMX_BUILD_MARK = "AMX_INT8 = 1"
+NO_AMX_CMAKE_ARGS = ('-DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" '
+                     '-DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"')
+
+
+class LlamaCppError(SpecDecError):
+    """llama.cpp failed a pass (not a bad request: the runtime's own failure)."""
+
+
+_library = None
+
+
+def library():
+    """llama_cpp's ctypes bindings, initialised once, with llama.cpp's logging silenced."""
+    global _library
+    if _library is None:
+        try:
+            import llama_cpp
+        except ImportError:
+            raise ModelSourceError("the llamacpp runtime needs llama-cpp-python "
+                                   "(pip install llama-cpp-python==0.3.36, built from source)") from None
+        llama_cpp.llama_backend_init()
+        # Kept on the module: ctypes would free a callback llama.cpp still calls.
+        llama_cpp._specdec_quiet_log = llama_cpp.llama_log_callback(lambda level, text, data: None)
+        llama_cpp.llama_log_set(llama_cpp._specdec_quiet_log, ctypes.c_void_p())
+        _library = llama_cpp
+    return _library
+
+
+def llamacpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def amx_build() -> bool:
+    return AMX_BUILD_MARK in library().llama_print_system_info().decode(errors="replace")
+
+
+class LlamaCppOptions(BaseModel):
+    """A llama.cpp context's settings (the `llamacpp` section of an engine config)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    threads: int | None = Field(None, ge=1)  # None: every core
+    sequences: int = Field(DEFAULT_SEQUENCES, ge=1, le=MAX_SEQUENCES)  # sessions with a cache at once
+    context: int = Field(DEFAULT_CONTEXT, ge=16)  # cache cells shared by all sessions; one session's limit too
+    batch: int = Field(DEFAULT_BATCH, ge=1)  # tokens per llama_decode call
+
+
+class LlamaCppModel:
+    """One GGUF model and its llama.cpp context: decode calls over tokens of many sequences."""
+
+    context = model = None
+
+    def __init__(self, path: Path, options: LlamaCppOptions, hidden: bool):
+        lib = library()
+        self.lib, self.path, self.hidden = lib, Path(path), hidden
+        model_params = lib.llama_model_default_params()
+        if amx_build():
+            model_params.use_extra_bufts = False
+            print(f"specdec: this llama.cpp build has AMX kernels, which crash on Q4_K weights; running "
+                  f"without repacked weights (slower). Rebuild with CMAKE_ARGS='{NO_AMX_CMAKE_ARGS}'",
+                  file=sys.stderr)
+        self.model = lib.llama_model_load_from_file(str(self.path).encode(), model_params)
+        if not self.model:
+            raise ModelSourceError(f"llama.cpp cannot load {self.path}")
+        params = lib.llama_context_default_params()
+        params.n_ctx, params.n_seq_max, params.kv_unified = options.context, options.sequences, True
+        params.n_batch = params.n_ubatch = options.batch
+        params.n_threads = params.n_threads_batch = options.threads or os.cpu_count() or 1
+        params.embeddings = hidden
+        params.pooling_type = lib.LLAMA_POOLING_TYPE_NONE
+        self.context = lib.llama_init_from_model(self.model, params)
+        if not self.context:
+            lib.llama_model_free(self.model)
+            raise ModelSourceError(f"llama.cpp cannot create a context for {self.path} "
+                                   f"({options.context} cells, {options.sequences} sequences)")
+        self.memory = lib.llama_get_memory(self.context)
+        self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
+        self.n_embd = lib.llama_model_n_embd(self.model)
+        self.n_ctx_train = lib.llama_model_n_ctx_train(self.model)
+        self.n_ctx, self.n_batch = lib.llama_n_ctx(self.context), options.batch
+        self._batch = lib.llama_batch_init(options.batch, 0, 1)
+
+    def decode(self, seqs: list[int], positions: list[int], tokens: list[int], outputs: list[bool]) -> int:
+        """One llama_decode over len(tokens) <= n_batch tokens; returns llama.cpp's status."""
+        batch = self._batch
+        for i, (seq, pos, token, out) in enumerate(zip(seqs, positions, tokens, outputs)):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, out
+            batch.seq_id[i][0] = seq
+        batch.n_tokens = len(tokens)
+        return self.lib.llama_decode(self.context, batch)
+
+    def logits(self, index: int) -> np.ndarray:
+        """[V] fp32 logits of the batch's token `index` (flagged as an output), copied."""
+        return np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.context, index), shape=(self.n_vocab,)).copy()
+
+    def embedding(self, index: int) -> np.ndarray:
+        """[H] the final hidden state of the batch's token `index`, copied."""
+        return np.ctypeslib.as_array(self.lib.llama_get_embeddings_ith(self.context, index), shape=(self.n_embd,)).copy()
+
+    def remove(self, seq: int, start: int) -> None:
+        """Drop sequence `seq`'s positions from `start` on."""
+        self.lib.llama_memory_seq_rm(self.memory, seq, start, -1)
+
+    def close(self) -> None:
+        if self.context:
+            self.lib.llama_batch_free(self._batch)
+            self.lib.llama_free(self.context)
+            self.lib.llama_model_free(self.model)
+            self.context = self.model = None
+
+    def __del__(self):
+        self.close()
+
+
+class LlamaCppRuntime(Runtime):
+    """A GGUF model on llama.cpp serving many sessions per pass (see the module docstring)."""
+
+    def __init__(self, path: str | Path, identity: str = "", name: str = "",
+                 options: LlamaCppOptions = LlamaCppOptions(), hidden: bool = False):
+        self.llama = LlamaCppModel(Path(path), options, hidden)
+        self.identity, self.name = identity, name
+        self.forward_passes = 0
+        self.sequences = options.sequences
+        self._free = list(range(options.sequences - 1, -1, -1))  # a stack of unused sequence ids
+        self._owners: OrderedDict[int, tuple[weakref.ref, weakref.finalize]] = OrderedDict()  # LRU first
+        self._dropped: deque[int] = deque()  # sequences of sessions gone; appended from any thread
+
+    @property
+    def vocab_size(self) -> int:
+        return self.llama.n_vocab
+
+    @property
+    def hidden_size(self) -> int:
+        return self.llama.n_embd
+
+    @property
+    def max_context(self) -> int:
+        return min(self.llama.n_ctx_train, self.llama.n_ctx)
+
+    def new_session(self) -> KVSession:
+        return KVSession()  # a sequence is attached at its first pass
+
+    def rollback(self, session: KVSession, length: int) -> None:
+        if length < len(session.tokens):
+            if session.seq is not None:
+                self.llama.remove(session.seq, length)
+            del session.tokens[length:]
+
+    @torch.inference_mode()
+    def _forward(self, feeds: list[Feed]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        for feed in feeds:  # llama.cpp aborts the process on a sequence longer than its cache
+            if len(feed.session.tokens) + len(feed.tokens) > self.llama.n_ctx:
+                raise LlamaCppError(f"a session of {len(feed.session.tokens) + len(feed.tokens)} positions does not "
+                                    f"fit llama.cpp's cache of {self.llama.n_ctx} (raise the llamacpp context)")
+        self._reclaim()
+        results: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # A pass of more sessions than sequences runs as several; a group may take the sequences
+        # of the groups before it (their outputs are read), never of its own or later ones.
+        for start in range(0, len(feeds), self.sequences):
+            results.extend(self._forward_group(feeds[start:start + self.sequences], protected=feeds[start:]))
+        return results
+
+    def _forward_group(self, feeds: list[Feed], protected: list[Feed]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        for feed in feeds:
+            self._attach(feed.session, protected)
+        # The pass as flat token entries: (feed index, token, wanted as an output).
+        entries = [(f, token, j >= len(feed.tokens) - feed.num_outputs)
+                   for f, feed in enumerate(feeds) for j, token in enumerate(feed.tokens)]
+        logits: list[list[np.ndarray]] = [[] for _ in feeds]
+        hidden: list[list[np.ndarray]] = [[] for _ in feeds]
+        for start in range(0, len(entries), self.llama.n_batch):
+            chunk = entries[start:start + self.llama.n_batch]
+            self._decode(feeds, chunk, protected)
+            for i, (f, _, wanted) in enumerate(chunk):
+                if wanted:
+                    logits[f].append(self.llama.logits(i))
+                    if self.llama.hidden:
+                        hidden[f].append(self.llama.embedding(i))
+        self.forward_passes += 1
+        return [(torch.from_numpy(np.stack(rows)), torch.from_numpy(np.stack(states)) if states
+                 else torch.empty((len(rows), 0))) for rows, states in zip(logits, hidden)]
+
+    def _decode(self, feeds: list[Feed], chunk: list[tuple[int, int, bool]], protected: list[Feed]) -> None:
+        """Decode one chunk, making room in the cache when it is full; extends the sessions' tokens."""
+        while True:
+            seqs, positions, tokens, outputs = [], [], [], []
+            offsets: dict[int, int] = {}
+            for f, token, wanted in chunk:
+                session = feeds[f].session
+                seqs.append(session.seq)
+                positions.append(len(session.tokens) + offsets.get(f, 0))
+                offsets[f] = offsets.get(f, 0) + 1
+                tokens.append(token)
+                outputs.append(wanted)
+            status = self.llama.decode(seqs, positions, tokens, outputs)
+            if status == 0:
+                for f, token, _ in chunk:
+                    feeds[f].session.tokens.append(token)
+                return
+            if status != NO_KV_SLOT or not self._evict_one(protected):
+                raise LlamaCppError(f"llama.cpp decode failed (status {status}) for {len(tokens)} tokens of "
+                                    f"{len(offsets)} sessions; the cache holds {self.llama.n_ctx} positions")
+
+    def _attach(self, session: KVSession, protected: list[Feed]) -> None:
+        """Give the session a sequence (its own, or a free or evicted one) and mark it recently used."""
+        if session.seq is not None and session.seq in self._owners:
+            self._owners.move_to_end(session.seq)
+            return
+        if not self._free and not self._evict_one(protected):
+            raise LlamaCppError("no llama.cpp sequence to spare")  # unreachable: groups fit the sequences
+        seq = self._free.pop()
+        session.seq = seq
+        session.tokens.clear()
+        finalizer = weakref.finalize(session, self._dropped.append, seq)
+        self._owners[seq] = (weakref.ref(session), finalizer)
+
+    def _evict_one(self, keep: list[Feed]) -> bool:
+        """Take the sequence of the least recently used session outside `keep`; False if none."""
+        kept = {id(feed.session) for feed in keep}
+        for seq, (ref, _) in self._owners.items():
+            session = ref()
+            if session is None or id(session) not in kept:
+                self._release(seq)
+                if session is not None:
+                    session.seq = None
+                    session.tokens.clear()
+                return True
+        return False
+
+    def _release(self, seq: int) -> None:
+        _, finalizer = self._owners.pop(seq)
+        finalizer.detach()
+        self.llama.remove(seq, 0)
+        self._free.append(seq)
+
+    def _reclaim(self) -> None:
+        """Free the sequences of sessions dropped since the last pass."""
+        while self._dropped:
+            seq = self._dropped.popleft()
+            if seq in self._owners and self._owners[seq][0]() is None:
+                self._release(seq)
+
+
+class LlamaCppDraftRuntime(DraftRole, LlamaCppRuntime):
+    """The draft on llama.cpp: logits and the final hidden state the head reads."""
+
+    def __init__(self, path: str | Path, identity: str = "", name: str = "",
+                 options: LlamaCppOptions = LlamaCppOptions()):
+        super().__init__(path, identity, name, options, hidden=True)
+
+
+class LlamaCppTargetRuntime(TargetRole, LlamaCppRuntime):
+    """The target on llama.cpp: logits only."""

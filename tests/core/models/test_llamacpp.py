@@ -1,0 +1,250 @@
+"""The llama.cpp runtime on tiny GGUF files written in the tests: outputs against transformers reading
+the same file, rollback, many sessions in one pass, sequences and cache cells running out, greedy
+equality with llama.cpp target-only decoding, and the engine built from GGUF sources."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specdec.builder import EngineConfig, build_engine, resolve_runtime
+from specdec.engine import SpecDecEngine
+from specdec.errors import ModelSourceError
+from specdec.metrics import RequestStats
+from specdec.models.llamacpp import (LlamaCppDraftRuntime, LlamaCppError, LlamaCppOptions, LlamaCppRuntime,
+                                     LlamaCppTargetRuntime)
+from specdec.params import GenerationParams
+from specdec.policies import PolicyConfig
+from specdec.sampling import MAX_SAMPLES_PER_REQUEST, SamplingParams, probs_from_logits
+from stats import chi2_pvalue
+from tiny import byte_level_tokens, noisy_weights, tiny_gguf_weights, write_tiny_gguf
+
+HIDDEN = 32
+# llama.cpp (F32 weights, its f16 KV cache) against transformers on the same weights; a wrong position
+# or session changes logits by O(1) (their spread here is ~1).
+ATOL = 0.05
+PROMPTS = ([5, 17, 99, 200, 3], [42], [7, 7, 7, 120, 250, 31, 64, 9])
+
+
+@pytest.fixture(scope="module")
+def gguf_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """(draft, target) GGUFs over the byte vocabulary; the draft is the target plus noise."""
+    root = tmp_path_factory.mktemp("gguf-pair")
+    vocab = len(byte_level_tokens())
+    target = tiny_gguf_weights(vocab, HIDDEN, layers=2, ffn=64, seed=3, scale=0.3)
+    return (write_tiny_gguf(root / "draft.gguf", noisy_weights(target, 0.05, seed=4)),
+            write_tiny_gguf(root / "target.gguf", target))
+
+
+@pytest.fixture(scope="module")
+def hf_target(gguf_pair):
+    path = gguf_pair[1]
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def options(**kw) -> LlamaCppOptions:
+    return LlamaCppOptions(threads=1, context=kw.pop("context", 1024), sequences=kw.pop("sequences", 8), **kw)
+
+
+@torch.inference_mode()
+def hf_outputs(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    out = model(torch.tensor([ids]), output_hidden_states=True)
+    return out.logits[0].float(), out.hidden_states[-1][0].float()
+
+
+def test_logits_and_hidden_states_match_transformers_on_the_same_file(gguf_pair, hf_target):
+    draft_path, target_path = gguf_pair
+    target = LlamaCppTargetRuntime(target_path, options=options())
+    ids = PROMPTS[2]
+    logits = target.score([target.new_session()], [ids[:5]], [ids[5:]])[0]  # [4, V]: after ids[:5] .. ids
+    expected_logits, _ = hf_outputs(hf_target, ids)
+    assert expected_logits.std() > 10 * ATOL
+    torch.testing.assert_close(logits, expected_logits[4:], atol=ATOL, rtol=0)
+
+    draft = LlamaCppDraftRuntime(draft_path, options=options())
+    hf_draft = AutoModelForCausalLM.from_pretrained(draft_path.parent, gguf_file=draft_path.name,
+                                                    dtype=torch.float32).eval()
+    session = draft.new_session()
+    first = draft.start([session], [ids[:5]])[0]
+    step = draft.step([session], [ids[5]])[0]
+    expected_logits, expected_hidden = hf_outputs(hf_draft, ids[:6])
+    torch.testing.assert_close(first.logits, expected_logits[4], atol=ATOL, rtol=0)
+    torch.testing.assert_close(first.hidden, expected_hidden[4], atol=ATOL, rtol=0)  # after the final norm
+    torch.testing.assert_close(step.hidden, expected_hidden[5], atol=ATOL, rtol=0)
+    assert draft.hidden_size == HIDDEN and draft.vocab_size == len(byte_level_tokens())
+
+
+def test_rollback_keeps_the_common_prefix_and_rescoring_matches_a_fresh_session(gguf_pair, hf_target):
+    target = LlamaCppTargetRuntime(gguf_pair[1], options=options())
+    session = target.new_session()
+    history = PROMPTS[0]
+    target.score([session], [history], [[1, 2, 3]])
+    assert session.tokens == history + [1, 2, 3]
+    target.rollback(session, len(history) + 1)  # y_1 accepted
+    assert session.tokens == history + [1]
+    logits = target.score([session], [history + [1, 9]], [[4, 5]])[0]
+    assert session.tokens == history + [1, 9, 4, 5]
+    expected, _ = hf_outputs(hf_target, history + [1, 9, 4, 5])
+    torch.testing.assert_close(logits, expected[-3:], atol=ATOL, rtol=0)
+    # A history that diverges inside the cache crops it there.
+    logits = target.score([session], [history[:2] + [77]], [[6]])[0]
+    assert session.tokens == history[:2] + [77, 6]
+    expected, _ = hf_outputs(hf_target, history[:2] + [77, 6])
+    torch.testing.assert_close(logits, expected[-2:], atol=ATOL, rtol=0)
+
+
+def test_many_sessions_in_one_pass_each_get_their_own_outputs(gguf_pair, hf_target):
+    target = LlamaCppTargetRuntime(gguf_pair[1], options=options())
+    sessions = [target.new_session() for _ in PROMPTS]
+    candidates = [[1, 2], [], [3, 4, 5, 6]]
+    calls = target.forward_passes
+    all_logits = target.score(sessions, list(PROMPTS), candidates)
+    assert target.forward_passes == calls + 1  # one pass, three sessions, a different K each
+    for prompt, cand, logits in zip(PROMPTS, candidates, all_logits):
+        expected, _ = hf_outputs(hf_target, prompt + cand)
+        torch.testing.assert_close(logits, expected[len(prompt) - 1:], atol=ATOL, rtol=0)
+    assert len({s.seq for s in sessions}) == 3
+
+
+def test_sessions_beyond_the_sequences_take_the_least_recently_used_and_re_prefill(gguf_pair, hf_target):
+    target = LlamaCppTargetRuntime(gguf_pair[1], options=options(sequences=2))
+    a, b, c = (target.new_session() for _ in range(3))
+    target.score([a, b], [PROMPTS[0], PROMPTS[1]], [[1], [2]])
+    target.score([b], [PROMPTS[1] + [2]], [[3]])  # b is now the most recently used
+    target.score([c], [PROMPTS[2]], [[4]])  # takes a's sequence
+    assert a.seq is None and a.tokens == [] and {b.seq, c.seq} == {0, 1}
+    logits = target.score([a], [PROMPTS[0] + [1]], [[5]])[0]  # a re-prefills (evicting b)
+    expected, _ = hf_outputs(hf_target, PROMPTS[0] + [1, 5])
+    torch.testing.assert_close(logits, expected[-2:], atol=ATOL, rtol=0)
+    # More sessions in one pass than sequences: it runs as several passes, all outputs right.
+    sessions = [target.new_session() for _ in range(5)]
+    results = target.score(sessions, [PROMPTS[i % 3] for i in range(5)], [[i] for i in range(5)])
+    for i, logits in enumerate(results):
+        expected, _ = hf_outputs(hf_target, PROMPTS[i % 3] + [i])
+        torch.testing.assert_close(logits, expected[-2:], atol=ATOL, rtol=0)
+
+
+def test_a_dropped_session_hands_its_sequence_back(gguf_pair):
+    target = LlamaCppTargetRuntime(gguf_pair[1], options=options(sequences=2))
+    sessions = [target.new_session() for _ in range(2)]
+    target.score(sessions, [PROMPTS[0], PROMPTS[1]], [[1], [2]])
+    assert target._free == []
+    del sessions
+    gc.collect()
+    keep = target.new_session()
+    target.score([keep], [PROMPTS[2]], [[3]])  # reclaims both, takes one
+    assert len(target._free) == 1 and keep.seq is not None
+
+
+def test_a_full_cache_evicts_other_sessions_and_a_session_that_cannot_fit_fails_clearly(gguf_pair, hf_target):
+    target = LlamaCppTargetRuntime(gguf_pair[1], options=options(context=256, sequences=4))
+    first, second = target.new_session(), target.new_session()
+    long_a, long_b = list(range(1, 150)), list(range(100, 230))
+    target.score([first], [long_a], [[1]])
+    logits = target.score([second], [long_b], [[2]])[0]  # 150 + 131 cells > 256: first loses its cache
+    assert first.tokens == [] and first.seq is None
+    expected, _ = hf_outputs(hf_target, long_b + [2])
+    torch.testing.assert_close(logits, expected[-2:], atol=ATOL, rtol=0)
+    with pytest.raises(LlamaCppError, match="does not fit"):
+        target.score([target.new_session()], [list(range(1, 250))], [[3] * 10])
+    assert second.tokens == long_b + [2]  # the refused pass changed nothing
+
+
+def generate(engine, prompt: list[int], policy: PolicyConfig, max_new_tokens: int = 40) -> list[int]:
+    params = GenerationParams(max_new_tokens=max_new_tokens, policy=policy)
+    return engine.generate_ids(prompt, params).completions[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def llama_engine(gguf_pair):
+    draft, target = gguf_pair
+    config = EngineConfig(draft=str(draft), target=str(target), runtime="llamacpp", head="none", threads=1,
+                          llamacpp=options())
+    return build_engine(config, progress=False)
+
+
+def test_the_engine_runs_gguf_sources_on_llamacpp(llama_engine, gguf_pair, tmp_path):
+    assert isinstance(llama_engine.draft, LlamaCppRuntime) and isinstance(llama_engine.target, LlamaCppRuntime)
+    assert llama_engine.draft.identity.startswith("gguf-sha256:")
+    assert resolve_runtime(EngineConfig(draft=str(gguf_pair[0])), str(gguf_pair[0])) == "llamacpp"
+    assert resolve_runtime(EngineConfig(), "some/hf-dir") == "torch"
+    with pytest.raises(ModelSourceError, match="reads GGUF files"):
+        build_engine(EngineConfig(draft=str(tmp_path), target=str(gguf_pair[1]), runtime="llamacpp"), progress=False)
+
+
+@pytest.mark.parametrize("policy", [PolicyConfig(name="fixed", k=4), PolicyConfig(name="svip", threshold=0.3),
+                                    PolicyConfig(name="fixed", k=1)])
+def test_greedy_output_equals_llamacpp_target_only(llama_engine, policy):
+    for prompt in PROMPTS:
+        expected = generate(llama_engine, prompt, PolicyConfig(name="target-only"))
+        assert generate(llama_engine, prompt, policy) == expected
+
+
+def test_greedy_sessions_batched_together_equal_each_alone(llama_engine):
+    params = [GenerationParams(max_new_tokens=30, policy=PolicyConfig(name=name, k=k))
+              for name, k in (("fixed", 3), ("fixed", 6), ("target-only", None))]
+    batched = llama_engine.generate_many([list(p) for p in PROMPTS], params)
+    for prompt, param, result in zip(PROMPTS, params, batched):
+        alone = llama_engine.generate_ids(list(prompt), GenerationParams(max_new_tokens=30,
+                                                                           policy=PolicyConfig(name="target-only")))
+        assert result.completions[0].token_ids == alone.completions[0].token_ids
+
+
+# -- lossless on llama.cpp: sampled outputs follow the target as llama.cpp runs it ------------------------
+
+SMALL_TOKENS = ["Ċ", "a", "b", "c", "Ġ", "t", "Ġt", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+SAMPLED_PROMPT = [1, 3]
+SAMPLES = 1024  # 16 requests of 64 samples, all in one batch
+SIGNIFICANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def small_vocab_engine(tmp_path_factory):
+    """A 10-token pair on llama.cpp, no EOS (every sample runs its full length)."""
+    root = tmp_path_factory.mktemp("gguf-small")
+    target = tiny_gguf_weights(len(SMALL_TOKENS), 16, layers=1, seed=5, scale=0.6)
+    draft_path = write_tiny_gguf(root / "draft.gguf", noisy_weights(target, 0.15, seed=6), tokens=SMALL_TOKENS)
+    target_path = write_tiny_gguf(root / "target.gguf", target, tokens=SMALL_TOKENS)
+    return SpecDecEngine(LlamaCppDraftRuntime(draft_path, options=options(sequences=64)),
+                         LlamaCppTargetRuntime(target_path, options=options(sequences=64, context=4096)))
+
+
+def llamacpp_joint(target, prompt: list[int], sampling, length: int):
+    """P(first `length` tokens) as llama.cpp's target computes it, one fresh session per prefix."""
+    session = target.new_session()
+    logits = target.score([session], [prompt], [[]])[0][0]
+    probs = probs_from_logits(logits, sampling).double().numpy()
+    if length == 1:
+        return probs
+    return np.stack([probs[t] * llamacpp_joint(target, prompt + [t], sampling, length - 1) for t in range(len(probs))])
+
+
+@pytest.mark.parametrize("policy", [PolicyConfig(name="fixed", k=3), PolicyConfig(name="svip", threshold=0.5)])
+def test_sampled_outputs_follow_the_llamacpp_target(small_vocab_engine, policy):
+    sampling = SamplingParams(temperature=1.0)
+    requests = [GenerationParams(max_new_tokens=3, n=MAX_SAMPLES_PER_REQUEST, policy=policy,
+                                 sampling=sampling.model_copy(update={"seed": 500 + r}))
+                for r in range(SAMPLES // MAX_SAMPLES_PER_REQUEST)]
+
+    async def run():
+        return await asyncio.gather(*(small_vocab_engine.loop.generate(SAMPLED_PROMPT, p) for p in requests))
+
+    stats, completions = RequestStats(), []
+    for result in asyncio.run(run()):
+        completions += [c.token_ids for c in result.completions]
+        stats.merge(result.stats)
+    assert stats.accepted_tokens > 0 and stats.discarded_tokens > 0  # acceptances and rejections
+    for length in (1, 2):
+        expected = llamacpp_joint(small_vocab_engine.target, SAMPLED_PROMPT, sampling, length)
+        observed = np.zeros([len(SMALL_TOKENS)] * length)
+        for ids, count in Counter(tuple(ids[:length]) for ids in completions).items():
+            observed[ids] += count
+        pvalue = chi2_pvalue(observed, expected)
+        assert pvalue > SIGNIFICANCE, f"first {length} token(s): chi-squared p = {pvalue:.2e}"
