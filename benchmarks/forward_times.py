@@ -4,7 +4,9 @@
     python benchmarks/forward_times.py --role target --formats fp32 onednn --ks 1 2 4 8 16
     python benchmarks/forward_times.py --role draft --formats int8 --vocabs full ascii --ks 1 2 4 8
     python benchmarks/forward_times.py --role target --formats onednn --ks 1 9 --sessions 1 2 4 8 16
+    python benchmarks/forward_times.py --role target --formats llamacpp --ks 1 2 4 8 16 --sessions 1 4
 
+`llamacpp` is the llama.cpp runtime on the GGUF file (a format of its own: the weights as shipped).
 Prints a markdown table of median milliseconds for one pass over k tokens after a ~200-token prompt
 (the timing itself is specdec/bench/forward.py, which `specdec bench` uses for its t(k) curves).
 With --sessions, one ragged pass in which every one of B sessions feeds its k tokens (a batched
@@ -19,8 +21,11 @@ import torch
 
 from specdec.bench.forward import time_pass
 from specdec.builder import draft_vocabulary, load_model
+from specdec.models.llamacpp import LlamaCppOptions, LlamaCppRuntime
 from specdec.models.runtime import CausalLMRuntime
-from specdec.models.sources import resolve_model
+from specdec.models.sources import resolve_gguf, resolve_model
+
+LLAMACPP = "llamacpp"
 
 
 def main() -> None:
@@ -35,16 +40,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
 
-    model_dir = resolve_model(args.source, role=args.role)
-    print(f"{args.role} {model_dir.name}, {torch.get_num_threads()} threads, median ms per pass")
+    torch_formats = [f for f in args.formats if f != LLAMACPP]
+    model_dir = resolve_model(args.source, role=args.role) if torch_formats else None
+    print(f"{args.role} {args.source}, {torch.get_num_threads()} threads, median ms per pass")
     vocabs = args.vocabs if args.role == "draft" else ["full"]
     print("| format | vocabulary | sessions | " + " | ".join(f"k={k}" for k in args.ks) + " |")
     print("|---" * (len(args.ks) + 3) + "|")
     for fmt in args.formats:
-        for vocab in vocabs:
-            keep = draft_vocabulary(vocab, model_dir)
-            runtime = CausalLMRuntime(load_model(model_dir, args.role, fmt, progress=False, keep_tokens=keep))
-            size = f"{len(set(keep))} tokens" if keep is not None else "full"
+        for vocab in vocabs if fmt != LLAMACPP else ["full"]:
+            if fmt == LLAMACPP:
+                gguf = resolve_gguf(args.source, role=args.role).gguf
+                runtime, size = LlamaCppRuntime(gguf, options=LlamaCppOptions(), hidden=args.role == "draft"), "full"
+            else:
+                keep = draft_vocabulary(vocab, model_dir)
+                runtime = CausalLMRuntime(load_model(model_dir, args.role, fmt, progress=False, keep_tokens=keep))
+                size = f"{len(set(keep))} tokens" if keep is not None else "full"
             for sessions in args.sessions:
                 row = [f"{time_pass(runtime, k, args.repeats, sessions=sessions) * 1000:.1f}" for k in args.ks]
                 print(f"| {fmt} | {vocab} ({size}) | {sessions} | " + " | ".join(row) + " |", flush=True)

@@ -23,7 +23,7 @@ class ReplicaConfig(BaseModel):
     """One deployment's replicas. `num_cpus`/`num_gpus`/`resources` are Ray's logical resources per
     replica: a replica starts only on a node with all of them free, which is how draft and
     verifier replicas are placed on the nodes meant for them (docs/operations.md, "Placement").
-    `threads` is torch's intra-op threads in it (None: torch's default, all cores). The health-check
+    `threads` is the CPU threads of its model (torch intra-op or llama.cpp; None: all cores). The health-check
     and graceful-shutdown fields are Serve's deployment options of the same names (None: Serve's
     default)."""
 

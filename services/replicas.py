@@ -97,7 +97,7 @@ class Draft(RoundReplica):
 
     def _load(self, config: AppConfig) -> DraftServicer:
         set_threads(config.draft.threads)
-        draft, _ = build_draft(config.models, progress=False)
+        draft, _ = build_draft(config.models.model_copy(update={"threads": config.draft.threads}), progress=False)
         sessions = SessionStore(config.sessions.max_sessions, config.sessions.ttl_s)
         return DraftServicer(DraftWorker(draft, build_head(config.models, draft), sessions,
                                          sparsifier(config.sparsify_below)), self._executor)
@@ -117,7 +117,8 @@ class Verifier(RoundReplica):
 
             sharding = ShardingConfig(shards=config.target_shards)
             load = lambda model_dir: load_sharded(model_dir, sharding)  # noqa: E731
-        target, _ = build_target(config.models, progress=False, load=load)
+        target, _ = build_target(config.models.model_copy(update={"threads": config.verifier.threads}),
+                                 progress=False, load=load)
         sessions = SessionStore(config.sessions.max_sessions, config.sessions.ttl_s)
         return VerifierServicer(VerifierWorker(target, sessions), self._executor)
 

@@ -7,7 +7,7 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from specdec.models.runtime import CausalLMRuntime, Feed
+from specdec.models.runtime import Feed, Runtime
 
 PROMPT_TOKENS = 200  # a typical HumanEval chat prompt's length with the Qwen tokenizer
 DEFAULT_KS = (1, 2, 4, 8, 16)
@@ -19,7 +19,7 @@ def synthetic_tokens(count: int, vocab_size: int, offset: int = 0) -> list[int]:
     return [((offset + i) * 7919 + 100) % vocab_size for i in range(count)]
 
 
-def time_pass(runtime: CausalLMRuntime, k: int, repeats: int = DEFAULT_REPEATS,
+def time_pass(runtime: Runtime, k: int, repeats: int = DEFAULT_REPEATS,
               prompt_tokens: int = PROMPT_TOKENS, sessions: int = 1) -> float:
     """Median seconds of one pass in which each of `sessions` sessions feeds k tokens after its own
     cached prompt (the first pass, a warm-up, is not counted); the prompt is shortened where the
@@ -40,7 +40,7 @@ def time_pass(runtime: CausalLMRuntime, k: int, repeats: int = DEFAULT_REPEATS,
     return statistics.median(times[1:])
 
 
-def forward_time_curve(runtime: CausalLMRuntime, ks: Sequence[int] = DEFAULT_KS, repeats: int = DEFAULT_REPEATS,
+def forward_time_curve(runtime: Runtime, ks: Sequence[int] = DEFAULT_KS, repeats: int = DEFAULT_REPEATS,
                        prompt_tokens: int = PROMPT_TOKENS) -> dict[int, float]:
     """{k: median seconds per pass}."""
     return {k: time_pass(runtime, k, repeats, prompt_tokens) for k in ks}

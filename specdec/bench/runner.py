@@ -122,12 +122,14 @@ class BenchRun:
 
         self.engine = build_engine(self.config.engine, progress=self.progress)
         self._note_head()
+        self._note_peers()
         prompt_ids = self._encode_prompts()
         todo = self._todo(prompt_ids)
         if todo:
             self._warm_up(prompt_ids)
         self._forward_times()
         self.notes["machine"], self.notes["head"] = machine(), self.head_id
+        self.notes["runtime"] = {"draft": type(self.engine.draft).__name__, "target": type(self.engine.target).__name__}
         write_notes(self.config.out, self.notes)
         bar = tqdm(total=len(todo), desc="bench", unit="gen", disable=not self.progress, file=sys.stderr,
                    dynamic_ncols=True)
@@ -146,6 +148,16 @@ class BenchRun:
         return self.notes
 
     # ----------------------------------------------------------------------------------------
+
+    def _note_peers(self) -> None:
+        """HF's assisted generation runs the transformers models: only on the torch runtime."""
+        skipped = self.notes.setdefault("skipped_specs", {})
+        torch_models = hasattr(self.engine.draft, "model") and hasattr(self.engine.target, "model")
+        for spec in self.specs:
+            if spec.is_peer and not torch_models:
+                skipped[spec.key] = "HF's assisted generation runs transformers models: needs --runtime torch"
+            elif spec.is_peer:
+                skipped.pop(spec.key, None)
 
     def _note_head(self) -> None:
         """specdec++ needs a head; a head that records its validation-chosen h makes that h the

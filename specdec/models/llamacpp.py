@@ -44,8 +44,7 @@ NO_KV_SLOT = 1  # llama_decode: no room in the cache for the batch
 # llama.cpp's AMX kernels crash on Q4_K weights (ggml-org/llama.cpp#20824, closed unfixed); a build
 # compiled with AMX (-march=native on an AMX CPU) then runs without its extra (repacked) buffers.
 AMX_BUILD_MARK = "AMX_INT8 = 1"
-NO_AMX_CMAKE_ARGS = ('-DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" '
-                     '-DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"')
+NO_AMX_CMAKE_ARGS = "-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8"
 
 
 class LlamaCppError(SpecDecError):
