@@ -2,11 +2,13 @@
 
 The drafting loop (see `specdec.engine`) follows Algorithm 2 of the paper. Step i runs one draft
 forward pass over y_{i-1} (over the committed tail when i = 1), which yields the final hidden state
-e_{i-1} of y_{i-1} and the distribution q_i; it samples y_i ~ q_i and then asks the policy:
+e_{i-1} of y_{i-1} (of the last committed token when i = 1) and the distribution q_i; it samples
+y_i ~ q_i and then asks the policy:
 
     CONTINUE  -> step i + 1
     STOP      -> the round's candidates are y_1..y_i
-    DROP_LAST -> the round's candidates are y_1..y_{i-1} (only the hindsight oracle uses this)
+    DROP_LAST -> the round's candidates are y_1..y_{i-1} (the hindsight oracle, and `specdec++cost`
+                 when y_i does not pay; at i = 1 the round verifies no candidate: plain decoding)
 
 A round also stops once `round_limit()` candidates are drafted, without asking.
 """
@@ -36,6 +38,9 @@ class DraftStep:
     probs: torch.Tensor  # [V] q_i, the draft distribution y_i was drawn from (plain softmax when greedy)
     prev_hidden: torch.Tensor | None  # [H] e_{i-1}, the draft's final hidden state at y_{i-1}; None when i = 1
     num_generated: int  # tokens generated before this round; y_i would be generated token number num_generated + i
+    # [H] the hidden state q_i was computed from: e_{i-1}, and at i = 1 the state at the last committed
+    # token (the `hidden+distribution` head reads it; specdec/features.py). None where not known.
+    hidden: torch.Tensor | None = None
 
 
 class StoppingPolicy(ABC):

@@ -20,7 +20,7 @@ from specdec.builder import EngineConfig
 from specdec.errors import SpecDecError
 from specdec.head import MAX_DEPTH
 from specdec.models.formats import WeightFormat
-from specdec.policies import POLICY_NAMES, PolicyConfig
+from specdec.policies import HEAD_POLICIES, POLICY_NAMES, PolicyConfig
 from specdec.sampling import SamplingParams
 from specdec.training.mixing import OFFICIAL_TARGET_TOKEN_RATIO
 
@@ -82,7 +82,7 @@ class ResponseSection(Strict):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, name: str) -> str:
-        if name not in POLICY_NAMES or name in ("specdec++", "oracle"):
+        if name not in POLICY_NAMES or name in (*HEAD_POLICIES, "oracle"):
             raise ValueError(f"must be a policy that needs no head or hindsight, not {name!r}")
         return name
 
