@@ -99,17 +99,15 @@ class AcceptanceHead(nn.Module):
         self.out = nn.Linear(width, 1)
 
     @torch.no_grad()
-    def fit_input_statistics(self, hidden: torch.Tensor, chunk: int = 65536) -> None:
-        """Set the standardisation from training inputs [N, I] (any float dtype, any N)."""
-        total = torch.zeros(hidden.shape[-1], dtype=torch.float64)
-        squares = torch.zeros_like(total)
-        for start in range(0, len(hidden), chunk):
-            rows = hidden[start:start + chunk].double()
-            total += rows.sum(0)
-            squares += (rows * rows).sum(0)
-        count = max(len(hidden), 1)
-        mean = total / count
-        std = (squares / count - mean * mean).clamp_min(0).sqrt().clamp_min(MIN_INPUT_STD)
+    def fit_input_statistics(self, hidden: torch.Tensor, scalars: torch.Tensor | None = None,
+                             chunk: int = 65536) -> None:
+        """Set the standardisation from training inputs: hidden [N, H] (any float dtype, any N), and for
+        a `hidden+distribution` head its scalar features [N, S] (per dimension, so each part alone)."""
+        parts = [hidden] if scalars is None else [hidden, scalars]
+        stats = [_mean_std(part, chunk) for part in parts]
+        mean, std = torch.cat([m for m, _ in stats]), torch.cat([s for _, s in stats])
+        if mean.numel() != self.input_mean.numel():
+            raise ValueError(f"inputs of width {mean.numel()} for a head reading {self.input_mean.numel()}")
         self.input_mean.copy_(mean.to(self.input_mean.dtype))
         self.input_std.copy_(std.to(self.input_std.dtype))
 
@@ -171,6 +169,19 @@ def load_head(
     except Exception as exc:  # safetensors raises several types for truncated or mismatched files
         raise ModelSourceError(f"corrupt head weights {weights_path}: {_first_line(exc)}") from None
     return head.eval()
+
+
+def _mean_std(rows: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-dimension mean and std (floored at MIN_INPUT_STD) of rows [N, D], in fp64 chunks."""
+    total = torch.zeros(rows.shape[-1], dtype=torch.float64)
+    squares = torch.zeros_like(total)
+    for start in range(0, len(rows), chunk):
+        part = rows[start:start + chunk].double()
+        total += part.sum(0)
+        squares += (part * part).sum(0)
+    count = max(len(rows), 1)
+    mean = total / count
+    return mean, (squares / count - mean * mean).clamp_min(0).sqrt().clamp_min(MIN_INPUT_STD)
 
 
 def _first_line(exc: Exception) -> str:
