@@ -84,7 +84,7 @@ class _Drafting:
         q = probs_from_logits(logits, row.sampling)  # [V]
         y = choose_token(q, row.sampling, row.generator)
         decision = row.policy.decide(DraftStep(len(proposal.candidates) + 1, y, q, self.prev_hidden, row.num_generated,
-                                               self.hidden))
+                                               self.hidden, row.sampling.greedy))
         if decision is Decision.DROP_LAST:
             return False
         proposal.candidates.append(y)

@@ -10,6 +10,13 @@ y_i ~ q_i and then asks the policy:
     DROP_LAST -> the round's candidates are y_1..y_{i-1} (the hindsight oracle, and `specdec++cost`
                  when y_i does not pay; at i = 1 the round verifies no candidate: plain decoding)
 
+Losslessness constrains DROP_LAST: when y_i is drawn from q_i (not greedy), whether y_i enters the
+round must not depend on y_i itself. Verification's proof needs the candidate distributed as q_i;
+a candidate kept only for some values is distributed as q_i restricted to them, and the output
+drifts from the target's (tests/core/test_lossless.py catches it). CONTINUE and STOP may depend on
+y_i (the round's length is then a stopping time, as in the paper). Greedy verification is exact
+match and its output does not depend on the candidates at all.
+
 A round also stops once `round_limit()` candidates are drafted, without asking.
 """
 
@@ -41,6 +48,7 @@ class DraftStep:
     # [H] the hidden state q_i was computed from: e_{i-1}, and at i = 1 the state at the last committed
     # token (the `hidden+distribution` head reads it; specdec/features.py). None where not known.
     hidden: torch.Tensor | None = None
+    greedy: bool = False  # y_i is the argmax of q_i (a greedy request), not a draw from it
 
 
 class StoppingPolicy(ABC):

@@ -29,6 +29,33 @@ def judged_acceptance(head: AcceptanceHead, step: DraftStep) -> float | None:
     return float(head.acceptance_probability(step.prev_hidden))
 
 
+# Candidates whose acceptance `expected_acceptance` evaluates; the rest of q's mass gets the value
+# of the last one. A q-weighted mean over them needs one small batch through the head.
+EXPECTATION_TOKENS = 8
+
+
+def expected_acceptance(head: AcceptanceHead, step: DraftStep) -> float | None:
+    """The head's acceptance for the candidate of step i, not knowing which token it is: what a
+    decision about keeping y_i in the round may depend on without breaking losslessness
+    (base.py). For the paper's head and for greedy requests that is `judged_acceptance` (the former
+    never reads y_i, the latter's y_i is the argmax of q_i). For a `hidden+distribution` head and a
+    sampled y_i it is E_{y ~ q_i} a(y), over the EXPECTATION_TOKENS likeliest tokens of q_i with
+    the remaining mass at the last one's value: a function of q_i alone."""
+    if not head.config.judges_current or step.greedy:
+        return judged_acceptance(head, step)
+    if step.hidden is None:
+        raise ValueError("a hidden+distribution head needs DraftStep.hidden")
+    probs = step.probs.float()
+    top = probs.topk(min(EXPECTATION_TOKENS, probs.numel()))  # values, indices [m]
+    m = len(top.values)
+    scalars = distribution_features(probs.expand(m, -1), top.indices, torch.full((m,), step.index))  # [m, S]
+    hidden = step.hidden.float().expand(m, -1)  # [m, H]
+    acceptance = head.acceptance_probability(head.head_inputs(hidden, scalars)).double()  # [m]
+    values = top.values.double()
+    rest = max(0.0, 1.0 - float(values.sum()))
+    return float((values * acceptance).sum()) + rest * float(acceptance[-1])
+
+
 class SpecDecPP(StoppingPolicy):
     """SpecDec++ (Algorithm 2): the acceptance head predicts sigmoid(f(e_i)) for each candidate and
     the round stops once 1 - prod_i sigmoid(f(e_i)) > h (Theorem: the optimal policy of the MDP

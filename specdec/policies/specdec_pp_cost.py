@@ -13,10 +13,12 @@ rule is optimal when t_target does not grow with k; here a candidate must pay fo
 At drafting step i (y_i sampled; i draft passes spent, so they cost the same either way):
 
 1. keep y_i only if E(i) / (i t_draft + t_target(i)) > E(i-1) / (i t_draft + t_target(i-1)),
-   else DROP_LAST (at i = 1 the round verifies no candidate: plain decoding, K = 0);
+   else DROP_LAST (at i = 1 the round verifies no candidate: plain decoding, K = 0). Losslessness
+   forbids this test to read which token y_i is (policies/base.py): for a sampled y_i it uses
+   a_i = E_{y ~ q_i} a(y) (`expected_acceptance`); greedy, y_i is the argmax and a(y_i) is that;
 2. draft another only if the round's expected rate improves with it:
-   E(i+1) / T(i+1) > E(i) / T(i), with the unknown a_{i+1} estimated by a_i (acceptance runs in
-   streaks, and the estimate only gets used once); else STOP.
+   E(i+1) / T(i+1) > E(i) / T(i), now with the kept y_i's own a(y_i) and the unknown a_{i+1}
+   estimated by a_i (acceptance runs in streaks, and the estimate only gets used once); else STOP.
 
 Worked example (the llama.cpp curve of DESIGN.md §5 but t_draft = 5 ms: pass(k) = 35, 65, 87.5,
 110 ms for k = 1, 2, 3, 4 tokens). a_1 = 0.95: keep, 1.95 / 70 = 0.0279 > 1 / 40 = 0.025;
@@ -34,7 +36,7 @@ from __future__ import annotations
 from specdec.cost_profile import CostProfile, resolve_profile
 from specdec.head import AcceptanceHead
 from specdec.policies.base import Decision, DraftStep, StoppingPolicy, check_count
-from specdec.policies.specdec_pp import judged_acceptance
+from specdec.policies.specdec_pp import expected_acceptance, judged_acceptance
 
 UNKNOWN_ACCEPTANCE = 1.0  # a_1 before the paper's head has seen anything: keep y_1, decide at step 2
 
@@ -67,14 +69,20 @@ class SpecDecPPCost(StoppingPolicy):
         self._judged = []
 
     def decide(self, step: DraftStep) -> Decision:
-        acceptance = judged_acceptance(self.head, step)
-        if acceptance is not None:
-            self._judged.append(acceptance)
-        i = step.index
-        last = self._judged[-1] if self._judged else UNKNOWN_ACCEPTANCE
-        a = (self._judged + [last] * i)[:i]  # a_1..a_i, the unjudged tail estimated by the last judged
-        if self.keep_rate(a) <= self.drop_rate(a):
-            return Decision.DROP_LAST
+        judged = judged_acceptance(self.head, step)
+        if self.head.config.judges_current:  # judged: a(y_i), which the keep test must not read (base.py)
+            blind = self._judged + [expected_acceptance(self.head, step)]
+            if self.keep_rate(blind) <= self.drop_rate(blind):
+                return Decision.DROP_LAST
+            self._judged.append(judged)
+            a = self._judged  # a_1..a_i
+        else:  # judged: a_{i-1}; a_i (unknown) is estimated by the last judged
+            if judged is not None:
+                self._judged.append(judged)
+            last = self._judged[-1] if self._judged else UNKNOWN_ACCEPTANCE
+            a = (self._judged + [last] * step.index)[:step.index]
+            if self.keep_rate(a) <= self.drop_rate(a):
+                return Decision.DROP_LAST
         return Decision.CONTINUE if self.next_rate(a) > self.keep_rate(a) else Decision.STOP
 
     # The three rates of the module docstring, for candidates with acceptance a = [a_1..a_i].
