@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.features import distribution_features
+from specdec.features import MIN_PROB, distribution_features
 from specdec.head import AcceptanceHead
 from specdec.policies.base import Decision, DraftStep, StoppingPolicy, check_count, check_threshold
 
@@ -48,7 +48,9 @@ def expected_acceptance(head: AcceptanceHead, step: DraftStep) -> float | None:
     probs = step.probs.float()
     top = probs.topk(min(EXPECTATION_TOKENS, probs.numel()))  # values, indices [m]
     m = len(top.values)
-    scalars = distribution_features(probs.expand(m, -1), top.indices, torch.full((m,), step.index))  # [m, S]
+    # the m tokens share every feature but log q(y) (column 0): compute the rest once over [V]
+    scalars = distribution_features(probs, top.indices[0], torch.tensor(step.index)).expand(m, -1).clone()  # [m, S]
+    scalars[:, 0] = torch.log(top.values.clamp_min(MIN_PROB))
     hidden = step.hidden.float().expand(m, -1)  # [m, H]
     acceptance = head.acceptance_probability(head.head_inputs(hidden, scalars)).double()  # [m]
     values = top.values.double()

@@ -158,3 +158,24 @@ def test_rich_head_reads_the_distribution_features():
     got = judged_acceptance(head, DraftStep(index=2, token=3, probs=probs, prev_hidden=None, num_generated=0,
                                             hidden=hidden))
     assert got == pytest.approx(expected)
+
+
+def test_expected_acceptance_is_the_q_weighted_mean_over_the_likeliest_tokens():
+    from specdec.policies.specdec_pp import EXPECTATION_TOKENS, expected_acceptance, judged_acceptance
+
+    torch.manual_seed(0)
+    head = AcceptanceHead(HeadConfig(hidden_size=HIDDEN, depth=1, draft_identity="x",
+                                     features=FEATURES_DISTRIBUTION)).eval()
+    hidden = torch.randn(HIDDEN)
+    probs = torch.softmax(torch.randn(5), -1)  # fewer tokens than EXPECTATION_TOKENS: exact
+    assert len(probs) < EXPECTATION_TOKENS
+
+    def at(token, greedy=False):
+        return DraftStep(index=3, token=token, probs=probs, prev_hidden=None, num_generated=0, hidden=hidden,
+                         greedy=greedy)
+
+    exact = sum(float(probs[t]) * judged_acceptance(head, at(t)) for t in range(5))
+    assert expected_acceptance(head, at(0)) == pytest.approx(exact, rel=1e-5)
+    assert expected_acceptance(head, at(4)) == expected_acceptance(head, at(0))  # not the drawn token
+    top = int(probs.argmax())
+    assert expected_acceptance(head, at(top, greedy=True)) == judged_acceptance(head, at(top))

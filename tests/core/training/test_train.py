@@ -172,7 +172,8 @@ def test_rich_features_in_training_equal_what_the_policy_sees(tiny_pair):
         torch.testing.assert_close(cached["scalars"][i], distribution_features(
             step.probs, torch.tensor(step.token), torch.tensor(step.index)), atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(cached["hidden"][i].float(), step.hidden, atol=2e-3, rtol=2e-3)  # fp16 cache
-        training_view = float(torch.sigmoid(head(head_inputs(FEATURES_DISTRIBUTION, cached, slice(i, i + 1)))))
+        with torch.no_grad():
+            training_view = float(torch.sigmoid(head(head_inputs(FEATURES_DISTRIBUTION, cached, slice(i, i + 1)))))
         assert judged_acceptance(head, step) == pytest.approx(training_view, abs=1e-3)
     assert cached["scalars"][:, -1].exp().round().tolist() == [1, 2, 3, 4, 5, 6]
 
