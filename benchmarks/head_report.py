@@ -4,8 +4,10 @@
         > docs/results/head-report.md
 
 Prints the data counts, the final validation metrics (loss, binary KL to the soft labels, AUROC,
-ECE), the per-epoch curve, the per-position rows, the reliability table and, when the head came
-from `specdec train-head --sweep`, the sweep table. `--plot` draws the reliability diagram.
+ECE), the per-epoch curve, the per-position rows, the reliability table, the AUROC of each single
+draft feature beside the head's and the calibration (ECE before and after) when training.json has
+them, and, when the head came from `specdec train-head --sweep`, the sweep table. `--plot` draws
+the reliability diagram (before and after calibration when the head is calibrated).
 """
 
 from __future__ import annotations
@@ -64,6 +66,18 @@ def markdown(report: dict, head_config: dict) -> str:
             mark = " **chosen**" if (r["depth"], r["w_rej"]) == (sweep["best"]["depth"], sweep["best"]["w_rej"]) else ""
             lines.append(f"| {r['depth']} | {r['w_rej']:g}{mark} | {fmt(r['val_loss'])} | {fmt(r['val_kl'])} | "
                          f"{fmt(r['val_auroc'])} | {fmt(r['val_ece'])} |")
+    aurocs = report.get("feature_auroc")
+    if aurocs:
+        names = {"head": "the head", "q_token": "q(y_i)", "top1_probability": "top-1 probability (confidence)",
+                 "margin": "top-1/top-2 margin", "entropy": "entropy, negated (SVIP)"}
+        lines += ["", "AUROC on the validation tokens, the head against each single feature:", "",
+                  "| score | AUROC |", "|---|---|"]
+        lines += [f"| {names.get(k, k)} | {fmt(v)} |" for k, v in aurocs.items()]
+    cal = report.get("calibration")
+    if cal:
+        lines += ["", f"Calibration ({cal['method']}: sigmoid({cal['scale']:.3f} l + {cal['bias']:.3f}), fitted on the "
+                  f"validation tokens): ECE {fmt(cal['ece_before'])} before, {fmt(cal['ece_after'])} after "
+                  f"({cal['folds']}-fold cross-fitted; {fmt(cal['ece_after_in_sample'])} in sample)"]
     return "\n".join(lines)
 
 
@@ -73,12 +87,16 @@ def plot(report: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rel = report["final"]["reliability"]
-    kept = [b for b, c in enumerate(rel["count"]) if c]
     fig, ax = plt.subplots(figsize=(4.5, 4.5))
     ax.plot([0, 1], [0, 1], "--", color="grey", label="perfect calibration")
-    ax.plot([rel["mean_prediction"][b] for b in kept], [rel["mean_label"][b] for b in kept], "o-",
-            label=f"head (ECE {rel['ece']:.3f})")
+    curves = [("head", report["final"]["reliability"])]
+    if report.get("calibration"):
+        curves = [("raw", report["calibration"]["reliability_before"]),
+                  ("calibrated", report["calibration"]["reliability_after"])]
+    for label, rel in curves:
+        kept = [b for b, c in enumerate(rel["count"]) if c]
+        ax.plot([rel["mean_prediction"][b] for b in kept], [rel["mean_label"][b] for b in kept], "o-",
+                label=f"{label} (ECE {rel['ece']:.3f})")
     ax.set_xlabel("predicted acceptance probability")
     ax.set_ylabel("mean soft label min(1, p/q)")
     ax.set_title("Acceptance head, validation")

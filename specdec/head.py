@@ -8,6 +8,14 @@ deviation (buffers saved with the weights): the default draft's final hidden sta
 the first layer (first-epoch loss ~16 and a noisy, slower fit on the default pair's data).
 sigmoid(f_theta(e_i)) predicts P(y_i accepted | y_1..y_{i-1} accepted).
 
+`features` (specdec/features.py) picks the input: `hidden` (the paper; the default, so a head.json
+without the field loads as before) or `hidden+distribution`, the hidden state q_i came from
+concatenated with the draft distribution's scalar features at y_i (standardised together).
+
+`calibration` (optional): an affine map of the logit, sigmoid(scale * l + bias), fitted after
+training on validation tokens (training/calibration.py) and applied by `acceptance_probability`.
+`cost_profile` (optional): the forward costs `specdec++cost` plans with (specdec/cost_profile.py).
+
 On disk a head is a directory with `head.safetensors` and `head.json`; the JSON records the
 draft model it was trained on (hidden size and identity), and loading it for another draft fails.
 """
@@ -16,17 +24,33 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from specdec.cost_profile import CostProfile
 from specdec.errors import IncompatibleModelsError, ModelSourceError
+from specdec.features import FEATURES_DISTRIBUTION, FEATURES_HIDDEN, NUM_SCALAR_FEATURES, FeatureKind
 
 WEIGHTS_FILE, CONFIG_FILE = "head.safetensors", "head.json"
 MAX_DEPTH = 4  # the paper sweeps D in 0..4
 MIN_INPUT_STD = 1e-3  # a constant input dimension is centred, not blown up
+
+
+class Calibration(BaseModel):
+    """Phat = sigmoid(scale * l + bias) for the head's raw logit l (Platt scaling)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["platt"] = "platt"
+    scale: float = Field(gt=0.0)  # > 0: calibration never reorders candidates (AUROC unchanged)
+    bias: float
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits * self.scale + self.bias
 
 
 class HeadConfig(BaseModel):
@@ -39,6 +63,19 @@ class HeadConfig(BaseModel):
     # SpecDec++'s h for this head, chosen on validation prompts (`specdec bench --prompts validation`);
     # None: the policy's default.
     threshold: float | None = Field(None, gt=0.0, lt=1.0)
+    features: FeatureKind = FEATURES_HIDDEN
+    calibration: Calibration | None = None
+    cost_profile: CostProfile | None = None
+
+    @property
+    def input_size(self) -> int:
+        """Width of the head's input: the hidden state, plus the scalar features when it reads them."""
+        return self.hidden_size + (NUM_SCALAR_FEATURES if self.features == FEATURES_DISTRIBUTION else 0)
+
+    @property
+    def judges_current(self) -> bool:
+        """True: at drafting step i the head judges y_i itself; False (the paper's): y_{i-1}."""
+        return self.features == FEATURES_DISTRIBUTION
 
 
 class ResidualBlock(nn.Module):
@@ -55,35 +92,47 @@ class AcceptanceHead(nn.Module):
     def __init__(self, config: HeadConfig):
         super().__init__()
         self.config = config
-        self.register_buffer("input_mean", torch.zeros(config.hidden_size))  # identity until fitted
-        self.register_buffer("input_std", torch.ones(config.hidden_size))
-        self.blocks = nn.Sequential(*(ResidualBlock(config.hidden_size) for _ in range(config.depth)))
-        self.out = nn.Linear(config.hidden_size, 1)
+        width = config.input_size
+        self.register_buffer("input_mean", torch.zeros(width))  # identity until fitted
+        self.register_buffer("input_std", torch.ones(width))
+        self.blocks = nn.Sequential(*(ResidualBlock(width) for _ in range(config.depth)))
+        self.out = nn.Linear(width, 1)
 
     @torch.no_grad()
-    def fit_input_statistics(self, hidden: torch.Tensor, chunk: int = 65536) -> None:
-        """Set the standardisation from training features hidden [N, H] (any float dtype, any N)."""
-        total = torch.zeros(hidden.shape[-1], dtype=torch.float64)
-        squares = torch.zeros_like(total)
-        for start in range(0, len(hidden), chunk):
-            rows = hidden[start:start + chunk].double()
-            total += rows.sum(0)
-            squares += (rows * rows).sum(0)
-        count = max(len(hidden), 1)
-        mean = total / count
-        std = (squares / count - mean * mean).clamp_min(0).sqrt().clamp_min(MIN_INPUT_STD)
+    def fit_input_statistics(self, hidden: torch.Tensor, scalars: torch.Tensor | None = None,
+                             chunk: int = 65536) -> None:
+        """Set the standardisation from training inputs: hidden [N, H] (any float dtype, any N), and for
+        a `hidden+distribution` head its scalar features [N, S] (per dimension, so each part alone)."""
+        parts = [hidden] if scalars is None else [hidden, scalars]
+        stats = [_mean_std(part, chunk) for part in parts]
+        mean, std = torch.cat([m for m, _ in stats]), torch.cat([s for _, s in stats])
+        if mean.numel() != self.input_mean.numel():
+            raise ValueError(f"inputs of width {mean.numel()} for a head reading {self.input_mean.numel()}")
         self.input_mean.copy_(mean.to(self.input_mean.dtype))
         self.input_std.copy_(std.to(self.input_std.dtype))
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> acceptance logits [...]."""
-        x = (hidden.to(self.out.weight.dtype) - self.input_mean) / self.input_std
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """inputs [..., I] (`head_inputs`) -> raw acceptance logits [...] (what training fits)."""
+        x = (inputs.to(self.out.weight.dtype) - self.input_mean) / self.input_std
         return self.out(self.blocks(x)).squeeze(-1)
 
+    def calibrated_logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        logits = self(inputs)
+        calibration = self.config.calibration
+        return calibration.apply(logits) if calibration is not None else logits
+
     @torch.inference_mode()
-    def acceptance_probability(self, hidden: torch.Tensor) -> torch.Tensor:
-        """sigmoid(f_theta(e)) for hidden [..., H]."""
-        return torch.sigmoid(self(hidden))
+    def acceptance_probability(self, inputs: torch.Tensor) -> torch.Tensor:
+        """sigmoid of the (calibrated) logit for inputs [..., I]."""
+        return torch.sigmoid(self.calibrated_logits(inputs))
+
+    def head_inputs(self, hidden: torch.Tensor, scalars: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [..., H] (+ scalars [..., S] for `hidden+distribution`) -> inputs [..., I]."""
+        if self.config.features == FEATURES_HIDDEN:
+            return hidden
+        if scalars is None:
+            raise ValueError(f"a {FEATURES_DISTRIBUTION!r} head needs the distribution features")
+        return torch.cat([hidden.to(scalars.dtype), scalars], dim=-1)
 
     def save(self, directory: str | Path) -> Path:
         directory = Path(directory)
@@ -120,6 +169,19 @@ def load_head(
     except Exception as exc:  # safetensors raises several types for truncated or mismatched files
         raise ModelSourceError(f"corrupt head weights {weights_path}: {_first_line(exc)}") from None
     return head.eval()
+
+
+def _mean_std(rows: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-dimension mean and std (floored at MIN_INPUT_STD) of rows [N, D], in fp64 chunks."""
+    total = torch.zeros(rows.shape[-1], dtype=torch.float64)
+    squares = torch.zeros_like(total)
+    for start in range(0, len(rows), chunk):
+        part = rows[start:start + chunk].double()
+        total += part.sum(0)
+        squares += (part * part).sum(0)
+    count = max(len(rows), 1)
+    mean = total / count
+    return mean, (squares / count - mean * mean).clamp_min(0).sqrt().clamp_min(MIN_INPUT_STD)
 
 
 def _first_line(exc: Exception) -> str:

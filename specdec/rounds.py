@@ -73,6 +73,7 @@ class _Drafting:
     def __init__(self, row: DraftRow):
         self.row, self.proposal = row, Proposal()
         self.prev_hidden: torch.Tensor | None = None  # e_{i-1}; None while i = 1
+        self.hidden: torch.Tensor | None = None  # e_{i-1}, and at i = 1 the last committed token's state
         self.limit = min(row.limit, row.policy.round_limit())
 
     def take(self, logits: torch.Tensor) -> bool:
@@ -82,7 +83,8 @@ class _Drafting:
             logits = row.logits_filter(logits)
         q = probs_from_logits(logits, row.sampling)  # [V]
         y = choose_token(q, row.sampling, row.generator)
-        decision = row.policy.decide(DraftStep(len(proposal.candidates) + 1, y, q, self.prev_hidden, row.num_generated))
+        decision = row.policy.decide(DraftStep(len(proposal.candidates) + 1, y, q, self.prev_hidden, row.num_generated,
+                                               self.hidden, row.sampling.greedy))
         if decision is Decision.DROP_LAST:
             return False
         proposal.candidates.append(y)
@@ -102,6 +104,7 @@ def propose(draft: DraftRole, rows: list[DraftRow]) -> list[Proposal]:
         still = []
         for d, out in zip(active, outputs):
             d.proposal.forward_passes += 1
+            d.hidden = out.hidden  # the state q_i comes from (e_0 after `start`)
             if d.take(out.logits):
                 still.append(d)
         active = still

@@ -125,7 +125,7 @@ def test_debug_shows_traceback(tiny_pair):
     assert proc.returncode != 0 and "Traceback" in proc.stderr
     proc = run_cli("generate", "hi", *tiny_flags(tiny_pair), "--policy", "bogus")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == "error: unknown policy 'bogus'; choose one of specdec++, fixed, svip, heuristic, confidence, oracle, target-only"
+    assert proc.stderr.strip() == "error: unknown policy 'bogus'; choose one of specdec++, specdec++cost, fixed, svip, heuristic, confidence, oracle, target-only"
 
 
 def test_training_commands_reject_a_bad_config_in_one_line(tmp_path, capsys):

@@ -32,7 +32,7 @@ from specdec.builder import EngineConfig
 from specdec.errors import InvalidRequestError
 from specdec.models.vocab import SETTINGS_BEFORE_DRAFT_VOCAB, vocab_setting
 from specdec.params import GenerationParams
-from specdec.policies import PolicyConfig
+from specdec.policies import HEAD_POLICIES, PolicyConfig
 from specdec.sampling import SamplingParams
 
 NOTES_FILE = "notes.json"  # what a --report-only run cannot recompute: skips, forward times, machine
@@ -160,10 +160,10 @@ class BenchRun:
                 skipped.pop(spec.key, None)
 
     def _note_head(self) -> None:
-        """specdec++ needs a head; a head that records its validation-chosen h makes that h the
-        chosen operating point (and adds it to the sweep when missing)."""
+        """specdec++ and specdec++cost need a head; a head that records its validation-chosen h makes
+        that h specdec++'s chosen operating point (and adds it to the sweep when missing)."""
         skipped = self.notes.setdefault("skipped_specs", {})
-        wants_head = [s for s in self.specs if s.name == "specdec++"]
+        wants_head = [s for s in self.specs if s.name in HEAD_POLICIES]
         if self.engine.head is None:
             for spec in wants_head:
                 skipped[spec.key] = "no acceptance head for this draft: pass --head DIR"
@@ -171,7 +171,7 @@ class BenchRun:
         for spec in wants_head:
             skipped.pop(spec.key, None)
         threshold = getattr(self.engine.head.config, "threshold", None)
-        if wants_head and threshold is not None:
+        if any(s.name == "specdec++" for s in wants_head) and threshold is not None:
             spec = PolicySpec("specdec++", float(threshold))
             if spec.key not in {s.key for s in self.specs}:
                 self.specs.append(spec)
@@ -213,7 +213,7 @@ class BenchRun:
                     if spec.key in skipped or (spec.greedy_only and temperature > 0):
                         continue
                     done = self.store.get(record_key(spec.key, temperature, index))
-                    if done is None or (spec.name == "specdec++" and done.get("head") != self.head_id):
+                    if done is None or (spec.name in HEAD_POLICIES and done.get("head") != self.head_id):
                         todo.append((temperature, index, spec))
         return todo
 
@@ -304,7 +304,7 @@ class BenchRun:
                                 sampling=SamplingParams(temperature=temperature, seed=self.config.seed + index))
 
     def _record(self, record: dict, spec: PolicySpec, result) -> dict:
-        if spec.name == "specdec++":
+        if spec.name in HEAD_POLICIES:
             record["head"] = self.head_id
         completion = result.completions[0]
         return {**record, "token_ids": completion.token_ids, "finish_reason": completion.finish_reason,

@@ -6,6 +6,7 @@
     svip:0.5               SVIP at entropy threshold 0.5
     confidence:0.4         HF's confidence rule in our loop, at probability threshold 0.4
     specdec++:0.3          SpecDec++ at stopping threshold h = 0.3 (needs an acceptance head)
+    specdec++cost          cost-aware SpecDec++: stops by the cost profile (needs a head; no value)
     oracle                 the greedy hindsight oracle (the limit; greedy only)
     hf-heuristic[:K]       the peer: HF `generate(assistant_model=...)`, heuristic schedule, initial K
     hf-dynamic[:T]         the peer: HF's dynamic default, confidence threshold T, at most 20 tokens
@@ -23,6 +24,7 @@ from specdec.policies import POLICY_NAMES, PolicyConfig
 
 PEER_NAMES = ("hf-heuristic", "hf-dynamic")
 K_NAMES = ("fixed", "heuristic", "hf-heuristic")  # whose value is an integer K; the others take a threshold
+NO_VALUE_NAMES = ("target-only", "oracle", "specdec++cost")
 SWEPT_FAMILIES = ("fixed", "specdec++", "svip", "confidence")  # families drawn as a frontier
 
 # The sweep: the paper's K in {2..14}, h in {0.1..0.9}; small sweeps for the training-free
@@ -86,7 +88,7 @@ def parse_spec(text: str) -> PolicySpec:
             "with :K or :THRESHOLD where it takes one")
     if not sep:
         return PolicySpec(name)
-    if name in ("target-only", "oracle"):
+    if name in NO_VALUE_NAMES:
         raise InvalidRequestError(f"policy spec {text!r}: {name} takes no value")
     try:
         value: float | int = int(raw) if name in K_NAMES else float(raw)

@@ -14,10 +14,12 @@ from specdec.policies.fixed import FixedK
 from specdec.policies.heuristic import Heuristic
 from specdec.policies.oracle import Oracle
 from specdec.policies.specdec_pp import SpecDecPP
+from specdec.policies.specdec_pp_cost import SpecDecPPCost
 from specdec.policies.svip import SVIP
 from specdec.policies.target_only import TargetOnly
 
-POLICY_NAMES = ("specdec++", "fixed", "svip", "heuristic", "confidence", "oracle", "target-only")
+POLICY_NAMES = ("specdec++", "specdec++cost", "fixed", "svip", "heuristic", "confidence", "oracle", "target-only")
+HEAD_POLICIES = ("specdec++", "specdec++cost")  # the policies that need an acceptance head
 
 # A request that names no policy gets SpecDec++ when the engine has an acceptance head (the default
 # pair ships one: specdec/heads/), else SVIP, the best policy that needs no training.
@@ -28,7 +30,8 @@ class PolicyConfig(BaseModel):
     """The policy flags of a request. `k` is K for `fixed`, the initial K for `heuristic` and the
     cap on candidates per round for the adaptive policies; `threshold` is h for `specdec++`, the
     entropy threshold for `svip` and the probability threshold for `confidence`. No `name`: the
-    default, resolved by `resolve_policy` where the engine's head is known."""
+    default, resolved by `resolve_policy` where the engine's head is known. `specdec++cost` reads
+    no threshold (like `fixed`, it ignores one): it stops by the cost profile (specdec/cost_profile.py)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -68,6 +71,8 @@ def make_policy(
             return Confidence(**level, **cap)
         case "specdec++":
             return SpecDecPP(head, **level, **cap)
+        case "specdec++cost":
+            return SpecDecPPCost(head, **cap)
         case "oracle":
             if reference is None:
                 raise InvalidRequestError("policy 'oracle' needs the target's greedy continuation")
@@ -82,8 +87,8 @@ def validate_policy(config: PolicyConfig, has_head: bool) -> None:
     if config.name not in POLICY_NAMES:
         raise InvalidRequestError(
             f"unknown policy {config.name!r}; choose one of {', '.join(POLICY_NAMES)}")
-    if config.name == "specdec++" and not has_head:
-        raise InvalidRequestError("policy 'specdec++' needs an acceptance head: pass --head PATH")
+    if config.name in HEAD_POLICIES and not has_head:
+        raise InvalidRequestError(f"policy {config.name!r} needs an acceptance head: pass --head PATH")
     if config.k is not None and config.k < 1:
         raise InvalidRequestError(f"--k must be at least 1, got {config.k}")
     if config.threshold is not None and not 0.0 < config.threshold < 1.0:
@@ -91,8 +96,8 @@ def validate_policy(config: PolicyConfig, has_head: bool) -> None:
 
 
 __all__ = [
-    "POLICY_NAMES", "DEFAULT_POLICY", "FALLBACK_POLICY", "PolicyConfig", "default_policy_name", "resolve_policy",
+    "POLICY_NAMES", "HEAD_POLICIES", "DEFAULT_POLICY", "FALLBACK_POLICY", "PolicyConfig", "default_policy_name", "resolve_policy",
     "make_policy", "validate_policy",
     "Decision", "DraftStep", "StoppingPolicy",
-    "FixedK", "SpecDecPP", "SVIP", "Heuristic", "Confidence", "Oracle", "TargetOnly",
+    "FixedK", "SpecDecPP", "SpecDecPPCost", "SVIP", "Heuristic", "Confidence", "Oracle", "TargetOnly",
 ]

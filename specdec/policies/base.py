@@ -2,11 +2,20 @@
 
 The drafting loop (see `specdec.engine`) follows Algorithm 2 of the paper. Step i runs one draft
 forward pass over y_{i-1} (over the committed tail when i = 1), which yields the final hidden state
-e_{i-1} of y_{i-1} and the distribution q_i; it samples y_i ~ q_i and then asks the policy:
+e_{i-1} of y_{i-1} (of the last committed token when i = 1) and the distribution q_i; it samples
+y_i ~ q_i and then asks the policy:
 
     CONTINUE  -> step i + 1
     STOP      -> the round's candidates are y_1..y_i
-    DROP_LAST -> the round's candidates are y_1..y_{i-1} (only the hindsight oracle uses this)
+    DROP_LAST -> the round's candidates are y_1..y_{i-1} (the hindsight oracle, and `specdec++cost`
+                 when y_i does not pay; at i = 1 the round verifies no candidate: plain decoding)
+
+Losslessness constrains DROP_LAST: when y_i is drawn from q_i (not greedy), whether y_i enters the
+round must not depend on y_i itself. Verification's proof needs the candidate distributed as q_i;
+a candidate kept only for some values is distributed as q_i restricted to them, and the output
+drifts from the target's (tests/core/test_lossless.py catches it). CONTINUE and STOP may depend on
+y_i (the round's length is then a stopping time, as in the paper). Greedy verification is exact
+match and its output does not depend on the candidates at all.
 
 A round also stops once `round_limit()` candidates are drafted, without asking.
 """
@@ -36,6 +45,10 @@ class DraftStep:
     probs: torch.Tensor  # [V] q_i, the draft distribution y_i was drawn from (plain softmax when greedy)
     prev_hidden: torch.Tensor | None  # [H] e_{i-1}, the draft's final hidden state at y_{i-1}; None when i = 1
     num_generated: int  # tokens generated before this round; y_i would be generated token number num_generated + i
+    # [H] the hidden state q_i was computed from: e_{i-1}, and at i = 1 the state at the last committed
+    # token (the `hidden+distribution` head reads it; specdec/features.py). None where not known.
+    hidden: torch.Tensor | None = None
+    greedy: bool = False  # y_i is the argmax of q_i (a greedy request), not a draw from it
 
 
 class StoppingPolicy(ABC):

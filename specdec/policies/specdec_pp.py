@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.features import MIN_PROB, distribution_features
 from specdec.head import AcceptanceHead
 from specdec.policies.base import Decision, DraftStep, StoppingPolicy, check_count, check_threshold
 
@@ -11,10 +12,58 @@ def rejection_probability(acceptance_probs: torch.Tensor) -> float:
     return 1.0 - float(torch.prod(acceptance_probs))
 
 
+def judged_acceptance(head: AcceptanceHead, step: DraftStep) -> float | None:
+    """The head's acceptance probability for the candidate it can judge at drafting step i.
+
+    The paper's `hidden` head reads e_j, the state after the draft has read y_j, which only the
+    next draft pass produces: at step i it judges y_{i-1} from `prev_hidden` (None at i = 1). A
+    `hidden+distribution` head reads the state q_i came from and q_i at y_i, all known as soon as
+    y_i is sampled: it judges y_i itself, before the next draft pass is paid for (features.py)."""
+    if head.config.judges_current:
+        if step.hidden is None:
+            raise ValueError("a hidden+distribution head needs DraftStep.hidden")
+        scalars = distribution_features(step.probs, torch.tensor(step.token), torch.tensor(step.index))
+        return float(head.acceptance_probability(head.head_inputs(step.hidden.float(), scalars)))
+    if step.prev_hidden is None:
+        return None
+    return float(head.acceptance_probability(step.prev_hidden))
+
+
+# Candidates whose acceptance `expected_acceptance` evaluates; the rest of q's mass gets the value
+# of the last one. A q-weighted mean over them needs one small batch through the head.
+EXPECTATION_TOKENS = 8
+
+
+def expected_acceptance(head: AcceptanceHead, step: DraftStep) -> float | None:
+    """The head's acceptance for the candidate of step i, not knowing which token it is: what a
+    decision about keeping y_i in the round may depend on without breaking losslessness
+    (base.py). For the paper's head and for greedy requests that is `judged_acceptance` (the former
+    never reads y_i, the latter's y_i is the argmax of q_i). For a `hidden+distribution` head and a
+    sampled y_i it is E_{y ~ q_i} a(y), over the EXPECTATION_TOKENS likeliest tokens of q_i with
+    the remaining mass at the last one's value: a function of q_i alone."""
+    if not head.config.judges_current or step.greedy:
+        return judged_acceptance(head, step)
+    if step.hidden is None:
+        raise ValueError("a hidden+distribution head needs DraftStep.hidden")
+    probs = step.probs.float()
+    top = probs.topk(min(EXPECTATION_TOKENS, probs.numel()))  # values, indices [m]
+    m = len(top.values)
+    # the m tokens share every feature but log q(y) (column 0): compute the rest once over [V]
+    scalars = distribution_features(probs, top.indices[0], torch.tensor(step.index)).expand(m, -1).clone()  # [m, S]
+    scalars[:, 0] = torch.log(top.values.clamp_min(MIN_PROB))
+    hidden = step.hidden.float().expand(m, -1)  # [m, H]
+    acceptance = head.acceptance_probability(head.head_inputs(hidden, scalars)).double()  # [m]
+    values = top.values.double()
+    rest = max(0.0, 1.0 - float(values.sum()))
+    return float((values * acceptance).sum()) + rest * float(acceptance[-1])
+
+
 class SpecDecPP(StoppingPolicy):
     """SpecDec++ (Algorithm 2): the acceptance head predicts sigmoid(f(e_i)) for each candidate and
     the round stops once 1 - prod_i sigmoid(f(e_i)) > h (Theorem: the optimal policy of the MDP
-    is such a threshold policy)."""
+    is such a threshold policy). The candidate whose prediction crosses h stays in the round, as in
+    the paper; with the paper's head that is y_{i-1}, and y_i (already sampled) comes along; with a
+    `hidden+distribution` head it is y_i (`judged_acceptance`)."""
 
     name = "specdec++"
     DEFAULT_THRESHOLD = 0.7  # the paper's robust choice (D=3, w_rej=6, h=0.7), for a head without its own
@@ -33,8 +82,9 @@ class SpecDecPP(StoppingPolicy):
         self._accept_all = 1.0
 
     def decide(self, step: DraftStep) -> Decision:
-        if step.prev_hidden is not None:  # e_{i-1} exists from step 2 on
-            self._accept_all *= float(self.head.acceptance_probability(step.prev_hidden))
+        acceptance = judged_acceptance(self.head, step)
+        if acceptance is not None:
+            self._accept_all *= acceptance
         if 1.0 - self._accept_all > self.threshold:
             return Decision.STOP
         return Decision.CONTINUE

@@ -18,9 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from specdec.builder import EngineConfig
 from specdec.errors import SpecDecError
+from specdec.features import FEATURES_HIDDEN, FeatureKind
 from specdec.head import MAX_DEPTH
 from specdec.models.formats import WeightFormat
-from specdec.policies import POLICY_NAMES, PolicyConfig
+from specdec.policies import HEAD_POLICIES, POLICY_NAMES, PolicyConfig
 from specdec.sampling import SamplingParams
 from specdec.training.mixing import OFFICIAL_TARGET_TOKEN_RATIO
 
@@ -83,7 +84,7 @@ class ResponseSection(Strict):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, name: str) -> str:
-        if name not in POLICY_NAMES or name in ("specdec++", "oracle"):
+        if name not in POLICY_NAMES or name in (*HEAD_POLICIES, "oracle"):
             raise ValueError(f"must be a policy that needs no head or hindsight, not {name!r}")
         return name
 
@@ -142,6 +143,10 @@ class TrainSection(Strict):
     weight_decay: float = Field(0.0, ge=0.0)
     seed: int = Field(0, ge=0)
     feature_batch_tokens: int = Field(4096, ge=1, description="tokens per draft forward when caching features")
+    # What the head reads (specdec/features.py): the paper's `hidden`, or `hidden+distribution`.
+    features: FeatureKind = FEATURES_HIDDEN
+    # Fit Platt scaling on the validation tokens after training and save it with the head (calibration.py).
+    calibrate: bool = True
 
     _expand_paths = field_validator("storage", "output")(_expand)
 

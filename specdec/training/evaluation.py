@@ -17,6 +17,10 @@ draft positions (apply the mixing mask first, or pass it). All metrics are compu
   ECE = sum_b (n_b / n) * |mean Phat_b - mean P_b|.
 - per position: the same metrics for the tokens at response position 0, 1, .., B-2 and one bucket
   for all later positions ("20+" with the default 21 buckets).
+- single features (`feature_aurocs`): the soft-label AUROC of each draft-distribution feature
+  (specdec/features.py) used alone as the score, beside the head's: q(y_i), the top-1 probability
+  (HF's confidence rule), the top-1/top-2 margin, and the entropy negated (SVIP's rule: a higher
+  entropy predicts rejection).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+
+from specdec.features import SCALAR_FEATURES
 
 DEFAULT_CALIBRATION_BINS = 10
 # Positions 0..19 get a bucket each and 20+ shares one: the paper caps a round at 20 candidates.
@@ -67,6 +73,24 @@ def soft_label_auroc(
     neg_below = torch.cumsum(neg_g, 0) - neg_g  # [G] negative mass with a strictly lower score
     wins = (pos_g * (neg_below + 0.5 * neg_g)).sum()
     return float(wins) / (total_pos * total_neg)
+
+
+# Single-feature rules: name -> (column of the scalar features, sign making "higher = accept").
+SINGLE_FEATURE_RULES = {
+    "q_token": ("log_q_token", 1.0),
+    "top1_probability": ("log_top1", 1.0),  # HF's confidence rule
+    "margin": ("log_margin", 1.0),
+    "entropy": ("entropy", -1.0),  # SVIP's rule, negated
+}
+
+
+def feature_aurocs(
+    scalars: torch.Tensor,  # [N, S] the draft-distribution features (specdec/features.py order)
+    soft_labels: torch.Tensor,  # [N] P_i
+) -> dict[str, float]:
+    """The soft-label AUROC of each single feature as the score (SINGLE_FEATURE_RULES)."""
+    return {name: soft_label_auroc(sign * _f64(scalars[:, SCALAR_FEATURES.index(column)]), soft_labels)
+            for name, (column, sign) in SINGLE_FEATURE_RULES.items()}
 
 
 @dataclass(frozen=True)

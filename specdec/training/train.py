@@ -6,10 +6,12 @@ Steps, each its own function:
    non-empty and intact (sha256) -- all before any Ray work.
 2. `cache_features` (a Ray task, on a GPU when the scaling section asks for one): for every
    sequence one mixing draw Z (r of the tokens from the target's X, the rest from the draft's Y,
-   seeded per prompt), one frozen-draft forward pass over prompt + Z, and the final hidden state
-   e_i(prompt, Z_<i, Y_i) kept at the positions that took Y_i, with P_i and the response position.
-   Saved once as a tensor file in the run's storage directory, keyed by the data's shards, the
-   draft and the mixing settings.
+   seeded per prompt), one frozen-draft forward pass over prompt + Z, and at the positions that
+   took Y_i: the hidden state the head reads (`train.features`: the paper's e_i(prompt, Z_<i, Y_i),
+   or for `hidden+distribution` the state at Z_{i-1} that q_i comes from), the draft-distribution
+   features of Y_i (specdec/features.py; always kept, for the single-feature AUROCs), P_i and the
+   response position. Saved once as a tensor file in the run's storage directory, keyed by the
+   data's shards, the draft, the mixing settings, the feature kind and `FEATURE_FORMAT`.
    Why cache: the draft's forward pass is >99% of the compute (a 0.5B model against a head of a few
    MB) and does not depend on the head, so every epoch, every resumed run and all 20 runs of the D x
    w_rej sweep read the same features instead of re-running the draft; on this CPU that turns hours
@@ -21,8 +23,10 @@ Steps, each its own function:
    through `ray.train.report`. Re-running with the same `train.storage` and `train.name` resumes
    from the latest checkpoint (Ray Train restores the run; `ray.train.get_checkpoint` hands it to
    the loop), so raising `epochs` continues a finished run.
-4. The last checkpoint's head is saved in specdec.head's format (with the draft's identity) plus
-   `training.json` (settings, data counts, per-epoch history, final metrics).
+4. The last checkpoint's head is calibrated on the validation tokens (calibration.py, unless
+   `train.calibrate` is off) and saved in specdec.head's format (with the draft's identity) plus
+   `training.json` (settings, data counts, per-epoch history, final metrics, the single features'
+   AUROCs, the calibration with ECE before and after).
 """
 
 from __future__ import annotations
@@ -37,10 +41,15 @@ from pathlib import Path
 import torch
 
 from specdec.errors import SpecDecError
+from specdec.features import (
+    FEATURES_DISTRIBUTION, FEATURES_HIDDEN, NUM_SCALAR_FEATURES, distribution_features, round_positions,
+)
 from specdec.head import AcceptanceHead, HeadConfig
+from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.training.calibration import calibration_report
 from specdec.training.config import SELECT_BY, ConfigError, PipelineConfig, TrainSection
 from specdec.training.data import SPLITS, load_dataset
-from specdec.training.evaluation import evaluate_head
+from specdec.training.evaluation import evaluate_head, feature_aurocs
 from specdec.training.loss import weighted_bce_loss
 from specdec.training.mixing import mix_tokens
 
@@ -48,6 +57,10 @@ FEATURES_SUBDIR = "features"
 STATE_FILE, METRICS_FILE, HISTORY_FILE = "state.pt", "metrics.json", "history.json"
 REPORT_FILE = "training.json"
 FEATURE_DTYPE = torch.float16  # halves the cache; the head trains in fp32
+# Version of the feature cache's layout and meaning: part of its key, and checked when it is read,
+# so a cache written by another version is recomputed, never misread.
+# 1: hidden, labels, positions (the paper's e_i only). 2: + scalars, the kind of hidden state, format.
+FEATURE_FORMAT = 2
 CHECKPOINTS_TO_KEEP = 2
 # Settings that may change when a run resumes (all others would make the checkpoint meaningless).
 RESUMABLE_CHANGES = ("epochs", "output")
@@ -61,26 +74,62 @@ def mixing_generator(seed: int, prompt_id: str) -> torch.Generator:
 
 
 @torch.inference_mode()
-def sequence_features(draft_model, row: dict, ratio: float, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(hidden [M, H], labels [M], positions [M]) at the M draft positions of one mixed sequence.
+def sequence_features(draft_model, row: dict, ratio: float, seed: int, features: str = FEATURES_HIDDEN,
+                      sampling: SamplingParams = SamplingParams()) -> dict[str, torch.Tensor]:
+    """The head's training features at the M draft positions of one mixed sequence:
+    {"hidden" [M, H] fp16, "scalars" [M, S] fp32, "labels" [M], "positions" [M] (response positions)}.
 
-    The draft reads prompt + Z; its final hidden state at response position i is e(prompt, Z_<i, Z_i),
-    which is e(prompt, Z_<i, Y_i) exactly where Z_i was taken from Y (mixing.py)."""
+    The draft reads prompt + Z once. At response position i its final hidden state at Z_i is
+    e(prompt, Z_<i, Z_i), which is e(prompt, Z_<i, Y_i) exactly where Z_i was taken from Y
+    (mixing.py): the paper's input. The state at the token before Z_i (the prompt's last token for
+    i = 0) is the one the draft's q_i comes from: what a `hidden+distribution` head reads at
+    drafting step i (`DraftStep.hidden`), with q_i's features at Y_i, q_i through `sampling` as the
+    drafting loop transforms it (`probs_from_logits`: plain softmax when greedy), and Y_i's
+    position in its run of draft tokens (features.round_positions).
+
+    Worked example: prompt [a b], Z [z0 z1 z2]: the pass reads [a b z0 z1 z2]; position 1's paper
+    state is the output at z1, its `hidden+distribution` state and q_1 the output at z0."""
+    if features not in (FEATURES_HIDDEN, FEATURES_DISTRIBUTION):
+        raise ValueError(f"unknown head features {features!r}")
     x = torch.tensor(row["response_ids"], dtype=torch.long)  # [N]
     y = torch.tensor(row["draft_ids"], dtype=torch.long)  # [N]
     z, is_draft = mix_tokens(x, y, ratio, mixing_generator(seed, row["prompt_id"]))  # [N], [N]
+    n, prompt_len = len(x), len(row["prompt_ids"])
     device = next(draft_model.parameters()).device
     ids = torch.tensor([list(row["prompt_ids"]) + z.tolist()], dtype=torch.long, device=device)
-    hidden = draft_model.model(input_ids=ids).last_hidden_state[0, -len(x):]  # [N, H]
+    states = draft_model.model(input_ids=ids).last_hidden_state[0]  # [P + N, H]
+    after = states[prompt_len:prompt_len + n]  # [N, H] the state at Z_i
+    before = states[prompt_len - 1:prompt_len - 1 + n]  # [N, H] the state q_i comes from
+    hidden = after if features == FEATURES_HIDDEN else before
+    # q_i at the draft positions only: [M, V] (the LM head over every position would cost N x V)
+    q = probs_from_logits(draft_model.lm_head(before[is_draft.to(device)]).float(), sampling).cpu()
+    scalars = distribution_features(q, y[is_draft], round_positions(is_draft)[is_draft])
     labels = torch.tensor(row["labels"], dtype=torch.float32)
-    positions = torch.arange(len(x))
-    return hidden.cpu()[is_draft].to(FEATURE_DTYPE), labels[is_draft], positions[is_draft]
+    return {"hidden": hidden.cpu()[is_draft].to(FEATURE_DTYPE), "scalars": scalars,
+            "labels": labels[is_draft], "positions": torch.arange(n)[is_draft]}
 
 
 def feature_key(manifest: dict, train: TrainSection) -> str:
     shards = [s["sha256"] for s in manifest["shards"]]
-    blob = json.dumps([manifest["settings"]["draft_identity"], shards, train.mixing_ratio, train.mixing_seed])
+    blob = json.dumps([manifest["settings"]["draft_identity"], shards, train.mixing_ratio, train.mixing_seed,
+                       train.features, FEATURE_FORMAT])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def label_sampling(manifest: dict) -> SamplingParams:
+    """The sampling transform the data's labels were made with: the features see q through it."""
+    labels = manifest["settings"].get("labels", {})
+    return SamplingParams(temperature=labels.get("temperature", 1.0), top_p=labels.get("top_p", 1.0),
+                          top_k=labels.get("top_k", 0))
+
+
+def load_features(path: str | Path) -> dict:
+    """A feature cache, refused when another `FEATURE_FORMAT` wrote it."""
+    features = torch.load(path, weights_only=True)
+    if features.get("format") != FEATURE_FORMAT:
+        raise SpecDecError(f"feature cache {path} has format {features.get('format', 1)}, this version reads "
+                           f"{FEATURE_FORMAT}: delete it to recompute")
+    return features
 
 
 def compute_features(config: PipelineConfig, data_dir: str, out_path: str) -> str:
@@ -97,19 +146,16 @@ def compute_features(config: PipelineConfig, data_dir: str, out_path: str) -> st
     model = draft.model
     if scaling.use_gpu and torch.cuda.is_available():
         model = model.to("cuda")
-    features = {}
+    sampling = label_sampling(manifest)
+    empty = {"hidden": torch.empty(0, draft.hidden_size, dtype=FEATURE_DTYPE),
+             "scalars": torch.empty(0, NUM_SCALAR_FEATURES), "labels": torch.empty(0),
+             "positions": torch.empty(0, dtype=torch.long)}
+    features: dict = {"format": FEATURE_FORMAT, "features": train.features}
     for split in SPLITS:
-        hidden, labels, positions = [], [], []
-        for row in tqdm([r for r in rows if r["split"] == split and r["labels"]], desc=f"features ({split})",
-                        unit="seq"):
-            h, p, pos = sequence_features(model, row, train.mixing_ratio, train.mixing_seed)
-            hidden.append(h), labels.append(p), positions.append(pos)
-        size = draft.hidden_size
-        features[split] = {
-            "hidden": torch.cat(hidden) if hidden else torch.empty(0, size, dtype=FEATURE_DTYPE),
-            "labels": torch.cat(labels) if labels else torch.empty(0),
-            "positions": torch.cat(positions) if positions else torch.empty(0, dtype=torch.long),
-        }
+        parts = [sequence_features(model, row, train.mixing_ratio, train.mixing_seed, train.features, sampling)
+                 for row in tqdm([r for r in rows if r["split"] == split and r["labels"]],
+                                 desc=f"features ({split})", unit="seq")]
+        features[split] = {k: torch.cat([p[k] for p in parts]) if parts else v for k, v in empty.items()}
     features["hidden_size"] = draft.hidden_size
     features["draft_identity"] = manifest["settings"]["draft_identity"]
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
@@ -121,19 +167,34 @@ def compute_features(config: PipelineConfig, data_dir: str, out_path: str) -> st
 
 # -- the Ray Train loop --------------------------------------------------------------------------
 
+def new_head(train: TrainSection, features: dict) -> AcceptanceHead:
+    """An untrained head for the cached features, its input standardised on the training split."""
+    head = AcceptanceHead(HeadConfig(hidden_size=features["hidden_size"], depth=train.depth,
+                                     draft_identity=features["draft_identity"], features=train.features))
+    split = features["train"]
+    # every worker sees the same features
+    head.fit_input_statistics(split["hidden"], split["scalars"] if train.features == FEATURES_DISTRIBUTION else None)
+    return head
+
+
+def head_inputs(features: str, split: dict, index: torch.Tensor | slice) -> torch.Tensor:
+    """The head's inputs [B, I] fp32 for rows `index` of a feature split (AcceptanceHead.head_inputs;
+    a function, because the Ray Train model is wrapped)."""
+    hidden = split["hidden"][index].float()  # [B, H]
+    return hidden if features == FEATURES_HIDDEN else torch.cat([hidden, split["scalars"][index].float()], dim=-1)
+
+
 def train_loop(loop_config: dict) -> None:
     """Runs on every Ray Train worker: the head on cached features, one report per epoch."""
     import ray.train
     import ray.train.torch
 
     train = TrainSection(**loop_config["train"])
-    features = torch.load(loop_config["features"], weights_only=True)
+    features = load_features(loop_config["features"])
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     torch.manual_seed(train.seed)
-    head = AcceptanceHead(HeadConfig(hidden_size=features["hidden_size"], depth=train.depth,
-                                     draft_identity=features["draft_identity"]))
-    head.fit_input_statistics(features["train"]["hidden"])  # every worker sees the same features
+    head = new_head(train, features)
     optimizer = torch.optim.AdamW(head.parameters(), lr=train.lr, weight_decay=train.weight_decay)
     start_epoch, history = 0, []
     checkpoint = ray.train.get_checkpoint()
@@ -173,9 +234,9 @@ def train_epoch(model, optimizer, train_set: dict, order: torch.Tensor, train: T
     total, count = 0.0, 0
     for start in range(0, len(order), train.batch_size):
         index = order[start:start + train.batch_size]
-        hidden = train_set["hidden"][index].float().to(device)  # [B, H]
+        inputs = head_inputs(train.features, train_set, index).to(device)  # [B, I]
         labels = train_set["labels"][index].to(device)  # [B]
-        loss = weighted_bce_loss(model(hidden), labels, w_acc=train.w_acc, w_rej=train.w_rej,
+        loss = weighted_bce_loss(model(inputs), labels, w_acc=train.w_acc, w_rej=train.w_rej,
                                  reduction=train.reduction)
         optimizer.zero_grad()
         loss.backward()
@@ -187,15 +248,22 @@ def train_epoch(model, optimizer, train_set: dict, order: torch.Tensor, train: T
 @torch.no_grad()
 def validate(head: AcceptanceHead, val_set: dict, train: TrainSection, device) -> tuple[dict, dict]:
     """(scalar metrics for ray.train.report, the full metrics with reliability and per position)."""
-    head.eval()
-    logits = torch.cat([head(val_set["hidden"][i:i + train.batch_size].float().to(device)).cpu()
-                        for i in range(0, len(val_set["labels"]), train.batch_size)] or [torch.empty(0)])
+    logits = raw_logits(head, val_set, train, device)
     labels = val_set["labels"]
     result = evaluate_head(logits, labels, positions=val_set["positions"])
     loss = float(weighted_bce_loss(logits, labels, w_acc=train.w_acc, w_rej=train.w_rej, reduction=train.reduction))
     scalars = {f"val_{k}": v for k, v in result.scalars().items()}
     scalars["val_loss"] = loss
     return scalars, {"val_loss": loss, **result.to_dict()}
+
+
+@torch.no_grad()
+def raw_logits(head: AcceptanceHead, split: dict, train: TrainSection, device="cpu") -> torch.Tensor:
+    """The head's uncalibrated logits [N] over a feature split, in batches."""
+    head.eval()
+    n = len(split["labels"])
+    return torch.cat([head(head_inputs(train.features, split, slice(i, i + train.batch_size)).to(device)).cpu()
+                      for i in range(0, n, train.batch_size)] or [torch.empty(0)])
 
 
 # -- the job -------------------------------------------------------------------------------------
@@ -234,7 +302,9 @@ def check_run_settings(train: TrainSection) -> None:
     wanted = train.model_dump(exclude=set(RESUMABLE_CHANGES))
     if path.is_file():
         found = json.loads(path.read_text())
-        changed = sorted(k for k in wanted if found.get(k) != wanted[k])
+        # a setting added after the run started holds its default there
+        defaults = {k: TrainSection.model_fields[k].default for k in wanted}
+        changed = sorted(k for k in wanted if found.get(k, defaults[k]) != wanted[k])
         if changed:
             raise ConfigError(f"run {train.name!r} in {train.storage} was started with other settings "
                               f"({', '.join(changed)}); choose another train.name to start a new run")
@@ -260,22 +330,29 @@ def fit_head(config: PipelineConfig, train: TrainSection, features: str):
     return trainer.fit()
 
 
-def save_result(result, train: TrainSection, draft_identity: str, draft_name: str, manifest: dict) -> dict:
-    """Save the head of the run's last checkpoint to `train.output` with its report; returns the report."""
+def save_result(result, train: TrainSection, draft_identity: str, draft_name: str, manifest: dict,
+                features: str) -> dict:
+    """Save the head of the run's last checkpoint to `train.output` with its report, calibrated on the
+    validation features when `train.calibrate`; returns the report."""
     if result.checkpoint is None:
         raise SpecDecError(f"training run {train.name!r} produced no checkpoint")
     with result.checkpoint.as_directory() as directory:
         state = torch.load(Path(directory) / STATE_FILE, weights_only=True)
         final = json.loads((Path(directory) / METRICS_FILE).read_text())
         history = json.loads((Path(directory) / HISTORY_FILE).read_text())
-    hidden_size = state["head"]["out.weight"].shape[1]
-    head = AcceptanceHead(HeadConfig(hidden_size=hidden_size, depth=train.depth, draft_identity=draft_identity,
-                                     draft_name=draft_name))
+    cached = load_features(features)
+    head = AcceptanceHead(HeadConfig(hidden_size=cached["hidden_size"], depth=train.depth,
+                                     draft_identity=draft_identity, draft_name=draft_name, features=train.features))
     head.load_state_dict(state["head"])
-    head.save(train.output)
+    val_set = cached["validation"]
     report = {"train": train.model_dump(), "data": {"dir": manifest.get("dir"), "counts": manifest["counts"],
                                                      "prompt_source": manifest.get("prompt_source")},
-              "epochs": history, "final": final}
+              "epochs": history, "final": final,
+              "feature_auroc": {"head": final.get("auroc"), **feature_aurocs(val_set["scalars"], val_set["labels"])}}
+    if train.calibrate:
+        platt, report["calibration"] = calibration_report(raw_logits(head, val_set, train), val_set["labels"])
+        head.config.calibration = platt
+    head.save(train.output)
     (Path(train.output) / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     return report
 
@@ -290,7 +367,7 @@ def train_head(config: PipelineConfig) -> dict:
     if not ray.is_initialized():
         ray.init()
     features = ensure_features(config, manifest)
-    return save_result(fit_head(config, train, features), train, identity, name, manifest)
+    return save_result(fit_head(config, train, features), train, identity, name, manifest, features)
 
 
 def select_run(runs: list[dict], metric: str) -> dict:
@@ -321,7 +398,7 @@ def sweep_heads(config: PipelineConfig) -> dict:
         for w_rej in sweep.w_rej:
             run = train.model_copy(update={"depth": depth, "w_rej": w_rej, "name": f"{train.name}-D{depth}-wrej{w_rej:g}",
                                            "output": str(Path(train.output) / "sweep" / f"D{depth}-wrej{w_rej:g}")})
-            report = save_result(fit_head(config, run, features), run, identity, name, manifest)
+            report = save_result(fit_head(config, run, features), run, identity, name, manifest, features)
             value = report["epochs"][-1][f"val_{metric}"]
             runs.append({"depth": depth, "w_rej": w_rej, "output": run.output, f"val_{metric}": value,
                          **{k: report["epochs"][-1][k] for k in ("val_kl", "val_auroc", "val_ece", "val_loss")}})

@@ -15,6 +15,7 @@ fixed seeds.
 from __future__ import annotations
 
 import copy
+import json
 from collections import Counter
 
 import numpy as np
@@ -24,7 +25,9 @@ import torch
 import asyncio
 
 import specdec.workers
+from specdec.cost_profile import PROFILE_ENV, CostProfile
 from specdec.engine import SpecDecEngine
+from specdec.features import FEATURES_DISTRIBUTION, SCALAR_FEATURES
 from specdec.params import GenerationParams
 from specdec.head import AcceptanceHead, HeadConfig
 from specdec.metrics import RequestStats
@@ -199,6 +202,37 @@ def test_sampled_outputs_follow_the_target_distribution(sampled_engine, monkeypa
         assert pvalue > SIGNIFICANCE, f"first {length} token(s): chi-squared p = {pvalue:.2e}"
 
 
+def q_reading_head(cost_profile: CostProfile) -> AcceptanceHead:
+    """A `hidden+distribution` linear probe on log q(y_i) alone: a = sigmoid(2 log q(y_i) + 1)."""
+    head = AcceptanceHead(HeadConfig(hidden_size=16, depth=0, draft_identity="test", features=FEATURES_DISTRIBUTION,
+                                     cost_profile=cost_profile))
+    with torch.no_grad():
+        head.out.weight.zero_()
+        head.out.weight[0, 16 + SCALAR_FEATURES.index("log_q_token")] = 2.0
+        head.out.bias.fill_(1.0)
+    return head.eval()
+
+
+def test_cost_aware_rounds_with_k_zero_stay_lossless(sampled_engine, monkeypatch):
+    """specdec++cost with a head judging y_i at step i: rounds of K = 0 (DROP_LAST at i = 1: plain
+    decoding), 1 and 2 in one run, and the output still follows the target. (A keep test that read
+    a(y_i) of the sampled y_i itself fails here with p ~ 1e-6: policies/base.py.)"""
+    profile = CostProfile(t_draft_ms=1.0, t_target_ms={1: 10.0, 2: 14.0, 4: 18.0, 8: 26.0})
+    monkeypatch.setattr(sampled_engine.draft_worker, "head", q_reading_head(profile))
+    spy = DecisionSpy(specdec.workers.make_policy)
+    monkeypatch.setattr(specdec.workers, "make_policy", spy)
+    sampling = SAMPLINGS["temperature-1"]
+    completions, stats = sample_completions(sampled_engine, PolicyConfig(name="specdec++cost", k=4), sampling,
+                                            SAMPLES_PER_CASE, seed=1000)
+    assert all(spy.decisions[d] > 0 for d in Decision), spy.decisions
+    assert {0, 1, 2} <= set(stats.k_histogram)
+    target = sampled_engine.target.model
+    for length in (1, 2, 3):
+        pvalue = chi2_pvalue(prefix_counts(completions, length, SAMPLED_VOCAB),
+                             target_joint(target, SAMPLED_PROMPT, sampling, length))
+        assert pvalue > SIGNIFICANCE, f"first {length} token(s): chi-squared p = {pvalue:.2e}"
+
+
 def test_a_draft_that_never_proposes_some_tokens_stays_lossless(monkeypatch):
     """q = 0 off a trimmed draft vocabulary (models/vocab.py): the target's tokens 3 and 4 come only
     from corrections drawn from the residual, and the output still follows the target."""
@@ -306,6 +340,20 @@ def test_greedy_output_equals_target_greedy(greedy_engine, policy_name):
         assert total.discarded_tokens == 0 and total.accepted_tokens > 0
     if policy_name == "target-only":
         assert total.draft_tokens == 0 and total.target_forward_passes == total.generated_tokens
+
+
+def test_cost_aware_policy_that_never_drafts_is_plain_decoding(greedy_engine, tmp_path, monkeypatch):
+    """A profile where no round can pay (llama.cpp's measured curve, DESIGN.md §5): the draft never
+    runs, every round verifies zero candidates, and the output is the target's greedy output."""
+    path = tmp_path / "llama-cpp.json"
+    path.write_text(json.dumps({"t_draft_ms": 22, "t_target_ms": {"1": 35, "2": 65, "4": 110, "8": 237, "16": 305}}))
+    monkeypatch.setenv(PROFILE_ENV, str(path))
+    params = GenerationParams(max_new_tokens=GREEDY_NEW_TOKENS, policy=PolicyConfig(name="specdec++cost"))
+    for prompt in GREEDY_PROMPTS:
+        result = greedy_engine.generate_ids(prompt, params)
+        assert result.completions[0].token_ids == target_greedy(greedy_engine.target.model, prompt, GREEDY_NEW_TOKENS)
+        assert result.stats.draft_tokens == 0 and result.stats.target_forward_passes == GREEDY_NEW_TOKENS
+        assert set(result.stats.k_histogram) == {0}
 
 
 def test_greedy_output_with_a_trimmed_draft_vocabulary_equals_target_greedy():

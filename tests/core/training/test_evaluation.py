@@ -174,3 +174,25 @@ def test_evaluate_head_without_positions_and_bad_positions():
         evaluate_head(logits, labels, torch.tensor([0, 1, -1, 2]))
     with pytest.raises(ValueError, match="same shape"):
         evaluate_head(logits, labels[:3])
+
+
+def test_single_feature_aurocs_score_each_rule_alone():
+    """Labels driven by q(y_i): its AUROC is the ranking's; entropy counts negated (SVIP: high
+    entropy predicts rejection), so an entropy that falls as q(y) rises scores above 1/2."""
+    from specdec.features import SCALAR_FEATURES
+    from specdec.training.evaluation import SINGLE_FEATURE_RULES, feature_aurocs
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.rand(3000, generator=generator) * 0.98 + 0.01
+    scalars = torch.zeros(3000, len(SCALAR_FEATURES))
+    scalars[:, SCALAR_FEATURES.index("log_q_token")] = q.log()
+    scalars[:, SCALAR_FEATURES.index("log_top1")] = torch.rand(3000, generator=generator).log()  # noise
+    scalars[:, SCALAR_FEATURES.index("log_margin")] = -q.log()  # reversed on purpose
+    scalars[:, SCALAR_FEATURES.index("entropy")] = 1.0 - q
+    labels = q ** 2
+    aurocs = feature_aurocs(scalars, labels)
+    assert set(aurocs) == set(SINGLE_FEATURE_RULES)
+    assert aurocs["q_token"] == pytest.approx(soft_label_auroc(q, labels)) and aurocs["q_token"] > 0.7
+    assert aurocs["entropy"] == pytest.approx(aurocs["q_token"])
+    assert aurocs["margin"] == pytest.approx(1.0 - aurocs["q_token"])
+    assert abs(aurocs["top1_probability"] - 0.5) < 0.05

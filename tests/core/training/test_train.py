@@ -10,13 +10,22 @@ import pytest
 import torch
 
 from specdec.builder import EngineConfig, build_draft
-from specdec.errors import IncompatibleModelsError
+from specdec.errors import IncompatibleModelsError, SpecDecError
+from specdec.features import FEATURES_DISTRIBUTION, FEATURES_HIDDEN, NUM_SCALAR_FEATURES, distribution_features
 from specdec.head import AcceptanceHead, HeadConfig, load_head
+from specdec.policies import FixedK
+from specdec.policies.specdec_pp import judged_acceptance
+from specdec.rounds import DraftRow, propose
+from specdec.sampling import SamplingParams
 from specdec.training.config import ConfigError, TrainSection, parse_config
 from specdec.training.mixing import mix_tokens
 from specdec.training.train import (
+    FEATURE_FORMAT,
     REPORT_FILE,
     check_run_settings,
+    head_inputs,
+    load_features,
+    new_head,
     mixing_generator,
     select_run,
     sequence_features,
@@ -57,7 +66,8 @@ def test_features_are_the_draft_states_at_draft_positions(tiny_pair):
     draft, _ = build_draft(EngineConfig(draft=str(tiny_pair[0]), draft_format="fp32"), progress=False)
     row = {"prompt_id": "p", "prompt_ids": [257, 40, 41], "response_ids": [50, 51, 52, 53, 54, 55],
            "draft_ids": [60, 61, 62, 63, 64, 65], "labels": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]}
-    hidden, labels, positions = sequence_features(draft.model, row, ratio=0.5, seed=3)
+    features = sequence_features(draft.model, row, ratio=0.5, seed=3)
+    hidden, labels, positions = features["hidden"], features["labels"], features["positions"]
     z, is_draft = mix_tokens(torch.tensor(row["response_ids"]), torch.tensor(row["draft_ids"]), 0.5,
                              mixing_generator(3, "p"))
     assert positions.tolist() == torch.nonzero(is_draft).flatten().tolist() and 0 < len(positions) < 6
@@ -94,6 +104,10 @@ def test_train_resume_and_saved_head(tiny_dataset, tiny_pair, tmp_path):
     final = report["final"]
     assert {"val_loss", "kl", "auroc", "ece", "reliability", "per_position"} <= set(final)
     assert report["data"]["counts"]["train_tokens"] == 60
+    assert set(report["feature_auroc"]) == {"head", "q_token", "top1_probability", "margin", "entropy"}
+    calibration = report["calibration"]  # train.calibrate is on by default: fitted and saved with the head
+    assert (head.config.calibration.scale, head.config.calibration.bias) == (calibration["scale"], calibration["bias"])
+    assert {"ece_before", "ece_after", "reliability_before", "reliability_after"} <= set(calibration)
 
 
 def test_training_refuses_a_foreign_dataset(tiny_dataset, tmp_path):
@@ -125,3 +139,71 @@ def test_sweep_selection():
             {"depth": 4, "val_auroc": math.nan, "val_kl": math.nan}]
     assert select_run(runs, "auroc")["depth"] == 3
     assert select_run(runs, "kl")["depth"] == 0
+
+
+def test_rich_features_in_training_equal_what_the_policy_sees(tiny_pair):
+    """A round drafted by the real loop (T = 1, so q(y_i) is not always the top-1), replayed as a
+    training row whose Z is the round's candidates: the `hidden+distribution` inputs match step by
+    step (the hidden state q_i came from, q_i's features at y_i, the position i), and so does the
+    head's judgement."""
+    draft, _ = build_draft(EngineConfig(draft=str(tiny_pair[0]), draft_format="fp32"), progress=False)
+    sampling = SamplingParams(temperature=1.0, top_k=50)
+    steps = []
+
+    class Recording(FixedK):
+        def decide(self, step):
+            steps.append(step)
+            return super().decide(step)
+
+    history = [257, 40, 41, 42, 43]
+    row = DraftRow(draft.new_session(), history, Recording(6), 6, 0, sampling, torch.Generator().manual_seed(5))
+    candidates = propose(draft, [row])[0].candidates
+    assert len(candidates) == len(steps) == 6
+    training_row = {"prompt_id": "p", "prompt_ids": history, "response_ids": candidates, "draft_ids": candidates,
+                    "labels": [0.5] * 6}
+    cached = sequence_features(draft.model, training_row, ratio=0.0, seed=0, features=FEATURES_DISTRIBUTION,
+                               sampling=sampling)  # r = 0: every token from Y, positions 1..6
+    torch.manual_seed(0)
+    head = AcceptanceHead(HeadConfig(hidden_size=draft.hidden_size, depth=1, draft_identity="x",
+                                     features=FEATURES_DISTRIBUTION)).eval()
+    head.fit_input_statistics(cached["hidden"], cached["scalars"])
+    for i, step in enumerate(steps):
+        assert step.index == i + 1 and step.token == candidates[i]
+        torch.testing.assert_close(cached["scalars"][i], distribution_features(
+            step.probs, torch.tensor(step.token), torch.tensor(step.index)), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(cached["hidden"][i].float(), step.hidden, atol=2e-3, rtol=2e-3)  # fp16 cache
+        with torch.no_grad():
+            training_view = float(torch.sigmoid(head(head_inputs(FEATURES_DISTRIBUTION, cached, slice(i, i + 1)))))
+        assert judged_acceptance(head, step) == pytest.approx(training_view, abs=1e-3)
+    assert cached["scalars"][:, -1].exp().round().tolist() == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_feature_cache_refuses_another_format(tmp_path):
+    path = tmp_path / "features.pt"
+    torch.save({"hidden_size": 4, "train": {}}, path)  # format 1 wrote no "format"
+    with pytest.raises(SpecDecError, match="format 1"):
+        load_features(path)
+    torch.save({"format": FEATURE_FORMAT}, path)
+    assert load_features(path)["format"] == FEATURE_FORMAT
+
+
+def test_a_rich_head_trains_on_scalar_features():
+    """Acceptance decided by a scalar feature only: the rich head learns it, the hidden-only head cannot."""
+    generator = torch.Generator().manual_seed(0)
+
+    def split(n):
+        scalars = torch.randn(n, NUM_SCALAR_FEATURES, generator=generator)
+        return {"hidden": torch.randn(n, 8, generator=generator).half(), "scalars": scalars,
+                "labels": torch.sigmoid(6.0 * scalars[:, 0]), "positions": torch.arange(n) % 25}
+
+    features = {"hidden_size": 8, "draft_identity": "x", "train": split(2048), "validation": split(512)}
+    aurocs = {}
+    for kind in (FEATURES_HIDDEN, FEATURES_DISTRIBUTION):
+        config = TrainSection(**TRAIN, depth=1, w_rej=1.0, batch_size=64, lr=1e-2, features=kind)
+        torch.manual_seed(0)
+        head = new_head(config, features)
+        optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr)
+        for _ in range(3):
+            train_epoch(head, optimizer, features["train"], torch.randperm(2048), config)
+        aurocs[kind] = validate(head, features["validation"], config, "cpu")[0]["val_auroc"]
+    assert aurocs[FEATURES_DISTRIBUTION] > 0.9 and aurocs[FEATURES_HIDDEN] < 0.65
