@@ -28,7 +28,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                        help="kernels: llamacpp reads GGUF files as they are; torch runs HF models (GGUF converted "
                             "to fp32 once); auto = llamacpp for default and .gguf on CPU, else torch")
     group.add_argument("--llamacpp-context", type=int, default=None,
-                       help="llama.cpp cache positions per model, shared by all sessions (default 16384)")
+                       help="llama.cpp cache positions per model, shared by all sessions (default 8192)")
     group.add_argument("--threads", type=int, default=None, help="CPU threads (torch and llama.cpp)")
     group.add_argument("--device", default="auto", help="where the models run: auto (a GPU when present), cpu, cuda, cuda:N")
     group = parser.add_argument_group("batching (sessions share every forward pass)")

@@ -11,7 +11,9 @@ along the nearest segment's slope (a single point: flat).
 
 Where a profile comes from, first found wins: the file named by the environment variable
 `SPECDEC_COST_PROFILE` (a profile JSON as below, or a bench `results.json` / `notes.json`, whose
-`forward_times` it converts), the `cost_profile` of the head's head.json, else `DEFAULT_PROFILE`.
+`forward_times` it converts), the `cost_profile` of the head's head.json, else the default profile
+of the runtime the draft runs on (`DEFAULT_PROFILES`: the default pair measured on the project's
+2-core CPU; another machine or pair should measure its own with `specdec bench`).
 
     {"t_draft_ms": 22, "t_target_ms": {"1": 35, "2": 65, "4": 110, "8": 237, "16": 305}}
 """
@@ -101,12 +103,19 @@ DEFAULT_PROFILE = CostProfile(t_draft_ms=50.0, t_target_ms={1: 250.0, 2: 297.0, 
                               source="default pair, HF fp32, 2-core CPU (docs/results/bench-humaneval)")
 
 
-def resolve_profile(head_profile: CostProfile | None) -> CostProfile:
-    """The environment's file, else the head's profile, else the default (module docstring)."""
+# The default pair on llama.cpp's kernels (models/llamacpp.py), same CPU: `python benchmarks/forward_times.py
+# --formats llamacpp` (docs/performance.md); t_draft adds ~1 ms for sampling and the policy.
+LLAMACPP_PROFILE = CostProfile(t_draft_ms=35.0, t_target_ms={1: 62.0, 2: 94.0, 4: 101.0, 8: 179.0, 16: 216.0},
+                               source="default pair, llama.cpp Q4_K_M, 2-core Intel Xeon (docs/performance.md)")
+DEFAULT_PROFILES = {"torch": DEFAULT_PROFILE, "llamacpp": LLAMACPP_PROFILE}
+
+
+def resolve_profile(head_profile: CostProfile | None, runtime: str = "torch") -> CostProfile:
+    """The environment's file, else the head's profile, else the runtime's default (module docstring)."""
     path = os.environ.get(PROFILE_ENV)
     if path:
         return _load_cached(path, _mtime(path))
-    return head_profile if head_profile is not None else DEFAULT_PROFILE
+    return head_profile if head_profile is not None else DEFAULT_PROFILES.get(runtime, DEFAULT_PROFILE)
 
 
 _CACHE: dict[tuple[str, float], CostProfile] = {}

@@ -1,7 +1,14 @@
-"""The real default pair (Qwen2.5-Coder 0.5B -> 1.5B) on HumanEval prompts. Minutes on CPU;
-run with `python -m pytest -m slow --run-slow`."""
+"""The real default pair (Qwen2.5-Coder 0.5B -> 1.5B) on HumanEval prompts, on both runtimes.
+Minutes on CPU; run with `python -m pytest -m slow --run-slow`.
+
+On llama.cpp a token's logits depend slightly on how many tokens share its pass (its kernels differ
+by batch size; docs/performance.md), so a verification pass can pick another token than one-token
+decoding where the target's top two are nearly tied. There, speculative output must equal
+target-only output up to its first difference, and that difference must sit at a near-tie of the
+target-only pass."""
 
 import pytest
+import torch
 
 from specdec.params import build_params
 from specdec.prompts import humaneval_prompts
@@ -9,13 +16,25 @@ from specdec.prompts import humaneval_prompts
 pytestmark = pytest.mark.slow
 
 NUM_PROMPTS, NEW_TOKENS = 3, 48
+NEAR_TIE = 1.0  # logits; one token's logits move by up to ~0.8 between pass sizes on llama.cpp
 
 
-@pytest.fixture(scope="module")
-def default_engine():
+@pytest.fixture(scope="module", params=["llamacpp", "torch"])
+def default_engine(request):
     from specdec.builder import EngineConfig, build_engine
 
-    return build_engine(EngineConfig(), progress=False)
+    return build_engine(EngineConfig(runtime=request.param), progress=False)
+
+
+def assert_equals_target_only(engine, prompt_ids: list[int], got: list[int], expected: list[int], what=""):
+    if got == expected or engine.target.kind != "llamacpp":
+        assert got == expected, what
+        return
+    first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+    session = engine.target.new_session()
+    logits = engine.target.score([session], [list(prompt_ids) + expected[:first]], [[]])[0][0]
+    top = torch.topk(logits, 2).values
+    assert float(top[0] - top[1]) < NEAR_TIE, f"{what}: differs at token {first}, not a near-tie"
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +44,15 @@ def target_greedy(default_engine):
 
 
 @pytest.mark.parametrize("flags", [{"policy": "fixed", "k": 4}, {"policy": "svip"}, {"policy": "confidence"},
-                                   {"policy": "heuristic"}, {"policy": "oracle"}, {"policy": "specdec++"}, {}],
+                                   {"policy": "heuristic"}, {"policy": "oracle"}, {"policy": "specdec++"},
+                                   {"policy": "specdec++cost"}, {}],
                          ids=lambda f: f.get("policy", "default"))
 def test_greedy_equals_target_only(default_engine, target_greedy, flags):
     params = build_params(max_new_tokens=NEW_TOKENS, **flags)
     for prompt, expected in zip(humaneval_prompts(NUM_PROMPTS), target_greedy):
         result = default_engine.generate(prompt, params)
-        assert result.completions[0].token_ids == expected
+        assert_equals_target_only(default_engine, default_engine.encode_prompt(prompt), result.completions[0].token_ids,
+                                  expected, str(flags))
         assert result.stats.accepted_tokens > 0  # the pair agrees often: speculation does something
 
 
@@ -60,4 +81,5 @@ def test_batched_sessions_equal_target_only_whatever_shares_the_batch(default_en
     rounds = sum(r.stats.rounds for r in results)
     assert default_engine.target.forward_passes - passes < rounds / 4  # the sessions shared passes
     for i, result in enumerate(results):
-        assert result.completions[0].token_ids == target_greedy[i % NUM_PROMPTS], requests[i][1].policy
+        assert_equals_target_only(default_engine, requests[i][0], result.completions[0].token_ids,
+                                  target_greedy[i % NUM_PROMPTS], str(requests[i][1].policy))

@@ -38,7 +38,7 @@ from specdec.models.runtime import DraftRole, Feed, KVSession, Runtime, TargetRo
 
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
 DEFAULT_SEQUENCES = 64
-DEFAULT_CONTEXT = 16384  # cache cells shared by every session of a model (f16 keys and values)
+DEFAULT_CONTEXT = 8192  # cache cells shared by every session of a model (f16 keys and values)
 DEFAULT_BATCH = 512  # tokens per llama_decode call; a larger pass takes several
 NO_KV_SLOT = 1  # llama_decode: no room in the cache for the batch
 # llama.cpp's AMX kernels crash on Q4_K weights (ggml-org/llama.cpp#20824, closed unfixed); a build
@@ -94,6 +94,31 @@ class LlamaCppOptions(BaseModel):
     batch: int = Field(DEFAULT_BATCH, ge=1)  # tokens per llama_decode call
 
 
+MADV_DONTNEED = 4  # Linux
+
+
+def release_mapped_pages(path: Path) -> int:
+    """Drop this process's resident pages of `path`'s read-only mappings (Linux; elsewhere nothing);
+    returns the bytes of mappings advised. llama.cpp maps a GGUF shared and read-only with
+    MAP_POPULATE, then copies most weights into repacked buffers of its own: without this the
+    mapped copy stays resident beside them (the default pair's 1.6 GB twice). Pages still read (the
+    tensors left in the mapping: embeddings, norms) fault back in from the page cache."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    target, released = str(Path(path).resolve()), 0
+    for line in maps:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == target and "w" not in fields[1]:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if madvise(start, end - start, MADV_DONTNEED) == 0:
+                released += end - start
+    return released
+
+
 class LlamaCppModel:
     """One GGUF model and its llama.cpp context: decode calls over tokens of many sequences."""
 
@@ -128,6 +153,7 @@ class LlamaCppModel:
         self.n_ctx_train = lib.llama_model_n_ctx_train(self.model)
         self.n_ctx, self.n_batch = lib.llama_n_ctx(self.context), options.batch
         self._batch = lib.llama_batch_init(options.batch, 0, 1)
+        release_mapped_pages(self.path)
 
     def decode(self, seqs: list[int], positions: list[int], tokens: list[int], outputs: list[bool]) -> int:
         """One llama_decode over len(tokens) <= n_batch tokens; returns llama.cpp's status."""
@@ -163,6 +189,8 @@ class LlamaCppModel:
 
 class LlamaCppRuntime(Runtime):
     """A GGUF model on llama.cpp serving many sessions per pass (see the module docstring)."""
+
+    kind = "llamacpp"
 
     def __init__(self, path: str | Path, identity: str = "", name: str = "",
                  options: LlamaCppOptions = LlamaCppOptions(), hidden: bool = False):

@@ -48,6 +48,7 @@ class Runtime:
     sessions, rollback and one `_forward` over many sessions' feeds. A backend (torch here,
     llama.cpp in models/llamacpp.py) implements the abstract parts."""
 
+    kind: str  # "torch", "llamacpp"
     identity: str
     name: str
     forward_passes: int
@@ -87,6 +88,8 @@ class Runtime:
 
 class CausalLMRuntime(Runtime):
     """A decoder-only HF model in torch serving many sessions per forward pass."""
+
+    kind = "torch"
 
     def __init__(self, model: PreTrainedModel, identity: str = "", name: str = "", kv: str = "slots",
                  max_tokens_per_pass: int | None = None):

@@ -53,8 +53,10 @@ def make_policy(
     config: PolicyConfig,
     head: AcceptanceHead | None = None,
     reference: Sequence[int] | None = None,
+    runtime: str = "torch",
 ) -> StoppingPolicy:
-    """A fresh policy for one sequence (policies such as `heuristic` keep state across rounds)."""
+    """A fresh policy for one sequence (policies such as `heuristic` keep state across rounds).
+    `runtime`: what the draft runs on (`specdec++cost` takes that runtime's default cost profile)."""
     config = resolve_policy(config, has_head=head is not None)
     validate_policy(config, has_head=head is not None)
     k, threshold = config.k, config.threshold
@@ -72,7 +74,7 @@ def make_policy(
         case "specdec++":
             return SpecDecPP(head, **level, **cap)
         case "specdec++cost":
-            return SpecDecPPCost(head, **cap)
+            return SpecDecPPCost(head, runtime=runtime, **cap)
         case "oracle":
             if reference is None:
                 raise InvalidRequestError("policy 'oracle' needs the target's greedy continuation")

@@ -29,6 +29,13 @@ A `hidden+distribution` head judges y_i at step i; the paper's head judges y_{i-
 a_i is estimated by a_{i-1} (by 1 at i = 1: nothing is known yet, and y_1 is never dropped).
 When the profile says no round can beat plain decoding even if every candidate were accepted,
 `round_limit` is 0 and the draft does not run at all.
+
+A K = 0 decided at step 1 has already paid for y_1's draft pass; where drafting does not pay (on
+llama.cpp a draft pass costs over half a target pass), paying it every round would make the
+policy slower than plain decoding. So after a round that dropped y_1 the next rounds decode
+plainly without drafting, 1, 2, 4, then at most MAX_ABSTAIN rounds in a row, before the draft
+probes again (the draft catches up on the skipped tokens in its next pass, which costs about one
+pass); any round that keeps a candidate ends the backoff.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from specdec.policies.base import Decision, DraftStep, StoppingPolicy, check_cou
 from specdec.policies.specdec_pp import expected_acceptance, judged_acceptance
 
 UNKNOWN_ACCEPTANCE = 1.0  # a_1 before the paper's head has seen anything: keep y_1, decide at step 2
+MAX_ABSTAIN = 8  # rounds decoded without drafting, at most, after a round that dropped y_1
 
 
 def expected_tokens(acceptance: list[float]) -> float:
@@ -55,18 +63,32 @@ class SpecDecPPCost(StoppingPolicy):
     DEFAULT_MAX_K = 20  # the paper's cap on a round
 
     def __init__(self, head: AcceptanceHead, profile: CostProfile | None = None,
-                 max_candidates: int = DEFAULT_MAX_K):
+                 max_candidates: int = DEFAULT_MAX_K, runtime: str = "torch"):
         self.head = head
-        self.profile = profile if profile is not None else resolve_profile(head.config.cost_profile)
+        self.profile = profile if profile is not None else resolve_profile(head.config.cost_profile, runtime)
         self.max_candidates = check_count("--k", max_candidates)
         self._pays = self.profile.can_pay(self.max_candidates)
         self._judged: list[float] = []  # the head's a_j for the candidates judged so far this round
+        self._drafted = False  # this round ran the draft
+        self._abstain = 0  # rounds left to decode without drafting
+        self._backoff = 0  # length of the next abstention
 
     def round_limit(self) -> int:
-        return self.max_candidates if self._pays else 0
+        return self.max_candidates if self._pays and self._abstain == 0 else 0
 
     def start_round(self) -> None:
         self._judged = []
+        self._drafted = True
+
+    def end_round(self, num_candidates: int, num_accepted: int) -> None:
+        if self._drafted and num_candidates == 0:  # y_1 drafted and dropped: drafting does not pay here
+            self._backoff = min(max(1, 2 * self._backoff), MAX_ABSTAIN)
+            self._abstain = self._backoff
+        elif self._drafted:
+            self._backoff = 0
+        elif self._abstain > 0:
+            self._abstain -= 1
+        self._drafted = False
 
     def decide(self, step: DraftStep) -> Decision:
         judged = judged_acceptance(self.head, step)

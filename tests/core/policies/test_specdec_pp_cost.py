@@ -179,3 +179,32 @@ def test_expected_acceptance_is_the_q_weighted_mean_over_the_likeliest_tokens():
     assert expected_acceptance(head, at(4)) == expected_acceptance(head, at(0))  # not the drawn token
     top = int(probs.argmax())
     assert expected_acceptance(head, at(top, greedy=True)) == judged_acceptance(head, at(top))
+
+
+def test_after_a_dropped_first_candidate_rounds_skip_the_draft_with_backoff():
+    """K = 0 at step 1 paid a draft pass for nothing: the next 1, 2, 4, ... MAX_ABSTAIN rounds decode
+    without drafting (round_limit 0), and a round that keeps a candidate ends the backoff."""
+    from specdec.policies.specdec_pp_cost import MAX_ABSTAIN
+
+    policy = SpecDecPPCost(q_head(), profile=LLAMA_CPP.model_copy(update={"t_draft_ms": 5.0}))
+
+    def drafted_round(acceptance: float) -> int:
+        assert policy.round_limit() > 0
+        k, _ = run_round(policy, [acceptance] * 3)
+        policy.end_round(k, 0)
+        return k
+
+    def skipped_rounds() -> int:
+        count = 0
+        while policy.round_limit() == 0:
+            policy.end_round(0, 0)  # a round without the draft: start_round is never called
+            count += 1
+        return count
+
+    lengths = []
+    for _ in range(5):
+        assert drafted_round(0.01) == 0  # y_1 does not pay
+        lengths.append(skipped_rounds())
+    assert lengths == [1, 2, 4, MAX_ABSTAIN, MAX_ABSTAIN]
+    assert drafted_round(0.99) > 0  # drafting pays again: the backoff ends
+    assert drafted_round(0.01) == 0 and skipped_rounds() == 1
