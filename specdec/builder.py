@@ -165,7 +165,8 @@ def build_rules(config: EngineConfig, progress: bool = True) -> RequestRules:
     if "llamacpp" in (resolve_runtime(config, config.draft), resolve_runtime(config, config.target)):
         max_context = min(max_context, config.llamacpp.context)
     return RequestRules(tokenizer, eos_token_ids_of(generation_config, tokenizer), max_context,
-                        target_config.vocab_size, has_head=head_path(config) is not None)
+                        target_config.vocab_size, has_head=head_path(config) is not None,
+                        runtime=resolve_runtime(config, config.draft))
 
 
 def resolve_device(device: str = "auto") -> torch.device:

@@ -105,7 +105,8 @@ DEFAULT_PROFILE = CostProfile(t_draft_ms=50.0, t_target_ms={1: 250.0, 2: 297.0, 
 
 # The default pair on llama.cpp's kernels (models/llamacpp.py), same CPU: `python benchmarks/forward_times.py
 # --formats llamacpp` (docs/performance.md); t_draft adds ~1 ms for sampling and the policy.
-LLAMACPP_PROFILE = CostProfile(t_draft_ms=35.0, t_target_ms={1: 62.0, 2: 94.0, 4: 101.0, 8: 179.0, 16: 216.0},
+LLAMACPP_PROFILE = CostProfile(t_draft_ms=35.0, t_target_ms={1: 68.0, 2: 100.0, 3: 123.0, 4: 108.0, 5: 141.0, 6: 161.0,
+                                                             8: 194.0, 12: 245.0, 16: 238.0},
                                source="default pair, llama.cpp Q4_K_M, 2-core Intel Xeon (docs/performance.md)")
 DEFAULT_PROFILES = {"torch": DEFAULT_PROFILE, "llamacpp": LLAMACPP_PROFILE}
 

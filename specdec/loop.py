@@ -201,7 +201,8 @@ class RoundLoop:
         greedy tokens for this prompt and budget, when the caller has them (else decoded here,
         untimed)."""
         prompt_ids = list(prompt_ids)
-        params = params.model_copy(update={"policy": resolve_policy(params.policy, self.rules.has_head)})
+        policy = resolve_policy(params.policy, self.rules.has_head, self.rules.runtime)
+        params = params.model_copy(update={"policy": policy})
         self.rules.validate(prompt_ids, params)
         if params.policy.name != "oracle":
             reference = None

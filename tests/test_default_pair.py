@@ -61,7 +61,8 @@ def test_default_engine_loads_the_shipped_head_and_defaults_to_specdecpp(default
 
     head = default_engine.head
     assert head is not None and head.config.threshold is not None  # --head auto: specdec/heads/default-pair
-    assert resolve_policy(build_params(max_new_tokens=1).policy, has_head=True).name == "specdec++"
+    expected = "specdec++cost" if default_engine.draft.kind == "llamacpp" else "specdec++"
+    assert resolve_policy(build_params(max_new_tokens=1).policy, True, default_engine.rules.runtime).name == expected
 
 
 def test_default_pair_shares_vocabulary(default_engine):

@@ -22,8 +22,12 @@ POLICY_NAMES = ("specdec++", "specdec++cost", "fixed", "svip", "heuristic", "con
 HEAD_POLICIES = ("specdec++", "specdec++cost")  # the policies that need an acceptance head
 
 # A request that names no policy gets SpecDec++ when the engine has an acceptance head (the default
-# pair ships one: specdec/heads/), else SVIP, the best policy that needs no training.
+# pair ships one: specdec/heads/), else SVIP, the best policy that needs no training. On llama.cpp a
+# draft step costs half a target step and a verification pass grows steeply with K
+# (docs/performance.md): there the cost-aware rule is the default, the one that does not lose to
+# plain decoding (docs/benchmarks.md, "On llama.cpp").
 DEFAULT_POLICY, FALLBACK_POLICY = "specdec++", "svip"
+RUNTIME_DEFAULT_POLICIES = {"llamacpp": "specdec++cost"}
 
 
 class PolicyConfig(BaseModel):
@@ -40,13 +44,14 @@ class PolicyConfig(BaseModel):
     threshold: float | None = None
 
 
-def default_policy_name(has_head: bool) -> str:
-    return DEFAULT_POLICY if has_head else FALLBACK_POLICY
+def default_policy_name(has_head: bool, runtime: str = "torch") -> str:
+    """`runtime`: what the draft runs on."""
+    return RUNTIME_DEFAULT_POLICIES.get(runtime, DEFAULT_POLICY) if has_head else FALLBACK_POLICY
 
 
-def resolve_policy(config: PolicyConfig, has_head: bool) -> PolicyConfig:
+def resolve_policy(config: PolicyConfig, has_head: bool, runtime: str = "torch") -> PolicyConfig:
     """The config with its name filled in (a request that names no policy gets the default)."""
-    return config if config.name else config.model_copy(update={"name": default_policy_name(has_head)})
+    return config if config.name else config.model_copy(update={"name": default_policy_name(has_head, runtime)})
 
 
 def make_policy(

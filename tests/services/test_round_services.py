@@ -502,3 +502,30 @@ def test_one_event_loop_at_a_time(servers, tiny_engine):
     result = asyncio.run(hold())
     assert len(result.completions[0].token_ids) == 8
     assert isinstance(errors[0], RuntimeError) and "one event loop" in str(errors[0])
+
+
+def test_the_llamacpp_runtime_serves_the_same_rounds(tmp_path):
+    """Draft and verifier servers over llama.cpp runtimes (tiny GGUF files): the served loop's
+    batched calls give what the in-process engine gives, every session released at the end."""
+    from specdec.builder import EngineConfig, build_engine
+    from specdec.models.llamacpp import LlamaCppOptions
+    from tiny import byte_level_tokens, noisy_weights, tiny_gguf_weights, write_tiny_gguf
+
+    weights = tiny_gguf_weights(len(byte_level_tokens()), 32, layers=2, ffn=64, seed=3, scale=0.3)
+    draft = write_tiny_gguf(tmp_path / "draft.gguf", noisy_weights(weights, 0.05, seed=4))
+    target = write_tiny_gguf(tmp_path / "target.gguf", weights)
+    engine = build_engine(EngineConfig(draft=str(draft), target=str(target), head="none", threads=1,
+                                       cache_dir=str(tmp_path / "cache"), llamacpp=LlamaCppOptions(threads=1)),
+                          progress=False)
+    servers = Servers(engine)
+    try:
+        loop = RoundLoop(RecordingTransport(*servers.addresses), engine.rules)
+        requests = [(PROMPTS[0], build_params(policy="fixed", k=3, max_new_tokens=MAX_NEW_TOKENS)),
+                    (PROMPTS[1], build_params(policy="svip", max_new_tokens=MAX_NEW_TOKENS)),
+                    (PROMPTS[3], build_params(policy="target-only", max_new_tokens=24))]
+        for (prompt, params), result in zip(requests, run(loop, requests)):
+            completion = result.completions[0]
+            assert (completion.token_ids, completion.finish_reason) == engine_ids(engine, prompt, params)
+        assert len(servers.draft.sessions) == len(servers.verifier.sessions) == 0
+    finally:
+        servers.stop()

@@ -264,6 +264,8 @@ def test_policy_constructors_validate_directly():
 def test_a_request_without_a_policy_gets_specdecpp_with_a_head_and_svip_without():
     assert resolve_policy(PolicyConfig(), has_head=True).name == "specdec++"
     assert resolve_policy(PolicyConfig(), has_head=False).name == "svip"
+    assert resolve_policy(PolicyConfig(), has_head=True, runtime="llamacpp").name == "specdec++cost"
+    assert resolve_policy(PolicyConfig(), has_head=False, runtime="llamacpp").name == "svip"
     assert resolve_policy(PolicyConfig(name="fixed", k=3), has_head=True) == PolicyConfig(name="fixed", k=3)
     assert isinstance(make_policy(PolicyConfig(), head=constant_head(0.9)), SpecDecPP)
     assert isinstance(make_policy(PolicyConfig()), SVIP)
