@@ -36,6 +36,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from specdec.bench.prompt_sets import load_prompts
+    from specdec.bench.runner import cpu_name
 
     prompts = load_prompts(args.prompts)[: args.limit]
     records = []
@@ -82,12 +83,6 @@ def print_table(records: list[dict]) -> None:
         mean = statistics.mean(r["tokens_per_s"] for r in rows)
         print(f"| {runtime} | {policy or 'default'} | {mean:.2f} | {mean / base:.2f}x | "
               f"{max(r['peak_rss_gib'] for r in rows):.2f} GiB |")
-
-
-def cpu_name() -> str:
-    from specdec.bench.runner import cpu_name as name
-
-    return name()
 
 
 if __name__ == "__main__":

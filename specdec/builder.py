@@ -127,12 +127,12 @@ def build_target(config: EngineConfig, progress: bool = True, load=None) -> tupl
 
 
 def llamacpp_options(config: EngineConfig) -> LlamaCppOptions:
-    options = config.llamacpp
-    if config.threads and options.threads is None:
-        options = options.model_copy(update={"threads": config.threads})
+    update = {}
+    if config.threads and config.llamacpp.threads is None:
+        update["threads"] = config.threads
     if config.batch.max_tokens_per_pass:
-        options = options.model_copy(update={"batch": config.batch.max_tokens_per_pass})
-    return options
+        update["batch"] = config.batch.max_tokens_per_pass
+    return config.llamacpp.model_copy(update=update)
 
 
 def runtime_options(config: EngineConfig) -> dict:
@@ -162,11 +162,11 @@ def build_rules(config: EngineConfig, progress: bool = True) -> RequestRules:
     check_same_tokenizer(draft_dir, tokenizer)
     generation_config = load_generation_config(target_dir)
     max_context = min(draft_config.max_position_embeddings, target_config.max_position_embeddings)
-    if "llamacpp" in (resolve_runtime(config, config.draft), resolve_runtime(config, config.target)):
+    draft_runtime = resolve_runtime(config, config.draft)
+    if "llamacpp" in (draft_runtime, resolve_runtime(config, config.target)):
         max_context = min(max_context, config.llamacpp.context)
     return RequestRules(tokenizer, eos_token_ids_of(generation_config, tokenizer), max_context,
-                        target_config.vocab_size, has_head=head_path(config) is not None,
-                        runtime=resolve_runtime(config, config.draft))
+                        target_config.vocab_size, has_head=head_path(config) is not None, runtime=draft_runtime)
 
 
 def resolve_device(device: str = "auto") -> torch.device:

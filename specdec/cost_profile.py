@@ -28,9 +28,9 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from specdec.errors import InvalidRequestError
+from specdec.metrics import MS_PER_S
 
 PROFILE_ENV = "SPECDEC_COST_PROFILE"
-MS_PER_S = 1000.0
 
 
 class CostProfile(BaseModel):

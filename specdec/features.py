@@ -63,6 +63,15 @@ def distribution_features(
                         torch.log(positions.float().clamp_min(1.0))], dim=-1)
 
 
+def join_head_inputs(kind: str, hidden: torch.Tensor, scalars: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden [..., H] (+ scalars [..., S] for `hidden+distribution`) -> a head's inputs [..., I]."""
+    if kind == FEATURES_HIDDEN:
+        return hidden
+    if scalars is None:
+        raise ValueError(f"a {FEATURES_DISTRIBUTION!r} head needs the distribution features")
+    return torch.cat([hidden.to(scalars.dtype), scalars], dim=-1)
+
+
 def round_positions(is_draft: torch.Tensor) -> torch.Tensor:
     """is_draft [N] bool (a mixed sequence's origins) -> [N] long: at a draft position, 1 + the number
     of consecutive draft positions right before it; 0 at a target position.

@@ -33,7 +33,7 @@ from torch import nn
 
 from specdec.cost_profile import CostProfile
 from specdec.errors import IncompatibleModelsError, ModelSourceError
-from specdec.features import FEATURES_DISTRIBUTION, FEATURES_HIDDEN, NUM_SCALAR_FEATURES, FeatureKind
+from specdec.features import FEATURES_DISTRIBUTION, FEATURES_HIDDEN, NUM_SCALAR_FEATURES, FeatureKind, join_head_inputs
 
 WEIGHTS_FILE, CONFIG_FILE = "head.safetensors", "head.json"
 MAX_DEPTH = 4  # the paper sweeps D in 0..4
@@ -128,11 +128,7 @@ class AcceptanceHead(nn.Module):
 
     def head_inputs(self, hidden: torch.Tensor, scalars: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [..., H] (+ scalars [..., S] for `hidden+distribution`) -> inputs [..., I]."""
-        if self.config.features == FEATURES_HIDDEN:
-            return hidden
-        if scalars is None:
-            raise ValueError(f"a {FEATURES_DISTRIBUTION!r} head needs the distribution features")
-        return torch.cat([hidden.to(scalars.dtype), scalars], dim=-1)
+        return join_head_inputs(self.config.features, hidden, scalars)
 
     def save(self, directory: str | Path) -> Path:
         directory = Path(directory)

@@ -101,8 +101,7 @@ class DraftWorker(Worker):
                 f"max-candidates {item.max_candidates} after {len(history)} tokens exceeds the "
                 f"draft's context of {self.draft.max_context}")
         if item.history.full:  # rebuild: keep the cache (it re-syncs by common prefix), reset the policy
-            policy = make_policy(item.policy, head=self.head, reference=item.reference,
-                                 runtime=getattr(self.draft, "kind", "torch"))
+            policy = make_policy(item.policy, head=self.head, reference=item.reference, runtime=self.draft.kind)
             entry = DraftSession(policy, entry.kv if entry else self.draft.new_session())
         for num_candidates, num_accepted in item.rounds:  # oldest first: the policy reaches the caller's state
             entry.policy.end_round(num_candidates, num_accepted)

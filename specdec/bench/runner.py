@@ -152,9 +152,9 @@ class BenchRun:
     def _note_peers(self) -> None:
         """HF's assisted generation runs the transformers models: only on the torch runtime."""
         skipped = self.notes.setdefault("skipped_specs", {})
-        torch_models = hasattr(self.engine.draft, "model") and hasattr(self.engine.target, "model")
+        on_torch = self.engine.draft.kind == self.engine.target.kind == "torch"
         for spec in self.specs:
-            if spec.is_peer and not torch_models:
+            if spec.is_peer and not on_torch:
                 skipped[spec.key] = "HF's assisted generation runs transformers models: needs --runtime torch"
             elif spec.is_peer:
                 skipped.pop(spec.key, None)

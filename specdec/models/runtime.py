@@ -18,6 +18,7 @@ several passes (a single session's feed is never split).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,7 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     return n
 
 
-class Runtime:
+class Runtime(ABC):
     """The batched runtime interface the rounds call (`DraftRole.start/step`, `TargetRole.score`):
     sessions, rollback and one `_forward` over many sessions' feeds. A backend (torch here,
     llama.cpp in models/llamacpp.py) implements the abstract parts."""
@@ -54,29 +55,29 @@ class Runtime:
     forward_passes: int
 
     @property
-    def vocab_size(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def vocab_size(self) -> int: ...
 
     @property
-    def hidden_size(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def hidden_size(self) -> int: ...
 
     @property
-    def max_context(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def max_context(self) -> int: ...
 
-    def new_session(self) -> KVSession:
-        raise NotImplementedError
+    @abstractmethod
+    def new_session(self) -> KVSession: ...
 
+    @abstractmethod
     def rollback(self, session: KVSession, length: int) -> None:
         """Keep only the first `length` cached positions."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _forward(self, feeds: list[Feed]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Feed every session its tokens (extending `session.tokens`). Returns per feed (logits
         [num_outputs, V] fp32, hidden [num_outputs, H]) for its last num_outputs positions, on the CPU
         where sampling, verification and the head run."""
-        raise NotImplementedError
 
     def _pending(self, session: KVSession, sequence: list[int]) -> list[int]:
         """Crop the cache to its common prefix with `sequence`; return the tokens still to feed

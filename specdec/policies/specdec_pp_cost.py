@@ -93,7 +93,7 @@ class SpecDecPPCost(StoppingPolicy):
     def decide(self, step: DraftStep) -> Decision:
         judged = judged_acceptance(self.head, step)
         if self.head.config.judges_current:  # judged: a(y_i), which the keep test must not read (base.py)
-            blind = self._judged + [expected_acceptance(self.head, step)]
+            blind = self._judged + [judged if step.greedy else expected_acceptance(self.head, step)]
             if self.keep_rate(blind) <= self.drop_rate(blind):
                 return Decision.DROP_LAST
             self._judged.append(judged)

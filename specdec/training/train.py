@@ -42,7 +42,8 @@ import torch
 
 from specdec.errors import SpecDecError
 from specdec.features import (
-    FEATURES_DISTRIBUTION, FEATURES_HIDDEN, NUM_SCALAR_FEATURES, distribution_features, round_positions,
+    FEATURES_DISTRIBUTION, FEATURES_HIDDEN, NUM_SCALAR_FEATURES, distribution_features, join_head_inputs,
+    round_positions,
 )
 from specdec.head import AcceptanceHead, HeadConfig
 from specdec.sampling import SamplingParams, probs_from_logits
@@ -178,10 +179,10 @@ def new_head(train: TrainSection, features: dict) -> AcceptanceHead:
 
 
 def head_inputs(features: str, split: dict, index: torch.Tensor | slice) -> torch.Tensor:
-    """The head's inputs [B, I] fp32 for rows `index` of a feature split (AcceptanceHead.head_inputs;
-    a function, because the Ray Train model is wrapped)."""
-    hidden = split["hidden"][index].float()  # [B, H]
-    return hidden if features == FEATURES_HIDDEN else torch.cat([hidden, split["scalars"][index].float()], dim=-1)
+    """The head's inputs [B, I] fp32 for rows `index` of a feature split (features.join_head_inputs; from
+    the settings, because the Ray Train model is wrapped)."""
+    scalars = split["scalars"][index].float() if features == FEATURES_DISTRIBUTION else None
+    return join_head_inputs(features, split["hidden"][index].float(), scalars)
 
 
 def train_loop(loop_config: dict) -> None:
