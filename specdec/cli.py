@@ -186,9 +186,10 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     start_ray(args.address)
-    manifest = generate_dataset(config)
+    manifest = generate_dataset(config, reuse=args.reuse_responses)
     counts = manifest["counts"]
-    print(f"{config.data.dir}: {counts['sequences']} sequences, {counts['tokens']} labelled tokens "
+    print(f"{config.data.dir}: {counts['sequences']} sequences, {counts['positions']} response tokens, "
+          f"{counts['tokens']} labelled tokens "
           f"in {counts['shards']} shards ({'complete' if manifest['complete'] else 'incomplete'})", file=sys.stderr)
     return 0
 
@@ -217,6 +218,9 @@ def add_training_parsers(commands) -> None:
     gen = commands.add_parser("gen-data", help="generate the acceptance head's training data on Ray (resumable)")
     gen.add_argument("--config", required=True, help="pipeline YAML (see cluster/training/)")
     gen.add_argument("--address", default=None, help="Ray address (default $RAY_ADDRESS, else a new local instance)")
+    gen.add_argument("--reuse-responses", default=None, metavar="DIR",
+                     help="label the responses of an older dataset (same target and response settings) again "
+                          "instead of regenerating them")
     gen.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     gen.set_defaults(func=cmd_gen_data)
 

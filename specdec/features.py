@@ -23,6 +23,8 @@ The scalar features of candidate y drawn from q (all logs natural, probabilities
     2  log q_(1) - log q_(2)      the top-1/top-2 margin, as a log ratio (vLLM's logit margin)
     3  H(q) in nats               SVIP's rule reads this (entropy)
     4  log i                      the candidate's 1-based position in its round
+    5  greedy                     1 when the round verifies greedily (exact match), else 0: the same
+                                  features mean different acceptance at T = 0 and under sampling
 
 Position in training (`round_positions`): in a mixed sequence Z (training/mixing.py) a token taken
 from the draft's Y plays a candidate, one taken from the target's X a committed token; a draft
@@ -41,7 +43,7 @@ FEATURES_DISTRIBUTION = "hidden+distribution"
 FeatureKind = Literal["hidden", "hidden+distribution"]
 FEATURE_KINDS: tuple[str, ...] = (FEATURES_HIDDEN, FEATURES_DISTRIBUTION)
 
-SCALAR_FEATURES = ("log_q_token", "log_top1", "log_margin", "entropy", "log_position")
+SCALAR_FEATURES = ("log_q_token", "log_top1", "log_margin", "entropy", "log_position", "greedy")
 NUM_SCALAR_FEATURES = len(SCALAR_FEATURES)
 MIN_PROB = 1e-9  # log floor: a token outside the filtered support (possible only in training's mixing)
 
@@ -50,6 +52,7 @@ def distribution_features(
     probs: torch.Tensor,  # [..., V] q, the distribution the candidate was drawn from
     tokens: torch.Tensor,  # [...] long, the candidates y
     positions: torch.Tensor,  # [...] 1-based position of each candidate in its round
+    greedy: bool | torch.Tensor = False,  # [...] or one flag: the round verifies greedily
 ) -> torch.Tensor:
     """-> [..., NUM_SCALAR_FEATURES] fp32 (module docstring for the order)."""
     probs = probs.float()
@@ -59,8 +62,9 @@ def distribution_features(
     second = top2[..., 1] if top2.shape[-1] > 1 else torch.zeros_like(top1)
     log = lambda x: torch.log(x.clamp_min(MIN_PROB))  # noqa: E731
     entropy = -torch.xlogy(probs, probs).sum(-1)  # [...], 0 log 0 = 0
+    greedy = torch.as_tensor(greedy, dtype=torch.float32).expand_as(top1)
     return torch.stack([log(token_prob), log(top1), log(top1) - log(second), entropy,
-                        torch.log(positions.float().clamp_min(1.0))], dim=-1)
+                        torch.log(positions.float().clamp_min(1.0)), greedy], dim=-1)
 
 
 def join_head_inputs(kind: str, hidden: torch.Tensor, scalars: torch.Tensor | None = None) -> torch.Tensor:

@@ -22,7 +22,7 @@ def judged_acceptance(head: AcceptanceHead, step: DraftStep) -> float | None:
     if head.config.judges_current:
         if step.hidden is None:
             raise ValueError("a hidden+distribution head needs DraftStep.hidden")
-        scalars = distribution_features(step.probs, torch.tensor(step.token), torch.tensor(step.index))
+        scalars = distribution_features(step.probs, torch.tensor(step.token), torch.tensor(step.index), step.greedy)
         return float(head.acceptance_probability(head.head_inputs(step.hidden.float(), scalars)))
     if step.prev_hidden is None:
         return None
@@ -49,7 +49,7 @@ def expected_acceptance(head: AcceptanceHead, step: DraftStep) -> float | None:
     top = probs.topk(min(EXPECTATION_TOKENS, probs.numel()))  # values, indices [m]
     m = len(top.values)
     # the m tokens share every feature but log q(y) (column 0): compute the rest once over [V]
-    scalars = distribution_features(probs, top.indices[0], torch.tensor(step.index)).expand(m, -1).clone()  # [m, S]
+    scalars = distribution_features(probs, top.indices[0], torch.tensor(step.index), step.greedy).expand(m, -1).clone()  # [m, S]
     scalars[:, 0] = torch.log(top.values.clamp_min(MIN_PROB))
     hidden = step.hidden.float().expand(m, -1)  # [m, H]
     acceptance = head.acceptance_probability(head.head_inputs(hidden, scalars)).double()  # [m]

@@ -25,7 +25,7 @@ from specdec.policies import HEAD_POLICIES, POLICY_NAMES, PolicyConfig
 from specdec.sampling import SamplingParams
 from specdec.training.mixing import OFFICIAL_TARGET_TOKEN_RATIO
 
-PROMPT_SOURCES = ("stdlib-docstrings",)
+PromptSource = Literal["stdlib-docstrings", "prose"]
 SELECT_BY = {"kl": "min", "auroc": "max", "ece": "min", "loss": "min"}  # validation metric -> better
 
 
@@ -52,9 +52,20 @@ class ModelsSection(Strict):
     draft: str = "default"
     target: str = "default"
     cache_dir: str | None = None
-    draft_format: WeightFormat = "auto"
+    # The draft's teacher-forced passes (labels, features) read whole sequences at once: int8 (and
+    # `auto`, int8 on CPU) takes ONE activation scale per pass, which over a sequence moves the hidden
+    # states far from the weights' own (cosine 0.80 to fp32 on the default pair) while one token a
+    # pass, as in decoding, is fine. So the pipeline runs the draft unquantized.
+    draft_format: WeightFormat = "fp32"
     target_format: WeightFormat = "auto"
     draft_vocab: str = "full"  # label with the draft vocabulary the head will serve with (models/vocab.py)
+
+    @field_validator("draft_format")
+    @classmethod
+    def _unquantized_draft(cls, fmt: str) -> str:
+        if fmt in ("auto", "int8"):
+            raise ValueError("must be fp32 or onednn: int8 scales a whole teacher-forced pass at once")
+        return fmt
 
     def engine_config(self, threads: int | None = None) -> EngineConfig:
         return EngineConfig(draft=self.draft, target=self.target, head="none", cache_dir=self.cache_dir,
@@ -64,7 +75,8 @@ class ModelsSection(Strict):
 
 
 class PromptsSection(Strict):
-    source: Literal["stdlib-docstrings"] = "stdlib-docstrings"
+    # One source or several (their prompts interleave in hash order, each source split on its own).
+    source: PromptSource | list[PromptSource] = "stdlib-docstrings"
     train: int | None = Field(None, ge=1, description="train prompts to generate (None: all)")
     validation: int | None = Field(None, ge=1, description="validation prompts to generate (None: all)")
     validation_fraction: float = Field(0.05, gt=0.0, lt=1.0)
@@ -96,15 +108,27 @@ class ResponseSection(Strict):
 
 
 class LabelsSection(Strict):
-    """The transform p and q go through before Y_i ~ q_i and P_i = min(1, p_i(Y_i)/q_i(Y_i));
-    temperature 0 labels greedy verification (one-hot argmax, exact match)."""
+    """The label sets of every response: for each temperature, the transform p and q go through
+    before Y_i ~ q_i and P_i = min(1, p_i(Y_i)/q_i(Y_i)); temperature 0 labels greedy verification
+    (Y_i = argmax q_i, one-hot p and q: exact match). `draws` independent Y per sampled temperature
+    (the target's p and the draft's q are computed once and reused; a greedy temperature has one)."""
 
-    temperature: float = Field(1.0, ge=0.0)
+    temperatures: list[float] = Field(default_factory=lambda: [0.0, 1.0], min_length=1)
+    draws: int = Field(1, ge=1)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
 
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+    @field_validator("temperatures")
+    @classmethod
+    def _temperatures(cls, temperatures: list[float]) -> list[float]:
+        if any(not (math.isfinite(t) and t >= 0.0) for t in temperatures) or len(set(temperatures)) < len(temperatures):
+            raise ValueError("must be distinct temperatures >= 0")
+        return temperatures
+
+    def sets(self) -> list[SamplingParams]:
+        """One SamplingParams per label set, in the order the shards store them."""
+        return [SamplingParams(temperature=t, top_p=self.top_p, top_k=self.top_k)
+                for t in self.temperatures for _ in range(1 if t == 0.0 else self.draws)]
 
 
 class DataSection(Strict):

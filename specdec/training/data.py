@@ -1,21 +1,28 @@
 """Training data for the acceptance head (paper §3.3), generated on Ray workers, resumable.
 
-For every prompt (specdec.training.stdlib_prompts; never HumanEval):
+For every prompt (`data.prompts.source`: stdlib_prompts, prose_prompts; never HumanEval):
 
 1. the target's response X_1..X_N, written by the project's lossless engine (its output follows
-   the target's distribution exactly, and it is faster than the target alone);
+   the target's distribution exactly, and it is faster than the target alone); a shard's prompts
+   are generated together, in one batch on the engine's batched core;
 2. p_i at every position: the target's logits from the verification passes that wrote X (every
    committed token is a row of some pass, scored after exactly X_<i: `RecordingTarget`), so the
-   target never runs twice; q_i: one teacher-forced pass of the draft over prompt + X;
-3. one Y_i ~ q_i per position and the soft label P_i = min(1, p_i(Y_i) / q_i(Y_i)) (labels.py),
-   p and q through the `labels` sampling transform (temperature 0: one-hot argmax, exact match).
+   target never runs twice; q_i: one teacher-forced pass of the (unquantized) draft over prompt + X;
+3. label sets (`data.labels`): per temperature, Y_i ~ q_i per position and the soft label
+   P_i = min(1, p_i(Y_i) / q_i(Y_i)) (labels.py), p and q through that temperature's transform
+   (temperature 0: one-hot argmax, exact match), `draws` independent Y per sampled temperature.
+   p and q are computed once: a further set costs a sampling step, not a forward pass.
+
+Responses already made for the same target and response settings (an older dataset: `reuse`) are
+labelled again instead of regenerated; their p_i then comes from one teacher-forced target pass,
+which means the same as the recorded rows (tests/core/training/test_data.py).
 
 Layout of `data.dir`:
 
     manifest.json          models (identities), settings, prompt source, shards with sha256, counts
     shard-00000.parquet    one row per prompt: prompt_id, split, prompt_ids, response_ids (X),
-    shard-00001.parquet    draft_ids (Y), labels (P), finish_reason, seed
-    ...
+    shard-00001.parquet    label_temperatures [L], draft_ids (Y) [L][N], labels (P) [L][N],
+    ...                    finish_reason, seed
 
 Shards hold token ids and labels only (a few bytes per token); the draft's hidden states are
 computed at training time (train.py), because they depend on the mixing draw and are ~1000x larger.
@@ -28,6 +35,7 @@ shards on disk. A rerun with other models or settings into the same directory is
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import sys
@@ -40,15 +48,17 @@ import torch
 from specdec.errors import IncompatibleModelsError, SpecDecError
 from specdec.models.vocab import SETTINGS_BEFORE_DRAFT_VOCAB, vocab_setting
 from specdec.sampling import SamplingParams, probs_from_logits
-from specdec.training.config import DataSection, ModelsSection, PipelineConfig
+from specdec.training.config import DataSection, ModelsSection, PipelineConfig, PromptsSection
 from specdec.training.labels import sample_draft_tokens, soft_acceptance_labels
-from specdec.training.stdlib_prompts import Prompt, source_description, stdlib_prompts
+from specdec.training.stdlib_prompts import Prompt
 
-FORMAT_VERSION = 1
+# 1: one label set per row (draft_ids [N], labels [N]), an int8 draft on CPU. 2: label sets [L][N].
+FORMAT_VERSION = 2
 MANIFEST_FILE = "manifest.json"
 SHARD_PREFIX, SHARD_SUFFIX = "shard-", ".parquet"
 SPLITS = ("train", "validation")
-SHARD_COLUMNS = ("prompt_id", "split", "prompt_ids", "response_ids", "draft_ids", "labels", "finish_reason", "seed")
+SHARD_COLUMNS = ("prompt_id", "split", "prompt_ids", "response_ids", "label_temperatures", "draft_ids", "labels",
+                 "finish_reason", "seed")
 SEED_BITS = 63
 FINISH_TOO_LONG = "prompt_too_long"  # a row with no response: over max_prompt_tokens or the models' context
 
@@ -58,10 +68,19 @@ class DatasetError(SpecDecError):
 
 
 @dataclass(frozen=True)
-class LabelledResponse:
-    response_ids: list[int]  # X_1..X_N
-    draft_ids: list[int]  # Y_1..Y_N, Y_i ~ q(. | prompt, X_<i)
+class LabelSet:
+    temperature: float
+    draft_ids: list[int]  # Y_1..Y_N, Y_i ~ q(. | prompt, X_<i) through this temperature's transform
     labels: list[float]  # P_i = min(1, p_i(Y_i) / q_i(Y_i))
+
+
+@dataclass(frozen=True)
+class Reused:
+    """A response made earlier for the same prompt, target and response settings."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    finish_reason: str
 
 
 # -- the math of one example ---------------------------------------------------------------------
@@ -88,45 +107,54 @@ def response_logits(model, prompt_ids: Sequence[int], response_ids: Sequence[int
 
 
 def label_response(draft_model, target_model, prompt_ids: Sequence[int], response_ids: Sequence[int],
-                   sampling: SamplingParams, generator: torch.Generator,
-                   target_logits: torch.Tensor | None = None) -> LabelledResponse:
-    """`target_logits` [N, V]: the target's logits at the response positions when already known
-    (recorded during generation); otherwise a teacher-forced pass of `target_model` computes them."""
-    q = label_distribution(response_logits(draft_model, prompt_ids, response_ids), sampling)  # [N, V]
+                   sets: Sequence[SamplingParams], generator: torch.Generator,
+                   target_logits: torch.Tensor | None = None) -> list[LabelSet]:
+    """One LabelSet per entry of `sets`, in order, all from one draft pass (and one target pass when
+    `target_logits` [N, V], the target's logits at the response positions, are not known already)."""
+    q_logits = response_logits(draft_model, prompt_ids, response_ids).cpu()  # [N, V]
     if target_logits is None:
         target_logits = response_logits(target_model, prompt_ids, response_ids)
-    p = label_distribution(target_logits.float(), sampling)  # [N, V]
-    y = sample_draft_tokens(q.cpu(), generator)  # [N]
-    labels = soft_acceptance_labels(p.cpu(), q.cpu(), y)  # [N]
-    return LabelledResponse(list(response_ids), y.tolist(), labels.tolist())
+    p_logits = target_logits.float().cpu()  # [N, V]
+    out, distributions = [], {}
+    for sampling in sets:
+        key = (sampling.temperature, sampling.top_p, sampling.top_k)
+        if key not in distributions:
+            distributions[key] = label_distribution(q_logits, sampling), label_distribution(p_logits, sampling)
+        q, p = distributions[key]  # [N, V] each
+        y = sample_draft_tokens(q, generator)  # [N]
+        out.append(LabelSet(sampling.temperature, y.tolist(), soft_acceptance_labels(p, q, y).tolist()))
+    return out
 
 
 class RecordingTarget:
-    """A TargetRuntime that keeps every verification pass's logits, keyed by the history length it
-    scored after, so the logits of the committed response can be read back (`committed_logits`).
-    For one sequence at a time."""
+    """A TargetRuntime that keeps every verification pass's logits with the history it scored after,
+    so the logits of a committed response can be read back (`committed_logits`), for any number of
+    sequences in one batch."""
 
     def __init__(self, target):
-        self.target, self.calls = target, []  # calls: [(len(history), logits [K+1, V])]
+        self.target, self.calls = target, []  # calls: [(history, logits [K+1, V])]
 
     def __getattr__(self, name: str):
         return getattr(self.target, name)
 
     def score(self, sessions: list, histories: list[list[int]], candidates: list[list[int]]) -> list[torch.Tensor]:
         rows = self.target.score(sessions, histories, candidates)
-        self.calls.extend((len(history), logits) for history, logits in zip(histories, rows))
+        self.calls.extend((tuple(history), logits) for history, logits in zip(histories, rows))
         return rows
 
-    def committed_logits(self, prompt_len: int, num_tokens: int) -> torch.Tensor:
+    def committed_logits(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> torch.Tensor:
         """[N, V]: row i is the target's logits for response token X_{i+1}, i.e. after prompt + X_1..X_i.
 
-        Worked example: prompt of 5 tokens; round 1 scored after h=5 with rows for positions 5..8 and
-        committed 3 tokens (absolute 5, 6, 7); round 2 scored after h=8. Position 7 comes from round 1
-        row 2; position 8 from round 2 row 0: the last pass with h <= position is the one that
-        committed it (every pass starts right after the committed history)."""
+        The passes of this response are those whose history is prompt + a prefix of X. Worked example:
+        prompt of 5 tokens; round 1 scored after h=5 with rows for positions 5..8 and committed 3
+        tokens (absolute 5, 6, 7); round 2 scored after h=8. Position 7 comes from round 1 row 2;
+        position 8 from round 2 row 0: the last pass with h <= position is the one that committed it
+        (every pass starts right after the committed history)."""
+        sequence = tuple(prompt_ids) + tuple(response_ids)
+        mine = [(len(h), x) for h, x in self.calls if len(h) <= len(sequence) and sequence[:len(h)] == h]
         rows = []
-        for position in range(prompt_len, prompt_len + num_tokens):
-            start, logits = next((h, x) for h, x in reversed(self.calls) if h <= position)
+        for position in range(len(prompt_ids), len(sequence)):
+            start, logits = next((h, x) for h, x in reversed(mine) if h <= position)
             rows.append(logits[position - start])
         return torch.stack(rows)
 
@@ -151,32 +179,46 @@ class ExampleWriter:
         self.engine = build_engine(models.engine_config(threads), progress=False)
         self.target = self.engine.verifier_worker.target = RecordingTarget(self.engine.target)
 
-    def rows(self, prompts: Sequence[Prompt]) -> list[dict]:
+    def rows(self, prompts: Sequence[Prompt], reused: dict[str, Reused] | None = None) -> list[dict]:
+        """Shard rows for `prompts`: the new responses generated together in one batch; a prompt in
+        `reused` with the same prompt tokens keeps its response."""
         from specdec.params import GenerationParams
 
-        response, rows = self.data.response, []
+        reused, response = reused or {}, self.data.response
+        limit = min(self.data.prompts.max_prompt_tokens, self.engine.max_context - 1)
+        rows, to_generate = [], []
         for prompt in prompts:
             seed = prompt_seed(self.data.seed, prompt.id)
             prompt_ids = self.engine.encode_prompt(prompt.text)
-            row = {"prompt_id": prompt.id, "split": prompt.split, "prompt_ids": prompt_ids, "response_ids": [],
-                   "draft_ids": [], "labels": [], "finish_reason": FINISH_TOO_LONG, "seed": seed}
-            limit = min(self.data.prompts.max_prompt_tokens, self.engine.max_context - 1)
+            rows.append({"prompt_id": prompt.id, "split": prompt.split, "prompt_ids": prompt_ids, "response_ids": [],
+                         "label_temperatures": [], "draft_ids": [], "labels": [], "finish_reason": FINISH_TOO_LONG,
+                         "seed": seed})
+            old = reused.get(prompt.id)
             if len(prompt_ids) > limit:  # kept as a row without a response: resume skips it
-                rows.append(row)
                 continue
-            params = GenerationParams(max_new_tokens=response.max_new_tokens, sampling=response.sampling(seed),
-                                      policy=response.policy_config())
-            self.target.calls.clear()
-            completion = self.engine.generate_ids(prompt_ids, params).completions[0]
-            row["finish_reason"] = completion.finish_reason
-            if completion.token_ids:
-                target_logits = self.target.committed_logits(len(prompt_ids), len(completion.token_ids))
-                self.target.calls.clear()
-                labelled = label_response(self.engine.draft.model, self.target.model, prompt_ids,
-                                          completion.token_ids, self.data.labels.sampling(),
-                                          torch.Generator().manual_seed(seed), target_logits)
-                row.update(response_ids=labelled.response_ids, draft_ids=labelled.draft_ids, labels=labelled.labels)
-            rows.append(row)
+            if old is not None and old.prompt_ids == prompt_ids:
+                rows[-1].update(response_ids=old.response_ids, finish_reason=old.finish_reason)
+            else:
+                to_generate.append(rows[-1])
+        self.target.calls.clear()
+        if to_generate:
+            params = [GenerationParams(max_new_tokens=response.max_new_tokens, sampling=response.sampling(row["seed"]),
+                                       policy=response.policy_config()) for row in to_generate]
+            results = self.engine.generate_many([row["prompt_ids"] for row in to_generate], params)
+            for row, result in zip(to_generate, results):
+                completion = result.completions[0]
+                row.update(response_ids=completion.token_ids, finish_reason=completion.finish_reason)
+        generated = {id(row) for row in to_generate}
+        for row in rows:
+            if not row["response_ids"]:
+                continue
+            target_logits = (self.target.committed_logits(row["prompt_ids"], row["response_ids"])
+                             if id(row) in generated else None)
+            sets = label_response(self.engine.draft.model, self.target.model, row["prompt_ids"], row["response_ids"],
+                                  self.data.labels.sets(), torch.Generator().manual_seed(row["seed"]), target_logits)
+            row.update(label_temperatures=[s.temperature for s in sets], draft_ids=[s.draft_ids for s in sets],
+                       labels=[s.labels for s in sets])
+        self.target.calls.clear()
         return rows
 
 
@@ -186,8 +228,9 @@ def shard_schema():
     import pyarrow as pa
 
     return pa.schema([("prompt_id", pa.string()), ("split", pa.string()), ("prompt_ids", pa.list_(pa.int32())),
-                      ("response_ids", pa.list_(pa.int32())), ("draft_ids", pa.list_(pa.int32())),
-                      ("labels", pa.list_(pa.float32())), ("finish_reason", pa.string()), ("seed", pa.int64())])
+                      ("response_ids", pa.list_(pa.int32())), ("label_temperatures", pa.list_(pa.float32())),
+                      ("draft_ids", pa.list_(pa.list_(pa.int32()))), ("labels", pa.list_(pa.list_(pa.float32()))),
+                      ("finish_reason", pa.string()), ("seed", pa.int64())])
 
 
 def write_shard(directory: Path, index: int, rows: list[dict]) -> Path:
@@ -206,8 +249,8 @@ def shard_paths(directory: Path) -> list[Path]:
     return sorted(directory.glob(f"{SHARD_PREFIX}*{SHARD_SUFFIX}"))
 
 
-def read_shard(path: Path, expected_sha256: str | None = None):
-    """The shard's table; DatasetError (one line) when it is empty, corrupt or not a shard."""
+def read_shard(path: Path, expected_sha256: str | None = None, columns: Sequence[str] = SHARD_COLUMNS):
+    """The shard's `columns`; DatasetError (one line) when it is empty, corrupt or not a shard."""
     import pyarrow.parquet as pq
 
     if expected_sha256 is not None and sha256_file(path) != expected_sha256:
@@ -216,21 +259,24 @@ def read_shard(path: Path, expected_sha256: str | None = None):
         table = pq.read_table(path)
     except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
         raise DatasetError(f"shard {path} is corrupt or not parquet: {_first_line(exc)}") from None
-    missing = [c for c in SHARD_COLUMNS if c not in table.column_names]
+    missing = [c for c in columns if c not in table.column_names]
     if missing:
         raise DatasetError(f"shard {path} is not a training shard (missing columns: {', '.join(missing)})")
     if table.num_rows == 0:
         raise DatasetError(f"shard {path} is empty")
-    return table
+    return table.select(list(columns))
 
 
 def shard_entry(path: Path, table) -> dict:
+    """`tokens`: labelled tokens (every label set's), `positions`: response tokens."""
     splits = table.column("split").to_pylist()
-    tokens = [len(x) for x in table.column("labels").to_pylist()]
+    positions = [len(x) for x in table.column("response_ids").to_pylist()]
+    tokens = [sum(len(labels) for labels in sets) for sets in table.column("labels").to_pylist()]
     per_split = {s: {"sequences": sum(1 for x in splits if x == s),
+                     "positions": sum(n for x, n in zip(splits, positions) if x == s),
                      "tokens": sum(t for x, t in zip(splits, tokens) if x == s)} for s in SPLITS}
     return {"file": path.name, "sha256": sha256_file(path), "rows": table.num_rows, "tokens": sum(tokens),
-            "splits": per_split}
+            "positions": sum(positions), "splits": per_split}
 
 
 def model_entry(source: str, role: str, cache_dir: str | None) -> dict:
@@ -252,6 +298,7 @@ def settings_of(config: PipelineConfig, draft: dict, target: dict) -> dict:
             "prompt_source": data.prompts.source, "validation_fraction": data.prompts.validation_fraction,
             "max_prompt_tokens": data.prompts.max_prompt_tokens,
             "response": data.response.model_dump(), "labels": data.labels.model_dump(), "seed": data.seed,
+            "draft_format": config.models.draft_format,
             "draft_vocab": vocab_setting(config.models.draft_vocab)}
 
 
@@ -274,29 +321,60 @@ def write_manifest(directory: Path, manifest: dict) -> None:
 
 def summarise(shards: list[dict]) -> dict:
     counts = {"shards": len(shards), "sequences": sum(s["rows"] for s in shards),
-              "tokens": sum(s["tokens"] for s in shards)}
+              "positions": sum(s["positions"] for s in shards), "tokens": sum(s["tokens"] for s in shards)}
     for split in SPLITS:
-        counts[f"{split}_sequences"] = sum(s["splits"][split]["sequences"] for s in shards)
-        counts[f"{split}_tokens"] = sum(s["splits"][split]["tokens"] for s in shards)
+        for key in ("sequences", "positions", "tokens"):
+            counts[f"{split}_{key}"] = sum(s["splits"][split][key] for s in shards)
     return counts
 
 
 # -- the job -------------------------------------------------------------------------------------
 
-def select_prompts(config: DataSection, prompts: Sequence[Prompt]) -> list[Prompt]:
-    """The first `validation` validation prompts, then the first `train` train prompts (hash order):
-    validation first, so a partial run already has held-out data."""
+def source_prompts(config: PromptsSection) -> tuple[dict[str, list[Prompt]], str]:
+    """({source: its prompts in hash order}, the description the manifest records)."""
+    from specdec.training import prose_prompts as prose
+    from specdec.training import stdlib_prompts as stdlib
+
+    loaders = {stdlib.SOURCE_NAME: (stdlib.stdlib_prompts, stdlib.source_description),
+               prose.SOURCE_NAME: (prose.prose_prompts, prose.source_description)}
+    names = [config.source] if isinstance(config.source, str) else list(config.source)
+    prompts = {name: loaders[name][0](config.validation_fraction) for name in names}
+    return prompts, "; ".join(loaders[name][1](len(prompts[name])) for name in names)
+
+
+def select_prompts(config: DataSection, sources: dict[str, Sequence[Prompt]]) -> list[Prompt]:
+    """From each source its first `validation` validation prompts and first `train` train prompts
+    (hash order). All validation prompts come first, so a partial run already has held-out data,
+    and the sources take turns, so a partial run holds every kind."""
     chosen = []
     for split, limit in (("validation", config.prompts.validation), ("train", config.prompts.train)):
-        chosen += [p for p in prompts if p.split == split][:limit]
+        per_source = [[p for p in prompts if p.split == split][:limit] for prompts in sources.values()]
+        chosen += [p for turn in itertools.zip_longest(*per_source) for p in turn if p is not None]
     return chosen
 
 
+def reusable_responses(directory: str | Path, settings: dict) -> dict[str, Reused]:
+    """The responses of the dataset at `directory` (any format), when it was made for the same target,
+    response settings, seed and prompt limit as `settings` (a response does not depend on labels or
+    on the draft: the engine is lossless); DatasetError otherwise."""
+    directory = Path(directory)
+    found = read_manifest(directory).get("settings", {})
+    for key in ("target_identity", "response", "seed", "max_prompt_tokens"):
+        if found.get(key) != settings[key]:
+            raise DatasetError(f"cannot reuse the responses of {directory}: made with another {key}")
+    reused = {}
+    for path in shard_paths(directory):
+        for row in read_shard(path, columns=("prompt_id", "prompt_ids", "response_ids", "finish_reason")).to_pylist():
+            reused[row["prompt_id"]] = Reused(row["prompt_ids"], row["response_ids"], row["finish_reason"])
+    return reused
+
+
 def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = None,
-                     progress: bool = True) -> dict:
+                     progress: bool = True, reuse: str | Path | None = None) -> dict:
     """Generate the missing shards of `config.data.dir` on Ray workers; returns the manifest.
 
-    `prompts` replaces the stdlib prompts (tests); the manifest then names them "custom"."""
+    `prompts` replaces the configured sources (tests); the manifest then names them "custom".
+    `reuse`: a dataset whose responses are labelled again instead of regenerated (reusable_responses)."""
     import ray
     from ray.util import ActorPool
     from tqdm.auto import tqdm
@@ -309,17 +387,18 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
         raise IncompatibleModelsError(f"draft and target vocabularies differ ({draft['vocab_size']} vs "
                                       f"{target['vocab_size']} tokens)")
     settings = settings_of(config, draft, target)
-    source = "custom prompts (passed in by the caller)" if prompts is not None else None
     if prompts is None:
-        prompts = stdlib_prompts(data.prompts.validation_fraction)
-        source = source_description(len(prompts))
-    selected = select_prompts(data, prompts)
+        sources, source = source_prompts(data.prompts)
+    else:
+        sources, source = {"custom": list(prompts)}, "custom prompts (passed in by the caller)"
+    selected = select_prompts(data, sources)
+    reused = reusable_responses(reuse, settings) if reuse is not None else {}
 
     out.mkdir(parents=True, exist_ok=True)
     if (out / MANIFEST_FILE).is_file():
         _check_same_settings(out, read_manifest(out).get("settings", {}), settings)
     shards = [shard_entry(path, read_shard(path)) for path in shard_paths(out)]
-    done = {pid for path in shard_paths(out) for pid in read_shard(path).column("prompt_id").to_pylist()}
+    done = {pid for path in shard_paths(out) for pid in read_shard(path, columns=("prompt_id",)).column("prompt_id").to_pylist()}
     pending = [p for p in selected if p.id not in done]
     manifest = {"settings": settings, "draft": draft, "target": target, "prompt_source": source,
                 "python": sys.version.split()[0],
@@ -340,7 +419,8 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
     bar = tqdm(total=len(selected), initial=len(selected) - len(pending), unit="prompt", desc="gen-data",
                disable=not progress, file=sys.stderr)
     try:
-        for rows in pool.map_unordered(lambda actor, chunk: actor.rows.remote(chunk), chunks):
+        reused_for = lambda chunk: {p.id: reused[p.id] for p in chunk if p.id in reused}  # noqa: E731
+        for rows in pool.map_unordered(lambda actor, chunk: actor.rows.remote(chunk, reused_for(chunk)), chunks):
             path = write_shard(out, next_index, rows)
             next_index += 1
             shards.append(shard_entry(path, read_shard(path)))

@@ -47,10 +47,10 @@ from specdec.features import (
 )
 from specdec.head import AcceptanceHead, HeadConfig
 from specdec.sampling import SamplingParams, probs_from_logits
-from specdec.training.calibration import calibration_report
+from specdec.training.calibration import calibration_report, cross_fitted_predictions
 from specdec.training.config import SELECT_BY, ConfigError, PipelineConfig, TrainSection
 from specdec.training.data import SPLITS, load_dataset
-from specdec.training.evaluation import evaluate_head, feature_aurocs
+from specdec.training.evaluation import calibration, evaluate_head, feature_aurocs, soft_label_auroc
 from specdec.training.loss import weighted_bce_loss
 from specdec.training.mixing import mix_tokens
 
@@ -61,7 +61,8 @@ FEATURE_DTYPE = torch.float16  # halves the cache; the head trains in fp32
 # Version of the feature cache's layout and meaning: part of its key, and checked when it is read,
 # so a cache written by another version is recomputed, never misread.
 # 1: hidden, labels, positions (the paper's e_i only). 2: + scalars, the kind of hidden state, format.
-FEATURE_FORMAT = 2
+# 3: one mixed sequence per label set, + temperatures, the scalar `greedy`.
+FEATURE_FORMAT = 3
 CHECKPOINTS_TO_KEEP = 2
 # Settings that may change when a run resumes (all others would make the checkpoint meaningless).
 RESUMABLE_CHANGES = ("epochs", "output")
@@ -69,16 +70,19 @@ RESUMABLE_CHANGES = ("epochs", "output")
 
 # -- features ------------------------------------------------------------------------------------
 
-def mixing_generator(seed: int, prompt_id: str) -> torch.Generator:
-    digest = hashlib.sha256(f"mix\0{seed}\0{prompt_id}".encode()).digest()
+def mixing_generator(seed: int, prompt_id: str, label_set: int = 0) -> torch.Generator:
+    digest = hashlib.sha256(f"mix\0{seed}\0{prompt_id}\0{label_set}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") >> 1)
 
 
 @torch.inference_mode()
-def sequence_features(draft_model, row: dict, ratio: float, seed: int, features: str = FEATURES_HIDDEN,
-                      sampling: SamplingParams = SamplingParams()) -> dict[str, torch.Tensor]:
-    """The head's training features at the M draft positions of one mixed sequence:
-    {"hidden" [M, H] fp16, "scalars" [M, S] fp32, "labels" [M], "positions" [M] (response positions)}.
+def sequence_features(draft_model, row: dict, label_set: int, ratio: float, seed: int,
+                      features: str = FEATURES_HIDDEN, sampling: SamplingParams = SamplingParams(),
+                      ) -> dict[str, torch.Tensor]:
+    """The head's training features at the M draft positions of one mixed sequence, made of the
+    response X and label set `label_set` of the row (its Y and P, drawn through `sampling`):
+    {"hidden" [M, H] fp16, "scalars" [M, S] fp32, "labels" [M], "positions" [M] (response positions),
+    "temperatures" [M]}.
 
     The draft reads prompt + Z once. At response position i its final hidden state at Z_i is
     e(prompt, Z_<i, Z_i), which is e(prompt, Z_<i, Y_i) exactly where Z_i was taken from Y
@@ -93,8 +97,8 @@ def sequence_features(draft_model, row: dict, ratio: float, seed: int, features:
     if features not in (FEATURES_HIDDEN, FEATURES_DISTRIBUTION):
         raise ValueError(f"unknown head features {features!r}")
     x = torch.tensor(row["response_ids"], dtype=torch.long)  # [N]
-    y = torch.tensor(row["draft_ids"], dtype=torch.long)  # [N]
-    z, is_draft = mix_tokens(x, y, ratio, mixing_generator(seed, row["prompt_id"]))  # [N], [N]
+    y = torch.tensor(row["draft_ids"][label_set], dtype=torch.long)  # [N]
+    z, is_draft = mix_tokens(x, y, ratio, mixing_generator(seed, row["prompt_id"], label_set))  # [N], [N]
     n, prompt_len = len(x), len(row["prompt_ids"])
     device = next(draft_model.parameters()).device
     ids = torch.tensor([list(row["prompt_ids"]) + z.tolist()], dtype=torch.long, device=device)
@@ -104,10 +108,12 @@ def sequence_features(draft_model, row: dict, ratio: float, seed: int, features:
     hidden = after if features == FEATURES_HIDDEN else before
     # q_i at the draft positions only: [M, V] (the LM head over every position would cost N x V)
     q = probs_from_logits(draft_model.lm_head(before[is_draft.to(device)]).float(), sampling).cpu()
-    scalars = distribution_features(q, y[is_draft], round_positions(is_draft)[is_draft])
-    labels = torch.tensor(row["labels"], dtype=torch.float32)
+    scalars = distribution_features(q, y[is_draft], round_positions(is_draft)[is_draft], sampling.greedy)
+    labels = torch.tensor(row["labels"][label_set], dtype=torch.float32)
+    m = int(is_draft.sum())
     return {"hidden": hidden.cpu()[is_draft].to(FEATURE_DTYPE), "scalars": scalars,
-            "labels": labels[is_draft], "positions": torch.arange(n)[is_draft]}
+            "labels": labels[is_draft], "positions": torch.arange(n)[is_draft],
+            "temperatures": torch.full((m,), sampling.temperature)}
 
 
 def feature_key(manifest: dict, train: TrainSection) -> str:
@@ -117,11 +123,10 @@ def feature_key(manifest: dict, train: TrainSection) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def label_sampling(manifest: dict) -> SamplingParams:
-    """The sampling transform the data's labels were made with: the features see q through it."""
-    labels = manifest["settings"].get("labels", {})
-    return SamplingParams(temperature=labels.get("temperature", 1.0), top_p=labels.get("top_p", 1.0),
-                          top_k=labels.get("top_k", 0))
+def label_sampling(manifest: dict, temperature: float) -> SamplingParams:
+    """The sampling transform a label set was made with: the features see q through it."""
+    labels = manifest["settings"]["labels"]
+    return SamplingParams(temperature=temperature, top_p=labels["top_p"], top_k=labels["top_k"])
 
 
 def load_features(path: str | Path) -> dict:
@@ -147,15 +152,16 @@ def compute_features(config: PipelineConfig, data_dir: str, out_path: str) -> st
     model = draft.model
     if scaling.use_gpu and torch.cuda.is_available():
         model = model.to("cuda")
-    sampling = label_sampling(manifest)
     empty = {"hidden": torch.empty(0, draft.hidden_size, dtype=FEATURE_DTYPE),
              "scalars": torch.empty(0, NUM_SCALAR_FEATURES), "labels": torch.empty(0),
-             "positions": torch.empty(0, dtype=torch.long)}
+             "positions": torch.empty(0, dtype=torch.long), "temperatures": torch.empty(0)}
     features: dict = {"format": FEATURE_FORMAT, "features": train.features}
     for split in SPLITS:
-        parts = [sequence_features(model, row, train.mixing_ratio, train.mixing_seed, train.features, sampling)
-                 for row in tqdm([r for r in rows if r["split"] == split and r["labels"]],
-                                 desc=f"features ({split})", unit="seq")]
+        sequences = [(row, i, t) for row in rows if row["split"] == split and row["response_ids"]
+                     for i, t in enumerate(row["label_temperatures"])]
+        parts = [sequence_features(model, row, i, train.mixing_ratio, train.mixing_seed, train.features,
+                                   label_sampling(manifest, t))
+                 for row, i, t in tqdm(sequences, desc=f"features ({split})", unit="seq")]
         features[split] = {k: torch.cat([p[k] for p in parts]) if parts else v for k, v in empty.items()}
     features["hidden_size"] = draft.hidden_size
     features["draft_identity"] = manifest["settings"]["draft_identity"]
@@ -276,7 +282,7 @@ def check_dataset(config: PipelineConfig) -> tuple[dict, str, str]:
     draft_dir = resolve_model(config.models.draft, role="draft", cache=config.models.cache_dir)
     identity = model_identity(draft_dir)
     manifest, rows = load_dataset(config.data.dir, draft_identity=identity)
-    counts = {split: sum(len(r["labels"]) for r in rows if r["split"] == split) for split in SPLITS}
+    counts = {split: sum(len(labels) for r in rows if r["split"] == split for labels in r["labels"]) for split in SPLITS}
     if not counts["train"] or not counts["validation"]:
         raise SpecDecError(f"dataset {config.data.dir} needs labelled tokens in both splits "
                            f"(train {counts['train']}, validation {counts['validation']})")
@@ -350,11 +356,29 @@ def save_result(result, train: TrainSection, draft_identity: str, draft_name: st
                                                      "prompt_source": manifest.get("prompt_source")},
               "epochs": history, "final": final,
               "feature_auroc": {"head": final.get("auroc"), **feature_aurocs(val_set["scalars"], val_set["labels"])}}
+    logits = raw_logits(head, val_set, train)
     if train.calibrate:
-        platt, report["calibration"] = calibration_report(raw_logits(head, val_set, train), val_set["labels"])
+        platt, report["calibration"] = calibration_report(logits, val_set["labels"])
         head.config.calibration = platt
+    report["by_temperature"] = temperature_report(logits, val_set)
     head.save(train.output)
     (Path(train.output) / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def temperature_report(logits: torch.Tensor, val_set: dict) -> dict[str, dict]:
+    """Per label temperature of the validation tokens: the head's AUROC beside every single feature's,
+    and its ECE raw and calibrated (cross-fitted Platt over all tokens, as the saved map)."""
+    labels, temperatures = val_set["labels"], val_set["temperatures"]
+    calibrated = cross_fitted_predictions(logits, labels)
+    report = {}
+    for t in sorted(temperatures.unique().tolist()):
+        mask = temperatures == t
+        report[f"{t:g}"] = {"tokens": int(mask.sum()), "mean_label": float(labels[mask].mean()),
+                            "auroc": soft_label_auroc(logits[mask], labels[mask]),
+                            "feature_auroc": feature_aurocs(val_set["scalars"][mask], labels[mask]),
+                            "ece_raw": calibration(torch.sigmoid(logits[mask].double()), labels[mask]).ece,
+                            "ece_calibrated": calibration(calibrated[mask], labels[mask]).ece}
     return report
 
 

@@ -39,7 +39,8 @@ def tiny_config(tiny_pair, tmp_path, **train) -> dict:
     return {
         "models": {"draft": str(draft), "target": str(target)},
         "data": {"dir": str(tmp_path / "data"), "shard_size": 3, "seed": 1,
-                 "response": {"temperature": 1.0, "max_new_tokens": 12, "policy": "fixed", "k": 3}},
+                 "response": {"temperature": 1.0, "max_new_tokens": 12, "policy": "fixed", "k": 3},
+                 "labels": {"temperatures": [0.0, 1.0], "draws": 2}},
         "scaling": {"num_workers": 2, "threads": 1},
         "train": {"storage": str(tmp_path / "runs"), "output": str(tmp_path / "head"), "depth": 1,
                   "epochs": 1, "batch_size": 16, "lr": 1e-2, **train},

@@ -34,14 +34,14 @@ def test_labels_are_min_one_p_over_q_of_the_teacher_forced_models(tiny_pair):
     draft, target = engine.draft.model, engine.target.model
     prompt, response = [257, 40, 41], [50, 51, 52, 53]
     sampling = SamplingParams(temperature=1.0)
-    out = label_response(draft, target, prompt, response, sampling, torch.Generator().manual_seed(0))
+    out, = label_response(draft, target, prompt, response, [sampling], torch.Generator().manual_seed(0))
     for i, (y, label) in enumerate(zip(out.draft_ids, out.labels)):
         prefix = torch.tensor([prompt + response[:i]])  # position i from scratch, no shared pass
         with torch.no_grad():
             q = torch.softmax(draft(prefix).logits[0, -1].float(), -1)
             p = torch.softmax(target(prefix).logits[0, -1].float(), -1)
         assert label == pytest.approx(min(1.0, float(p[y] / q[y])), rel=1e-4)
-    assert out.response_ids == response and len(out.draft_ids) == len(response)
+    assert out.temperature == 1.0 and len(out.draft_ids) == len(response)
 
 
 def test_recorded_verification_logits_are_the_teacher_forced_targets(tiny_pair):
@@ -54,15 +54,15 @@ def test_recorded_verification_logits_are_the_teacher_forced_targets(tiny_pair):
     prompt = [257, 40, 41]
     response = engine.generate_ids(prompt, build_params(policy="fixed", k=3, max_new_tokens=12)).completions[0].token_ids
     assert len(recording.calls) > 1  # several rounds, so rows come from different passes
-    recorded = recording.committed_logits(len(prompt), len(response))
+    recorded = recording.committed_logits(prompt, response)
     teacher_forced = response_logits(recording.model, prompt, response)
     assert recorded.shape == teacher_forced.shape
     assert torch.allclose(recorded, teacher_forced, atol=1e-4)
     sampling = SamplingParams(temperature=1.0)
-    with_recorded = label_response(engine.draft.model, None, prompt, response, sampling,
-                                   torch.Generator().manual_seed(0), recorded)
-    with_pass = label_response(engine.draft.model, recording.model, prompt, response, sampling,
-                               torch.Generator().manual_seed(0))
+    with_recorded, = label_response(engine.draft.model, None, prompt, response, [sampling],
+                                    torch.Generator().manual_seed(0), recorded)
+    with_pass, = label_response(engine.draft.model, recording.model, prompt, response, [sampling],
+                                torch.Generator().manual_seed(0))
     assert with_recorded.draft_ids == with_pass.draft_ids
     assert with_recorded.labels == pytest.approx(with_pass.labels, abs=1e-4)
 
@@ -80,16 +80,22 @@ def test_shards_and_manifest(tiny_dataset, tiny_pair):
     assert len(shard_paths(__import__("pathlib").Path(directory))) == 3  # 7 prompts, 3 per shard
     counts = manifest["counts"]
     assert (counts["sequences"], counts["validation_sequences"], counts["train_sequences"]) == (7, 2, 5)
-    assert counts["tokens"] == 7 * 12  # max_new_tokens, no EOS at these settings
-    assert manifest["settings"]["labels"]["temperature"] == 1.0 and manifest["prompt_source"].startswith("custom")
+    assert counts["positions"] == 7 * 12  # max_new_tokens, no EOS at these settings
+    assert counts["tokens"] == 7 * 12 * 3  # label sets: greedy, and 2 draws at T = 1
+    assert manifest["settings"]["labels"]["temperatures"] == [0.0, 1.0]
+    assert manifest["prompt_source"].startswith("custom")
     engine = build_engine(EngineConfig(draft=str(tiny_pair[0]), target=str(tiny_pair[1])), progress=False)
     assert manifest["draft"]["identity"] == engine.draft.identity
     assert manifest["target"]["identity"] == engine.target.identity
     _, rows = load_dataset(directory, draft_identity=engine.draft.identity)
     assert sorted(r["prompt_id"] for r in rows) == sorted(p.id for p in TINY_PROMPTS)
     for row in rows:
-        assert len(row["response_ids"]) == len(row["draft_ids"]) == len(row["labels"]) == 12
-        assert all(0.0 <= x <= 1.0 for x in row["labels"])
+        assert row["label_temperatures"] == [0.0, 1.0, 1.0]
+        assert len(row["response_ids"]) == 12
+        assert [len(y) for y in row["draft_ids"]] == [len(p) for p in row["labels"]] == [12, 12, 12]
+        assert all(x in (0.0, 1.0) for x in row["labels"][0])  # greedy: exact match
+        assert all(0.0 <= x <= 1.0 for labels in row["labels"] for x in labels)
+        assert row["draft_ids"][1] != row["draft_ids"][2]  # independent draws
 
 
 def test_resume_generates_only_missing_prompts(tiny_dataset, tmp_path):
@@ -114,7 +120,7 @@ def test_resume_generates_only_missing_prompts(tiny_dataset, tmp_path):
 
 def test_other_settings_in_the_same_directory_are_refused(tiny_dataset):
     raw, _ = tiny_dataset
-    changed = {**raw, "data": {**raw["data"], "labels": {"temperature": 0.5}}}
+    changed = {**raw, "data": {**raw["data"], "labels": {"temperatures": [0.5]}}}
     with pytest.raises(DatasetError, match="made with other settings \\(labels differs\\)"):
         generate_dataset(parse_config(changed), prompts=TINY_PROMPTS, progress=False)
 

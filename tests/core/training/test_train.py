@@ -11,7 +11,9 @@ import torch
 
 from specdec.builder import EngineConfig, build_draft
 from specdec.errors import IncompatibleModelsError, SpecDecError
-from specdec.features import FEATURES_DISTRIBUTION, FEATURES_HIDDEN, NUM_SCALAR_FEATURES, distribution_features
+from specdec.features import (
+    FEATURES_DISTRIBUTION, FEATURES_HIDDEN, NUM_SCALAR_FEATURES, SCALAR_FEATURES, distribution_features,
+)
 from specdec.head import AcceptanceHead, HeadConfig, load_head
 from specdec.policies import FixedK
 from specdec.policies.specdec_pp import judged_acceptance
@@ -65,15 +67,17 @@ def test_head_learns_a_predictable_acceptance():
 def test_features_are_the_draft_states_at_draft_positions(tiny_pair):
     draft, _ = build_draft(EngineConfig(draft=str(tiny_pair[0]), draft_format="fp32"), progress=False)
     row = {"prompt_id": "p", "prompt_ids": [257, 40, 41], "response_ids": [50, 51, 52, 53, 54, 55],
-           "draft_ids": [60, 61, 62, 63, 64, 65], "labels": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]}
-    features = sequence_features(draft.model, row, ratio=0.5, seed=3)
+           "draft_ids": [[1, 2, 3, 4, 5, 6], [60, 61, 62, 63, 64, 65]],
+           "labels": [[0.0] * 6, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]]}
+    features = sequence_features(draft.model, row, 1, ratio=0.5, seed=3)  # label set 1
     hidden, labels, positions = features["hidden"], features["labels"], features["positions"]
-    z, is_draft = mix_tokens(torch.tensor(row["response_ids"]), torch.tensor(row["draft_ids"]), 0.5,
-                             mixing_generator(3, "p"))
+    z, is_draft = mix_tokens(torch.tensor(row["response_ids"]), torch.tensor(row["draft_ids"][1]), 0.5,
+                             mixing_generator(3, "p", 1))
     assert positions.tolist() == torch.nonzero(is_draft).flatten().tolist() and 0 < len(positions) < 6
-    assert labels.tolist() == pytest.approx([row["labels"][i] for i in positions.tolist()])
+    assert labels.tolist() == pytest.approx([row["labels"][1][i] for i in positions.tolist()])
+    assert features["temperatures"].tolist() == [1.0] * len(positions)
     for k, i in enumerate(positions.tolist()):  # e(prompt, Z_<i, Y_i), recomputed alone
-        ids = torch.tensor([row["prompt_ids"] + z[:i].tolist() + [row["draft_ids"][i]]])
+        ids = torch.tensor([row["prompt_ids"] + z[:i].tolist() + [row["draft_ids"][1][i]]])
         with torch.no_grad():
             expected = draft.model.model(input_ids=ids).last_hidden_state[0, -1]
         torch.testing.assert_close(hidden[k].float(), expected, atol=2e-3, rtol=2e-3)
@@ -103,8 +107,12 @@ def test_train_resume_and_saved_head(tiny_dataset, tiny_pair, tmp_path):
     report = json.loads((tmp_path / "head" / REPORT_FILE).read_text())
     final = report["final"]
     assert {"val_loss", "kl", "auroc", "ece", "reliability", "per_position"} <= set(final)
-    assert report["data"]["counts"]["train_tokens"] == 60
+    assert report["data"]["counts"]["train_tokens"] == 5 * 12 * 3
     assert set(report["feature_auroc"]) == {"head", "q_token", "top1_probability", "margin", "entropy"}
+    by_temperature = report["by_temperature"]  # the greedy and the sampled label sets, each on its own
+    assert set(by_temperature) == {"0", "1"}
+    assert by_temperature["0"]["tokens"] * 2 == pytest.approx(by_temperature["1"]["tokens"], rel=0.5)
+    assert {"auroc", "feature_auroc", "ece_raw", "ece_calibrated"} <= set(by_temperature["1"])
     calibration = report["calibration"]  # train.calibrate is on by default: fitted and saved with the head
     assert (head.config.calibration.scale, head.config.calibration.bias) == (calibration["scale"], calibration["bias"])
     assert {"ece_before", "ece_after", "reliability_before", "reliability_after"} <= set(calibration)
@@ -159,9 +167,9 @@ def test_rich_features_in_training_equal_what_the_policy_sees(tiny_pair):
     row = DraftRow(draft.new_session(), history, Recording(6), 6, 0, sampling, torch.Generator().manual_seed(5))
     candidates = propose(draft, [row])[0].candidates
     assert len(candidates) == len(steps) == 6
-    training_row = {"prompt_id": "p", "prompt_ids": history, "response_ids": candidates, "draft_ids": candidates,
-                    "labels": [0.5] * 6}
-    cached = sequence_features(draft.model, training_row, ratio=0.0, seed=0, features=FEATURES_DISTRIBUTION,
+    training_row = {"prompt_id": "p", "prompt_ids": history, "response_ids": candidates, "draft_ids": [candidates],
+                    "labels": [[0.5] * 6]}
+    cached = sequence_features(draft.model, training_row, 0, ratio=0.0, seed=0, features=FEATURES_DISTRIBUTION,
                                sampling=sampling)  # r = 0: every token from Y, positions 1..6
     torch.manual_seed(0)
     head = AcceptanceHead(HeadConfig(hidden_size=draft.hidden_size, depth=1, draft_identity="x",
@@ -175,7 +183,8 @@ def test_rich_features_in_training_equal_what_the_policy_sees(tiny_pair):
         with torch.no_grad():
             training_view = float(torch.sigmoid(head(head_inputs(FEATURES_DISTRIBUTION, cached, slice(i, i + 1)))))
         assert judged_acceptance(head, step) == pytest.approx(training_view, abs=1e-3)
-    assert cached["scalars"][:, -1].exp().round().tolist() == [1, 2, 3, 4, 5, 6]
+    assert cached["scalars"][:, SCALAR_FEATURES.index("log_position")].exp().round().tolist() == [1, 2, 3, 4, 5, 6]
+    assert cached["scalars"][:, SCALAR_FEATURES.index("greedy")].tolist() == [0.0] * 6
 
 
 def test_the_feature_cache_refuses_another_format(tmp_path):
