@@ -278,7 +278,8 @@ def add_bench_parser(commands) -> None:
                             "oracle, hf-heuristic[:K], hf-dynamic[:T] (default: the issue's full sweep)")
     group.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     group.add_argument("--prompts", default="humaneval",
-                       help="humaneval (default), validation (stdlib validation split, for choosing thresholds) "
+                       help="humaneval (default), validation (stdlib validation split, for choosing thresholds), "
+                            "prose (natural-language test set), prose-validation (prose validation split) "
                             "or a .jsonl/.txt file")
     group.add_argument("--limit", type=int, default=None, help="first N prompts only")
     group.add_argument("--concurrency", type=int, default=1,
@@ -307,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="generate text for one or more prompts, in this process")
     generate.add_argument("prompt", nargs="*", help="one or more prompts (they share every forward pass)")
     generate.add_argument("--prompts", default=None, metavar="SOURCE",
-                          help="more prompts: a .txt file (one per line), a .jsonl file, humaneval or validation")
+                          help="more prompts: a .txt file (one per line), a .jsonl file, humaneval, validation, "
+                               "prose or prose-validation")
     generate.add_argument("--limit", type=int, default=None, help="first N prompts of --prompts only")
     add_model_flags(generate)
     add_generation_flags(generate)

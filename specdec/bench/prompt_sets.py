@@ -1,11 +1,15 @@
-"""The prompts a bench run decodes: HumanEval (the test set), the stdlib validation split (where
-thresholds are chosen), or a file.
+"""The prompts a bench run decodes: a test set (HumanEval for code, the prose set for natural
+language), a validation split (where thresholds are chosen), or a file.
 
-    humaneval     the 164 HumanEval problems as chat instructions (specdec/prompts.py)
-    validation    the validation split of the head's training prompts (specdec/training/stdlib_prompts.py,
-                  the split fraction of cluster/training/default-pair.yaml); the head never trained on it
-    PATH          a .jsonl file (one JSON string, or object with "prompt", per line) or a text file
-                  (one prompt per line)
+    humaneval         the 164 HumanEval problems as chat instructions (specdec/prompts.py)
+    validation        the validation split of the head's stdlib training prompts
+                      (specdec/training/stdlib_prompts.py, the split fraction of
+                      cluster/training/default-pair.yaml); the head never trained on it
+    prose             the hand-written natural-language test set (PROSE_TEST_PROMPTS in specdec/prompts.py)
+    prose-validation  the validation split of the prose training prompts (specdec/training/prose_prompts.py,
+                      the same fraction), for choosing thresholds on natural language
+    PATH              a .jsonl file (one JSON string, or object with "prompt", per line) or a text file
+                      (one prompt per line)
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from pathlib import Path
 
 from specdec.errors import InvalidRequestError
 
-PROMPT_SETS = ("humaneval", "validation")
+PROMPT_SETS = ("humaneval", "validation", "prose", "prose-validation")
 VALIDATION_FRACTION = 0.05  # data.prompts.validation_fraction in cluster/training/default-pair.yaml
 
 
@@ -28,6 +32,14 @@ def load_prompts(source: str, limit: int | None = None) -> list[str]:
         from specdec.training.stdlib_prompts import stdlib_prompts
 
         prompts = [p.text for p in stdlib_prompts(VALIDATION_FRACTION) if p.split == "validation"]
+    elif source == "prose":
+        from specdec.prompts import prose_test_prompts
+
+        prompts = prose_test_prompts()
+    elif source == "prose-validation":
+        from specdec.training.prose_prompts import prose_prompts
+
+        prompts = [p.text for p in prose_prompts(VALIDATION_FRACTION) if p.split == "validation"]
     else:
         prompts = _file_prompts(Path(source))
     if not prompts:

@@ -56,15 +56,26 @@ def source_description(count: int) -> str:
 
 def stdlib_prompts(validation_fraction: float, root: Path | None = None) -> list[Prompt]:
     """All prompts, in hash order, each tagged with its split."""
-    if not 0.0 < validation_fraction < 1.0:
-        raise ValueError(f"validation_fraction must lie in (0, 1), got {validation_fraction}")
+    check_fraction(validation_fraction)  # before the scan: a bad config fails at once
     found: dict[str, str] = {}
     for module, path in _module_files(root or stdlib_root()):
         for prompt_id, text in _file_prompts(module, path):
             found.setdefault(prompt_id, text)
+    return hash_split(found, validation_fraction)
+
+
+def hash_split(texts: dict[str, str], validation_fraction: float) -> list[Prompt]:
+    """Prompts sorted by the hash of their id; an id whose hash falls in the first
+    `validation_fraction` of the range is validation, so a prompt's split depends on its id alone."""
+    check_fraction(validation_fraction)
     cut = int(validation_fraction * HASH_BUCKETS)
-    ordered = sorted(found, key=prompt_hash)
-    return [Prompt(pid, found[pid], "validation" if prompt_hash(pid) < cut else "train") for pid in ordered]
+    ordered = sorted(texts, key=prompt_hash)
+    return [Prompt(pid, texts[pid], "validation" if prompt_hash(pid) < cut else "train") for pid in ordered]
+
+
+def check_fraction(validation_fraction: float) -> None:
+    if not 0.0 < validation_fraction < 1.0:
+        raise ValueError(f"validation_fraction must lie in (0, 1), got {validation_fraction}")
 
 
 def prompt_hash(prompt_id: str) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.training.stdlib_prompts import stdlib_prompts
+from specdec.training.stdlib_prompts import hash_split, prompt_hash, stdlib_prompts
 
 DOC = "Return the number of widgets in the given container, counting nested ones too."
 
@@ -44,3 +44,11 @@ def test_order_and_split_are_fixed(fake_stdlib):
 def test_bad_fraction(fake_stdlib):
     with pytest.raises(ValueError, match="validation_fraction"):
         stdlib_prompts(1.0, root=fake_stdlib)
+
+
+def test_hash_split_depends_on_ids_only():
+    texts = {f"x:{i}": f"text {i}" for i in range(200)}
+    full = {p.id: p.split for p in hash_split(texts, 0.3)}
+    half = hash_split({pid: texts[pid] for pid in list(texts)[:100]}, 0.3)
+    assert all(full[p.id] == p.split for p in half)
+    assert [p.id for p in hash_split(texts, 0.3)] == sorted(texts, key=prompt_hash)
