@@ -5,8 +5,8 @@
 
 Prints the data counts, the final validation metrics (loss, binary KL to the soft labels, AUROC,
 ECE), the per-epoch curve, the per-position rows, the reliability table, the AUROC of each single
-draft feature beside the head's and the calibration (ECE before and after) when training.json has
-them, and, when the head came from `specdec train-head --sweep`, the sweep table. `--plot` draws
+draft feature beside the head's, the same per label temperature, and the calibration (ECE before and
+after) when training.json has them, and, when the head came from `specdec train-head --sweep`, the sweep table. `--plot` draws
 the reliability diagram (before and after calibration when the head is calibrated).
 """
 
@@ -73,6 +73,16 @@ def markdown(report: dict, head_config: dict) -> str:
         lines += ["", "AUROC on the validation tokens, the head against each single feature:", "",
                   "| score | AUROC |", "|---|---|"]
         lines += [f"| {names.get(k, k)} | {fmt(v)} |" for k, v in aurocs.items()]
+    by_temperature = report.get("by_temperature")
+    if by_temperature:
+        feature_names = list(next(iter(by_temperature.values()))["feature_auroc"])
+        lines += ["", "Per label temperature (validation; T = 0: greedy labels, exact match):", "",
+                  "| T | tokens | mean label | head AUROC | " + " | ".join(f"{n} AUROC" for n in feature_names)
+                  + " | ECE raw | ECE calibrated |", "|---" * (6 + len(feature_names)) + "|"]
+        for t, row in by_temperature.items():
+            lines.append(f"| {t} | {row['tokens']} | {fmt(row['mean_label'])} | {fmt(row['auroc'])} | "
+                         + " | ".join(fmt(row["feature_auroc"][n]) for n in feature_names)
+                         + f" | {fmt(row['ece_raw'])} | {fmt(row['ece_calibrated'])} |")
     cal = report.get("calibration")
     if cal:
         lines += ["", f"Calibration ({cal['method']}: sigmoid({cal['scale']:.3f} l + {cal['bias']:.3f}), fitted on the "

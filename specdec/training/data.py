@@ -392,14 +392,15 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
     else:
         sources, source = {"custom": list(prompts)}, "custom prompts (passed in by the caller)"
     selected = select_prompts(data, sources)
-    reused = reusable_responses(reuse, settings) if reuse is not None else {}
 
+    reused = reusable_responses(reuse, settings) if reuse is not None else {}
     out.mkdir(parents=True, exist_ok=True)
     if (out / MANIFEST_FILE).is_file():
         _check_same_settings(out, read_manifest(out).get("settings", {}), settings)
     shards = [shard_entry(path, read_shard(path)) for path in shard_paths(out)]
     done = {pid for path in shard_paths(out) for pid in read_shard(path, columns=("prompt_id",)).column("prompt_id").to_pylist()}
-    pending = [p for p in selected if p.id not in done]
+    # reused responses first: each costs one teacher-forced pass, so the dataset grows fastest
+    pending = sorted((p for p in selected if p.id not in done), key=lambda p: p.id not in reused)
     manifest = {"settings": settings, "draft": draft, "target": target, "prompt_source": source,
                 "python": sys.version.split()[0],
                 "prompts_selected": {s: sum(p.split == s for p in selected) for s in SPLITS},

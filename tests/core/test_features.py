@@ -17,7 +17,9 @@ def test_features_of_one_candidate():
     assert got["log_top1"] == pytest.approx(math.log(0.5))
     assert got["log_margin"] == pytest.approx(math.log(0.5 / 0.3))
     assert got["entropy"] == pytest.approx(-(0.5 * math.log(0.5) + 0.3 * math.log(0.3) + 0.2 * math.log(0.2)))
-    assert got["log_position"] == pytest.approx(math.log(3))
+    assert got["log_position"] == pytest.approx(math.log(3)) and got["greedy"] == 0.0
+    greedy = distribution_features(probs, torch.tensor(0), torch.tensor(3), greedy=True)
+    assert greedy[SCALAR_FEATURES.index("greedy")] == 1.0
     outside = distribution_features(probs, torch.tensor(3), torch.tensor(1))  # q = 0: floored, finite
     assert outside[0] == pytest.approx(math.log(MIN_PROB))
 

@@ -178,7 +178,7 @@ def test_expected_acceptance_is_the_q_weighted_mean_over_the_likeliest_tokens():
     assert expected_acceptance(head, at(0)) == pytest.approx(exact, rel=1e-5)
     assert expected_acceptance(head, at(4)) == expected_acceptance(head, at(0))  # not the drawn token
     top = int(probs.argmax())
-    assert expected_acceptance(head, at(top, greedy=True)) == judged_acceptance(head, at(top))
+    assert expected_acceptance(head, at(top, greedy=True)) == judged_acceptance(head, at(top, greedy=True))
 
 
 def test_after_a_dropped_first_candidate_rounds_skip_the_draft_with_backoff():

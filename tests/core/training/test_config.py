@@ -22,13 +22,18 @@ def with_change(section: str, key: str, value) -> dict:
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     config = load_config(path)
-    assert config.train is not None and config.data.prompts.source == "stdlib-docstrings"
+    assert config.train is not None and config.data.prompts.source == ["stdlib-docstrings", "prose"]
 
 
 def test_gpu_config_differs_only_in_scaling():
     cpu, gpu = (yaml.safe_load((SHIPPED[0].parent / name).read_text()) for name in ("default-pair.yaml", "gpu.yaml"))
     assert {k for k in cpu if cpu[k] != gpu.get(k)} == {"scaling"}
     assert load_config(SHIPPED[0].parent / "gpu.yaml").scaling.use_gpu
+
+
+def test_label_sets_one_greedy_and_draws_per_sampled_temperature():
+    labels = parse_config({"data": {"dir": "d", "labels": {"temperatures": [0.0, 1.0, 0.7], "draws": 2}}}).data.labels
+    assert [s.temperature for s in labels.sets()] == [0.0, 1.0, 1.0, 0.7, 0.7]
 
 
 def test_defaults_follow_the_paper():
@@ -52,6 +57,11 @@ def test_defaults_follow_the_paper():
     ({"data": {"dir": "d", "response": {"policy": "specdec++"}}}, "data.response.policy"),
     ({"data": {"dir": "d", "prompts": {"validation_fraction": 0}}}, "data.prompts.validation_fraction"),
     ({"train": {"storage": "s", "output": "o"}}, "data: Field required"),
+    ({"data": {"dir": "d"}, "models": {"draft_format": "int8"}},
+     "models.draft_format: must be fp32 or onednn: int8 scales a whole teacher-forced pass at once"),
+    ({"data": {"dir": "d", "labels": {"temperatures": [1.0, 1.0]}}}, "data.labels.temperatures: must be distinct"),
+    ({"data": {"dir": "d", "labels": {"draws": 0}}}, "data.labels.draws"),
+    ({"data": {"dir": "d", "prompts": {"source": ["prose", "wiki"]}}}, "data.prompts.source"),
 ])
 def test_bad_values_are_one_line_errors(raw, message):
     with pytest.raises(ConfigError) as info:

@@ -67,6 +67,62 @@ def test_recorded_verification_logits_are_the_teacher_forced_targets(tiny_pair):
     assert with_recorded.labels == pytest.approx(with_pass.labels, abs=1e-4)
 
 
+def test_recording_reads_back_each_response_of_a_batch(tiny_pair):
+    """Two prompts generated together: each response's rows come from its own passes."""
+    from specdec.params import build_params
+    from specdec.training.data import RecordingTarget, response_logits
+
+    engine = build_engine(EngineConfig(draft=str(tiny_pair[0]), target=str(tiny_pair[1]), draft_format="fp32",
+                                       target_format="fp32"), progress=False)
+    engine.verifier_worker.target = recording = RecordingTarget(engine.target)
+    prompts = [[257, 40, 41], [257, 60, 61, 62]]
+    results = engine.generate_many(prompts, build_params(policy="fixed", k=3, max_new_tokens=10))
+    for prompt, result in zip(prompts, results):
+        response = result.completions[0].token_ids
+        torch.testing.assert_close(recording.committed_logits(prompt, response),
+                                   response_logits(recording.model, prompt, response), atol=1e-4, rtol=1e-4)
+
+
+def test_label_sets_share_one_draft_pass():
+    """Greedy: Y is q's argmax and the label is exact match; sampled draws are independent."""
+    from specdec.training.labels import soft_acceptance_labels
+
+    class Fixed(torch.nn.Module):  # a "model" whose teacher-forced logits are given
+        def __init__(self, logits):
+            super().__init__()
+            self.logits, self.lm_head, self.weight = logits, torch.nn.Identity(), torch.nn.Parameter(torch.zeros(1))
+            self.model = lambda input_ids: type("Out", (), {"last_hidden_state": self.logits[None]})()
+
+    q_logits = torch.tensor([[2.0, 0.0, 1.0], [0.0, 3.0, 0.0], [1.0, 1.1, 0.0]])
+    p_logits = torch.tensor([[2.0, 0.5, 0.0], [3.0, 0.0, 0.0], [0.0, 2.0, 0.0]])
+    sets = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=1.0)]
+    out = label_response(Fixed(q_logits), None, [1], [0, 1, 2], sets, torch.Generator().manual_seed(0), p_logits)
+    assert [s.temperature for s in out] == [0.0, 1.0, 1.0]
+    assert out[0].draft_ids == [0, 1, 1] and out[0].labels == [1.0, 0.0, 1.0]
+    q, p = torch.softmax(q_logits, -1), torch.softmax(p_logits, -1)
+    for labelled in out[1:]:
+        expected = soft_acceptance_labels(p, q, torch.tensor(labelled.draft_ids))
+        assert labelled.labels == pytest.approx(expected.tolist())
+
+
+def test_responses_are_reused_and_labelled_again(tiny_dataset, tmp_path):
+    """Other labels over the responses of a dataset: no response is generated again (the rows keep
+    them) and the labels follow the new settings; other response settings cannot be reused."""
+    raw, _ = tiny_dataset
+    relabel = {**raw, "data": {**raw["data"], "dir": str(tmp_path / "relabelled"), "labels": {"temperatures": [0.5]}}}
+    manifest = generate_dataset(parse_config(relabel), prompts=TINY_PROMPTS, progress=False, reuse=raw["data"]["dir"])
+    _, old = load_dataset(raw["data"]["dir"])
+    _, new = load_dataset(relabel["data"]["dir"])
+    old = {r["prompt_id"]: r for r in old}
+    assert manifest["complete"] and len(new) == len(old)
+    for row in new:
+        assert row["response_ids"] == old[row["prompt_id"]]["response_ids"] and row["label_temperatures"] == [0.5]
+    other = {**relabel, "data": {**relabel["data"], "dir": str(tmp_path / "other"),
+                                 "response": {**raw["data"]["response"], "max_new_tokens": 5}}}
+    with pytest.raises(DatasetError, match="cannot reuse the responses of .*: made with another response"):
+        generate_dataset(parse_config(other), prompts=TINY_PROMPTS, progress=False, reuse=raw["data"]["dir"])
+
+
 def test_greedy_labels_are_exact_match():
     logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
     assert label_distribution(logits, SamplingParams()).tolist() == [[0, 1, 0], [1, 0, 0]]
@@ -177,3 +233,16 @@ def test_prompts_longer_than_the_context_get_an_empty_row(tiny_pair):
     writer = ExampleWriter(raw.models, raw.data, threads=1)
     (row,) = writer.rows([Prompt("long", "x" * 300, "train")])  # byte tokens: 300+ > 256 positions
     assert row["finish_reason"] == FINISH_TOO_LONG and row["labels"] == [] and row["response_ids"] == []
+
+
+def test_sources_take_turns_and_validation_comes_first():
+    from specdec.training.config import DataSection
+    from specdec.training.data import select_prompts
+    from specdec.training.stdlib_prompts import Prompt
+
+    def source(name, n):
+        return [Prompt(f"{name}:{i}", "t", "validation" if i % 3 == 0 else "train") for i in range(n)]
+
+    data = DataSection(dir="d", prompts={"train": 2, "validation": 1})
+    chosen = select_prompts(data, {"code": source("code", 9), "prose": source("prose", 4)})
+    assert [p.id for p in chosen] == ["code:0", "prose:0", "code:1", "prose:1", "code:2", "prose:2"]

@@ -69,7 +69,7 @@ def test_features_are_the_draft_states_at_draft_positions(tiny_pair):
     row = {"prompt_id": "p", "prompt_ids": [257, 40, 41], "response_ids": [50, 51, 52, 53, 54, 55],
            "draft_ids": [[1, 2, 3, 4, 5, 6], [60, 61, 62, 63, 64, 65]],
            "labels": [[0.0] * 6, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]]}
-    features = sequence_features(draft.model, row, 1, ratio=0.5, seed=3)  # label set 1
+    features = sequence_features(draft.model, row, 1, ratio=0.5, seed=3, sampling=SamplingParams(temperature=1.0))
     hidden, labels, positions = features["hidden"], features["labels"], features["positions"]
     z, is_draft = mix_tokens(torch.tensor(row["response_ids"]), torch.tensor(row["draft_ids"][1]), 0.5,
                              mixing_generator(3, "p", 1))
