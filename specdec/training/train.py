@@ -4,19 +4,16 @@ Steps, each its own function:
 
 1. `check_dataset`: the manifest's draft identity must be the draft being trained, every shard
    non-empty and intact (sha256) -- all before any Ray work.
-2. `cache_features` (a Ray task, on a GPU when the scaling section asks for one): for every
-   sequence one mixing draw Z (r of the tokens from the target's X, the rest from the draft's Y,
-   seeded per prompt), one frozen-draft forward pass over prompt + Z, and at the positions that
-   took Y_i: the hidden state the head reads (`train.features`: the paper's e_i(prompt, Z_<i, Y_i),
-   or for `hidden+distribution` the state at Z_{i-1} that q_i comes from), the draft-distribution
-   features of Y_i (specdec/features.py; always kept, for the single-feature AUROCs), P_i and the
-   response position. Saved once as a tensor file in the run's storage directory, keyed by the
-   data's shards, the draft, the mixing settings, the feature kind and `FEATURE_FORMAT`.
-   Why cache: the draft's forward pass is >99% of the compute (a 0.5B model against a head of a few
-   MB) and does not depend on the head, so every epoch, every resumed run and all 20 runs of the D x
-   w_rej sweep read the same features instead of re-running the draft; on this CPU that turns hours
-   into seconds. The price is one fixed mixing draw per sequence instead of a fresh one per epoch
-   (the paper's recipe does not redraw either: its data are generated once).
+2. `cache_features` (a Ray task, on a GPU when the scaling section asks for one): the head's
+   inputs for every response and label set (`row_features`), with the draft-distribution features
+   of Y_i (specdec/features.py; always kept, for the single-feature AUROCs), P_i and the response
+   position. The paper's `hidden` head reads the state after the draft has read Y_i, so each label
+   set gets one mixing draw Z (r of the tokens from the target's X, the rest from Y, seeded per
+   prompt and set) and one frozen-draft pass over prompt + Z (`mixed_sequence_features`); a
+   `hidden+distribution` head reads what q_i came from, so one pass over prompt + X serves every
+   position and every label set (`response_features`). Saved once as a tensor file in the run's
+   storage directory, keyed by the data's shards, the draft, the mixing settings, the feature kind
+   and `FEATURE_FORMAT`.
 3. `TorchTrainer` with `train_loop`: weighted BCE (loss.py) on the cached features, data parallel
    over the scaling section's workers; after every epoch the validation metrics (evaluation.py:
    loss, binary KL, AUROC, ECE with reliability data, per position) are reported with a checkpoint
@@ -61,7 +58,8 @@ FEATURE_DTYPE = torch.float16  # halves the cache; the head trains in fp32
 # Version of the feature cache's layout and meaning: part of its key, and checked when it is read,
 # so a cache written by another version is recomputed, never misread.
 # 1: hidden, labels, positions (the paper's e_i only). 2: + scalars, the kind of hidden state, format.
-# 3: one mixed sequence per label set, + temperatures, the scalar `greedy`.
+# 3: one mixed sequence per label set, + temperatures, the scalar `greedy`; `hidden+distribution`
+#    read over prompt + X at every position (response_features).
 FEATURE_FORMAT = 3
 CHECKPOINTS_TO_KEEP = 2
 # Settings that may change when a run resumes (all others would make the checkpoint meaningless).
@@ -76,26 +74,21 @@ def mixing_generator(seed: int, prompt_id: str, label_set: int = 0) -> torch.Gen
 
 
 @torch.inference_mode()
-def sequence_features(draft_model, row: dict, label_set: int, ratio: float, seed: int,
-                      features: str = FEATURES_HIDDEN, sampling: SamplingParams = SamplingParams(),
-                      ) -> dict[str, torch.Tensor]:
-    """The head's training features at the M draft positions of one mixed sequence, made of the
-    response X and label set `label_set` of the row (its Y and P, drawn through `sampling`):
+def mixed_sequence_features(draft_model, row: dict, label_set: int, ratio: float, seed: int,
+                            sampling: SamplingParams = SamplingParams()) -> dict[str, torch.Tensor]:
+    """The paper's head (`hidden`): its features at the M draft positions of one mixed sequence, made
+    of the response X and label set `label_set` of the row (its Y and P, drawn through `sampling`):
     {"hidden" [M, H] fp16, "scalars" [M, S] fp32, "labels" [M], "positions" [M] (response positions),
     "temperatures" [M]}.
 
     The draft reads prompt + Z once. At response position i its final hidden state at Z_i is
     e(prompt, Z_<i, Z_i), which is e(prompt, Z_<i, Y_i) exactly where Z_i was taken from Y
-    (mixing.py): the paper's input. The state at the token before Z_i (the prompt's last token for
-    i = 0) is the one the draft's q_i comes from: what a `hidden+distribution` head reads at
-    drafting step i (`DraftStep.hidden`), with q_i's features at Y_i, q_i through `sampling` as the
-    drafting loop transforms it (`probs_from_logits`: plain softmax when greedy), and Y_i's
-    position in its run of draft tokens (features.round_positions).
+    (mixing.py): the paper's input, which exists only after the draft has read Y_i, hence the mixing.
+    The scalars (kept for the single-feature AUROCs) are q_i's at Y_i, q_i from the state at the
+    token before Z_i, through `sampling` as the drafting loop transforms it.
 
-    Worked example: prompt [a b], Z [z0 z1 z2]: the pass reads [a b z0 z1 z2]; position 1's paper
-    state is the output at z1, its `hidden+distribution` state and q_1 the output at z0."""
-    if features not in (FEATURES_HIDDEN, FEATURES_DISTRIBUTION):
-        raise ValueError(f"unknown head features {features!r}")
+    Worked example: prompt [a b], Z [z0 z1 z2]: the pass reads [a b z0 z1 z2]; position 1's state
+    is the output at z1, its q_1 the output at z0."""
     x = torch.tensor(row["response_ids"], dtype=torch.long)  # [N]
     y = torch.tensor(row["draft_ids"][label_set], dtype=torch.long)  # [N]
     z, is_draft = mix_tokens(x, y, ratio, mixing_generator(seed, row["prompt_id"], label_set))  # [N], [N]
@@ -105,15 +98,61 @@ def sequence_features(draft_model, row: dict, label_set: int, ratio: float, seed
     states = draft_model.model(input_ids=ids).last_hidden_state[0]  # [P + N, H]
     after = states[prompt_len:prompt_len + n]  # [N, H] the state at Z_i
     before = states[prompt_len - 1:prompt_len - 1 + n]  # [N, H] the state q_i comes from
-    hidden = after if features == FEATURES_HIDDEN else before
     # q_i at the draft positions only: [M, V] (the LM head over every position would cost N x V)
     q = probs_from_logits(draft_model.lm_head(before[is_draft.to(device)]).float(), sampling).cpu()
     scalars = distribution_features(q, y[is_draft], round_positions(is_draft)[is_draft], sampling.greedy)
     labels = torch.tensor(row["labels"][label_set], dtype=torch.float32)
     m = int(is_draft.sum())
-    return {"hidden": hidden.cpu()[is_draft].to(FEATURE_DTYPE), "scalars": scalars,
+    return {"hidden": after.cpu()[is_draft].to(FEATURE_DTYPE), "scalars": scalars,
             "labels": labels[is_draft], "positions": torch.arange(n)[is_draft],
             "temperatures": torch.full((m,), sampling.temperature)}
+
+
+@torch.inference_mode()
+def response_features(draft_model, row: dict, ratio: float, seed: int,
+                      samplings: list[SamplingParams]) -> list[dict[str, torch.Tensor]]:
+    """A `hidden+distribution` head's features at every response position, one dict per label set
+    (keys as `mixed_sequence_features`, M = N).
+
+    This head judges y_i from the state q_i comes from and q_i at y_i: exactly the context the label
+    P_i was made in, prompt + X_<i (data.py), and at drafting a candidate's judgement only matters
+    when y_<i were accepted, i.e. when they are what the target would have written. So the draft
+    reads prompt + X once and that pass serves every position and every label set: no mixing (it
+    exists for the paper's head, which reads the state after y_i), and no mismatch between the q
+    the label used and the q the features read (under mixing, the features' q_i is conditioned on
+    Z_<i, mostly draft tokens). The position of y_i in its round, which a pass over X does not
+    have, follows the runs of the mixing draw (1, 2, 3, ... over its draft runs, 1 elsewhere), so
+    its distribution resembles drafting's.
+
+    Worked example: prompt [a b], X [x0 x1 x2]: the pass reads [a b x0 x1]; position 0's state is
+    the output at b, position 2's the output at x1."""
+    x = torch.tensor(row["response_ids"], dtype=torch.long)  # [N]
+    n, prompt_len = len(x), len(row["prompt_ids"])
+    device = next(draft_model.parameters()).device
+    ids = torch.tensor([list(row["prompt_ids"]) + x[:-1].tolist()], dtype=torch.long, device=device)
+    before = draft_model.model(input_ids=ids).last_hidden_state[0, prompt_len - 1:]  # [N, H]
+    logits = draft_model.lm_head(before).float().cpu()  # [N, V]
+    hidden = before.cpu().to(FEATURE_DTYPE)
+    out = []
+    for label_set, sampling in enumerate(samplings):
+        y = torch.tensor(row["draft_ids"][label_set], dtype=torch.long)  # [N]
+        _, is_draft = mix_tokens(x, y, ratio, mixing_generator(seed, row["prompt_id"], label_set))
+        positions = round_positions(is_draft).clamp_min(1)  # [N]
+        scalars = distribution_features(probs_from_logits(logits, sampling), y, positions, sampling.greedy)
+        out.append({"hidden": hidden, "scalars": scalars,
+                    "labels": torch.tensor(row["labels"][label_set], dtype=torch.float32),
+                    "positions": torch.arange(n), "temperatures": torch.full((n,), sampling.temperature)})
+    return out
+
+
+def row_features(draft_model, row: dict, train: TrainSection, samplings: list[SamplingParams]) -> list[dict]:
+    """The features of every label set of a row, for the head kind `train.features`."""
+    if train.features == FEATURES_DISTRIBUTION:
+        return response_features(draft_model, row, train.mixing_ratio, train.mixing_seed, samplings)
+    if train.features != FEATURES_HIDDEN:
+        raise ValueError(f"unknown head features {train.features!r}")
+    return [mixed_sequence_features(draft_model, row, i, train.mixing_ratio, train.mixing_seed, sampling)
+            for i, sampling in enumerate(samplings)]
 
 
 def feature_key(manifest: dict, train: TrainSection) -> str:
@@ -157,11 +196,10 @@ def compute_features(config: PipelineConfig, data_dir: str, out_path: str) -> st
              "positions": torch.empty(0, dtype=torch.long), "temperatures": torch.empty(0)}
     features: dict = {"format": FEATURE_FORMAT, "features": train.features}
     for split in SPLITS:
-        sequences = [(row, i, t) for row in rows if row["split"] == split and row["response_ids"]
-                     for i, t in enumerate(row["label_temperatures"])]
-        parts = [sequence_features(model, row, i, train.mixing_ratio, train.mixing_seed, train.features,
-                                   label_sampling(manifest, t))
-                 for row, i, t in tqdm(sequences, desc=f"features ({split})", unit="seq")]
+        responses = [row for row in rows if row["split"] == split and row["response_ids"]]
+        parts = [part for row in tqdm(responses, desc=f"features ({split})", unit="response")
+                 for part in row_features(model, row, train, [label_sampling(manifest, t)
+                                                              for t in row["label_temperatures"]])]
         features[split] = {k: torch.cat([p[k] for p in parts]) if parts else v for k, v in empty.items()}
     features["hidden_size"] = draft.hidden_size
     features["draft_identity"] = manifest["settings"]["draft_identity"]

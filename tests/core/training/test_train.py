@@ -30,7 +30,8 @@ from specdec.training.train import (
     new_head,
     mixing_generator,
     select_run,
-    sequence_features,
+    mixed_sequence_features,
+    response_features,
     train_epoch,
     train_head,
     validate,
@@ -69,7 +70,7 @@ def test_features_are_the_draft_states_at_draft_positions(tiny_pair):
     row = {"prompt_id": "p", "prompt_ids": [257, 40, 41], "response_ids": [50, 51, 52, 53, 54, 55],
            "draft_ids": [[1, 2, 3, 4, 5, 6], [60, 61, 62, 63, 64, 65]],
            "labels": [[0.0] * 6, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]]}
-    features = sequence_features(draft.model, row, 1, ratio=0.5, seed=3, sampling=SamplingParams(temperature=1.0))
+    features = mixed_sequence_features(draft.model, row, 1, ratio=0.5, seed=3, sampling=SamplingParams(temperature=1.0))
     hidden, labels, positions = features["hidden"], features["labels"], features["positions"]
     z, is_draft = mix_tokens(torch.tensor(row["response_ids"]), torch.tensor(row["draft_ids"][1]), 0.5,
                              mixing_generator(3, "p", 1))
@@ -169,8 +170,7 @@ def test_rich_features_in_training_equal_what_the_policy_sees(tiny_pair):
     assert len(candidates) == len(steps) == 6
     training_row = {"prompt_id": "p", "prompt_ids": history, "response_ids": candidates, "draft_ids": [candidates],
                     "labels": [[0.5] * 6]}
-    cached = sequence_features(draft.model, training_row, 0, ratio=0.0, seed=0, features=FEATURES_DISTRIBUTION,
-                               sampling=sampling)  # r = 0: every token from Y, positions 1..6
+    cached, = response_features(draft.model, training_row, ratio=0.0, seed=0, samplings=[sampling])  # r = 0: positions 1..6
     torch.manual_seed(0)
     head = AcceptanceHead(HeadConfig(hidden_size=draft.hidden_size, depth=1, draft_identity="x",
                                      features=FEATURES_DISTRIBUTION)).eval()
