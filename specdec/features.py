@@ -12,8 +12,8 @@ Two kinds (`HeadConfig.features`):
   numbers read off q_i at the candidate y_i and the candidate's position i in the round. Everything
   is known at step i, right after y_i is sampled, so the head judges y_i itself before the next
   draft pass is paid for: a policy can stop without y_i, and a round can hold no candidate at all
-  (K = 0) when even y_1 is predicted to be rejected. Issue 19 measured q(y_i) alone at AUROC 0.96
-  on the default pair's validation tokens against 0.70 for the hidden-state head.
+  (K = 0) when even y_1 is predicted to be rejected. On the default pair's validation tokens
+  q(y_i) alone reaches AUROC 0.89 (greedy labels) / 0.86 (T = 1) (docs/training.md).
 
 The scalar features of candidate y drawn from q (all logs natural, probabilities floored at
 `MIN_PROB` because under mixing a training token may have q = 0 after top-k/top-p):
