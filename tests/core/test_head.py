@@ -178,6 +178,8 @@ def test_the_shipped_default_pair_head_loads_with_its_threshold():
     assert directory == str(heads.SHIPPED["default"])
     head = load_head(directory, hidden_size=896)  # the draft's identity: tests/test_default_pair.py
     assert head.config.threshold is not None and 0 < head.config.threshold < 1
-    assert (head.input_std > 0).all() and not torch.equal(head.input_std, torch.ones(896))  # trained statistics
+    assert head.config.input_size == len(head.input_std)
+    assert (head.input_std > 0).all() and not torch.equal(head.input_std, torch.ones_like(head.input_std))  # trained
     report = json.loads((heads.SHIPPED["default"] / "training.json").read_text())
-    assert report["train"]["depth"] == head.config.depth and report["sweep"]["best"]["depth"] == head.config.depth
+    assert report["train"]["depth"] == head.config.depth and report["train"]["features"] == head.config.features
+    assert head.config.calibration is not None and set(report["by_temperature"]) == {"0", "1"}
