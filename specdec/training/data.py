@@ -397,8 +397,9 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
     out.mkdir(parents=True, exist_ok=True)
     if (out / MANIFEST_FILE).is_file():
         _check_same_settings(out, read_manifest(out).get("settings", {}), settings)
-    shards = [shard_entry(path, read_shard(path)) for path in shard_paths(out)]
-    done = {pid for path in shard_paths(out) for pid in read_shard(path, columns=("prompt_id",)).column("prompt_id").to_pylist()}
+    tables = {path: read_shard(path) for path in shard_paths(out)}  # each shard read once
+    shards = [shard_entry(path, table) for path, table in tables.items()]
+    done = {pid for table in tables.values() for pid in table.column("prompt_id").to_pylist()}
     # reused responses first: each costs one teacher-forced pass, so the dataset grows fastest
     pending = sorted((p for p in selected if p.id not in done), key=lambda p: p.id not in reused)
     manifest = {"settings": settings, "draft": draft, "target": target, "prompt_source": source,
@@ -416,12 +417,14 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
                                                num_gpus=1 if scaling.use_gpu else 0)
     actors = [worker.remote(config.models, data, scaling.threads) for _ in range(min(scaling.num_workers, len(chunks)))]
     pool = ActorPool(actors)
-    next_index = max((int(p.name[len(SHARD_PREFIX):-len(SHARD_SUFFIX)]) for p in shard_paths(out)), default=-1) + 1
+    next_index = max((int(p.name[len(SHARD_PREFIX):-len(SHARD_SUFFIX)]) for p in tables), default=-1) + 1
     bar = tqdm(total=len(selected), initial=len(selected) - len(pending), unit="prompt", desc="gen-data",
                disable=not progress, file=sys.stderr)
     try:
-        reused_for = lambda chunk: {p.id: reused[p.id] for p in chunk if p.id in reused}  # noqa: E731
-        for rows in pool.map_unordered(lambda actor, chunk: actor.rows.remote(chunk, reused_for(chunk)), chunks):
+        def submit(actor, chunk):
+            return actor.rows.remote(chunk, {p.id: reused[p.id] for p in chunk if p.id in reused})
+
+        for rows in pool.map_unordered(submit, chunks):
             path = write_shard(out, next_index, rows)
             next_index += 1
             shards.append(shard_entry(path, read_shard(path)))
