@@ -12,6 +12,13 @@ sigmoid(f_theta(e_i)) predicts P(y_i accepted | y_1..y_{i-1} accepted).
 without the field loads as before) or `hidden+distribution`, the hidden state q_i came from
 concatenated with the draft distribution's scalar features at y_i (standardised together).
 
+`bottleneck` (optional): the standardised hidden state goes through a linear map to this many
+dimensions before it joins the scalar features and the blocks; the blocks then run at that width
+plus the scalars'. On the default pair's data a full-width `hidden+distribution` head overfits
+the hidden state (validation AUROC 0.882 against 0.892 for q(y_i) alone) while the scalars carry
+nearly everything; the bottleneck (with `dropout` on the hidden state in training) keeps the
+hidden state from drowning them. None: the blocks read the whole input, the paper's shape.
+
 `calibration` (optional): an affine map of the logit, sigmoid(scale * l + bias), fitted after
 training on validation tokens (training/calibration.py) and applied by `acceptance_probability`.
 `cost_profile` (optional): the forward costs `specdec++cost` plans with (specdec/cost_profile.py).
@@ -64,6 +71,8 @@ class HeadConfig(BaseModel):
     # None: the policy's default.
     threshold: float | None = Field(None, gt=0.0, lt=1.0)
     features: FeatureKind = FEATURES_HIDDEN
+    bottleneck: int | None = Field(None, gt=0)  # width the hidden state is projected to (module docstring)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)  # on the standardised hidden state, in training only
     calibration: Calibration | None = None
     cost_profile: CostProfile | None = None
 
@@ -71,6 +80,11 @@ class HeadConfig(BaseModel):
     def input_size(self) -> int:
         """Width of the head's input: the hidden state, plus the scalar features when it reads them."""
         return self.hidden_size + (NUM_SCALAR_FEATURES if self.features == FEATURES_DISTRIBUTION else 0)
+
+    @property
+    def block_width(self) -> int:
+        """Width of the residual blocks: the input, or the bottleneck plus the scalar features."""
+        return self.input_size if self.bottleneck is None else self.bottleneck + self.input_size - self.hidden_size
 
     @property
     def judges_current(self) -> bool:
@@ -95,8 +109,10 @@ class AcceptanceHead(nn.Module):
         width = config.input_size
         self.register_buffer("input_mean", torch.zeros(width))  # identity until fitted
         self.register_buffer("input_std", torch.ones(width))
-        self.blocks = nn.Sequential(*(ResidualBlock(width) for _ in range(config.depth)))
-        self.out = nn.Linear(width, 1)
+        self.dropout = nn.Dropout(config.dropout)
+        self.project = nn.Linear(config.hidden_size, config.bottleneck) if config.bottleneck is not None else None
+        self.blocks = nn.Sequential(*(ResidualBlock(config.block_width) for _ in range(config.depth)))
+        self.out = nn.Linear(config.block_width, 1)
 
     @torch.no_grad()
     def fit_input_statistics(self, hidden: torch.Tensor, scalars: torch.Tensor | None = None,
@@ -114,7 +130,10 @@ class AcceptanceHead(nn.Module):
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """inputs [..., I] (`head_inputs`) -> raw acceptance logits [...] (what training fits)."""
         x = (inputs.to(self.out.weight.dtype) - self.input_mean) / self.input_std
-        return self.out(self.blocks(x)).squeeze(-1)
+        hidden, scalars = self.dropout(x[..., :self.config.hidden_size]), x[..., self.config.hidden_size:]
+        if self.project is not None:
+            hidden = self.project(hidden)
+        return self.out(self.blocks(torch.cat([hidden, scalars], dim=-1))).squeeze(-1)
 
     def calibrated_logits(self, inputs: torch.Tensor) -> torch.Tensor:
         logits = self(inputs)

@@ -239,7 +239,7 @@ class ReferenceKV:
         for f in feeds:
             input_ids = torch.tensor([f.tokens], dtype=torch.long, device=model.device)
             out = model.model(input_ids=input_ids, cache=f.session.dynamic, use_cache=True)
-            rows.append(out.last_hidden_state[0, -f.num_outputs:])
+            rows.append(out.last_hidden_state[0, len(f.tokens) - f.num_outputs:])
         return torch.cat(rows)
 
 

@@ -4,9 +4,13 @@ On this class of CPU the stock fp32 path runs every Linear through MKL's sgemm, 
 the few rows a decode step has (M = 1 for a draft step, M = K + 1 for a verification pass).
 - `onednn`: the same fp32 weights reordered once for oneDNN (`torch.utils.mkldnn.MkldnnLinear`);
   exact fp32 math, 2-3x faster for small M and nearly flat in M.
-- `int8`: dynamic int8 quantization of every Linear (weights int8, activations quantized per
-  call). It changes the model's outputs slightly, so `auto` uses it only for the draft, where any
-  distribution is allowed (losslessness holds for every draft); the target keeps exact fp32.
+- `int8`: dynamic int8 quantization of every Linear (weights int8 with one scale per output
+  channel, activations quantized per call with ONE scale per pass). It changes the model's outputs
+  slightly, so `auto` uses it only for the draft, where any distribution is allowed (losslessness
+  holds for every draft); the target keeps exact fp32. Per-channel weight scales: with one scale
+  per tensor the default draft's distributions moved by KL 0.05-0.17 nats a token from fp32's even
+  one token a pass, per channel by under 0.01 (same speed). The per-pass activation scale is why
+  the runtime feeds a session's first token in a pass of its own (`scales_activations_per_pass`).
 - `fp32`: the stock path.
 On a GPU every format is a no-op: the model runs as loaded.
 """
@@ -46,8 +50,15 @@ def apply_weight_format(model: nn.Module, role: str, weight_format: WeightFormat
     if fmt == "int8":
         with warnings.catch_warnings():  # torch.ao.quantization announces its move to torchao
             warnings.simplefilter("ignore")
-            return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+            return torch.ao.quantization.quantize_dynamic(
+                model, {nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig}, dtype=torch.qint8)
     raise ValueError(f"unknown weight format {weight_format!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+
+
+def scales_activations_per_pass(model: nn.Module) -> bool:
+    """True when the model's Linears quantize their input with one scale per call (`int8`): every
+    token of a pass then shares the scale its largest activation sets."""
+    return any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in model.modules())
 
 
 def _replace_linears(module: nn.Module, convert) -> nn.Module:

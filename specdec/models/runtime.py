@@ -25,6 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdec.models.cache import KV_KINDS, Feed, KVSession, supports_slots
+from specdec.models.formats import scales_activations_per_pass
 
 __all__ = ["CausalLMRuntime", "DraftOutput", "DraftRole", "DraftRuntime", "Feed", "KVSession", "Runtime", "TargetRole",
            "TargetRuntime", "common_prefix_length"]
@@ -100,6 +101,7 @@ class CausalLMRuntime(Runtime):
             kv = "reference"  # sliding-window layers: one session per pass
         self.kv = KV_KINDS[kv](self.model)
         self.max_tokens_per_pass = max_tokens_per_pass
+        self.first_token_alone = scales_activations_per_pass(self.model)
         self.forward_passes = 0
 
     @property
@@ -123,6 +125,8 @@ class CausalLMRuntime(Runtime):
     @torch.inference_mode()
     def _forward(self, feeds: list[Feed]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The LM head runs only on the positions asked for."""
+        if self.first_token_alone:
+            feeds = self._feed_first_tokens(feeds)
         results = []
         for part in self._passes(feeds):
             hidden = self.kv.hidden_states(self.model, part)  # [sum num_outputs, H]
@@ -136,6 +140,31 @@ class CausalLMRuntime(Runtime):
                 feed.session.tokens.extend(feed.tokens)
             self.forward_passes += 1
         return results
+
+    def _feed_first_tokens(self, feeds: list[Feed]) -> list[Feed]:
+        """Feed the first token of every session that starts in this call in a pass of its own; returns
+        the feeds without it.
+
+        For weights that quantize activations with one scale per pass (`int8`): a sequence's first
+        token is its attention sink, whose activations in some layers are orders of magnitude above
+        every other token's, so in a shared pass it sets the scale and flattens the rest of the
+        prompt. Measured on the default draft over 6 prompts + 48 response tokens: next-token
+        argmax agreement with fp32 0.90 and KL 0.071 nats with the prompt in one pass, 0.92 and
+        0.030 with its first token alone (one token a pass: 0.96 and 0.007). A feed that needs the
+        first token's own output keeps it."""
+        starting = [i for i, f in enumerate(feeds) if not f.session.tokens and len(f.tokens) > f.num_outputs]
+        if not starting:
+            return feeds
+        sinks = [Feed(feeds[i].session, feeds[i].tokens[:1], 0) for i in starting]
+        for part in self._passes(sinks):
+            self.kv.hidden_states(self.model, part)
+            for feed in part:
+                feed.session.tokens.extend(feed.tokens)
+            self.forward_passes += 1
+        feeds = list(feeds)
+        for i in starting:
+            feeds[i] = Feed(feeds[i].session, feeds[i].tokens[1:], feeds[i].num_outputs)
+        return feeds
 
     def _passes(self, feeds: list[Feed]) -> list[list[Feed]]:
         """Feeds grouped into passes of at most max_tokens_per_pass tokens, in order."""

@@ -166,9 +166,11 @@ class TrainSection(Strict):
     lr: float = Field(1e-3, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     seed: int = Field(0, ge=0)
-    feature_batch_tokens: int = Field(4096, ge=1, description="tokens per draft forward when caching features")
     # What the head reads (specdec/features.py): the paper's `hidden`, or `hidden+distribution`.
     features: FeatureKind = FEATURES_HIDDEN
+    # Project the hidden state to this width before the blocks, with dropout on it in training (head.py).
+    bottleneck: int | None = Field(None, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
     # Fit Platt scaling on the validation tokens after training and save it with the head (calibration.py).
     calibrate: bool = True
 

@@ -212,10 +212,16 @@ def compute_features(config: PipelineConfig, data_dir: str, out_path: str) -> st
 
 # -- the Ray Train loop --------------------------------------------------------------------------
 
+def head_settings(train: TrainSection) -> dict:
+    """The head's shape from the train section (HeadConfig's fields of the same names)."""
+    return {"depth": train.depth, "features": train.features, "bottleneck": train.bottleneck,
+            "dropout": train.dropout}
+
+
 def new_head(train: TrainSection, features: dict) -> AcceptanceHead:
     """An untrained head for the cached features, its input standardised on the training split."""
-    head = AcceptanceHead(HeadConfig(hidden_size=features["hidden_size"], depth=train.depth,
-                                     draft_identity=features["draft_identity"], features=train.features))
+    head = AcceptanceHead(HeadConfig(hidden_size=features["hidden_size"], draft_identity=features["draft_identity"],
+                                     **head_settings(train)))
     split = features["train"]
     # every worker sees the same features
     head.fit_input_statistics(split["hidden"], split["scalars"] if train.features == FEATURES_DISTRIBUTION else None)
@@ -386,8 +392,8 @@ def save_result(result, train: TrainSection, draft_identity: str, draft_name: st
         final = json.loads((Path(directory) / METRICS_FILE).read_text())
         history = json.loads((Path(directory) / HISTORY_FILE).read_text())
     cached = load_features(features)
-    head = AcceptanceHead(HeadConfig(hidden_size=cached["hidden_size"], depth=train.depth,
-                                     draft_identity=draft_identity, draft_name=draft_name, features=train.features))
+    head = AcceptanceHead(HeadConfig(hidden_size=cached["hidden_size"], draft_identity=draft_identity,
+                                     draft_name=draft_name, **head_settings(train)))
     head.load_state_dict(state["head"])
     val_set = cached["validation"]
     report = {"train": train.model_dump(), "data": {"dir": manifest.get("dir"), "counts": manifest["counts"],

@@ -183,3 +183,35 @@ def test_the_shipped_default_pair_head_loads_with_its_threshold():
     report = json.loads((heads.SHIPPED["default"] / "training.json").read_text())
     assert report["train"]["depth"] == head.config.depth and report["train"]["features"] == head.config.features
     assert head.config.calibration is not None and set(report["by_temperature"]) == {"0", "1"}
+
+
+def test_a_bottleneck_projects_only_the_hidden_state(tmp_path):
+    from specdec.features import FEATURES_DISTRIBUTION, NUM_SCALAR_FEATURES
+
+    torch.manual_seed(0)
+    config = HeadConfig(hidden_size=HIDDEN, depth=2, draft_identity=IDENTITY, features=FEATURES_DISTRIBUTION,
+                        bottleneck=4, dropout=0.5)
+    head = AcceptanceHead(config)
+    assert config.block_width == 4 + NUM_SCALAR_FEATURES
+    assert head.project.weight.shape == (4, HIDDEN) and head.out.weight.shape == (1, 4 + NUM_SCALAR_FEATURES)
+    inputs = torch.randn(7, HIDDEN + NUM_SCALAR_FEATURES)
+    head.eval()  # dropout off: deterministic
+    torch.testing.assert_close(head(inputs), head(inputs))
+    # the scalars reach the blocks unprojected: changing one moves the logit though the hidden part is fixed
+    moved = inputs.clone()
+    moved[:, -1] += 1.0
+    assert not torch.allclose(head(moved), head(inputs))
+    head.save(tmp_path)
+    loaded = load_head(tmp_path, draft_identity=IDENTITY)
+    assert loaded.config.bottleneck == 4 and loaded.config.dropout == 0.5
+    torch.testing.assert_close(loaded(inputs), head(inputs))
+
+
+def test_dropout_acts_in_training_only():
+    config = HeadConfig(hidden_size=HIDDEN, depth=1, draft_identity=IDENTITY, dropout=0.9)
+    head = AcceptanceHead(config)
+    inputs = torch.randn(64, HIDDEN)
+    head.train()
+    assert not torch.allclose(head(inputs), head(inputs))
+    head.eval()
+    torch.testing.assert_close(head(inputs), head(inputs))

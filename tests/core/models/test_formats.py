@@ -50,3 +50,44 @@ def test_any_draft_format_keeps_greedy_output_the_targets(tiny_pair, fmt):
     params = build_params(policy="fixed", k=4, temperature=0.0, max_new_tokens=24)
     reference = exact.generate(PROMPT, build_params(policy="target-only", temperature=0.0, max_new_tokens=24))
     assert lossy.generate(PROMPT, params).completions[0].token_ids == reference.completions[0].token_ids
+
+
+def test_int8_scales_weights_per_output_channel(tiny_pair):
+    model = load_model(tiny_pair[0], "draft", "int8", progress=False)
+    linear = model.model.layers[0].mlp.down_proj
+    assert linear.weight().qscheme() == torch.per_channel_affine
+
+
+@pytest.mark.parametrize("kv", ["slots", "reference"])
+def test_int8_feeds_a_sessions_first_token_in_a_pass_of_its_own(tiny_pair, kv):
+    """One activation scale per pass: the first token (the attention sink) must not set the scale of
+    the rest of the prompt, nor of other sessions' tokens sharing the pass."""
+    model = load_model(tiny_pair[0], "draft", "int8", progress=False)
+    runtime = CausalLMRuntime(model, kv=kv)
+    assert runtime.first_token_alone
+    prompt = list(range(40, 60))
+    session = runtime.new_session()
+    [(logits, hidden)] = runtime._forward([Feed(session, prompt, 1)])
+    assert runtime.forward_passes == 2 and session.tokens == prompt
+
+    by_hand = CausalLMRuntime(model, kv=kv)
+    by_hand.first_token_alone = False
+    manual = by_hand.new_session()
+    by_hand._forward([Feed(manual, prompt[:1], 1)])
+    [(expected, _)] = by_hand._forward([Feed(manual, prompt[1:], 1)])
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+    assert hidden.shape == (1, runtime.hidden_size)
+
+
+def test_only_weights_with_a_per_pass_scale_split_the_first_token(tiny_pair):
+    runtime = CausalLMRuntime(load_model(tiny_pair[0], "draft", "onednn", progress=False))
+    assert not runtime.first_token_alone
+    runtime._forward([Feed(runtime.new_session(), list(range(40, 60)), 1)])
+    assert runtime.forward_passes == 1
+
+
+def test_a_feed_that_needs_the_first_tokens_output_keeps_it(tiny_pair):
+    runtime = CausalLMRuntime(load_model(tiny_pair[1], "target", "int8", progress=False))
+    session = runtime.new_session()
+    [(logits, _)] = runtime._forward([Feed(session, [40, 41], 2)])
+    assert logits.shape[0] == 2 and runtime.forward_passes == 1
