@@ -44,7 +44,7 @@ class Coordinator:
     def prepare(self, request: generation_pb2.GenerateRequest) -> tuple[list[int], GenerationParams]:
         """Parse and validate a request before any model work; raises InvalidRequestError."""
         params = params_from_request(request, self.default_policy)
-        policy = resolve_policy(params.policy, self.rules.has_head, self.rules.runtime)
+        policy = resolve_policy(params.policy, self.rules.has_head)
         params = params.model_copy(update={"policy": policy})
         if params.policy.name == "oracle":
             raise InvalidRequestError("policy 'oracle' needs the target's continuation in advance and runs in "

@@ -162,11 +162,10 @@ def build_rules(config: EngineConfig, progress: bool = True) -> RequestRules:
     check_same_tokenizer(draft_dir, tokenizer)
     generation_config = load_generation_config(target_dir)
     max_context = min(draft_config.max_position_embeddings, target_config.max_position_embeddings)
-    draft_runtime = resolve_runtime(config, config.draft)
-    if "llamacpp" in (draft_runtime, resolve_runtime(config, config.target)):
+    if "llamacpp" in (resolve_runtime(config, config.draft), resolve_runtime(config, config.target)):
         max_context = min(max_context, config.llamacpp.context)
     return RequestRules(tokenizer, eos_token_ids_of(generation_config, tokenizer), max_context,
-                        target_config.vocab_size, has_head=head_path(config) is not None, runtime=draft_runtime)
+                        target_config.vocab_size, has_head=head_path(config) is not None)
 
 
 def resolve_device(device: str = "auto") -> torch.device:

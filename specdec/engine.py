@@ -41,8 +41,7 @@ class SpecDecEngine:
                 "speculative decoding needs one shared vocabulary")
         self.draft, self.target, self.tokenizer, self.head = draft, target, tokenizer, head
         self.rules = RequestRules(tokenizer, eos_token_ids, min(draft.max_context, target.max_context),
-                                  target.vocab_size, has_head=head is not None,
-                                  runtime=draft.kind)
+                                  target.vocab_size, has_head=head is not None)
         self.max_context = self.rules.max_context
         self.draft_worker, self.verifier_worker = DraftWorker(draft, head), VerifierWorker(target)
         self.loop = RoundLoop(LocalTransport(self.draft_worker, self.verifier_worker), self.rules, batch)

@@ -201,7 +201,7 @@ class RoundLoop:
         greedy tokens for this prompt and budget, when the caller has them (else decoded here,
         untimed)."""
         prompt_ids = list(prompt_ids)
-        policy = resolve_policy(params.policy, self.rules.has_head, self.rules.runtime)
+        policy = resolve_policy(params.policy, self.rules.has_head)
         params = params.model_copy(update={"policy": policy})
         self.rules.validate(prompt_ids, params)
         if params.policy.name != "oracle":

@@ -32,14 +32,13 @@ class SampleState:
 
 class RequestRules:
     """The rules of a request for one model pair: its tokenizer (may be None: token ids only), EOS
-    ids, shared context length and vocabulary, whether a head is loaded and what the draft runs on
-    (the default policy depends on both)."""
+    ids, shared context length and vocabulary, and whether a head is loaded (the default policy
+    depends on it)."""
 
     def __init__(self, tokenizer, eos_token_ids: Sequence[int], max_context: int, vocab_size: int,
-                 has_head: bool, runtime: str = "torch"):
+                 has_head: bool):
         self.tokenizer, self.eos_token_ids = tokenizer, frozenset(eos_token_ids)
         self.max_context, self.vocab_size, self.has_head = max_context, vocab_size, has_head
-        self.runtime = runtime
 
     # ----------------------------------------------------------------------------------------
     # Prompts

@@ -56,13 +56,12 @@ def test_greedy_equals_target_only(default_engine, target_greedy, flags):
         assert result.stats.accepted_tokens > 0  # the pair agrees often: speculation does something
 
 
-def test_default_engine_loads_the_shipped_head_and_defaults_to_specdecpp(default_engine):
+def test_default_engine_loads_the_shipped_head_and_defaults_to_specdecpp_cost(default_engine):
     from specdec.policies import resolve_policy
 
     head = default_engine.head
     assert head is not None and head.config.threshold is not None  # --head auto: specdec/heads/default-pair
-    expected = "specdec++cost" if default_engine.draft.kind == "llamacpp" else "specdec++"
-    assert resolve_policy(build_params(max_new_tokens=1).policy, True, default_engine.rules.runtime).name == expected
+    assert resolve_policy(build_params(max_new_tokens=1).policy, default_engine.rules.has_head).name == "specdec++cost"
 
 
 def test_default_pair_shares_vocabulary(default_engine):

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from specdec.bench.prompt_sets import load_prompts
 from specdec.bench.records import RecordStore, record_key, temperature_key
 from specdec.bench.specs import DEFAULT_POLICIES, PolicySpec, parse_specs
-from specdec.builder import EngineConfig
+from specdec.builder import EngineConfig, resolve_runtime
 from specdec.errors import InvalidRequestError
 from specdec.models.vocab import SETTINGS_BEFORE_DRAFT_VOCAB, vocab_setting
 from specdec.params import GenerationParams
@@ -59,7 +59,7 @@ class BenchConfig(BaseModel):
         """What every record depends on: a resumed run must match these. (The head only matters to
         specdec++ records, which carry its fingerprint: a new head redoes them and keeps the rest.)"""
         engine = self.engine
-        return {"draft": engine.draft, "target": engine.target, "draft_format": engine.draft_format,
+        return {"runtime": resolve_runtime(engine, engine.draft), "draft": engine.draft, "target": engine.target, "draft_format": engine.draft_format,
                 "target_format": engine.target_format, "draft_vocab": vocab_setting(engine.draft_vocab),
                 "device": engine.device, "threads": engine.threads, "prompts": self.prompts,
                 "max_new_tokens": self.max_new_tokens, "seed": self.seed, "concurrency": self.concurrency}
@@ -329,7 +329,8 @@ def run_bench(config: BenchConfig, progress: bool = True, report_only: bool = Fa
     store = RecordStore(config.out)
     if report_only and not len(store):
         raise InvalidRequestError(f"--report-only: no records in {config.out}")
-    store.check_settings(config.settings(), added={**SETTINGS_BEFORE_DRAFT_VOCAB, "concurrency": 1})
+    store.check_settings(config.settings(), added={**SETTINGS_BEFORE_DRAFT_VOCAB, "concurrency": 1,
+                                                    "runtime": "torch"})  # the only runtime before llama.cpp's
     prompts = load_prompts(config.prompts, config.limit)
     if report_only:
         notes = read_notes(config.out)
@@ -338,8 +339,9 @@ def run_bench(config: BenchConfig, progress: bool = True, report_only: bool = Fa
         notes = run.execute()
         specs = run.specs  # the head's own h may have joined the sweep
     notes.setdefault("chosen", {})
-    for spec in chosen:  # --chosen overrides the head's h
-        notes["chosen"][spec.family] = {"spec": spec.key, "source": "--chosen, picked on validation prompts"}
+    for spec in chosen:  # --chosen overrides the head's h; specdec++cost may be the chosen SpecDec++
+        family = "specdec++" if spec.name in HEAD_POLICIES else spec.family
+        notes["chosen"][family] = {"spec": spec.key, "source": "--chosen, picked on validation prompts"}
     specs = parse_specs([*(s.key for s in specs), *(c["spec"] for c in notes["chosen"].values())])
     results = build_results(store, specs, config, len(prompts), notes)
     write_outputs(results, config.out)

@@ -21,13 +21,13 @@ from specdec.policies.target_only import TargetOnly
 POLICY_NAMES = ("specdec++", "specdec++cost", "fixed", "svip", "heuristic", "confidence", "oracle", "target-only")
 HEAD_POLICIES = ("specdec++", "specdec++cost")  # the policies that need an acceptance head
 
-# A request that names no policy gets SpecDec++ when the engine has an acceptance head (the default
-# pair ships one: specdec/heads/), else SVIP, the best policy that needs no training. On llama.cpp a
-# draft step costs half a target step and a verification pass grows steeply with K
-# (docs/performance.md): there the cost-aware rule is the default, the one that does not lose to
-# plain decoding (docs/benchmarks.md, "On llama.cpp").
-DEFAULT_POLICY, FALLBACK_POLICY = "specdec++", "svip"
-RUNTIME_DEFAULT_POLICIES = {"llamacpp": "specdec++cost"}
+# A request that names no policy gets the cost-aware SpecDec++ when the engine has an acceptance head
+# (the default pair ships one: specdec/heads/), else SVIP, the best policy that needs no training.
+# The cost rule measured best on validation prompts on both runtimes: on llama.cpp, where a draft
+# step costs half a target step, it is the one that does not lose to plain decoding (docs/benchmarks.md,
+# "On llama.cpp"); on torch it was ahead of every h of the threshold rule on 3 of 4 validation sets
+# (docs/training.md, "The shipped head").
+DEFAULT_POLICY, FALLBACK_POLICY = "specdec++cost", "svip"
 
 
 class PolicyConfig(BaseModel):
@@ -44,14 +44,13 @@ class PolicyConfig(BaseModel):
     threshold: float | None = None
 
 
-def default_policy_name(has_head: bool, runtime: str = "torch") -> str:
-    """`runtime`: what the draft runs on."""
-    return RUNTIME_DEFAULT_POLICIES.get(runtime, DEFAULT_POLICY) if has_head else FALLBACK_POLICY
+def default_policy_name(has_head: bool) -> str:
+    return DEFAULT_POLICY if has_head else FALLBACK_POLICY
 
 
-def resolve_policy(config: PolicyConfig, has_head: bool, runtime: str = "torch") -> PolicyConfig:
+def resolve_policy(config: PolicyConfig, has_head: bool) -> PolicyConfig:
     """The config with its name filled in (a request that names no policy gets the default)."""
-    return config if config.name else config.model_copy(update={"name": default_policy_name(has_head, runtime)})
+    return config if config.name else config.model_copy(update={"name": default_policy_name(has_head)})
 
 
 def make_policy(

@@ -13,6 +13,7 @@ from specdec.policies import (
     POLICY_NAMES, SVIP, Confidence, Decision, DraftStep, FixedK, Heuristic, Oracle, PolicyConfig, SpecDecPP,
     TargetOnly, make_policy, resolve_policy, validate_policy,
 )
+from specdec.policies.specdec_pp_cost import SpecDecPPCost
 from specdec.policies.specdec_pp import rejection_probability
 from specdec.policies.svip import entropy
 
@@ -261,13 +262,11 @@ def test_policy_constructors_validate_directly():
         SpecDecPP(constant_head(0.5), threshold=1.0)
 
 
-def test_a_request_without_a_policy_gets_specdecpp_with_a_head_and_svip_without():
-    assert resolve_policy(PolicyConfig(), has_head=True).name == "specdec++"
+def test_a_request_without_a_policy_gets_specdecpp_cost_with_a_head_and_svip_without():
+    assert resolve_policy(PolicyConfig(), has_head=True).name == "specdec++cost"
     assert resolve_policy(PolicyConfig(), has_head=False).name == "svip"
-    assert resolve_policy(PolicyConfig(), has_head=True, runtime="llamacpp").name == "specdec++cost"
-    assert resolve_policy(PolicyConfig(), has_head=False, runtime="llamacpp").name == "svip"
     assert resolve_policy(PolicyConfig(name="fixed", k=3), has_head=True) == PolicyConfig(name="fixed", k=3)
-    assert isinstance(make_policy(PolicyConfig(), head=constant_head(0.9)), SpecDecPP)
+    assert isinstance(make_policy(PolicyConfig(), head=constant_head(0.9)), SpecDecPPCost)
     assert isinstance(make_policy(PolicyConfig()), SVIP)
 
 

@@ -1,0 +1,53 @@
+"""Issue 19's goal table (specdec/bench/report.py:evaluate_goals) on hand-made per-policy totals."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.bench.report import evaluate_goals
+
+
+def row(family: str, tps: float, speedup: float | None = None, v: float = 0.1, d: float = 0.1) -> dict:
+    return {"family": family, "tokens_per_s": tps, "speedup": speedup, "predicted_speedup": None,
+            "verification_rate": v, "discard_rate": d}
+
+
+def summary(policies: dict, dominance: dict | None = None) -> dict:
+    return {"policies": policies, "cost_model": None, "dominance": dominance or {}}
+
+
+GREEDY = {"target-only": row("target-only", 3.0, 1.0), "fixed:4": row("fixed", 7.0, 7 / 3),
+          "fixed:8": row("fixed", 8.0, 8 / 3), "svip:0.3": row("svip", 8.2, 8.2 / 3),
+          "confidence:0.6": row("confidence", 8.5, 8.5 / 3), "specdec++:0.5": row("specdec++", 9.0, 3.0),
+          "specdec++:0.9": row("specdec++", 9.5, 9.5 / 3), "specdec++cost": row("specdec++cost", 9.2, 9.2 / 3),
+          "oracle": row("oracle", 10.0, 10 / 3)}
+
+
+def test_each_temperature_compares_the_chosen_point_with_the_best_baselines_in_hindsight():
+    sampled = {k: v for k, v in GREEDY.items() if k != "oracle"}
+    dominance = {"specdec++ over fixed": {"dominated": 2, "total": 2, "uncovered": 0, "dominates": True}}
+    chosen = {"specdec++": {"spec": "specdec++:0.5", "source": "head.json's h"}}
+    goals = evaluate_goals({"by_temperature": {"0": summary(GREEDY), "1": summary(sampled, dominance)},
+                            "chosen": chosen})
+    assert [g["goal"].split(" (")[-1] for g in goals] == ["greedy)", "greedy)", "greedy, both measured)", "T=1)", "T=1)", "T=1)"]
+    fixed, rules, oracle = goals[:3]
+    assert fixed["measured"] == pytest.approx(9.0 / 8.0) and fixed["met"]  # the chosen h, not the sweep's best 0.9
+    assert rules["measured"] == pytest.approx(9.0 / 8.5) and rules["met"]  # the best of svip and confidence
+    assert "confidence:0.6" in rules["detail"]
+    assert oracle["measured"] == pytest.approx(3.0 / (10 / 3)) and oracle["met"]  # measured speedups
+    assert goals[5]["met"] and goals[5]["measured"] == 1.0
+
+
+def test_specdec_pp_cost_can_be_the_chosen_point_and_a_shortfall_says_by_how_much():
+    chosen = {"specdec++": {"spec": "specdec++cost", "source": "--chosen"}}
+    slow = {**GREEDY, "fixed:8": row("fixed", 9.0, 3.0)}
+    fixed, rules, oracle = evaluate_goals({"by_temperature": {"0": summary(slow)}, "chosen": chosen})
+    assert fixed["measured"] == pytest.approx(9.2 / 9.0) and not fixed["met"]
+    assert "specdec++cost" in fixed["detail"] and "short by" in fixed["detail"]
+    assert oracle["measured"] == pytest.approx(9.2 / 10.0)
+
+
+def test_without_a_head_nothing_is_measured():
+    policies = {k: v for k, v in GREEDY.items() if not k.startswith("specdec++")}
+    goals = evaluate_goals({"by_temperature": {"0": summary(policies)}, "chosen": {}})
+    assert all(g["measured"] is None for g in goals)
