@@ -29,9 +29,11 @@ def fmt(x) -> str:
 
 def markdown(report: dict, head_config: dict) -> str:
     counts, train, final = report["data"]["counts"], report["train"], report["final"]
-    lines = [f"Head: D = {train['depth']}, w_acc = {train['w_acc']:g}, w_rej = {train['w_rej']:g}, "
-             f"mixing ratio r = {train['mixing_ratio']:g}, {train['epochs']} epochs, batch {train['batch_size']}, "
-             f"lr {train['lr']:g}; threshold h = {head_config.get('threshold')}",
+    shape = (f", hidden state through a {train['bottleneck']}-dim bottleneck, dropout {train.get('dropout', 0):g}, "
+             f"weight decay {train.get('weight_decay', 0):g}" if train.get("bottleneck") else "")
+    lines = [f"Head: {train.get('features', 'hidden')} features, D = {train['depth']}{shape}, w_acc = {train['w_acc']:g}, "
+             f"w_rej = {train['w_rej']:g}, mixing ratio r = {train['mixing_ratio']:g}, {train['epochs']} epochs, "
+             f"batch {train['batch_size']}, lr {train['lr']:g}; threshold h = {head_config.get('threshold')}",
              "",
              f"Data: {counts['sequences']} responses, {counts['tokens']} labelled tokens "
              f"(train {counts['train_sequences']} / {counts['train_tokens']}, "
