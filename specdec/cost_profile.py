@@ -10,8 +10,9 @@ with `pass` linearly interpolated between the measured token counts and extended
 along the nearest segment's slope (a single point: flat).
 
 Where a profile comes from, first found wins: the file named by the environment variable
-`SPECDEC_COST_PROFILE` (a profile JSON as below, or a bench `results.json` / `notes.json`, whose
-`forward_times` it converts), the `cost_profile` of the head's head.json, else the default profile
+`SPECDEC_COST_PROFILE` (a profile JSON as below, or a bench `results.json`: its `cost_profile`, the
+costs measured in the loop itself (`specdec/bench/costmodel.py`, `fit_round_costs`), else its
+`forward_times`, converted), the `cost_profile` of the head's head.json, else the default profile
 of the runtime the draft runs on (`DEFAULT_PROFILES`: the default pair measured on the project's
 2-core CPU; another machine or pair should measure its own with `specdec bench`).
 
@@ -82,10 +83,12 @@ class CostProfile(BaseModel):
 
     @classmethod
     def load(cls, path: str | Path) -> CostProfile:
-        """A profile JSON, or a bench results.json / notes.json (its `forward_times`)."""
+        """A profile JSON, or a bench results.json / notes.json (its `cost_profile`, else `forward_times`)."""
         path = Path(path).expanduser()
         try:
             raw = json.loads(path.read_text())
+            if isinstance(raw, dict) and raw.get("cost_profile"):
+                return cls.model_validate(raw["cost_profile"])
             if isinstance(raw, dict) and "forward_times" in raw:
                 return cls.from_forward_times(raw["forward_times"], source=str(path))
             return cls.model_validate(raw)
@@ -96,11 +99,13 @@ class CostProfile(BaseModel):
             raise InvalidRequestError(f"bad cost profile {path}: {message}") from None
 
 
-# The default pair on the project's CPU with the stock HF fp32 runtime (docs/benchmarks.md, 40
-# HumanEval prompts: forward_times of docs/results/bench-humaneval; t_draft the cost model's fitted
-# 50 ms a draft step, which includes sampling and the policy, rather than the bare 33 ms pass).
-DEFAULT_PROFILE = CostProfile(t_draft_ms=50.0, t_target_ms={1: 250.0, 2: 297.0, 4: 313.0, 8: 354.0, 16: 406.0},
-                              source="default pair, HF fp32, 2-core CPU (docs/results/bench-humaneval)")
+# The default pair on the torch runtime (int8 draft, fp32 target), costs measured in the loop itself
+# (`specdec/bench/costmodel.py`, `fit_round_costs`) over the shipped head's validation bench runs
+# (docs/results/head3-validation/C-stdlib and C-prose, 96 generations, 2-core Intel Xeon): a drafting
+# step 56 ms (a bare draft pass is 33 ms: sampling, features and the head add the rest), a verification
+# pass over k candidates 397 + 23.1 k ms. The bare passes of `forward_times` grow half as fast.
+DEFAULT_PROFILE = CostProfile(t_draft_ms=56.0, t_target_ms={1: 396.77, 21: 859.36},
+                              source="default pair, torch runtime, in-loop fit on validation runs, 2-core Intel Xeon")
 
 
 # The default pair on llama.cpp's kernels (models/llamacpp.py), same CPU: `python benchmarks/forward_times.py

@@ -9,6 +9,13 @@ discard rate 0, i.e. t_target per token, so the paper's predicted speedup is t_t
 latency (`CostFit.speedup`). The bench report divides predicted tok/s by target-only's measured
 tok/s instead: on CPU the fitted t_target, a pass over K+1 tokens, is dearer than a one-token step.
 
+`fit_round_costs` measures what `specdec++cost` plans with (specdec/cost_profile.py) in the loop
+itself rather than on bare forward passes: t_draft is the draft's time per drafting step (sampling,
+features and the head included), and a verification pass over k candidates is fitted as
+t(k) = a + b k by least squares of each generation's target time on (rounds, candidates drafted).
+On the project's CPU the loop's passes cost ~20 ms a draft step and ~2x the per-candidate growth
+more than `specdec bench`'s bare `forward_times` (docs/benchmarks.md).
+
 Worked example: t_draft = 0.03 s, t_target = 0.35 s; a policy with verification rate 0.1 and
 discard rate 0.2 predicts 0.03 + 0.03 * 0.2 + 0.32 * 0.1 = 0.068 s/token, i.e. 14.7 tok/s and a
 0.35 / 0.068 = 5.1x speedup.
@@ -21,7 +28,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from specdec.metrics import predicted_latency_per_token
+from specdec.cost_profile import CostProfile
+from specdec.metrics import MS_PER_S, predicted_latency_per_token
 
 MIN_POINTS = 3  # two unknowns: fewer generations leave nothing to test the fit against
 
@@ -81,6 +89,24 @@ def fit_standalone(n_passes: Sequence[float], wall_s: Sequence[float]) -> CostFi
         return None
     t_target = float(x @ y / (x @ x))
     return CostFit(0.0, t_target, r_squared(y, t_target * x), len(y))
+
+
+def fit_round_costs(records: Sequence[dict], source: str = "") -> CostProfile | None:
+    """The loop's own costs from bench records (module docstring); None without enough speculative
+    generations of different round lengths to separate a from b."""
+    stats = [r["stats"] for r in records if r["stats"].get("draft_forward_passes")]
+    rounds = [[sum(s["k_histogram"].values()), sum(int(k) * n for k, n in s["k_histogram"].items())] for s in stats]
+    x = np.asarray(rounds, dtype=float).reshape(-1, 2)  # [P, 2]: rounds, candidates verified
+    y = np.asarray([s["target_time_s"] for s in stats], dtype=float) * MS_PER_S  # [P]
+    if len(y) < MIN_POINTS or np.linalg.matrix_rank(x) < 2:
+        return None
+    (per_pass, per_candidate), *_ = np.linalg.lstsq(x, y, rcond=None)
+    if per_pass <= 0 or per_candidate < 0:
+        return None
+    t_draft = sum(s["draft_time_s"] for s in stats) / sum(s["draft_forward_passes"] for s in stats) * MS_PER_S
+    longest = max(int(k) for s in stats for k in s["k_histogram"])
+    return CostProfile(t_draft_ms=round(t_draft, 2), source=source or f"fitted on {len(y)} bench generations",
+                       t_target_ms={1: round(per_pass, 2), longest + 1: round(per_pass + per_candidate * longest, 2)})
 
 
 def speedup_share(policy_speedup: float, oracle_speedup: float) -> float:

@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from specdec.bench.costmodel import CostFit, fit_cost_model, fit_standalone, speedup_share
+from specdec.bench.costmodel import CostFit, fit_cost_model, fit_round_costs, fit_standalone, speedup_share
 from specdec.bench.frontier import frontier_dominance, pareto_frontier
 from specdec.bench.records import RecordStore, record_key, stats_from_dict, temperature_key
 from specdec.bench.specs import SWEPT_FAMILIES, PolicySpec
@@ -50,6 +50,8 @@ def build_results(store: RecordStore, specs: list[PolicySpec], config, prompt_co
         results["records"].extend(r for rs in records.values() for r in rs)
         results["by_temperature"][temperature_key(temperature)] = summarize_temperature(specs, records, temperature)
     results["cpus"] = dict(Counter(r.get("cpu", "?") for r in results["records"]))
+    profile = fit_round_costs(results["records"], source=f"specdec bench in-loop fit, {results['date']}")
+    results["cost_profile"] = profile.model_dump() if profile else None
     results["lossless"] = lossless_summary(results)
     results["goals"] = evaluate_goals(results)
     return results
@@ -337,6 +339,13 @@ def markdown(results: dict) -> str:
         for role in ("draft", "target"):
             lines.append(f"| {role} | " + " | ".join(f"{forward[f'{role}_s'][str(k)] * 1000:.1f}" for k in ks) + " |")
         lines.append("")
+    profile = results.get("cost_profile")
+    if profile:
+        (one, a), (last, b) = sorted((int(k), v) for k, v in profile["t_target_ms"].items())
+        lines += [f"Costs in the loop (`cost_profile`, fitted on every speculative generation): t_draft = "
+                  f"{profile['t_draft_ms']:.1f} ms a drafting step; a verification pass over k candidates "
+                  f"{a:.0f} + {(b - a) / (last - one):.1f} k ms. `SPECDEC_COST_PROFILE=<this results.json>` "
+                  "makes `specdec++cost` plan with them.", ""]
     skipped = results["skipped_specs"]
     if skipped or prompts["skipped"]:
         lines += ["## Skipped", ""]

@@ -33,6 +33,10 @@ def test_load_a_profile_or_a_bench_run(tmp_path):
                                                    "target_s": {"1": 0.25, "8": 0.35}}}))
     profile = CostProfile.load(bench)
     assert profile.t_draft_ms == pytest.approx(50) and profile.t_target_ms == pytest.approx({1: 250, 8: 350})
+    fitted = {"t_draft_ms": 56.0, "t_target_ms": {"1": 400.0, "21": 860.0}}  # the loop's own costs win
+    bench.write_text(json.dumps({"cost_profile": fitted, "forward_times": {"draft_s": {"1": 0.05},
+                                                                           "target_s": {"1": 0.25}}}))
+    assert CostProfile.load(bench) == CostProfile.model_validate(fitted)
 
 
 @pytest.mark.parametrize("text", ["{", json.dumps({"t_draft_ms": 1}), json.dumps({**LLAMA_CPP, "t_target_ms": {"0": 5}}),

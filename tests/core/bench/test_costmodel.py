@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specdec.bench.costmodel import CostFit, fit_cost_model, fit_standalone, r_squared, speedup_share
+from specdec.bench.costmodel import CostFit, fit_cost_model, fit_round_costs, fit_standalone, r_squared, speedup_share
 
 T_DRAFT, T_TARGET = 0.03, 0.35
 
@@ -68,3 +68,22 @@ def test_standalone_fit_and_speedup_share():
     assert fit.t_target == pytest.approx(0.35) and fit.t_draft == 0.0 and fit.r2 == pytest.approx(1.0)
     assert speedup_share(2.55, 3.0) == pytest.approx(0.85)
     assert speedup_share(2.0, 0.0) == 0.0
+
+
+def test_round_costs_recover_the_loops_draft_step_and_verification_line():
+    per_pass, per_candidate, t_draft = 400.0, 23.0, 0.056  # ms, ms, s
+    records = []
+    for rounds in ({"0": 3, "4": 10}, {"8": 7, "2": 5}, {"12": 6, "20": 2}, {"1": 30}):
+        candidates = sum(int(k) * n for k, n in rounds.items())
+        records.append({"stats": {"k_histogram": rounds, "draft_forward_passes": candidates + 2,
+                                  "draft_time_s": t_draft * (candidates + 2),
+                                  "target_time_s": (per_pass * sum(rounds.values()) + per_candidate * candidates) / 1000}})
+    records.append({"stats": {"k_histogram": {"0": 50}, "draft_forward_passes": 0, "draft_time_s": 0.0,
+                              "target_time_s": 99.0}})  # target-only: no draft, left out
+    profile = fit_round_costs(records)
+    assert profile.t_draft_ms == pytest.approx(56.0)
+    assert profile.t_target(0) == pytest.approx(400.0) and profile.t_target(10) == pytest.approx(630.0)
+    assert profile.t_target(30) == pytest.approx(400.0 + 23.0 * 30)  # past the longest round: the same line
+    assert fit_round_costs(records[:2]) is None  # too few generations
+    same_k = [{"stats": {**r["stats"], "k_histogram": {"4": 10}}} for r in records[:4]]
+    assert fit_round_costs(same_k) is None  # rounds and candidates collinear: a and b not separable
