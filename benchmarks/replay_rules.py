@@ -1,0 +1,162 @@
+"""Replay stopping rules offline on the head's validation tokens: what each rule would gain with the
+shipped head and a cost profile, in seconds instead of hours of `specdec bench`.
+
+    python benchmarks/replay_rules.py                       # the default pair's feature cache and head
+    python benchmarks/replay_rules.py --features ~/.cache/specdec/training/default-pair/features/<key>.pt
+
+The feature cache (`specdec train-head` writes it, training/train.py `compute_features`) holds, for
+every validation response X of the target and every label set, the draft's features at each
+position (the state q_i came from and q_i's scalars at y_i) and the label. Greedy, the loop's rounds
+are a function of those alone: a round from committed position t drafts the draft's argmax along
+X, the candidates are accepted up to the first label 0, and t moves by the accepted run + 1. So a
+rule's tokens per second under the profile's costs (drafting steps x t_draft + t_target(k) a round)
+follow exactly, except in two places: past the first rejected candidate the replay shows the rule
+the teacher-forced features rather than those of the draft's own wrong continuation, and the
+abstention backoff of `specdec++cost` is left out. At T = 1 a candidate is accepted with its soft
+label's probability (one draw per candidate, seeded), from the label sets' draws of y_i.
+
+The rules read the scalar features (the cache keeps no full q): confidence stops after a candidate
+whose top-1 probability is below tau, svip once sqrt(0.15 H(q_i)) > tau, specdec++:h once the
+head's 1 - prod a_j > h; specdec++cost runs `SpecDecPPCost`'s own rate tests on the head's a_j.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from specdec.cost_profile import DEFAULT_PROFILE, CostProfile
+from specdec.head import load_head
+from specdec.policies.specdec_pp_cost import SpecDecPPCost
+from specdec.policies.svip import SVIP
+
+HEAD = Path(__file__).resolve().parents[1] / "specdec" / "heads" / "default-pair"
+CACHE = Path("~/.cache/specdec/training/default-pair/features").expanduser()
+MAX_K = 20
+LOG_TOP1, ENTROPY, LOG_POSITION = 1, 3, 4  # scalar feature columns (specdec/features.py)
+
+# a rule: (acceptance [n, MAX_K] by round position, scalars [n, S], t, n) -> (candidates kept, draft steps)
+Rule = Callable[[torch.Tensor, torch.Tensor, int, int], tuple[int, int]]
+
+
+def stop_after(test: Callable[[int, int], bool]) -> Callable[[int, int], tuple[int, int]]:
+    """A rule that keeps every candidate it drafts and stops after the first i where test(t + i - 1, i)."""
+    def rule(t: int, n: int) -> tuple[int, int]:
+        k = 0
+        while k < min(MAX_K, n - t):
+            k += 1
+            if test(t + k - 1, k):
+                break
+        return k, k
+    return rule
+
+
+def rules(profile: CostProfile) -> dict[str, Rule]:
+    out: dict[str, Rule] = {}
+    for k in (4, 6, 8, 10):
+        out[f"fixed:{k}"] = lambda acc, sc, t, n, k=k: (min(k, n - t), min(k, n - t))
+    for tau in (0.4, 0.6, 0.7, 0.8, 0.9):
+        out[f"confidence:{tau}"] = lambda acc, sc, t, n, tau=tau: stop_after(
+            lambda j, i: math.exp(float(sc[j, LOG_TOP1])) < tau)(t, n)
+    for tau in (0.2, 0.3, 0.4):
+        out[f"svip:{tau}"] = lambda acc, sc, t, n, tau=tau: stop_after(
+            lambda j, i: math.sqrt(SVIP.DEFAULT_GAMMA * max(0.0, float(sc[j, ENTROPY]))) > tau)(t, n)
+    for h in (0.3, 0.5, 0.7, 0.9):
+        out[f"specdec++:{h}"] = lambda acc, sc, t, n, h=h: specdec_pp(acc, t, n, h)
+    cost = SpecDecPPCost.__new__(SpecDecPPCost)  # only its rate tests, on this profile
+    cost.profile = profile
+    out["specdec++cost"] = lambda acc, sc, t, n: specdec_pp_cost(cost, acc, t, n)
+    return out
+
+
+def specdec_pp(acc: torch.Tensor, t: int, n: int, h: float) -> tuple[int, int]:
+    survive = 1.0
+
+    def crossed(j: int, i: int) -> bool:
+        nonlocal survive
+        survive *= float(acc[j, i - 1])
+        return 1.0 - survive > h
+    return stop_after(crossed)(t, n)
+
+
+def specdec_pp_cost(policy: SpecDecPPCost, acc: torch.Tensor, t: int, n: int) -> tuple[int, int]:
+    judged: list[float] = []
+    last = min(MAX_K, n - t)
+    for i in range(1, last + 1):
+        blind = judged + [float(acc[t + i - 1, i - 1])]
+        if policy.keep_rate(blind) <= policy.drop_rate(blind):
+            return i - 1, i  # DROP_LAST
+        judged = blind
+        if i == last or policy.next_rate(judged) <= policy.keep_rate(judged):
+            return i, i
+    return len(judged), len(judged)
+
+
+def responses(features: dict, temperature: float) -> list[tuple[int, int]]:
+    """[start, end) of every validation label set at `temperature` (positions restart at 0)."""
+    positions, temps = features["positions"], features["temperatures"]
+    starts = (positions == 0).nonzero().flatten().tolist() + [len(positions)]
+    return [(a, b) for a, b in zip(starts, starts[1:]) if float(temps[a]) == temperature]
+
+
+@torch.inference_mode()
+def acceptance_by_position(head, features: dict, a: int, b: int) -> torch.Tensor:
+    """[n, MAX_K]: the head's a(y_j) were y_j the i-th candidate of its round (the position feature)."""
+    hidden, scalars = features["hidden"][a:b].float(), features["scalars"][a:b]
+    columns = []
+    for i in range(1, MAX_K + 1):
+        s = scalars.clone()
+        s[:, LOG_POSITION] = math.log(i)
+        columns.append(head.acceptance_probability(head.head_inputs(hidden, s)).double())
+    return torch.stack(columns, dim=1)
+
+
+def replay(rule: Rule, spans, tables, features, profile: CostProfile, sampled: bool) -> tuple[float, float]:
+    """-> (tokens per second, drafting steps per token) of `rule` over the spans."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = ms = steps_total = 0.0
+    for (a, b), acc in zip(spans, tables):
+        n, labels, scalars = b - a, features["labels"][a:b], features["scalars"][a:b]
+        t = 0
+        while t < n:
+            k, steps = rule(acc, scalars, t, n)
+            accepted = 0
+            for j in range(t, t + k):
+                p = float(labels[j])
+                if not (torch.rand(1, generator=generator).item() < p if sampled else p >= 0.5):
+                    break
+                accepted += 1
+            ms += steps * profile.t_draft_ms + profile.t_target(k)
+            tokens += min(accepted + 1, n - t)
+            steps_total += steps
+            t += accepted + 1
+    return tokens / ms * 1000.0, steps_total / tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--features", type=Path, help="a feature cache (default: the newest in " + str(CACHE) + ")")
+    parser.add_argument("--head", type=Path, default=HEAD)
+    parser.add_argument("--profile", type=Path, help="a cost profile JSON (default: the torch runtime's)")
+    args = parser.parse_args()
+    path = args.features or max(CACHE.glob("*.pt"), key=lambda p: p.stat().st_mtime)
+    features = torch.load(path, weights_only=True)["validation"]
+    head = load_head(args.head)
+    profile = CostProfile.load(args.profile) if args.profile else DEFAULT_PROFILE
+    print(f"features {path.name}, head {args.head}, profile: {profile.source}\n")
+    print("| rule | greedy tok/s | steps/token | T=1 tok/s | steps/token |\n|---|---|---|---|---|")
+    spans = {T: responses(features, T) for T in (0.0, 1.0)}
+    tables = {T: [acceptance_by_position(head, features, a, b) for a, b in s] for T, s in spans.items()}
+    for name, rule in rules(profile).items():
+        greedy = replay(rule, spans[0.0], tables[0.0], features, profile, sampled=False)
+        sampled = replay(rule, spans[1.0], tables[1.0], features, profile, sampled=True)
+        print(f"| {name} | {greedy[0]:.3f} | {greedy[1]:.2f} | {sampled[0]:.3f} | {sampled[1]:.2f} |")
+    print(f"\n{len(spans[0.0])} greedy responses, {len(spans[1.0])} T=1 label sets")
+
+
+if __name__ == "__main__":
+    main()
