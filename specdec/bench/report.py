@@ -50,11 +50,27 @@ def build_results(store: RecordStore, specs: list[PolicySpec], config, prompt_co
         results["records"].extend(r for rs in records.values() for r in rs)
         results["by_temperature"][temperature_key(temperature)] = summarize_temperature(specs, records, temperature)
     results["cpus"] = dict(Counter(r.get("cpu", "?") for r in results["records"]))
+    results["contended"] = contended_records(results["records"], (results["machine"] or {}).get("threads"))
     profile = fit_round_costs(results["records"], source=f"specdec bench in-loop fit, {results['date']}")
     results["cost_profile"] = profile.model_dump() if profile else None
     results["lossless"] = lossless_summary(results)
     results["goals"] = evaluate_goals(results)
     return results
+
+
+MIN_CPU_SHARE = 0.6  # of the bench's threads busy over a generation; below, something else had the CPU
+
+
+def contended_records(records: list[dict], threads: int | None) -> list[str]:
+    """Records timed while another process held the CPU: the process got under MIN_CPU_SHARE of
+    its threads' wall time (a run alone keeps ~0.9-1.0: torch's threads spin while they wait). On
+    a 2-core machine a second busy process slows a generation 5-10x; rerun these (delete their
+    lines from records.jsonl and resume)."""
+    if not threads:
+        return []
+    return [f"{r['spec']}@{r['temperature']:g}#{r['prompt']}" for r in records
+            if "process_cpu_s" in r and r["stats"]["wall_time_s"] > 0
+            and r["process_cpu_s"] / (r["stats"]["wall_time_s"] * threads) < MIN_CPU_SHARE]
 
 
 def lossless_summary(results: dict) -> dict:
@@ -310,6 +326,9 @@ def markdown(results: dict) -> str:
         f"torch {machine.get('torch', '?')}, transformers {machine.get('transformers', '?')}"
         + (f", GPU {machine['gpu']}" if machine.get("gpu") else "") + ".",
         *_mixed_machines(results.get("cpus") or {}),
+        *([f"**Timed while the CPU was shared** (the process got under {MIN_CPU_SHARE:.0%} of its threads' wall "
+           f"time; delete their lines from records.jsonl and resume): {', '.join(results['contended'])}."]
+          if results.get("contended") else []),
         "",
         "Tokens/s: total tokens over total wall time (prefill included) on the prompts every policy finished. "
         "Predicted: eq. 2.3 with the fitted (t_draft, t_target). `hf-*`: HF transformers assisted generation "

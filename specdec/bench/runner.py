@@ -285,8 +285,10 @@ class BenchRun:
                               "threshold_adaptation": bool(mode.confidence_threshold) and threshold_adaptation()}
             return {**record, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
                     "stats": result.stats.to_dict()}
+        cpu_start = time.process_time()  # every thread of this process: CPU it got, against the wall time
         result = self.engine.generate_ids(prompt_ids, self._params(spec, temperature, index),
                                           reference=self._oracle_reference(spec, temperature, index))
+        record["process_cpu_s"] = time.process_time() - cpu_start
         return self._record(record, spec, result)
 
     def _generate_group(self, spec: PolicySpec, temperature: float, indices: list[int],

@@ -1,10 +1,11 @@
-"""Issue 19's goal table (specdec/bench/report.py:evaluate_goals) on hand-made per-policy totals."""
+"""Issue 19's goal table (specdec/bench/report.py:evaluate_goals) on hand-made per-policy totals, and
+the flag on records timed while another process had the CPU."""
 
 from __future__ import annotations
 
 import pytest
 
-from specdec.bench.report import evaluate_goals
+from specdec.bench.report import contended_records, evaluate_goals
 
 
 def row(family: str, tps: float, speedup: float | None = None, v: float = 0.1, d: float = 0.1) -> dict:
@@ -51,3 +52,14 @@ def test_without_a_head_nothing_is_measured():
     policies = {k: v for k, v in GREEDY.items() if not k.startswith("specdec++")}
     goals = evaluate_goals({"by_temperature": {"0": summary(policies)}, "chosen": {}})
     assert all(g["measured"] is None for g in goals)
+
+
+def test_records_timed_on_a_shared_cpu_are_named():
+    def record(spec: str, prompt: int, cpu_s: float | None, wall_s: float = 10.0) -> dict:
+        r = {"spec": spec, "temperature": 0.0, "prompt": prompt, "stats": {"wall_time_s": wall_s}}
+        return r if cpu_s is None else {**r, "process_cpu_s": cpu_s}
+
+    records = [record("fixed:4", 0, 19.0), record("fixed:4", 1, 8.0), record("specdec++cost", 0, None),
+               record("oracle", 2, 11.0)]  # alone ~2 threads busy; 8 s of 20: shared; no field: older run
+    assert contended_records(records, threads=2) == ["fixed:4@0#1", "oracle@0#2"]
+    assert contended_records(records, threads=None) == []
