@@ -55,7 +55,7 @@ def stop_after(test: Callable[[int, int], bool]) -> Callable[[int, int], tuple[i
     return rule
 
 
-def rules(profile: CostProfile) -> dict[str, Rule]:
+def rules(head, profile: CostProfile) -> dict[str, Rule]:
     out: dict[str, Rule] = {}
     for k in (4, 6, 8, 10):
         out[f"fixed:{k}"] = lambda acc, sc, t, n, k=k: (min(k, n - t), min(k, n - t))
@@ -67,32 +67,29 @@ def rules(profile: CostProfile) -> dict[str, Rule]:
             lambda j, i: math.sqrt(SVIP.DEFAULT_GAMMA * max(0.0, float(sc[j, ENTROPY]))) > tau)(t, n)
     for h in (0.3, 0.5, 0.7, 0.9):
         out[f"specdec++:{h}"] = lambda acc, sc, t, n, h=h: specdec_pp(acc, t, n, h)
-    cost = SpecDecPPCost.__new__(SpecDecPPCost)  # only its rate tests, on this profile
-    cost.profile = profile
+    cost = SpecDecPPCost(head, profile, max_candidates=MAX_K)  # only its rate tests are used
     out["specdec++cost"] = lambda acc, sc, t, n: specdec_pp_cost(cost, acc, t, n)
     return out
 
 
 def specdec_pp(acc: torch.Tensor, t: int, n: int, h: float) -> tuple[int, int]:
-    survive = 1.0
-
-    def crossed(j: int, i: int) -> bool:
-        nonlocal survive
-        survive *= float(acc[j, i - 1])
-        return 1.0 - survive > h
-    return stop_after(crossed)(t, n)
+    last, survive = min(MAX_K, n - t), 1.0
+    for i in range(1, last + 1):
+        survive *= float(acc[t + i - 1, i - 1])
+        if 1.0 - survive > h:
+            return i, i
+    return last, last
 
 
 def specdec_pp_cost(policy: SpecDecPPCost, acc: torch.Tensor, t: int, n: int) -> tuple[int, int]:
     judged: list[float] = []
-    last = min(MAX_K, n - t)
-    for i in range(1, last + 1):
+    for i in range(1, min(MAX_K, n - t) + 1):
         blind = judged + [float(acc[t + i - 1, i - 1])]
         if policy.keep_rate(blind) <= policy.drop_rate(blind):
             return i - 1, i  # DROP_LAST
         judged = blind
-        if i == last or policy.next_rate(judged) <= policy.keep_rate(judged):
-            return i, i
+        if policy.next_rate(judged) <= policy.keep_rate(judged):
+            break
     return len(judged), len(judged)
 
 
@@ -151,7 +148,7 @@ def main() -> None:
     print("| rule | greedy tok/s | steps/token | T=1 tok/s | steps/token |\n|---|---|---|---|---|")
     spans = {T: responses(features, T) for T in (0.0, 1.0)}
     tables = {T: [acceptance_by_position(head, features, a, b) for a, b in s] for T, s in spans.items()}
-    for name, rule in rules(profile).items():
+    for name, rule in rules(head, profile).items():
         greedy = replay(rule, spans[0.0], tables[0.0], features, profile, sampled=False)
         sampled = replay(rule, spans[1.0], tables[1.0], features, profile, sampled=True)
         print(f"| {name} | {greedy[0]:.3f} | {greedy[1]:.2f} | {sampled[0]:.3f} | {sampled[1]:.2f} |")

@@ -29,6 +29,7 @@ NOT_SPECULATIVE = ("target-only",)  # families left out of the cost-model fit (n
 # default SpecDec++ against the best fixed K and the best training-free rule, each in hindsight.
 GOAL_FIXED, GOAL_RULES, GOAL_ORACLE_SHARE = 1.10, 1.05, 0.85
 TRAINING_FREE_RULES = ("svip", "confidence")
+MIN_CPU_SHARE = 0.6  # of the bench's threads busy over a generation; below, something else had the CPU
 
 
 def build_results(store: RecordStore, specs: list[PolicySpec], config, prompt_count: int, notes: dict) -> dict:
@@ -56,9 +57,6 @@ def build_results(store: RecordStore, specs: list[PolicySpec], config, prompt_co
     results["lossless"] = lossless_summary(results)
     results["goals"] = evaluate_goals(results)
     return results
-
-
-MIN_CPU_SHARE = 0.6  # of the bench's threads busy over a generation; below, something else had the CPU
 
 
 def contended_records(records: list[dict], threads: int | None) -> list[str]:
