@@ -13,9 +13,9 @@ tok/s instead: on CPU the fitted t_target, a pass over K+1 tokens, is dearer tha
 itself rather than on bare forward passes: t_draft is the draft's time per drafting step (sampling,
 features and the head included), and a verification pass over k candidates is fitted as
 t(k) = a + b k by least squares of each generation's target time on (rounds, candidates drafted).
-On the project's CPU a drafting step costs ~20 ms more than a bare draft pass, and a verification
-pass grows 2-3x faster per candidate than `specdec bench`'s bare `forward_times` show (docs/training.md,
-"The loop's own costs").
+On the project's CPU a drafting step costs what a bare draft pass costs in the same process (sampling,
+features and the head add ~1-2 ms), but a verification pass grows 2-3x faster per candidate than
+`specdec bench`'s bare `forward_times` show (docs/training.md, "The loop's own costs").
 
 Worked example: t_draft = 0.03 s, t_target = 0.35 s; a policy with verification rate 0.1 and
 discard rate 0.2 predicts 0.03 + 0.03 * 0.2 + 0.32 * 0.1 = 0.068 s/token, i.e. 14.7 tok/s and a
