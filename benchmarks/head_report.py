@@ -1,7 +1,7 @@
 """The training report of an acceptance head: markdown tables and a reliability plot from its training.json.
 
-    python benchmarks/head_report.py specdec/heads/default-pair --plot docs/results/head-reliability.png \
-        > docs/results/head-report.md
+    python benchmarks/head_report.py specdec/heads/default-pair \
+        --plot specdec/heads/default-pair/reliability.png > specdec/heads/default-pair/report.md
 
 Prints the data counts, the final validation metrics (loss, binary KL to the soft labels, AUROC,
 ECE), the per-epoch curve, the per-position rows, the reliability table, the AUROC of each single

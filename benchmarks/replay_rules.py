@@ -18,6 +18,11 @@ label's probability (one draw per candidate, seeded), from the label sets' draws
 The rules read the scalar features (the cache keeps no full q): confidence stops after a candidate
 whose top-1 probability is below tau, svip once sqrt(0.15 H(q_i)) > tau, specdec++:h once the
 head's 1 - prod a_j > h; specdec++cost runs `SpecDecPPCost`'s own rate tests on the head's a_j.
+
+`bound:lam` is no rule the loop could run: it sees the head's a_j of every candidate ahead before
+drafting any (along X) and drafts the k maximising E[tokens](k) - lam * cost(k), with E[tokens](k)
+= 1 + sum_{m<=k} prod_{j<=m} a_j. Swept over lam (tokens per ms, the rate it trades against), its
+best is an upper bound on what any stopping rule reading this head's probabilities can reach.
 """
 
 from __future__ import annotations
@@ -69,6 +74,9 @@ def rules(head, profile: CostProfile) -> dict[str, Rule]:
         out[f"specdec++:{h}"] = lambda acc, sc, t, n, h=h: specdec_pp(acc, t, n, h)
     cost = SpecDecPPCost(head, profile, max_candidates=MAX_K)  # only its rate tests are used
     out["specdec++cost"] = lambda acc, sc, t, n: specdec_pp_cost(cost, acc, t, n)
+    costs = [k * profile.t_draft_ms + profile.t_target(k) for k in range(MAX_K + 1)]
+    for lam in (0.003, 0.004, 0.005, 0.006, 0.008):
+        out[f"bound:{lam}"] = lambda acc, sc, t, n, lam=lam: lookahead_bound(acc, t, n, lam, costs)
     return out
 
 
@@ -91,6 +99,17 @@ def specdec_pp_cost(policy: SpecDecPPCost, acc: torch.Tensor, t: int, n: int) ->
         if policy.next_rate(judged) <= policy.keep_rate(judged):
             break
     return len(judged), len(judged)
+
+
+def lookahead_bound(acc: torch.Tensor, t: int, n: int, lam: float, costs: list[float]) -> tuple[int, int]:
+    best, best_k, survive, expected = -math.inf, 0, 1.0, 1.0
+    for k in range(min(MAX_K, n - t) + 1):
+        if k:
+            survive *= float(acc[t + k - 1, k - 1])
+            expected += survive
+        if expected - lam * costs[k] > best:
+            best, best_k = expected - lam * costs[k], k
+    return best_k, best_k
 
 
 def responses(features: dict, temperature: float) -> list[tuple[int, int]]:
