@@ -19,28 +19,30 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 
 import torch
 
-from replay_rules import CACHE, HEAD, MAX_K, acceptance_by_position
+from replay_rules import HEAD, MAX_K, acceptance_by_position, label_sets, newest_cache
 from specdec.builder import load_model, resolve_model
 from specdec.head import load_head
-from specdec.training.data import load_dataset
+from specdec.training.data import load_dataset, response_logits
 from specdec.training.evaluation import soft_label_auroc
 
-DATA = "data/default-pair"
+DATA = Path(__file__).resolve().parents[1] / "data" / "default-pair"
 DEPTHS = range(1, 9)
 FOLDS = 4
 
 
 @torch.inference_mode()
 def target_features(target, draft, row: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> ([N, 5] scalars, [N, H] hidden) at the response positions, teacher-forced."""
+    """-> ([N, 5] scalars, [N, H] hidden) at the response positions, teacher-forced (the target's
+    pass is training.data.response_logits' own, keeping the hidden state it drops)."""
     ids = torch.tensor([list(row["prompt_ids"]) + list(row["response_ids"][:-1])])
     n = len(row["response_ids"])
     hidden = target.model(input_ids=ids).last_hidden_state[0, -n:]  # [N, H]
     log_p = torch.log_softmax(target.lm_head(hidden).float(), -1)  # [N, V]
-    log_q = torch.log_softmax(draft(input_ids=ids).logits[0, -n:].float(), -1)  # [N, V]
+    log_q = torch.log_softmax(response_logits(draft, row["prompt_ids"], row["response_ids"]), -1)  # [N, V]
     vocab = min(log_p.shape[-1], log_q.shape[-1])
     log_p, log_q = log_p[:, :vocab], log_q[:, :vocab]
     p, x = log_p.exp(), torch.tensor(row["response_ids"])
@@ -89,14 +91,13 @@ def cross_validated_scores(x: torch.Tensor, y: torch.Tensor, folds: torch.Tensor
 
 def main() -> None:
     torch.manual_seed(0)
-    features = torch.load(max(CACHE.glob("*.pt"), key=lambda p: p.stat().st_mtime), weights_only=True)["validation"]
+    features = torch.load(newest_cache(), weights_only=True)["validation"]
     head = load_head(HEAD)
     _, rows = load_dataset(DATA)
     rows = [row for row in rows if row["split"] == "validation" and row["response_ids"]]  # the cache's order
     target = load_model(resolve_model("default", role="target"), "target", "fp32")
     draft = load_model(resolve_model("default", role="draft"), "draft", "fp32")
-    starts = (features["positions"] == 0).nonzero().flatten().tolist() + [len(features["positions"])]
-    spans = iter(zip(starts, starts[1:]))
+    spans = iter(label_sets(features))
     columns = {T: {"x": [], "y": [], "fold": [], "hidden_at": []} for T in (0.0, 1.0)}
     hidden_states = []
     for r, row in enumerate(rows):
@@ -118,14 +119,14 @@ def main() -> None:
         print(f"response {r + 1}/{len(rows)}", file=sys.stderr, flush=True)
     print(f"{len(rows)} validation responses; candidates at depths 1-{max(DEPTHS)} (of {MAX_K})\n")
     print("| inputs | greedy AUROC | T=1 AUROC | greedy, depth 1 | T=1, depth 1 |\n|---|---|---|---|---|")
-    sets = {"head logit + depth": [0, 1], "+ target scalars": [0, 1, 2, 3, 4, 5],
-            "+ target scalars + TV(p, q)": [0, 1, 2, 3, 4, 5, 6], "+ target hidden (16 PCs)": [0, 1]}
-    data = {T: (torch.cat(c["x"]), torch.cat(c["y"]), torch.cat(c["fold"]),
-                torch.stack([hidden_states[r][j] for r, j in c["hidden_at"]])) for T, c in columns.items()}
-    for name, cols in sets.items():
+    sets = [("head logit + depth", [0, 1], False), ("+ target scalars", [0, 1, 2, 3, 4, 5], False),
+            ("+ target scalars + TV(p, q)", [0, 1, 2, 3, 4, 5, 6], False), ("+ target hidden (16 PCs)", [0, 1], True)]
+    data = {T: (torch.cat(c["x"]), torch.cat(c["y"]), torch.cat(c["fold"]), c["hidden_at"]) for T, c in columns.items()}
+    for name, cols, with_hidden in sets:
         aurocs = []
-        for x, y, fold, hidden in data.values():
-            scores = cross_validated_scores(x[:, cols], y, fold, hidden if "hidden" in name else None)
+        for x, y, fold, hidden_at in data.values():
+            hidden = torch.stack([hidden_states[r][j] for r, j in hidden_at]) if with_hidden else None
+            scores = cross_validated_scores(x[:, cols], y, fold, hidden)
             aurocs.append((soft_label_auroc(scores, y), soft_label_auroc(scores[x[:, 1] == 1], y[x[:, 1] == 1])))
         print(f"| {name} | {aurocs[0][0]:.4f} | {aurocs[1][0]:.4f} | {aurocs[0][1]:.4f} | {aurocs[1][1]:.4f} |")
 

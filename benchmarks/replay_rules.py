@@ -112,11 +112,19 @@ def lookahead_bound(acc: torch.Tensor, t: int, n: int, lam: float, costs: list[f
     return best_k, best_k
 
 
+def newest_cache() -> Path:
+    return max(CACHE.glob("*.pt"), key=lambda p: p.stat().st_mtime)
+
+
+def label_sets(features: dict) -> list[tuple[int, int]]:
+    """[start, end) of every label set of a feature split, in order (positions restart at 0)."""
+    starts = (features["positions"] == 0).nonzero().flatten().tolist() + [len(features["positions"])]
+    return list(zip(starts, starts[1:]))
+
+
 def responses(features: dict, temperature: float) -> list[tuple[int, int]]:
-    """[start, end) of every validation label set at `temperature` (positions restart at 0)."""
-    positions, temps = features["positions"], features["temperatures"]
-    starts = (positions == 0).nonzero().flatten().tolist() + [len(positions)]
-    return [(a, b) for a, b in zip(starts, starts[1:]) if float(temps[a]) == temperature]
+    """[start, end) of every validation label set at `temperature`."""
+    return [(a, b) for a, b in label_sets(features) if float(features["temperatures"][a]) == temperature]
 
 
 @torch.inference_mode()
@@ -159,7 +167,7 @@ def main() -> None:
     parser.add_argument("--head", type=Path, default=HEAD)
     parser.add_argument("--profile", type=Path, help="a cost profile JSON (default: the torch runtime's)")
     args = parser.parse_args()
-    path = args.features or max(CACHE.glob("*.pt"), key=lambda p: p.stat().st_mtime)
+    path = args.features or newest_cache()
     features = torch.load(path, weights_only=True)["validation"]
     head = load_head(args.head)
     profile = CostProfile.load(args.profile) if args.profile else DEFAULT_PROFILE
