@@ -13,6 +13,8 @@ token: request to the first committed token (the prefill and a first round). In 
 requests go to the engine's loop; served, through Serve's gRPC proxy as streams. The modes run one
 after the other, never together (they would share the cores). `--baseline` adds the batch-1
 reference runtime (one pass per session, today's path before batching) at concurrency 1.
+Target-only (plain decoding) runs in every mode at every level even when `--policies` leaves it out,
+and `vs target-only` divides each row's aggregate tokens/s by target-only's at the same mode and level.
 Greedy outputs are compared across every mode and level: a prompt's tokens must not depend on what
 shares its batch (any difference is counted and printed). Prints a markdown table; --out writes JSON.
 """
@@ -33,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from specdec.bench.runner import cpu_name  # noqa: E402
-from specdec.bench.specs import parse_specs  # noqa: E402
+from specdec.bench.specs import BASELINE, parse_specs, with_baseline  # noqa: E402
 from specdec.builder import EngineConfig, build_engine  # noqa: E402
 from specdec.loop import BatchConfig  # noqa: E402
 from specdec.params import GenerationParams  # noqa: E402
@@ -186,16 +188,19 @@ def mismatches(runs: list[Run]) -> list[str]:
 
 def table(rows: list[dict]) -> str:
     alone = {(r["mode"], r["policy"]): r["tokens_per_s"] for r in rows if r["concurrency"] == 1}
+    plain = {(r["mode"], r["concurrency"]): r["tokens_per_s"] for r in rows if r["policy"] == BASELINE}
     in_process = {(r["policy"], r["concurrency"]): r["tokens_per_s"] for r in rows if r["mode"] == "in-process"}
-    lines = ["| mode | policy | C | requests | tokens | tok/s (aggregate) | vs C=1 | served / in process "
-             "| latency p50 / p99 (s) | first token p50 / p99 (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | policy | C | requests | tokens | tok/s (aggregate) | vs C=1 | vs target-only | served / in process "
+             "| latency p50 / p99 (s) | first token p50 / p99 (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = alone.get((r["mode"], r["policy"]))
+        baseline = plain.get((r["mode"], r["concurrency"]))
         local = in_process.get((r["policy"], r["concurrency"]))
         ratio = f"{r['tokens_per_s'] / local:.3f}" if r["mode"].startswith("served") and local else "-"
         scaling = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        speedup = f"{r['tokens_per_s'] / baseline:.2f}x" if baseline else "-"
         lines.append(f"| {r['mode']} | {r['policy']} | {r['concurrency']} | {r['requests']} | {r['tokens']} | "
-                     f"{r['tokens_per_s']:.2f} | {scaling} | {ratio} | "
+                     f"{r['tokens_per_s']:.2f} | {scaling} | {speedup} | {ratio} | "
                      f"{r['latency_p50_s']:.1f} / {r['latency_p99_s']:.1f} | "
                      f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} |")
     return "\n".join(lines)
@@ -206,7 +211,8 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny random models (smoke)")
     parser.add_argument("--modes", nargs="+", default=["in-process", "served"], choices=["in-process", "served"])
     parser.add_argument("--policies", nargs="+", default=["specdec++", "fixed:8"], metavar="SPEC",
-                        help="policy specs as `specdec bench` takes them; `specdec++` alone: the head's own h")
+                        help="policy specs as `specdec bench` takes them; `specdec++` alone: the head's own h "
+                             "(target-only joins them)")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -231,7 +237,7 @@ def main() -> int:
         prompts = [prompt[-48:] for prompt in prompts]  # the tiny models' context is 256 byte tokens
     else:
         models = EngineConfig(batch=batch)
-    specs = parse_specs(args.policies)
+    specs = with_baseline(parse_specs(args.policies))  # target-only at every mode and level
     levels = sorted(set(args.concurrency))
 
     runs: list[Run] = []

@@ -16,14 +16,13 @@ from pathlib import Path
 from specdec.bench.costmodel import CostFit, fit_cost_model, fit_round_costs, fit_standalone, speedup_share
 from specdec.bench.frontier import frontier_dominance, pareto_frontier
 from specdec.bench.records import RecordStore, record_key, stats_from_dict, temperature_key
-from specdec.bench.specs import SWEPT_FAMILIES, PolicySpec
+from specdec.bench.specs import BASELINE, SWEPT_FAMILIES, PolicySpec
 from specdec.metrics import RequestStats
 
 RESULTS_FILE, SUMMARY_FILE = "results.json", "summary.md"
 PLOT_FILES = {"plane": "plane-t{t}.png", "throughput": "tokens-per-s.png", "cost": "cost-model.png",
               "forward": "forward-times.png"}
-BASELINE = "target-only"
-NOT_SPECULATIVE = ("target-only",)  # families left out of the cost-model fit (no draft passes)
+NOT_SPECULATIVE = (BASELINE,)  # families left out of the cost-model fit (no draft passes)
 
 # Issue 19's goals, at every temperature (the oracle one greedy, the frontier one sampled): the
 # default SpecDec++ against the best fixed K and the best training-free rule, each in hindsight.
@@ -105,6 +104,7 @@ def summarize_temperature(specs: list[PolicySpec], records: dict[str, list[dict]
     standalone = fit_standalone([r["stats"]["target_forward_passes"] for r in baseline_records],
                                 [r["stats"]["wall_time_s"] for r in baseline_records])
     base = totals.get(BASELINE)
+    base_aggregate = aggregate_tokens_per_s(records.get(BASELINE, []))
     lossless = lossless_check(kept) if temperature == 0 else {}
     policies = {}
     for spec in specs:
@@ -112,8 +112,10 @@ def summarize_temperature(specs: list[PolicySpec], records: dict[str, list[dict]
         if total is None:
             continue
         predicted = fit.throughput(total.verification_rate, total.discard_rate) if fit else None
+        aggregate = aggregate_tokens_per_s(records[spec.key])
         row = {"family": spec.family, "value": spec.value, "prompts": len(kept[spec.key]), **total.to_dict(),
-               "aggregate_tokens_per_s": aggregate_tokens_per_s(records[spec.key]),
+               "aggregate_tokens_per_s": aggregate,
+               "aggregate_speedup": aggregate / base_aggregate if aggregate and base_aggregate else None,
                "speedup": total.tokens_per_s / base.tokens_per_s if base and base.tokens_per_s else None,
                "predicted_tokens_per_s": predicted,
                "predicted_speedup": predicted_speedup(fit, predicted, base, total)}
@@ -139,7 +141,8 @@ def summarize_temperature(specs: list[PolicySpec], records: dict[str, list[dict]
 def aggregate_tokens_per_s(records: list[dict]) -> float | None:
     """Tokens over the wall time of the groups they were decoded in (a run with --concurrency > 1),
     over every prompt of the policy (a group's wall time covers all of its prompts); None for one
-    prompt at a time (then tokens/s is the aggregate)."""
+    prompt at a time (then tokens/s is the aggregate). Over target-only's, decoded in groups of the
+    same size, it is the policy's speedup at that load (`aggregate_speedup`)."""
     grouped = [r for r in records if "group_wall_s" in r]
     if not grouped:
         return None
@@ -332,7 +335,8 @@ def markdown(results: dict) -> str:
         "Predicted: eq. 2.3 with the fitted (t_draft, t_target). `hf-*`: HF transformers assisted generation "
         "on the same loaded models."
         + (f" Concurrency {settings['concurrency']}: that many prompts of a policy at once; tokens/s is per "
-           "request (its own wall time), the aggregate below is tokens over the groups' wall time."
+           "request (its own wall time), aggregate tok/s is tokens over the groups' wall time, and `vs "
+           "target-only` divides it by target-only's, decoded in groups of the same size (the speedup at that load)."
            if settings.get("concurrency", 1) > 1 else ""), "",
     ]
     for key, summary in results["by_temperature"].items():
@@ -377,13 +381,17 @@ def markdown(results: dict) -> str:
 
 def _temperature_section(key: str, summary: dict) -> list[str]:
     title = "greedy" if float(key) == 0 else f"temperature {key}"
+    grouped = any(p.get("aggregate_tokens_per_s") for p in summary["policies"].values())  # --concurrency > 1
+    columns = ["policy", "tokens", "tok/s", "speedup", *(["aggregate tok/s", "vs target-only"] if grouped else []),
+               "predicted tok/s", "verification rate", "discard rate", "acceptance", "mean accepted length",
+               *(["lossless"] if float(key) == 0 else [])]
     lines = [f"## {title.capitalize()} ({len(summary['prompts'])} prompts)", "",
-             "| policy | tokens | tok/s | speedup | predicted tok/s | verification rate | discard rate | acceptance "
-             "| mean accepted length |" + (" lossless |" if float(key) == 0 else ""),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|" if float(key) == 0 else "")]
+             "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for spec, p in summary["policies"].items():
         row = (f"| {spec} | {p['generated_tokens']} | {p['tokens_per_s']:.2f} | {_fmt(p['speedup'], '.2f', 'x')} | "
-               f"{_fmt(p['predicted_tokens_per_s'])} | {p['verification_rate']:.3f} | {p['discard_rate']:.3f} | "
+               + (f"{_fmt(p.get('aggregate_tokens_per_s'))} | {_fmt(p.get('aggregate_speedup'), '.2f', 'x')} | "
+                  if grouped else "")
+               + f"{_fmt(p['predicted_tokens_per_s'])} | {p['verification_rate']:.3f} | {p['discard_rate']:.3f} | "
                f"{p['acceptance_rate']:.1%} | {p['mean_accepted_length']:.2f} |")
         if float(key) == 0:
             check = p.get("lossless")
@@ -391,11 +399,6 @@ def _temperature_section(key: str, summary: dict) -> list[str]:
                     else f" **no** ({len(check['mismatched_prompts'])}/{check['compared']}) |")
         lines.append(row)
     lines.append("")
-    aggregate = {spec: p["aggregate_tokens_per_s"] for spec, p in summary["policies"].items()
-                 if p.get("aggregate_tokens_per_s")}
-    if aggregate:
-        lines += ["Aggregate tok/s (prompts decoded together): "
-                  + ", ".join(f"{spec} {tps:.2f}" for spec, tps in aggregate.items()) + ".", ""]
     fit, standalone = summary["cost_model"], summary["standalone_target"]
     if fit:
         lines.append(f"Cost model (eq. 2.1 over {fit['points']} speculative generations): t_draft = "

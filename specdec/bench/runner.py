@@ -7,8 +7,9 @@ A rerun with the same --out skips the records already there (records.py).
 
 With `concurrency` C > 1, C prompts of one policy run at once in the engine's batch (temperature,
 then policy, then groups of C prompts); each record keeps its own request's stats and its group's
-wall time, from which the report gives the aggregate tokens/s. HF's assisted generation runs one
-prompt at a time whatever C is.
+wall time, from which the report gives the aggregate tokens/s. Target-only runs in groups of C too,
+added to the specs when they leave it out, so each policy's aggregate is compared with plain
+decoding at the same load. HF's assisted generation runs one prompt at a time whatever C is.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tqdm import tqdm
 
 from specdec.bench.prompt_sets import load_prompts
 from specdec.bench.records import RecordStore, record_key, temperature_key
-from specdec.bench.specs import DEFAULT_POLICIES, PolicySpec, parse_specs
+from specdec.bench.specs import DEFAULT_POLICIES, PolicySpec, parse_specs, with_baseline
 from specdec.builder import EngineConfig, resolve_runtime
 from specdec.errors import InvalidRequestError
 from specdec.models.vocab import SETTINGS_BEFORE_DRAFT_VOCAB, vocab_setting
@@ -328,6 +329,8 @@ def run_bench(config: BenchConfig, progress: bool = True, report_only: bool = Fa
 
     chosen = parse_specs(config.chosen)
     specs = parse_specs([*config.policies, *config.chosen])  # a chosen point is measured even off the sweep
+    if config.concurrency > 1:
+        specs = with_baseline(specs)  # the baseline at the same load
     store = RecordStore(config.out)
     if report_only and not len(store):
         raise InvalidRequestError(f"--report-only: no records in {config.out}")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from specdec.errors import InvalidRequestError
 from specdec.policies import POLICY_NAMES, PolicyConfig
 
+BASELINE = "target-only"  # plain decoding: what every speedup divides by
 PEER_NAMES = ("hf-heuristic", "hf-dynamic")
 K_NAMES = ("fixed", "heuristic", "hf-heuristic")  # whose value is an integer K; the others take a threshold
 NO_VALUE_NAMES = ("target-only", "oracle", "specdec++cost")
@@ -109,3 +110,10 @@ def parse_specs(texts: list[str] | tuple[str, ...]) -> list[PolicySpec]:
         spec = parse_spec(text)
         specs.setdefault(spec.key, spec)
     return list(specs.values())
+
+
+def with_baseline(specs: list[PolicySpec]) -> list[PolicySpec]:
+    """`specs` with target-only first unless it is there already: the baseline measured alongside
+    them, at the same concurrency."""
+    baseline = PolicySpec(BASELINE)
+    return specs if baseline in specs else [baseline, *specs]

@@ -124,14 +124,29 @@ def test_bench_rejects_bad_flags_before_loading(tiny_pair, prompt_file, tmp_path
 
 def test_bench_with_concurrency_decodes_prompts_together(tiny_pair, prompt_file, tmp_path, capsys, one_thread):
     out = tmp_path / "together"
-    policies = ["target-only", "fixed:3", "oracle", "hf-dynamic"]
+    policies = ["fixed:3", "oracle", "hf-dynamic"]  # target-only joins them: the baseline at the same load
     assert main(bench_args(tiny_pair, prompt_file, out, policies, "--concurrency", "2", "--forward-ks")) == 0
-    assert "Aggregate tok/s (prompts decoded together)" in capsys.readouterr().out
+    summary = capsys.readouterr().out
+    assert "| aggregate tok/s | vs target-only |" in summary
     results = json.loads((out / "results.json").read_text())
+    assert results["policies"][0] == "target-only"
     records = [r for r in results["records"] if r["family"] != "hf"]
-    assert records and all(r["group"] == 0 and r["group_wall_s"] > 0 for r in records)  # both prompts in one group
+    assert {r["spec"] for r in records} == {"target-only", "fixed:3", "oracle"}
+    assert all(r["group"] == 0 and r["group_wall_s"] > 0 for r in records)  # both prompts in one group
+    for temperature in ("0", "1"):
+        rows = results["by_temperature"][temperature]["policies"]
+        base = rows["target-only"]["aggregate_tokens_per_s"]
+        assert base > 0 and rows["target-only"]["aggregate_speedup"] == pytest.approx(1.0)
+        assert rows["fixed:3"]["aggregate_speedup"] == pytest.approx(rows["fixed:3"]["aggregate_tokens_per_s"] / base)
+        row = next(line for line in summary.splitlines() if line.startswith("| fixed:3 |")
+                   and f"| {rows['fixed:3']['tokens_per_s']:.2f} |" in line)
+        assert f"| {rows['fixed:3']['aggregate_tokens_per_s']:.2f} | {rows['fixed:3']['aggregate_speedup']:.2f}x |" in row
     greedy = results["by_temperature"]["0"]["policies"]
     assert greedy["fixed:3"]["lossless"]["equal"] and greedy["oracle"]["discard_rate"] == 0.0
-    assert greedy["fixed:3"]["aggregate_tokens_per_s"] > 0 and greedy["hf-dynamic"]["aggregate_tokens_per_s"] is None
+    assert greedy["hf-dynamic"]["aggregate_tokens_per_s"] is None and greedy["hf-dynamic"]["aggregate_speedup"] is None
+
+    lines = record_lines(out)  # resumed with the same flags: nothing to redo, target-only included
+    assert main(bench_args(tiny_pair, prompt_file, out, policies, "--concurrency", "2", "--forward-ks")) == 0
+    assert record_lines(out) == lines == 2 * (3 + 2 + 2)  # 2 prompts x (3 of ours at t=0, 2 at t=1, hf-dynamic x 2)
     assert main(bench_args(tiny_pair, prompt_file, out, policies, "--forward-ks")) == 2  # concurrency 1 != 2
     assert "concurrency=2" in capsys.readouterr().err

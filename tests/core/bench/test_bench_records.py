@@ -9,7 +9,7 @@ import pytest
 from specdec.bench.peer import _peer_stats, peer_mode
 from specdec.bench.records import RECORDS_FILE, RecordStore, record_key, stats_from_dict
 from specdec.bench.runner import BenchConfig, BenchRun
-from specdec.bench.specs import DEFAULT_POLICIES, PolicySpec, parse_spec, parse_specs
+from specdec.bench.specs import DEFAULT_POLICIES, PolicySpec, parse_spec, parse_specs, with_baseline
 from specdec.errors import InvalidRequestError, SpecDecError
 from specdec.metrics import RequestStats
 
@@ -31,6 +31,11 @@ def test_specs_parse_to_canonical_keys_and_policy_flags():
 def test_bad_specs_fail_in_one_line(text, reason):
     with pytest.raises(InvalidRequestError, match=reason.replace("(", r"\(").replace(")", r"\)")):
         parse_spec(text)
+
+
+def test_the_baseline_joins_specs_that_leave_it_out_once():
+    assert [s.key for s in with_baseline(parse_specs(["fixed:4", "oracle"]))] == ["target-only", "fixed:4", "oracle"]
+    assert [s.key for s in with_baseline(parse_specs(["fixed:4", "target-only"]))] == ["fixed:4", "target-only"]
 
 
 def test_default_policies_are_the_issue_sweep():

@@ -1,11 +1,14 @@
-"""Issue 19's goal table (specdec/bench/report.py:evaluate_goals) on hand-made per-policy totals, and
-the flag on records timed while another process had the CPU."""
+"""Issue 19's goal table (specdec/bench/report.py:evaluate_goals) on hand-made per-policy totals, the
+flag on records timed while another process had the CPU, and each policy against target-only at the
+same concurrency."""
 
 from __future__ import annotations
 
 import pytest
 
-from specdec.bench.report import contended_records, evaluate_goals
+from specdec.bench.report import _temperature_section, contended_records, evaluate_goals, summarize_temperature
+from specdec.bench.specs import parse_specs
+from specdec.metrics import RequestStats
 
 
 def row(family: str, tps: float, speedup: float | None = None, v: float = 0.1, d: float = 0.1) -> dict:
@@ -63,3 +66,41 @@ def test_records_timed_on_a_shared_cpu_are_named():
                record("oracle", 2, 11.0)]  # alone ~2 threads busy; 8 s of 20: shared; no field: older run
     assert contended_records(records, threads=2) == ["fixed:4@0#1", "oracle@0#2"]
     assert contended_records(records, threads=None) == []
+
+
+def grouped_record(spec: str, prompt: int, tokens: int, wall_s: float, group_wall_s: float | None) -> dict:
+    """A greedy record; with `group_wall_s`, one of prompts 0 and 1 decoded together (--concurrency 2)."""
+    stats = RequestStats(generated_tokens=tokens, wall_time_s=wall_s, target_forward_passes=tokens)
+    r = {"spec": spec, "family": spec.split(":")[0], "temperature": 0.0, "prompt": prompt,
+         "token_ids": list(range(tokens)), "stats": stats.to_dict()}
+    return r if group_wall_s is None else {**r, "group": 0, "group_wall_s": group_wall_s}
+
+
+def test_at_a_concurrency_each_policy_is_divided_by_target_only_aggregate_at_that_load():
+    specs = parse_specs(["target-only", "fixed:4", "hf-dynamic"])
+    # Per request fixed:4 looks 1.5x target-only (8 tokens in 4 s vs 6 s), the groups 3x (20 s vs 60 s).
+    records = {"target-only": [grouped_record("target-only", i, 8, 6.0, 60.0) for i in (0, 1)],
+               "fixed:4": [grouped_record("fixed:4", i, 8, 4.0, 20.0) for i in (0, 1)],
+               "hf-dynamic": [grouped_record("hf-dynamic", i, 8, 2.0, None) for i in (0, 1)]}
+    summary = summarize_temperature(specs, records, 0.0)
+    policies = summary["policies"]
+    assert policies["fixed:4"]["speedup"] == pytest.approx(1.5)
+    assert policies["target-only"]["aggregate_tokens_per_s"] == pytest.approx(16 / 60)
+    assert policies["target-only"]["aggregate_speedup"] == pytest.approx(1.0)
+    assert policies["fixed:4"]["aggregate_speedup"] == pytest.approx(3.0)
+    assert policies["hf-dynamic"]["aggregate_speedup"] is None  # one prompt at a time: no figure at that load
+
+    lines = _temperature_section("0", summary)
+    header = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert header[4:6] == ["aggregate tok/s", "vs target-only"] and lines[3].count("---") == len(header)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")] for line in lines[4:7]}
+    assert rows["fixed:4"][4:6] == ["0.80", "3.00x"] and rows["target-only"][5] == "1.00x"
+    assert rows["hf-dynamic"][4:6] == ["-", "-"] and len(rows["fixed:4"]) == len(header)
+
+
+def test_one_prompt_at_a_time_keeps_the_table_without_aggregate_columns():
+    specs = parse_specs(["target-only", "fixed:4"])
+    records = {s.key: [grouped_record(s.key, 0, 8, 4.0, None)] for s in specs}
+    summary = summarize_temperature(specs, records, 0.0)
+    assert all(p["aggregate_speedup"] is None for p in summary["policies"].values())
+    assert "vs target-only" not in _temperature_section("0", summary)[2]

@@ -1,0 +1,59 @@
+"""benchmarks/concurrency.py: target-only joins every mode and level, and the table divides each row
+by target-only's aggregate tokens/s at the same mode and level (`--tiny`, in process)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from benchmarks import concurrency  # noqa: E402
+
+
+def row(mode: str, policy: str, level: int, tps: float) -> dict:
+    return {"mode": mode, "policy": policy, "concurrency": level, "requests": 2, "tokens": 100, "wall_s": 1.0,
+            "tokens_per_s": tps, "latency_p50_s": 1.0, "latency_p99_s": 1.0, "ttft_p50_s": 0.1, "ttft_p99_s": 0.1}
+
+
+def cells(table: str) -> dict[tuple[str, str, str], dict[str, str]]:
+    """(mode, policy, C) -> {column: cell}."""
+    header, _, *lines = table.splitlines()
+    names = [c.strip() for c in header.strip("|").split("|")]
+    rows = [dict(zip(names, (c.strip() for c in line.strip("|").split("|")))) for line in lines]
+    return {(r["mode"], r["policy"], r["C"]): r for r in rows}
+
+
+def test_table_divides_by_target_only_at_the_same_mode_and_level():
+    rows = [row("in-process", "target-only", 1, 4.0), row("in-process", "target-only", 4, 10.0),
+            row("in-process", "fixed:8", 1, 8.0), row("in-process", "fixed:8", 4, 5.0),
+            row("served", "target-only", 4, 8.0), row("served", "fixed:8", 4, 4.0),
+            row("served", "fixed:8", 8, 4.0)]
+    table = cells(concurrency.table(rows))
+    assert table[("in-process", "fixed:8", "1")]["vs target-only"] == "2.00x"
+    assert table[("in-process", "fixed:8", "4")]["vs target-only"] == "0.50x"  # slower than plain decoding at C=4
+    assert table[("in-process", "target-only", "4")]["vs target-only"] == "1.00x"
+    assert table[("served", "fixed:8", "4")]["vs target-only"] == "0.50x"  # served target-only, not in-process
+    assert table[("served", "fixed:8", "8")]["vs target-only"] == "-"  # no target-only at that level
+    assert table[("served", "fixed:8", "4")]["served / in process"] == "0.800"
+
+
+def test_tiny_run_adds_target_only_at_every_level(monkeypatch, tmp_path, capsys):
+    out = tmp_path / "concurrency.json"
+    monkeypatch.setattr(sys, "argv", ["concurrency.py", "--tiny", "--modes", "in-process", "--policies", "fixed:2",
+                                      "--concurrency", "1", "2", "--requests-per-client", "1", "--prompts", "2",
+                                      "--max-new-tokens", "4", "--out", str(out)])
+    assert concurrency.main() == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["policy"], r["concurrency"]) for r in rows] == [("target-only", 1), ("target-only", 2),
+                                                               ("fixed:2", 1), ("fixed:2", 2)]
+    printed = capsys.readouterr().out
+    table = cells("\n".join(line for line in printed.splitlines() if line.startswith("|")))
+    for r in rows:
+        base = next(b["tokens_per_s"] for b in rows if b["policy"] == "target-only"
+                    and b["concurrency"] == r["concurrency"])
+        ratio = table[("in-process", r["policy"], str(r["concurrency"]))]["vs target-only"]
+        assert float(ratio.rstrip("x")) == pytest.approx(r["tokens_per_s"] / base, abs=0.006)
+    assert "greedy outputs identical across every mode and level: True" in printed  # target-only is the reference
