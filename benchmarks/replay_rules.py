@@ -17,7 +17,7 @@ label's probability (one draw per candidate, seeded), from the label sets' draws
 
 The rules read the scalar features (the cache keeps no full q): confidence stops after a candidate
 whose top-1 probability is below tau, svip once sqrt(0.15 H(q_i)) > tau, specdec++:h once the
-head's 1 - prod a_j > h; specdec++cost runs `SpecDecPPCost`'s own rate tests on the head's a_j.
+head's 1 - prod a_j > h; specdec++cost spends the step's budget (specdec/budget.py) for one session.
 
 `bound:lam` is no rule the loop could run: it sees the head's a_j of every candidate ahead before
 drafting any (along X) and drafts the k maximising E[tokens](k) - lam * cost(k), with E[tokens](k)
@@ -36,7 +36,7 @@ import torch
 
 from specdec.cost_profile import DEFAULT_PROFILE, CostProfile
 from specdec.head import load_head
-from specdec.policies.specdec_pp_cost import SpecDecPPCost
+from specdec.budget import replay_round
 from specdec.policies.svip import SVIP
 
 HEAD = Path(__file__).resolve().parents[1] / "specdec" / "heads" / "default-pair"
@@ -72,8 +72,7 @@ def rules(head, profile: CostProfile) -> dict[str, Rule]:
             lambda j, i: math.sqrt(SVIP.DEFAULT_GAMMA * max(0.0, float(sc[j, ENTROPY]))) > tau)(t, n)
     for h in (0.3, 0.5, 0.7, 0.9):
         out[f"specdec++:{h}"] = lambda acc, sc, t, n, h=h: specdec_pp(acc, t, n, h)
-    cost = SpecDecPPCost(head, profile, max_candidates=MAX_K)  # only its rate tests are used
-    out["specdec++cost"] = lambda acc, sc, t, n: specdec_pp_cost(cost, acc, t, n)
+    out["specdec++cost"] = lambda acc, sc, t, n: specdec_pp_cost(profile, acc, t, n)
     costs = [k * profile.t_draft_ms + profile.t_target(k) for k in range(MAX_K + 1)]
     for lam in (0.003, 0.004, 0.005, 0.006, 0.008):
         out[f"bound:{lam}"] = lambda acc, sc, t, n, lam=lam: lookahead_bound(acc, t, n, lam, costs)
@@ -89,16 +88,9 @@ def specdec_pp(acc: torch.Tensor, t: int, n: int, h: float) -> tuple[int, int]:
     return last, last
 
 
-def specdec_pp_cost(policy: SpecDecPPCost, acc: torch.Tensor, t: int, n: int) -> tuple[int, int]:
-    judged: list[float] = []
-    for i in range(1, min(MAX_K, n - t) + 1):
-        blind = judged + [float(acc[t + i - 1, i - 1])]
-        if policy.keep_rate(blind) <= policy.drop_rate(blind):
-            return i - 1, i  # DROP_LAST
-        judged = blind
-        if policy.next_rate(judged) <= policy.keep_rate(judged):
-            break
-    return len(judged), len(judged)
+def specdec_pp_cost(profile: CostProfile, acc: torch.Tensor, t: int, n: int) -> tuple[int, int]:
+    limit = min(MAX_K, n - t)
+    return replay_round(profile, [float(acc[t + i, i]) for i in range(limit)], limit)
 
 
 def lookahead_bound(acc: torch.Tensor, t: int, n: int, lam: float, costs: list[float]) -> tuple[int, int]:

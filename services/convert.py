@@ -17,6 +17,8 @@ import torch
 from google.protobuf import json_format
 from pydantic import ValidationError
 
+from specdec.budget import StepPlan
+from specdec.cost_profile import CostProfile, PassTiming
 from specdec.errors import InvalidRequestError
 from specdec.metrics import RequestStats
 from specdec.params import GenerationParams, build_params, validation_message
@@ -93,7 +95,7 @@ def propose_item_to_proto(item: ProposeItem) -> draft_pb2.ProposeRequest:
     return draft_pb2.ProposeRequest(
         session_id=item.session_id, history=delta_to_proto(item.history), policy=policy_to_proto(item.policy),
         sampling=sampling_to_proto(item.sampling), max_candidates=item.max_candidates,
-        num_generated=item.num_generated, seed=seed_to_proto(item.seed),
+        num_generated=item.num_generated, seed=seed_to_proto(item.seed), probe=item.probe,
         rounds=[draft_pb2.RoundOutcome(num_candidates=k, num_accepted=n) for k, n in item.rounds])
 
 
@@ -103,7 +105,36 @@ def propose_item_from_proto(msg: draft_pb2.ProposeRequest) -> ProposeItem:
         session_id=msg.session_id, history=delta_from_proto(msg.history), policy=policy_from_proto(msg.policy),
         sampling=sampling_from_proto(msg.sampling), max_candidates=msg.max_candidates,
         num_generated=msg.num_generated, rounds=[(r.num_candidates, r.num_accepted) for r in msg.rounds],
-        seed=seed_from_proto(msg.seed))
+        seed=seed_from_proto(msg.seed), probe=msg.probe)
+
+
+def plan_to_proto(plan: StepPlan, items: list) -> draft_pb2.ProposeBatch:
+    costs = plan.costs
+    return draft_pb2.ProposeBatch(items=items, other_sessions=plan.other_sessions, costs=None if costs is None else
+                                  common_pb2.CostProfile(t_draft_ms=costs.t_draft_ms, t_target_ms=costs.t_target_ms,
+                                                         t_draft_rows_ms=costs.t_draft_rows_ms, source=costs.source))
+
+
+def plan_from_proto(msg: draft_pb2.ProposeBatch) -> StepPlan:
+    """Raises InvalidRequestError with a one-line reason (a malformed profile fails the whole call)."""
+    if msg.other_sessions < 0:
+        raise InvalidRequestError(f"other-sessions must be at least 0, got {msg.other_sessions}")
+    if not msg.HasField("costs"):
+        return StepPlan(None, msg.other_sessions)
+    try:
+        costs = CostProfile(t_draft_ms=msg.costs.t_draft_ms, t_target_ms=dict(msg.costs.t_target_ms),
+                            t_draft_rows_ms=dict(msg.costs.t_draft_rows_ms), source=msg.costs.source)
+    except ValidationError as exc:
+        raise InvalidRequestError(f"bad cost profile: {validation_message(exc)}") from None
+    return StepPlan(costs, msg.other_sessions)
+
+
+def timings_to_proto(timings: list[PassTiming]) -> list[common_pb2.PassTiming]:
+    return [common_pb2.PassTiming(role=t.role, tokens=t.tokens, ms=t.ms, probe=t.probe) for t in timings]
+
+
+def timings_from_proto(messages) -> list[PassTiming]:
+    return [PassTiming(m.role, m.tokens, m.ms, m.probe) for m in messages]
 
 
 def proposal_to_proto(answer) -> draft_pb2.Proposal:
@@ -134,7 +165,7 @@ def verify_item_to_proto(item: VerifyItem) -> verifier_pb2.VerifyRequest:
         session_id=item.session_id, history=delta_to_proto(item.history), candidates=item.candidates,
         draft_probs=[q if isinstance(q, common_pb2.SparseDistribution) else dense_to_sparse(q)
                      for q in item.draft_probs],
-        sampling=sampling_to_proto(item.sampling), seed=seed_to_proto(item.seed))
+        sampling=sampling_to_proto(item.sampling), seed=seed_to_proto(item.seed), probe=item.probe)
 
 
 def verify_item_from_proto(msg: verifier_pb2.VerifyRequest, vocab_size: int) -> VerifyItem:
@@ -143,7 +174,7 @@ def verify_item_from_proto(msg: verifier_pb2.VerifyRequest, vocab_size: int) -> 
     return VerifyItem(
         session_id=msg.session_id, history=delta_from_proto(msg.history), candidates=list(msg.candidates),
         draft_probs=[] if sampling.greedy else [sparse_to_dense(q, vocab_size) for q in msg.draft_probs],
-        sampling=sampling, seed=seed_from_proto(msg.seed))
+        sampling=sampling, seed=seed_from_proto(msg.seed), probe=msg.probe)
 
 
 def verdict_to_proto(answer) -> verifier_pb2.Verdict:

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from specdec.errors import InvalidRequestError
 from specdec.loop import BatchConfig, RetryPolicy, RoundLoop, RoundObserver, RoundTransport
 from specdec.params import GenerationParams
-from specdec.policies import PolicyConfig, resolve_policy
+from specdec.policies import PolicyConfig, policy_traits, resolve_policy
 from specdec.sequences import RequestRules
 from specdec.v1 import generation_pb2
 from services.convert import params_from_request, prompt_ids_from_request, stats_to_proto
@@ -46,9 +46,9 @@ class Coordinator:
         params = params_from_request(request, self.default_policy)
         policy = resolve_policy(params.policy, self.rules.has_head)
         params = params.model_copy(update={"policy": policy})
-        if params.policy.name == "oracle":
-            raise InvalidRequestError("policy 'oracle' needs the target's continuation in advance and runs in "
-                                      "process only (specdec generate, benchmarks/)")
+        if not policy_traits(params.policy.name).servable:
+            raise InvalidRequestError(f"policy {params.policy.name!r} needs the target's continuation in advance and "
+                                      "runs in process only (specdec generate, benchmarks/)")
         if params.policy.k is not None and params.policy.k > MAX_CANDIDATES_PER_ROUND:
             raise InvalidRequestError(f"k must be at most {MAX_CANDIDATES_PER_ROUND} on this server, got {params.policy.k}")
         if params.max_new_tokens > self.rules.max_context:

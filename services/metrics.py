@@ -3,8 +3,10 @@
 Named after vLLM's speculative-decoding counters (`vllm:spec_decode_num_drafts`, ...): drafts,
 draft tokens, accepted tokens, accepted tokens per position. Ours next to them: target passes,
 generated and discarded tokens (verification rate = target passes / generated tokens, discard
-rate = discarded / generated, as PromQL ratios of counters), K per round, and the time a round
-call spends in the draft, the target and transport.
+rate = discarded / generated, as PromQL ratios of counters), K per round, the time a round
+call spends in the draft, the target and transport, and the live cost profile the verification
+budget plans with (specdec/budget.py): a drafting step by sessions, a target pass by tokens, and
+whether drafting pays at all.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import httpx
 import ray
 from ray.serve import metrics
 
+from specdec.cost_profile import CostProfile
 from specdec.metrics import RequestStats
 
 PREFIX = "specdec:"
@@ -42,6 +45,11 @@ class RayRoundMetrics:
                                          boundaries=MS_BUCKETS, tag_keys=("role", "part"))
         self.call_bytes = metrics.Counter(PREFIX + "round_call_bytes", description="Round request + reply bytes",
                                           tag_keys=("role",))
+        self.cost_ms = metrics.Gauge(PREFIX + "cost_profile_ms", description="Live cost profile: a drafting step by "
+                                     "sessions, a target pass by tokens (ms)", tag_keys=("role", "tokens"))
+        self.drafting = metrics.Gauge(PREFIX + "drafting_pays", description="1 while some allocation of candidates "
+                                      "beats plain decoding at the measured costs, else 0 (the draft is off)")
+        self._profile: CostProfile | None = None
 
     def on_round(self, num_candidates: int, num_accepted: int, policy: str) -> None:
         tags = {"policy": policy}
@@ -62,6 +70,15 @@ class RayRoundMetrics:
         self.call_ms.observe(transport_ms, {"role": role, "part": "transport"})
         if num_bytes:
             self.call_bytes.inc(num_bytes, {"role": role})
+
+    def on_costs(self, profile: CostProfile, drafting: bool) -> None:
+        self.drafting.set(1.0 if drafting else 0.0)
+        if profile is self._profile:  # a snapshot is rebuilt only when a timing came in
+            return
+        self._profile = profile
+        for role, curve in (("draft", profile.t_draft_rows_ms or {1: profile.t_draft_ms}), ("verifier", profile.t_target_ms)):
+            for tokens, ms in curve.items():
+                self.cost_ms.set(ms, {"role": role, "tokens": str(tokens)})
 
     def on_request(self, stats: RequestStats, policy: str, ok: bool) -> None:
         self.requests.inc(1, {"policy": policy, "outcome": "ok" if ok else "error"})

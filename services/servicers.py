@@ -16,8 +16,8 @@ from concurrent.futures import Executor
 from specdec.metrics import MS_PER_S
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specdec.workers import DraftWorker, VerifierWorker
-from services.convert import (convert_items, merge_answers, propose_item_from_proto, proposal_to_proto,
-                              verdict_to_proto, verify_item_from_proto)
+from services.convert import (convert_items, merge_answers, plan_from_proto, propose_item_from_proto,
+                              proposal_to_proto, timings_to_proto, verdict_to_proto, verify_item_from_proto)
 from services.errors import grpc_status
 
 
@@ -52,8 +52,10 @@ class DraftServicer(RoundServicer, draft_pb2_grpc.DraftServicer):
     worker: DraftWorker
 
     def Propose(self, request: draft_pb2.ProposeBatch, context) -> draft_pb2.ProposalBatch:
-        answers, ms = self._serve(request.items, propose_item_from_proto, self.worker.propose, context)
-        return draft_pb2.ProposalBatch(proposals=[proposal_to_proto(a) for a in answers], draft_ms=ms)
+        answers, ms = self._serve(request.items, propose_item_from_proto,
+                                  lambda items: self.worker.propose(items, plan_from_proto(request)), context)
+        return draft_pb2.ProposalBatch(proposals=[proposal_to_proto(a) for a in answers], draft_ms=ms,
+                                       passes=timings_to_proto(self.worker.take_timings()))
 
 
 class VerifierServicer(RoundServicer, verifier_pb2_grpc.VerifierServicer):
@@ -63,4 +65,5 @@ class VerifierServicer(RoundServicer, verifier_pb2_grpc.VerifierServicer):
         vocab = self.worker.target.vocab_size
         answers, ms = self._serve(request.items, lambda msg: verify_item_from_proto(msg, vocab), self.worker.verify,
                                   context)
-        return verifier_pb2.VerdictBatch(verdicts=[verdict_to_proto(a) for a in answers], target_ms=ms)
+        return verifier_pb2.VerdictBatch(verdicts=[verdict_to_proto(a) for a in answers], target_ms=ms,
+                                         passes=timings_to_proto(self.worker.take_timings()))

@@ -20,17 +20,20 @@ import asyncio
 import contextvars
 import logging
 import time
+from dataclasses import replace
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 from google.protobuf.message import Message
 
+from specdec.budget import StepPlan
 from specdec.metrics import MS_PER_S
 from specdec.protocol import BatchReply, CallTiming, Failed, ProposeItem, Role, Unreachable, VerifyItem
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from services.auth import call_metadata
-from services.convert import proposal_from_proto, propose_item_to_proto, verdict_from_proto, verify_item_to_proto
+from services.convert import (plan_to_proto, proposal_from_proto, propose_item_to_proto, timings_from_proto,
+                              verdict_from_proto, verify_item_to_proto)
 from services.errors import from_grpc
 from services.server import MAX_ROUND_MESSAGE_BYTES
 
@@ -65,9 +68,11 @@ class GrpcTransport:
     # ----------------------------------------------------------------------------------------
     # The calls
 
-    async def propose(self, items: list[ProposeItem]) -> BatchReply:
+    async def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan()) -> BatchReply:
         return await self._batched(
-            "draft", items, lambda group: draft_pb2.ProposeBatch(items=[propose_item_to_proto(i) for i in group]),
+            "draft", items, lambda group: plan_to_proto(  # the other replicas' sessions share the step too
+                replace(plan, other_sessions=plan.other_sessions + len(items) - len(group)),
+                [propose_item_to_proto(i) for i in group]),
             lambda reply: ([proposal_from_proto(p) for p in reply.proposals], reply.draft_ms))
 
     async def verify(self, items: list[VerifyItem]) -> BatchReply:
@@ -96,7 +101,7 @@ class GrpcTransport:
         groups: dict[str | None, list[int]] = {}
         for i, owner in enumerate(await asyncio.gather(*(self._owner_or_none(role, it.session_id) for it in items))):
             groups.setdefault(owner, []).append(i)
-        calls = []
+        calls, passes = [], []
 
         async def call(owner: str | None, indices: list[int]) -> None:
             group = [items[i] for i in indices]
@@ -125,10 +130,11 @@ class GrpcTransport:
             wall_s = time.perf_counter() - start
             for i, answer in zip(indices, group_answers):
                 answers[i] = answer
+            passes.extend(timings_from_proto(reply.passes))
             calls.append(CallTiming(indices, compute_ms / MS_PER_S, wall_s, request.ByteSize() + reply.ByteSize()))
 
         await asyncio.gather(*(call(owner, indices) for owner, indices in groups.items()))
-        return BatchReply(answers, calls)
+        return BatchReply(answers, calls, passes)
 
     # ----------------------------------------------------------------------------------------
     # Replicas

@@ -1,22 +1,27 @@
-"""Measured forward costs for cost-aware stopping (`specdec++cost`, DESIGN.md §5).
+"""Forward costs for the cost-aware rule and the batch's verification budget (`specdec++cost`,
+specdec/budget.py, DESIGN.md §5).
 
-A profile holds t_draft, the time of one drafting step, and the time of one target pass by the
-number of tokens it feeds, measured with a warm cache (`specdec/bench/forward.py`, `specdec bench`'s
-`forward_times`). A verification pass over k candidates feeds k + 1 tokens, so
+A profile holds the time of a drafting step by the sessions (rows) it advances, and the time of a
+target pass by the tokens it feeds. A verification pass over k candidates feeds k + 1 tokens, so for
+one session
 
     t_target(k) = pass(k + 1)      (k = 0: plain decoding, one token)
 
-with `pass` linearly interpolated between the measured token counts and extended past the ends
-along the nearest segment's slope (a single point: flat).
+with `pass` (and the drafting step's curve) linearly interpolated between the measured points and
+extended past the ends along the nearest segment's slope (a single point: flat).
 
-Where a profile comes from, first found wins: the file named by the environment variable
-`SPECDEC_COST_PROFILE` (a profile JSON as below, or a bench `results.json`: its `cost_profile`, the
-costs measured in the loop itself (`specdec/bench/costmodel.py`, `fit_round_costs`), else its
-`forward_times`, converted), the `cost_profile` of the head's head.json, else the default profile
-of the runtime the draft runs on (`DEFAULT_PROFILES`: the default pair measured on the project's
-2-core CPU; another machine or pair should measure its own with `specdec bench`).
+Where the loop's profile comes from (specdec/loop.py): measured where it runs (`LiveCosts`, below:
+every drafting step and verification pass is timed, seeded by a short probe when the workers start),
+unless a profile is given by hand: the file named by the environment variable `SPECDEC_COST_PROFILE`
+(a profile JSON as below, or a bench `results.json`: its `cost_profile`, the costs measured in the
+loop itself (`specdec/bench/costmodel.py`, `fit_round_costs`), else its `forward_times`,
+converted). Before anything is measured (a served draft replica's first round) the draft plans with
+the `cost_profile` of the head's head.json, else the default profile of its runtime
+(`DEFAULT_PROFILES`: the default pair measured once on the project's 2-core Intel CPU).
 
     {"t_draft_ms": 22, "t_target_ms": {"1": 35, "2": 65, "4": 110, "8": 237, "16": 305}}
+    (optional: "t_draft_rows_ms": {"1": 22, "8": 60}, a drafting step by the sessions in it; without
+    it a step costs t_draft_ms per session)
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -37,41 +46,38 @@ PROFILE_ENV = "SPECDEC_COST_PROFILE"
 class CostProfile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    t_draft_ms: float = Field(ge=0.0, description="one drafting step (one token through the draft)")
+    t_draft_ms: float = Field(ge=0.0, description="one drafting step of one session (one token through the draft)")
     t_target_ms: dict[int, float] = Field(min_length=1, description="one target pass, by tokens it feeds")
+    # A drafting step by the sessions it advances (one token each); empty: t_draft_ms per session.
+    t_draft_rows_ms: dict[int, float] = Field(default_factory=dict)
     source: str = ""  # where it was measured (free text)
 
-    @field_validator("t_target_ms")
+    @field_validator("t_target_ms", "t_draft_rows_ms")
     @classmethod
     def _curve(cls, curve: dict[int, float]) -> dict[int, float]:
         if any(k < 1 for k in curve) or any(not (math.isfinite(t) and t > 0) for t in curve.values()):
-            raise ValueError("t_target_ms maps token counts >= 1 to positive times")
+            raise ValueError("a cost curve maps token counts >= 1 to positive times")
         return dict(sorted(curve.items()))
 
     def pass_ms(self, tokens: float) -> float:
         """Time of one target pass over `tokens` tokens (interpolated; module docstring)."""
-        points = list(self.t_target_ms.items())
-        if len(points) == 1:
-            return points[0][1]
-        for (k0, t0), (k1, t1) in zip(points, points[1:]):
-            if tokens <= k1:
-                break  # else the loop ends on the last segment: extrapolated
-        return t0 + (t1 - t0) * (tokens - k0) / (k1 - k0)
+        return interpolate(self.t_target_ms, tokens)
+
+    def draft_ms(self, rows: float) -> float:
+        """Time of one drafting step advancing `rows` sessions (0: none, no pass). Without a measured
+        curve, t_draft_ms per session: on a CPU a pass grows with its rows, and the overestimate errs
+        towards plain decoding."""
+        if rows <= 0:
+            return 0.0
+        return interpolate(self.t_draft_rows_ms, rows) if self.t_draft_rows_ms else self.t_draft_ms * rows
 
     def t_target(self, candidates: int) -> float:
         """ms of the verification pass over `candidates` candidates (k + 1 tokens)."""
         return self.pass_ms(candidates + 1)
 
-    def round_ms(self, candidates: int, draft_steps: int | None = None) -> float:
-        """T(k) = k * t_draft + t_target(k); `draft_steps` when they differ from k (a dropped candidate)."""
-        steps = candidates if draft_steps is None else draft_steps
-        return steps * self.t_draft_ms + self.t_target(candidates)
-
-    def can_pay(self, max_candidates: int) -> bool:
-        """False when no round of 1..max_candidates candidates beats plain decoding even if every
-        candidate were accepted: (k + 1) / T(k) <= 1 / T(0) for all k. Then drafting never pays."""
-        plain = 1.0 / self.round_ms(0)
-        return any((k + 1) / self.round_ms(k) > plain for k in range(1, max_candidates + 1))
+    def to_json(self) -> dict:
+        """As the profile JSON of the module docstring (what `load` reads back)."""
+        return self.model_dump(mode="json")
 
     @classmethod
     def from_forward_times(cls, forward_times: dict, source: str = "") -> CostProfile:
@@ -116,11 +122,29 @@ LLAMACPP_PROFILE = CostProfile(t_draft_ms=35.0, t_target_ms={1: 68.0, 2: 100.0, 
 DEFAULT_PROFILES = {"torch": DEFAULT_PROFILE, "llamacpp": LLAMACPP_PROFILE}
 
 
-def resolve_profile(head_profile: CostProfile | None, runtime: str = "torch") -> CostProfile:
-    """The environment's file, else the head's profile, else the runtime's default (module docstring)."""
+def interpolate(curve: dict[int, float], x: float) -> float:
+    """A measured curve at x: linear between its points, along the nearest segment past its ends."""
+    points = list(curve.items())
+    if len(points) == 1:
+        return points[0][1]
+    for (k0, t0), (k1, t1) in zip(points, points[1:]):
+        if x <= k1:
+            break  # else the loop ends on the last segment: extrapolated
+    return max(t0 + (t1 - t0) * (x - k0) / (k1 - k0), 0.0)
+
+
+def given_profile() -> CostProfile | None:
+    """The profile given by hand (`SPECDEC_COST_PROFILE`), which overrides the measured one."""
     path = os.environ.get(PROFILE_ENV)
-    if path:
-        return _load_cached(path, _mtime(path))
+    return _load_cached(path, _mtime(path)) if path else None
+
+
+def resolve_profile(head_profile: CostProfile | None, runtime: str = "torch") -> CostProfile:
+    """Before anything is measured: the environment's file, else the head's profile, else the
+    runtime's default (module docstring)."""
+    given = given_profile()
+    if given is not None:
+        return given
     return head_profile if head_profile is not None else DEFAULT_PROFILES.get(runtime, DEFAULT_PROFILE)
 
 
@@ -140,3 +164,100 @@ def _load_cached(path: str, mtime: float) -> CostProfile:
     if key not in _CACHE:
         _CACHE[key] = CostProfile.load(path)
     return _CACHE[key]
+
+
+# ----------------------------------------------------------------------------------------------
+# Measured where it runs
+
+PassRole = str  # "draft" (a drafting step, by the tokens it feeds: one per session) or "verifier"
+
+
+@dataclass(frozen=True)
+class PassTiming:
+    """One timed pass: a drafting step or a verification, host work around the forward included
+    (sampling, the head, Algorithm 1: what the loop pays for it)."""
+
+    role: PassRole
+    tokens: int  # tokens fed: the sessions of a drafting step (more when the draft catches up), a pass's tokens
+    ms: float
+    probe: bool = False  # a scratch pass timed by a worker's probe (workers.py), not a round's
+
+
+def bucket(tokens: int) -> int:
+    """Token counts timed together: exact up to 32, then two significant bits (32, 48, 64, 96, ...)."""
+    if tokens <= 32:
+        return tokens
+    step = 1 << (tokens.bit_length() - 2)
+    return tokens // step * step
+
+
+class LiveCosts:
+    """The live profile. Each role's pass times are kept by token bucket, with the role's speed
+    factored out: a bucket holds its last WINDOW timings divided by the role's `level` when each
+    came in, and counts at level x the median of them (an outlier moves nothing). Every timing of a
+    bucket that has a value is also compared with it; once the median of the last LEVEL_WINDOW such
+    ratios is off by more than LEVEL_BAND, the level moves by that median and the comparisons start
+    over. So a change of the machine's speed (a busy host, another thread count) moves the whole
+    curve within LEVEL_WINDOW passes of any size, sizes not being timed included, and a change of
+    one size alone moves its bucket within WINDOW // 2 + 1 of its passes.
+
+    A bucket counts once it holds MIN_SAMPLES timings, or at once when a probe measured it (each
+    worker's short probe when it starts, and the loop's rare probes while the draft is off:
+    workers.py, loop.py); a probe's timing replaces what its bucket held. `profile()` is None until
+    both roles have a bucket: the draft then plans with its prior. While the draft is off, the
+    target is timed at plain decoding's size every step, the draft and a pass one token longer only
+    by the probes."""
+
+    WINDOW = 9
+    MIN_SAMPLES = 3
+    LEVEL_WINDOW = 5
+    LEVEL_BAND = 0.15
+
+    def __init__(self):
+        self._times: dict[PassRole, dict[int, deque[tuple[int, float]]]] = {"draft": {}, "verifier": {}}
+        self._level: dict[PassRole, float] = {"draft": 1.0, "verifier": 1.0}
+        self._ratios: dict[PassRole, deque[float]] = {role: deque(maxlen=self.LEVEL_WINDOW) for role in self._times}
+        self._seeded: set[tuple[PassRole, int]] = set()
+        self._snapshot: CostProfile | None = None
+        self._dirty = False
+        self.observed = 0  # timings folded in
+
+    def observe(self, timings: Iterable[PassTiming]) -> None:
+        for t in timings:
+            if t.tokens < 1 or not (math.isfinite(t.ms) and t.ms > 0) or t.role not in self._times:
+                continue
+            key, level = bucket(t.tokens), self._level[t.role]
+            window = self._times[t.role].setdefault(key, deque(maxlen=self.WINDOW))
+            if window:
+                self._track_level(t.role, t.ms / (level * statistics.median(ms for _, ms in window)))
+            if t.probe:  # a deliberate fresh measurement of a size the rounds may not be timing
+                window.clear()
+                self._seeded.add((t.role, key))
+            window.append((t.tokens, t.ms / self._level[t.role]))
+            self.observed += 1
+            self._dirty = True
+
+    def _track_level(self, role: PassRole, ratio: float) -> None:
+        ratios = self._ratios[role]
+        ratios.append(ratio)
+        shift = statistics.median(ratios)
+        if len(ratios) == ratios.maxlen and abs(shift - 1.0) > self.LEVEL_BAND:
+            self._level[role] *= shift
+            ratios.clear()
+
+    def curve(self, role: PassRole) -> dict[int, float]:
+        """tokens -> ms: each counted bucket's median tokens and level x median time."""
+        curve, level = {}, self._level[role]
+        for key, window in self._times[role].items():
+            if len(window) >= self.MIN_SAMPLES or (role, key) in self._seeded:
+                curve[round(statistics.median(n for n, _ in window))] = level * statistics.median(ms for _, ms in window)
+        return dict(sorted(curve.items()))
+
+    def profile(self) -> CostProfile | None:
+        if self._dirty or self._snapshot is None:
+            draft, target = self.curve("draft"), self.curve("verifier")
+            self._snapshot = None if not (draft and target) else CostProfile(
+                t_draft_ms=interpolate(draft, 1), t_draft_rows_ms=draft, t_target_ms=target,
+                source=f"measured in the loop ({self.observed} passes)")
+            self._dirty = False
+        return self._snapshot

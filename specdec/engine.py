@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from specdec.cost_profile import CostProfile
 from specdec.errors import IncompatibleModelsError
 from specdec.head import AcceptanceHead
 from specdec.loop import BatchConfig, Completion, GenerationResult, LocalTransport, RoundLoop, UpdateCallback
@@ -45,6 +46,14 @@ class SpecDecEngine:
         self.max_context = self.rules.max_context
         self.draft_worker, self.verifier_worker = DraftWorker(draft, head), VerifierWorker(target)
         self.loop = RoundLoop(LocalTransport(self.draft_worker, self.verifier_worker), self.rules, batch)
+        # Costs measured here: a short probe of both models seeds the loop's live profile.
+        for worker in (self.draft_worker, self.verifier_worker):
+            worker.probe()
+            self.loop.costs.observe(worker.take_timings())
+
+    def cost_profile(self) -> CostProfile | None:
+        """The costs the default policy plans with now (measured here unless given by hand)."""
+        return self.loop.cost_profile()
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

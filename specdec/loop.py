@@ -2,10 +2,21 @@
 
     while sessions:
         admit(waiting)                        # requests join between steps; their prefill joins this step
-        proposals = propose(batch)            # one batched call: draft steps, each session stops on its own policy
+        plan = budget(batch, live_costs)      # does drafting pay at all this step? (else K = 0 for all)
+        proposals = propose(batch, plan)      # one batched call: draft steps; the step's budget decides who drafts on
         verdicts = verify(batch, proposals)   # one batched call: a ragged target pass, rollback per session
         for s in batch:
             commit(s); decide(s)              # history, stream, stop conditions; finished sessions leave
+
+The costs are measured where the loop runs: every drafting step and verification is timed on its
+replica (workers.py) and the timings come back with the replies into the loop's live profile
+(cost_profile.py `LiveCosts`, seeded by the workers' start-up probe); the profile travels with
+each Propose, so the draft replica that makes the stop decisions plans with what the loop measured
+on every replica (a profile given by hand, SPECDEC_COST_PROFILE, overrides it). When no allocation
+of candidates beats plain decoding the budgeted sessions skip the draft altogether, and once every
+`probe_interval` such steps one of them carries a probe: the draft times a scratch pass of the
+step's size and the verifier one a token longer, the costs that are otherwise not measured while the
+draft is off (the probes take PROBE_SHARE of the time, budget.py).
 
 A `RoundTransport` carries the two calls: the in-process workers (`LocalTransport`, below), gRPC
 stubs or Ray Serve handles (services/); the loop does not know which. The loop's history is the
@@ -29,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
 import uuid
@@ -40,10 +52,12 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from specdec.budget import MAX_CANDIDATES, PROBE_SHARE, StepPlan, drafting_pays
+from specdec.cost_profile import CostProfile, LiveCosts, given_profile
 from specdec.errors import InvalidRequestError, Unavailable
 from specdec.metrics import MS_PER_S, RequestStats
 from specdec.params import FINISH_LENGTH, GenerationParams, validation_message
-from specdec.policies import resolve_policy
+from specdec.policies import PolicyTraits, policy_traits, resolve_policy
 from specdec.protocol import (ROLES, BatchReply, CallTiming, Failed, ProposeItem, ProposeReply, Refused, Role,
                               RoundSeed, SessionMissing, Unreachable, VerifyItem, VerifyReply, delta_for)
 from specdec.rounds import SEED_BITS, Proposal
@@ -111,7 +125,7 @@ class RoundTransport(Protocol):
     A replica that is gone makes its items `Unreachable` (the loop retries them), a call that
     failed otherwise makes them `Failed`; anything raised fails every session of the call."""
 
-    async def propose(self, items: list[ProposeItem]) -> ProposeReply: ...
+    async def propose(self, items: list[ProposeItem], plan: StepPlan) -> ProposeReply: ...
 
     async def verify(self, items: list[VerifyItem]) -> VerifyReply: ...
 
@@ -126,6 +140,8 @@ class RoundObserver(Protocol):
     def on_call(self, role: Role, compute_ms: float, transport_ms: float, num_bytes: int) -> None: ...
 
     def on_request(self, stats: RequestStats, policy: str, ok: bool) -> None: ...
+
+    def on_costs(self, profile: CostProfile, drafting: bool) -> None: ...
 
 
 @dataclass
@@ -168,8 +184,8 @@ class Sequence:
     error: BaseException | None = None
 
     @property
-    def uses_draft(self) -> bool:
-        return self.request.params.policy.name != "target-only"
+    def traits(self) -> PolicyTraits:
+        return policy_traits(self.request.params.policy.name)
 
     @property
     def over(self) -> bool:
@@ -179,9 +195,14 @@ class Sequence:
 
 class RoundLoop:
     def __init__(self, transport: RoundTransport, rules: RequestRules, batch: BatchConfig = BatchConfig(),
-                 observer: RoundObserver | None = None, retry: RetryPolicy = RetryPolicy()):
+                 observer: RoundObserver | None = None, retry: RetryPolicy = RetryPolicy(),
+                 costs: LiveCosts | None = None, probe_share: float = PROBE_SHARE):
         self.transport, self.rules, self.batch = transport, rules, batch
         self.observer, self.retry = observer, retry
+        self.costs = costs if costs is not None else LiveCosts()
+        self.probe_share = probe_share
+        self.drafting = True  # the last step's answer to "does drafting pay at all" (budget.py)
+        self._off_steps = 0  # steps since the draft last ran or probed while it is off
         self._lanes: list[list[Sequence]] = [[] for _ in range(batch.lanes)]
         self._tasks: list[asyncio.Task | None] = [None] * batch.lanes
         self._releasing: dict[asyncio.Task, list[Sequence]] = {}  # retired sequences' releases, off the step path
@@ -272,15 +293,40 @@ class RoundLoop:
             running.clear()
             raise
 
+    def cost_profile(self) -> CostProfile | None:
+        """What the step's budget plans with: a profile given by hand, else the live one (None until
+        both roles are measured)."""
+        return given_profile() or self.costs.profile()
+
+    def _budget(self, batch: list[Sequence]) -> tuple[list[Sequence], Sequence | None, StepPlan]:
+        """The sessions that call the draft this step, the one that probes it (None: no probe) and the
+        plan they carry: budgeted sessions skip the draft while no allocation beats plain decoding."""
+        drafting = [s for s in batch if s.traits.uses_draft]
+        profile, probe = self.cost_profile(), None
+        budgeted = [s for s in drafting if s.traits.budgeted]
+        if profile is not None and budgeted:
+            cap = max(s.request.params.policy.k or MAX_CANDIDATES for s in budgeted)
+            self.drafting = drafting_pays(profile, len(batch), cap)
+            if self.observer:
+                self.observer.on_costs(profile, self.drafting)
+        if not self.drafting and budgeted:
+            drafting = [s for s in drafting if not s.traits.budgeted]
+            self._off_steps += 1
+            if self._off_steps >= probe_interval(profile, len(batch), self.probe_share):
+                self._off_steps, probe = 0, budgeted[0]
+                drafting.append(probe)
+        return drafting, probe, StepPlan(profile, other_sessions=len(batch) - len(drafting))
+
     async def _step(self, batch: list[Sequence]) -> None:
         # propose
-        drafting = [s for s in batch if s.uses_draft]
-        proposals = await self._call("draft", drafting, self._propose_item, self.transport.propose)
+        drafting, probe, plan = self._budget(batch)
+        proposals = await self._call("draft", drafting, partial(self._propose_item, probe=probe),
+                                     lambda items: self.transport.propose(items, plan))
         for s in proposals:
             s.unsent = 0
         # verify
-        verifying = [s for s in batch if not s.over and (s in proposals or not s.uses_draft)]
-        verdicts = await self._call("verifier", verifying, partial(self._verify_item, proposals=proposals),
+        verifying = [s for s in batch if not s.over and (s in proposals or s not in drafting)]
+        verdicts = await self._call("verifier", verifying, partial(self._verify_item, proposals=proposals, probe=probe),
                                     self.transport.verify)
         # commit, decide
         for s, verdict in verdicts.items():
@@ -291,20 +337,20 @@ class RoundLoop:
                     logger.exception("commit failed for session %s", s.session_id)
                     self._fail(s, exc)
 
-    def _propose_item(self, s: Sequence, full: bool) -> ProposeItem:
+    def _propose_item(self, s: Sequence, full: bool, probe: Sequence | None = None) -> ProposeItem:
         history, params = s.sample.history, s.request.params
         return ProposeItem(
             session_id=s.session_id, history=delta_for(history, None if full else s.synced["draft"]),
             policy=params.policy, sampling=params.sampling, max_candidates=self.rules.candidate_budget(s.sample, params),
             num_generated=len(s.sample.generated), rounds=list(s.outcomes if full else s.outcomes[len(s.outcomes) - s.unsent:]),
-            seed=RoundSeed(s.request.seed, s.index, s.round_index), reference=s.request.reference)
+            seed=RoundSeed(s.request.seed, s.index, s.round_index), reference=s.request.reference, probe=s is probe)
 
-    def _verify_item(self, s: Sequence, full: bool, proposals: dict) -> VerifyItem:
+    def _verify_item(self, s: Sequence, full: bool, proposals: dict, probe: Sequence | None = None) -> VerifyItem:
         proposal = proposals.get(s, NO_PROPOSAL)
         return VerifyItem(
             session_id=s.session_id, history=delta_for(s.sample.history, None if full else s.synced["verifier"]),
             candidates=proposal.candidates, draft_probs=proposal.draft_probs, sampling=s.request.params.sampling,
-            seed=RoundSeed(s.request.seed, s.index, s.round_index))
+            seed=RoundSeed(s.request.seed, s.index, s.round_index), probe=s is probe)
 
     async def _call(self, role: Role, sequences: list[Sequence], build: Callable[[Sequence, bool], object],
                     send: Callable[[list], object]) -> dict[Sequence, object]:
@@ -326,6 +372,7 @@ class RoundLoop:
                     self._fail(s, exc)
                 return results
             self._record(role, pending, reply.calls)
+            self.costs.observe(reply.passes)
             again, lost = [], False
             for s, item, answer in zip(pending, items, reply.answers):
                 if s.over:
@@ -421,24 +468,33 @@ class RoundLoop:
                     s.done.set_result(None)
 
 
+def probe_interval(profile: CostProfile | None, sessions: int, share: float = PROBE_SHARE) -> int:
+    """Steps between probes while the draft is off: a probe (a draft pass of the step's size and a
+    target pass one token longer) costs `share` of the plain steps in between."""
+    if profile is None:
+        return 1
+    probe_ms = profile.draft_ms(sessions) + profile.pass_ms(sessions + 1)
+    return max(1, math.ceil(probe_ms / (share * profile.pass_ms(sessions))))
+
+
 class LocalTransport:
     """The in-process carrier: the workers called directly on this thread, nothing serialized."""
 
     def __init__(self, draft: DraftWorker, verifier: VerifierWorker):
         self.draft, self.verifier = draft, verifier
 
-    async def propose(self, items: list[ProposeItem]) -> ProposeReply:
-        return self._timed(self.draft.propose, items)
+    async def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan()) -> ProposeReply:
+        return self._timed(partial(self.draft.propose, plan=plan), items, self.draft)
 
     async def verify(self, items: list[VerifyItem]) -> VerifyReply:
-        return self._timed(self.verifier.verify, items)
+        return self._timed(self.verifier.verify, items, self.verifier)
 
     async def release(self, role: Role, session_ids: list[str]) -> None:
         (self.draft if role == "draft" else self.verifier).release(session_ids)
 
     @staticmethod
-    def _timed(call: Callable[[list], list], items: list) -> BatchReply:
+    def _timed(call: Callable[[list], list], items: list, worker: DraftWorker | VerifierWorker) -> BatchReply:
         start = time.perf_counter()
         answers = call(items)
         elapsed = time.perf_counter() - start
-        return BatchReply(answers, [CallTiming(list(range(len(items))), elapsed, elapsed)])
+        return BatchReply(answers, [CallTiming(list(range(len(items))), elapsed, elapsed)], worker.take_timings())

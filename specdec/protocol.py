@@ -22,6 +22,7 @@ from typing import Generic, Literal, TypeVar
 
 import torch
 
+from specdec.cost_profile import PassTiming
 from specdec.errors import InvalidRequestError
 from specdec.policies import PolicyConfig
 from specdec.rounds import Proposal, round_generator
@@ -102,6 +103,9 @@ class ProposeItem:
     rounds: list[tuple[int, int]]
     seed: RoundSeed
     reference: list[int] | None = None  # the oracle's hindsight (in process only; never on the wire)
+    # The loop keeps the draft off this step: draft nothing for it, but time one scratch pass of the
+    # step's size (the draft's costs are otherwise not measured while it is off).
+    probe: bool = False
 
 
 @dataclass
@@ -114,6 +118,9 @@ class VerifyItem:
     draft_probs: list[torch.Tensor]  # q_1..q_K [V] each when sampled; empty when greedy
     sampling: SamplingParams
     seed: RoundSeed
+    # The draft is off for the step: after the batch, time one scratch pass of the batch's tokens
+    # plus one (the pass a first candidate would make), else not measured while the draft is off.
+    probe: bool = False
 
 
 @dataclass(frozen=True)
@@ -161,6 +168,7 @@ class BatchReply(Generic[T]):
 
     answers: list  # [B]: T | SessionMissing | Refused | Unreachable | Failed
     calls: list[CallTiming] = field(default_factory=list)
+    passes: list[PassTiming] = field(default_factory=list)  # the replicas' timed passes (live costs)
 
 
 ProposeReply = BatchReply[Proposal]

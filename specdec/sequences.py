@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from specdec.errors import InvalidRequestError
 from specdec.params import FINISH_LENGTH, FINISH_STOP, GenerationParams
-from specdec.policies import validate_policy
+from specdec.policies import policy_traits, resolve_policy, validate_policy
 
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -77,8 +77,9 @@ class RequestRules:
     def validate(self, prompt_ids: Sequence[int], params: GenerationParams) -> None:
         """Reject a request before any model work."""
         validate_policy(params.policy, has_head=self.has_head)
-        if params.policy.name == "oracle" and not params.sampling.greedy:
-            raise InvalidRequestError("policy 'oracle' is defined for greedy decoding (temperature 0) only")
+        name = resolve_policy(params.policy, self.has_head).name
+        if policy_traits(name).greedy_only and not params.sampling.greedy:
+            raise InvalidRequestError(f"policy {name!r} is defined for greedy decoding (temperature 0) only")
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty")
         if len(prompt_ids) >= self.max_context:

@@ -5,18 +5,26 @@ and one batched call each. The in-process engine calls them directly; the gRPC s
 A session's entry (KV cache, the committed history it was synced to, and on the draft its stopping
 policy) is a cache of the caller's history: a delta the entry cannot take answers SessionMissing.
 A malformed item is Refused on its own; the other sessions of the batch are served.
+
+Every drafting step and verification is timed (specdec/cost_profile.py `PassTiming`); a worker keeps
+its timings, and those of the short probe it runs when it starts (`probe`), until the carrier of its
+next reply takes them (`take_timings`) for the caller's live profile.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from specdec.budget import StepPlan
+from specdec.cost_profile import DEFAULT_PROFILES, CostProfile, PassTiming, given_profile
 from specdec.errors import InvalidRequestError
 from specdec.head import AcceptanceHead
-from specdec.models.runtime import DraftRole, KVSession, TargetRole
+from specdec.metrics import MS_PER_S
+from specdec.models.runtime import DraftRole, KVSession, Runtime, TargetRole
 from specdec.policies import StoppingPolicy, make_policy, validate_policy
 from specdec.protocol import ProposeItem, Refused, SessionMissing, VerifyItem, history_from_delta
 from specdec.rounds import DraftRow, Proposal, TargetRow, propose, verify
@@ -69,29 +77,83 @@ def serve_batch(items: list, row_for: Callable, run: Callable[[list], list]) -> 
     return answers
 
 
+# The probe a worker runs when it starts: a scratch session's passes over this many tokens (after a
+# short untimed context). Measured on the default pair (llama.cpp, 2-core AMD EPYC): ~0.7 s in all.
+PROBE_TOKENS = {"draft": (1, 1, 2, 4), "verifier": (1, 1, 2, 4, 8)}
+PROBE_CONTEXT = 8  # tokens fed before the timed passes
+
+
+def probe_passes(runtime: Runtime, role: str, sizes: Sequence[int]) -> list[PassTiming]:
+    """Time one pass over each of `sizes` tokens on a scratch session (dropped after)."""
+    session = runtime.new_session()
+    history = [(7 + i) % runtime.vocab_size for i in range(PROBE_CONTEXT)]
+    feed = (lambda: runtime.start([session], [history])) if role == "draft" else (
+        lambda: runtime.score([session], [history], [[]]))
+    feed()
+    timings = []
+    for size in sizes:
+        if len(history) + size >= runtime.max_context:
+            break
+        history += [(len(history) * 31 + 7) % runtime.vocab_size for _ in range(size)]
+        start = time.perf_counter()
+        feed()
+        timings.append(PassTiming(role, size, (time.perf_counter() - start) * MS_PER_S, probe=True))
+    runtime.rollback(session, 0)
+    return timings
+
+
 class Worker:
-    """A role's sessions: `release` drops them (a session never seen is not an error)."""
+    """A role's sessions (`release` drops them; a session never seen is not an error) and the
+    timings of its passes not yet taken."""
 
     sessions: SessionStore
+    runtime: Runtime
+    role: str
+
+    def __init__(self):
+        self.timings: list[PassTiming] = []
 
     def release(self, session_ids: list[str]) -> list[bool]:
         return [self.sessions.pop(session_id) is not None for session_id in session_ids]
+
+    def probe(self, sizes: Sequence[int] | None = None) -> None:
+        """Time a few scratch passes (kept with the other timings)."""
+        self.timings += probe_passes(self.runtime, self.role, sizes or PROBE_TOKENS[self.role])
+
+    def take_timings(self) -> list[PassTiming]:
+        taken, self.timings = self.timings, []
+        return taken
 
 
 class DraftWorker(Worker):
     """The draft model (plus its acceptance head): drafts one round for every session of a batch."""
 
+    role = "draft"
+
     def __init__(self, draft: DraftRole, head: AcceptanceHead | None = None,
                  sessions: SessionStore[DraftSession] | None = None,
                  logits_filter: LogitsFilterFactory | None = None):
+        super().__init__()
         self.draft, self.head, self.logits_filter = draft, head, logits_filter
+        self.runtime = draft
         self.sessions: SessionStore[DraftSession] = sessions if sessions is not None else SessionStore()
+        # Plans with this until the caller sends measured costs: the head's profile, else the runtime's default.
+        head_profile = head.config.cost_profile if head is not None else None
+        self.prior: CostProfile = head_profile or DEFAULT_PROFILES.get(draft.kind, DEFAULT_PROFILES["torch"])
 
-    def propose(self, items: list[ProposeItem]) -> list[Proposal | SessionMissing | Refused]:
-        return serve_batch(items, self._row, lambda rows: propose(self.draft, rows))
+    def costs(self, plan: StepPlan) -> CostProfile:
+        """What the step's budget plans with: a profile given by hand, else the caller's measured
+        one, else the prior."""
+        return given_profile() or plan.costs or self.prior
+
+    def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan()) -> list[Proposal | SessionMissing | Refused]:
+        answers = serve_batch(items, self._row, lambda rows: propose(
+            self.draft, rows, self.costs(plan), plan.other_sessions, self.timings))
+        if any(item.probe for item in items):  # the draft is off for the step: time a pass of its size
+            self.probe((len(items) + plan.other_sessions,))
+        return answers
 
     def _row(self, item: ProposeItem) -> DraftRow | None:
-        validate_policy(item.policy, has_head=self.head is not None)
         entry = self.sessions.get(item.session_id)
         history = history_from_delta(entry.history if entry else None, item.history, self.draft.vocab_size)
         if history is None:
@@ -101,27 +163,34 @@ class DraftWorker(Worker):
                 f"max-candidates {item.max_candidates} after {len(history)} tokens exceeds the "
                 f"draft's context of {self.draft.max_context}")
         if item.history.full:  # rebuild: keep the cache (it re-syncs by common prefix), reset the policy
-            policy = make_policy(item.policy, head=self.head, reference=item.reference, runtime=self.draft.kind)
+            validate_policy(item.policy, has_head=self.head is not None)
+            policy = make_policy(item.policy, head=self.head, reference=item.reference)
             entry = DraftSession(policy, entry.kv if entry else self.draft.new_session())
         for num_candidates, num_accepted in item.rounds:  # oldest first: the policy reaches the caller's state
             entry.policy.end_round(num_candidates, num_accepted)
         entry.history = history
         self.sessions.put(item.session_id, entry)
         logits_filter = self.logits_filter(item.sampling) if self.logits_filter else None
-        return DraftRow(entry.kv, history, entry.policy, item.max_candidates, item.num_generated, item.sampling,
+        limit = 0 if item.probe else item.max_candidates  # a probe item drafts nothing: its cache catches up later
+        return DraftRow(entry.kv, history, entry.policy, limit, item.num_generated, item.sampling,
                         item.seed.generator("draft"), logits_filter)
-
 
 
 class VerifierWorker(Worker):
     """The target model: verifies one round for every session of a batch in one pass."""
 
+    role = "verifier"
+
     def __init__(self, target: TargetRole, sessions: SessionStore[VerifierSession] | None = None):
-        self.target = target
+        super().__init__()
+        self.target = self.runtime = target
         self.sessions: SessionStore[VerifierSession] = sessions if sessions is not None else SessionStore()
 
     def verify(self, items: list[VerifyItem]) -> list[Verdict | SessionMissing | Refused]:
-        return serve_batch(items, self._row, lambda rows: verify(self.target, rows))
+        answers = serve_batch(items, self._row, lambda rows: verify(self.target, rows, self.timings))
+        if any(item.probe for item in items):
+            self.probe((len(items) + 1,))
+        return answers
 
     def _row(self, item: VerifyItem) -> TargetRow | None:
         vocab = self.target.vocab_size

@@ -54,6 +54,7 @@ class Runtime(ABC):
     identity: str
     name: str
     forward_passes: int
+    fed_tokens: int = 0  # tokens fed by the rounds' calls (start, step, score), for timing them
 
     @property
     @abstractmethod
@@ -194,6 +195,7 @@ class DraftRole(Runtime):
         return self._draft_outputs([Feed(s, [t], 1) for s, t in zip(sessions, tokens)])
 
     def _draft_outputs(self, feeds: list[Feed]) -> list[DraftOutput]:
+        self.fed_tokens += sum(len(f.tokens) for f in feeds)
         return [DraftOutput(logits=logits[0], hidden=hidden[0]) for logits, hidden in self._forward(feeds)]
 
 
@@ -206,6 +208,7 @@ class TargetRole(Runtime):
         """Returns per session logits [K+1, V] fp32: row i is the target's next-token logits after
         history + y_1..y_i (row 0 scores y_1, row K gives the bonus distribution)."""
         feeds = [Feed(s, self._pending(s, h) + c, len(c) + 1) for s, h, c in zip(sessions, histories, candidates)]
+        self.fed_tokens += sum(len(f.tokens) for f in feeds)
         return [logits for logits, _ in self._forward(feeds)]
 
 

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict
 
 from specdec.errors import InvalidRequestError
 from specdec.head import AcceptanceHead
-from specdec.policies.base import Decision, DraftStep, StoppingPolicy
+from specdec.policies.base import Decision, DraftStep, Estimate, PolicyTraits, StoppingPolicy
 from specdec.policies.confidence import Confidence
 from specdec.policies.fixed import FixedK
 from specdec.policies.heuristic import Heuristic
@@ -18,8 +18,10 @@ from specdec.policies.specdec_pp_cost import SpecDecPPCost
 from specdec.policies.svip import SVIP
 from specdec.policies.target_only import TargetOnly
 
-POLICY_NAMES = ("specdec++", "specdec++cost", "fixed", "svip", "heuristic", "confidence", "oracle", "target-only")
-HEAD_POLICIES = ("specdec++", "specdec++cost")  # the policies that need an acceptance head
+POLICIES: dict[str, type[StoppingPolicy]] = {policy.name: policy for policy in (
+    SpecDecPP, SpecDecPPCost, FixedK, SVIP, Heuristic, Confidence, Oracle, TargetOnly)}
+POLICY_NAMES = tuple(POLICIES)
+HEAD_POLICIES = tuple(name for name, policy in POLICIES.items() if policy.traits.needs_head)
 
 # A request that names no policy gets the cost-aware SpecDec++ when the engine has an acceptance head
 # (the default pair ships one: specdec/heads/), else SVIP, the best policy that needs no training.
@@ -44,6 +46,13 @@ class PolicyConfig(BaseModel):
     threshold: float | None = None
 
 
+def policy_traits(name: str) -> PolicyTraits:
+    """What the named policy needs (policies/base.py); raises InvalidRequestError for an unknown name."""
+    if name not in POLICIES:
+        raise InvalidRequestError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    return POLICIES[name].traits
+
+
 def default_policy_name(has_head: bool) -> str:
     return DEFAULT_POLICY if has_head else FALLBACK_POLICY
 
@@ -57,10 +66,8 @@ def make_policy(
     config: PolicyConfig,
     head: AcceptanceHead | None = None,
     reference: Sequence[int] | None = None,
-    runtime: str = "torch",
 ) -> StoppingPolicy:
-    """A fresh policy for one sequence (policies such as `heuristic` keep state across rounds).
-    `runtime`: what the draft runs on (`specdec++cost` takes that runtime's default cost profile)."""
+    """A fresh policy for one sequence (policies such as `heuristic` keep state across rounds)."""
     config = resolve_policy(config, has_head=head is not None)
     validate_policy(config, has_head=head is not None)
     k, threshold = config.k, config.threshold
@@ -78,7 +85,7 @@ def make_policy(
         case "specdec++":
             return SpecDecPP(head, **level, **cap)
         case "specdec++cost":
-            return SpecDecPPCost(head, runtime=runtime, **cap)
+            return SpecDecPPCost(head, **cap)
         case "oracle":
             if reference is None:
                 raise InvalidRequestError("policy 'oracle' needs the target's greedy continuation")
@@ -90,10 +97,7 @@ def make_policy(
 def validate_policy(config: PolicyConfig, has_head: bool) -> None:
     """Check a request's policy flags before any model work (raises InvalidRequestError)."""
     config = resolve_policy(config, has_head)
-    if config.name not in POLICY_NAMES:
-        raise InvalidRequestError(
-            f"unknown policy {config.name!r}; choose one of {', '.join(POLICY_NAMES)}")
-    if config.name in HEAD_POLICIES and not has_head:
+    if policy_traits(config.name).needs_head and not has_head:
         raise InvalidRequestError(f"policy {config.name!r} needs an acceptance head: pass --head PATH")
     if config.k is not None and config.k < 1:
         raise InvalidRequestError(f"--k must be at least 1, got {config.k}")
@@ -102,8 +106,8 @@ def validate_policy(config: PolicyConfig, has_head: bool) -> None:
 
 
 __all__ = [
-    "POLICY_NAMES", "HEAD_POLICIES", "DEFAULT_POLICY", "FALLBACK_POLICY", "PolicyConfig", "default_policy_name", "resolve_policy",
-    "make_policy", "validate_policy",
-    "Decision", "DraftStep", "StoppingPolicy",
+    "POLICIES", "POLICY_NAMES", "HEAD_POLICIES", "DEFAULT_POLICY", "FALLBACK_POLICY", "PolicyConfig", "default_policy_name",
+    "policy_traits", "resolve_policy", "make_policy", "validate_policy",
+    "Decision", "DraftStep", "Estimate", "PolicyTraits", "StoppingPolicy",
     "FixedK", "SpecDecPP", "SpecDecPPCost", "SVIP", "Heuristic", "Confidence", "Oracle", "TargetOnly",
 ]

@@ -51,12 +51,44 @@ class DraftStep:
     greedy: bool = False  # y_i is the argmax of q_i (a greedy request), not a draw from it
 
 
+@dataclass(frozen=True)
+class PolicyTraits:
+    """What a policy needs, said once by the policy so that the loop, the request rules and the
+    services read it here instead of comparing policy names."""
+
+    uses_draft: bool = True  # False: rounds verify no candidates (target-only decoding)
+    needs_head: bool = False  # an acceptance head must be loaded on the draft's side
+    greedy_only: bool = False  # defined for temperature 0 only
+    needs_reference: bool = False  # reads the target's greedy continuation in advance (the oracle)
+    # Its round lengths come from the batch's verification budget (specdec/budget.py): the policy
+    # supplies acceptance estimates (`estimate`), the budget decides who drafts on and what is kept.
+    budgeted: bool = False
+
+    @property
+    def servable(self) -> bool:
+        """Can run on a draft replica: a reference never travels over the wire."""
+        return not self.needs_reference
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A budgeted policy's acceptance estimates for the candidate y_i just drafted (budget.py)."""
+
+    blind: float  # P(y_i accepted) not knowing which token y_i is: what the keep decision may read
+    known: float  # a(y_i), which the decision to draft on after y_i may read
+    previous: float | None = None  # a revised estimate of y_{i-1} (a head that judges one step late)
+
+
 class StoppingPolicy(ABC):
     """Decides per drafted token whether the round goes on. One instance serves one sequence."""
 
     name: ClassVar[str]
-    uses_draft: ClassVar[bool] = True  # False: rounds verify no candidates (target-only decoding)
+    traits: ClassVar[PolicyTraits] = PolicyTraits()
     max_candidates: int
+
+    @property
+    def uses_draft(self) -> bool:
+        return self.traits.uses_draft
 
     def round_limit(self) -> int:
         """Most candidates this round may hold."""
@@ -70,6 +102,10 @@ class StoppingPolicy(ABC):
 
     def end_round(self, num_candidates: int, num_accepted: int) -> None:
         """Called with the verification outcome of every round."""
+
+    def estimate(self, step: DraftStep) -> Estimate:
+        """Budgeted policies only: the acceptance estimates of y_i (`decide` is then not asked)."""
+        raise NotImplementedError(f"policy {self.name!r} is not budgeted")
 
 
 def check_threshold(name: str, value: float) -> float:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specdec.policies.base import Decision, DraftStep, StoppingPolicy, check_count
+from specdec.policies.base import Decision, DraftStep, PolicyTraits, StoppingPolicy, check_count
 
 
 class Oracle(StoppingPolicy):
@@ -13,6 +13,7 @@ class Oracle(StoppingPolicy):
     """
 
     name = "oracle"
+    traits = PolicyTraits(greedy_only=True, needs_reference=True)
     DEFAULT_MAX_K = 256  # effectively unbounded: the oracle measures the limit
 
     def __init__(self, reference: Sequence[int], max_candidates: int = DEFAULT_MAX_K):

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from specdec.policies.base import Decision, DraftStep, StoppingPolicy
+from specdec.policies.base import Decision, DraftStep, PolicyTraits, StoppingPolicy
 
 
 class TargetOnly(StoppingPolicy):
@@ -8,7 +8,7 @@ class TargetOnly(StoppingPolicy):
     The baseline the speedups are measured against."""
 
     name = "target-only"
-    uses_draft = False
+    traits = PolicyTraits(uses_draft=False)
     max_candidates = 0
 
     def decide(self, step: DraftStep) -> Decision:  # never asked: the draft does not run

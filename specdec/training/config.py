@@ -21,7 +21,7 @@ from specdec.errors import SpecDecError
 from specdec.features import FEATURES_HIDDEN, FeatureKind
 from specdec.head import MAX_DEPTH
 from specdec.models.formats import WeightFormat
-from specdec.policies import HEAD_POLICIES, POLICY_NAMES, PolicyConfig
+from specdec.policies import POLICY_NAMES, PolicyConfig, policy_traits
 from specdec.sampling import SamplingParams
 from specdec.training.mixing import OFFICIAL_TARGET_TOKEN_RATIO
 
@@ -96,7 +96,8 @@ class ResponseSection(Strict):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, name: str) -> str:
-        if name not in POLICY_NAMES or name in (*HEAD_POLICIES, "oracle"):
+        traits = policy_traits(name) if name in POLICY_NAMES else None
+        if traits is None or traits.needs_head or traits.needs_reference:
             raise ValueError(f"must be a policy that needs no head or hindsight, not {name!r}")
         return name
 

@@ -3,7 +3,7 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -57,3 +57,41 @@ class SparseDistribution(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class CostProfile(_message.Message):
+    __slots__ = ("t_draft_ms", "t_target_ms", "t_draft_rows_ms", "source")
+    class TTargetMsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    class TDraftRowsMsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    T_DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    T_TARGET_MS_FIELD_NUMBER: _ClassVar[int]
+    T_DRAFT_ROWS_MS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    t_draft_ms: float
+    t_target_ms: _containers.ScalarMap[int, float]
+    t_draft_rows_ms: _containers.ScalarMap[int, float]
+    source: str
+    def __init__(self, t_draft_ms: _Optional[float] = ..., t_target_ms: _Optional[_Mapping[int, float]] = ..., t_draft_rows_ms: _Optional[_Mapping[int, float]] = ..., source: _Optional[str] = ...) -> None: ...
+
+class PassTiming(_message.Message):
+    __slots__ = ("role", "tokens", "ms", "probe")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    tokens: int
+    ms: float
+    probe: bool
+    def __init__(self, role: _Optional[str] = ..., tokens: _Optional[int] = ..., ms: _Optional[float] = ..., probe: _Optional[bool] = ...) -> None: ...

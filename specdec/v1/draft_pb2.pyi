@@ -10,18 +10,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeBatch(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "costs", "other_sessions")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    COSTS_FIELD_NUMBER: _ClassVar[int]
+    OTHER_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[ProposeRequest]
-    def __init__(self, items: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ...) -> None: ...
+    costs: _common_pb2.CostProfile
+    other_sessions: int
+    def __init__(self, items: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ..., costs: _Optional[_Union[_common_pb2.CostProfile, _Mapping]] = ..., other_sessions: _Optional[int] = ...) -> None: ...
 
 class ProposalBatch(_message.Message):
-    __slots__ = ("proposals", "draft_ms")
+    __slots__ = ("proposals", "draft_ms", "passes")
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    PASSES_FIELD_NUMBER: _ClassVar[int]
     proposals: _containers.RepeatedCompositeFieldContainer[Proposal]
     draft_ms: float
-    def __init__(self, proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., draft_ms: _Optional[float] = ...) -> None: ...
+    passes: _containers.RepeatedCompositeFieldContainer[_common_pb2.PassTiming]
+    def __init__(self, proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., draft_ms: _Optional[float] = ..., passes: _Optional[_Iterable[_Union[_common_pb2.PassTiming, _Mapping]]] = ...) -> None: ...
 
 class PolicyConfig(_message.Message):
     __slots__ = ("name", "k", "threshold")
@@ -42,7 +48,7 @@ class RoundOutcome(_message.Message):
     def __init__(self, num_candidates: _Optional[int] = ..., num_accepted: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "history", "policy", "sampling", "max_candidates", "num_generated", "rounds", "seed")
+    __slots__ = ("session_id", "history", "policy", "sampling", "max_candidates", "num_generated", "rounds", "seed", "probe")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +57,7 @@ class ProposeRequest(_message.Message):
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     history: _common_pb2.HistoryDelta
     policy: PolicyConfig
@@ -59,7 +66,8 @@ class ProposeRequest(_message.Message):
     num_generated: int
     rounds: _containers.RepeatedCompositeFieldContainer[RoundOutcome]
     seed: _common_pb2.RoundSeed
-    def __init__(self, session_id: _Optional[str] = ..., history: _Optional[_Union[_common_pb2.HistoryDelta, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_candidates: _Optional[int] = ..., num_generated: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[RoundOutcome, _Mapping]]] = ..., seed: _Optional[_Union[_common_pb2.RoundSeed, _Mapping]] = ...) -> None: ...
+    probe: bool
+    def __init__(self, session_id: _Optional[str] = ..., history: _Optional[_Union[_common_pb2.HistoryDelta, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_candidates: _Optional[int] = ..., num_generated: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[RoundOutcome, _Mapping]]] = ..., seed: _Optional[_Union[_common_pb2.RoundSeed, _Mapping]] = ..., probe: _Optional[bool] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("session_missing", "error", "candidates", "draft_probs", "forward_passes")

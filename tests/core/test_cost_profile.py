@@ -1,4 +1,5 @@
-"""Cost profiles: the interpolated t_target(k), loading from JSON or a bench run, bad files."""
+"""Cost profiles: the interpolated t_target(k), loading from JSON or a bench run, bad files; the live
+profile the loop measures (`LiveCosts`) on a fake clock."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from specdec.cost_profile import DEFAULT_PROFILE, CostProfile
+from specdec.cost_profile import DEFAULT_PROFILE, CostProfile, LiveCosts, PassTiming, bucket
 from specdec.errors import InvalidRequestError
 from specdec.head import AcceptanceHead, HeadConfig, load_head
 
@@ -19,8 +20,10 @@ def test_t_target_interpolates_the_curve_at_k_plus_one_tokens():
     assert profile.t_target(0) == 35 and profile.t_target(1) == 65  # plain decoding; one candidate + 1
     assert profile.t_target(2) == pytest.approx(87.5)  # 3 tokens: halfway from 65 to 110
     assert profile.t_target(19) == pytest.approx(305 + 4 * 68 / 8)  # past 16: the last slope
-    assert profile.round_ms(2) == pytest.approx(44 + 87.5)
-    assert profile.round_ms(1, draft_steps=2) == pytest.approx(44 + 65)
+    assert profile.draft_ms(1) == 22 and profile.draft_ms(8) == 8 * 22  # no curve by sessions: per session
+    assert profile.draft_ms(0) == 0
+    batched = profile.model_copy(update={"t_draft_rows_ms": {1: 22.0, 4: 40.0}})
+    assert batched.draft_ms(2) == pytest.approx(28.0) and batched.draft_ms(8) == pytest.approx(64.0)
     assert CostProfile(t_draft_ms=1, t_target_ms={4: 50}).t_target(9) == 50  # one point: flat
 
 
@@ -58,3 +61,72 @@ def test_the_head_carries_a_profile_optionally(tmp_path):
     assert load_head(head.save(tmp_path / "b")).config.cost_profile == DEFAULT_PROFILE
     with pytest.raises(ValidationError):
         CostProfile(t_draft_ms=-1, t_target_ms={1: 10})
+
+
+# ------------------------------------------------------------------------------------------------
+# The live profile
+
+
+def timings(role: str, tokens: int, *ms: float, probe: bool = False) -> list[PassTiming]:
+    return [PassTiming(role, tokens, m, probe) for m in ms]
+
+
+def test_buckets_are_exact_then_two_significant_bits():
+    assert [bucket(n) for n in (1, 7, 32, 33, 47, 48, 63, 64, 100)] == [1, 7, 32, 32, 32, 48, 48, 64, 96]
+
+
+def test_nothing_is_planned_until_both_roles_are_measured():
+    costs = LiveCosts()
+    assert costs.profile() is None
+    costs.observe(timings("draft", 1, 20.0, 21.0, 22.0))
+    assert costs.profile() is None
+    costs.observe(timings("verifier", 1, 50.0, 51.0))  # two timings: not enough for a bucket yet
+    assert costs.profile() is None
+    costs.observe(timings("verifier", 1, 52.0))
+    profile = costs.profile()
+    assert profile.t_draft_ms == 21.0 and profile.pass_ms(1) == 51.0 and profile.source.startswith("measured")
+
+
+def test_a_probe_counts_at_once_and_replaces_its_bucket():
+    costs = LiveCosts()
+    costs.observe(timings("draft", 1, 30.0, probe=True) + timings("verifier", 2, 90.0, probe=True))
+    assert costs.profile().t_draft_ms == 30.0 and costs.profile().pass_ms(2) == 90.0
+    costs.observe(timings("draft", 1, 31.0, 32.0, 33.0, 34.0))
+    assert costs.profile().t_draft_ms == 32.0
+    costs.observe(timings("draft", 1, 5.0, probe=True))
+    assert costs.profile().t_draft_ms == 5.0
+
+
+def test_the_profile_ignores_an_outlier_and_follows_a_change():
+    """A fake clock: a pass of 8 tokens takes 100 ms, once 5000 ms (a hiccup: nothing moves), then
+    200 ms from some time on: followed within LEVEL_WINDOW passes."""
+    costs = LiveCosts()
+    costs.observe(timings("draft", 1, 10.0, 10.0, 10.0))
+    costs.observe(timings("verifier", 8, *[100.0] * 8, 5000.0, 100.0))
+    assert costs.profile().pass_ms(8) == 100.0
+    for _ in range(LiveCosts.LEVEL_WINDOW):
+        costs.observe(timings("verifier", 8, 200.0))
+    assert costs.profile().pass_ms(8) == pytest.approx(200.0)
+    assert costs.profile().t_draft_ms == 10.0  # the other role is untouched
+
+
+def test_a_slower_machine_moves_sizes_that_are_not_being_timed():
+    """Plain decoding (1 token) and a verification of 4 were timed at 50 and 120 ms; the host gets 3x
+    slower while only plain passes run (the draft is off): the 4-token pass follows."""
+    costs = LiveCosts()
+    costs.observe(timings("draft", 1, 40.0, probe=True))
+    costs.observe(timings("verifier", 1, 50.0, 50.0, 50.0) + timings("verifier", 4, 120.0, 120.0, 120.0))
+    for _ in range(LiveCosts.LEVEL_WINDOW):
+        costs.observe(timings("verifier", 1, 150.0))
+    profile = costs.profile()
+    assert profile.pass_ms(1) == pytest.approx(150.0) and profile.pass_ms(4) == pytest.approx(360.0)
+    for _ in range(LiveCosts.LEVEL_WINDOW):  # noise within the band moves nothing
+        costs.observe(timings("verifier", 1, 160.0))
+    assert costs.profile().pass_ms(4) == pytest.approx(360.0)
+
+
+def test_bad_timings_are_ignored():
+    costs = LiveCosts()
+    costs.observe([PassTiming("draft", 0, 5.0), PassTiming("draft", 1, float("nan")), PassTiming("draft", 1, -1.0),
+                   PassTiming("other", 1, 5.0)])
+    assert costs.observed == 0 and costs.curve("draft") == {}

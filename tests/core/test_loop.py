@@ -4,13 +4,14 @@ limit, lanes, retries and session_missing, failures that stay with their session
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
 from specdec.errors import Unavailable
 from specdec.loop import BatchConfig, LocalTransport, RetryPolicy, RoundLoop
 from specdec.params import build_params
-from specdec.protocol import SessionMissing, Unreachable
+from specdec.protocol import BatchReply, SessionMissing, Unreachable
 from specdec.workers import DraftWorker, VerifierWorker
 
 PROMPTS = [[5, 72, 101, 108], list(range(40, 61)), [257, 100, 101, 102], list(range(120, 135)), [7, 8, 9]]
@@ -26,8 +27,8 @@ class CountingTransport(LocalTransport):
         self.calls: list[tuple[str, list[str]]] = []
         self.answer = answer  # (role, call number, item) -> an answer instead of the worker's, or None
 
-    async def propose(self, items):
-        return await self._forward("draft", items, super().propose)
+    async def propose(self, items, plan):
+        return await self._forward("draft", items, lambda items: super(CountingTransport, self).propose(items, plan))
 
     async def verify(self, items):
         return await self._forward("verifier", items, super().verify)
@@ -147,3 +148,72 @@ def test_batch_config_bounds():
         BatchConfig(max_sessions_per_step=0)
     with pytest.raises(ValueError):
         BatchConfig(lanes=9)
+
+
+# ------------------------------------------------------------------------------------------------
+# The verification budget on a fake clock
+
+
+class FakeClock(LocalTransport):
+    """The in-process workers (with an acceptance head), every pass timed by `cost(role, tokens)`
+    instead of the clock; counts the candidates drafted and the probes sent."""
+
+    def __init__(self, engine, head, cost):
+        super().__init__(DraftWorker(engine.draft, head), VerifierWorker(engine.target))
+        self.cost, self.candidates, self.probes = cost, 0, 0
+
+    def timed(self, reply):
+        reply.passes = [replace(t, ms=self.cost(t.role, t.tokens)) for t in reply.passes]
+        return reply
+
+    async def propose(self, items, plan):
+        self.probes += sum(item.probe for item in items)
+        reply = self.timed(await super().propose(items, plan))
+        self.candidates += sum(len(a.candidates) for a in reply.answers)
+        return reply
+
+    async def verify(self, items):
+        return self.timed(await super().verify(items))
+
+
+def cheap(role: str, tokens: int) -> float:
+    """Drafting pays: a draft pass 1 ms a token, a target pass 50 + 10 ms a token past the first."""
+    return 1.0 * tokens if role == "draft" else 50.0 + 10.0 * (tokens - 1)
+
+
+def costly(role: str, tokens: int) -> float:
+    """The draft's host got busy: 60 ms a token, and no round can beat a plain 50 ms pass
+    (2 tokens in 60 + 60 ms even if y_1 is accepted; longer rounds do worse)."""
+    return 60.0 * tokens if role == "draft" else cheap(role, tokens)
+
+
+def test_the_budget_turns_drafting_off_when_the_costs_say_so_and_back_on(tiny_engine):
+    """A fake clock: while drafting pays the default policy drafts; once the measured costs say no
+    round can pay (the draft got slow), the draft stops within a few rounds (only rare probes reach
+    it); when it is fast again, a probe sees it and drafting resumes. The output is target-only's
+    throughout."""
+    from specdec.head import AcceptanceHead, HeadConfig
+    from specdec.sequences import RequestRules
+
+    head = AcceptanceHead(HeadConfig(hidden_size=tiny_engine.draft.hidden_size, depth=0, draft_identity="x")).eval()
+    transport = FakeClock(tiny_engine, head, cheap)
+    rules = RequestRules(None, tiny_engine.eos_token_ids, tiny_engine.max_context, tiny_engine.target.vocab_size,
+                         has_head=True)
+    loop = RoundLoop(transport, rules, probe_share=0.5)
+    for worker in (transport.draft, transport.verifier):
+        worker.probe()
+        loop.costs.observe(transport.timed(BatchReply([], [], worker.take_timings())).passes)
+    params = build_params(policy="specdec++cost", k=4, max_new_tokens=120)
+
+    def phase(cost) -> tuple[int, int, list[int]]:
+        transport.cost, transport.candidates, transport.probes = cost, 0, 0
+        [result] = run(loop, [(PROMPTS[0], params)])
+        return transport.candidates, transport.probes, result.completions[0].token_ids
+
+    plain = expected(tiny_engine, PROMPTS[0], build_params(policy="target-only", max_new_tokens=120))
+    drafted, _, ids = phase(cheap)
+    assert drafted > 20 and loop.drafting and ids == plain
+    drafted, probes, ids = phase(costly)
+    assert not loop.drafting and drafted < 20 and probes >= 1 and ids == plain
+    drafted, probes, ids = phase(cheap)
+    assert loop.drafting and probes >= 1 and drafted > 20 and ids == plain

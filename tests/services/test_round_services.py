@@ -58,10 +58,10 @@ class RecordingTransport(GrpcTransport):
         super().__init__(*args, **kwargs)
         self.sent, self.calls, self.after_verify = [], {"draft": 0, "verifier": 0}, after_verify
 
-    async def propose(self, items):
+    async def propose(self, items, plan):
         self.calls["draft"] += 1
         self.sent += [("draft", i.session_id, i.history.full, len(i.history.tail)) for i in items]
-        return await super().propose(items)
+        return await super().propose(items, plan)
 
     async def verify(self, items):
         self.calls["verifier"] += 1

@@ -1,0 +1,151 @@
+"""One verification budget per step for the whole batch (issue 32; vLLM's adaptive verification and
+SmartSpec decide the same way): who drafts on, and which drafted candidates are verified, from the
+expected accepted tokens against the measured cost of the step and of the tokens added to the pass.
+
+A step advances sessions s = 1..B. With a_{s,j} the estimated P(y_j accepted | y_<j accepted) of
+session s's candidates (the head's calibrated a_j: policies/specdec_pp_cost.py) and
+P_{s,j} = a_{s,1} ... a_{s,j}, a round of k_s candidates commits in expectation
+
+    E_s = 1 + P_{s,1} + ... + P_{s,k_s}          (the accepted prefix plus the correction/bonus token)
+
+and the step takes T = sum over drafting steps of t_draft(rows) + t_target(N), N = sum_s (k_s + 1)
+tokens in the verification pass (specdec/cost_profile.py: both curves measured where the loop runs).
+The budget maximises the step's rate R = (sum_s E_s) / T, K = 0 included for one session and for
+all:
+
+- `drafting_pays`: before the step. If no allocation (m sessions drafting k candidates each, every
+  one accepted) beats plain decoding's B / t_target(B), the draft does not run at all.
+- `keep`: after drafting step i, for the sessions that drafted y_i. Its draft pass is spent either
+  way; session s gains g_s = P_{s,i-1} a_s for one token more in the pass. The top m by gain are
+  kept, m maximising (E + g_1 + ... + g_m) / (T + t_target(N + m) - t_target(N)). Losslessness
+  (policies/base.py): a_s here must not read which token a sampled y_i is (`Estimate.blind`).
+- `draft_on`: the sessions that kept y_i, ranked by g_s = P_{s,i} a_s with a_s now a(y_i) and the
+  unknown a_{s,i+1..} estimated by it (acceptance runs in streaks). For m sessions and d more steps
+  the gain is sum_s P_{s,i} (a_s + ... + a_s^d) at d t_draft(m) + t_target(N + m d) - t_target(N);
+  the top m draft on if the best (m, d) beats stopping now.
+
+The draft time already spent stays in T on both sides of every comparison: the rate is the step's.
+Sessions whose policy is not budgeted (fixed K, SVIP, ...) add their tokens and their rows to the
+passes and count one committed token each.
+
+Worked example (one session; t_draft = 5 ms; pass(1..4) = 35, 65, 87.5, 110 ms): y_1 drafted with
+a = 0.95: keep, (1 + 0.95) / (5 + 65) = 0.0279 > 1 / (5 + 35) = 0.025; draft on? d = 1:
+(1.95 + 0.9025) / (10 + 87.5) = 0.0293 > 0.0279: yes. y_2 with blind a = 0.3: keep it?
+(1.95 + 0.285) / (10 + 87.5) = 0.0229 < 1.95 / (10 + 65) = 0.026: no, the round is y_1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.cost_profile import CostProfile
+
+MAX_CANDIDATES = 20  # the paper's cap on a round, for a budgeted policy given no --k
+# While the draft is off, one probe of its cost may take this share of the plain steps (loop.py).
+PROBE_SHARE = 0.005
+
+
+def expected_tokens(acceptance: list[float]) -> float:
+    """E(k) = 1 + sum_j prod_{l <= j} a_l for a round whose candidates have acceptance [a_1..a_k]."""
+    total, survive = 1.0, 1.0
+    for a in acceptance:
+        survive *= a
+        total += survive
+    return total
+
+
+def geometric(a: float, depth: int) -> float:
+    """a + a^2 + ... + a^depth: the expected accepted tokens of `depth` more candidates at a each."""
+    if a >= 1.0:
+        return float(depth)
+    return a * (1.0 - a ** depth) / (1.0 - a)
+
+
+def drafting_pays(profile: CostProfile, sessions: int, max_candidates: int) -> bool:
+    """False when no step in which m of `sessions` sessions draft k candidates each beats plain
+    decoding of all of them even if every candidate were accepted: then the draft need not run."""
+    if sessions < 1 or max_candidates < 1:
+        return False
+    plain = sessions / profile.pass_ms(sessions)
+    return any((sessions + m * k) / (k * profile.draft_ms(m) + profile.pass_ms(sessions + m * k)) > plain
+               for m in range(1, sessions + 1) for k in range(1, max_candidates + 1))
+
+
+def replay_round(profile: CostProfile, acceptance: list[float], limit: int) -> tuple[int, int]:
+    """One session's round as rounds.propose spends the budget, for candidates whose acceptance
+    (blind and known alike: greedy) is given in advance -> (K, drafting steps). The offline replay
+    (benchmarks/replay_rules.py) and the tests use it."""
+    budget, survive = StepBudget(profile, expected=1.0, tokens=1), 1.0
+    for i, a in enumerate(acceptance[:limit], start=1):
+        budget.spent_ms += profile.draft_ms(1)
+        if not budget.keep([survive * a])[0]:
+            return i - 1, i  # y_i dropped
+        survive *= a
+        budget.add(survive)
+        if not budget.draft_on([survive], [a], [limit - i])[0]:
+            return i, i
+    return min(limit, len(acceptance)), min(limit, len(acceptance))
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the draft side needs to spend a step's budget, sent with each Propose: the caller's live
+    costs (None: nothing measured yet, the draft plans with its prior) and the step's sessions that
+    are not in the call (each verifies one token beside them)."""
+
+    costs: CostProfile | None = None
+    other_sessions: int = 0
+
+
+@dataclass
+class StepBudget:
+    """A step's running totals while its sessions draft: the expected tokens E, the tokens N of the
+    verification pass, and the draft time spent (all from `profile`)."""
+
+    profile: CostProfile
+    expected: float  # E: sum over the step's sessions of their round's expected tokens so far
+    tokens: int  # N: tokens the verification pass will feed so far
+    spent_ms: float = 0.0  # drafting steps so far
+
+    def rate(self, gain: float = 0.0, tokens: int = 0, draft_ms: float = 0.0) -> float:
+        """R with `gain` expected tokens, `tokens` pass tokens and `draft_ms` more."""
+        return (self.expected + gain) / (self.spent_ms + draft_ms + self.profile.pass_ms(self.tokens + tokens))
+
+    def add(self, survive: float) -> None:
+        """A kept candidate joins the pass; `survive` is its session's P_i with it."""
+        self.expected += survive
+        self.tokens += 1
+
+    def step_ms(self, rows: int, beside: int = 0) -> float:
+        """What `rows` sessions add to a drafting step that `beside` other sessions take part in."""
+        return self.profile.draft_ms(rows + beside) - self.profile.draft_ms(beside)
+
+    def keep(self, gains: list[float]) -> list[bool]:
+        """Which of the just-drafted candidates (blind gains P_{s,i-1} a_s) join the pass."""
+        order = sorted(range(len(gains)), key=lambda s: -gains[s])
+        best_m, best, total = 0, self.rate(), 0.0
+        for m, s in enumerate(order, 1):
+            total += gains[s]
+            rate = self.rate(total, m)
+            if rate > best:
+                best_m, best = m, rate
+        kept = set(order[:best_m])
+        return [s in kept for s in range(len(gains))]
+
+    def draft_on(self, survive: list[float], acceptance: list[float], left: list[int], beside: int = 0) -> list[bool]:
+        """Which sessions take another drafting step: survive P_{s,i}, acceptance a_s, left: candidates
+        each may still draft; `beside`: rows of other policies in the next step."""
+        order = sorted((s for s in range(len(survive)) if left[s] > 0), key=lambda s: -survive[s] * acceptance[s])
+        best_m, best = 0, self.rate()
+        depth = max((left[s] for s in order), default=0)
+        for d in range(1, depth + 1):
+            gain, tokens = 0.0, 0
+            for m, s in enumerate(order, 1):
+                steps = min(d, left[s])
+                gain += survive[s] * geometric(acceptance[s], steps)
+                tokens += steps
+                rate = self.rate(gain, tokens, d * self.step_ms(m, beside))
+                if rate > best:
+                    best_m, best = m, rate
+        chosen = set(order[:best_m])
+        return [s in chosen for s in range(len(survive))]

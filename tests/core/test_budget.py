@@ -1,0 +1,159 @@
+"""The step's verification budget (specdec/budget.py) on hand-computed steps, and rounds.propose
+spending it over a batch whose sessions get different K (0 included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.budget import StepBudget, drafting_pays, expected_tokens, geometric, replay_round
+from specdec.cost_profile import CostProfile
+from specdec.features import FEATURES_DISTRIBUTION
+from specdec.head import AcceptanceHead, HeadConfig
+from specdec.models.runtime import DraftOutput, KVSession
+from specdec.policies import FixedK, SpecDecPPCost
+from specdec.rounds import DraftRow, propose
+from specdec.sampling import SamplingParams
+
+HIDDEN = 4
+# DESIGN.md §5's llama.cpp target curve with a cheap draft (5 ms): pass(k) = 35, 65, 87.5, 110 ms.
+CHEAP_DRAFT = CostProfile(t_draft_ms=5.0, t_target_ms={1: 35.0, 2: 65.0, 4: 110.0, 8: 237.0, 16: 305.0})
+LLAMA_CPP = CHEAP_DRAFT.model_copy(update={"t_draft_ms": 22.0})  # the measured draft: 22 ms a token
+FLAT = CostProfile(t_draft_ms=10.0, t_target_ms={1: 100.0})
+# issue 32's AMD EPYC: a drafting step 40.6 ms, a pass over k candidates 61 + 32.5 k, a plain pass 50
+AMD = CostProfile(t_draft_ms=40.6, t_target_ms={1: 50.0, 2: 93.5, 21: 711.0})
+
+
+def test_expected_tokens_and_the_geometric_sum():
+    assert expected_tokens([]) == 1.0
+    assert expected_tokens([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+    assert geometric(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
+    assert geometric(1.0, 4) == 4.0 and geometric(0.3, 0) == 0.0
+
+
+def test_the_worked_example():
+    """The module docstring: a_1 = 0.95 is kept and drafts on; a_2 = 0.3 is dropped."""
+    assert replay_round(CHEAP_DRAFT, [0.95, 0.3, 0.9], 20) == (1, 2)
+
+
+def test_k_zero_when_even_the_first_candidate_does_not_pay():
+    """a_1 = 0.1: 1.1 tokens in 5 + 65 ms against 1 in 5 + 35: dropped. a_1 = 0.8: 1.8 / 70 > 1 / 40,
+    kept; another at 0.8 (2.44 / 97.5) or two (2.952 / 125) do worse: the round is y_1."""
+    assert replay_round(CHEAP_DRAFT, [0.1, 0.9], 20) == (0, 1)
+    assert replay_round(CHEAP_DRAFT, [0.8, 0.8, 0.8], 20) == (1, 1)
+
+
+def test_stops_where_the_next_candidate_stops_paying():
+    """Flat 100 ms verification, 10 ms a draft step, a = 0.9 throughout: E(k) / (10 k + 100) peaks
+    at k = 10 (6.862 / 200 = 0.03431; k = 11: 0.03417)."""
+    assert replay_round(FLAT, [0.9] * 20, 20) == (10, 10)
+
+
+def test_free_drafting_on_a_flat_curve_continues_to_the_cap():
+    free = CostProfile(t_draft_ms=0.0, t_target_ms={1: 100.0, 16: 100.0})
+    assert replay_round(free, [0.3] * 20, 7) == (7, 7)
+
+
+def test_lookahead_drafts_through_a_first_step_that_alone_does_not_pay():
+    """A pass costs 100 ms for 1 token and 101 ms for up to 5; a draft step 30 ms; a = 0.9. One
+    candidate: 1.9 / 131 < 1 / 100 ... no: 0.0145 > 0.01, kept; on: four more cost 120 ms for 2.5
+    expected tokens, so the budget drafts on although the next step alone (2.71 / 161) pays less
+    than stopping would not."""
+    curve = CostProfile(t_draft_ms=30.0, t_target_ms={1: 100.0, 2: 101.0, 6: 101.0, 7: 200.0})
+    k, _ = replay_round(curve, [0.9] * 20, 20)
+    assert k == 5
+
+
+def test_drafting_pays_reads_the_costs_only():
+    """issue 32's AMD figures: 2 tokens for 40.6 + 93.5 ms even if y_1 is accepted, against 1 token in
+    50 ms, and no longer round or larger batch does better: the draft need not run."""
+    assert not drafting_pays(AMD, sessions=1, max_candidates=20)
+    assert not drafting_pays(LLAMA_CPP, 1, 20) and drafting_pays(CHEAP_DRAFT, 1, 20)
+    assert not drafting_pays(CHEAP_DRAFT, 4, 0) and not drafting_pays(CHEAP_DRAFT, 0, 4)
+    # a batch of 4: plain, a pass of 4 tokens. AMD: 158.5 ms, 4 / 158.5 = 0.0252 a ms; every token more
+    # costs 32.5 ms and a step 40.6: even 4 sessions x 20 accepted candidates make 84 / 3570 = 0.0235.
+    assert not drafting_pays(AMD, 4, 20)
+    # the cheap draft's curve flattens past 8 tokens: 4 sessions x 3 candidates, 16 / (15 + 305) = 0.05 >
+    # 4 / 110 = 0.036 (though a single candidate each, 8 / 242 = 0.033, would not)
+    assert drafting_pays(CHEAP_DRAFT, 4, 20) and not drafting_pays(CHEAP_DRAFT, 4, 1)
+
+
+def test_the_batch_keeps_the_candidates_that_pay_in_the_shared_pass():
+    """Three sessions verify beside each other; a pass costs 28 + 2 ms a token, 5 ms drafted. Gains
+    0.9, 0.5, 0.05: stopping makes 3 / 39 = 0.077 a ms; adding the first (3.9 / 41 = 0.095) and the
+    second (4.4 / 43 = 0.102) beats it, the third does not (4.45 / 45 = 0.099). On the steeper
+    llama.cpp curve only the first pays (3.9 / 115 = 0.034 > 3 / 92.5; 4.4 / 146.75 = 0.030)."""
+    linear = CostProfile(t_draft_ms=5.0, t_target_ms={1: 30.0, 16: 60.0})
+    assert StepBudget(linear, expected=3.0, tokens=3, spent_ms=5.0).keep([0.05, 0.9, 0.5]) == [False, True, True]
+    assert StepBudget(CHEAP_DRAFT, expected=3.0, tokens=3, spent_ms=5.0).keep([0.05, 0.9, 0.5]) == [False, True, False]
+    assert StepBudget(linear, expected=1.0, tokens=1).keep([]) == []
+
+
+def test_the_batch_drafts_on_with_the_sessions_that_pay():
+    """Flat pass, so only the draft step costs: a session likely to be accepted drafts on, one that is
+    not stops, one with nothing left stops."""
+    budget = StepBudget(FLAT, expected=2.0, tokens=2, spent_ms=10.0)
+    assert budget.draft_on(survive=[0.9, 0.02, 0.9], acceptance=[0.9, 0.1, 0.9], left=[5, 5, 0]) == [True, False, False]
+
+
+# ------------------------------------------------------------------------------------------------
+# rounds.propose spends the budget over a batch
+
+
+def q_head() -> AcceptanceHead:
+    """A `hidden+distribution` head whose acceptance is exactly q(y_i): it returns exp(log q(y))."""
+    head = AcceptanceHead(HeadConfig(hidden_size=HIDDEN, depth=0, draft_identity="x", features=FEATURES_DISTRIBUTION))
+    head.acceptance_probability = lambda inputs: inputs[..., HIDDEN].exp()  # column HIDDEN: log q(y)
+    return head.eval()
+
+
+class ScriptedDraft:
+    """A draft whose session s proposes token 0 with q(0) = script[s] at every step (vocabulary 2):
+    under `q_head` its candidates' acceptance is script[s]. Counts the rows of every pass."""
+
+    vocab_size, kind = 2, "fake"
+
+    def __init__(self, script: dict[int, float]):
+        self.script, self.passes, self.fed_tokens = script, [], 0
+
+    def _outputs(self, sessions: list[KVSession]) -> list[DraftOutput]:
+        self.passes.append(len(sessions))
+        self.fed_tokens += len(sessions)
+        return [DraftOutput(torch.log(torch.tensor([self.script[s.seq], 1 - self.script[s.seq]])), torch.zeros(HIDDEN))
+                for s in sessions]
+
+    def start(self, sessions, histories):
+        return self._outputs(sessions)
+
+    def step(self, sessions, tokens):
+        return self._outputs(sessions)
+
+
+def row(session: int, policy, limit: int = 20) -> DraftRow:
+    return DraftRow(KVSession(seq=session), [1, 2, 3], policy, limit, 0, SamplingParams(temperature=0.0),
+                    torch.Generator().manual_seed(session))
+
+
+def test_propose_gives_each_session_of_the_batch_its_own_k():
+    """On a flat pass with 10 ms draft steps: the session at 0.95 drafts long, the one at 0.6 short,
+    and a fixed-K session beside them drafts its K; every step is timed."""
+    draft = ScriptedDraft({0: 0.95, 1: 0.6, 2: 0.9})
+    timings = []
+    proposals = propose(draft, [row(0, SpecDecPPCost(q_head())), row(1, SpecDecPPCost(q_head())), row(2, FixedK(3))],
+                        FLAT, timings=timings)
+    lengths = [len(p.candidates) for p in proposals]
+    assert lengths[0] > lengths[1] >= 1 and lengths[2] == 3
+    assert len(timings) == len(draft.passes) and [t.tokens for t in timings] == draft.passes
+    assert all(t.role == "draft" and t.ms > 0 for t in timings)
+
+
+def test_propose_turns_budgeted_sessions_off_when_drafting_cannot_pay():
+    draft = ScriptedDraft({0: 0.99, 1: 0.9})
+    proposals = propose(draft, [row(0, SpecDecPPCost(q_head())), row(1, FixedK(2))], AMD)
+    assert [len(p.candidates) for p in proposals] == [0, 2]
+    assert proposals[0].forward_passes == 0 and draft.passes == [1, 1]  # the fixed-K session alone drafts
+
+
+def test_propose_needs_costs_for_a_budgeted_session():
+    with pytest.raises(ValueError, match="cost profile"):
+        propose(ScriptedDraft({0: 0.9}), [row(0, SpecDecPPCost(q_head()))])
