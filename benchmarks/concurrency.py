@@ -4,6 +4,7 @@ served, at several concurrency levels (the batched engine core: specdec/loop.py)
     python benchmarks/concurrency.py                                   # default pair, the full table
     python benchmarks/concurrency.py --modes in-process --concurrency 1 4 --policies fixed:8
     python benchmarks/concurrency.py --tiny --requests-per-client 1    # tiny random models (smoke)
+    python benchmarks/concurrency.py --runtime torch                   # the default pair on torch
 
 C clients each send `--requests-per-client` greedy requests one after another (a closed loop: a
 client's next request starts when its last one ends), HumanEval prompts in turn, so C sessions
@@ -210,9 +211,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny random models (smoke)")
     parser.add_argument("--modes", nargs="+", default=["in-process", "served"], choices=["in-process", "served"])
-    parser.add_argument("--policies", nargs="+", default=["specdec++", "fixed:8"], metavar="SPEC",
-                        help="policy specs as `specdec bench` takes them; `specdec++` alone: the head's own h "
-                             "(target-only joins them)")
+    parser.add_argument("--policies", nargs="+", default=["specdec++cost", "fixed:2", "fixed:4"], metavar="SPEC",
+                        help="policy specs as `specdec bench` takes them (default: the default policy and two "
+                             "fixed K); `specdec++` alone: the head's own h (target-only joins them)")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -223,6 +224,8 @@ def main() -> int:
     parser.add_argument("--baseline", action="store_true",
                         help="also the batch-1 reference runtime at concurrency 1 (one pass per session)")
     parser.add_argument("--threads", type=int, default=None, help="served: torch threads per replica")
+    parser.add_argument("--runtime", default="auto", choices=["auto", "torch", "llamacpp"],
+                        help="kernels (auto: llama.cpp for the default pair on a CPU)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -236,7 +239,7 @@ def main() -> int:
         models = EngineConfig(draft=str(draft_dir), target=str(target_dir), batch=batch)
         prompts = [prompt[-48:] for prompt in prompts]  # the tiny models' context is 256 byte tokens
     else:
-        models = EngineConfig(batch=batch)
+        models = EngineConfig(batch=batch, runtime=args.runtime)
     specs = with_baseline(parse_specs(args.policies))  # target-only at every mode and level
     levels = sorted(set(args.concurrency))
 

@@ -126,6 +126,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         result = engine.generate_ids(prompts[0], params, on_update=stream)
         sys.stdout.write("\n")
         print(result.stats.summary(), file=sys.stderr)
+        print_costs(engine, args)
         return 0
 
     start = time.perf_counter()
@@ -143,7 +144,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
               file=sys.stderr)
     if len(prompts) > 1:
         print(aggregate_summary([r.stats for r in results], wall_s), file=sys.stderr)
+    print_costs(engine, args)
     return 0
+
+
+def print_costs(engine, args: argparse.Namespace) -> None:
+    """--debug: the costs the default policy planned with (measured in this run unless given by hand)."""
+    if not args.debug:
+        return
+    from specdec.cost_profile import describe_profile
+
+    print(describe_profile(engine.cost_profile(), engine.loop.drafting), file=sys.stderr)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -314,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(generate)
     add_generation_flags(generate)
     generate.add_argument("--json", action="store_true", help="print one JSON object with completions and stats")
-    generate.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    generate.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                          help="show tracebacks and the measured costs the default policy planned with")
     generate.set_defaults(func=cmd_generate)
 
     serve = commands.add_parser("serve", help="serve the models with Ray Serve over gRPC and HTTP")

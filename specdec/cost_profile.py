@@ -122,6 +122,16 @@ LLAMACPP_PROFILE = CostProfile(t_draft_ms=35.0, t_target_ms={1: 68.0, 2: 100.0, 
 DEFAULT_PROFILES = {"torch": DEFAULT_PROFILE, "llamacpp": LLAMACPP_PROFILE}
 
 
+def describe_profile(profile: CostProfile | None, drafting: bool) -> str:
+    """One line for `--debug` and logs: the curves and whether drafting pays at all."""
+    if profile is None:
+        return "costs: nothing measured yet"
+    draft = ", ".join(f"{k}: {v:.1f}" for k, v in (profile.t_draft_rows_ms or {1: profile.t_draft_ms}).items())
+    target = ", ".join(f"{k}: {v:.1f}" for k, v in profile.t_target_ms.items())
+    return (f"costs ({profile.source}): drafting step ms by sessions {{{draft}}}; target pass ms by tokens "
+            f"{{{target}}}; drafting {'pays' if drafting else 'does not pay: the draft is off'}")
+
+
 def interpolate(curve: dict[int, float], x: float) -> float:
     """A measured curve at x: linear between its points, along the nearest segment past its ends."""
     points = list(curve.items())

@@ -5,6 +5,8 @@
 - tokens-per-s.png: tokens/s per policy, one panel per temperature.
 - cost-model.png: each generation's measured wall time against eq. 2.1's prediction.
 - forward-times.png: t_draft(k) and t_target(k).
+- live-profile.png: the live cost profile the budget planned with (specdec/cost_profile.py), against
+  the bare passes of forward-times when measured.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ def write_plots(results: dict, out: Path) -> dict[str, Path]:
         files["cost-model"] = plot_cost_fit(results, out / "cost-model.png")
     if results.get("forward_times"):
         files["forward-times"] = plot_forward_times(results["forward_times"], out / "forward-times.png")
+    if results.get("live_profile"):
+        files["live-profile"] = plot_live_profile(results["live_profile"], results.get("forward_times"),
+                                                  out / "live-profile.png")
     return files
 
 
@@ -130,6 +135,28 @@ def plot_forward_times(forward: dict, path: Path) -> Path:
     ax.set_title("forward time per pass")
     ax.grid(alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def plot_live_profile(live: dict, forward: dict | None, path: Path) -> Path:
+    """The live profile's curves (lines) and the bench's bare warm passes (points), ms by tokens fed."""
+    fig = Figure(figsize=(6, 4), dpi=DPI)
+    ax = fig.add_subplot()
+    draft = live["t_draft_rows_ms"] or {"1": live["t_draft_ms"]}
+    for role, curve, color in (("drafting step", draft, "tab:blue"), ("target pass", live["t_target_ms"], "tab:red")):
+        points = sorted((int(k), v) for k, v in curve.items())
+        ax.plot([k for k, _ in points], [v for _, v in points], "-", color=color, lw=2, label=f"live: {role}")
+    if forward:
+        for role, color in (("draft", "tab:blue"), ("target", "tab:red")):
+            ax.plot(forward["ks"], [forward[f"{role}_s"][str(k)] * 1000 for k in forward["ks"]], "o", color=color,
+                    label=f"bare pass: {role}")
+    ax.set_xlabel("tokens fed (a drafting step: one per session)")
+    ax.set_ylabel("ms")
+    ax.set_title("live cost profile vs measured passes")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     return path

@@ -42,6 +42,7 @@ def build_results(store: RecordStore, specs: list[PolicySpec], config, prompt_co
         "skipped_specs": {k: v for k, v in notes.get("skipped_specs", {}).items()
                           if k.split("@")[0] in {s.key for s in specs}},
         "chosen": notes.get("chosen", {}), "forward_times": notes.get("forward_times"),
+        "live_profile": notes.get("live_profile"),
         "by_temperature": {}, "records": [],
     }
     for temperature in temperatures:
@@ -367,6 +368,18 @@ def markdown(results: dict) -> str:
                   f"{profile['t_draft_ms']:.1f} ms a drafting step; a verification pass over k candidates "
                   f"{a:.0f} + {(b - a) / (last - one):.1f} k ms. `SPECDEC_COST_PROFILE=<this results.json>` "
                   "makes `specdec++cost` plan with them.", ""]
+    live = results.get("live_profile")
+    if live:
+        draft = live["t_draft_rows_ms"] or {"1": live["t_draft_ms"]}
+        lines += ["## Live cost profile (what the verification budget planned with at the end of the run)", "",
+                  f"{live['source']}; drafting {'pays' if live.get('drafting', True) else 'does not pay: the draft was off'}"
+                  " (specdec/budget.py).", "", "| pass | " + " | ".join(f"{k}" for k in draft) + " |",
+                  "|---" * (len(draft) + 1) + "|",
+                  "| drafting step, ms by sessions | " + " | ".join(f"{v:.1f}" for v in draft.values()) + " |", "",
+                  "| pass | " + " | ".join(f"{k}" for k in live["t_target_ms"]) + " |",
+                  "|---" * (len(live["t_target_ms"]) + 1) + "|",
+                  "| target pass, ms by tokens | " + " | ".join(f"{v:.1f}" for v in live["t_target_ms"].values()) + " |",
+                  ""]
     skipped = results["skipped_specs"]
     if skipped or prompts["skipped"]:
         lines += ["## Skipped", ""]

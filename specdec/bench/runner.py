@@ -144,6 +144,9 @@ class BenchRun:
                 self.store.append(record)
             bar.update(len(records))
         bar.close()
+        profile = self.engine.cost_profile()
+        if todo and profile is not None:  # what the budget planned with at the end of this run
+            self.notes["live_profile"] = {**profile.model_dump(mode="json"), "drafting": self.engine.loop.drafting}
         self.notes["date"] = time.strftime("%Y-%m-%d")
         write_notes(self.config.out, self.notes)
         return self.notes

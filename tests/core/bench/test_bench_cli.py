@@ -51,8 +51,11 @@ def test_bench_end_to_end_then_resume(tiny_pair, prompt_file, tmp_path, capsys, 
 
     results = json.loads((out / "results.json").read_text())
     for name in ("summary.md", "plane-t0.png", "plane-t1.png", "tokens-per-s.png", "cost-model.png",
-                 "forward-times.png"):
+                 "forward-times.png", "live-profile.png"):
         assert (out / name).stat().st_size > 0, name
+    live = results["live_profile"]  # what the budget planned with, measured in the run
+    assert live["source"].startswith("measured in the loop") and live["t_target_ms"] and live["t_draft_rows_ms"]
+    assert "## Live cost profile" in summary and "target pass, ms by tokens" in summary
     # 2 prompts x (5 runnable policies at t=0 + 4 at t=1: no head for specdec++, oracle greedy only)
     assert len(results["records"]) == record_lines(out) == 2 * (6 + 5)
     assert "no acceptance head" in results["skipped_specs"]["specdec++:0.5"]
