@@ -14,7 +14,10 @@ The budget maximises the step's rate R = (sum_s E_s) / T, K = 0 included for one
 all:
 
 - `drafting_pays`: before the step. If no allocation (m sessions drafting k candidates each, every
-  one accepted) beats plain decoding's B / t_target(B), the draft does not run at all.
+  one accepted) beats plain decoding's B / t_target(B), the draft does not run at all; and a
+  session whose draft cache lags (its prompt, or tokens decoded without the draft) drafts only if
+  that best allocation saves more over its remaining tokens than the catch-up pass costs
+  (`worth_catching_up`).
 - `keep`: after drafting step i, for the sessions that drafted y_i. Its draft pass is spent either
   way; session s gains g_s = P_{s,i-1} a_s for one token more in the pass. The top m by gain are
   kept, m maximising (E + g_1 + ... + g_m) / (T + t_target(N + m) - t_target(N)). Losslessness
@@ -61,14 +64,34 @@ def geometric(a: float, depth: int) -> float:
     return a * (1.0 - a ** depth) / (1.0 - a)
 
 
+def best_token_ms(profile: CostProfile, sessions: int, max_candidates: int) -> float:
+    """The least time per generated token of a step of `sessions` sessions: plain decoding's
+    pass(B) / B, or a step in which m of them draft k candidates each, every one accepted:
+    (k t_draft(m) + pass(B + m k)) / (B + m k)."""
+    best = profile.pass_ms(sessions) / sessions
+    for m in range(1, sessions + 1):
+        for k in range(1, max_candidates + 1):
+            best = min(best, (k * profile.draft_ms(m) + profile.pass_ms(sessions + m * k)) / (sessions + m * k))
+    return best
+
+
 def drafting_pays(profile: CostProfile, sessions: int, max_candidates: int) -> bool:
     """False when no step in which m of `sessions` sessions draft k candidates each beats plain
     decoding of all of them even if every candidate were accepted: then the draft need not run."""
     if sessions < 1 or max_candidates < 1:
         return False
-    plain = sessions / profile.pass_ms(sessions)
-    return any((sessions + m * k) / (k * profile.draft_ms(m) + profile.pass_ms(sessions + m * k)) > plain
-               for m in range(1, sessions + 1) for k in range(1, max_candidates + 1))
+    return best_token_ms(profile, sessions, max_candidates) < profile.pass_ms(sessions) / sessions
+
+
+def worth_catching_up(profile: CostProfile, sessions: int, max_candidates: int, lag: int, remaining: int) -> bool:
+    """Whether a session whose draft cache lags `lag` committed tokens (its prompt, at its first
+    round; the tokens decoded while it did not draft) should draft again: the catch-up pass costs
+    t_draft(lag) - t_draft(1) once, and the best drafting saves plain - best_token_ms on each of
+    the ~B x `remaining` tokens the batch generates meanwhile. Where drafting barely pays, a short
+    generation does not earn back the draft's prefill."""
+    saving = profile.pass_ms(sessions) / sessions - best_token_ms(profile, sessions, max_candidates)
+    catch_up = profile.draft_ms(lag) - profile.draft_ms(1) if lag > 1 else 0.0
+    return saving > 0 and sessions * remaining * saving > catch_up
 
 
 def replay_round(profile: CostProfile, acceptance: list[float], limit: int) -> tuple[int, int]:

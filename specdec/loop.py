@@ -52,7 +52,7 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specdec.budget import MAX_CANDIDATES, PROBE_SHARE, StepPlan, drafting_pays
+from specdec.budget import MAX_CANDIDATES, PROBE_SHARE, StepPlan, drafting_pays, worth_catching_up
 from specdec.cost_profile import CostProfile, LiveCosts, given_profile
 from specdec.errors import InvalidRequestError, Unavailable
 from specdec.metrics import MS_PER_S, RequestStats
@@ -300,7 +300,8 @@ class RoundLoop:
 
     def _budget(self, batch: list[Sequence]) -> tuple[list[Sequence], Sequence | None, StepPlan]:
         """The sessions that call the draft this step, the one that probes it (None: no probe) and the
-        plan they carry: budgeted sessions skip the draft while no allocation beats plain decoding."""
+        plan they carry: budgeted sessions skip the draft while no allocation beats plain decoding,
+        and one whose draft would first have to catch up skips it while that does not pay."""
         drafting = [s for s in batch if s.traits.uses_draft]
         profile, probe = self.cost_profile(), None
         budgeted = [s for s in drafting if s.traits.budgeted]
@@ -309,6 +310,10 @@ class RoundLoop:
             self.drafting = drafting_pays(profile, len(batch), cap)
             if self.observer:
                 self.observer.on_costs(profile, self.drafting)
+            if self.drafting:
+                drafting = [s for s in drafting if not s.traits.budgeted or worth_catching_up(
+                    profile, len(batch), cap, len(s.sample.history) - (s.synced["draft"] or 0),
+                    s.request.params.max_new_tokens - len(s.sample.generated))]
         if not self.drafting and budgeted:
             drafting = [s for s in drafting if not s.traits.budgeted]
             self._off_steps += 1

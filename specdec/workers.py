@@ -78,9 +78,10 @@ def serve_batch(items: list, row_for: Callable, run: Callable[[list], list]) -> 
 
 
 # The probe a worker runs when it starts: a scratch session's passes over this many tokens (after a
-# short untimed context). Measured on the default pair (llama.cpp, 2-core AMD EPYC): ~0.7 s in all.
-PROBE_TOKENS = {"draft": (1, 1, 2, 4), "verifier": (1, 1, 2, 4, 8)}
-PROBE_CONTEXT = 8  # tokens fed before the timed passes
+# short untimed context); the draft's 16 prices a catch-up (a prompt's prefill). ~2 s in all on the
+# default pair (llama.cpp, 2-core AMD EPYC, a plain target pass ~100 ms there).
+PROBE_TOKENS = {"draft": (1, 2, 16), "verifier": (1, 2, 4, 8)}
+PROBE_CONTEXT = 2  # tokens fed before the timed passes (the first pass pays for lazy set-up)
 
 
 def probe_passes(runtime: Runtime, role: str, sizes: Sequence[int]) -> list[PassTiming]:

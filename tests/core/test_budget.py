@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.budget import StepBudget, drafting_pays, expected_tokens, geometric, replay_round
+from specdec.budget import StepBudget, drafting_pays, expected_tokens, geometric, replay_round, worth_catching_up
 from specdec.cost_profile import CostProfile
 from specdec.features import FEATURES_DISTRIBUTION
 from specdec.head import AcceptanceHead, HeadConfig
@@ -157,3 +157,17 @@ def test_propose_turns_budgeted_sessions_off_when_drafting_cannot_pay():
 def test_propose_needs_costs_for_a_budgeted_session():
     with pytest.raises(ValueError, match="cost profile"):
         propose(ScriptedDraft({0: 0.9}), [row(0, SpecDecPPCost(q_head()))])
+
+
+def test_a_lagging_draft_catches_up_only_when_the_generation_earns_it_back():
+    """A draft step 40 ms (16 tokens 400 ms: 24 ms a token more), a target pass 100.6 / 155.8 / 255
+    ms for 1 / 2 / 4 tokens. At best (3 candidates, all accepted) a token costs (120 + 255) / 4 =
+    93.75 ms against 100.6: 6.85 ms saved a token, 877 ms over 128 tokens, less than a 40-token
+    prompt's prefill into the draft (976 - 40 ms); over 256 tokens it pays."""
+    barely = CostProfile(t_draft_ms=40.0, t_draft_rows_ms={1: 40.0, 16: 400.0},
+                         t_target_ms={1: 100.6, 2: 155.8, 4: 255.0, 8: 565.3})
+    assert drafting_pays(barely, 1, 20)
+    assert not worth_catching_up(barely, 1, 20, lag=40, remaining=128)
+    assert worth_catching_up(barely, 1, 20, lag=40, remaining=256)
+    assert worth_catching_up(barely, 1, 20, lag=1, remaining=128)  # in step with the draft: nothing to pay
+    assert not worth_catching_up(AMD, 1, 20, lag=1, remaining=128)  # nothing pays there at all
