@@ -75,21 +75,25 @@ def best_token_ms(profile: CostProfile, sessions: int, max_candidates: int) -> f
     return best
 
 
-def drafting_pays(profile: CostProfile, sessions: int, max_candidates: int) -> bool:
-    """False when no step in which m of `sessions` sessions draft k candidates each beats plain
-    decoding of all of them even if every candidate were accepted: then the draft need not run."""
+def drafting_saving(profile: CostProfile, sessions: int, max_candidates: int) -> float:
+    """The most ms per generated token drafting can save against plain decoding (every candidate
+    accepted); <= 0: no step in which m of `sessions` sessions draft k candidates each beats plain
+    decoding of all of them, and the draft need not run."""
     if sessions < 1 or max_candidates < 1:
-        return False
-    return best_token_ms(profile, sessions, max_candidates) < profile.pass_ms(sessions) / sessions
+        return 0.0
+    return profile.pass_ms(sessions) / sessions - best_token_ms(profile, sessions, max_candidates)
 
 
-def worth_catching_up(profile: CostProfile, sessions: int, max_candidates: int, lag: int, remaining: int) -> bool:
+def drafting_pays(profile: CostProfile, sessions: int, max_candidates: int) -> bool:
+    return drafting_saving(profile, sessions, max_candidates) > 0
+
+
+def worth_catching_up(profile: CostProfile, saving: float, sessions: int, lag: int, remaining: int) -> bool:
     """Whether a session whose draft cache lags `lag` committed tokens (its prompt, at its first
-    round; the tokens decoded while it did not draft) should draft again: the catch-up pass costs
-    t_draft(lag) - t_draft(1) once, and the best drafting saves plain - best_token_ms on each of
-    the ~B x `remaining` tokens the batch generates meanwhile. Where drafting barely pays, a short
+    round; the tokens decoded while it did not draft) should draft: the catch-up pass costs
+    t_draft(lag) - t_draft(1) once, and drafting saves at most `saving` (`drafting_saving`) on each
+    of the ~B x `remaining` tokens the batch generates meanwhile. Where drafting barely pays, a short
     generation does not earn back the draft's prefill."""
-    saving = profile.pass_ms(sessions) / sessions - best_token_ms(profile, sessions, max_candidates)
     catch_up = profile.draft_ms(lag) - profile.draft_ms(1) if lag > 1 else 0.0
     return saving > 0 and sessions * remaining * saving > catch_up
 

@@ -52,7 +52,7 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specdec.budget import MAX_CANDIDATES, PROBE_SHARE, StepPlan, drafting_pays, worth_catching_up
+from specdec.budget import MAX_CANDIDATES, PROBE_SHARE, StepPlan, drafting_saving, worth_catching_up
 from specdec.cost_profile import CostProfile, LiveCosts, given_profile
 from specdec.errors import InvalidRequestError, Unavailable
 from specdec.metrics import MS_PER_S, RequestStats
@@ -307,12 +307,13 @@ class RoundLoop:
         budgeted = [s for s in drafting if s.traits.budgeted]
         if profile is not None and budgeted:
             cap = max(s.request.params.policy.k or MAX_CANDIDATES for s in budgeted)
-            self.drafting = drafting_pays(profile, len(batch), cap)
+            saving = drafting_saving(profile, len(batch), cap)
+            self.drafting = saving > 0
             if self.observer:
                 self.observer.on_costs(profile, self.drafting)
             if self.drafting:
                 drafting = [s for s in drafting if not s.traits.budgeted or worth_catching_up(
-                    profile, len(batch), cap, len(s.sample.history) - (s.synced["draft"] or 0),
+                    profile, saving, len(batch), len(s.sample.history) - (s.synced["draft"] or 0),
                     s.request.params.max_new_tokens - len(s.sample.generated))]
         if not self.drafting and budgeted:
             drafting = [s for s in drafting if not s.traits.budgeted]

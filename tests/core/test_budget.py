@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.budget import StepBudget, drafting_pays, expected_tokens, geometric, replay_round, worth_catching_up
+from specdec.budget import (StepBudget, drafting_pays, drafting_saving, expected_tokens, geometric, replay_round,
+                            worth_catching_up)
 from specdec.cost_profile import CostProfile
 from specdec.features import FEATURES_DISTRIBUTION
 from specdec.head import AcceptanceHead, HeadConfig
@@ -167,7 +168,9 @@ def test_a_lagging_draft_catches_up_only_when_the_generation_earns_it_back():
     barely = CostProfile(t_draft_ms=40.0, t_draft_rows_ms={1: 40.0, 16: 400.0},
                          t_target_ms={1: 100.6, 2: 155.8, 4: 255.0, 8: 565.3})
     assert drafting_pays(barely, 1, 20)
-    assert not worth_catching_up(barely, 1, 20, lag=40, remaining=128)
-    assert worth_catching_up(barely, 1, 20, lag=40, remaining=256)
-    assert worth_catching_up(barely, 1, 20, lag=1, remaining=128)  # in step with the draft: nothing to pay
-    assert not worth_catching_up(AMD, 1, 20, lag=1, remaining=128)  # nothing pays there at all
+    saving = drafting_saving(barely, 1, 20)
+    assert saving == pytest.approx(100.6 - 93.75)
+    assert not worth_catching_up(barely, saving, 1, lag=40, remaining=128)
+    assert worth_catching_up(barely, saving, 1, lag=40, remaining=256)
+    assert worth_catching_up(barely, saving, 1, lag=1, remaining=128)  # in step with the draft: nothing to pay
+    assert not worth_catching_up(AMD, drafting_saving(AMD, 1, 20), 1, lag=1, remaining=128)  # nothing pays there
