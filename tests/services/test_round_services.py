@@ -128,6 +128,49 @@ def test_concurrent_requests_share_calls_and_equal_the_engine(servers, tiny_engi
     assert len(servers.draft.sessions) == len(servers.verifier.sessions) == 0
 
 
+class PlanRecordingTransport(GrpcTransport):
+    """Records the plan every Propose carries."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.plans = []
+
+    async def propose(self, items, plan):
+        self.plans.append(plan)
+        return await super().propose(items, plan)
+
+
+def test_the_costs_travel_with_the_calls(tiny_engine):
+    """Served, the replicas time their passes and send the timings back; the loop's live profile
+    goes out with the next Propose, where the draft replica's budget plans with it. The first call
+    carries none (nothing measured yet: the replica plans with its prior); the output is
+    target-only's."""
+    from specdec.head import AcceptanceHead, HeadConfig
+
+    head = AcceptanceHead(HeadConfig(hidden_size=tiny_engine.draft.hidden_size, depth=0, draft_identity="x")).eval()
+    draft = DraftServicer(DraftWorker(tiny_engine.draft, head))
+    verifier = VerifierServicer(VerifierWorker(tiny_engine.target))
+    draft.worker.probe()  # the replicas' start-up probes: their timings go out with the first replies
+    verifier.worker.probe()
+    servers = [start_server(draft=draft), start_server(verifier=verifier)]
+    try:
+        transport = PlanRecordingTransport(servers[0][1], servers[1][1])
+        rules = tiny_engine.rules.__class__(None, tiny_engine.eos_token_ids, tiny_engine.max_context,
+                                            tiny_engine.target.vocab_size, has_head=True)
+        loop = RoundLoop(transport, rules)
+        params = build_params(policy="specdec++cost", k=3, max_new_tokens=MAX_NEW_TOKENS)
+        [result] = run(loop, [(PROMPTS[0], params)])
+        assert transport.plans[0].costs is None
+        measured = [plan.costs for plan in transport.plans[1:] if plan.costs is not None]
+        assert measured and measured[-1].source.startswith("measured in the loop")
+        assert loop.costs.curve("draft") and loop.costs.curve("verifier")
+        plain = build_params(policy="target-only", max_new_tokens=MAX_NEW_TOKENS)
+        assert result.completions[0].token_ids == engine_ids(tiny_engine, PROMPTS[0], plain)[0]
+    finally:
+        for server, _ in servers:
+            server.stop(None)
+
+
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (50, 0.9)])
 def test_seeded_sampling_matches_engine(servers, tiny_engine, top_k, top_p):
     loop = RoundLoop(GrpcTransport(*servers.addresses), tiny_engine.rules)
@@ -390,6 +433,20 @@ def test_bad_items_are_refused_one_by_one(stubs, servers):
             assert_refused(answer, fragment)
     verifier.Release(common_pb2.SessionRefs(session_ids=["v5"]))
     assert len(servers.draft.sessions) == len(servers.verifier.sessions) == 0
+
+
+def test_a_bad_cost_profile_fails_the_call_with_one_line(stubs, servers):
+    """The plan is the call's, not an item's: a malformed profile is INVALID_ARGUMENT for the call."""
+    draft, _ = stubs
+    bad = common_pb2.CostProfile(t_draft_ms=1.0, t_target_ms={0: 5.0})
+    with pytest.raises(grpc.RpcError) as info:
+        draft.Propose(draft_pb2.ProposeBatch(items=[propose_item(session_id="p")], costs=bad))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cost profile" in info.value.details() and "\n" not in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        draft.Propose(draft_pb2.ProposeBatch(items=[propose_item(session_id="p")], other_sessions=-1))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(servers.draft.sessions) == 0
 
 
 def test_missing_session_is_reported_not_guessed(stubs, servers):
