@@ -178,6 +178,7 @@ class Sequence:
     done: asyncio.Future  # the sample's outcome: set once its workers' caches are released
     round_index: int = 0
     synced: dict = field(default_factory=lambda: {"draft": None, "verifier": None})  # history length each side holds
+    drafted_at: int = 0  # history length when the draft last ran for it: its cache lags the rest
     outcomes: list[tuple[int, int]] = field(default_factory=list)  # every round's (K, n), for a draft that rebuilds
     unsent: int = 0  # outcomes the draft has not been told about
     contacted: set = field(default_factory=set)  # roles that may hold the session: released when it leaves
@@ -313,7 +314,7 @@ class RoundLoop:
                 self.observer.on_costs(profile, self.drafting)
             if self.drafting:
                 drafting = [s for s in drafting if not s.traits.budgeted or worth_catching_up(
-                    profile, saving, len(batch), len(s.sample.history) - (s.synced["draft"] or 0),
+                    profile, saving, len(batch), len(s.sample.history) - s.drafted_at,
                     s.request.params.max_new_tokens - len(s.sample.generated))]
         if not self.drafting and budgeted:
             drafting = [s for s in drafting if not s.traits.budgeted]
@@ -328,8 +329,10 @@ class RoundLoop:
         drafting, probe, plan = self._budget(batch)
         proposals = await self._call("draft", drafting, partial(self._propose_item, probe=probe),
                                      lambda items: self.transport.propose(items, plan))
-        for s in proposals:
+        for s, proposal in proposals.items():
             s.unsent = 0
+            if proposal.forward_passes:  # the draft's cache caught up with the history
+                s.drafted_at = len(s.sample.history)
         # verify
         verifying = [s for s in batch if not s.over and (s in proposals or s not in drafting)]
         verdicts = await self._call("verifier", verifying, partial(self._verify_item, proposals=proposals, probe=probe),

@@ -160,7 +160,7 @@ class FakeClock(LocalTransport):
 
     def __init__(self, engine, head, cost):
         super().__init__(DraftWorker(engine.draft, head), VerifierWorker(engine.target))
-        self.cost, self.candidates, self.probes = cost, 0, 0
+        self.cost, self.candidates, self.probes, self.steps = cost, 0, 0, 0
 
     def timed(self, reply):
         reply.passes = [replace(t, ms=self.cost(t.role, t.tokens)) for t in reply.passes]
@@ -173,6 +173,7 @@ class FakeClock(LocalTransport):
         return reply
 
     async def verify(self, items):
+        self.steps += 1
         return self.timed(await super().verify(items))
 
 
@@ -187,22 +188,27 @@ def costly(role: str, tokens: int) -> float:
     return 60.0 * tokens if role == "draft" else cheap(role, tokens)
 
 
+def budgeted_loop(engine, cost) -> tuple[FakeClock, RoundLoop]:
+    """A loop whose default policy has a head, on a fake clock, seeded by the workers' probes."""
+    from specdec.head import AcceptanceHead, HeadConfig
+    from specdec.sequences import RequestRules
+
+    head = AcceptanceHead(HeadConfig(hidden_size=engine.draft.hidden_size, depth=0, draft_identity="x")).eval()
+    transport = FakeClock(engine, head, cost)
+    rules = RequestRules(None, engine.eos_token_ids, engine.max_context, engine.target.vocab_size, has_head=True)
+    loop = RoundLoop(transport, rules, probe_share=0.5)
+    for worker in (transport.draft, transport.verifier):
+        worker.probe()
+        loop.costs.observe(transport.timed(BatchReply([], [], worker.take_timings())).passes)
+    return transport, loop
+
+
 def test_the_budget_turns_drafting_off_when_the_costs_say_so_and_back_on(tiny_engine):
     """A fake clock: while drafting pays the default policy drafts; once the measured costs say no
     round can pay (the draft got slow), the draft stops within a few rounds (only rare probes reach
     it); when it is fast again, a probe sees it and drafting resumes. The output is target-only's
     throughout."""
-    from specdec.head import AcceptanceHead, HeadConfig
-    from specdec.sequences import RequestRules
-
-    head = AcceptanceHead(HeadConfig(hidden_size=tiny_engine.draft.hidden_size, depth=0, draft_identity="x")).eval()
-    transport = FakeClock(tiny_engine, head, cheap)
-    rules = RequestRules(None, tiny_engine.eos_token_ids, tiny_engine.max_context, tiny_engine.target.vocab_size,
-                         has_head=True)
-    loop = RoundLoop(transport, rules, probe_share=0.5)
-    for worker in (transport.draft, transport.verifier):
-        worker.probe()
-        loop.costs.observe(transport.timed(BatchReply([], [], worker.take_timings())).passes)
+    transport, loop = budgeted_loop(tiny_engine, cheap)
     params = build_params(policy="specdec++cost", k=4, max_new_tokens=120)
 
     def phase(cost) -> tuple[int, int, list[int]]:
@@ -217,3 +223,21 @@ def test_the_budget_turns_drafting_off_when_the_costs_say_so_and_back_on(tiny_en
     assert not loop.drafting and drafted < 20 and probes >= 1 and ids == plain
     drafted, probes, ids = phase(cheap)
     assert loop.drafting and probes >= 1 and drafted > 20 and ids == plain
+
+
+def barely(role: str, tokens: int) -> float:
+    """Drafting saves ~6 ms a token at best (3 candidates, all accepted: (120 + 256) / 4 = 94 ms
+    against a plain 100): over 120 tokens less than a 21-token prompt's catch-up (20 x 40 ms)."""
+    return 40.0 * tokens if role == "draft" else 100.0 + 52.0 * (tokens - 1)
+
+
+def test_a_draft_that_lags_does_not_catch_up_for_a_saving_that_cannot_repay_it(tiny_engine):
+    """The draft is off (no round pays), probes run, then costs change so that drafting barely pays:
+    the session's draft would first have to prefill all it has not seen, which the rest of the
+    generation cannot earn back, so it stays off. (A probe does not feed the session's cache.)"""
+    transport, loop = budgeted_loop(tiny_engine, costly)
+    transport.cost = lambda role, tokens: (costly if transport.steps < 40 else barely)(role, tokens)
+    params = build_params(policy="specdec++cost", k=4, max_new_tokens=120)
+    [result] = run(loop, [(PROMPTS[1], params)])
+    assert transport.probes >= 1 and loop.drafting  # probes ran; drafting pays again at the end
+    assert transport.candidates == 0 and result.stats.draft_forward_passes == 0
