@@ -84,13 +84,15 @@ PROBE_TOKENS = {"draft": (1, 2, 16), "verifier": (1, 2, 4, 8)}
 PROBE_CONTEXT = 2  # tokens fed before the timed passes (the first pass pays for lazy set-up)
 
 
-def probe_passes(runtime: Runtime, role: str, sizes: Sequence[int]) -> list[PassTiming]:
-    """Time one pass over each of `sizes` tokens on a scratch session (dropped after)."""
+def probe_passes(runtime: Runtime, role: str, sizes: Sequence[int], context: int = PROBE_CONTEXT) -> list[PassTiming]:
+    """Time one pass over each of `sizes` tokens on a scratch session (dropped after), after
+    `context` untimed tokens (a model's first pass pays for lazy set-up)."""
     session = runtime.new_session()
-    history = [(7 + i) % runtime.vocab_size for i in range(PROBE_CONTEXT)]
+    history = [(7 + i) % runtime.vocab_size for i in range(context)]
     feed = (lambda: runtime.start([session], [history])) if role == "draft" else (
         lambda: runtime.score([session], [history], [[]]))
-    feed()
+    if history:
+        feed()
     timings = []
     for size in sizes:
         if len(history) + size >= runtime.max_context:
@@ -118,8 +120,12 @@ class Worker:
         return [self.sessions.pop(session_id) is not None for session_id in session_ids]
 
     def probe(self, sizes: Sequence[int] | None = None) -> None:
-        """Time a few scratch passes (kept with the other timings)."""
-        self.timings += probe_passes(self.runtime, self.role, sizes or PROBE_TOKENS[self.role])
+        """Time a few scratch passes (kept with the other timings): the start-up probe, or with
+        `sizes` the loop's probe of a warm model (no untimed context: it costs only what it times)."""
+        if sizes is None:
+            self.timings += probe_passes(self.runtime, self.role, PROBE_TOKENS[self.role])
+        else:
+            self.timings += probe_passes(self.runtime, self.role, sizes, context=0)
 
     def take_timings(self) -> list[PassTiming]:
         taken, self.timings = self.timings, []
