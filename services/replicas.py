@@ -99,8 +99,9 @@ class Draft(RoundReplica):
         set_threads(config.draft.threads)
         draft, _ = build_draft(config.models.model_copy(update={"threads": config.draft.threads}), progress=False)
         sessions = SessionStore(config.sessions.max_sessions, config.sessions.ttl_s)
-        return DraftServicer(DraftWorker(draft, build_head(config.models, draft), sessions,
-                                         sparsifier(config.sparsify_below)), self._executor)
+        worker = DraftWorker(draft, build_head(config.models, draft), sessions, sparsifier(config.sparsify_below))
+        worker.probe()  # its timings seed the coordinator's live costs with the first reply
+        return DraftServicer(worker, self._executor)
 
     async def propose(self, payload: bytes) -> bytes:
         return await self._serve(self.servicer.Propose, draft_pb2.ProposeBatch, payload)
@@ -120,7 +121,9 @@ class Verifier(RoundReplica):
         target, _ = build_target(config.models.model_copy(update={"threads": config.verifier.threads}),
                                  progress=False, load=load)
         sessions = SessionStore(config.sessions.max_sessions, config.sessions.ttl_s)
-        return VerifierServicer(VerifierWorker(target, sessions), self._executor)
+        worker = VerifierWorker(target, sessions)
+        worker.probe()  # its timings seed the coordinator's live costs with the first reply
+        return VerifierServicer(worker, self._executor)
 
     async def verify(self, payload: bytes) -> bytes:
         return await self._serve(self.servicer.Verify, verifier_pb2.VerifyBatch, payload)
