@@ -16,8 +16,8 @@ all:
 - `drafting_pays`: before the step. If no allocation (m sessions drafting k candidates each, every
   one accepted) beats plain decoding's B / t_target(B), the draft does not run at all; and a
   session whose draft cache lags (its prompt, or tokens decoded without the draft) drafts only if
-  that best allocation saves more over its remaining tokens than the catch-up pass costs
-  (`worth_catching_up`).
+  the best allocation at the acceptance measured so far saves more over its remaining tokens than
+  the catch-up pass costs (`worth_catching_up`).
 - `keep`: after drafting step i, for the sessions that drafted y_i. Its draft pass is spent either
   way; session s gains g_s = P_{s,i-1} a_s for one token more in the pass. The top m by gain are
   kept, m maximising (E + g_1 + ... + g_m) / (T + t_target(N + m) - t_target(N)). Losslessness
@@ -44,6 +44,9 @@ from dataclasses import dataclass
 from specdec.cost_profile import CostProfile
 
 MAX_CANDIDATES = 20  # the paper's cap on a round, for a budgeted policy given no --k
+# P(a candidate is accepted | the ones before were) before any is verified, and its weight in
+# candidates: the loop's estimate starts here and follows the rounds' outcomes (loop.py).
+PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.8, 10.0
 # While the draft is off, one probe of its cost may take this share of the plain steps (loop.py).
 PROBE_SHARE = 0.005
 
@@ -64,24 +67,26 @@ def geometric(a: float, depth: int) -> float:
     return a * (1.0 - a ** depth) / (1.0 - a)
 
 
-def best_token_ms(profile: CostProfile, sessions: int, max_candidates: int) -> float:
+def best_token_ms(profile: CostProfile, sessions: int, max_candidates: int, acceptance: float = 1.0) -> float:
     """The least time per generated token of a step of `sessions` sessions: plain decoding's
-    pass(B) / B, or a step in which m of them draft k candidates each, every one accepted:
-    (k t_draft(m) + pass(B + m k)) / (B + m k)."""
+    pass(B) / B, or a step in which m of them draft k candidates each, each accepted with
+    probability `acceptance` given the ones before: (k t_draft(m) + pass(B + m k)) /
+    (B + m (a + ... + a^k))."""
     best = profile.pass_ms(sessions) / sessions
     for m in range(1, sessions + 1):
         for k in range(1, max_candidates + 1):
-            best = min(best, (k * profile.draft_ms(m) + profile.pass_ms(sessions + m * k)) / (sessions + m * k))
+            tokens = sessions + m * geometric(acceptance, k)
+            best = min(best, (k * profile.draft_ms(m) + profile.pass_ms(sessions + m * k)) / tokens)
     return best
 
 
-def drafting_saving(profile: CostProfile, sessions: int, max_candidates: int) -> float:
-    """The most ms per generated token drafting can save against plain decoding (every candidate
-    accepted); <= 0: no step in which m of `sessions` sessions draft k candidates each beats plain
-    decoding of all of them, and the draft need not run."""
+def drafting_saving(profile: CostProfile, sessions: int, max_candidates: int, acceptance: float = 1.0) -> float:
+    """The most ms per generated token drafting can save against plain decoding at `acceptance`
+    (1: every candidate accepted, the bound); <= 0: no step in which m of `sessions` sessions draft
+    k candidates each beats plain decoding of all of them."""
     if sessions < 1 or max_candidates < 1:
         return 0.0
-    return profile.pass_ms(sessions) / sessions - best_token_ms(profile, sessions, max_candidates)
+    return profile.pass_ms(sessions) / sessions - best_token_ms(profile, sessions, max_candidates, acceptance)
 
 
 def drafting_pays(profile: CostProfile, sessions: int, max_candidates: int) -> bool:
@@ -91,11 +96,13 @@ def drafting_pays(profile: CostProfile, sessions: int, max_candidates: int) -> b
 def worth_catching_up(profile: CostProfile, saving: float, sessions: int, lag: int, remaining: int) -> bool:
     """Whether a session whose draft cache lags `lag` committed tokens (its prompt, at its first
     round; the tokens decoded while it did not draft) should draft: the catch-up pass costs
-    t_draft(lag) - t_draft(1) once, and drafting saves at most `saving` (`drafting_saving`) on each
-    of the ~B x `remaining` tokens the batch generates meanwhile. Where drafting barely pays, a short
-    generation does not earn back the draft's prefill."""
-    catch_up = profile.draft_ms(lag) - profile.draft_ms(1) if lag > 1 else 0.0
-    return saving > 0 and sessions * remaining * saving > catch_up
+    t_draft(lag) - t_draft(1) once, and drafting saves `saving` (`drafting_saving` at the measured
+    acceptance, not the bound: this is an investment) on each of the ~B x `remaining` tokens the
+    batch generates meanwhile. Where drafting barely pays, a short generation does not earn back the
+    draft's prefill. A draft in step (lag <= 1) has nothing to catch up: the step's budget decides."""
+    if lag <= 1:
+        return True
+    return sessions * remaining * saving > profile.draft_ms(lag) - profile.draft_ms(1)
 
 
 def replay_round(profile: CostProfile, acceptance: list[float], limit: int) -> tuple[int, int]:

@@ -52,7 +52,8 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specdec.budget import MAX_CANDIDATES, PROBE_SHARE, StepPlan, drafting_saving, worth_catching_up
+from specdec.budget import (MAX_CANDIDATES, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PROBE_SHARE, StepPlan, drafting_saving,
+                            worth_catching_up)
 from specdec.cost_profile import CostProfile, LiveCosts, given_profile
 from specdec.errors import InvalidRequestError, Unavailable
 from specdec.metrics import MS_PER_S, RequestStats
@@ -69,6 +70,7 @@ logger = logging.getLogger(__name__)
 NO_PROPOSAL = Proposal()  # target-only rounds verify no candidates
 # Best effort: a replica that cannot free a session this soon has lost it (its LRU/TTL frees it).
 RELEASE_TIMEOUT_S = 10.0
+ACCEPTANCE_DECAY = 0.99  # per drafted round: the loop's acceptance follows the last ~100 rounds
 
 
 class BatchConfig(BaseModel):
@@ -204,6 +206,9 @@ class RoundLoop:
         self.probe_share = probe_share
         self.drafting = True  # the last step's answer to "does drafting pay at all" (budget.py)
         self._off_steps = 0  # steps since the draft last ran or probed while it is off
+        # candidates accepted and verified, decayed by ACCEPTANCE_DECAY a round: the acceptance
+        # a catch-up is judged at (budget.worth_catching_up)
+        self._accepted, self._verified = PRIOR_ACCEPTANCE * PRIOR_WEIGHT, PRIOR_WEIGHT
         self._lanes: list[list[Sequence]] = [[] for _ in range(batch.lanes)]
         self._tasks: list[asyncio.Task | None] = [None] * batch.lanes
         self._releasing: dict[asyncio.Task, list[Sequence]] = {}  # retired sequences' releases, off the step path
@@ -294,6 +299,12 @@ class RoundLoop:
             running.clear()
             raise
 
+    @property
+    def acceptance(self) -> float:
+        """The rounds' measured acceptance: P(a candidate is accepted | the ones before were), as
+        accepted / (accepted + rejected) over recent rounds, from PRIOR_ACCEPTANCE."""
+        return self._accepted / self._verified
+
     def cost_profile(self) -> CostProfile | None:
         """What the step's budget plans with: a profile given by hand, else the live one (None until
         both roles are measured)."""
@@ -313,8 +324,9 @@ class RoundLoop:
             if self.observer:
                 self.observer.on_costs(profile, self.drafting)
             if self.drafting:
+                expected = drafting_saving(profile, len(batch), cap, self.acceptance)
                 drafting = [s for s in drafting if not s.traits.budgeted or worth_catching_up(
-                    profile, saving, len(batch), len(s.sample.history) - s.drafted_at,
+                    profile, expected, len(batch), len(s.sample.history) - s.drafted_at,
                     s.request.params.max_new_tokens - len(s.sample.generated))]
         if not self.drafting and budgeted:
             drafting = [s for s in drafting if not s.traits.budgeted]
@@ -436,6 +448,9 @@ class RoundLoop:
                                f"next token {verdict.next_token})")
         s.outcomes.append((k, n))
         s.unsent += 1
+        if k:  # n accepted, then one rejected unless all k were
+            self._accepted = self._accepted * ACCEPTANCE_DECAY + n
+            self._verified = self._verified * ACCEPTANCE_DECAY + n + (n < k)
         s.round_index += 1
         request.stats.draft_forward_passes += proposal.forward_passes
         request.stats.record_round(k, n)

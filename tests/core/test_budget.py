@@ -172,5 +172,16 @@ def test_a_lagging_draft_catches_up_only_when_the_generation_earns_it_back():
     assert saving == pytest.approx(100.6 - 93.75)
     assert not worth_catching_up(barely, saving, 1, lag=40, remaining=128)
     assert worth_catching_up(barely, saving, 1, lag=40, remaining=256)
-    assert worth_catching_up(barely, saving, 1, lag=1, remaining=128)  # in step with the draft: nothing to pay
-    assert not worth_catching_up(AMD, drafting_saving(AMD, 1, 20), 1, lag=1, remaining=128)  # nothing pays there
+    assert worth_catching_up(barely, -1.0, 1, lag=1, remaining=128)  # in step: nothing to pay, the step decides
+    assert not worth_catching_up(AMD, drafting_saving(AMD, 1, 20), 1, lag=2, remaining=128)  # nothing pays there
+
+
+def test_the_saving_at_a_measured_acceptance_is_below_the_bound():
+    """The bound (every candidate accepted) decides whether the draft may run at all; a catch-up is
+    an investment, judged at the acceptance measured so far. At 0.8 the barely-paying costs above
+    save nothing: (40 + 155.8) / 1.8 = 108.8 ms a token for one candidate, more than plain's 100.6."""
+    barely = CostProfile(t_draft_ms=40.0, t_draft_rows_ms={1: 40.0, 16: 400.0},
+                         t_target_ms={1: 100.6, 2: 155.8, 4: 255.0, 8: 565.3})
+    assert drafting_saving(barely, 1, 20) > 0 >= drafting_saving(barely, 1, 20, acceptance=0.8)
+    torch_like = CostProfile(t_draft_ms=56.0, t_target_ms={1: 397.0, 21: 857.0})
+    assert drafting_saving(torch_like, 1, 20, acceptance=0.8) > 100.0  # on torch a catch-up pays at once

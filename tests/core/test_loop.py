@@ -158,8 +158,8 @@ class FakeClock(LocalTransport):
     """The in-process workers (with an acceptance head), every pass timed by `cost(role, tokens)`
     instead of the clock; counts the candidates drafted and the probes sent."""
 
-    def __init__(self, engine, head, cost):
-        super().__init__(DraftWorker(engine.draft, head), VerifierWorker(engine.target))
+    def __init__(self, engine, head, cost, draft=None):
+        super().__init__(DraftWorker(draft or engine.draft, head), VerifierWorker(engine.target))
         self.cost, self.candidates, self.probes, self.steps = cost, 0, 0, 0
 
     def timed(self, reply):
@@ -189,12 +189,15 @@ def costly(role: str, tokens: int) -> float:
 
 
 def budgeted_loop(engine, cost) -> tuple[FakeClock, RoundLoop]:
-    """A loop whose default policy has a head, on a fake clock, seeded by the workers' probes."""
+    """A loop whose default policy has a head, on a fake clock, seeded by the workers' probes. The
+    target drafts for itself: every greedy candidate is accepted."""
     from specdec.head import AcceptanceHead, HeadConfig
+    from specdec.models.runtime import DraftRuntime
     from specdec.sequences import RequestRules
 
-    head = AcceptanceHead(HeadConfig(hidden_size=engine.draft.hidden_size, depth=0, draft_identity="x")).eval()
-    transport = FakeClock(engine, head, cost)
+    self_draft = DraftRuntime(engine.target.model)
+    head = AcceptanceHead(HeadConfig(hidden_size=self_draft.hidden_size, depth=0, draft_identity="x")).eval()
+    transport = FakeClock(engine, head, cost, self_draft)
     rules = RequestRules(None, engine.eos_token_ids, engine.max_context, engine.target.vocab_size, has_head=True)
     loop = RoundLoop(transport, rules, probe_share=0.5)
     for worker in (transport.draft, transport.verifier):
