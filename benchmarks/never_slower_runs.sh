@@ -4,7 +4,10 @@
 # set (20), greedy and T = 1; on torch also against specdec++cost planned with a profile measured
 # offline (SPECDEC_COST_PROFILE); then every concurrency level, in process and served.
 # Resumable: each `specdec bench` skips the records its --out holds; rerun after an interruption.
-# The concurrency tables are rerun whole (minutes each). Say which CPU: the report records it.
+# The concurrency tables are rerun whole (tens of minutes each). Say which CPU: the report records it.
+# Compare only records measured together: a bench interleaves its policies prompt by prompt, and on
+# this project's machines speed drifts by several percent within an hour (delete both policies'
+# records of a set and temperature to remeasure them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=docs/results/never-slower
@@ -21,7 +24,7 @@ if [[ " ${RUNTIMES:-llamacpp torch} " == *" torch "* ]]; then
   SPECDEC_COST_PROFILE="$OUT/torch-humaneval/results.json" $B --runtime torch --prompts humaneval --limit 40 \
     --temperatures 0 --policies target-only specdec++cost --out "$OUT/torch-humaneval-given-profile"
 fi
-for runtime in ${CONCURRENCY_RUNTIMES:-llamacpp torch}; do
+for runtime in ${CONCURRENCY_RUNTIMES-llamacpp torch}; do  # CONCURRENCY_RUNTIMES="": none
   [[ -f "$OUT/concurrency-$runtime.json" ]] && continue
   python benchmarks/concurrency.py --runtime "$runtime" --concurrency 2 4 8 16 \
     --policies specdec++cost fixed:2 fixed:4 --out "$OUT/concurrency-$runtime.json" | tee "$OUT/concurrency-$runtime.md"

@@ -152,7 +152,9 @@ def plot_live_profile(live: dict, forward: dict | None, path: Path) -> Path:
         for role, color in (("draft", "tab:blue"), ("target", "tab:red")):
             ax.plot(forward["ks"], [forward[f"{role}_s"][str(k)] * 1000 for k in forward["ks"]], "o", color=color,
                     label=f"bare pass: {role}")
-    ax.set_xlabel("tokens fed (a drafting step: one per session)")
+    ax.set_xscale("log", base=2)  # one-token steps and prompt prefills on one plot
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens fed (a drafting step: one per session; a prefill: the prompt)")
     ax.set_ylabel("ms")
     ax.set_title("live cost profile vs measured passes")
     ax.grid(alpha=0.3)
