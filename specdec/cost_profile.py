@@ -75,10 +75,6 @@ class CostProfile(BaseModel):
         """ms of the verification pass over `candidates` candidates (k + 1 tokens)."""
         return self.pass_ms(candidates + 1)
 
-    def to_json(self) -> dict:
-        """As the profile JSON of the module docstring (what `load` reads back)."""
-        return self.model_dump(mode="json")
-
     @classmethod
     def from_forward_times(cls, forward_times: dict, source: str = "") -> CostProfile:
         """From `specdec bench`'s `forward_times` ({"draft_s": {k: s}, "target_s": {k: s}}): t_draft is
