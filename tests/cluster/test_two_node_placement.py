@@ -65,13 +65,22 @@ def use_auth_env(values: dict[str, str | None]) -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
+class NodeExited(RuntimeError):
+    pass
+
+
 class Node:
     def __init__(self, args: list[str], log: Path):
+        self.path = log
         self.log = log.open("wb")
         # Its own process group: terminating it reaches nothing of the test process.
         self.process = subprocess.Popen([shutil.which("ray") or "ray", "start", "--block", *args],
                                         stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
                                         env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+
+    def tail(self, lines: int = 15) -> str:
+        self.log.flush()
+        return "\n".join(self.path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -79,8 +88,12 @@ class Node:
             try:
                 self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+                pass
+        try:  # whatever the node started and left behind, e.g. after a failed start
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
         self.log.close()
 
 
@@ -89,10 +102,28 @@ def wait_for(condition, nodes: list[Node], logs: Path) -> None:
     while not condition():
         for node in nodes:
             if node.process.poll() is not None:
-                raise RuntimeError(f"a ray node exited ({node.process.returncode}); logs in {logs}")
+                raise NodeExited(f"a ray node exited ({node.process.returncode}); logs in {logs}; "
+                                 f"{node.path.name} ends:\n{node.tail()}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"the nodes did not come up within {NODE_START_TIMEOUT_S}s; logs in {logs}")
         time.sleep(0.5)
+
+
+def start_node(args, log: Path, condition, nodes: list[Node], logs: Path, attempts: int = 3) -> None:
+    """Starts a node (args() gives its arguments, free ports drawn afresh) and waits for condition.
+    A free port can be taken by another process between being drawn and being bound, which makes
+    `ray start` exit: such a start is tried again on other ports."""
+    for attempt in range(attempts):
+        node = Node(args(), log.with_suffix(f".{attempt}.out"))
+        nodes.append(node)
+        try:
+            wait_for(condition, nodes, logs)
+            return
+        except NodeExited:
+            if node.process.poll() is None or attempt == attempts - 1:
+                raise
+            node.stop()
+            nodes.remove(node)
 
 
 def on_this_machine(config: dict, tiny_pair) -> tuple[ServeDeploySchema, AppConfig]:
@@ -127,21 +158,24 @@ def cluster(tiny_pair):
     nodes: list[Node] = []
     try:
         use_auth_env({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)})
-        gcs_port = free_port()
-        address = f"127.0.0.1:{gcs_port}"
         common = ["--num-cpus=2", "--num-gpus=0", "--object-store-memory=150000000", f"--temp-dir={temp_dir}",
                   "--node-ip-address=127.0.0.1"]
         draft_node = {draft_resource: REPLICAS_PER_ROLE * args.draft.resources[draft_resource]}
         verifier_node = {verifier_resource: REPLICAS_PER_ROLE * args.verifier.resources[verifier_resource]}
-        nodes.append(Node(["--head", f"--port={gcs_port}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                           "--disable-usage-stats",
-                           f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
-                           f"--resources={json.dumps(draft_node)}", *common, *node_ports()], temp_dir / "head.out"))
-        wait_for(lambda: (temp_dir / "ray_current_cluster").exists(), nodes, temp_dir)  # written once the head is up
+        gcs_port = []
+
+        def head_args() -> list[str]:
+            gcs_port.append(free_port())
+            return ["--head", f"--port={gcs_port[-1]}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                    "--disable-usage-stats", f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
+                    f"--resources={json.dumps(draft_node)}", *common, *node_ports()]
+
+        start_node(head_args, temp_dir / "head", lambda: (temp_dir / "ray_current_cluster").exists(),  # written once up
+                   nodes, temp_dir)
+        address = f"127.0.0.1:{gcs_port[-1]}"
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-        nodes.append(Node([f"--address={address}", f"--resources={json.dumps(verifier_node)}", *common, *node_ports()],
-                          temp_dir / "verifier-node.out"))
-        wait_for(lambda: sum(n["Alive"] for n in ray.nodes()) == 2, nodes, temp_dir)
+        start_node(lambda: [f"--address={address}", f"--resources={json.dumps(verifier_node)}", *common, *node_ports()],
+                   temp_dir / "verifier-node", lambda: sum(n["Alive"] for n in ray.nodes()) == 2, nodes, temp_dir)
 
         http_port, grpc_port = free_port(), free_port()
         serve.start(proxy_location="HeadOnly",
