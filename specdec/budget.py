@@ -16,8 +16,8 @@ all:
 - `drafting_pays`: before the step. If no allocation (m sessions drafting k candidates each, every
   one accepted) beats plain decoding's B / t_target(B), the draft does not run at all; and a
   session whose draft cache lags (its prompt, or tokens decoded without the draft) drafts only if
-  the best allocation at the acceptance measured so far saves more over its remaining tokens than
-  the catch-up pass costs (`worth_catching_up`).
+  the best allocation at the acceptance measured so far saves at least 5% of a plain token's time
+  and more over its remaining tokens than the catch-up pass costs (`worth_catching_up`).
 - `keep`: after drafting step i, for the sessions that drafted y_i. Its draft pass is spent either
   way; session s gains g_s = P_{s,i-1} a_s for one token more in the pass. The top m by gain are
   kept, m maximising (E + g_1 + ... + g_m) / (T + t_target(N + m) - t_target(N)). Losslessness
@@ -49,6 +49,8 @@ MAX_CANDIDATES = 20  # the paper's cap on a round, for a budgeted policy given n
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.8, 10.0
 # While the draft is off, one probe of its cost may take this share of the plain steps (loop.py).
 PROBE_SHARE = 0.005
+# A lagging draft catches up only for a saving above this share of a plain token's time (worth_catching_up).
+CATCH_UP_MARGIN = 0.05
 
 
 def expected_tokens(acceptance: list[float]) -> float:
@@ -99,9 +101,14 @@ def worth_catching_up(profile: CostProfile, saving: float, sessions: int, lag: i
     t_draft(lag) - t_draft(1) once, and drafting saves `saving` (`drafting_saving` at the measured
     acceptance, not the bound: this is an investment) on each of the ~B x `remaining` tokens the
     batch generates meanwhile. Where drafting barely pays, a short generation does not earn back the
-    draft's prefill. A draft in step (lag <= 1) has nothing to catch up: the step's budget decides."""
+    draft's prefill. And a saving under CATCH_UP_MARGIN of a plain token's time is within what the
+    costs (medians of a few passes) and the acceptance (recent rounds, another text) are known to,
+    while the prefill is spent for sure: no catch-up for it. A draft in step (lag <= 1) has nothing
+    to catch up: the step's budget decides."""
     if lag <= 1:
         return True
+    if saving <= CATCH_UP_MARGIN * profile.pass_ms(sessions) / sessions:
+        return False
     return sessions * remaining * saving > profile.draft_ms(lag) - profile.draft_ms(1)
 
 

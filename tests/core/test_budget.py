@@ -176,6 +176,16 @@ def test_a_lagging_draft_catches_up_only_when_the_generation_earns_it_back():
     assert not worth_catching_up(AMD, drafting_saving(AMD, 1, 20), 1, lag=2, remaining=128)  # nothing pays there
 
 
+def test_a_catch_up_needs_a_saving_beyond_the_costs_error():
+    """3% of a plain token (100.6 ms) would repay a 2-token catch-up many times over in a long
+    generation, but it is within what the measured costs and acceptance are known to: no catch-up.
+    6% is not."""
+    barely = CostProfile(t_draft_ms=40.0, t_target_ms={1: 100.6, 2: 155.8, 4: 255.0, 8: 565.3})
+    assert not worth_catching_up(barely, 0.03 * 100.6, 1, lag=2, remaining=10_000)
+    assert worth_catching_up(barely, 0.06 * 100.6, 1, lag=2, remaining=10_000)
+    assert not worth_catching_up(barely, 0.03 * 100.6 / 4, 4, lag=2, remaining=10_000)  # a token of a 4-session pass
+
+
 def test_the_saving_at_a_measured_acceptance_is_below_the_bound():
     """The bound (every candidate accepted) decides whether the draft may run at all; a catch-up is
     an investment, judged at the acceptance measured so far. At 0.8 the barely-paying costs above
