@@ -10,7 +10,9 @@ target-only pass."""
 import pytest
 import torch
 
+from specdec.cost_profile import PROFILE_ENV, CostProfile
 from specdec.params import build_params
+from specdec.policies import policy_traits, resolve_policy
 from specdec.prompts import humaneval_prompts
 
 pytestmark = pytest.mark.slow
@@ -43,12 +45,23 @@ def target_greedy(default_engine):
     return [default_engine.generate(p, params).completions[0].token_ids for p in humaneval_prompts(NUM_PROMPTS)]
 
 
+# Costs under which drafting clearly pays (a GPU's shape: a draft step 5% of a target pass, 8 tokens
+# verified for 1.2 passes): a budgeted policy given it drafts, so its drafting path runs on the pair.
+DRAFTING_PAYS = CostProfile(t_draft_ms=5.0, t_target_ms={1: 100.0, 2: 104.0, 8: 120.0, 21: 160.0})
+
+
 @pytest.mark.parametrize("flags", [{"policy": "fixed", "k": 4}, {"policy": "svip"}, {"policy": "confidence"},
                                    {"policy": "heuristic"}, {"policy": "oracle"}, {"policy": "specdec++"},
                                    {"policy": "specdec++cost"}, {}],
                          ids=lambda f: f.get("policy", "default"))
-def test_greedy_equals_target_only(default_engine, target_greedy, flags):
+def test_greedy_equals_target_only(default_engine, target_greedy, flags, monkeypatch, tmp_path):
+    """Budgeted policies (the default) plan with DRAFTING_PAYS given by hand: with the costs this
+    CPU measures they may rightly keep the draft off (test_budgeted_policy_on_measured_costs)."""
     params = build_params(max_new_tokens=NEW_TOKENS, **flags)
+    if policy_traits(resolve_policy(params.policy, default_engine.rules.has_head).name).budgeted:
+        path = tmp_path / "profile.json"
+        path.write_text(DRAFTING_PAYS.model_dump_json())
+        monkeypatch.setenv(PROFILE_ENV, str(path))
     for prompt, expected in zip(humaneval_prompts(NUM_PROMPTS), target_greedy):
         result = default_engine.generate(prompt, params)
         assert_equals_target_only(default_engine, default_engine.encode_prompt(prompt), result.completions[0].token_ids,
@@ -56,9 +69,21 @@ def test_greedy_equals_target_only(default_engine, target_greedy, flags):
         assert result.stats.accepted_tokens > 0  # the pair agrees often: speculation does something
 
 
-def test_default_engine_loads_the_shipped_head_and_defaults_to_specdecpp_cost(default_engine):
-    from specdec.policies import resolve_policy
+def test_budgeted_policy_on_measured_costs(default_engine, target_greedy, monkeypatch):
+    """The default policy planning with the costs the loop measures on this machine (it drafts or
+    not, as they say: on llama.cpp on the AMD EPYC it does not) decodes as target-only does, and
+    its loop has measured both roles."""
+    monkeypatch.delenv(PROFILE_ENV, raising=False)
+    params = build_params(max_new_tokens=NEW_TOKENS)
+    for prompt, expected in zip(humaneval_prompts(NUM_PROMPTS), target_greedy):
+        result = default_engine.generate(prompt, params)
+        assert_equals_target_only(default_engine, default_engine.encode_prompt(prompt), result.completions[0].token_ids,
+                                  expected, "measured costs")
+    profile = default_engine.cost_profile()
+    assert profile is not None and profile.t_draft_ms > 0 and profile.pass_ms(1) > 0
 
+
+def test_default_engine_loads_the_shipped_head_and_defaults_to_specdecpp_cost(default_engine):
     head = default_engine.head
     assert head is not None and head.config.threshold is not None  # --head auto: specdec/heads/default-pair
     assert resolve_policy(build_params(max_new_tokens=1).policy, default_engine.rules.has_head).name == "specdec++cost"
