@@ -53,6 +53,8 @@ class Run:
     wall_s: float = 0.0
     latency_s: list[float] = field(default_factory=list)
     first_token_s: list[float] = field(default_factory=list)
+    drafted: int = 0  # candidates verified (stats.draft_tokens), over every request
+    accepted: int = 0
     outputs: dict[int, list[int]] = field(default_factory=dict)  # prompt index -> greedy tokens
 
     @property
@@ -66,7 +68,8 @@ class Run:
         return {"mode": self.mode, "policy": self.policy, "concurrency": self.concurrency, "requests": self.requests,
                 "tokens": self.tokens, "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s,
                 "latency_p50_s": pct(self.latency_s, 50), "latency_p99_s": pct(self.latency_s, 99),
-                "ttft_p50_s": pct(self.first_token_s, 50), "ttft_p99_s": pct(self.first_token_s, 99)}
+                "ttft_p50_s": pct(self.first_token_s, 50), "ttft_p99_s": pct(self.first_token_s, 99),
+                "drafted": self.drafted, "accepted": self.accepted}
 
 
 def client_prompts(client: int, concurrency: int, per_client: int, pool: int) -> list[int]:
@@ -75,11 +78,14 @@ def client_prompts(client: int, concurrency: int, per_client: int, pool: int) ->
 
 
 async def closed_loop(send, concurrency: int, per_client: int, pool: int, run: Run) -> Run:
-    """`send(prompt_index) -> (tokens, seconds to first token)` is awaited for every request."""
+    """`send(prompt_index) -> (tokens, seconds to first token, stats)` is awaited for every request
+    (stats: the request's, with draft_tokens and accepted_tokens)."""
     async def client(c: int) -> None:
         for index in client_prompts(c, concurrency, per_client, pool):
             start = time.perf_counter()
-            tokens, first_s = await send(index)
+            tokens, first_s, stats = await send(index)
+            run.drafted += stats.draft_tokens
+            run.accepted += stats.accepted_tokens
             run.latency_s.append(time.perf_counter() - start)
             run.first_token_s.append(first_s)
             run.requests += 1
@@ -101,7 +107,7 @@ def in_process(models: EngineConfig, prompts: list[str], specs, levels: list[int
         params = GenerationParams(max_new_tokens=max_new_tokens, policy=spec.policy_config())
         engine.generate_ids(ids[0], params.model_copy(update={"max_new_tokens": 4}))  # warm-up
 
-        async def send(index: int) -> tuple[list[int], float]:
+        async def send(index: int):
             start, first = time.perf_counter(), []
 
             def on_update(_sample, new_ids, _text, _finish):
@@ -109,7 +115,7 @@ def in_process(models: EngineConfig, prompts: list[str], specs, levels: list[int
                     first.append(time.perf_counter() - start)
 
             result = await engine.loop.generate(ids[index], params, on_update)
-            return result.completions[0].token_ids, first[0] if first else 0.0
+            return result.completions[0].token_ids, first[0] if first else 0.0, result.stats
 
         for level in levels:
             run = asyncio.run(closed_loop(send, level, per_client, len(ids), Run(mode, spec.key, level)))
@@ -147,14 +153,14 @@ def served(models: EngineConfig, prompts: list[str], specs, levels: list[int], p
                     channel = grpc.aio.insecure_channel(addresses["grpc"])
                     stub = generation_pb2_grpc.GenerationStub(channel)
 
-                    async def send(index: int) -> tuple[list[int], float]:
+                    async def send(index: int):
                         start, first, tokens = time.perf_counter(), None, []
                         request = generation_pb2.GenerateRequest(text=prompts[index], **fields)
                         async for chunk in stub.GenerateStream(request, timeout=3600):
                             if chunk.token_ids and first is None:
                                 first = time.perf_counter() - start
                             tokens.extend(chunk.token_ids)
-                        return tokens, first or 0.0
+                        return tokens, first or 0.0, chunk.stats  # the last chunk carries them
 
                     await send(0)  # warm-up
                     run = await closed_loop(send, level, per_client, len(prompts), Run(mode, spec.key, level))
@@ -192,7 +198,8 @@ def table(rows: list[dict]) -> str:
     plain = {(r["mode"], r["concurrency"]): r["tokens_per_s"] for r in rows if r["policy"] == BASELINE}
     in_process = {(r["policy"], r["concurrency"]): r["tokens_per_s"] for r in rows if r["mode"] == "in-process"}
     lines = ["| mode | policy | C | requests | tokens | tok/s (aggregate) | vs C=1 | vs target-only | served / in process "
-             "| latency p50 / p99 (s) | first token p50 / p99 (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| latency p50 / p99 (s) | first token p50 / p99 (s) | drafted / accepted |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = alone.get((r["mode"], r["policy"]))
         baseline = plain.get((r["mode"], r["concurrency"]))
@@ -203,7 +210,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['mode']} | {r['policy']} | {r['concurrency']} | {r['requests']} | {r['tokens']} | "
                      f"{r['tokens_per_s']:.2f} | {scaling} | {speedup} | {ratio} | "
                      f"{r['latency_p50_s']:.1f} / {r['latency_p99_s']:.1f} | "
-                     f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} |")
+                     f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {r['drafted']} / {r['accepted']} |")
     return "\n".join(lines)
 
 

@@ -15,7 +15,8 @@ from benchmarks import concurrency  # noqa: E402
 
 def row(mode: str, policy: str, level: int, tps: float) -> dict:
     return {"mode": mode, "policy": policy, "concurrency": level, "requests": 2, "tokens": 100, "wall_s": 1.0,
-            "tokens_per_s": tps, "latency_p50_s": 1.0, "latency_p99_s": 1.0, "ttft_p50_s": 0.1, "ttft_p99_s": 0.1}
+            "tokens_per_s": tps, "latency_p50_s": 1.0, "latency_p99_s": 1.0, "ttft_p50_s": 0.1, "ttft_p99_s": 0.1,
+            "drafted": 0, "accepted": 0}
 
 
 def cells(table: str) -> dict[tuple[str, str, str], dict[str, str]]:
@@ -57,3 +58,6 @@ def test_tiny_run_adds_target_only_at_every_level(monkeypatch, tmp_path, capsys)
         ratio = table[("in-process", r["policy"], str(r["concurrency"]))]["vs target-only"]
         assert float(ratio.rstrip("x")) == pytest.approx(r["tokens_per_s"] / base, abs=0.006)
     assert "greedy outputs identical across every mode and level: True" in printed  # target-only is the reference
+    drafted = {(r["policy"], r["concurrency"]): (r["drafted"], r["accepted"]) for r in rows}
+    assert drafted[("target-only", 2)] == (0, 0) and drafted[("fixed:2", 2)][0] > 0  # fixed K drafts
+    assert table[("in-process", "fixed:2", "2")]["drafted / accepted"] == "{} / {}".format(*drafted[("fixed:2", 2)])
