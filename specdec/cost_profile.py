@@ -8,7 +8,8 @@ one session
     t_target(k) = pass(k + 1)      (k = 0: plain decoding, one token)
 
 with `pass` (and the drafting step's curve) linearly interpolated between the measured points and
-extended past the ends along the nearest segment's slope (a single point: flat).
+extended past the last at the steeper of its last segment and its whole span's mean slope (a single
+point: flat; `interpolate`).
 
 Where the loop's profile comes from (specdec/loop.py): measured where it runs (`LiveCosts`, below:
 every drafting step and verification pass is timed, seeded by a short probe when the workers start),
@@ -129,13 +130,21 @@ def describe_profile(profile: CostProfile | None, drafting: bool) -> str:
 
 
 def interpolate(curve: dict[int, float], x: float) -> float:
-    """A measured curve at x: linear between its points, along the nearest segment past its ends."""
+    """A measured curve at x: linear between its points (as measured: a dip where the kernels batch
+    well stays). Past the last point it grows at the steeper of its last segment and its whole
+    span's mean slope, never less: a noisy last point (a live bucket of few timings) must not make
+    longer passes look cheap, let alone free. Before the first point, along the first segment."""
     points = list(curve.items())
     if len(points) == 1:
         return points[0][1]
+    (k_first, t_first), (k_last, t_last) = points[0], points[-1]
+    if x > k_last:
+        (k0, t0), _ = points[-2], None
+        slope = max((t_last - t0) / (k_last - k0), (t_last - t_first) / (k_last - k_first), 0.0)
+        return t_last + slope * (x - k_last)
     for (k0, t0), (k1, t1) in zip(points, points[1:]):
         if x <= k1:
-            break  # else the loop ends on the last segment: extrapolated
+            break
     return max(t0 + (t1 - t0) * (x - k0) / (k1 - k0), 0.0)
 
 

@@ -8,6 +8,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from specdec.budget import drafting_pays
 from specdec.cost_profile import DEFAULT_PROFILE, CostProfile, LiveCosts, PassTiming, bucket
 from specdec.errors import InvalidRequestError
 from specdec.head import AcceptanceHead, HeadConfig, load_head
@@ -19,12 +20,27 @@ def test_t_target_interpolates_the_curve_at_k_plus_one_tokens():
     profile = CostProfile.model_validate(LLAMA_CPP)
     assert profile.t_target(0) == 35 and profile.t_target(1) == 65  # plain decoding; one candidate + 1
     assert profile.t_target(2) == pytest.approx(87.5)  # 3 tokens: halfway from 65 to 110
-    assert profile.t_target(19) == pytest.approx(305 + 4 * 68 / 8)  # past 16: the last slope
+    assert profile.t_target(19) == pytest.approx(305 + 4 * (305 - 35) / 15)  # past 16: the span's slope, steeper
     assert profile.draft_ms(1) == 22 and profile.draft_ms(8) == 8 * 22  # no curve by sessions: per session
     assert profile.draft_ms(0) == 0
     batched = profile.model_copy(update={"t_draft_rows_ms": {1: 22.0, 4: 40.0}})
     assert batched.draft_ms(2) == pytest.approx(28.0) and batched.draft_ms(8) == pytest.approx(64.0)
     assert CostProfile(t_draft_ms=1, t_target_ms={4: 50}).t_target(9) == 50  # one point: flat
+    steep_end = CostProfile(t_draft_ms=1, t_target_ms={1: 10, 8: 12, 16: 40})  # a GPU turning compute-bound
+    assert steep_end.pass_ms(20) == pytest.approx(40 + 4 * 28 / 8)  # the last segment, steeper
+
+
+def test_a_noisy_last_point_does_not_make_longer_passes_cheap():
+    """The live curve the concurrency run had after plain decoding at 16 sessions (its 16-token
+    bucket below its 15-token one): extended along that last segment, a 52-token pass cost nothing
+    and the budget started every session's draft at 4 sessions (0.7x plain decoding). Past the end
+    the curve now grows at its whole span's mean slope."""
+    measured = CostProfile(t_draft_ms=44.0, t_draft_rows_ms={1: 44.0, 2: 75.0, 16: 471.0},
+                           t_target_ms={1: 93.0, 2: 146.0, 4: 273.0, 8: 579.0, 10: 876.0, 11: 929.0, 12: 1000.0,
+                                        15: 1148.0, 16: 1006.0})
+    assert measured.pass_ms(52) == pytest.approx(1006 + 36 * (1006 - 93) / 15)
+    assert all(measured.pass_ms(n + 1) >= measured.pass_ms(n) for n in range(16, 400))
+    assert not drafting_pays(measured, 4, 20)
 
 
 def test_load_a_profile_or_a_bench_run(tmp_path):
