@@ -139,7 +139,7 @@ def interpolate(curve: dict[int, float], x: float) -> float:
         return points[0][1]
     (k_first, t_first), (k_last, t_last) = points[0], points[-1]
     if x > k_last:
-        (k0, t0), _ = points[-2], None
+        k0, t0 = points[-2]
         slope = max((t_last - t0) / (k_last - k0), (t_last - t_first) / (k_last - k_first), 0.0)
         return t_last + slope * (x - k_last)
     for (k0, t0), (k1, t1) in zip(points, points[1:]):

@@ -11,6 +11,7 @@ no GPUs, a tenth of a CPU per replica, both proxies' ports free ones, and proxie
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -85,14 +86,10 @@ class Node:
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)  # --block stops the node's processes, then exits
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # whatever the node started and left behind, e.g. after a failed start
+        with contextlib.suppress(ProcessLookupError):  # whatever the node left behind, e.g. after a failed start
             os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.process.wait()
         self.log.close()
 
