@@ -10,6 +10,9 @@ P_{s,j} = a_{s,1} ... a_{s,j}, a round of k_s candidates commits in expectation
 
 and the step takes T = sum over drafting steps of t_draft(rows) + t_target(N), N = sum_s (k_s + 1)
 tokens in the verification pass (specdec/cost_profile.py: both curves measured where the loop runs).
+A round's first drafting step feeds each session the tokens its draft has not seen: the correction
+token, and after a fully accepted round the last candidate too, so m sessions feed m (1 + P_k) rows
+in expectation (at k = 1 and every candidate accepted, twice a later step's).
 The budget maximises the step's rate R = (sum_s E_s) / T, K = 0 included for one session and for
 all:
 
@@ -17,7 +20,8 @@ all:
   one accepted) beats plain decoding's B / t_target(B), the draft does not run at all; and a
   session whose draft cache lags (its prompt, or tokens decoded without the draft) drafts only if
   the best allocation at the acceptance measured so far saves at least 5% of a plain token's time
-  and more over its remaining tokens than the catch-up pass costs (`worth_catching_up`).
+  and its share of what that saves over the remaining tokens (the allocation's m drafting sessions
+  share it) repays its own catch-up pass (`worth_catching_up`).
 - `keep`: after drafting step i, for the sessions that drafted y_i. Its draft pass is spent either
   way; session s gains g_s = P_{s,i-1} a_s for one token more in the pass. The top m by gain are
   kept, m maximising (E + g_1 + ... + g_m) / (T + t_target(N + m) - t_target(N)). Losslessness
@@ -69,16 +73,27 @@ def geometric(a: float, depth: int) -> float:
     return a * (1.0 - a ** depth) / (1.0 - a)
 
 
-def best_token_ms(profile: CostProfile, sessions: int, max_candidates: int, acceptance: float = 1.0) -> float:
-    """The least time per generated token of a step of `sessions` sessions: plain decoding's
+@dataclass(frozen=True)
+class Allocation:
+    """The best steady step of a batch: m sessions draft k candidates each (m = 0: plain decoding)."""
+
+    token_ms: float  # time per generated token
+    drafters: int  # m
+    candidates: int  # k
+
+
+def best_allocation(profile: CostProfile, sessions: int, max_candidates: int, acceptance: float = 1.0) -> Allocation:
+    """The least time per generated token of a step of B = `sessions` sessions: plain decoding's
     pass(B) / B, or a step in which m of them draft k candidates each, each accepted with
-    probability `acceptance` given the ones before: (k t_draft(m) + pass(B + m k)) /
-    (B + m (a + ... + a^k))."""
-    best = profile.pass_ms(sessions) / sessions
+    probability a = `acceptance` given the ones before:
+    (t_draft(m (1 + a^k)) + (k - 1) t_draft(m) + pass(B + m k)) / (B + m (a + ... + a^k))."""
+    best = Allocation(profile.pass_ms(sessions) / sessions, 0, 0)
     for m in range(1, sessions + 1):
         for k in range(1, max_candidates + 1):
-            tokens = sessions + m * geometric(acceptance, k)
-            best = min(best, (k * profile.draft_ms(m) + profile.pass_ms(sessions + m * k)) / tokens)
+            draft = profile.draft_ms(m * (1 + acceptance ** k)) + (k - 1) * profile.draft_ms(m)
+            token_ms = (draft + profile.pass_ms(sessions + m * k)) / (sessions + m * geometric(acceptance, k))
+            if token_ms < best.token_ms:
+                best = Allocation(token_ms, m, k)
     return best
 
 
@@ -88,28 +103,32 @@ def drafting_saving(profile: CostProfile, sessions: int, max_candidates: int, ac
     k candidates each beats plain decoding of all of them."""
     if sessions < 1 or max_candidates < 1:
         return 0.0
-    return profile.pass_ms(sessions) / sessions - best_token_ms(profile, sessions, max_candidates, acceptance)
+    best = best_allocation(profile, sessions, max_candidates, acceptance)
+    return profile.pass_ms(sessions) / sessions - best.token_ms
 
 
 def drafting_pays(profile: CostProfile, sessions: int, max_candidates: int) -> bool:
     return drafting_saving(profile, sessions, max_candidates) > 0
 
 
-def worth_catching_up(profile: CostProfile, saving: float, sessions: int, lag: int, remaining: int) -> bool:
+def worth_catching_up(profile: CostProfile, saving: float, sessions: int, lag: int, remaining: int,
+                      drafters: int = 1) -> bool:
     """Whether a session whose draft cache lags `lag` committed tokens (its prompt, at its first
     round; the tokens decoded while it did not draft) should draft: the catch-up pass costs
     t_draft(lag) - t_draft(1) once, and drafting saves `saving` (`drafting_saving` at the measured
     acceptance, not the bound: this is an investment) on each of the ~B x `remaining` tokens the
-    batch generates meanwhile. Where drafting barely pays, a short generation does not earn back the
-    draft's prefill. And a saving under CATCH_UP_MARGIN of a plain token's time is within what the
-    costs (medians of a few passes) and the acceptance (recent rounds, another text) are known to,
-    while the prefill is spent for sure: no catch-up for it. A draft in step (lag <= 1) has nothing
-    to catch up: the step's budget decides."""
+    batch generates meanwhile, a saving the allocation's `drafters` sessions earn together, each
+    with a catch-up of its own: a session's share is B x `remaining` x `saving` / m. Where drafting
+    barely pays, a short generation does not earn back the draft's prefill. And a saving under
+    CATCH_UP_MARGIN of a plain token's time is within what the costs (medians of a few passes) and
+    the acceptance (recent rounds, another text) are known to, while the prefill is spent for sure:
+    no catch-up for it. A draft in step (lag <= 1) has nothing to catch up: the step's budget
+    decides."""
     if lag <= 1:
         return True
     if saving <= CATCH_UP_MARGIN * profile.pass_ms(sessions) / sessions:
         return False
-    return sessions * remaining * saving > profile.draft_ms(lag) - profile.draft_ms(1)
+    return sessions * remaining * saving / max(drafters, 1) > profile.draft_ms(lag) - profile.draft_ms(1)
 
 
 def replay_round(profile: CostProfile, acceptance: list[float], limit: int) -> tuple[int, int]:

@@ -52,8 +52,8 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specdec.budget import (MAX_CANDIDATES, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PROBE_SHARE, StepPlan, drafting_saving,
-                            worth_catching_up)
+from specdec.budget import (MAX_CANDIDATES, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PROBE_SHARE, StepPlan, best_allocation,
+                            drafting_saving, worth_catching_up)
 from specdec.cost_profile import CostProfile, LiveCosts, given_profile
 from specdec.errors import InvalidRequestError, Unavailable
 from specdec.metrics import MS_PER_S, RequestStats
@@ -324,10 +324,11 @@ class RoundLoop:
             if self.observer:
                 self.observer.on_costs(profile, self.drafting)
             if self.drafting:
-                expected = drafting_saving(profile, len(batch), cap, self.acceptance)
+                expected = best_allocation(profile, len(batch), cap, self.acceptance)
+                saving = profile.pass_ms(len(batch)) / len(batch) - expected.token_ms
                 drafting = [s for s in drafting if not s.traits.budgeted or worth_catching_up(
-                    profile, expected, len(batch), len(s.sample.history) - s.drafted_at,
-                    s.request.params.max_new_tokens - len(s.sample.generated))]
+                    profile, saving, len(batch), len(s.sample.history) - s.drafted_at,
+                    s.request.params.max_new_tokens - len(s.sample.generated), expected.drafters)]
         if not self.drafting and budgeted:
             drafting = [s for s in drafting if not s.traits.budgeted]
             self._off_steps += 1

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.budget import (StepBudget, drafting_pays, drafting_saving, expected_tokens, geometric, replay_round,
-                            worth_catching_up)
+from specdec.budget import (StepBudget, best_allocation, drafting_pays, drafting_saving, expected_tokens, geometric,
+                            replay_round, worth_catching_up)
 from specdec.cost_profile import CostProfile
 from specdec.features import FEATURES_DISTRIBUTION
 from specdec.head import AcceptanceHead, HeadConfig
@@ -161,12 +161,13 @@ def test_propose_needs_costs_for_a_budgeted_session():
 
 
 def test_a_lagging_draft_catches_up_only_when_the_generation_earns_it_back():
-    """A draft step 40 ms (16 tokens 400 ms: 24 ms a token more), a target pass 100.6 / 155.8 / 255
-    ms for 1 / 2 / 4 tokens. At best (3 candidates, all accepted) a token costs (120 + 255) / 4 =
-    93.75 ms against 100.6: 6.85 ms saved a token, 877 ms over 128 tokens, less than a 40-token
-    prompt's prefill into the draft (976 - 40 ms); over 256 tokens it pays."""
+    """A draft step 40 ms (16 tokens 400 ms: 24 ms a token more), a target pass 100.6 / 155.8 / 231
+    ms for 1 / 2 / 4 tokens. At best (3 candidates, all accepted: the first step feeds 2 tokens, 64
+    ms) a token costs (64 + 80 + 231) / 4 = 93.75 ms against 100.6: 6.85 ms saved a token, 877 ms
+    over 128 tokens, less than a 40-token prompt's prefill into the draft (976 - 40 ms); over 256
+    tokens it pays."""
     barely = CostProfile(t_draft_ms=40.0, t_draft_rows_ms={1: 40.0, 16: 400.0},
-                         t_target_ms={1: 100.6, 2: 155.8, 4: 255.0, 8: 565.3})
+                         t_target_ms={1: 100.6, 2: 155.8, 4: 231.0, 8: 565.3})
     assert drafting_pays(barely, 1, 20)
     saving = drafting_saving(barely, 1, 20)
     assert saving == pytest.approx(100.6 - 93.75)
@@ -189,9 +190,45 @@ def test_a_catch_up_needs_a_saving_beyond_the_costs_error():
 def test_the_saving_at_a_measured_acceptance_is_below_the_bound():
     """The bound (every candidate accepted) decides whether the draft may run at all; a catch-up is
     an investment, judged at the acceptance measured so far. At 0.8 the barely-paying costs above
-    save nothing: (40 + 155.8) / 1.8 = 108.8 ms a token for one candidate, more than plain's 100.6."""
+    save nothing: (59.2 + 155.8) / 1.8 = 119.4 ms a token for one candidate (its first step feeds
+    1.8 tokens in expectation), more than plain's 100.6."""
     barely = CostProfile(t_draft_ms=40.0, t_draft_rows_ms={1: 40.0, 16: 400.0},
                          t_target_ms={1: 100.6, 2: 155.8, 4: 255.0, 8: 565.3})
     assert drafting_saving(barely, 1, 20) > 0 >= drafting_saving(barely, 1, 20, acceptance=0.8)
     torch_like = CostProfile(t_draft_ms=56.0, t_target_ms={1: 397.0, 21: 857.0})
     assert drafting_saving(torch_like, 1, 20, acceptance=0.8) > 100.0  # on torch a catch-up pays at once
+
+
+# The live profile at 8 sessions after plain decoding at 16 (llama.cpp, 2-core AMD EPYC, issue 32's
+# concurrency run): a plain step of 8 tokens took 762 ms, one of 16 only 1026.
+AFTER_16 = CostProfile(t_draft_ms=44.5, t_draft_rows_ms={1: 44.5, 2: 76.0, 16: 472.0},
+                       t_target_ms={1: 107.9, 2: 186.6, 3: 263.7, 4: 339.0, 7: 559.0, 8: 762.1, 9: 826.3,
+                                    10: 876.8, 11: 925.6, 12: 994.3, 15: 1149.9, 16: 1026.4})
+
+
+def test_a_rounds_first_step_feeds_the_last_candidate_too():
+    """A round's first drafting step feeds each session's unseen tokens: after a fully accepted
+    round, its last candidate and the bonus token. A draft step of 1 row 40 ms, 2 rows 80; a pass of
+    1 / 2 / 3 / 4 tokens 100 / 130 / 190 / 260 ms. One candidate, accepted: (80 + 130) / 2 = 105 ms
+    a token, not (40 + 130) / 2 = 85; two: (80 + 40 + 190) / 3 = 103; three (80 + 80 + 260) / 4 =
+    105: none beats plain decoding's 100."""
+    steep = CostProfile(t_draft_ms=40.0, t_draft_rows_ms={1: 40.0, 2: 80.0}, t_target_ms={1: 100.0, 2: 130.0,
+                                                                                          3: 190.0, 4: 260.0})
+    assert not drafting_pays(steep, 1, 20)
+    flat_rows = steep.model_copy(update={"t_draft_rows_ms": {1: 40.0, 2: 40.0}})
+    assert drafting_saving(flat_rows, 1, 20) == pytest.approx(100.0 - 85.0)
+
+
+def test_sessions_that_catch_up_together_share_the_saving():
+    """All 8 sessions must draft to save 7 ms a token: each earns 8 x 126 x 7 / 8 = 882 ms of the
+    batch's saving over the rest of its generation, a fifth of its own ~150-token prefill into the
+    draft (~4.5 s): none catches up. Credited with the whole batch's saving (7 s), each did, and
+    the 8 prefills (34 s) cost that run 30% against plain decoding."""
+    lag = 150
+    catch_up = AFTER_16.draft_ms(lag) - AFTER_16.draft_ms(1)
+    assert 8 * 126 * 7.0 > catch_up > 126 * 7.0
+    assert not worth_catching_up(AFTER_16, 7.0, 8, lag=lag, remaining=126, drafters=8)
+    assert worth_catching_up(AFTER_16, 7.0, 8, lag=lag, remaining=126, drafters=1)
+    # and at the prior acceptance (0.8), with each round's first step fed its unseen tokens, no
+    # allocation saves anything there
+    assert best_allocation(AFTER_16, 8, 20, acceptance=0.8).drafters == 0
