@@ -55,6 +55,9 @@ PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.8, 10.0
 PROBE_SHARE = 0.005
 # A lagging draft catches up only for a saving above this share of a plain token's time (worth_catching_up).
 CATCH_UP_MARGIN = 0.05
+# A draft that ran last round lags by at most this: its last candidate and the bonus token (or the
+# correction token), which the round's first step feeds (best_allocation prices it): no catch-up.
+IN_STEP_LAG = 2
 
 
 def expected_tokens(acceptance: list[float]) -> float:
@@ -122,13 +125,30 @@ def worth_catching_up(profile: CostProfile, saving: float, sessions: int, lag: i
     barely pays, a short generation does not earn back the draft's prefill. And a saving under
     CATCH_UP_MARGIN of a plain token's time is within what the costs (medians of a few passes) and
     the acceptance (recent rounds, another text) are known to, while the prefill is spent for sure:
-    no catch-up for it. A draft in step (lag <= 1) has nothing to catch up: the step's budget
-    decides."""
-    if lag <= 1:
+    no catch-up for it. A draft in step (lag <= IN_STEP_LAG) has nothing to catch up: the step's
+    budget decides."""
+    if lag <= IN_STEP_LAG:
         return True
     if saving <= CATCH_UP_MARGIN * profile.pass_ms(sessions) / sessions:
         return False
     return sessions * remaining * saving / max(drafters, 1) > profile.draft_ms(lag) - profile.draft_ms(1)
+
+
+def who_drafts(profile: CostProfile, best: Allocation, sessions: int, lags: list[int],
+               remaining: list[int]) -> list[bool]:
+    """Which budgeted sessions of a step of `sessions` call the draft, given how far each one's draft
+    lags (`lags`) and the tokens it may still generate: those in step (lag <= IN_STEP_LAG) all (the
+    step's budget decides their rounds); lagging ones, the shortest catch-up first, while fewer than
+    the best allocation's m draft and each one's share of its saving repays its own catch-up
+    (`worth_catching_up`). Where one drafting session is what pays, one catches up, not all."""
+    saving = profile.pass_ms(sessions) / sessions - best.token_ms
+    joins = [lag <= IN_STEP_LAG for lag in lags]
+    drafters = sum(joins)
+    for s in sorted((s for s, lag in enumerate(lags) if lag > IN_STEP_LAG), key=lambda s: lags[s]):
+        if drafters < best.drafters and worth_catching_up(profile, saving, sessions, lags[s], remaining[s],
+                                                          best.drafters):
+            joins[s], drafters = True, drafters + 1
+    return joins
 
 
 def replay_round(profile: CostProfile, acceptance: list[float], limit: int) -> tuple[int, int]:

@@ -53,7 +53,7 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specdec.budget import (MAX_CANDIDATES, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PROBE_SHARE, StepPlan, best_allocation,
-                            drafting_saving, worth_catching_up)
+                            drafting_saving, who_drafts)
 from specdec.cost_profile import CostProfile, LiveCosts, given_profile
 from specdec.errors import InvalidRequestError, Unavailable
 from specdec.metrics import MS_PER_S, RequestStats
@@ -180,7 +180,7 @@ class Sequence:
     done: asyncio.Future  # the sample's outcome: set once its workers' caches are released
     round_index: int = 0
     synced: dict = field(default_factory=lambda: {"draft": None, "verifier": None})  # history length each side holds
-    drafted_at: int = 0  # history length when the draft last ran for it: its cache lags the rest
+    drafted_at: int = 0  # history length the draft has seen when it last ran: its cache lags the rest
     outcomes: list[tuple[int, int]] = field(default_factory=list)  # every round's (K, n), for a draft that rebuilds
     unsent: int = 0  # outcomes the draft has not been told about
     contacted: set = field(default_factory=set)  # roles that may hold the session: released when it leaves
@@ -323,12 +323,12 @@ class RoundLoop:
             self.drafting = saving > 0
             if self.observer:
                 self.observer.on_costs(profile, self.drafting)
-            if self.drafting:
-                expected = best_allocation(profile, len(batch), cap, self.acceptance)
-                saving = profile.pass_ms(len(batch)) / len(batch) - expected.token_ms
-                drafting = [s for s in drafting if not s.traits.budgeted or worth_catching_up(
-                    profile, saving, len(batch), len(s.sample.history) - s.drafted_at,
-                    s.request.params.max_new_tokens - len(s.sample.generated), expected.drafters)]
+            if self.drafting:  # a lagging draft catches up only where that pays
+                joins = who_drafts(profile, best_allocation(profile, len(batch), cap, self.acceptance), len(batch),
+                                   [len(s.sample.history) - s.drafted_at for s in budgeted],
+                                   [s.request.params.max_new_tokens - len(s.sample.generated) for s in budgeted])
+                joined = {s for s, join in zip(budgeted, joins) if join}
+                drafting = [s for s in drafting if not s.traits.budgeted or s in joined]
         if not self.drafting and budgeted:
             drafting = [s for s in drafting if not s.traits.budgeted]
             self._off_steps += 1
@@ -344,8 +344,8 @@ class RoundLoop:
                                      lambda items: self.transport.propose(items, plan))
         for s, proposal in proposals.items():
             s.unsent = 0
-            if proposal.forward_passes:  # the draft's cache caught up with the history
-                s.drafted_at = len(s.sample.history)
+            if proposal.forward_passes:  # the draft caught up with the history and fed y_1 .. y_{K-1}
+                s.drafted_at = len(s.sample.history) + max(len(proposal.candidates) - 1, 0)
         # verify
         verifying = [s for s in batch if not s.over and (s in proposals or s not in drafting)]
         verdicts = await self._call("verifier", verifying, partial(self._verify_item, proposals=proposals, probe=probe),

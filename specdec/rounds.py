@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.budget import StepBudget, drafting_pays, expected_tokens
+from specdec.budget import IN_STEP_LAG, StepBudget, drafting_pays, expected_tokens
 from specdec.cost_profile import CostProfile, PassTiming
 from specdec.metrics import MS_PER_S
 from specdec.models.runtime import DraftRole, KVSession, TargetRole
@@ -140,8 +140,9 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
     start = time.perf_counter()
     outputs = draft.start([d.row.session for d in active], [d.row.history for d in active]) if active else []
     while active:
-        if budget is not None:
-            budget.spent_ms += costs.draft_ms(len(active))
+        if budget is not None:  # a round's first step feeds up to 2 tokens a session (budget.IN_STEP_LAG);
+            # a catch-up beyond them is the loop's investment, not this step's cost
+            budget.spent_ms += costs.draft_ms(min(draft.fed_tokens - fed, IN_STEP_LAG * len(active)))
         still, judged = [], []
         for d, out in zip(active, outputs):
             d.proposal.forward_passes += 1

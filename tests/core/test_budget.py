@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdec.budget import (StepBudget, best_allocation, drafting_pays, drafting_saving, expected_tokens, geometric,
-                            replay_round, worth_catching_up)
+                            replay_round, who_drafts, worth_catching_up)
 from specdec.cost_profile import CostProfile
 from specdec.features import FEATURES_DISTRIBUTION
 from specdec.head import AcceptanceHead, HeadConfig
@@ -173,18 +173,18 @@ def test_a_lagging_draft_catches_up_only_when_the_generation_earns_it_back():
     assert saving == pytest.approx(100.6 - 93.75)
     assert not worth_catching_up(barely, saving, 1, lag=40, remaining=128)
     assert worth_catching_up(barely, saving, 1, lag=40, remaining=256)
-    assert worth_catching_up(barely, -1.0, 1, lag=1, remaining=128)  # in step: nothing to pay, the step decides
-    assert not worth_catching_up(AMD, drafting_saving(AMD, 1, 20), 1, lag=2, remaining=128)  # nothing pays there
+    assert worth_catching_up(barely, -1.0, 1, lag=2, remaining=128)  # in step: nothing to pay, the step decides
+    assert not worth_catching_up(AMD, drafting_saving(AMD, 1, 20), 1, lag=3, remaining=128)  # nothing pays there
 
 
 def test_a_catch_up_needs_a_saving_beyond_the_costs_error():
-    """3% of a plain token (100.6 ms) would repay a 2-token catch-up many times over in a long
+    """3% of a plain token (100.6 ms) would repay a 3-token catch-up many times over in a long
     generation, but it is within what the measured costs and acceptance are known to: no catch-up.
     6% is not."""
     barely = CostProfile(t_draft_ms=40.0, t_target_ms={1: 100.6, 2: 155.8, 4: 255.0, 8: 565.3})
-    assert not worth_catching_up(barely, 0.03 * 100.6, 1, lag=2, remaining=10_000)
-    assert worth_catching_up(barely, 0.06 * 100.6, 1, lag=2, remaining=10_000)
-    assert not worth_catching_up(barely, 0.03 * 100.6 / 4, 4, lag=2, remaining=10_000)  # a token of a 4-session pass
+    assert not worth_catching_up(barely, 0.03 * 100.6, 1, lag=3, remaining=10_000)
+    assert worth_catching_up(barely, 0.06 * 100.6, 1, lag=3, remaining=10_000)
+    assert not worth_catching_up(barely, 0.03 * 100.6 / 4, 4, lag=3, remaining=10_000)  # a token of a 4-session pass
 
 
 def test_the_saving_at_a_measured_acceptance_is_below_the_bound():
@@ -232,3 +232,20 @@ def test_sessions_that_catch_up_together_share_the_saving():
     # and at the prior acceptance (0.8), with each round's first step fed its unseen tokens, no
     # allocation saves anything there
     assert best_allocation(AFTER_16, 8, 20, acceptance=0.8).drafters == 0
+
+
+def test_where_one_drafting_session_pays_one_catches_up():
+    """The live profile at 15 sessions after plain decoding at 16 (llama.cpp, AMD): 15 tokens cost
+    1150 ms and 16 only 1040, so one session drafting one candidate pays (16.8 tokens in 82 + 1040
+    ms against 15 in 1150). One session catches up, the one with the shortest prompt, not all 15:
+    each credited the whole batch's saving, all 15 did (74 s of prefill) and the run went at 0.70x
+    plain decoding. Sessions in step draft whatever the allocation (the step's budget decides)."""
+    jagged = CostProfile(t_draft_ms=50.0, t_draft_rows_ms={1: 50.0, 2: 82.0, 16: 481.0},
+                         t_target_ms={1: 108.0, 2: 187.0, 4: 339.0, 8: 762.0, 15: 1150.0, 16: 1040.0})
+    best = best_allocation(jagged, 15, 20, acceptance=0.8)
+    assert best.drafters == 1
+    lags = [150 + s for s in range(15)]
+    lags[3] = 120
+    joins = who_drafts(jagged, best, 15, lags, [126] * 15)
+    assert joins == [s == 3 for s in range(15)]
+    assert who_drafts(jagged, best, 15, [2, 1, 150], [126] * 3) == [True, True, False]  # m = 1 already drafts
