@@ -20,8 +20,8 @@ all:
   one accepted) beats plain decoding's B / t_target(B), the draft does not run at all; and a
   session whose draft cache lags (its prompt, or tokens decoded without the draft) drafts only if
   the best allocation at the acceptance measured so far saves at least 5% of a plain token's time
-  and its share of what that saves over the remaining tokens (the allocation's m drafting sessions
-  share it) repays its own catch-up pass (`worth_catching_up`).
+  and what that saves over its own remaining tokens repays the catch-up pass (`worth_catching_up`),
+  and only as many catch up as the allocation has drafting sessions (`who_drafts`).
 - `keep`: after drafting step i, for the sessions that drafted y_i. Its draft pass is spent either
   way; session s gains g_s = P_{s,i-1} a_s for one token more in the pass. The top m by gain are
   kept, m maximising (E + g_1 + ... + g_m) / (T + t_target(N + m) - t_target(N)). Losslessness
@@ -114,24 +114,23 @@ def drafting_pays(profile: CostProfile, sessions: int, max_candidates: int) -> b
     return drafting_saving(profile, sessions, max_candidates) > 0
 
 
-def worth_catching_up(profile: CostProfile, saving: float, sessions: int, lag: int, remaining: int,
-                      drafters: int = 1) -> bool:
+def worth_catching_up(profile: CostProfile, saving: float, sessions: int, lag: int, remaining: int) -> bool:
     """Whether a session whose draft cache lags `lag` committed tokens (its prompt, at its first
     round; the tokens decoded while it did not draft) should draft: the catch-up pass costs
     t_draft(lag) - t_draft(1) once, and drafting saves `saving` (`drafting_saving` at the measured
-    acceptance, not the bound: this is an investment) on each of the ~B x `remaining` tokens the
-    batch generates meanwhile, a saving the allocation's `drafters` sessions earn together, each
-    with a catch-up of its own: a session's share is B x `remaining` x `saving` / m. Where drafting
-    barely pays, a short generation does not earn back the draft's prefill. And a saving under
-    CATCH_UP_MARGIN of a plain token's time is within what the costs (medians of a few passes) and
-    the acceptance (recent rounds, another text) are known to, while the prefill is spent for sure:
-    no catch-up for it. A draft in step (lag <= IN_STEP_LAG) has nothing to catch up: the step's
-    budget decides."""
+    acceptance, not the bound: this is an investment) a token. Only the session's own `remaining`
+    tokens are credited: what the batch around it saves depends on which sessions share its steps,
+    and they finish and join meanwhile (a saving found at one batch size, where the target's kernels
+    happen to batch well, is gone a few steps later). Where drafting barely pays, a short generation
+    does not earn back the draft's prefill. And a saving under CATCH_UP_MARGIN of a plain token's
+    time is within what the costs (medians of a few passes) and the acceptance (recent rounds,
+    another text) are known to, while the prefill is spent for sure: no catch-up for it. A draft in
+    step (lag <= IN_STEP_LAG) has nothing to catch up: the step's budget decides."""
     if lag <= IN_STEP_LAG:
         return True
     if saving <= CATCH_UP_MARGIN * profile.pass_ms(sessions) / sessions:
         return False
-    return sessions * remaining * saving / max(drafters, 1) > profile.draft_ms(lag) - profile.draft_ms(1)
+    return remaining * saving > profile.draft_ms(lag) - profile.draft_ms(1)
 
 
 def who_drafts(profile: CostProfile, best: Allocation, sessions: int, lags: list[int],
@@ -145,8 +144,7 @@ def who_drafts(profile: CostProfile, best: Allocation, sessions: int, lags: list
     joins = [lag <= IN_STEP_LAG for lag in lags]
     drafters = sum(joins)
     for s in sorted((s for s, lag in enumerate(lags) if lag > IN_STEP_LAG), key=lambda s: lags[s]):
-        if drafters < best.drafters and worth_catching_up(profile, saving, sessions, lags[s], remaining[s],
-                                                          best.drafters):
+        if drafters < best.drafters and worth_catching_up(profile, saving, sessions, lags[s], remaining[s]):
             joins[s], drafters = True, drafters + 1
     return joins
 
