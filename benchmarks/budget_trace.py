@@ -1,0 +1,90 @@
+"""Trace the step budget's decisions in one process (issue 32's load bugs were found with it).
+
+    python benchmarks/budget_trace.py target-only@16 specdec++cost@16   # policy@sessions, in order
+
+Each argument runs `sessions` HumanEval prompts at once (greedy, --max-new-tokens, default 128) on
+one engine, so the live profile carries over from run to run as it does in
+benchmarks/concurrency.py. Per run it prints tokens/s and the candidates drafted / accepted, then
+every step that called the draft: batch size, sessions drafting, the saving at the bound and at
+the measured acceptance (ms a token, budget.drafting_saving), the step's wall time and the
+smallest draft lags; then the live profile. --out DIR writes each run's whole trace as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from specdec.bench.specs import parse_specs
+from specdec.budget import MAX_CANDIDATES, drafting_saving
+from specdec.builder import EngineConfig, build_engine
+from specdec.params import GenerationParams
+from specdec.prompts import humaneval_prompts
+
+
+def traced(loop, trace: list[dict]) -> None:
+    """Wrap the loop's `_budget` and `_step` so that every step appends its record to `trace`."""
+    budget, step = loop._budget, loop._step
+
+    def traced_budget(batch):
+        drafting, probe, plan = budget(batch)
+        record = {"sessions": len(batch), "drafting": len(drafting), "probe": probe is not None,
+                  "acceptance": round(loop.acceptance, 3),
+                  "lags": sorted(len(s.sample.history) - s.drafted_at for s in batch)[:3]}
+        if plan.costs is not None:
+            record["saving_bound"] = round(drafting_saving(plan.costs, len(batch), MAX_CANDIDATES), 1)
+            record["saving"] = round(drafting_saving(plan.costs, len(batch), MAX_CANDIDATES, loop.acceptance), 1)
+        trace.append(record)
+        return drafting, probe, plan
+
+    async def traced_step(batch):
+        start = time.perf_counter()
+        await step(batch)
+        trace[-1]["step_ms"] = round((time.perf_counter() - start) * 1000)
+
+    loop._budget, loop._step = traced_budget, traced_step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", metavar="POLICY@SESSIONS")
+    parser.add_argument("--runtime", default="llamacpp", choices=["auto", "torch", "llamacpp"])
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    runs = [(spec, int(sessions)) for spec, sessions in (run.rsplit("@", 1) for run in args.runs)]
+
+    engine = build_engine(EngineConfig(runtime=args.runtime), progress=False)
+    ids = [engine.encode_prompt(p) for p in humaneval_prompts(max(n for _, n in runs))]
+    trace: list[dict] = []
+    traced(engine.loop, trace)
+    engine.generate_ids(ids[0], GenerationParams(max_new_tokens=4))  # warm-up
+    for spec, sessions in runs:
+        params = GenerationParams(max_new_tokens=args.max_new_tokens, policy=parse_specs([spec])[0].policy_config())
+
+        async def together():
+            return await asyncio.gather(*(engine.loop.generate(ids[i], params) for i in range(sessions)))
+
+        trace.clear()
+        start = time.perf_counter()
+        results = asyncio.run(together())
+        wall = time.perf_counter() - start
+        tokens = sum(len(r.completions[0].token_ids) for r in results)
+        drafted = sum(r.stats.draft_tokens for r in results)
+        accepted = sum(r.stats.accepted_tokens for r in results)
+        print(f"== {spec} x {sessions}: {tokens} tokens in {wall:.1f} s, {tokens / wall:.2f} tok/s, "
+              f"{drafted} candidates drafted, {accepted} accepted", flush=True)
+        for record in trace:
+            if record["drafting"]:
+                print("  ", record)
+        print("   profile:", engine.cost_profile())
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"{spec.replace(':', '_')}@{sessions}.json").write_text(json.dumps(trace, indent=1))
+
+
+if __name__ == "__main__":
+    main()
