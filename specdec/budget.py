@@ -83,6 +83,12 @@ class Allocation:
     token_ms: float  # time per generated token
     drafters: int  # m
     candidates: int  # k
+    plain_ms: float  # plain decoding's time per token, pass(B) / B
+
+    @property
+    def saving(self) -> float:
+        """ms a token this allocation saves against plain decoding (0 for plain decoding itself)."""
+        return self.plain_ms - self.token_ms
 
 
 def best_allocation(profile: CostProfile, sessions: int, max_candidates: int, acceptance: float = 1.0) -> Allocation:
@@ -90,13 +96,14 @@ def best_allocation(profile: CostProfile, sessions: int, max_candidates: int, ac
     pass(B) / B, or a step in which m of them draft k candidates each, each accepted with
     probability a = `acceptance` given the ones before:
     (t_draft(m (1 + a^k)) + (k - 1) t_draft(m) + pass(B + m k)) / (B + m (a + ... + a^k))."""
-    best = Allocation(profile.pass_ms(sessions) / sessions, 0, 0)
+    plain = profile.pass_ms(sessions) / sessions
+    best = Allocation(plain, 0, 0, plain)
     for m in range(1, sessions + 1):
         for k in range(1, max_candidates + 1):
             draft = profile.draft_ms(m * (1 + acceptance ** k)) + (k - 1) * profile.draft_ms(m)
             token_ms = (draft + profile.pass_ms(sessions + m * k)) / (sessions + m * geometric(acceptance, k))
             if token_ms < best.token_ms:
-                best = Allocation(token_ms, m, k)
+                best = Allocation(token_ms, m, k, plain)
     return best
 
 
@@ -106,8 +113,7 @@ def drafting_saving(profile: CostProfile, sessions: int, max_candidates: int, ac
     k candidates each beats plain decoding of all of them."""
     if sessions < 1 or max_candidates < 1:
         return 0.0
-    best = best_allocation(profile, sessions, max_candidates, acceptance)
-    return profile.pass_ms(sessions) / sessions - best.token_ms
+    return best_allocation(profile, sessions, max_candidates, acceptance).saving
 
 
 def drafting_pays(profile: CostProfile, sessions: int, max_candidates: int) -> bool:
@@ -138,13 +144,12 @@ def who_drafts(profile: CostProfile, best: Allocation, sessions: int, lags: list
     """Which budgeted sessions of a step of `sessions` call the draft, given how far each one's draft
     lags (`lags`) and the tokens it may still generate: those in step (lag <= IN_STEP_LAG) all (the
     step's budget decides their rounds); lagging ones, the shortest catch-up first, while fewer than
-    the best allocation's m draft and each one's share of its saving repays its own catch-up
+    the best allocation's m draft and the saving over its own remaining tokens repays its catch-up
     (`worth_catching_up`). Where one drafting session is what pays, one catches up, not all."""
-    saving = profile.pass_ms(sessions) / sessions - best.token_ms
     joins = [lag <= IN_STEP_LAG for lag in lags]
     drafters = sum(joins)
     for s in sorted((s for s, lag in enumerate(lags) if lag > IN_STEP_LAG), key=lambda s: lags[s]):
-        if drafters < best.drafters and worth_catching_up(profile, saving, sessions, lags[s], remaining[s]):
+        if drafters < best.drafters and worth_catching_up(profile, best.saving, sessions, lags[s], remaining[s]):
             joins[s], drafters = True, drafters + 1
     return joins
 

@@ -140,8 +140,7 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
     start = time.perf_counter()
     outputs = draft.start([d.row.session for d in active], [d.row.history for d in active]) if active else []
     while active:
-        if budget is not None:  # a round's first step feeds up to 2 tokens a session (budget.IN_STEP_LAG);
-            # a catch-up beyond them is the loop's investment, not this step's cost
+        if budget is not None:  # a catch-up beyond a round's unseen tokens is the loop's investment
             budget.spent_ms += costs.draft_ms(min(draft.fed_tokens - fed, IN_STEP_LAG * len(active)))
         still, judged = [], []
         for d, out in zip(active, outputs):
