@@ -86,10 +86,18 @@ class CostProfile(BaseModel):
 
     @classmethod
     def load(cls, path: str | Path) -> CostProfile:
-        """A profile JSON, or a bench results.json / notes.json (its `cost_profile`, else `forward_times`)."""
+        """A profile JSON, or a bench results.json / notes.json: its `live_profile` (the curves the loop
+        measured and planned with), else its `cost_profile` (eq. 2.1's linear fit over the rounds),
+        else its bare `forward_times`. The live curves come first: a straight line through the fit
+        misprices a curve with a step in it (torch on the AMD CPU: a 2-token pass costs 1.9 one-token
+        ones, 8 tokens 2.6), and planned with the fit the default drafted nothing where the live
+        curves gave 1.59x (docs/benchmarks.md)."""
         path = Path(path).expanduser()
         try:
             raw = json.loads(path.read_text())
+            if isinstance(raw, dict) and raw.get("live_profile"):
+                live = {k: v for k, v in raw["live_profile"].items() if k != "drafting"}
+                return cls.model_validate({**live, "source": f"{live.get('source', '')} ({path})".strip()})
             if isinstance(raw, dict) and raw.get("cost_profile"):
                 return cls.model_validate(raw["cost_profile"])
             if isinstance(raw, dict) and "forward_times" in raw:

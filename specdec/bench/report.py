@@ -366,14 +366,14 @@ def markdown(results: dict) -> str:
         (one, a), (last, b) = sorted((int(k), v) for k, v in profile["t_target_ms"].items())
         lines += [f"Costs in the loop (`cost_profile`, fitted on every speculative generation): t_draft = "
                   f"{profile['t_draft_ms']:.1f} ms a drafting step; a verification pass over k candidates "
-                  f"{a:.0f} + {(b - a) / (last - one):.1f} k ms. `SPECDEC_COST_PROFILE=<this results.json>` "
-                  "makes `specdec++cost` plan with them.", ""]
+                  f"{a:.0f} + {(b - a) / (last - one):.1f} k ms.", ""]
     live = results.get("live_profile")
     if live:
         draft = live["t_draft_rows_ms"] or {"1": live["t_draft_ms"]}
         lines += ["## Live cost profile (what the verification budget planned with at the end of the run)", "",
                   f"{live['source']}; drafting {'pays' if live.get('drafting', True) else 'does not pay: the draft was off'}"
-                  " (specdec/budget.py).", "", "| pass | " + " | ".join(f"{k}" for k in draft) + " |",
+                  " (specdec/budget.py). `SPECDEC_COST_PROFILE=<this results.json>` makes the budgeted policies "
+                  "plan with these curves.", "", "| pass | " + " | ".join(f"{k}" for k in draft) + " |",
                   "|---" * (len(draft) + 1) + "|",
                   "| drafting step, ms by sessions | " + " | ".join(f"{v:.1f}" for v in draft.values()) + " |", "",
                   "| pass | " + " | ".join(f"{k}" for k in live["t_target_ms"]) + " |",

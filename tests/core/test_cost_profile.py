@@ -56,6 +56,12 @@ def test_load_a_profile_or_a_bench_run(tmp_path):
     bench.write_text(json.dumps({"cost_profile": fitted, "forward_times": {"draft_s": {"1": 0.05},
                                                                            "target_s": {"1": 0.25}}}))
     assert CostProfile.load(bench) == CostProfile.model_validate(fitted)
+    live = {"t_draft_ms": 81.0, "t_target_ms": {"1": 385.0, "2": 726.0, "8": 994.0}, "t_draft_rows_ms": {"1": 81.0},
+            "source": "measured in the loop", "drafting": True}  # what the loop planned with wins over the fit
+    bench.write_text(json.dumps({"live_profile": live, "cost_profile": fitted}))
+    loaded = CostProfile.load(bench)
+    assert loaded.t_target_ms == {1: 385.0, 2: 726.0, 8: 994.0} and loaded.t_draft_rows_ms == {1: 81.0}
+    assert str(bench) in loaded.source
 
 
 @pytest.mark.parametrize("text", ["{", json.dumps({"t_draft_ms": 1}), json.dumps({**LLAMA_CPP, "t_target_ms": {"0": 5}}),
