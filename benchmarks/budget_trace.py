@@ -1,13 +1,14 @@
 """Trace the step budget's decisions in one process (issue 32's load bugs were found with it).
 
     python benchmarks/budget_trace.py target-only@16 specdec++cost@16   # policy@sessions, in order
+    python benchmarks/budget_trace.py --runtime torch --prompts prose specdec++cost@1
 
-Each argument runs `sessions` HumanEval prompts at once (greedy, --max-new-tokens, default 128) on
+Each argument runs `sessions` HumanEval (or prose) prompts at once (greedy, --max-new-tokens, default 128) on
 one engine, so the live profile carries over from run to run as it does in
 benchmarks/concurrency.py. Per run it prints tokens/s and the candidates drafted / accepted, then
 every step that called the draft: batch size, sessions drafting, the saving at the bound and at
-the measured acceptance (ms a token, budget.drafting_saving), the step's wall time and the
-smallest draft lags; then the live profile. --out DIR writes each run's whole trace as JSON.
+the measured acceptance (ms a token, budget.drafting_saving), the step's wall time, the smallest
+draft lags and each drafting session's K; then the live profile. --out DIR writes each run's whole trace as JSON.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from specdec.bench.specs import parse_specs
 from specdec.budget import MAX_CANDIDATES, drafting_saving
 from specdec.builder import EngineConfig, build_engine
 from specdec.params import GenerationParams
-from specdec.prompts import humaneval_prompts
+from specdec.prompts import humaneval_prompts, prose_test_prompts
 
 
 def traced(loop, trace: list[dict]) -> None:
-    """Wrap the loop's `_budget` and `_step` so that every step appends its record to `trace`."""
-    budget, step = loop._budget, loop._step
+    """Wrap the loop's `_budget`, `_step` and its transport's `propose` so that every step appends its
+    record to `trace` (with the candidates each drafting session's round got: K = 0 after a drafting
+    pass is a pass the budget spent for nothing)."""
+    budget, step, propose = loop._budget, loop._step, loop.transport.propose
 
     def traced_budget(batch):
         drafting, probe, plan = budget(batch)
@@ -45,20 +48,27 @@ def traced(loop, trace: list[dict]) -> None:
         await step(batch)
         trace[-1]["step_ms"] = round((time.perf_counter() - start) * 1000)
 
-    loop._budget, loop._step = traced_budget, traced_step
+    async def traced_propose(items, plan):
+        reply = await propose(items, plan)
+        trace[-1]["K"] = [len(answer.candidates) for answer in reply.answers if hasattr(answer, "candidates")]
+        return reply
+
+    loop._budget, loop._step, loop.transport.propose = traced_budget, traced_step, traced_propose
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", metavar="POLICY@SESSIONS")
     parser.add_argument("--runtime", default="llamacpp", choices=["auto", "torch", "llamacpp"])
+    parser.add_argument("--prompts", default="humaneval", choices=["humaneval", "prose"])
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     runs = [(spec, int(sessions)) for spec, sessions in (run.rsplit("@", 1) for run in args.runs)]
 
     engine = build_engine(EngineConfig(runtime=args.runtime), progress=False)
-    ids = [engine.encode_prompt(p) for p in humaneval_prompts(max(n for _, n in runs))]
+    prompts = {"humaneval": humaneval_prompts, "prose": prose_test_prompts}[args.prompts]
+    ids = [engine.encode_prompt(p) for p in prompts(max(n for _, n in runs))]
     trace: list[dict] = []
     traced(engine.loop, trace)
     engine.generate_ids(ids[0], GenerationParams(max_new_tokens=4))  # warm-up
