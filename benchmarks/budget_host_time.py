@@ -2,7 +2,7 @@
 
     python benchmarks/budget_host_time.py [--profile FILE] [--sessions 1 4 16 64] [--candidates 20]
 
-What the budget adds to a step of B sessions, in the loop (`Loop._budget`: the saving at the bound
+What the budget adds to a step of B sessions, in the loop (`RoundLoop._budget`: the saving at the bound
 and at the measured acceptance, then `who_drafts`) and on the draft side per drafting step
 (`StepBudget.keep` and `StepBudget.draft_on` over the step's sessions), against the step's own
 target pass (plain decoding's pass over B tokens, from the profile). The profile is the default
@@ -14,19 +14,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+import timeit
 
 from specdec.budget import StepBudget, best_allocation, drafting_saving, who_drafts
 from specdec.cost_profile import DEFAULT_PROFILES, CostProfile
 
 
 def median_us(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(times)
+    return statistics.median(timeit.repeat(fn, number=1, repeat=repeats)) * 1e6
 
 
 def main() -> None:

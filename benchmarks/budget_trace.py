@@ -3,12 +3,13 @@
     python benchmarks/budget_trace.py target-only@16 specdec++cost@16   # policy@sessions, in order
     python benchmarks/budget_trace.py --runtime torch --prompts prose specdec++cost@1
 
-Each argument runs `sessions` HumanEval (or prose) prompts at once (greedy, --max-new-tokens, default 128) on
-one engine, so the live profile carries over from run to run as it does in
+Each argument runs `sessions` HumanEval (or prose) prompts at once (greedy, --max-new-tokens,
+default 128) on one engine, so the live profile carries over from run to run as it does in
 benchmarks/concurrency.py. Per run it prints tokens/s and the candidates drafted / accepted, then
 every step that called the draft: batch size, sessions drafting, the saving at the bound and at
 the measured acceptance (ms a token, budget.drafting_saving), the step's wall time, the smallest
-draft lags and each drafting session's K; then the live profile. --out DIR writes each run's whole trace as JSON.
+draft lags and each drafting session's K; then the live profile. --out DIR writes each run's
+whole trace as JSON.
 """
 
 from __future__ import annotations
