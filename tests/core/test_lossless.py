@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from collections import Counter
 
 import numpy as np
@@ -37,6 +38,10 @@ from specdec.policies import POLICY_NAMES, Decision, PolicyConfig
 from specdec.sampling import MAX_SAMPLES_PER_REQUEST, SamplingParams, probs_from_logits
 from stats import chi2_pvalue
 from tiny import tiny_model
+
+# Where the tiny models run: the CPU in CI; `SPECDEC_TEST_DEVICE=cuda` runs the same tests on a GPU
+# (benchmarks/gpu/run.sh). Sampling, verification and the head stay on the host either way.
+DEVICE = torch.device(os.environ.get("SPECDEC_TEST_DEVICE", "cpu"))
 
 # A p-value below this at the fixed seeds means the engine's outputs do not follow the target.
 SIGNIFICANCE = 1e-3
@@ -78,7 +83,7 @@ def random_head(hidden_size: int, seed: int) -> AcceptanceHead:
 def make_engine(vocab: int, layers: int, model_seed: int, noise: float, noise_seed: int) -> SpecDecEngine:
     target = tiny_model(vocab, hidden_size=16, layers=layers, seed=model_seed, init_range=0.5)
     draft = noisy_copy(target, noise, noise_seed)
-    return SpecDecEngine(DraftRuntime(draft), TargetRuntime(target), head=random_head(16, seed=11))
+    return SpecDecEngine(DraftRuntime(draft.to(DEVICE)), TargetRuntime(target.to(DEVICE)), head=random_head(16, seed=11))
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +103,7 @@ def greedy_engine() -> SpecDecEngine:
 @torch.inference_mode()
 def next_token_probs(model, ids: list[int], sampling: SamplingParams) -> np.ndarray:
     """The target's processed next-token distribution [V] after `ids`, by a full forward pass."""
-    logits = model(torch.tensor([ids])).logits[0, -1]
+    logits = model(torch.tensor([ids], device=model.device)).logits[0, -1].cpu()
     return probs_from_logits(logits, sampling).double().numpy()
 
 
@@ -324,7 +329,7 @@ def target_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     """Greedy decoding with full forward passes (no cache); checks that no step is a near-tie."""
     ids = list(prompt)
     for _ in range(new_tokens):
-        logits = model(torch.tensor([ids])).logits[0, -1]
+        logits = model(torch.tensor([ids], device=model.device)).logits[0, -1].cpu()
         top2 = torch.topk(logits, 2).values
         assert top2[0] - top2[1] > 1e-4, "near-tie in the reference: choose other seeds"
         ids.append(int(torch.argmax(logits)))

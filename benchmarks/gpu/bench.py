@@ -1,0 +1,298 @@
+"""The GPU benchmark: per-pass costs in the real shapes (eager and captured) and the round loop on
+CUDA, written as JSON as it goes (a run cut short keeps what it measured).
+
+    python benchmarks/gpu/bench.py --out docs/results/gpu/DATE      # on a CUDA machine; run.sh wraps it
+    python benchmarks/gpu/bench.py --smoke --out /tmp/gpu-smoke     # tiny shapes, any device (a dry run)
+
+Sections, in order:
+- passes: for each shape (shapes.py: the default pair's 0.5B and 1.5B, and a 7B target), random bf16
+  weights, B sessions each holding a 200-token prompt and feeding k tokens:
+  `runtime` is today's torch runtime (models/runtime.py: one ragged pass, logits copied to the host),
+  `static` the same math over a preallocated cache (static_pass.py) run eagerly, `captured` that
+  pass replayed as a CUDA graph; each a median in ms. `graph_vs_eager` is the largest logit
+  difference between a replay and the eager static pass on fresh ids, `static_vs_runtime` the
+  same against the runtime (bf16: expect ~1e-2 of the logits' scale).
+- loop: the engine (one round loop, in process) with a self-draft (the target's own weights draft,
+  so greedy accepts every candidate: the ceiling), random prompts, greedy, at concurrency 1-64 for
+  target-only, fixed K and the default policy (a random head: its stops mean nothing, its costs
+  do). tokens/s, and host time per verification pass: wall minus every forward pass's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent.parent)]
+
+from shapes import SHAPES, shape_config  # noqa: E402
+from static_pass import STATIC_ATTENTION, CapturedPass, StaticBatch, static_logits  # noqa: E402
+
+from specdec.bench.forward import PROMPT_TOKENS, synthetic_tokens, time_pass  # noqa: E402
+from specdec.head import AcceptanceHead, HeadConfig  # noqa: E402
+from specdec.models.cache import RAGGED_ATTENTION  # noqa: E402
+from specdec.models.runtime import DraftRuntime, TargetRuntime  # noqa: E402
+from specdec.engine import SpecDecEngine  # noqa: E402
+from specdec.loop import BatchConfig  # noqa: E402
+from specdec.params import GenerationParams  # noqa: E402
+from specdec.policies import PolicyConfig  # noqa: E402
+
+PASS_SHAPES = {"qwen2.5-0.5b": (1, 2, 4), "qwen2.5-1.5b": (1, 2, 4, 8, 16), "qwen2.5-7b": (1, 2, 4, 8, 16)}  # -> ks
+BATCHES = (1, 4, 16, 64)
+CACHE_LENGTH = 256  # positions per session in the static cache: the prompt, k tokens, padding
+LOOP_SHAPE = "qwen2.5-1.5b"
+LOOP_CONCURRENCY = (1, 8, 32, 64)
+LOOP_POLICIES = (("target-only", None), ("fixed", 4), ("specdec++cost", None))
+LOOP_PROMPT_TOKENS, LOOP_NEW_TOKENS = 64, 32
+
+
+class Report:
+    """The results dict, rewritten to disk after every figure."""
+
+    def __init__(self, path: Path, deadline: float):
+        self.path, self.deadline = path, deadline
+        self.data: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "sections": {}}
+
+    def put(self, section: str, key: str, value) -> None:
+        self.data["sections"].setdefault(section, {})[key] = value
+        self.save()
+
+    def save(self) -> None:
+        self.path.write_text(json.dumps(self.data, indent=1, default=str))
+
+    def time_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "device": str(device)}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                   multiprocessors=props.multi_processor_count, cuda=torch.version.cuda)
+    return env
+
+
+def random_model(config, device: torch.device, dtype: torch.dtype):
+    from transformers import Qwen2ForCausalLM
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = Qwen2ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn, device: torch.device, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+@torch.inference_mode()
+def pass_costs(report: Report, name: str, model, ks, batches, device, repeats: int) -> None:
+    """Fills report["passes"][name] with {"B=..,k=..": {runtime, static, captured, checks}}."""
+    config = model.config
+    vocab = config.vocab_size
+    model.set_attn_implementation(RAGGED_ATTENTION)
+    runtime = TargetRuntime(model)
+    results = {}
+    for batch in batches:
+        for k in ks:
+            if report.time_left() < 30:
+                results[f"B={batch},k={k}"] = {"skipped": "time"}
+                continue
+            row = results[f"B={batch},k={k}"] = {}
+            row["runtime_ms"] = 1e3 * time_pass(runtime, k, repeats=repeats, sessions=batch)
+            report.put("passes", name, results)
+    model.set_attn_implementation(STATIC_ATTENTION)
+    for batch in batches:
+        if report.time_left() < 30:
+            break
+        static = StaticBatch.allocate(config, batch, CACHE_LENGTH, device, model.dtype)
+        static.feed(torch.zeros(batch, dtype=torch.long, device=device), PROMPT_TOKENS)
+        prompt = torch.tensor([synthetic_tokens(PROMPT_TOKENS, vocab, offset=b) for b in range(batch)], device=device)
+        static_logits(model, static, prompt)
+        for k in ks:
+            row = results.get(f"B={batch},k={k}")
+            if report.time_left() < 30 or row is None or "skipped" in row:
+                continue
+            static.feed(torch.full((batch,), PROMPT_TOKENS, dtype=torch.long, device=device), k)
+            ids = torch.randint(0, vocab, (batch, k), device=device)
+            row["static_ms"] = median_ms(lambda: static_logits(model, static, ids), device, repeats)
+            eager = static_logits(model, static, ids).clone()
+            if batch == 1:
+                model.set_attn_implementation(RAGGED_ATTENTION)
+                session = runtime.new_session()
+                runtime._forward([runtime_feed(session, synthetic_tokens(PROMPT_TOKENS, vocab), 1)])
+                reference = runtime._forward([runtime_feed(session, ids[0].tolist(), k)])[0][0]
+                row["static_vs_runtime"] = max_difference(eager[0].cpu(), reference)
+                model.set_attn_implementation(STATIC_ATTENTION)
+            if device.type == "cuda" and not report.data.get("capture_failed"):
+                try:
+                    captured = CapturedPass(model, static, k)
+                    row["captured_ms"] = median_ms(lambda: captured.run(ids), device, 4 * repeats)
+                    fresh = torch.randint(0, vocab, (batch, k), device=device)
+                    replayed = captured.run(fresh).clone()
+                    row["graph_vs_eager"] = max_difference(replayed, static_logits(model, static, fresh))
+                    del captured
+                except Exception as exc:  # recorded, not fatal: eager figures still count
+                    row["captured_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                    report.data["capture_failed"] = row["captured_error"]  # a failed capture can poison the stream
+            report.put("passes", name, results)
+        del static
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    model.set_attn_implementation(RAGGED_ATTENTION)
+
+
+def runtime_feed(session, tokens, outputs):
+    from specdec.models.runtime import Feed
+    return Feed(session, tokens, outputs)
+
+
+def max_difference(a: torch.Tensor, b: torch.Tensor) -> dict:
+    a, b = a.float().cpu(), b.float().cpu()
+    return {"max_abs": (a - b).abs().max().item(), "scale": b.abs().max().item(),
+            "argmax_agree": (a.argmax(-1) == b.argmax(-1)).float().mean().item()}
+
+
+class TimedForward:
+    """Wraps a runtime's `_forward` to add up its wall time (a pass ends with its logits on the host)."""
+
+    def __init__(self, runtime):
+        self.runtime, self.inner, self.seconds, self.calls = runtime, runtime._forward, 0.0, 0
+        runtime._forward = self
+
+    def __call__(self, feeds):
+        start = time.perf_counter()
+        try:
+            return self.inner(feeds)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+
+def loop_throughput(report: Report, name: str, model, device, concurrency, policies, new_tokens: int) -> None:
+    config = model.config
+    draft, target = DraftRuntime(model), TargetRuntime(model)  # the self-draft: the target's own weights
+    torch.manual_seed(0)
+    head = AcceptanceHead(HeadConfig(hidden_size=config.hidden_size, depth=1, draft_identity="gpu-bench")).eval()
+    engine = SpecDecEngine(draft, target, head=head, batch=BatchConfig(max_sessions_per_step=max(concurrency)))
+    timers = TimedForward(draft), TimedForward(target)
+    report.put("loop", "probe_profile", str(engine.cost_profile()))
+    results = {}
+    for policy, k in policies:
+        params = GenerationParams(max_new_tokens=new_tokens, policy=PolicyConfig(name=policy, k=k), chat_template=False)
+        engine.generate_ids(synthetic_tokens(LOOP_PROMPT_TOKENS, config.vocab_size, offset=999), params)  # warm-up
+        for c in concurrency:
+            if report.time_left() < 20:
+                results[f"{policy}@{c}"] = {"skipped": "time"}
+                continue
+            prompts = [synthetic_tokens(LOOP_PROMPT_TOKENS, config.vocab_size, offset=17 * i) for i in range(c)]
+            for timer in timers:
+                timer.seconds, timer.calls = 0.0, 0
+            start = time.perf_counter()
+            outcomes = engine.generate_many(prompts, params)
+            wall = time.perf_counter() - start
+            tokens = sum(r.stats.generated_tokens for r in outcomes)
+            forward = sum(t.seconds for t in timers)
+            verify_passes = timers[1].calls
+            accepted = sum(r.stats.accepted_tokens for r in outcomes)
+            drafted = sum(r.stats.draft_tokens for r in outcomes)
+            results[f"{policy}@{c}"] = {
+                "concurrency": c, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+                "draft_passes": timers[0].calls, "target_passes": verify_passes,
+                "draft_forward_s": timers[0].seconds, "target_forward_s": timers[1].seconds,
+                "host_ms_per_target_pass": 1e3 * (wall - forward) / max(1, verify_passes),
+                "acceptance": accepted / drafted if drafted else None}
+            report.put("loop", name, results)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--budget-s", type=float, default=420, help="stop starting new figures after this long")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes and few repeats: checks the script runs")
+    parser.add_argument("--sections", nargs="+", default=["passes", "loop"])
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    report = Report(args.out / "results.json", time.monotonic() + args.budget_s)
+    report.data["environment"] = environment(device)
+    report.data["settings"] = {"batches": BATCHES, "pass_shapes": PASS_SHAPES, "prompt_tokens": PROMPT_TOKENS,
+                               "cache_length": CACHE_LENGTH, "dtype": str(dtype), "loop_shape": LOOP_SHAPE,
+                               "loop_concurrency": LOOP_CONCURRENCY, "loop_new_tokens": LOOP_NEW_TOKENS}
+    report.save()
+    print(json.dumps(report.data["environment"]), flush=True)
+    shapes = {name: shape_config(name) for name in SHAPES}
+    batches, repeats, concurrency, new_tokens = BATCHES, 10, LOOP_CONCURRENCY, LOOP_NEW_TOKENS
+    if args.smoke:
+        for config in shapes.values():
+            config.update(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=512))
+        batches, repeats, concurrency, new_tokens = (1, 4), 2, (1, 4), 8
+    torch.manual_seed(0)
+    if "passes" in args.sections:
+        for name, ks in PASS_SHAPES.items():
+            if report.time_left() < 30:
+                break
+            start = time.perf_counter()
+            model = random_model(shapes[name], device, dtype)
+            pass_costs(report, name, model, ks, batches, device, repeats)
+            print(f"passes {name}: {time.perf_counter() - start:.0f} s", flush=True)
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if "loop" in args.sections and report.time_left() > 30:
+        start = time.perf_counter()
+        model = random_model(shapes[LOOP_SHAPE], device, dtype)
+        loop_throughput(report, LOOP_SHAPE, model, device, concurrency, LOOP_POLICIES, new_tokens)
+        print(f"loop {LOOP_SHAPE}: {time.perf_counter() - start:.0f} s", flush=True)
+    report.data["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    report.save()
+    print_summary(report.data)
+
+
+def print_summary(data: dict) -> None:
+    for name, rows in data["sections"].get("passes", {}).items():
+        print(f"\n{name}: ms per pass (runtime / static eager / captured)")
+        for key, row in rows.items():
+            cells = [f"{row[c]:.2f}" if c in row else "-" for c in ("runtime_ms", "static_ms", "captured_ms")]
+            print(f"  {key:12s} " + " / ".join(cells) + (f"  {row['captured_error'][:80]}" if "captured_error" in row else ""))
+    for name, rows in data["sections"].get("loop", {}).items():
+        if not isinstance(rows, dict):
+            continue
+        print(f"\nloop {name} (self-draft, greedy): tok/s, host ms per verification pass")
+        for key, row in rows.items():
+            if "tokens_per_s" in row:
+                print(f"  {key:20s} {row['tokens_per_s']:8.1f} tok/s  host {row['host_ms_per_target_pass']:.2f} ms"
+                      f"  passes {row['draft_passes']}/{row['target_passes']}")
+
+
+if __name__ == "__main__":
+    main()

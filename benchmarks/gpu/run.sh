@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The GPU benchmark as one unattended command (docs/performance.md, "On a GPU"):
+#   1. installs the carried wheels (benchmarks/gpu/wheels.sh fetched them) into /tmp/site;
+#   2. correctness on CUDA: the losslessness tests (greedy equality with target-only, chi-squared of
+#      the sampled joint distribution) with the tiny models on the GPU;
+#   3. benchmarks/gpu/bench.py: per-pass costs eager and captured, and the loop at concurrency 1-64.
+# Everything lands in $OUT (default docs/results/gpu/latest): results.json, pytest.log, bench.log, gpu.txt.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-docs/results/gpu/latest}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH || exit 1
+fi
+nvidia-smi > "$OUT/gpu.txt" 2>&1
+start=$(date +%s)
+SPECDEC_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider \
+  tests/core/test_lossless.py 2>&1 | tee "$OUT/pytest.log" | tail -5
+echo "correctness: $(( $(date +%s) - start )) s"
+python3 benchmarks/gpu/bench.py --out "$OUT" --budget-s "${BENCH_BUDGET:-300}" 2>&1 | tee "$OUT/bench.log"
