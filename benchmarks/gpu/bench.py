@@ -207,7 +207,8 @@ def loop_throughput(report: Report, name: str, model, device, concurrency, polic
     results = {}
     for policy, k in policies:
         params = GenerationParams(max_new_tokens=new_tokens, policy=PolicyConfig(name=policy, k=k), chat_template=False)
-        engine.generate_ids(synthetic_tokens(LOOP_PROMPT_TOKENS, config.vocab_size, offset=999), params)  # warm-up
+        warm = [synthetic_tokens(LOOP_PROMPT_TOKENS, config.vocab_size, offset=999 + i) for i in range(max(concurrency))]
+        engine.generate_many(warm, params.model_copy(update={"max_new_tokens": 8}))  # every batch size once
         for c in concurrency:
             if report.time_left() < 20:
                 results[f"{policy}@{c}"] = {"skipped": "time"}
@@ -238,19 +239,21 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=420, help="stop starting new figures after this long")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and few repeats: checks the script runs")
     parser.add_argument("--sections", nargs="+", default=["passes", "loop"])
+    parser.add_argument("--shapes", nargs="+", default=list(PASS_SHAPES), help="the passes section's shapes")
+    parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES), help="the passes section's B")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     report = Report(args.out / "results.json", time.monotonic() + args.budget_s)
     report.data["environment"] = environment(device)
-    report.data["settings"] = {"batches": BATCHES, "pass_shapes": PASS_SHAPES, "prompt_tokens": PROMPT_TOKENS,
+    report.data["settings"] = {"batches": args.batches, "shapes": args.shapes, "pass_shapes": PASS_SHAPES, "prompt_tokens": PROMPT_TOKENS,
                                "cache_length": CACHE_LENGTH, "dtype": str(dtype), "loop_shape": LOOP_SHAPE,
                                "loop_concurrency": LOOP_CONCURRENCY, "loop_new_tokens": LOOP_NEW_TOKENS}
     report.save()
     print(json.dumps(report.data["environment"]), flush=True)
     shapes = {name: shape_config(name) for name in SHAPES}
-    batches, repeats, concurrency, new_tokens = BATCHES, 10, LOOP_CONCURRENCY, LOOP_NEW_TOKENS
+    batches, repeats, concurrency, new_tokens = tuple(args.batches), 10, LOOP_CONCURRENCY, LOOP_NEW_TOKENS
     if args.smoke:
         for config in shapes.values():
             config.update(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -259,6 +262,8 @@ def main() -> None:
     torch.manual_seed(0)
     if "passes" in args.sections:
         for name, ks in PASS_SHAPES.items():
+            if name not in args.shapes:
+                continue
             if report.time_left() < 30:
                 break
             start = time.perf_counter()
