@@ -88,16 +88,29 @@ def host_per_pass(loop: dict, policy: str, concurrency: int) -> float | None:
     return rows[nearest]["host_ms_per_target_pass"]
 
 
+def load_results(folder: Path) -> tuple[dict, dict]:
+    """(passes by shape, loop rows) from every bench.py JSON in `folder`, in name order: a later run
+    fills the pass rows an earlier one lacks, and its loop rows replace the earlier ones."""
+    passes, loop = {}, {}
+    for path in sorted(folder.glob("*.json")):
+        sections = json.loads(path.read_text()).get("sections", {})
+        for name, rows in sections.get("passes", {}).items():
+            mine = passes.setdefault(name, {})
+            for key, row in rows.items():
+                if "captured_ms" not in mine.get(key, {}):
+                    mine[key] = row
+        loop = sections.get("loop", {}).get("qwen2.5-1.5b", loop)
+    return passes, loop
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", type=Path, help="a GPU results folder (passes.json, loop.json)")
+    parser.add_argument("results", type=Path, help="a folder of bench.py results (*.json)")
     parser.add_argument("--records", type=Path, default=RECORDS)
     parser.add_argument("--spec", default="fixed:14", help="the run whose rounds give the acceptance")
     parser.add_argument("--mode", default="captured", choices=("captured", "static", "runtime"))
     args = parser.parse_args()
-    passes = json.loads((args.results / "passes.json").read_text())["sections"]["passes"]
-    loop_file = args.results / "loop.json"
-    loop = json.loads(loop_file.read_text())["sections"]["loop"].get("qwen2.5-1.5b", {}) if loop_file.exists() else {}
+    passes, loop = load_results(args.results)
     batches = sorted({int(key.split(",")[0].split("=")[1]) for key in passes[DRAFT]})
     print(f"acceptance: {args.records.relative_to(args.records.parents[2])} {args.spec}; costs: {args.mode} passes\n")
     print("| target | T | C | draft ms | target ms k=1 | K=1 | K=3 | K=7 | best K | speedup | +host |")
