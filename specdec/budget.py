@@ -53,6 +53,8 @@ MAX_CANDIDATES = 20  # the paper's cap on a round, for a budgeted policy given n
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.8, 10.0
 # While the draft is off, one probe of its cost may take this share of the plain steps (loop.py).
 PROBE_SHARE = 0.005
+# Most tokens a session decodes without its draft after drafting rounds that verified nothing (loop.rest_after).
+MAX_REST = 32
 # A lagging draft catches up only for a saving above this share of a plain token's time (worth_catching_up).
 CATCH_UP_MARGIN = 0.05
 # A draft that ran last round lags by at most this: its last candidate and the bonus token (or the

@@ -52,8 +52,8 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specdec.budget import (MAX_CANDIDATES, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PROBE_SHARE, StepPlan, best_allocation,
-                            drafting_saving, who_drafts)
+from specdec.budget import (MAX_CANDIDATES, MAX_REST, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PROBE_SHARE, StepPlan,
+                            best_allocation, drafting_saving, who_drafts)
 from specdec.cost_profile import CostProfile, LiveCosts, given_profile
 from specdec.errors import InvalidRequestError, Unavailable
 from specdec.metrics import MS_PER_S, RequestStats
@@ -183,6 +183,10 @@ class Sequence:
     drafted_at: int = 0  # history length the draft has seen when it last ran: its cache lags the rest
     outcomes: list[tuple[int, int]] = field(default_factory=list)  # every round's (K, n), for a draft that rebuilds
     unsent: int = 0  # outcomes the draft has not been told about
+    # Drafting rounds in a row that verified nothing (the draft ran, the step's budget kept no
+    # candidate), and the history length before which the session does not draft again (rest_after).
+    empty_rounds: int = 0
+    rests_until: int = 0
     contacted: set = field(default_factory=set)  # roles that may hold the session: released when it leaves
     error: BaseException | None = None
 
@@ -317,17 +321,19 @@ class RoundLoop:
         drafting = [s for s in batch if s.traits.uses_draft]
         profile, probe = self.cost_profile(), None
         budgeted = [s for s in drafting if s.traits.budgeted]
+        resting = {s for s in budgeted if len(s.sample.history) < s.rests_until}
         if profile is not None and budgeted:
             cap = max(s.request.params.policy.k or MAX_CANDIDATES for s in budgeted)
             saving = drafting_saving(profile, len(batch), cap)
             self.drafting = saving > 0
             if self.observer:
                 self.observer.on_costs(profile, self.drafting)
-            if self.drafting:  # a lagging draft catches up only where that pays
+            if self.drafting:  # a lagging draft catches up only where that pays; a resting session waits
+                ready = [s for s in budgeted if s not in resting]
                 joins = who_drafts(profile, best_allocation(profile, len(batch), cap, self.acceptance), len(batch),
-                                   [len(s.sample.history) - s.drafted_at for s in budgeted],
-                                   [s.request.params.max_new_tokens - len(s.sample.generated) for s in budgeted])
-                joined = {s for s, join in zip(budgeted, joins) if join}
+                                   [len(s.sample.history) - s.drafted_at for s in ready],
+                                   [s.request.params.max_new_tokens - len(s.sample.generated) for s in ready])
+                joined = {s for s, join in zip(ready, joins) if join}
                 drafting = [s for s in drafting if not s.traits.budgeted or s in joined]
         if not self.drafting and budgeted:
             drafting = [s for s in drafting if not s.traits.budgeted]
@@ -452,6 +458,10 @@ class RoundLoop:
         if k:  # n accepted, then one rejected unless all k were
             self._accepted = self._accepted * ACCEPTANCE_DECAY + n
             self._verified = self._verified * ACCEPTANCE_DECAY + n + (n < k)
+            s.empty_rounds = 0
+        elif proposal.forward_passes and s.traits.budgeted:  # a draft pass spent for an empty round
+            s.empty_rounds += 1
+            s.rests_until = len(s.sample.history) + 1 + rest_after(s.empty_rounds)
         s.round_index += 1
         request.stats.draft_forward_passes += proposal.forward_passes
         request.stats.record_round(k, n)
@@ -491,6 +501,17 @@ class RoundLoop:
                     s.done.set_exception(s.error)
                 else:
                     s.done.set_result(None)
+
+
+def rest_after(empty_rounds: int) -> int:
+    """Tokens a session decodes without its draft after `empty_rounds` drafting rounds in a row that
+    verified nothing: 1, 2, 4, ... up to MAX_REST. A drafting step learns y_1's estimate only by
+    drafting it; where the step's budget then drops y_1 the pass was spent for nothing, and on text
+    the draft does not predict (prose on torch: 12 catch-up passes of ~215 ms for 4 candidates in a
+    128-token generation) the next ones mostly would be too. Backing off bounds that loss to about
+    log2 of the generation's length in passes, while a stretch the draft does predict is found again
+    within MAX_REST tokens."""
+    return min(2 ** (empty_rounds - 1), MAX_REST)
 
 
 def probe_interval(profile: CostProfile | None, sessions: int, share: float = PROBE_SHARE) -> int:

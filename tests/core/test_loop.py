@@ -7,8 +7,10 @@ import asyncio
 from dataclasses import replace
 
 import pytest
+import torch
 
 from specdec.errors import Unavailable
+from specdec.features import FEATURES_DISTRIBUTION
 from specdec.loop import BatchConfig, LocalTransport, RetryPolicy, RoundLoop
 from specdec.params import build_params
 from specdec.protocol import BatchReply, SessionMissing, Unreachable
@@ -188,15 +190,21 @@ def costly(role: str, tokens: int) -> float:
     return 60.0 * tokens if role == "draft" else cheap(role, tokens)
 
 
-def budgeted_loop(engine, cost) -> tuple[FakeClock, RoundLoop]:
+def budgeted_loop(engine, cost, head_bias: float | None = None) -> tuple[FakeClock, RoundLoop]:
     """A loop whose default policy has a head, on a fake clock, seeded by the workers' probes. The
-    target drafts for itself: every greedy candidate is accepted."""
+    target drafts for itself: every greedy candidate is accepted. `head_bias`: a head that judges
+    each candidate at its own step and estimates every one's acceptance at sigmoid(head_bias)."""
     from specdec.head import AcceptanceHead, HeadConfig
     from specdec.models.runtime import DraftRuntime
     from specdec.sequences import RequestRules
 
     self_draft = DraftRuntime(engine.target.model)
-    head = AcceptanceHead(HeadConfig(hidden_size=self_draft.hidden_size, depth=0, draft_identity="x")).eval()
+    features = {} if head_bias is None else {"features": FEATURES_DISTRIBUTION}  # judges y_i at step i
+    head = AcceptanceHead(HeadConfig(hidden_size=self_draft.hidden_size, depth=0, draft_identity="x", **features)).eval()
+    if head_bias is not None:
+        with torch.no_grad():
+            head.out.weight.zero_()
+            head.out.bias.fill_(head_bias)
     transport = FakeClock(engine, head, cost, self_draft)
     rules = RequestRules(None, engine.eos_token_ids, engine.max_context, engine.target.vocab_size, has_head=True)
     loop = RoundLoop(transport, rules, probe_share=0.5)
@@ -244,3 +252,25 @@ def test_a_draft_that_lags_does_not_catch_up_for_a_saving_that_cannot_repay_it(t
     [result] = run(loop, [(PROMPTS[1], params)])
     assert transport.probes >= 1 and loop.drafting  # probes ran; drafting pays again at the end
     assert transport.candidates == 0 and result.stats.draft_forward_passes == 0
+
+
+def test_a_session_whose_drafting_rounds_verify_nothing_rests_longer_each_time(tiny_engine):
+    """The head judges every candidate unlikely (a = 0.05), so the step's budget drops each y_1 it
+    drafts: every drafting round verifies nothing. Without a rest the session would call the draft
+    every step (120); it rests 1, 2, 4, ... up to 32 tokens after each such round instead. The output
+    is target-only's."""
+    transport, loop = budgeted_loop(tiny_engine, cheap, head_bias=-3.0)
+    params = build_params(policy="specdec++cost", k=4, max_new_tokens=120)
+    [result] = run(loop, [(PROMPTS[0], params)])
+    assert transport.candidates == 0 and loop.drafting
+    assert 3 <= result.stats.draft_forward_passes <= 10
+    plain = build_params(policy="target-only", max_new_tokens=120)
+    assert result.completions[0].token_ids == expected(tiny_engine, PROMPTS[0], plain)
+
+
+def test_rest_after_doubles_up_to_its_cap():
+    from specdec.budget import MAX_REST
+    from specdec.loop import rest_after
+
+    assert [rest_after(n) for n in range(1, 8)] == [1, 2, 4, 8, 16, 32, 32] and MAX_REST == 32
+
