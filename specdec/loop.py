@@ -317,7 +317,8 @@ class RoundLoop:
     def _budget(self, batch: list[Sequence]) -> tuple[list[Sequence], Sequence | None, StepPlan]:
         """The sessions that call the draft this step, the one that probes it (None: no probe) and the
         plan they carry: budgeted sessions skip the draft while no allocation beats plain decoding,
-        and one whose draft would first have to catch up skips it while that does not pay."""
+        one resting after drafting rounds that verified nothing (`rest_after`) skips it, and one whose
+        draft would first have to catch up skips it while that does not pay."""
         drafting = [s for s in batch if s.traits.uses_draft]
         profile, probe = self.cost_profile(), None
         budgeted = [s for s in drafting if s.traits.budgeted]
