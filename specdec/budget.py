@@ -53,7 +53,7 @@ MAX_CANDIDATES = 20  # the paper's cap on a round, for a budgeted policy given n
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.8, 10.0
 # While the draft is off, one probe of its cost may take this share of the plain steps (loop.py).
 PROBE_SHARE = 0.005
-# Most tokens a session decodes without its draft after drafting rounds that verified nothing (loop.rest_after).
+# Most tokens a session decodes without its draft after drafting rounds that verified nothing (rest_after).
 MAX_REST = 32
 # A lagging draft catches up only for a saving above this share of a plain token's time (worth_catching_up).
 CATCH_UP_MARGIN = 0.05
@@ -139,6 +139,17 @@ def worth_catching_up(profile: CostProfile, saving: float, sessions: int, lag: i
     if saving <= CATCH_UP_MARGIN * profile.pass_ms(sessions) / sessions:
         return False
     return remaining * saving > profile.draft_ms(lag) - profile.draft_ms(1)
+
+
+def rest_after(empty_rounds: int) -> int:
+    """Tokens a session decodes without its draft after `empty_rounds` drafting rounds in a row that
+    verified nothing: 1, 2, 4, ... up to MAX_REST. A drafting step learns y_1's estimate only by
+    drafting it; where the step's budget then drops y_1 the pass was spent for nothing, and on text
+    the draft does not predict (prose on torch: 12 catch-up passes of ~215 ms for 4 candidates in a
+    128-token generation) the next ones mostly would be too. Backing off bounds that loss to about
+    log2 of the generation's length in passes, while a stretch the draft does predict is found again
+    within MAX_REST tokens."""
+    return min(2 ** (empty_rounds - 1), MAX_REST)
 
 
 def who_drafts(profile: CostProfile, best: Allocation, sessions: int, lags: list[int],

@@ -52,8 +52,8 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specdec.budget import (MAX_CANDIDATES, MAX_REST, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PROBE_SHARE, StepPlan,
-                            best_allocation, drafting_saving, who_drafts)
+from specdec.budget import (MAX_CANDIDATES, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PROBE_SHARE, StepPlan, best_allocation,
+                            drafting_saving, rest_after, who_drafts)
 from specdec.cost_profile import CostProfile, LiveCosts, given_profile
 from specdec.errors import InvalidRequestError, Unavailable
 from specdec.metrics import MS_PER_S, RequestStats
@@ -317,12 +317,11 @@ class RoundLoop:
     def _budget(self, batch: list[Sequence]) -> tuple[list[Sequence], Sequence | None, StepPlan]:
         """The sessions that call the draft this step, the one that probes it (None: no probe) and the
         plan they carry: budgeted sessions skip the draft while no allocation beats plain decoding,
-        one resting after drafting rounds that verified nothing (`rest_after`) skips it, and one whose
+        one resting after drafting rounds that verified nothing (`budget.rest_after`) skips it, and one whose
         draft would first have to catch up skips it while that does not pay."""
         drafting = [s for s in batch if s.traits.uses_draft]
         profile, probe = self.cost_profile(), None
         budgeted = [s for s in drafting if s.traits.budgeted]
-        resting = {s for s in budgeted if len(s.sample.history) < s.rests_until}
         if profile is not None and budgeted:
             cap = max(s.request.params.policy.k or MAX_CANDIDATES for s in budgeted)
             saving = drafting_saving(profile, len(batch), cap)
@@ -330,7 +329,7 @@ class RoundLoop:
             if self.observer:
                 self.observer.on_costs(profile, self.drafting)
             if self.drafting:  # a lagging draft catches up only where that pays; a resting session waits
-                ready = [s for s in budgeted if s not in resting]
+                ready = [s for s in budgeted if len(s.sample.history) >= s.rests_until]
                 joins = who_drafts(profile, best_allocation(profile, len(batch), cap, self.acceptance), len(batch),
                                    [len(s.sample.history) - s.drafted_at for s in ready],
                                    [s.request.params.max_new_tokens - len(s.sample.generated) for s in ready])
@@ -502,17 +501,6 @@ class RoundLoop:
                     s.done.set_exception(s.error)
                 else:
                     s.done.set_result(None)
-
-
-def rest_after(empty_rounds: int) -> int:
-    """Tokens a session decodes without its draft after `empty_rounds` drafting rounds in a row that
-    verified nothing: 1, 2, 4, ... up to MAX_REST. A drafting step learns y_1's estimate only by
-    drafting it; where the step's budget then drops y_1 the pass was spent for nothing, and on text
-    the draft does not predict (prose on torch: 12 catch-up passes of ~215 ms for 4 candidates in a
-    128-token generation) the next ones mostly would be too. Backing off bounds that loss to about
-    log2 of the generation's length in passes, while a stretch the draft does predict is found again
-    within MAX_REST tokens."""
-    return min(2 ** (empty_rounds - 1), MAX_REST)
 
 
 def probe_interval(profile: CostProfile | None, sessions: int, share: float = PROBE_SHARE) -> int:

@@ -39,7 +39,7 @@ from static_pass import STATIC_ATTENTION, CapturedPass, StaticBatch, static_logi
 from specdec.bench.forward import PROMPT_TOKENS, synthetic_tokens, time_pass  # noqa: E402
 from specdec.head import AcceptanceHead, HeadConfig  # noqa: E402
 from specdec.models.cache import RAGGED_ATTENTION  # noqa: E402
-from specdec.models.runtime import DraftRuntime, TargetRuntime  # noqa: E402
+from specdec.models.runtime import DraftRuntime, Feed, TargetRuntime  # noqa: E402
 from specdec.engine import SpecDecEngine  # noqa: E402
 from specdec.loop import BatchConfig  # noqa: E402
 from specdec.params import GenerationParams  # noqa: E402
@@ -147,8 +147,8 @@ def pass_costs(report: Report, name: str, model, ks, batches, device, repeats: i
             if batch == 1:
                 model.set_attn_implementation(RAGGED_ATTENTION)
                 session = runtime.new_session()
-                runtime._forward([runtime_feed(session, synthetic_tokens(PROMPT_TOKENS, vocab), 1)])
-                reference = runtime._forward([runtime_feed(session, ids[0].tolist(), k)])[0][0]
+                runtime._forward([Feed(session, synthetic_tokens(PROMPT_TOKENS, vocab), 1)])
+                reference = runtime._forward([Feed(session, ids[0].tolist(), k)])[0][0]
                 row["static_vs_runtime"] = max_difference(eager[0].cpu(), reference)
                 model.set_attn_implementation(STATIC_ATTENTION)
             if device.type == "cuda" and not report.data.get("capture_failed"):
@@ -167,11 +167,6 @@ def pass_costs(report: Report, name: str, model, ks, batches, device, repeats: i
         if device.type == "cuda":
             torch.cuda.empty_cache()
     model.set_attn_implementation(RAGGED_ATTENTION)
-
-
-def runtime_feed(session, tokens, outputs):
-    from specdec.models.runtime import Feed
-    return Feed(session, tokens, outputs)
 
 
 def max_difference(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -196,7 +191,7 @@ class TimedForward:
             self.calls += 1
 
 
-def loop_throughput(report: Report, name: str, model, device, concurrency, policies, new_tokens: int) -> None:
+def loop_throughput(report: Report, name: str, model, concurrency, policies, new_tokens: int) -> None:
     config = model.config
     draft, target = DraftRuntime(model), TargetRuntime(model)  # the self-draft: the target's own weights
     torch.manual_seed(0)
@@ -276,7 +271,7 @@ def main() -> None:
     if "loop" in args.sections and report.time_left() > 30:
         start = time.perf_counter()
         model = random_model(shapes[LOOP_SHAPE], device, dtype)
-        loop_throughput(report, LOOP_SHAPE, model, device, concurrency, LOOP_POLICIES, new_tokens)
+        loop_throughput(report, LOOP_SHAPE, model, concurrency, LOOP_POLICIES, new_tokens)
         print(f"loop {LOOP_SHAPE}: {time.perf_counter() - start:.0f} s", flush=True)
     report.data["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     report.save()

@@ -69,13 +69,14 @@ def interpolate(curve: dict[int, float], k: int) -> float | None:
     return curve[lo] + (curve[hi] - curve[lo]) * (k - lo) / (hi - lo)
 
 
-def speedup(accept: list[float], k: int, t_draft: float, target: dict[int, float], host: float = 0.0) -> float | None:
-    """E(k) plain-pass costs over one round's cost, each pass plus `host` ms."""
+def speedup(accept: list[float], k: int, t_draft: float, target: dict[int, float], host_plain: float = 0.0,
+            host_round: float = 0.0) -> float | None:
+    """E(k) plain steps (each plus `host_plain` ms) over one round (plus `host_round` ms)."""
     verify = interpolate(target, k + 1)
     if verify is None or k > len(accept):
         return None
     tokens = expected_tokens(accept[:k])
-    return tokens * (target[1] + host) / (k * t_draft + verify + host)
+    return tokens * (target[1] + host_plain) / (k * t_draft + verify + host_round)
 
 
 def host_per_pass(loop: dict, policy: str, concurrency: int) -> float | None:
@@ -129,8 +130,7 @@ def main() -> None:
                 host_plain, host_spec = host_per_pass(loop, "target-only", batch), host_per_pass(loop, "fixed", batch)
                 with_host = "-"
                 if host_plain is not None and host_spec is not None:
-                    verify = interpolate(target, best + 1)
-                    with_host = (f"{expected_tokens(accept[:best]) * (target[1] + host_plain) / (best * draft + verify + host_spec):.2f}x")
+                    with_host = f"{speedup(accept, best, draft, target, host_plain, host_spec):.2f}x"
                 cells = [f"{by_k[k]:.2f}x" if k in by_k else "-" for k in (1, 3, 7)]
                 print(f"| {name} | {temperature:g} | {batch} | {draft:.2f} | {target[1]:.2f} | " + " | ".join(cells)
                       + f" | {best} | {by_k[best]:.2f}x | {with_host} |")

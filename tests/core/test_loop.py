@@ -269,8 +269,6 @@ def test_a_session_whose_drafting_rounds_verify_nothing_rests_longer_each_time(t
 
 
 def test_rest_after_doubles_up_to_its_cap():
-    from specdec.budget import MAX_REST
-    from specdec.loop import rest_after
+    from specdec.budget import MAX_REST, rest_after
 
     assert [rest_after(n) for n in range(1, 8)] == [1, 2, 4, 8, 16, 32, 32] and MAX_REST == 32
-
