@@ -53,6 +53,9 @@ MAX_CANDIDATES = 20  # the paper's cap on a round, for a budgeted policy given n
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.8, 10.0
 # While the draft is off, one probe of its cost may take this share of the plain steps (loop.py).
 PROBE_SHARE = 0.005
+# A probe of a target pass longer than the live curve reaches may take this share of the steps since
+# the last one (loop.py). Each size is probed once, so this bounds a handful of passes, not a rate.
+CURVE_PROBE_SHARE = 0.1
 # Most tokens a session decodes without its draft after drafting rounds that verified nothing (rest_after).
 MAX_REST = 32
 # A lagging draft catches up only for a saving above this share of a plain token's time (worth_catching_up).
@@ -139,6 +142,19 @@ def worth_catching_up(profile: CostProfile, saving: float, sessions: int, lag: i
     if saving <= CATCH_UP_MARGIN * profile.pass_ms(sessions) / sessions:
         return False
     return remaining * saving > profile.draft_ms(lag) - profile.draft_ms(1)
+
+
+def curve_probe(profile: CostProfile, wanted: int) -> int | None:
+    """The target pass to time next when the step's budget weighs passes of up to `wanted` tokens
+    and the measured curve stops short of that: the next power of two past the curve's last point
+    (None: the curve reaches `wanted`). Past its last point the curve is extrapolated at its steepest
+    mean slope (cost_profile.interpolate), which on a CPU, where a pass's first extra tokens cost the
+    most, overprices long passes: at 8 sessions on torch the start-up probe and the plain steps time
+    1-8 tokens, drafting was priced at 91 ms a token past 8 against ~36 measured, and the default
+    drafted a quarter of what fixed:4 did. Doubling reaches any size in a few probes, each
+    interpolated from measured points only."""
+    last = max(profile.t_target_ms)
+    return 1 << last.bit_length() if wanted > last else None
 
 
 def rest_after(empty_rounds: int) -> int:

@@ -16,7 +16,9 @@ on every replica (a profile given by hand, SPECDEC_COST_PROFILE, overrides it). 
 of candidates beats plain decoding the budgeted sessions skip the draft altogether, and once every
 `probe_interval` such steps one of them carries a probe: the draft times a scratch pass of the
 step's size and the verifier one a token longer, the costs that are otherwise not measured while the
-draft is off (the probes take PROBE_SHARE of the time, budget.py).
+draft is off (the probes take PROBE_SHARE of the time, budget.py). And where the budget weighs a
+pass longer than the live target curve has measured, the verifier times one of the next power of two
+after a step (`_curve_probe`): once per size, paid for by CURVE_PROBE_SHARE of the plain steps.
 
 A `RoundTransport` carries the two calls: the in-process workers (`LocalTransport`, below), gRPC
 stubs or Ray Serve handles (services/); the loop does not know which. The loop's history is the
@@ -52,8 +54,8 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specdec.budget import (MAX_CANDIDATES, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PROBE_SHARE, StepPlan, best_allocation,
-                            drafting_saving, rest_after, who_drafts)
+from specdec.budget import (CURVE_PROBE_SHARE, MAX_CANDIDATES, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PROBE_SHARE, StepPlan,
+                            best_allocation, curve_probe, rest_after, who_drafts)
 from specdec.cost_profile import CostProfile, LiveCosts, given_profile
 from specdec.errors import InvalidRequestError, Unavailable
 from specdec.metrics import MS_PER_S, RequestStats
@@ -210,6 +212,10 @@ class RoundLoop:
         self.probe_share = probe_share
         self.drafting = True  # the last step's answer to "does drafting pay at all" (budget.py)
         self._off_steps = 0  # steps since the draft last ran or probed while it is off
+        # target pass sizes past the live curve probed so far (each once), and the plain-step time
+        # since the last such probe times CURVE_PROBE_SHARE: what the next one may cost
+        self._curve_probed: set[int] = set()
+        self._curve_credit_ms = 0.0
         # candidates accepted and verified, decayed by ACCEPTANCE_DECAY a round: the acceptance
         # a catch-up is judged at (budget.worth_catching_up)
         self._accepted, self._verified = PRIOR_ACCEPTANCE * PRIOR_WEIGHT, PRIOR_WEIGHT
@@ -314,18 +320,20 @@ class RoundLoop:
         both roles are measured)."""
         return given_profile() or self.costs.profile()
 
-    def _budget(self, batch: list[Sequence]) -> tuple[list[Sequence], Sequence | None, StepPlan]:
-        """The sessions that call the draft this step, the one that probes it (None: no probe) and the
+    def _budget(self, batch: list[Sequence]) -> tuple[list[Sequence], Sequence | None, int, StepPlan]:
+        """The sessions that call the draft this step, the one that probes it (None: no probe), the
+        size of a target pass the verifier times after the step (0: none; `_curve_probe`) and the
         plan they carry: budgeted sessions skip the draft while no allocation beats plain decoding,
         one resting after drafting rounds that verified nothing (`budget.rest_after`) skips it, and one whose
         draft would first have to catch up skips it while that does not pay."""
         drafting = [s for s in batch if s.traits.uses_draft]
-        profile, probe = self.cost_profile(), None
+        profile, probe, probe_tokens = self.cost_profile(), None, 0
         budgeted = [s for s in drafting if s.traits.budgeted]
         if profile is not None and budgeted:
             cap = max(s.request.params.policy.k or MAX_CANDIDATES for s in budgeted)
-            saving = drafting_saving(profile, len(batch), cap)
-            self.drafting = saving > 0
+            bound = best_allocation(profile, len(batch), cap)  # every candidate accepted
+            self.drafting = bound.saving > 0
+            probe_tokens = self._curve_probe(profile, len(batch), len(batch) + max(bound.drafters * bound.candidates, 1))
             if self.observer:
                 self.observer.on_costs(profile, self.drafting)
             if self.drafting:  # a lagging draft catches up only where that pays; a resting session waits
@@ -341,11 +349,27 @@ class RoundLoop:
             if self._off_steps >= probe_interval(profile, len(batch), self.probe_share):
                 self._off_steps, probe = 0, budgeted[0]
                 drafting.append(probe)
-        return drafting, probe, StepPlan(profile, other_sessions=len(batch) - len(drafting))
+                probe_tokens = probe_tokens or len(batch) + 1  # the pass a first candidate would make
+        return drafting, probe, probe_tokens, StepPlan(profile, other_sessions=len(batch) - len(drafting))
+
+    def _curve_probe(self, profile: CostProfile, sessions: int, wanted: int) -> int:
+        """The size of a target pass to time after this step (0: none): where the budget weighs passes
+        of up to `wanted` tokens past what the live curve has measured (`budget.curve_probe`), each
+        size once, and only once CURVE_PROBE_SHARE of the plain steps since the last such probe pays
+        for it. A profile given by hand is not probed."""
+        if given_profile() is not None:
+            return 0
+        self._curve_credit_ms += CURVE_PROBE_SHARE * profile.pass_ms(sessions)
+        size = curve_probe(profile, wanted)
+        if size is None or size in self._curve_probed or self._curve_credit_ms < profile.pass_ms(size):
+            return 0
+        self._curve_probed.add(size)
+        self._curve_credit_ms = 0.0
+        return size
 
     async def _step(self, batch: list[Sequence]) -> None:
         # propose
-        drafting, probe, plan = self._budget(batch)
+        drafting, probe, probe_tokens, plan = self._budget(batch)
         proposals = await self._call("draft", drafting, partial(self._propose_item, probe=probe),
                                      lambda items: self.transport.propose(items, plan))
         for s, proposal in proposals.items():
@@ -354,8 +378,9 @@ class RoundLoop:
                 s.drafted_at = len(s.sample.history) + max(len(proposal.candidates) - 1, 0)
         # verify
         verifying = [s for s in batch if not s.over and (s in proposals or s not in drafting)]
-        verdicts = await self._call("verifier", verifying, partial(self._verify_item, proposals=proposals, probe=probe),
-                                    self.transport.verify)
+        verdicts = await self._call("verifier", verifying, partial(
+            self._verify_item, proposals=proposals, probe=verifying[0] if probe_tokens and verifying else None,
+            probe_tokens=probe_tokens), self.transport.verify)
         # commit, decide
         for s, verdict in verdicts.items():
             if not s.over:
@@ -373,12 +398,13 @@ class RoundLoop:
             num_generated=len(s.sample.generated), rounds=list(s.outcomes if full else s.outcomes[len(s.outcomes) - s.unsent:]),
             seed=RoundSeed(s.request.seed, s.index, s.round_index), reference=s.request.reference, probe=s is probe)
 
-    def _verify_item(self, s: Sequence, full: bool, proposals: dict, probe: Sequence | None = None) -> VerifyItem:
+    def _verify_item(self, s: Sequence, full: bool, proposals: dict, probe: Sequence | None = None,
+                     probe_tokens: int = 0) -> VerifyItem:
         proposal = proposals.get(s, NO_PROPOSAL)
         return VerifyItem(
             session_id=s.session_id, history=delta_for(s.sample.history, None if full else s.synced["verifier"]),
             candidates=proposal.candidates, draft_probs=proposal.draft_probs, sampling=s.request.params.sampling,
-            seed=RoundSeed(s.request.seed, s.index, s.round_index), probe=s is probe)
+            seed=RoundSeed(s.request.seed, s.index, s.round_index), probe_tokens=probe_tokens if s is probe else 0)
 
     async def _call(self, role: Role, sequences: list[Sequence], build: Callable[[Sequence, bool], object],
                     send: Callable[[list], object]) -> dict[Sequence, object]:

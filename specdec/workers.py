@@ -199,8 +199,9 @@ class VerifierWorker(Worker):
 
     def verify(self, items: list[VerifyItem]) -> list[Verdict | SessionMissing | Refused]:
         answers = serve_batch(items, self._row, lambda rows: verify(self.target, rows, self.timings))
-        if any(item.probe for item in items):
-            self.probe((len(items) + 1,))
+        sizes = sorted({item.probe_tokens for item in items if item.probe_tokens > 0})
+        if sizes:
+            self.probe(sizes)
         return answers
 
     def _row(self, item: VerifyItem) -> TargetRow | None:

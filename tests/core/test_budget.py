@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.budget import (StepBudget, best_allocation, drafting_pays, drafting_saving, expected_tokens, geometric,
-                            replay_round, who_drafts, worth_catching_up)
+from specdec.budget import (StepBudget, best_allocation, curve_probe, drafting_pays, drafting_saving, expected_tokens,
+                            geometric, replay_round, who_drafts, worth_catching_up)
 from specdec.cost_profile import CostProfile
 from specdec.features import FEATURES_DISTRIBUTION
 from specdec.head import AcceptanceHead, HeadConfig
@@ -250,3 +250,10 @@ def test_where_one_drafting_session_pays_one_catches_up():
     assert who_drafts(jagged, best, 15, lags, [2000] * 15) == [s == 3 for s in range(15)]
     assert who_drafts(jagged, best, 15, lags, [126] * 15) == [False] * 15
     assert who_drafts(jagged, best, 15, [2, 1, 150], [2000] * 3) == [True, True, False]  # m = 1 already drafts
+
+
+def test_a_pass_past_the_measured_curve_is_probed_at_the_next_power_of_two():
+    curve = CostProfile(t_draft_ms=5.0, t_target_ms={1: 50.0, 2: 90.0, 4: 100.0, 8: 120.0})
+    assert curve_probe(curve, 8) is None and curve_probe(curve, 9) == 16 and curve_probe(curve, 200) == 16
+    assert curve_probe(CostProfile(t_draft_ms=5.0, t_target_ms={1: 50.0, 9: 130.0}), 10) == 16
+    assert curve_probe(CostProfile(t_draft_ms=5.0, t_target_ms={1: 50.0, 16: 150.0}), 17) == 32

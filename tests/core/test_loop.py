@@ -163,6 +163,7 @@ class FakeClock(LocalTransport):
     def __init__(self, engine, head, cost, draft=None):
         super().__init__(DraftWorker(draft or engine.draft, head), VerifierWorker(engine.target))
         self.cost, self.candidates, self.probes, self.steps = cost, 0, 0, 0
+        self.pass_probes: list[int] = []  # target pass sizes the verifier was asked to time
 
     def timed(self, reply):
         reply.passes = [replace(t, ms=self.cost(t.role, t.tokens)) for t in reply.passes]
@@ -176,6 +177,7 @@ class FakeClock(LocalTransport):
 
     async def verify(self, items):
         self.steps += 1
+        self.pass_probes += [item.probe_tokens for item in items if item.probe_tokens]
         return self.timed(await super().verify(items))
 
 
@@ -266,6 +268,40 @@ def test_a_session_whose_drafting_rounds_verify_nothing_rests_longer_each_time(t
     assert 3 <= result.stats.draft_forward_passes <= 10
     plain = build_params(policy="target-only", max_new_tokens=120)
     assert result.completions[0].token_ids == expected(tiny_engine, PROMPTS[0], plain)
+
+
+def steep_then_flat(role: str, tokens: int) -> float:
+    """A CPU-like target curve: the second token of a pass costs 150 ms, every later one 5 ms; a
+    draft pass 3 ms a row. Extrapolated from the 1-8 tokens the probes and 8 sessions' plain steps
+    time, passes past 8 cost 25.7 ms a token and no round of at most 4 candidates can pay (plain:
+    230 / 8 = 28.75 ms a token); measured, 8 sessions drafting 1 candidate each take (48 + 270) / 16
+    = 19.9 ms a token."""
+    if role == "draft":
+        return 3.0 * tokens
+    return 50.0 if tokens == 1 else 200.0 + 5.0 * (tokens - 2)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.1])
+def test_the_loop_times_the_longer_passes_the_budget_would_choose_before_ruling_drafting_out(
+        tiny_engine, monkeypatch, share):
+    """8 sessions on the steep-then-flat clock: the budget extrapolates the target curve past 8
+    tokens and rules drafting out. With curve probes (CURVE_PROBE_SHARE 0.1) the verifier times a
+    16-token pass once the plain steps have paid for it, drafting pays by the measured curve, and the
+    sessions draft; with the probes switched off they never do. The output is target-only's."""
+    monkeypatch.setattr("specdec.loop.CURVE_PROBE_SHARE", share)
+    transport, loop = budgeted_loop(tiny_engine, steep_then_flat)
+    params = build_params(policy="specdec++cost", k=4, max_new_tokens=80)
+    prompts = [PROMPTS[i % len(PROMPTS)] + [i] for i in range(8)]
+    results = run(loop, [(prompt, params) for prompt in prompts])
+    if share:
+        curve = [size for size in transport.pass_probes if size != 9]  # 9: the probes while the draft is off
+        assert curve[0] == 16 and len(set(curve)) == len(curve), transport.pass_probes  # each size once
+        assert transport.candidates > 100 and loop.drafting, (transport.pass_probes, transport.candidates)
+    else:
+        assert 16 not in transport.pass_probes and transport.candidates == 0
+    plain = build_params(policy="target-only", max_new_tokens=80)
+    for prompt, result in zip(prompts, results):
+        assert result.completions[0].token_ids == expected(tiny_engine, prompt, plain)
 
 
 def test_rest_after_doubles_up_to_its_cap():

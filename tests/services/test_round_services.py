@@ -502,6 +502,20 @@ def test_round_server_with_a_key_refuses_calls_without_it(tiny_engine):
 # ------------------------------------------------------------------------------------------------
 # Conversions
 
+def test_a_probe_of_a_pass_size_travels_and_comes_back_timed(servers):
+    """A Verify item may ask for a scratch pass of a given size (the loop's curve probes): the
+    replica times one after the batch and the timing comes back with the reply, marked a probe."""
+    from specdec.protocol import RoundSeed, VerifyItem
+
+    transport = GrpcTransport(*servers.addresses)
+    item = VerifyItem("probe-size", HistoryDelta(0, [5, 6, 7], full=True), [], [], SamplingParams(), RoundSeed(1, 0, 0),
+                      probe_tokens=16)
+    reply = asyncio.run(transport.verify([item]))
+    probes = [(t.role, t.tokens) for t in reply.passes if t.probe]
+    assert probes == [("verifier", 16)] and len(reply.answers) == 1
+    servers.verifier.worker.release(["probe-size"])
+
+
 def test_history_delta_worked_example():
     held = [1, 2, 3, 4, 5, 6, 7]
     delta = HistoryDelta(10, [8, 9, 10], full=False)
