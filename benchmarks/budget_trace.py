@@ -34,15 +34,16 @@ def traced(loop, trace: list[dict]) -> None:
     budget, step, propose = loop._budget, loop._step, loop.transport.propose
 
     def traced_budget(batch):
-        drafting, probe, plan = budget(batch)
+        drafting, probe, probe_tokens, plan = budget(batch)
         record = {"sessions": len(batch), "drafting": len(drafting), "probe": probe is not None,
+                  "pass_probe": probe_tokens,
                   "acceptance": round(loop.acceptance, 3),
                   "lags": sorted(len(s.sample.history) - s.drafted_at for s in batch)[:3]}
         if plan.costs is not None:
             record["saving_bound"] = round(drafting_saving(plan.costs, len(batch), MAX_CANDIDATES), 1)
             record["saving"] = round(drafting_saving(plan.costs, len(batch), MAX_CANDIDATES, loop.acceptance), 1)
         trace.append(record)
-        return drafting, probe, plan
+        return drafting, probe, probe_tokens, plan
 
     async def traced_step(batch):
         start = time.perf_counter()
@@ -89,7 +90,7 @@ def main() -> None:
         print(f"== {spec} x {sessions}: {tokens} tokens in {wall:.1f} s, {tokens / wall:.2f} tok/s, "
               f"{drafted} candidates drafted, {accepted} accepted", flush=True)
         for record in trace:
-            if record["drafting"]:
+            if record["drafting"] or record["pass_probe"]:
                 print("  ", record)
         print("   profile:", engine.cost_profile())
         if args.out:

@@ -213,9 +213,9 @@ class RoundLoop:
         self.drafting = True  # the last step's answer to "does drafting pay at all" (budget.py)
         self._off_steps = 0  # steps since the draft last ran or probed while it is off
         # target pass sizes past the live curve probed so far (each once), and the plain-step time
-        # since the last such probe times CURVE_PROBE_SHARE: what the next one may cost
+        # since the last such probe times CURVE_PROBE_SHARE: what the next one may cost (the first is free)
         self._curve_probed: set[int] = set()
-        self._curve_credit_ms = 0.0
+        self._curve_credit_ms = math.inf
         # candidates accepted and verified, decayed by ACCEPTANCE_DECAY a round: the acceptance
         # a catch-up is judged at (budget.worth_catching_up)
         self._accepted, self._verified = PRIOR_ACCEPTANCE * PRIOR_WEIGHT, PRIOR_WEIGHT
@@ -355,8 +355,9 @@ class RoundLoop:
     def _curve_probe(self, profile: CostProfile, sessions: int, wanted: int) -> int:
         """The size of a target pass to time after this step (0: none): where the budget weighs passes
         of up to `wanted` tokens past what the live curve has measured (`budget.curve_probe`), each
-        size once, and only once CURVE_PROBE_SHARE of the plain steps since the last such probe pays
-        for it. A profile given by hand is not probed."""
+        size once: the first at once (a pass the budget is about to price), each later one once
+        CURVE_PROBE_SHARE of the plain steps since the last pays for it. A profile given by hand is
+        not probed."""
         if given_profile() is not None:
             return 0
         self._curve_credit_ms += CURVE_PROBE_SHARE * profile.pass_ms(sessions)

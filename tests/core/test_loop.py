@@ -281,24 +281,25 @@ def steep_then_flat(role: str, tokens: int) -> float:
     return 50.0 if tokens == 1 else 200.0 + 5.0 * (tokens - 2)
 
 
-@pytest.mark.parametrize("share", [0.0, 0.1])
+@pytest.mark.parametrize("probes", [False, True])
 def test_the_loop_times_the_longer_passes_the_budget_would_choose_before_ruling_drafting_out(
-        tiny_engine, monkeypatch, share):
+        tiny_engine, monkeypatch, probes):
     """8 sessions on the steep-then-flat clock: the budget extrapolates the target curve past 8
-    tokens and rules drafting out. With curve probes (CURVE_PROBE_SHARE 0.1) the verifier times a
-    16-token pass once the plain steps have paid for it, drafting pays by the measured curve, and the
-    sessions draft; with the probes switched off they never do. The output is target-only's."""
-    monkeypatch.setattr("specdec.loop.CURVE_PROBE_SHARE", share)
+    tokens and rules drafting out. With curve probes the verifier times a 16-token pass, drafting
+    pays by the measured curve, and the sessions draft (longer passes are probed later, each size
+    once); with the probes switched off they never draft. The output is target-only's."""
+    if not probes:
+        monkeypatch.setattr("specdec.loop.curve_probe", lambda profile, wanted: None)
     transport, loop = budgeted_loop(tiny_engine, steep_then_flat)
     params = build_params(policy="specdec++cost", k=4, max_new_tokens=80)
     prompts = [PROMPTS[i % len(PROMPTS)] + [i] for i in range(8)]
     results = run(loop, [(prompt, params) for prompt in prompts])
-    if share:
-        curve = [size for size in transport.pass_probes if size != 9]  # 9: the probes while the draft is off
-        assert curve[0] == 16 and len(set(curve)) == len(curve), transport.pass_probes  # each size once
+    curve = [size for size in transport.pass_probes if size != 9]  # 9: the probes while the draft is off
+    if probes:
+        assert curve[:2] == [16, 32] and len(set(curve)) == len(curve), transport.pass_probes  # each size once
         assert transport.candidates > 100 and loop.drafting, (transport.pass_probes, transport.candidates)
     else:
-        assert 16 not in transport.pass_probes and transport.candidates == 0
+        assert not curve and transport.candidates == 0
     plain = build_params(policy="target-only", max_new_tokens=80)
     for prompt, result in zip(prompts, results):
         assert result.completions[0].token_ids == expected(tiny_engine, prompt, plain)
