@@ -297,6 +297,7 @@ def test_the_loop_times_the_longer_passes_the_budget_would_choose_before_ruling_
     curve = [size for size in transport.pass_probes if size != 9]  # 9: the probes while the draft is off
     if probes:
         assert curve[:2] == [16, 32] and len(set(curve)) == len(curve), transport.pass_probes  # each size once
+        assert {16, 32} <= set(loop.costs.curve("verifier")), loop.costs.curve("verifier")  # measured, not extrapolated
         assert transport.candidates > 100 and loop.drafting, (transport.pass_probes, transport.candidates)
     else:
         assert not curve and transport.candidates == 0
