@@ -19,7 +19,7 @@ from specdec.engine import SpecDecEngine
 from specdec.errors import InvalidRequestError
 from specdec.loop import RetryPolicy, RoundLoop
 from specdec.params import build_params
-from specdec.protocol import HistoryDelta, history_from_delta
+from specdec.protocol import HistoryDelta, RoundSeed, VerifyItem, history_from_delta
 from specdec.sampling import SamplingParams
 from specdec.sessions import SessionStore
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc
@@ -499,14 +499,9 @@ def test_round_server_with_a_key_refuses_calls_without_it(tiny_engine):
         servers.stop()
 
 
-# ------------------------------------------------------------------------------------------------
-# Conversions
-
 def test_a_probe_of_a_pass_size_travels_and_comes_back_timed(servers):
     """A Verify item may ask for a scratch pass of a given size (the loop's curve probes): the
     replica times one after the batch and the timing comes back with the reply, marked a probe."""
-    from specdec.protocol import RoundSeed, VerifyItem
-
     transport = GrpcTransport(*servers.addresses)
     item = VerifyItem("probe-size", HistoryDelta(0, [5, 6, 7], full=True), [], [], SamplingParams(), RoundSeed(1, 0, 0),
                       probe_tokens=16)
@@ -515,6 +510,9 @@ def test_a_probe_of_a_pass_size_travels_and_comes_back_timed(servers):
     assert probes == [("verifier", 16)] and len(reply.answers) == 1
     servers.verifier.worker.release(["probe-size"])
 
+
+# ------------------------------------------------------------------------------------------------
+# Conversions
 
 def test_history_delta_worked_example():
     held = [1, 2, 3, 4, 5, 6, 7]
