@@ -7,8 +7,10 @@ served, at several concurrency levels (the batched engine core: specdec/loop.py)
     python benchmarks/concurrency.py --runtime torch                   # the default pair on torch
 
 C clients each send `--requests-per-client` greedy requests one after another (a closed loop: a
-client's next request starts when its last one ends), HumanEval prompts in turn, so C sessions
-share every step for most of the run. Aggregate tokens/s is every request's tokens over the wall
+client's next request starts when its last one ends; more where `--min-requests` asks for more at a
+small C), HumanEval prompts in turn, so C sessions share every step for most of the run. At each level
+the policies run one after the other, so a drift of the machine's speed over the run spares their
+ratios to target-only. Aggregate tokens/s is every request's tokens over the wall
 time from the first request to the last answer. Latency: request to last token; time to first
 token: request to the first committed token (the prefill and a first round). In process the
 requests go to the engine's loop; served, through Serve's gRPC proxy as streams. The modes run one
@@ -32,6 +34,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -98,33 +101,33 @@ async def closed_loop(send, concurrency: int, per_client: int, pool: int, run: R
     return run
 
 
-def in_process(models: EngineConfig, prompts: list[str], specs, levels: list[int], per_client: int,
+def in_process(models: EngineConfig, prompts: list[str], specs, levels: list[int], per_client: Callable[[int], int],
                max_new_tokens: int, mode: str = "in-process") -> list[Run]:
     engine = build_engine(models, progress=False)
     ids = [engine.encode_prompt(p) for p in prompts]
     runs = []
-    for spec in specs:
-        params = GenerationParams(max_new_tokens=max_new_tokens, policy=spec.policy_config())
-        engine.generate_ids(ids[0], params.model_copy(update={"max_new_tokens": 4}))  # warm-up
+    for level in levels:  # the policies of a level one after the other: a drift of the machine spares the ratios
+        for spec in specs:
+            params = GenerationParams(max_new_tokens=max_new_tokens, policy=spec.policy_config())
+            engine.generate_ids(ids[0], params.model_copy(update={"max_new_tokens": 4}))  # warm-up
 
-        async def send(index: int):
-            start, first = time.perf_counter(), []
+            async def send(index: int, params=params):
+                start, first = time.perf_counter(), []
 
-            def on_update(_sample, new_ids, _text, _finish):
-                if new_ids and not first:
-                    first.append(time.perf_counter() - start)
+                def on_update(_sample, new_ids, _text, _finish):
+                    if new_ids and not first:
+                        first.append(time.perf_counter() - start)
 
-            result = await engine.loop.generate(ids[index], params, on_update)
-            return result.completions[0].token_ids, first[0] if first else 0.0, result.stats
+                result = await engine.loop.generate(ids[index], params, on_update)
+                return result.completions[0].token_ids, first[0] if first else 0.0, result.stats
 
-        for level in levels:
-            run = asyncio.run(closed_loop(send, level, per_client, len(ids), Run(mode, spec.key, level)))
+            run = asyncio.run(closed_loop(send, level, per_client(level), len(ids), Run(mode, spec.key, level)))
             print(f"  {mode} {spec.key} C={level}: {run.tokens_per_s:.2f} tok/s", file=sys.stderr, flush=True)
             runs.append(run)
     return runs
 
 
-def served(models: EngineConfig, prompts: list[str], specs, levels: list[int], per_client: int,
+def served(models: EngineConfig, prompts: list[str], specs, levels: list[int], per_client: Callable[[int], int],
            max_new_tokens: int, lanes: list[int], threads: int | None) -> list[Run]:
     import grpc
     import ray
@@ -143,32 +146,32 @@ def served(models: EngineConfig, prompts: list[str], specs, levels: list[int], p
         ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
         try:
             addresses = start(config, http_port=18000, grpc_port=19000)
-            for spec in specs:
+
+            async def measure(spec, level: int) -> Run:
                 policy = spec.policy_config()
                 fields = {"policy": policy.name, "max_new_tokens": max_new_tokens,
                           **({"k": policy.k} if policy.k is not None else {}),
                           **({"threshold": policy.threshold} if policy.threshold is not None else {})}
+                channel = grpc.aio.insecure_channel(addresses["grpc"])
+                stub = generation_pb2_grpc.GenerationStub(channel)
 
-                async def measure(level: int) -> Run:
-                    channel = grpc.aio.insecure_channel(addresses["grpc"])
-                    stub = generation_pb2_grpc.GenerationStub(channel)
+                async def send(index: int):
+                    start, first, tokens = time.perf_counter(), None, []
+                    request = generation_pb2.GenerateRequest(text=prompts[index], **fields)
+                    async for chunk in stub.GenerateStream(request, timeout=3600):
+                        if chunk.token_ids and first is None:
+                            first = time.perf_counter() - start
+                        tokens.extend(chunk.token_ids)
+                    return tokens, first or 0.0, chunk.stats  # the last chunk carries them
 
-                    async def send(index: int):
-                        start, first, tokens = time.perf_counter(), None, []
-                        request = generation_pb2.GenerateRequest(text=prompts[index], **fields)
-                        async for chunk in stub.GenerateStream(request, timeout=3600):
-                            if chunk.token_ids and first is None:
-                                first = time.perf_counter() - start
-                            tokens.extend(chunk.token_ids)
-                        return tokens, first or 0.0, chunk.stats  # the last chunk carries them
+                await send(0)  # warm-up
+                run = await closed_loop(send, level, per_client(level), len(prompts), Run(mode, spec.key, level))
+                await channel.close()
+                return run
 
-                    await send(0)  # warm-up
-                    run = await closed_loop(send, level, per_client, len(prompts), Run(mode, spec.key, level))
-                    await channel.close()
-                    return run
-
-                for level in levels:
-                    run = asyncio.run(measure(level))
+            for level in levels:  # as in process: the policies of a level one after the other
+                for spec in specs:
+                    run = asyncio.run(measure(spec, level))
                     print(f"  {mode} {spec.key} C={level}: {run.tokens_per_s:.2f} tok/s", file=sys.stderr, flush=True)
                     runs.append(run)
         finally:
@@ -223,6 +226,8 @@ def main() -> int:
                              "fixed K); `specdec++` alone: the head's own h (target-only joins them)")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--min-requests", type=int, default=0,
+                        help="at least this many requests a level (more per client where C is small)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=32, help="HumanEval prompts in the pool")
     parser.add_argument("--max-batch-sessions", type=int, default=None)
@@ -250,20 +255,24 @@ def main() -> int:
     specs = with_baseline(parse_specs(args.policies))  # target-only at every mode and level
     levels = sorted(set(args.concurrency))
 
+    def per_client(level: int) -> int:
+        return max(args.requests_per_client, -(-args.min_requests // level))
+
     runs: list[Run] = []
     if args.baseline:
         runs += in_process(models.model_copy(update={"kv_cache": "reference"}), prompts, specs, [1],
-                           args.requests_per_client, args.max_new_tokens, mode="in-process, batch-1 reference")
+                           per_client, args.max_new_tokens, mode="in-process, batch-1 reference")
     if "in-process" in args.modes:
-        runs += in_process(models, prompts, specs, levels, args.requests_per_client, args.max_new_tokens)
+        runs += in_process(models, prompts, specs, levels, per_client, args.max_new_tokens)
     gc.collect()  # the in-process engine's models go before the served replicas load theirs
     if "served" in args.modes:
-        runs += served(models, prompts, specs, levels, args.requests_per_client, args.max_new_tokens,
+        runs += served(models, prompts, specs, levels, per_client, args.max_new_tokens,
                        args.lanes, args.threads)
-    rows = [run.row() for run in runs]
+    order = {spec.key: i for i, spec in enumerate(specs)}
+    rows = [run.row() for run in sorted(runs, key=lambda r: (r.mode != "in-process", r.mode, order[r.policy], r.concurrency))]
     differ = mismatches(runs)
     print(f"\n{'tiny' if args.tiny else 'default'} pair, greedy, {args.max_new_tokens} new tokens, HumanEval prompts "
-          f"(pool of {len(prompts)}), {args.requests_per_client} requests per client, {cpu_name()}, "
+          f"(pool of {len(prompts)}), {args.requests_per_client} requests per client (at least {args.min_requests} a level), {cpu_name()}, "
           f"{time.strftime('%Y-%m-%d')}; batch {batch.model_dump()}\n")
     print(table(rows))
     print(f"\ngreedy outputs identical across every mode and level: {not differ}")
