@@ -331,15 +331,14 @@ class RoundLoop:
         budgeted = [s for s in drafting if s.traits.budgeted]
         if profile is not None and budgeted:
             cap = max(s.request.params.policy.k or MAX_CANDIDATES for s in budgeted)
-            bound = best_allocation(profile, len(batch), cap)  # every candidate accepted
-            self.drafting = bound.saving > 0
-            probe_tokens = self._curve_probe(profile, len(batch), len(batch) + max(bound.drafters * bound.candidates, 1))
+            self.drafting = best_allocation(profile, len(batch), cap).saving > 0  # every candidate accepted
+            likely = best_allocation(profile, len(batch), cap, self.acceptance)  # what the sessions will draft
+            probe_tokens = self._curve_probe(profile, len(batch), len(batch) + max(likely.drafters * likely.candidates, 1))
             if self.observer:
                 self.observer.on_costs(profile, self.drafting)
             if self.drafting:  # a lagging draft catches up only where that pays; a resting session waits
                 ready = [s for s in budgeted if len(s.sample.history) >= s.rests_until]
-                joins = who_drafts(profile, best_allocation(profile, len(batch), cap, self.acceptance), len(batch),
-                                   [len(s.sample.history) - s.drafted_at for s in ready],
+                joins = who_drafts(profile, likely, len(batch), [len(s.sample.history) - s.drafted_at for s in ready],
                                    [s.request.params.max_new_tokens - len(s.sample.generated) for s in ready])
                 joined = {s for s, join in zip(ready, joins) if join}
                 drafting = [s for s in drafting if not s.traits.budgeted or s in joined]

@@ -306,6 +306,26 @@ def test_the_loop_times_the_longer_passes_the_budget_would_choose_before_ruling_
         assert result.completions[0].token_ids == expected(tiny_engine, prompt, plain)
 
 
+def pays_only_at_the_bound(role: str, tokens: int) -> float:
+    """Drafting pays only if nearly every candidate is accepted: a draft pass 30 + 10 ms a row, a
+    target pass 100 + 40 ms a token past the first. At a = 1 a round of 20 candidates takes ~80 ms
+    a token against a plain 100; at the prior acceptance (0.8) every round takes more than 100."""
+    return 30.0 + 10.0 * tokens if role == "draft" else 100.0 + 40.0 * (tokens - 1)
+
+
+def test_the_loop_times_no_longer_pass_than_the_sessions_would_draft_into(tiny_engine):
+    """One session on a clock where only all-accepted rounds pay: at the acceptance the loop expects,
+    nobody drafts, so no pass past the measured curve is priced and none is timed (the all-accepted
+    bound, 20 candidates, would have probed 16 and 32 tokens: on llama.cpp at 8 sessions a 256-token
+    scratch pass, 6% of a served run). The output is target-only's."""
+    transport, loop = budgeted_loop(tiny_engine, pays_only_at_the_bound)
+    params = build_params(policy="specdec++cost", max_new_tokens=80)
+    [result] = run(loop, [(PROMPTS[0], params)])
+    assert loop.drafting and transport.candidates == 0 and transport.pass_probes == [], transport.pass_probes
+    plain = build_params(policy="target-only", max_new_tokens=80)
+    assert result.completions[0].token_ids == expected(tiny_engine, PROMPTS[0], plain)
+
+
 def test_rest_after_doubles_up_to_its_cap():
     from specdec.budget import MAX_REST, rest_after
 
