@@ -58,6 +58,9 @@ PROBE_SHARE = 0.005
 CURVE_PROBE_SHARE = 0.1
 # Most tokens a session decodes without its draft after drafting rounds that verified nothing (rest_after).
 MAX_REST = 32
+# Per finished sample: the loop's estimate of how often a token ends a generation follows the last
+# ~50 requests' samples (expected_remaining); before any finishes, none is assumed to stop early.
+STOP_RATE_DECAY = 0.98
 # A lagging draft catches up only for a saving above this share of a plain token's time (worth_catching_up).
 CATCH_UP_MARGIN = 0.05
 # A draft that ran last round lags by at most this: its last candidate and the bonus token (or the
@@ -125,7 +128,7 @@ def drafting_pays(profile: CostProfile, sessions: int, max_candidates: int) -> b
     return drafting_saving(profile, sessions, max_candidates) > 0
 
 
-def worth_catching_up(profile: CostProfile, saving: float, sessions: int, lag: int, remaining: int) -> bool:
+def worth_catching_up(profile: CostProfile, saving: float, sessions: int, lag: int, remaining: float) -> bool:
     """Whether a session whose draft cache lags `lag` committed tokens (its prompt, at its first
     round; the tokens decoded while it did not draft) should draft: the catch-up pass costs
     t_draft(lag) - t_draft(1) once, and drafting saves `saving` (`drafting_saving` at the measured
@@ -142,6 +145,18 @@ def worth_catching_up(profile: CostProfile, saving: float, sessions: int, lag: i
     if saving <= CATCH_UP_MARGIN * profile.pass_ms(sessions) / sessions:
         return False
     return remaining * saving > profile.draft_ms(lag) - profile.draft_ms(1)
+
+
+def expected_remaining(left: int, stop_rate: float) -> float:
+    """Tokens a session is expected to still generate when at most `left` more are allowed and each
+    ends the generation (EOS, a stop string) with probability `stop_rate`: sum_{t < left} (1 - h)^t.
+    A catch-up is repaid only by the tokens that follow it (`worth_catching_up`), and crediting
+    `left` where requests stop early overpays it: 16 HumanEval sessions on torch with 128 allowed
+    stopped after 77 on average, and their prompts' prefill into the draft (35 s) cost more than
+    drafting then saved (~25 s)."""
+    if stop_rate <= 0.0:
+        return float(left)
+    return (1.0 - (1.0 - min(stop_rate, 1.0)) ** left) / stop_rate
 
 
 def curve_probe(profile: CostProfile, wanted: int) -> int | None:
@@ -169,9 +184,9 @@ def rest_after(empty_rounds: int) -> int:
 
 
 def who_drafts(profile: CostProfile, best: Allocation, sessions: int, lags: list[int],
-               remaining: list[int]) -> list[bool]:
+               remaining: list[float]) -> list[bool]:
     """Which budgeted sessions of a step of `sessions` call the draft, given how far each one's draft
-    lags (`lags`) and the tokens it may still generate: those in step (lag <= IN_STEP_LAG) all (the
+    lags (`lags`) and the tokens it is expected to still generate (`expected_remaining`): those in step (lag <= IN_STEP_LAG) all (the
     step's budget decides their rounds); lagging ones, the shortest catch-up first, while fewer than
     the best allocation's m draft and the saving over its own remaining tokens repays its catch-up
     (`worth_catching_up`). Where one drafting session is what pays, one catches up, not all."""

@@ -54,7 +54,8 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specdec.budget import (CURVE_PROBE_SHARE, MAX_CANDIDATES, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PROBE_SHARE, StepPlan,
+from specdec.budget import (CURVE_PROBE_SHARE, MAX_CANDIDATES, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PROBE_SHARE,
+                            STOP_RATE_DECAY, StepPlan, expected_remaining,
                             best_allocation, curve_probe, rest_after, who_drafts)
 from specdec.cost_profile import CostProfile, LiveCosts, given_profile
 from specdec.errors import InvalidRequestError, Unavailable
@@ -219,6 +220,9 @@ class RoundLoop:
         # candidates accepted and verified, decayed by ACCEPTANCE_DECAY a round: the acceptance
         # a catch-up is judged at (budget.worth_catching_up)
         self._accepted, self._verified = PRIOR_ACCEPTANCE * PRIOR_WEIGHT, PRIOR_WEIGHT
+        # finished samples that stopped early (EOS, a stop string) and the tokens finished samples
+        # generated, decayed by STOP_RATE_DECAY a sample: how long a catch-up is repaid for
+        self._stopped, self._finished_tokens = 0.0, 0.0
         self._lanes: list[list[Sequence]] = [[] for _ in range(batch.lanes)]
         self._tasks: list[asyncio.Task | None] = [None] * batch.lanes
         self._releasing: dict[asyncio.Task, list[Sequence]] = {}  # retired sequences' releases, off the step path
@@ -315,6 +319,11 @@ class RoundLoop:
         accepted / (accepted + rejected) over recent rounds, from PRIOR_ACCEPTANCE."""
         return self._accepted / self._verified
 
+    @property
+    def stop_rate(self) -> float:
+        """P(a token ends its generation) over recently finished samples (0 before any)."""
+        return self._stopped / self._finished_tokens if self._finished_tokens else 0.0
+
     def cost_profile(self) -> CostProfile | None:
         """What the step's budget plans with: a profile given by hand, else the live one (None until
         both roles are measured)."""
@@ -339,7 +348,8 @@ class RoundLoop:
             if self.drafting:  # a lagging draft catches up only where that pays; a resting session waits
                 ready = [s for s in budgeted if len(s.sample.history) >= s.rests_until]
                 joins = who_drafts(profile, likely, len(batch), [len(s.sample.history) - s.drafted_at for s in ready],
-                                   [s.request.params.max_new_tokens - len(s.sample.generated) for s in ready])
+                                   [expected_remaining(s.request.params.max_new_tokens - len(s.sample.generated),
+                                                       self.stop_rate) for s in ready])
                 joined = {s for s, join in zip(ready, joins) if join}
                 drafting = [s for s in drafting if not s.traits.budgeted or s in joined]
         if not self.drafting and budgeted:
@@ -495,6 +505,9 @@ class RoundLoop:
             self.observer.on_round(k, n, request.params.policy.name)
         new_ids, new_text = self.rules.commit(s.sample, verdict.committed(proposal.candidates), request.params)
         request.stats.generated_tokens += len(new_ids)
+        if s.sample.finish_reason is not None:
+            self._stopped = self._stopped * STOP_RATE_DECAY + (s.sample.finish_reason != FINISH_LENGTH)
+            self._finished_tokens = self._finished_tokens * STOP_RATE_DECAY + len(s.sample.generated)
         # decide: the stop conditions were checked while committing
         if request.on_update and (new_ids or new_text or s.sample.finish_reason):
             request.on_update(s.index, new_ids, new_text, s.sample.finish_reason)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.budget import (StepBudget, best_allocation, curve_probe, drafting_pays, drafting_saving, expected_tokens,
-                            geometric, replay_round, who_drafts, worth_catching_up)
+from specdec.budget import (StepBudget, best_allocation, curve_probe, drafting_pays, drafting_saving,
+                            expected_remaining, expected_tokens, geometric, replay_round, who_drafts,
+                            worth_catching_up)
 from specdec.cost_profile import CostProfile
 from specdec.features import FEATURES_DISTRIBUTION
 from specdec.head import AcceptanceHead, HeadConfig
@@ -250,6 +251,21 @@ def test_where_one_drafting_session_pays_one_catches_up():
     assert who_drafts(jagged, best, 15, lags, [2000] * 15) == [s == 3 for s in range(15)]
     assert who_drafts(jagged, best, 15, lags, [126] * 15) == [False] * 15
     assert who_drafts(jagged, best, 15, [2, 1, 150], [2000] * 3) == [True, True, False]  # m = 1 already drafts
+
+
+def test_a_catch_up_is_repaid_only_by_the_tokens_expected_before_the_generation_stops():
+    """16 HumanEval sessions on torch, 128 tokens allowed: 13 of them stopped at EOS, after 1225
+    tokens in all (77 a request). At that stop rate a session with 126 tokens left is expected to
+    generate ~70 more: a catch-up that 126 tokens would repay by a third more than it costs is not
+    repaid by 70."""
+    assert expected_remaining(126, 0.0) == 126.0
+    assert expected_remaining(1, 0.5) == pytest.approx(1.0)
+    assert expected_remaining(126, 13 / 1225) == pytest.approx(70.0, abs=1.0)
+    lag = 120
+    catch_up = AFTER_16.draft_ms(lag) - AFTER_16.draft_ms(1)
+    saving = 1.3 * catch_up / 126  # ms a token; above the catch-up margin on this profile
+    assert worth_catching_up(AFTER_16, saving, 8, lag=lag, remaining=expected_remaining(126, 0.0))
+    assert not worth_catching_up(AFTER_16, saving, 8, lag=lag, remaining=expected_remaining(126, 13 / 1225))
 
 
 def test_a_pass_past_the_measured_curve_is_probed_at_the_next_power_of_two():
