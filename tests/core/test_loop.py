@@ -326,6 +326,23 @@ def test_the_loop_times_no_longer_pass_than_the_sessions_would_draft_into(tiny_e
     assert result.completions[0].token_ids == expected(tiny_engine, PROMPTS[0], plain)
 
 
+def test_the_stop_rate_follows_how_the_finished_samples_ended(tiny_engine):
+    """A sample that runs to max_new_tokens adds its tokens and no stop; one that ends at EOS adds
+    one stop: the rate a catch-up's expected remaining tokens are figured at."""
+    from specdec.sequences import RequestRules
+
+    transport, loop = budgeted_loop(tiny_engine, cheap)
+    plain = build_params(policy="target-only", max_new_tokens=40)
+    [full] = run(loop, [(PROMPTS[0], plain)])
+    assert loop.stop_rate == 0.0 and full.completions[0].finish_reason == "length"
+    eos = full.completions[0].token_ids[20]  # the same prompt again, with that token as its EOS
+    loop.rules = RequestRules(None, [eos], tiny_engine.max_context, tiny_engine.target.vocab_size, has_head=True)
+    [stopped] = run(loop, [(PROMPTS[0], plain)])
+    assert stopped.completions[0].finish_reason == "stop"
+    generated = len(full.completions[0].token_ids) + len(stopped.completions[0].token_ids)
+    assert 1.0 / generated <= loop.stop_rate <= 1.0 / (0.98 * generated)
+
+
 def test_rest_after_doubles_up_to_its_cap():
     from specdec.budget import MAX_REST, rest_after
 
