@@ -111,7 +111,7 @@ def in_process(models: EngineConfig, prompts: list[str], specs, levels: list[int
             params = GenerationParams(max_new_tokens=max_new_tokens, policy=spec.policy_config())
             engine.generate_ids(ids[0], params.model_copy(update={"max_new_tokens": 4}))  # warm-up
 
-            async def send(index: int, params=params):
+            async def send(index: int):
                 start, first = time.perf_counter(), []
 
                 def on_update(_sample, new_ids, _text, _finish):
@@ -272,7 +272,8 @@ def main() -> int:
     rows = [run.row() for run in sorted(runs, key=lambda r: (r.mode != "in-process", r.mode, order[r.policy], r.concurrency))]
     differ = mismatches(runs)
     print(f"\n{'tiny' if args.tiny else 'default'} pair, greedy, {args.max_new_tokens} new tokens, HumanEval prompts "
-          f"(pool of {len(prompts)}), {args.requests_per_client} requests per client (at least {args.min_requests} a level), {cpu_name()}, "
+          f"(pool of {len(prompts)}), {args.requests_per_client} requests per client"
+          f"{f' (at least {args.min_requests} a level)' if args.min_requests else ''}, {cpu_name()}, "
           f"{time.strftime('%Y-%m-%d')}; batch {batch.model_dump()}\n")
     print(table(rows))
     print(f"\ngreedy outputs identical across every mode and level: {not differ}")

@@ -340,8 +340,10 @@ class RoundLoop:
         budgeted = [s for s in drafting if s.traits.budgeted]
         if profile is not None and budgeted:
             cap = max(s.request.params.policy.k or MAX_CANDIDATES for s in budgeted)
-            self.drafting = best_allocation(profile, len(batch), cap).saving > 0  # every candidate accepted
-            likely = best_allocation(profile, len(batch), cap, self.acceptance)  # what the sessions will draft
+            bound = best_allocation(profile, len(batch), cap)  # every candidate accepted
+            self.drafting = bound.saving > 0
+            # what the sessions will draft (with the draft off, nothing: a first candidate's B + 1 tokens)
+            likely = best_allocation(profile, len(batch), cap, self.acceptance) if self.drafting else bound
             probe_tokens = self._curve_probe(profile, len(batch), len(batch) + max(likely.drafters * likely.candidates, 1))
             if self.observer:
                 self.observer.on_costs(profile, self.drafting)
