@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import grpc
 import uvicorn
@@ -51,10 +51,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(*grpc_status(exc))
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports. Every socket stays bound until all n are drawn: ports drawn one
+    at a time can repeat, since the OS may hand a just-released port out again."""
+    with ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 @contextmanager

@@ -37,18 +37,20 @@ from ray.util.state import list_actors
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 from services.app import build_app
 from services.config import AppConfig
-from engine_backend import free_port
+from engine_backend import free_ports
 
 CONFIG = Path(__file__).parents[2] / "cluster" / "serve" / "multi-gpu.yaml"
 NODE_START_TIMEOUT_S = 120
 REPLICAS_PER_ROLE = 2  # more than one, so a replica placed by chance would show
 
 
-def node_ports() -> list[str]:
+NODE_PORTS = ("node-manager-port", "object-manager-port", "metrics-export-port", "runtime-env-agent-port",
+              "dashboard-agent-grpc-port", "dashboard-agent-listen-port")
+
+
+def node_ports(ports: list[int]) -> list[str]:
     """Every port a node would otherwise take at a fixed default (agents, metrics, managers)."""
-    names = ("node-manager-port", "object-manager-port", "metrics-export-port", "runtime-env-agent-port",
-             "dashboard-agent-grpc-port", "dashboard-agent-listen-port")
-    return [f"--{name}={free_port()}" for name in names]
+    return [f"--{name}={port}" for name, port in zip(NODE_PORTS, ports, strict=True)]
 
 
 AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
@@ -162,19 +164,21 @@ def cluster(tiny_pair):
         gcs_port = []
 
         def head_args() -> list[str]:
-            gcs_port.append(free_port())
-            return ["--head", f"--port={gcs_port[-1]}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                    "--disable-usage-stats", f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
-                    f"--resources={json.dumps(draft_node)}", *common, *node_ports()]
+            gcs, dashboard, client, *node = free_ports(3 + len(NODE_PORTS))
+            gcs_port.append(gcs)
+            return ["--head", f"--port={gcs}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                    "--disable-usage-stats", f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}",
+                    f"--resources={json.dumps(draft_node)}", *common, *node_ports(node)]
 
         start_node(head_args, temp_dir / "head", lambda: (temp_dir / "ray_current_cluster").exists(),  # written once up
                    nodes, temp_dir)
         address = f"127.0.0.1:{gcs_port[-1]}"
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-        start_node(lambda: [f"--address={address}", f"--resources={json.dumps(verifier_node)}", *common, *node_ports()],
+        start_node(lambda: [f"--address={address}", f"--resources={json.dumps(verifier_node)}", *common,
+                                   *node_ports(free_ports(len(NODE_PORTS)))],
                    temp_dir / "verifier-node", lambda: sum(n["Alive"] for n in ray.nodes()) == 2, nodes, temp_dir)
 
-        http_port, grpc_port = free_port(), free_port()
+        http_port, grpc_port = free_ports(2)
         serve.start(proxy_location="HeadOnly",
                     http_options={**schema.http_options.model_dump(exclude_unset=True), "host": "127.0.0.1", "port": http_port},
                     grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=schema.grpc_options.grpc_servicer_functions))

@@ -35,7 +35,7 @@ from specdec.v1 import common_pb2, draft_pb2_grpc, generation_pb2, generation_pb
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.load import RssSampler, run_load, wait_until_idle  # noqa: E402
-from engine_backend import free_port
+from engine_backend import free_ports
 
 API_KEY = "test-key-5d1e"
 AUTH = (("authorization", f"Bearer {API_KEY}"),)
@@ -67,8 +67,9 @@ def served(tiny_pair):
             os.environ.pop(PROXY_MAX_MESSAGE_ENV)
         else:
             os.environ[PROXY_MAX_MESSAGE_ENV] = previous
+    http_port, grpc_port = free_ports(2)
     try:
-        yield start(config, http_port=free_port(), grpc_port=free_port())
+        yield start(config, http_port=http_port, grpc_port=grpc_port)
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -27,7 +27,7 @@ from specdec.params import build_params
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 from services.config import AppConfig, ReplicaConfig
 from services.launch import APP_NAME, start
-from engine_backend import free_port
+from engine_backend import free_ports
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.load import wait_until_idle  # noqa: E402
@@ -48,7 +48,8 @@ def served(tiny_pair):
         ingress=ReplicaConfig(num_cpus=0.0, max_ongoing_requests=64))
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
-        addresses = start(config, http_port=free_port(), grpc_port=free_port())
+        http_port, grpc_port = free_ports(2)
+        addresses = start(config, http_port=http_port, grpc_port=grpc_port)
         yield addresses
     finally:
         serve.shutdown()
