@@ -5,8 +5,12 @@
     python benchmarks/forward_times.py --role draft --formats int8 --vocabs full ascii --ks 1 2 4 8
     python benchmarks/forward_times.py --role target --formats onednn --ks 1 9 --sessions 1 2 4 8 16
     python benchmarks/forward_times.py --role target --formats llamacpp --ks 1 2 4 8 16 --sessions 1 4
+    python benchmarks/forward_times.py --role draft --formats llamacpp llamacpp:q4_0 llamacpp:iq4_nl --ks 1
+    python benchmarks/forward_times.py --role draft --formats llamacpp --ks 160 --outputs 1 --silent-pass-min 8 100000
 
-`llamacpp` is the llama.cpp runtime on the GGUF file (a format of its own: the weights as shipped).
+`llamacpp` is the llama.cpp runtime on the GGUF file (a format of its own: the weights as shipped);
+`llamacpp:TYPE` the GGUF requantized to TYPE (--draft-quant). --silent-pass-min sets the llama.cpp
+draft's SILENT_PASS_MIN_TOKENS (a value above the pass size: every token an output, as before it).
 Prints a markdown table of median milliseconds for one pass over k tokens after a ~200-token prompt
 (the timing itself is specdec/bench/forward.py, which `specdec bench` uses for its t(k) curves).
 With --sessions, one ragged pass in which every one of B sessions feeds its k tokens (a batched
@@ -21,9 +25,10 @@ import torch
 
 from specdec.bench.forward import time_pass
 from specdec.builder import draft_vocabulary, load_model
+from specdec.models import llamacpp
 from specdec.models.llamacpp import LlamaCppOptions, LlamaCppRuntime
 from specdec.models.runtime import CausalLMRuntime
-from specdec.models.sources import resolve_gguf, resolve_model
+from specdec.models.sources import requantize_gguf, resolve_gguf, resolve_model
 
 LLAMACPP = "llamacpp"
 
@@ -37,27 +42,40 @@ def main() -> None:
     parser.add_argument("--vocabs", nargs="+", default=["full"],
                         help="draft output vocabularies (--draft-vocab values; the draft only)")
     parser.add_argument("--sessions", nargs="+", type=int, default=[1], help="sessions sharing each pass")
+    parser.add_argument("--outputs", type=int, default=None, help="outputs read per session (default: all k)")
+    parser.add_argument("--silent-pass-min", nargs="+", type=int, default=[llamacpp.SILENT_PASS_MIN_TOKENS],
+                        help="llama.cpp: values of SILENT_PASS_MIN_TOKENS to time")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
 
-    torch_formats = [f for f in args.formats if f != LLAMACPP]
+    torch_formats = [f for f in args.formats if not f.startswith(LLAMACPP)]
     model_dir = resolve_model(args.source, role=args.role) if torch_formats else None
     print(f"{args.role} {args.source}, {torch.get_num_threads()} threads, median ms per pass")
     vocabs = args.vocabs if args.role == "draft" else ["full"]
-    print("| format | vocabulary | sessions | " + " | ".join(f"k={k}" for k in args.ks) + " |")
-    print("|---" * (len(args.ks) + 3) + "|")
+    print("| format | vocabulary | sessions | silent pass from | " + " | ".join(f"k={k}" for k in args.ks) + " |")
+    print("|---" * (len(args.ks) + 4) + "|")
     for fmt in args.formats:
-        for vocab in vocabs if fmt != LLAMACPP else ["full"]:
-            if fmt == LLAMACPP:
-                gguf = resolve_gguf(args.source, role=args.role).gguf
-                runtime, size = LlamaCppRuntime(gguf, options=LlamaCppOptions(), hidden=args.role == "draft"), "full"
+        for vocab in vocabs if not fmt.startswith(LLAMACPP) else ["full"]:
+            silent_mins = [None]
+            if fmt.startswith(LLAMACPP):
+                source = resolve_gguf(args.source, role=args.role)
+                weight_type = fmt.partition(":")[2]
+                if weight_type:
+                    source = requantize_gguf(source, weight_type)
+                runtime = LlamaCppRuntime(source.gguf, options=LlamaCppOptions(), hidden=args.role == "draft")
+                size, silent_mins = "full", args.silent_pass_min
             else:
                 keep = draft_vocabulary(vocab, model_dir)
                 runtime = CausalLMRuntime(load_model(model_dir, args.role, fmt, progress=False, keep_tokens=keep))
                 size = f"{len(set(keep))} tokens" if keep is not None else "full"
-            for sessions in args.sessions:
-                row = [f"{time_pass(runtime, k, args.repeats, sessions=sessions) * 1000:.1f}" for k in args.ks]
-                print(f"| {fmt} | {vocab} ({size}) | {sessions} | " + " | ".join(row) + " |", flush=True)
+            for silent_min in silent_mins:
+                if silent_min is not None:
+                    llamacpp.SILENT_PASS_MIN_TOKENS = silent_min
+                for sessions in args.sessions:
+                    row = [f"{time_pass(runtime, k, args.repeats, sessions=sessions, outputs=args.outputs) * 1000:.1f}"
+                           for k in args.ks]
+                    print(f"| {fmt} | {vocab} ({size}) | {sessions} | {silent_min or '-'} | " + " | ".join(row) + " |",
+                          flush=True)
             del runtime
 
 

@@ -20,13 +20,15 @@ from specdec.heads import resolve_head
 from specdec.models.formats import WeightFormat, apply_weight_format
 from specdec.models.llamacpp import LlamaCppDraftRuntime, LlamaCppOptions, LlamaCppTargetRuntime, llamacpp_available
 from specdec.models.runtime import DraftRole, DraftRuntime, TargetRole, TargetRuntime
-from specdec.models.sources import model_identity, resolve_gguf, resolve_model
+from specdec.models.sources import (REQUANT_FTYPES, SHIPPED, model_identity, requantize_gguf, resolve_gguf,
+                                    resolve_model)
 from specdec.models.vocab import FULL as FULL_VOCAB
 from specdec.models.vocab import resolve_draft_vocab, trim_lm_head
 from specdec.sequences import RequestRules
 
 Role = Literal["draft", "target"]
 RuntimeName = Literal["auto", "torch", "llamacpp"]
+DraftQuant = Literal[SHIPPED, *REQUANT_FTYPES]  # type: ignore[valid-type]
 
 
 class EngineConfig(BaseModel):
@@ -59,6 +61,10 @@ class EngineConfig(BaseModel):
     # torch for the rest and on a GPU.
     runtime: RuntimeName = "auto"
     llamacpp: LlamaCppOptions = LlamaCppOptions()
+    # The llama.cpp runtime's draft weights: "shipped" as the GGUF has them, or requantized once to
+    # a type with llama.cpp's fast x86 kernels (models/sources.py, REQUANT_FTYPES). The target is
+    # never requantized.
+    draft_quant: DraftQuant = SHIPPED
 
 
 def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -> SpecDecEngine:
@@ -96,8 +102,13 @@ def build_draft(config: EngineConfig, progress: bool = True) -> tuple[DraftRole,
         if config.draft_vocab != FULL_VOCAB:
             raise ModelSourceError("--draft-vocab needs the torch runtime (llama.cpp's output layer is its own)")
         source = resolve_gguf(config.draft, role="draft", cache=config.cache_dir, progress=progress)
+        if config.draft_quant != SHIPPED:
+            source = requantize_gguf(source, config.draft_quant, cache=config.cache_dir, progress=progress)
         return (LlamaCppDraftRuntime(source.gguf, identity=source.identity, name=config.draft,
                                      options=llamacpp_options(config)), source.meta_dir)
+    if config.draft_quant != SHIPPED:
+        raise ModelSourceError("--draft-quant needs the llamacpp runtime (the torch runtime converts the GGUF "
+                               "as shipped)")
     draft_dir = resolve_model(config.draft, role="draft", cache=config.cache_dir, progress=progress)
     keep = draft_vocabulary(config.draft_vocab, draft_dir)
     draft = DraftRuntime(load_model(draft_dir, "draft", config.draft_format, progress, config.device, keep),

@@ -13,6 +13,8 @@ EXIT_USAGE = 2
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    from specdec.models.sources import REQUANT_FTYPES, SHIPPED
+
     group = parser.add_argument_group("models")
     group.add_argument("--draft", default="default", help="draft model: 'default', a HF directory, a .gguf file or a hub id")
     group.add_argument("--target", default="default", help="target model: same forms as --draft")
@@ -27,6 +29,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--runtime", default="auto", choices=["auto", "torch", "llamacpp"],
                        help="kernels: llamacpp reads GGUF files as they are; torch runs HF models (GGUF converted "
                             "to fp32 once); auto = llamacpp for default and .gguf on CPU, else torch")
+    group.add_argument("--draft-quant", default=SHIPPED, choices=[SHIPPED, *REQUANT_FTYPES],
+                       help="the llama.cpp draft's weights: as shipped, or requantized once to a type with "
+                            "llama.cpp's fast x86 kernels (the target is never requantized)")
     group.add_argument("--llamacpp-context", type=int, default=None,
                        help="llama.cpp cache positions per model, shared by all sessions (default 8192)")
     group.add_argument("--threads", type=int, default=None, help="CPU threads (torch and llama.cpp)")
@@ -81,8 +86,9 @@ def engine_config(args: argparse.Namespace):
     llamacpp = LlamaCppOptions(**({"context": args.llamacpp_context} if args.llamacpp_context else {}))
     return EngineConfig(draft=args.draft, target=args.target, head=args.head, cache_dir=args.cache_dir,
                         draft_format=args.draft_format, target_format=args.target_format,
-                        draft_vocab=args.draft_vocab, threads=args.threads, device=args.device,
-                        batch=batch, kv_cache=args.kv_cache, runtime=args.runtime, llamacpp=llamacpp)
+                        draft_vocab=args.draft_vocab, draft_quant=args.draft_quant, threads=args.threads,
+                        device=args.device, batch=batch, kv_cache=args.kv_cache, runtime=args.runtime,
+                        llamacpp=llamacpp)
 
 
 def has_head(args: argparse.Namespace) -> bool:

@@ -20,17 +20,18 @@ def synthetic_tokens(count: int, vocab_size: int, offset: int = 0) -> list[int]:
 
 
 def time_pass(runtime: Runtime, k: int, repeats: int = DEFAULT_REPEATS,
-              prompt_tokens: int = PROMPT_TOKENS, sessions: int = 1) -> float:
+              prompt_tokens: int = PROMPT_TOKENS, sessions: int = 1, outputs: int | None = None) -> float:
     """Median seconds of one pass in which each of `sessions` sessions feeds k tokens after its own
-    cached prompt (the first pass, a warm-up, is not counted); the prompt is shortened where the
-    model's context is smaller."""
+    cached prompt and reads the outputs of its last `outputs` (default all k: a verification; 1: a
+    prefill or catch-up); the first pass, a warm-up, is not counted; the prompt is shortened where
+    the model's context is smaller."""
     prompt_tokens = max(1, min(prompt_tokens, runtime.max_context - k - 1))
     held = [runtime.new_session() for _ in range(sessions)]
     for i, session in enumerate(held):
         runtime._forward([Feed(session, synthetic_tokens(prompt_tokens, runtime.vocab_size, offset=i), 1)])
     times = []
     for r in range(repeats + 1):
-        feeds = [Feed(session, synthetic_tokens(k, runtime.vocab_size, offset=31 * (r + 1) + i), k)
+        feeds = [Feed(session, synthetic_tokens(k, runtime.vocab_size, offset=31 * (r + 1) + i), outputs or k)
                  for i, session in enumerate(held)]
         start = time.perf_counter()
         runtime._forward(feeds)

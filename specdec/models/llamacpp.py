@@ -6,8 +6,10 @@ cache. A pass is one or more `llama_decode` calls over a batch whose tokens carr
 sequence id and position, the same ragged layout as the torch runtime: a drafting step of 8
 sessions is 8 tokens, a verification of K = 3 and K = 9 is 4 + 10 tokens. Outputs (logits, and for
 the draft the final hidden state: embeddings with pooling NONE, taken after the output norm as
-transformers' last_hidden_state) are read only at the positions a feed asks for. Rollback is
-`llama_memory_seq_rm` from the kept length on.
+transformers' last_hidden_state) are read only at the positions a feed asks for; llama.cpp computes
+them at every token of a pass while hidden states are on, so the draft runs a long pass's unread
+tokens (a prefill, a catch-up) with them off first. Rollback is `llama_memory_seq_rm` from the kept
+length on.
 
 Sequences and cache cells are finite, and a session's cache is only a cache (models/runtime.py):
 a session gets a sequence at its first pass; when none is free, or a pass finds no room in the
@@ -41,6 +43,11 @@ DEFAULT_SEQUENCES = 64
 DEFAULT_CONTEXT = 8192  # cache cells shared by every session of a model (f16 keys and values)
 DEFAULT_BATCH = 512  # tokens per llama_decode call; a larger pass takes several
 NO_KV_SLOT = 1  # llama_decode: no room in the cache for the batch
+# With hidden states on (the draft), llama.cpp outputs logits and hidden states at every token of a
+# pass, read or not. A pass with at least this many unread tokens (a prefill, a long catch-up) runs
+# them first with hidden states off, then the read ones: one more pass over the weights, against
+# the output layer (a third of the default draft's weights) over each unread token.
+SILENT_PASS_MIN_TOKENS = 8
 # llama.cpp's AMX kernels crash on Q4_K weights (ggml-org/llama.cpp#20824, closed unfixed); a build
 # compiled with AMX (-march=native on an AMX CPU) then runs without its extra (repacked) buffers.
 AMX_BUILD_MARK = "AMX_INT8 = 1"
@@ -152,6 +159,7 @@ class LlamaCppModel:
         self.n_embd = lib.llama_model_n_embd(self.model)
         self.n_ctx_train = lib.llama_model_n_ctx_train(self.model)
         self.n_ctx, self.n_batch = lib.llama_n_ctx(self.context), options.batch
+        self.hidden_on = hidden
         self._batch = lib.llama_batch_init(options.batch, 0, 1)
         release_mapped_pages(self.path)
 
@@ -163,6 +171,12 @@ class LlamaCppModel:
             batch.seq_id[i][0] = seq
         batch.n_tokens = len(tokens)
         return self.lib.llama_decode(self.context, batch)
+
+    def set_hidden(self, on: bool) -> None:
+        """Hidden states on (every token of a pass is an output) or off (only the flagged ones)."""
+        if on != self.hidden_on:
+            self.lib.llama_set_embeddings(self.context, on)
+            self.hidden_on = on
 
     def logits(self, index: int) -> np.ndarray:
         """[V] fp32 logits of the batch's token `index` (flagged as an output), copied."""
@@ -245,17 +259,29 @@ class LlamaCppRuntime(Runtime):
                    for f, feed in enumerate(feeds) for j, token in enumerate(feed.tokens)]
         logits: list[list[np.ndarray]] = [[] for _ in feeds]
         hidden: list[list[np.ndarray]] = [[] for _ in feeds]
-        for start in range(0, len(entries), self.llama.n_batch):
-            chunk = entries[start:start + self.llama.n_batch]
-            self._decode(feeds, chunk, protected)
-            for i, (f, _, wanted) in enumerate(chunk):
-                if wanted:
-                    logits[f].append(self.llama.logits(i))
-                    if self.llama.hidden:
-                        hidden[f].append(self.llama.embedding(i))
+        for part in self._parts(entries):
+            if self.llama.hidden:
+                self.llama.set_hidden(any(wanted for _, _, wanted in part))
+            for start in range(0, len(part), self.llama.n_batch):
+                chunk = part[start:start + self.llama.n_batch]
+                self._decode(feeds, chunk, protected)
+                for i, (f, _, wanted) in enumerate(chunk):
+                    if wanted:
+                        logits[f].append(self.llama.logits(i))
+                        if self.llama.hidden:
+                            hidden[f].append(self.llama.embedding(i))
         self.forward_passes += 1
         return [(torch.from_numpy(np.stack(rows)), torch.from_numpy(np.stack(states)) if states
                  else torch.empty((len(rows), 0))) for rows, states in zip(logits, hidden)]
+
+    def _parts(self, entries: list[tuple[int, int, bool]]) -> list[list[tuple[int, int, bool]]]:
+        """The pass as one part, or with hidden states on as its unread tokens then its read ones
+        (SILENT_PASS_MIN_TOKENS); a feed's read tokens are its last, so each part keeps every
+        session's positions in order."""
+        silent = [entry for entry in entries if not entry[2]]
+        if not self.llama.hidden or len(silent) < SILENT_PASS_MIN_TOKENS:
+            return [entries]
+        return [silent, [entry for entry in entries if entry[2]]]
 
     def _decode(self, feeds: list[Feed], chunk: list[tuple[int, int, bool]], protected: list[Feed]) -> None:
         """Decode one chunk, making room in the cache when it is full; extends the sessions' tokens."""

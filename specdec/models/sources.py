@@ -195,6 +195,70 @@ def resolve_gguf(source: str, role: str, cache: str | Path | None = None, progre
     return GGUFSource(gguf_path, meta_dir, sha256)
 
 
+# -- a GGUF requantized by llama.cpp (the llama.cpp runtime's draft) -------------------------------
+
+SHIPPED = "shipped"  # a GGUF's weights as they are
+# Weight types a GGUF can be requantized to (llama_model_quantize's ftypes): each has ggml-cpu x86
+# kernels over repacked weights, which the shipped draft's Q5_0 layers and Q8_0 output lack
+# (docs/performance.md measures them on both CPU types).
+REQUANT_FTYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL",
+                  "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+REQUANT_MARKER_SUFFIX = ".sha256"  # "<sha256> <size> <source sha256>", written after the file
+
+
+def requantize_gguf(source: GGUFSource, weight_type: str, cache: str | Path | None = None,
+                    progress: bool = True) -> GGUFSource:
+    """`source` with every weight (output and embeddings too: llama.cpp's `pure`) requantized to
+    `weight_type` by llama.cpp's own quantizer, written once into the cache beside the original;
+    later calls check its marker (the new file's sha256 and size, and the source's sha256). The
+    config and tokenizer are the source's."""
+    if weight_type not in REQUANT_FTYPES:
+        raise ModelSourceError(f"unknown weight type {weight_type!r}; choose one of "
+                               f"{', '.join([SHIPPED, *REQUANT_FTYPES])}")
+    root = cache_dir(cache)
+    path = root / GGUF_SUBDIR / f"{source.gguf.stem}-{source.sha256[:GGUF_DIR_HASH_CHARS]}-{weight_type}.gguf"
+    marker = path.with_name(path.name + REQUANT_MARKER_SUFFIX)
+    with _locked(root, path.stem):
+        sha256 = _requantized_sha256(path, marker, source.sha256)
+        if sha256 is None:
+            _say(progress, f"requantizing {source.gguf.name} to {weight_type} for llama.cpp's fast kernels (once)")
+            sha256 = _requantize(source.gguf, path, REQUANT_FTYPES[weight_type])
+            marker.write_text(f"{sha256} {path.stat().st_size} {source.sha256}\n")
+    return GGUFSource(path, source.meta_dir, sha256)
+
+
+def _requantized_sha256(path: Path, marker: Path, source_sha256: str) -> str | None:
+    """The requantized file's sha256 when its marker says it is whole and made from this source."""
+    try:
+        sha256, size, made_from = marker.read_text().split()
+        whole = path.stat().st_size == int(size)
+    except (OSError, ValueError):
+        return None
+    return sha256 if whole and made_from == source_sha256 else None
+
+
+def _requantize(src: Path, dst: Path, ftype: str) -> str:
+    """llama_model_quantize src into dst (through a .partial file); returns dst's sha256."""
+    from specdec.models.llamacpp import library
+
+    lib = library()
+    params = lib.llama_model_quantize_default_params()
+    params.nthread = os.cpu_count() or 1
+    params.ftype = getattr(lib, ftype)
+    params.allow_requantize = params.pure = True
+    partial = dst.with_name(dst.name + ".partial")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        status = lib.llama_model_quantize(str(src).encode(), str(partial).encode(), params)
+        if status != 0:
+            raise ModelSourceError(f"llama.cpp could not requantize {src} (status {status})")
+        sha256 = sha256_file(partial)
+        partial.replace(dst)
+    finally:
+        partial.unlink(missing_ok=True)
+    return sha256
+
+
 def write_gguf_metadata(gguf_path: Path, out_dir: Path, sha256: str, progress: bool = True) -> Path:
     """config.json, generation_config.json and the tokenizer of `gguf_path`, read by transformers."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig

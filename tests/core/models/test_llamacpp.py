@@ -18,8 +18,10 @@ from specdec.builder import EngineConfig, build_engine, resolve_runtime
 from specdec.engine import SpecDecEngine
 from specdec.errors import ModelSourceError
 from specdec.metrics import RequestStats
-from specdec.models.llamacpp import (LlamaCppDraftRuntime, LlamaCppError, LlamaCppOptions, LlamaCppRuntime,
-                                     LlamaCppTargetRuntime)
+from specdec.models import sources
+from specdec.models.llamacpp import (SILENT_PASS_MIN_TOKENS, LlamaCppDraftRuntime, LlamaCppError, LlamaCppOptions,
+                                     LlamaCppRuntime, LlamaCppTargetRuntime)
+from specdec.models.sources import GGUF_SUBDIR, requantize_gguf, resolve_gguf, sha256_file
 from specdec.params import GenerationParams
 from specdec.policies import PolicyConfig
 from specdec.sampling import MAX_SAMPLES_PER_REQUEST, SamplingParams, probs_from_logits
@@ -79,6 +81,31 @@ def test_logits_and_hidden_states_match_transformers_on_the_same_file(gguf_pair,
     torch.testing.assert_close(first.hidden, expected_hidden[4], atol=ATOL, rtol=0)  # after the final norm
     torch.testing.assert_close(step.hidden, expected_hidden[5], atol=ATOL, rtol=0)
     assert draft.hidden_size == HIDDEN and draft.vocab_size == len(byte_level_tokens())
+
+
+def test_the_draft_outputs_only_the_positions_a_long_pass_reads(gguf_pair):
+    draft_path, _ = gguf_pair
+    draft = LlamaCppDraftRuntime(draft_path, options=options())
+    hf_draft = AutoModelForCausalLM.from_pretrained(draft_path.parent, gguf_file=draft_path.name,
+                                                    dtype=torch.float32).eval()
+    ids = [(7 * i + 3) % 250 for i in range(3 * SILENT_PASS_MIN_TOKENS)]
+    decode, computed = draft.llama.decode, []  # per llama_decode: (tokens computed as outputs, read)
+
+    def spy(seqs, positions, tokens, outputs):
+        computed.append((len(tokens) if draft.llama.hidden_on else sum(outputs), sum(outputs)))
+        return decode(seqs, positions, tokens, outputs)
+
+    draft.llama.decode = spy
+    sessions = [draft.new_session(), draft.new_session()]
+    first = draft.start(sessions, [ids, ids[:5]])  # 23 unread tokens of one session, 4 of the other
+    assert computed == [(0, 0), (2, 2)]  # with hidden states on throughout: [(29, 2)]
+    expected_logits, expected_hidden = hf_outputs(hf_draft, ids)
+    torch.testing.assert_close(first[0].logits, expected_logits[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(first[0].hidden, expected_hidden[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(first[1].hidden, expected_hidden[4], atol=ATOL, rtol=0)
+    step = draft.step(sessions, [ids[0], ids[5]])  # a drafting step after it: outputs as before
+    torch.testing.assert_close(step[0].hidden, hf_outputs(hf_draft, ids + ids[:1])[1][-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(step[1].hidden, expected_hidden[5], atol=ATOL, rtol=0)
 
 
 def test_rollback_keeps_the_common_prefix_and_rescoring_matches_a_fresh_session(gguf_pair, hf_target):
@@ -248,3 +275,49 @@ def test_sampled_outputs_follow_the_llamacpp_target(small_vocab_engine, policy):
             observed[ids] += count
         pvalue = chi2_pvalue(observed, expected)
         assert pvalue > SIGNIFICANCE, f"first {length} token(s): chi-squared p = {pvalue:.2e}"
+
+
+# -- the draft requantized for llama.cpp's fast kernels (--draft-quant) ------------------------------------
+
+def tensor_types(path: Path) -> Counter:
+    import gguf
+    return Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors if len(t.shape) == 2)
+
+
+def test_a_requantized_draft_is_made_once_in_the_cache_with_its_checksum(gguf_pair, tmp_path, monkeypatch):
+    source = resolve_gguf(str(gguf_pair[0]), "draft", cache=tmp_path, progress=False)
+    quantized = requantize_gguf(source, "q4_0", cache=tmp_path, progress=False)
+    assert quantized.gguf.parent == tmp_path / GGUF_SUBDIR and quantized.meta_dir == source.meta_dir
+    assert quantized.sha256 == sha256_file(quantized.gguf) != source.sha256
+    assert tensor_types(quantized.gguf) == Counter({"Q4_0": sum(tensor_types(source.gguf).values())})
+    assert tensor_types(source.gguf) == Counter({"F32": sum(tensor_types(source.gguf).values())})  # untouched
+
+    def no_requantize(*args):
+        raise AssertionError("requantized again")
+
+    with monkeypatch.context() as m:  # a whole file with its marker is reused
+        m.setattr(sources, "_requantize", no_requantize)
+        assert requantize_gguf(source, "q4_0", cache=tmp_path, progress=False) == quantized
+    with open(quantized.gguf, "r+b") as f:  # a cut file is made again
+        f.truncate(quantized.gguf.stat().st_size // 2)
+    assert requantize_gguf(source, "q4_0", cache=tmp_path, progress=False) == quantized
+    with pytest.raises(ModelSourceError, match="unknown weight type 'q3'"):
+        requantize_gguf(source, "q3", cache=tmp_path, progress=False)
+
+
+def test_a_requantized_draft_keeps_greedy_output_equal_to_target_only(gguf_pair, tmp_path):
+    draft, target = gguf_pair
+    config = EngineConfig(draft=str(draft), target=str(target), runtime="llamacpp", head="none", threads=1,
+                          llamacpp=options(), draft_quant="iq4_nl", cache_dir=str(tmp_path))
+    engine = build_engine(config, progress=False)
+    assert engine.draft.llama.path.name.endswith("-iq4_nl.gguf") and engine.target.llama.path == target
+    drafted = 0
+    for prompt in PROMPTS:
+        expected = generate(engine, prompt, PolicyConfig(name="target-only"))
+        params = GenerationParams(max_new_tokens=40, policy=PolicyConfig(name="fixed", k=4))
+        result = engine.generate_ids(prompt, params)
+        assert result.completions[0].token_ids == expected
+        drafted += result.stats.draft_tokens
+    assert drafted > 0
+    with pytest.raises(ModelSourceError, match="needs the llamacpp runtime"):
+        build_engine(config.model_copy(update={"runtime": "torch"}), progress=False)
