@@ -44,10 +44,12 @@ DEFAULT_CONTEXT = 8192  # cache cells shared by every session of a model (f16 ke
 DEFAULT_BATCH = 512  # tokens per llama_decode call; a larger pass takes several
 NO_KV_SLOT = 1  # llama_decode: no room in the cache for the batch
 # With hidden states on (the draft), llama.cpp outputs logits and hidden states at every token of a
-# pass, read or not. A pass with at least this many unread tokens (a prefill, a long catch-up) runs
-# them first with hidden states off, then the read ones: one more pass over the weights, against
-# the output layer (a third of the default draft's weights) over each unread token.
-SILENT_PASS_MIN_TOKENS = 8
+# pass, read or not. A pass with at least this many unread tokens (a prefill, a catch-up) runs them
+# first with hidden states off, then the read ones: one more pass over the weights, against the
+# output layer (a third of the default draft's weights) over each unread token. On the 2-core AMD
+# EPYC (docs/performance.md) a 160-token prefill then costs 0.76x, 4 sessions feeding 2 tokens
+# 0.90x, one session feeding 2 tokens 1.05x.
+SILENT_PASS_MIN_TOKENS = 4
 # llama.cpp's AMX kernels crash on Q4_K weights (ggml-org/llama.cpp#20824, closed unfixed); a build
 # compiled with AMX (-march=native on an AMX CPU) then runs without its extra (repacked) buffers.
 AMX_BUILD_MARK = "AMX_INT8 = 1"

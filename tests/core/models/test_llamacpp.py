@@ -97,8 +97,8 @@ def test_the_draft_outputs_only_the_positions_a_long_pass_reads(gguf_pair):
 
     draft.llama.decode = spy
     sessions = [draft.new_session(), draft.new_session()]
-    first = draft.start(sessions, [ids, ids[:5]])  # 23 unread tokens of one session, 4 of the other
-    assert computed == [(0, 0), (2, 2)]  # with hidden states on throughout: [(29, 2)]
+    first = draft.start(sessions, [ids, ids[:5]])  # unread: all but the last token of each
+    assert computed == [(0, 0), (2, 2)]  # with hidden states on throughout: [(len(ids) + 5, 2)]
     expected_logits, expected_hidden = hf_outputs(hf_draft, ids)
     torch.testing.assert_close(first[0].logits, expected_logits[-1], atol=ATOL, rtol=0)
     torch.testing.assert_close(first[0].hidden, expected_hidden[-1], atol=ATOL, rtol=0)
