@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import gc
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -59,6 +60,8 @@ class Run:
     drafted: int = 0  # candidates verified (stats.draft_tokens), over every request
     accepted: int = 0
     outputs: dict[int, list[int]] = field(default_factory=dict)  # prompt index -> greedy tokens
+    # served: the coordinator's live profile after the run (its /metrics; what the next run starts with)
+    live_profile: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -72,7 +75,8 @@ class Run:
                 "tokens": self.tokens, "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s,
                 "latency_p50_s": pct(self.latency_s, 50), "latency_p99_s": pct(self.latency_s, 99),
                 "ttft_p50_s": pct(self.first_token_s, 50), "ttft_p99_s": pct(self.first_token_s, 99),
-                "drafted": self.drafted, "accepted": self.accepted}
+                "drafted": self.drafted, "accepted": self.accepted,
+                **({"live_profile": self.live_profile} if self.live_profile else {})}
 
 
 def client_prompts(client: int, concurrency: int, per_client: int, pool: int) -> list[int]:
@@ -172,12 +176,30 @@ def served(models: EngineConfig, prompts: list[str], specs, levels: list[int], p
             for level in levels:  # as in process: the policies of a level one after the other
                 for spec in specs:
                     run = asyncio.run(measure(spec, level))
+                    run.live_profile = live_profile(addresses["http"])
+                    print(f"  live profile after it: {run.live_profile}", file=sys.stderr, flush=True)
                     print(f"  {mode} {spec.key} C={level}: {run.tokens_per_s:.2f} tok/s", file=sys.stderr, flush=True)
                     runs.append(run)
         finally:
             serve.shutdown()
             ray.shutdown()
     return runs
+
+
+def live_profile(http: str) -> dict[str, float]:
+    """The served app's live cost profile and whether drafting pays, from its /metrics (Ray exports
+    them every few seconds); {} where it cannot be read."""
+    import httpx
+
+    try:
+        text = httpx.get(f"{http}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    found = {}
+    for metric, labels, value in re.findall(r"(cost_profile_ms|drafting_pays)\{([^}]*)\}\s+(\S+)", text):
+        labels = dict(re.findall(r'(role|tokens)="([^"]*)"', labels))
+        found[f"{labels['role']}:{labels['tokens']}" if metric == "cost_profile_ms" else metric] = round(float(value), 1)
+    return found
 
 
 def mismatches(runs: list[Run]) -> list[str]:

@@ -18,7 +18,7 @@ from ray.serve import metrics
 from specdec.cost_profile import CostProfile
 from specdec.metrics import RequestStats
 
-PREFIX = "specdec:"
+PREFIX = "specdec_"  # no colon: Ray exports through OpenTelemetry, whose instrument names refuse one
 MS_BUCKETS = [0.5, 1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500]
 K_BUCKETS = [0.5, 1.5, 2.5, 3.5, 4.5, 6.5, 8.5, 12.5, 16.5, 24.5, 32.5]  # K + 0.5: bucket edges between integers
 

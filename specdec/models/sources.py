@@ -201,8 +201,7 @@ SHIPPED = "shipped"  # a GGUF's weights as they are
 # Weight types a GGUF can be requantized to (llama_model_quantize's ftypes): each has ggml-cpu x86
 # kernels over repacked weights, which the shipped draft's Q5_0 layers and Q8_0 output lack
 # (docs/performance.md measures them on both CPU types).
-REQUANT_FTYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL",
-                  "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+REQUANT_FTYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL"}
 REQUANT_MARKER_SUFFIX = ".sha256"  # "<sha256> <size> <source sha256>", written after the file
 
 

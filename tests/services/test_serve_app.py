@@ -124,6 +124,21 @@ def test_http_and_openai_client_equal_engine(served, tiny_engine):
     assert httpx.get(f"{served['http']}/health", timeout=10).status_code == 200
 
 
+def test_our_metrics_reach_the_metrics_endpoint(served, stub):
+    """Ray exports an app's metrics through OpenTelemetry every few seconds and drops, with only a
+    log line, one whose name OpenTelemetry refuses (ours had a colon: none ever reached /metrics)."""
+    stub.Generate(generation_pb2.GenerateRequest(text=PROMPTS[0], policy="fixed", k=2, max_new_tokens=8), timeout=60)
+    wanted = ("ray_specdec_requests", "ray_specdec_target_forward_passes", "ray_specdec_round_call_ms")
+    deadline = time.monotonic() + 60
+    while True:
+        text = httpx.get(f"{served['http']}/metrics", timeout=10).text
+        missing = [name for name in wanted if name not in text]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert not missing, missing
+
+
 def test_eight_concurrent_sessions_with_mixed_policies(served, tiny_engine):
     def fields(i: int) -> dict:
         policy, k = MIXED[i]
