@@ -9,7 +9,7 @@ import torch
 from specdec.budget import (StepBudget, best_allocation, curve_probe, drafting_pays, drafting_saving,
                             expected_remaining, expected_tokens, geometric, replay_round, who_drafts,
                             worth_catching_up)
-from specdec.cost_profile import CostProfile
+from specdec.cost_profile import CostProfile, LiveCosts, PassTiming
 from specdec.features import FEATURES_DISTRIBUTION
 from specdec.head import AcceptanceHead, HeadConfig
 from specdec.models.runtime import DraftOutput, KVSession
@@ -64,6 +64,21 @@ def test_lookahead_drafts_through_a_first_step_that_alone_does_not_pay():
     curve = CostProfile(t_draft_ms=30.0, t_target_ms={1: 100.0, 2: 101.0, 6: 101.0, 7: 200.0})
     k, _ = replay_round(curve, [0.9] * 20, 20)
     assert k == 5
+
+
+def test_the_step_prefers_the_pass_sizes_the_kernels_batch_well():
+    """llama.cpp's repacked kernels work in 4-row tiles: on the Intel machine a 4-token pass cost less
+    than a 3-token one (docs/performance.md). The budget plans with the curve as measured, dip
+    included, and the live profile keeps it (exact buckets up to 32 tokens)."""
+    measured = {1: 68.0, 2: 100.0, 3: 123.0, 4: 108.0, 5: 141.0, 6: 161.0, 8: 194.0}
+    dip = CostProfile(t_draft_ms=21.0, t_target_ms=measured)
+    smoothed = CostProfile(t_draft_ms=21.0, t_target_ms=measured | {4: 130.0})
+    assert best_allocation(dip, 1, 20, acceptance=0.9).candidates == 3  # a 4-token pass
+    assert best_allocation(smoothed, 1, 20, acceptance=0.9).candidates == 4
+    live = LiveCosts()
+    live.observe(PassTiming("verifier", tokens, ms, probe=True) for tokens, ms in measured.items())
+    live.observe([PassTiming("draft", 1, 21.0, probe=True)])
+    assert live.profile().t_target_ms == measured
 
 
 def test_drafting_pays_reads_the_costs_only():
