@@ -176,14 +176,20 @@ def load_head(
             f"head {directory} expects hidden size {config.hidden_size} but the draft has {hidden_size}")
     if draft_identity is not None and config.draft_identity != draft_identity:
         raise IncompatibleModelsError(
-            f"head {directory} was trained for another draft model "
-            f"({config.draft_name or config.draft_identity[:12]}), not this one ({draft_identity[:12]})")
+            f"head {directory} was trained for another draft model ({config.draft_name or 'identity'} "
+            f"{_short(config.draft_identity)}), not this one ({_short(draft_identity)}); pass --head none "
+            "or a head trained for this draft")
     head = AcceptanceHead(config)
     try:
         head.load_state_dict(load_file(weights_path))
     except Exception as exc:  # safetensors raises several types for truncated or mismatched files
         raise ModelSourceError(f"corrupt head weights {weights_path}: {_first_line(exc)}") from None
     return head.eval()
+
+
+def _short(identity: str) -> str:
+    """A model identity's first hash digits (a GGUF's identity starts with its scheme)."""
+    return identity.rpartition(":")[2][:12]
 
 
 def _mean_std(rows: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:

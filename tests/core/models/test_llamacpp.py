@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from specdec.builder import EngineConfig, build_engine, resolve_runtime
 from specdec.engine import SpecDecEngine
-from specdec.errors import ModelSourceError
+from specdec.errors import IncompatibleModelsError, ModelSourceError
+from specdec.head import AcceptanceHead, HeadConfig
 from specdec.metrics import RequestStats
 from specdec.models import sources
 from specdec.models.llamacpp import (SILENT_PASS_MIN_TOKENS, LlamaCppDraftRuntime, LlamaCppError, LlamaCppOptions,
@@ -321,3 +322,9 @@ def test_a_requantized_draft_keeps_greedy_output_equal_to_target_only(gguf_pair,
     assert drafted > 0
     with pytest.raises(ModelSourceError, match="needs the llamacpp runtime"):
         build_engine(config.model_copy(update={"runtime": "torch"}), progress=False)
+    shipped = resolve_gguf(str(draft), "draft", cache=tmp_path, progress=False)  # a head of the draft as shipped
+    AcceptanceHead(HeadConfig(hidden_size=HIDDEN, depth=1, draft_identity=shipped.identity)).save(tmp_path / "head")
+    quantized = engine.draft.identity.removeprefix("gguf-sha256:")[:12]
+    with pytest.raises(IncompatibleModelsError, match=rf"{shipped.sha256[:12]}\), not this one \({quantized}\); "
+                                                      "pass --head none"):
+        build_engine(config.model_copy(update={"head": str(tmp_path / "head")}), progress=False)
