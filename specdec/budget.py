@@ -187,9 +187,10 @@ def who_drafts(profile: CostProfile, best: Allocation, sessions: int, lags: list
                remaining: list[float]) -> list[bool]:
     """Which budgeted sessions of a step of `sessions` call the draft, given how far each one's draft
     lags (`lags`) and the tokens it is expected to still generate (`expected_remaining`): those in
-    step (lag <= IN_STEP_LAG) all (the step's budget decides their rounds); lagging ones, the shortest catch-up first, while fewer than
-    the best allocation's m draft and the saving over its own remaining tokens repays its catch-up
-    (`worth_catching_up`). Where one drafting session is what pays, one catches up, not all."""
+    step (lag <= IN_STEP_LAG) all (the step's budget decides their rounds); lagging ones, the
+    shortest catch-up first, while fewer than the best allocation's m draft and the saving over its
+    own remaining tokens repays its catch-up (`worth_catching_up`). Where one drafting session is
+    what pays, one catches up, not all."""
     joins = [lag <= IN_STEP_LAG for lag in lags]
     drafters = sum(joins)
     for s in sorted((s for s, lag in enumerate(lags) if lag > IN_STEP_LAG), key=lambda s: lags[s]):

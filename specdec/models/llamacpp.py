@@ -261,17 +261,16 @@ class LlamaCppRuntime(Runtime):
                    for f, feed in enumerate(feeds) for j, token in enumerate(feed.tokens)]
         logits: list[list[np.ndarray]] = [[] for _ in feeds]
         hidden: list[list[np.ndarray]] = [[] for _ in feeds]
-        for part in self._parts(entries):
-            if self.llama.hidden:
-                self.llama.set_hidden(any(wanted for _, _, wanted in part))
-            for start in range(0, len(part), self.llama.n_batch):
-                chunk = part[start:start + self.llama.n_batch]
-                self._decode(feeds, chunk, protected)
-                for i, (f, _, wanted) in enumerate(chunk):
-                    if wanted:
-                        logits[f].append(self.llama.logits(i))
-                        if self.llama.hidden:
-                            hidden[f].append(self.llama.embedding(i))
+        n = self.llama.n_batch
+        for chunk in [part[start:start + n] for part in self._parts(entries) for start in range(0, len(part), n)]:
+            if self.llama.hidden:  # off for a chunk of unread tokens only
+                self.llama.set_hidden(any(wanted for _, _, wanted in chunk))
+            self._decode(feeds, chunk, protected)
+            for i, (f, _, wanted) in enumerate(chunk):
+                if wanted:
+                    logits[f].append(self.llama.logits(i))
+                    if self.llama.hidden:
+                        hidden[f].append(self.llama.embedding(i))
         self.forward_passes += 1
         return [(torch.from_numpy(np.stack(rows)), torch.from_numpy(np.stack(states)) if states
                  else torch.empty((len(rows), 0))) for rows, states in zip(logits, hidden)]
