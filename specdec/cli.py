@@ -268,17 +268,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise InvalidRequestError(validation_message(exc)) from None
     results = run_bench(config, progress=not args.no_progress, report_only=args.report_only)
     print((args.out / "summary.md").read_text())
-    if results["lossless"]["ours_equal"] is False:
-        from specdec.builder import resolve_runtime
-
-        mismatched = results["lossless"]["mismatched"]
-        if resolve_runtime(config.engine, config.engine.target) == "llamacpp":  # not an error there
-            print(f"note: greedy outputs differ from target-only on prompts {mismatched}: llama.cpp scores a "
-                  "token slightly differently when more tokens share its pass, which flips near-ties "
-                  "(docs/performance.md)", file=sys.stderr)
-            return 0
-        print(f"error: greedy outputs differ from target-only: {mismatched}", file=sys.stderr)
+    lossless = results["lossless"]
+    if lossless["ours_lossless"] is False:
+        print(f"error: greedy outputs differ from target-only's, not at a near-tie: {lossless['defects']}",
+              file=sys.stderr)
         return 1
+    if lossless["ours_equal"] is False:
+        print(f"note: greedy outputs differ from target-only's only after a near-tie of the target's top two "
+              f"{lossless['near_ties']}: the target scores a token slightly differently in a pass of another "
+              "size (docs/performance.md)", file=sys.stderr)
     return 0
 
 

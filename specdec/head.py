@@ -24,7 +24,9 @@ training on validation tokens (training/calibration.py) and applied by `acceptan
 `cost_profile` (optional): the forward costs `specdec++cost` plans with (specdec/cost_profile.py).
 
 On disk a head is a directory with `head.safetensors` and `head.json`; the JSON records the
-draft model it was trained on (hidden size and identity), and loading it for another draft fails.
+draft model it was trained on (hidden size and identity), and loading it for another draft fails,
+unless `validated_drafts` lists that draft: one shown, on validation tokens, to be judged as well as
+the head's own (training/transfer.py; e.g. the draft requantized for llama.cpp's fast kernels).
 """
 
 from __future__ import annotations
@@ -60,6 +62,21 @@ class Calibration(BaseModel):
         return logits * self.scale + self.bias
 
 
+class ValidatedDraft(BaseModel):
+    """Another draft the head serves, with the evidence (training/transfer.py, benchmarks/head_transfer.py):
+    on the same validation tokens, its AUROC and ECE against the head's own draft measured alike."""
+
+    model_config = ConfigDict(extra="allow")
+
+    identity: str
+    name: str = ""
+    tokens: int = Field(ge=0)
+    auroc: float
+    ece: float
+    reference_auroc: float
+    reference_ece: float
+
+
 class HeadConfig(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -75,6 +92,12 @@ class HeadConfig(BaseModel):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)  # on the standardised hidden state, in training only
     calibration: Calibration | None = None
     cost_profile: CostProfile | None = None
+    validated_drafts: list[ValidatedDraft] = []
+
+    def serves(self, draft_identity: str) -> bool:
+        """The head's own draft, or one validated for it."""
+        return draft_identity == self.draft_identity or any(v.identity == draft_identity
+                                                            for v in self.validated_drafts)
 
     @property
     def input_size(self) -> int:
@@ -174,7 +197,7 @@ def load_head(
     if hidden_size is not None and config.hidden_size != hidden_size:
         raise IncompatibleModelsError(
             f"head {directory} expects hidden size {config.hidden_size} but the draft has {hidden_size}")
-    if draft_identity is not None and config.draft_identity != draft_identity:
+    if draft_identity is not None and not config.serves(draft_identity):
         raise IncompatibleModelsError(
             f"head {directory} was trained for another draft model ({config.draft_name or 'identity'} "
             f"{_short(config.draft_identity)}), not this one ({_short(draft_identity)}); pass --head none "
@@ -188,8 +211,10 @@ def load_head(
 
 
 def _short(identity: str) -> str:
-    """A model identity's first hash digits (a GGUF's identity starts with its scheme)."""
-    return identity.rpartition(":")[2][:12]
+    """A model identity's first hash digits (a GGUF's identity starts with its scheme), with the
+    recipe of a derived GGUF ("1d9614638d18+q4_0")."""
+    digest, plus, recipe = identity.rpartition(":")[2].partition("+")
+    return digest[:12] + plus + recipe
 
 
 def _mean_std(rows: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:

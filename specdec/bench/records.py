@@ -29,6 +29,11 @@ def record_key(spec: str, temperature: float, prompt: int) -> RecordKey:
     return (spec, temperature_key(temperature), prompt)
 
 
+def divergence_key(spec: str, prompt: int) -> str:
+    """A greedy output's entry in notes.json's `divergences` (runner.first_divergence)."""
+    return f"{spec}#{prompt}"
+
+
 class RecordStore:
     """The records of one output directory: load what is there, append what is new."""
 

@@ -27,15 +27,23 @@ from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 
 from specdec.bench.prompt_sets import load_prompts
-from specdec.bench.records import RecordStore, record_key, temperature_key
-from specdec.bench.specs import DEFAULT_POLICIES, PolicySpec, parse_specs, with_baseline
+from specdec.bench.records import RecordStore, divergence_key, record_key, temperature_key
+from specdec.bench.specs import BASELINE, DEFAULT_POLICIES, PolicySpec, parse_specs, with_baseline
 from specdec.builder import EngineConfig, resolve_runtime
 from specdec.errors import InvalidRequestError
+from specdec.models.runtime import common_prefix_length
+from specdec.models.sources import SHIPPED
 from specdec.models.vocab import SETTINGS_BEFORE_DRAFT_VOCAB, vocab_setting
 from specdec.params import GenerationParams
 from specdec.policies import HEAD_POLICIES, PolicyConfig
 from specdec.sampling import SamplingParams
 
+# The largest |logit| difference a runtime showed between passes of different sizes over the same
+# tokens, rounded up: llama.cpp's quantized kernels up to ~0.9 on the default target (activations
+# are quantized per pass; docs/benchmarks.md, benchmarks/llamacpp_numerics.py); torch ~1e-5 in fp32
+# on CPU, up to 0.18 in bf16 on an H100 (docs/performance.md). A greedy token chosen against a gap
+# below it is a near-tie that the pass size can flip.
+NEAR_TIE_LOGIT_GAP = {"llamacpp": 1.0, "torch": 0.25}
 NOTES_FILE = "notes.json"  # what a --report-only run cannot recompute: skips, forward times, machine
 WARMUP_TOKENS = 4
 
@@ -62,7 +70,8 @@ class BenchConfig(BaseModel):
         engine = self.engine
         return {"runtime": resolve_runtime(engine, engine.draft), "draft": engine.draft, "target": engine.target, "draft_format": engine.draft_format,
                 "target_format": engine.target_format, "draft_vocab": vocab_setting(engine.draft_vocab),
-                "device": engine.device, "threads": engine.threads, "prompts": self.prompts,
+                "draft_quant": engine.draft_quant, "device": engine.device, "threads": engine.threads,
+                "prompts": self.prompts,
                 "max_new_tokens": self.max_new_tokens, "seed": self.seed, "concurrency": self.concurrency}
 
 
@@ -147,6 +156,7 @@ class BenchRun:
         profile = self.engine.cost_profile()
         if todo and profile is not None:  # what the budget planned with at the end of this run
             self.notes["live_profile"] = {**profile.model_dump(mode="json"), "drafting": self.engine.loop.drafting}
+        self._note_divergences(prompt_ids)
         self.notes["date"] = time.strftime("%Y-%m-%d")
         write_notes(self.config.out, self.notes)
         return self.notes
@@ -316,6 +326,22 @@ class BenchRun:
         return {**record, "token_ids": completion.token_ids, "finish_reason": completion.finish_reason,
                 "stats": result.stats.to_dict()}
 
+    def _note_divergences(self, prompt_ids: list[list[int] | None]) -> None:
+        """Where a greedy output differs from target-only's, the target's logits at the first
+        differing token, as target-only's decoding computed them (report.py tells a near-tie of the
+        target's top two from a defect)."""
+        found = self.notes.setdefault("divergences", {})
+        for index, prompt in enumerate(prompt_ids):
+            reference = self.store.get(record_key(BASELINE, 0.0, index))
+            if prompt is None or reference is None:
+                continue
+            for spec in self.specs:
+                record = self.store.get(record_key(spec.key, 0.0, index))
+                key = divergence_key(spec.key, index)
+                if record is None or key in found or record["token_ids"] == reference["token_ids"]:
+                    continue
+                found[key] = first_divergence(self.engine.target, prompt, reference["token_ids"], record["token_ids"])
+
     def _oracle_reference(self, spec: PolicySpec, temperature: float, index: int) -> list[int] | None:
         """The oracle's hindsight is target-only's greedy output, which the run may hold already
         (the same prompt, budget and stops): reusing it saves one untimed target decode a prompt."""
@@ -323,6 +349,25 @@ class BenchRun:
             return None
         done = self.store.get(record_key("target-only", temperature, index))
         return list(done["token_ids"]) if done is not None else None
+
+
+def first_divergence(target, prompt: list[int], reference: list[int], tokens: list[int]) -> dict:
+    """The first token where `tokens` leaves target-only's greedy `reference`, with the target's
+    logit gap there, logit(reference's token) - logit(this token), from a one-token pass after the
+    context as target-only decoding fed it (a prefill, then one token). A gap within the runtime's
+    numerical noise (NEAR_TIE_LOGIT_GAP) is a near-tie that a pass of another size may flip; a
+    length difference or a larger gap is not explained by rounding."""
+    position = common_prefix_length(reference, tokens)
+    entry = {"position": position, "target_only": reference[position] if position < len(reference) else None,
+             "token": tokens[position] if position < len(tokens) else None, "gap": None, "near_tie": False}
+    if entry["target_only"] is None or entry["token"] is None:
+        return entry
+    session = target.new_session()
+    if position:
+        target.score([session], [prompt + reference[:position - 1]], [[]])
+    logits = target.score([session], [prompt + reference[:position]], [[]])[0][-1]  # [V]
+    gap = float(logits[entry["target_only"]] - logits[entry["token"]])
+    return {**entry, "gap": gap, "near_tie": abs(gap) <= NEAR_TIE_LOGIT_GAP[target.kind]}
 
 
 def run_bench(config: BenchConfig, progress: bool = True, report_only: bool = False) -> dict:
@@ -338,7 +383,8 @@ def run_bench(config: BenchConfig, progress: bool = True, report_only: bool = Fa
     if report_only and not len(store):
         raise InvalidRequestError(f"--report-only: no records in {config.out}")
     store.check_settings(config.settings(), added={**SETTINGS_BEFORE_DRAFT_VOCAB, "concurrency": 1,
-                                                    "runtime": "torch"})  # the only runtime before llama.cpp's
+                                                    "runtime": "torch",  # the only runtime before llama.cpp's
+                                                    "draft_quant": SHIPPED})
     prompts = load_prompts(config.prompts, config.limit)
     if report_only:
         notes = read_notes(config.out)

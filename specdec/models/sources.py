@@ -154,10 +154,13 @@ class GGUFSource:
     gguf: Path
     meta_dir: Path
     sha256: str
+    # A GGUF made from another by a fixed recipe (requantize_gguf) is named by its source and recipe,
+    # "<source identity>+<recipe>", not by its bytes, which another llama.cpp build may change.
+    recipe_of: str = ""
 
     @property
     def identity(self) -> str:
-        return gguf_identity(self.sha256)
+        return self.recipe_of or gguf_identity(self.sha256)
 
 
 def gguf_identity(sha256: str) -> str:
@@ -223,7 +226,7 @@ def requantize_gguf(source: GGUFSource, weight_type: str, cache: str | Path | No
             _say(progress, f"requantizing {source.gguf.name} to {weight_type} for llama.cpp's fast kernels (once)")
             sha256 = _requantize(source.gguf, path, REQUANT_FTYPES[weight_type])
             marker.write_text(f"{sha256} {path.stat().st_size} {source.sha256}\n")
-    return GGUFSource(path, source.meta_dir, sha256)
+    return GGUFSource(path, source.meta_dir, sha256, recipe_of=f"{source.identity}+{weight_type}")
 
 
 def _requantized_sha256(path: Path, marker: Path, source_sha256: str) -> str | None:

@@ -114,7 +114,13 @@ def label_response(draft_model, target_model, prompt_ids: Sequence[int], respons
     q_logits = response_logits(draft_model, prompt_ids, response_ids).cpu()  # [N, V]
     if target_logits is None:
         target_logits = response_logits(target_model, prompt_ids, response_ids)
-    p_logits = target_logits.float().cpu()  # [N, V]
+    return label_sets(q_logits, target_logits.float().cpu(), sets, generator)
+
+
+def label_sets(q_logits: torch.Tensor, p_logits: torch.Tensor, sets: Sequence[SamplingParams],
+               generator: torch.Generator) -> list[LabelSet]:
+    """One LabelSet per entry of `sets` from the draft's and the target's logits [N, V] at the
+    response positions: Y_i ~ q_i through the set's transform, P_i against p_i."""
     out, distributions = [], {}
     for sampling in sets:
         key = (sampling.temperature, sampling.top_p, sampling.top_k)

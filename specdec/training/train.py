@@ -127,20 +127,30 @@ def response_features(draft_model, row: dict, ratio: float, seed: int,
     Worked example: prompt [a b], X [x0 x1 x2]: the pass reads [a b x0 x1]; position 0's state is
     the output at b, position 2's the output at x1."""
     x = torch.tensor(row["response_ids"], dtype=torch.long)  # [N]
-    n, prompt_len = len(x), len(row["prompt_ids"])
+    prompt_len = len(row["prompt_ids"])
     device = next(draft_model.parameters()).device
     ids = torch.tensor([list(row["prompt_ids"]) + x[:-1].tolist()], dtype=torch.long, device=device)
     before = draft_model.model(input_ids=ids).last_hidden_state[0, prompt_len - 1:]  # [N, H]
     logits = draft_model.lm_head(before).float().cpu()  # [N, V]
-    hidden = before.cpu().to(FEATURE_DTYPE)
+    return pass_features(before.cpu(), logits, row, ratio, seed, samplings, row["draft_ids"], row["labels"])
+
+
+def pass_features(hidden: torch.Tensor, logits: torch.Tensor, row: dict, ratio: float, seed: int,
+                  samplings: list[SamplingParams], draft_ids: list[list[int]],
+                  labels: list[list[float]]) -> list[dict[str, torch.Tensor]]:
+    """`response_features` from the draft's pass over prompt + X: its hidden states [N, H] and
+    logits [N, V] at the response positions, one label set per sampling (Y `draft_ids` [L][N],
+    P `labels` [L][N])."""
+    x = torch.tensor(row["response_ids"], dtype=torch.long)  # [N]
+    n, hidden = len(x), hidden.to(FEATURE_DTYPE)
     out = []
     for label_set, sampling in enumerate(samplings):
-        y = torch.tensor(row["draft_ids"][label_set], dtype=torch.long)  # [N]
+        y = torch.tensor(draft_ids[label_set], dtype=torch.long)  # [N]
         _, is_draft = mix_tokens(x, y, ratio, mixing_generator(seed, row["prompt_id"], label_set))
         positions = round_positions(is_draft).clamp_min(1)  # [N]
         scalars = distribution_features(probs_from_logits(logits, sampling), y, positions, sampling.greedy)
         out.append({"hidden": hidden, "scalars": scalars,
-                    "labels": torch.tensor(row["labels"][label_set], dtype=torch.float32),
+                    "labels": torch.tensor(labels[label_set], dtype=torch.float32),
                     "positions": torch.arange(n), "temperatures": torch.full((n,), sampling.temperature)})
     return out
 

@@ -9,7 +9,8 @@ import torch
 from pydantic import ValidationError
 
 from specdec.errors import IncompatibleModelsError, ModelSourceError
-from specdec.head import CONFIG_FILE, MAX_DEPTH, WEIGHTS_FILE, AcceptanceHead, HeadConfig, load_head
+from specdec.head import (CONFIG_FILE, MAX_DEPTH, WEIGHTS_FILE, AcceptanceHead, HeadConfig, ValidatedDraft,
+                          load_head)
 
 HIDDEN = 12
 IDENTITY = "a" * 64
@@ -98,6 +99,17 @@ def test_load_for_another_draft_is_incompatible(saved):
     with pytest.raises(IncompatibleModelsError, match="another draft") as info:
         load_head(directory, draft_identity="b" * 64, hidden_size=HIDDEN)
     assert "\n" not in str(info.value)
+
+
+def test_a_draft_validated_for_the_head_loads_it_and_no_other(tmp_path):
+    head = make_head(identity="gguf-sha256:" + "a" * 64)
+    other = "gguf-sha256:" + "a" * 64 + "+q4_0"
+    head.config.validated_drafts = [ValidatedDraft(identity=other, tokens=10, auroc=0.87, ece=0.01,
+                                                   reference_auroc=0.87, reference_ece=0.005)]
+    directory = head.save(tmp_path / "head")
+    assert load_head(directory, draft_identity=other, hidden_size=HIDDEN).config.serves(other)
+    with pytest.raises(IncompatibleModelsError, match=r"aaaaaaaaaaaa\), not this one \(aaaaaaaaaaaa\+iq4_nl\)"):
+        load_head(directory, draft_identity="gguf-sha256:" + "a" * 64 + "+iq4_nl", hidden_size=HIDDEN)
 
 
 def test_load_with_wrong_hidden_size_is_incompatible(saved):

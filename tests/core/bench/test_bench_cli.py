@@ -153,3 +153,25 @@ def test_bench_with_concurrency_decodes_prompts_together(tiny_pair, prompt_file,
     assert record_lines(out) == lines == 2 * (3 + 2 + 2)  # 2 prompts x (3 of ours at t=0, 2 at t=1, hf-dynamic x 2)
     assert main(bench_args(tiny_pair, prompt_file, out, policies, "--forward-ks")) == 2  # concurrency 1 != 2
     assert "concurrency=2" in capsys.readouterr().err
+
+
+def test_a_first_divergence_carries_the_target_gap_where_the_outputs_part(tiny_engine):
+    from specdec.bench.runner import NEAR_TIE_LOGIT_GAP, first_divergence
+    from specdec.params import GenerationParams
+    from specdec.policies import PolicyConfig
+
+    prompt = tiny_engine.encode_prompt(PROMPTS[0])
+    params = GenerationParams(max_new_tokens=6, policy=PolicyConfig(name="target-only"))
+    reference = tiny_engine.generate_ids(prompt, params).completions[0].token_ids
+    target = tiny_engine.target
+    logits = target.score([target.new_session()], [prompt + reference[:3]], [[]])[0][-1]  # [V] before token 3
+    (top1, top2), (first, second) = torch.topk(logits, 2)
+    assert int(first) == reference[3]
+    runner_up = first_divergence(target, prompt, reference, reference[:3] + [int(second)])
+    assert runner_up["position"] == 3 and runner_up["target_only"] == reference[3] and runner_up["token"] == int(second)
+    assert runner_up["gap"] == pytest.approx(float(top1 - top2), abs=1e-4)
+    assert runner_up["near_tie"] == (runner_up["gap"] <= NEAR_TIE_LOGIT_GAP["torch"])
+    worst = first_divergence(target, prompt, reference, reference[:3] + [int(logits.argmin())])
+    assert worst["gap"] > 1.0 and worst["near_tie"] is False
+    shorter = first_divergence(target, prompt, reference, reference[:3])
+    assert shorter == {"position": 3, "target_only": reference[3], "token": None, "gap": None, "near_tie": False}

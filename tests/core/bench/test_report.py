@@ -1,12 +1,13 @@
 """Issue 19's goal table (specdec/bench/report.py:evaluate_goals) on hand-made per-policy totals, the
-flag on records timed while another process had the CPU, and each policy against target-only at the
-same concurrency."""
+flag on records timed while another process had the CPU, each policy against target-only at the
+same concurrency, and the lossless column's near-ties."""
 
 from __future__ import annotations
 
 import pytest
 
-from specdec.bench.report import _temperature_section, contended_records, evaluate_goals, summarize_temperature
+from specdec.bench.report import (_lossless_cell, _temperature_section, contended_records, evaluate_goals,
+                                  lossless_summary, summarize_temperature)
 from specdec.bench.specs import parse_specs
 from specdec.metrics import RequestStats
 
@@ -104,3 +105,29 @@ def test_one_prompt_at_a_time_keeps_the_table_without_aggregate_columns():
     summary = summarize_temperature(specs, records, 0.0)
     assert all(p["aggregate_speedup"] is None for p in summary["policies"].values())
     assert "vs target-only" not in _temperature_section("0", summary)[2]
+
+
+def test_a_greedy_difference_is_a_near_tie_or_a_defect_by_its_first_divergence():
+    specs = parse_specs(["target-only", "fixed:4", "svip:0.3"])
+    reference = {i: grouped_record("target-only", i, 8, 4.0, None) for i in range(3)}
+    differs = lambda i: {**reference[i], "spec": "fixed:4", "token_ids": [0, 1, 99]}  # noqa: E731
+    records = {"target-only": list(reference.values()),
+               "fixed:4": [reference[0] | {"spec": "fixed:4"}, differs(1), differs(2)],
+               "svip:0.3": [reference[i] | {"spec": "svip:0.3"} for i in range(3)]}
+    divergences = {"fixed:4#1": {"position": 2, "gap": 0.12, "near_tie": True},
+                   "fixed:4#2": {"position": 2, "gap": 4.5, "near_tie": False}}
+    summary = summarize_temperature(specs, records, 0.0, divergences)
+    check = summary["policies"]["fixed:4"]["lossless"]
+    assert check["mismatched_prompts"] == [1, 2] and check["near_tie_prompts"] == [1]
+    assert _lossless_cell(check) == "**no** (1/3), near-tie (1/3, gap <= 0.12)"
+    assert _lossless_cell(summary["policies"]["svip:0.3"]["lossless"]) == "yes"
+    near_only = summarize_temperature(specs, records, 0.0, {**divergences, "fixed:4#2": divergences["fixed:4#1"]})
+    assert _lossless_cell(near_only["policies"]["fixed:4"]["lossless"]) == "near-tie (2/3, gap <= 0.12)"
+
+    results = {"by_temperature": {"0": summary}}
+    lossless = lossless_summary(results)
+    assert lossless["near_ties"] == {"fixed:4": [1]} and lossless["defects"] == {"fixed:4": [2]}
+    assert lossless["ours_equal"] is False and lossless["ours_lossless"] is False
+    assert lossless_summary({"by_temperature": {"0": near_only}})["ours_lossless"] is True
+    unexplained = summarize_temperature(specs, records, 0.0)  # no divergence noted: not called a near-tie
+    assert lossless_summary({"by_temperature": {"0": unexplained}})["defects"] == {"fixed:4": [1, 2]}

@@ -324,7 +324,7 @@ def test_a_requantized_draft_keeps_greedy_output_equal_to_target_only(gguf_pair,
         build_engine(config.model_copy(update={"runtime": "torch"}), progress=False)
     shipped = resolve_gguf(str(draft), "draft", cache=tmp_path, progress=False)  # a head of the draft as shipped
     AcceptanceHead(HeadConfig(hidden_size=HIDDEN, depth=1, draft_identity=shipped.identity)).save(tmp_path / "head")
-    quantized = engine.draft.identity.removeprefix("gguf-sha256:")[:12]
-    with pytest.raises(IncompatibleModelsError, match=rf"{shipped.sha256[:12]}\), not this one \({quantized}\); "
-                                                      "pass --head none"):
+    assert engine.draft.identity == f"{shipped.identity}+iq4_nl"  # named by its source and recipe
+    with pytest.raises(IncompatibleModelsError, match=rf"{shipped.sha256[:12]}\), not this one "
+                                                      rf"\({shipped.sha256[:12]}\+iq4_nl\); pass --head none"):
         build_engine(config.model_copy(update={"head": str(tmp_path / "head")}), progress=False)
