@@ -28,7 +28,11 @@ from specdec.sequences import RequestRules
 
 Role = Literal["draft", "target"]
 RuntimeName = Literal["auto", "torch", "llamacpp"]
-DraftQuant = Literal[SHIPPED, *REQUANT_FTYPES]  # type: ignore[valid-type]
+DraftQuant = Literal["auto", SHIPPED, *REQUANT_FTYPES]  # type: ignore[valid-type]
+# What `--draft-quant auto` gives the default draft on llama.cpp: a drafting step 0.32x a target token
+# against 0.43x as shipped, acceptance within 2 points, and the shipped head validated on it
+# (head.json `validated_drafts`; docs/performance.md "A draft for llama.cpp's fast kernels").
+DEFAULT_DRAFT_QUANT = "iq4_nl"
 
 
 class EngineConfig(BaseModel):
@@ -62,9 +66,10 @@ class EngineConfig(BaseModel):
     runtime: RuntimeName = "auto"
     llamacpp: LlamaCppOptions = LlamaCppOptions()
     # The llama.cpp runtime's draft weights: "shipped" as the GGUF has them, or requantized once to
-    # a type with llama.cpp's fast x86 kernels (models/sources.py, REQUANT_FTYPES). The target is
-    # never requantized.
-    draft_quant: DraftQuant = SHIPPED
+    # a type with llama.cpp's fast x86 kernels (models/sources.py, REQUANT_FTYPES); "auto":
+    # DEFAULT_DRAFT_QUANT for the default draft on llama.cpp, any other draft as shipped. The target
+    # is never requantized.
+    draft_quant: DraftQuant = "auto"
 
 
 def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -> SpecDecEngine:
@@ -97,16 +102,25 @@ def model_dir(config: EngineConfig, role: Role, progress: bool = True) -> Path:
     return resolve_model(source, role=role, cache=config.cache_dir, progress=progress)
 
 
+def resolve_draft_quant(config: EngineConfig) -> str:
+    """The draft weights `draft_quant` names (see EngineConfig.draft_quant)."""
+    if config.draft_quant != "auto":
+        return config.draft_quant
+    on_llamacpp = resolve_runtime(config, config.draft) == "llamacpp"
+    return DEFAULT_DRAFT_QUANT if config.draft == "default" and on_llamacpp else SHIPPED
+
+
 def build_draft(config: EngineConfig, progress: bool = True) -> tuple[DraftRole, Path]:
+    quant = resolve_draft_quant(config)
     if resolve_runtime(config, config.draft) == "llamacpp":
         if config.draft_vocab != FULL_VOCAB:
             raise ModelSourceError("--draft-vocab needs the torch runtime (llama.cpp's output layer is its own)")
         source = resolve_gguf(config.draft, role="draft", cache=config.cache_dir, progress=progress)
-        if config.draft_quant != SHIPPED:
-            source = requantize_gguf(source, config.draft_quant, cache=config.cache_dir, progress=progress)
+        if quant != SHIPPED:
+            source = requantize_gguf(source, quant, cache=config.cache_dir, progress=progress)
         return (LlamaCppDraftRuntime(source.gguf, identity=source.identity, name=config.draft,
                                      options=llamacpp_options(config)), source.meta_dir)
-    if config.draft_quant != SHIPPED:
+    if quant != SHIPPED:
         raise ModelSourceError("--draft-quant needs the llamacpp runtime (the torch runtime converts the GGUF "
                                "as shipped)")
     draft_dir = resolve_model(config.draft, role="draft", cache=config.cache_dir, progress=progress)

@@ -13,6 +13,7 @@ EXIT_USAGE = 2
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    from specdec.builder import DEFAULT_DRAFT_QUANT
     from specdec.models.sources import REQUANT_FTYPES, SHIPPED
 
     group = parser.add_argument_group("models")
@@ -29,9 +30,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--runtime", default="auto", choices=["auto", "torch", "llamacpp"],
                        help="kernels: llamacpp reads GGUF files as they are; torch runs HF models (GGUF converted "
                             "to fp32 once); auto = llamacpp for default and .gguf on CPU, else torch")
-    group.add_argument("--draft-quant", default=SHIPPED, choices=[SHIPPED, *REQUANT_FTYPES],
+    group.add_argument("--draft-quant", default="auto", choices=["auto", SHIPPED, *REQUANT_FTYPES],
                        help="the llama.cpp draft's weights: as shipped, or requantized once to a type with "
-                            "llama.cpp's fast x86 kernels (the target is never requantized)")
+                            "llama.cpp's fast x86 kernels (the target is never requantized); auto = "
+                            f"{DEFAULT_DRAFT_QUANT} for the default draft on llama.cpp, else as shipped")
     group.add_argument("--llamacpp-context", type=int, default=None,
                        help="llama.cpp cache positions per model, shared by all sessions (default 8192)")
     group.add_argument("--threads", type=int, default=None, help="CPU threads (torch and llama.cpp)")

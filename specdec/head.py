@@ -75,6 +75,7 @@ class ValidatedDraft(BaseModel):
     ece: float
     reference_auroc: float
     reference_ece: float
+    source: str = ""  # the command, machine and date that measured it
 
 
 class HeadConfig(BaseModel):

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from specdec.bench.prompt_sets import load_prompts
 from specdec.bench.records import RecordStore, divergence_key, record_key, temperature_key
 from specdec.bench.specs import BASELINE, DEFAULT_POLICIES, PolicySpec, parse_specs, with_baseline
-from specdec.builder import EngineConfig, resolve_runtime
+from specdec.builder import EngineConfig, resolve_draft_quant, resolve_runtime
 from specdec.errors import InvalidRequestError
 from specdec.models.runtime import common_prefix_length
 from specdec.models.sources import SHIPPED
@@ -70,7 +70,7 @@ class BenchConfig(BaseModel):
         engine = self.engine
         return {"runtime": resolve_runtime(engine, engine.draft), "draft": engine.draft, "target": engine.target, "draft_format": engine.draft_format,
                 "target_format": engine.target_format, "draft_vocab": vocab_setting(engine.draft_vocab),
-                "draft_quant": engine.draft_quant, "device": engine.device, "threads": engine.threads,
+                "draft_quant": resolve_draft_quant(engine), "device": engine.device, "threads": engine.threads,
                 "prompts": self.prompts,
                 "max_new_tokens": self.max_new_tokens, "seed": self.seed, "concurrency": self.concurrency}
 

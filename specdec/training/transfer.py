@@ -91,7 +91,8 @@ def verdict(reference: dict, candidate: dict, auroc_drop: float = AUROC_DROP, ma
     return candidate["auroc"] >= reference["auroc"] - auroc_drop and candidate["ece"] <= max_ece
 
 
-def validated_draft(identity: str, name: str, reference: dict, candidate: dict) -> ValidatedDraft:
+def validated_draft(identity: str, name: str, reference: dict, candidate: dict, source: str = "") -> ValidatedDraft:
     """The record `HeadConfig.validated_drafts` keeps for an accepted draft."""
     return ValidatedDraft(identity=identity, name=name, tokens=candidate["count"], auroc=candidate["auroc"],
-                          ece=candidate["ece"], reference_auroc=reference["auroc"], reference_ece=reference["ece"])
+                          ece=candidate["ece"], reference_auroc=reference["auroc"], reference_ece=reference["ece"],
+                          source=source)

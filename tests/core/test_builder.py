@@ -25,3 +25,17 @@ def test_models_load_on_the_configured_device(tiny_pair):
     draft, target = tiny_pair
     engine = build_engine(EngineConfig(draft=str(draft), target=str(target), device="cpu"), progress=False)
     assert engine.draft.model.device.type == engine.target.model.device.type == "cpu"
+
+
+def test_auto_draft_quant_requantizes_only_the_default_draft_on_llamacpp(tiny_pair):
+    from specdec.builder import DEFAULT_DRAFT_QUANT, resolve_draft_quant
+    from specdec.models.sources import SHIPPED
+
+    assert EngineConfig().draft_quant == "auto"
+    assert resolve_draft_quant(EngineConfig(runtime="llamacpp")) == DEFAULT_DRAFT_QUANT
+    assert resolve_draft_quant(EngineConfig(runtime="torch")) == SHIPPED  # torch converts the GGUF as shipped
+    assert resolve_draft_quant(EngineConfig(runtime="llamacpp", draft="/models/mine.gguf")) == SHIPPED
+    assert resolve_draft_quant(EngineConfig(runtime="llamacpp", draft_quant="q4_0")) == "q4_0"
+    draft, target = tiny_pair  # HF directories: torch, as shipped, with nothing to requantize
+    engine = build_engine(EngineConfig(draft=str(draft), target=str(target)), progress=False)
+    assert engine.draft.kind == "torch"
