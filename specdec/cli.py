@@ -278,7 +278,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if lossless["ours_equal"] is False:
         print(f"note: greedy outputs differ from target-only's only after a near-tie of the target's top two "
               f"{lossless['near_ties']}: the target scores a token slightly differently in a pass of another "
-              "size (docs/performance.md)", file=sys.stderr)
+              "size (docs/benchmarks.md, lossless check)", file=sys.stderr)
     return 0
 
 

@@ -364,7 +364,7 @@ def markdown(results: dict) -> str:
         if lossless["near_ties"]:
             lines += [f"Greedy outputs that differ from target-only's only after a near-tie of the target's top two "
                       f"(policy: prompts): {lossless['near_ties']}: the target scored that token in a pass of "
-                      "another size, whose rounding can flip a near-tie (docs/performance.md).", ""]
+                      "another size, whose rounding can flip a near-tie (docs/benchmarks.md, lossless check).", ""]
         if lossless["defects"]:
             lines += [f"Greedy outputs that differ from target-only's **not** at a near-tie (policy: prompts): "
                       f"{lossless['defects']}.", ""]
