@@ -108,7 +108,7 @@ def main() -> None:
         accepted = [validated_draft(drafts[n].identity, f"default --draft-quant {n}", reference, results[n]["all"],
                                     source) for n in args.quants if verdict(reference, results[n]["all"])]
         config.validated_drafts = kept + accepted
-        (head_dir / CONFIG_FILE).write_text(config.model_dump_json(indent=2, exclude_none=False) + "\n")
+        (head_dir / CONFIG_FILE).write_text(config.model_dump_json(indent=2) + "\n")
         print(f"\nrecorded in {head_dir / CONFIG_FILE}: {[v.name for v in accepted] or 'none accepted'}")
 
 

@@ -20,8 +20,8 @@ from specdec.heads import resolve_head
 from specdec.models.formats import WeightFormat, apply_weight_format
 from specdec.models.llamacpp import LlamaCppDraftRuntime, LlamaCppOptions, LlamaCppTargetRuntime, llamacpp_available
 from specdec.models.runtime import DraftRole, DraftRuntime, TargetRole, TargetRuntime
-from specdec.models.sources import (REQUANT_FTYPES, SHIPPED, model_identity, requantize_gguf, resolve_gguf,
-                                    resolve_model)
+from specdec.models.sources import (DEFAULT_DRAFT_QUANT, REQUANT_FTYPES, SHIPPED, model_identity, requantize_gguf,
+                                    resolve_gguf, resolve_model)
 from specdec.models.vocab import FULL as FULL_VOCAB
 from specdec.models.vocab import resolve_draft_vocab, trim_lm_head
 from specdec.sequences import RequestRules
@@ -29,10 +29,6 @@ from specdec.sequences import RequestRules
 Role = Literal["draft", "target"]
 RuntimeName = Literal["auto", "torch", "llamacpp"]
 DraftQuant = Literal["auto", SHIPPED, *REQUANT_FTYPES]  # type: ignore[valid-type]
-# What `--draft-quant auto` gives the default draft on llama.cpp: a drafting step 0.32x a target token
-# against 0.43x as shipped, acceptance within 2 points, and the shipped head validated on it
-# (head.json `validated_drafts`; docs/performance.md "A draft for llama.cpp's fast kernels").
-DEFAULT_DRAFT_QUANT = "iq4_nl"
 
 
 class EngineConfig(BaseModel):

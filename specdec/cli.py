@@ -13,8 +13,7 @@ EXIT_USAGE = 2
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    from specdec.builder import DEFAULT_DRAFT_QUANT
-    from specdec.models.sources import REQUANT_FTYPES, SHIPPED
+    from specdec.models.sources import DEFAULT_DRAFT_QUANT, REQUANT_FTYPES, SHIPPED
 
     group = parser.add_argument_group("models")
     group.add_argument("--draft", default="default", help="draft model: 'default', a HF directory, a .gguf file or a hub id")
