@@ -56,7 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specdec.budget import (CURVE_PROBE_SHARE, MAX_CANDIDATES, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PROBE_SHARE,
                             STOP_RATE_DECAY, StepPlan, expected_remaining,
-                            best_allocation, curve_probe, rest_after, who_drafts)
+                            best_allocation, curve_probe, hopeful_acceptance, rest_after, who_drafts)
 from specdec.cost_profile import CostProfile, LiveCosts, given_profile
 from specdec.errors import InvalidRequestError, Unavailable
 from specdec.metrics import MS_PER_S, RequestStats
@@ -218,7 +218,7 @@ class RoundLoop:
         self._curve_probed: set[int] = set()
         self._curve_credit_ms = math.inf
         # candidates accepted and verified, decayed by ACCEPTANCE_DECAY a round: the acceptance
-        # a catch-up is judged at (budget.worth_catching_up)
+        # a catch-up is judged at (budget.hopeful_acceptance)
         self._accepted, self._verified = PRIOR_ACCEPTANCE * PRIOR_WEIGHT, PRIOR_WEIGHT
         # finished samples that stopped early (EOS, a stop string) and the tokens finished samples
         # generated, decayed by STOP_RATE_DECAY a sample: how long a catch-up is repaid for
@@ -347,9 +347,10 @@ class RoundLoop:
             probe_tokens = self._curve_probe(profile, len(batch), len(batch) + max(likely.drafters * likely.candidates, 1))
             if self.observer:
                 self.observer.on_costs(profile, self.drafting)
-            if self.drafting:  # a lagging draft catches up only where that pays; a resting session waits
+            if self.drafting:  # a lagging draft catches up only where that may pay; a resting session waits
                 ready = [s for s in budgeted if len(s.sample.history) >= s.rests_until]
-                joins = who_drafts(profile, likely, len(batch), [len(s.sample.history) - s.drafted_at for s in ready],
+                hopeful = best_allocation(profile, len(batch), cap, hopeful_acceptance(self._accepted, self._verified))
+                joins = who_drafts(profile, hopeful, len(batch), [len(s.sample.history) - s.drafted_at for s in ready],
                                    [expected_remaining(s.request.params.max_new_tokens - len(s.sample.generated),
                                                        self.stop_rate) for s in ready])
                 joined = {s for s, join in zip(ready, joins) if join}

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from specdec.budget import (StepBudget, best_allocation, curve_probe, drafting_pays, drafting_saving,
-                            expected_remaining, expected_tokens, geometric, replay_round, who_drafts,
-                            worth_catching_up)
+                            expected_remaining, expected_tokens, geometric, hopeful_acceptance, replay_round,
+                            who_drafts, worth_catching_up)
 from specdec.cost_profile import CostProfile, LiveCosts, PassTiming
 from specdec.features import FEATURES_DISTRIBUTION
 from specdec.head import AcceptanceHead, HeadConfig
@@ -281,6 +281,14 @@ def test_a_catch_up_is_repaid_only_by_the_tokens_expected_before_the_generation_
     saving = 1.3 * catch_up / 126  # ms a token; above the catch-up margin on this profile
     assert worth_catching_up(AFTER_16, saving, 8, lag=lag, remaining=expected_remaining(126, 0.0))
     assert not worth_catching_up(AFTER_16, saving, 8, lag=lag, remaining=expected_remaining(126, 13 / 1225))
+
+
+def test_the_hopeful_acceptance_narrows_to_the_measured_rate():
+    """One standard deviation of the Beta posterior above the rate: 0.92 at the prior alone (8
+    accepted of 10), 0.813 once 1000 trials measured 0.8, never above 1."""
+    assert hopeful_acceptance(8.0, 10.0) == pytest.approx(0.92, abs=0.005)
+    assert hopeful_acceptance(800.0, 1000.0) == pytest.approx(0.8126, abs=0.001)
+    assert hopeful_acceptance(94.0, 100.0) > 0.94 and hopeful_acceptance(10.0, 10.0) == 1.0
 
 
 def test_a_pass_past_the_measured_curve_is_probed_at_the_next_power_of_two():

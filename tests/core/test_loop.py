@@ -326,6 +326,34 @@ def test_the_loop_times_no_longer_pass_than_the_sessions_would_draft_into(tiny_e
     assert result.completions[0].token_ids == expected(tiny_engine, PROMPTS[0], plain)
 
 
+def pays_above_the_prior(role: str, tokens: int) -> float:
+    """Drafting pays, but barely at the prior acceptance: a draft pass 8 ms a row, a target pass
+    100 + 60 ms a token past the first. At a = 0.8 the best round saves ~3 ms of a plain 100 (under
+    the 5% a catch-up needs); at 0.92 ~12.5 ms, which repays a 21-token prompt's prefill (160 ms)
+    within 13 tokens."""
+    return 8.0 * tokens if role == "draft" else 100.0 + 60.0 * (tokens - 1)
+
+
+@pytest.mark.parametrize("hopeful", [True, False])
+def test_a_catch_up_is_judged_at_the_upper_end_of_what_the_rounds_measured(tiny_engine, monkeypatch, hopeful):
+    """One session whose draft must first prefill its prompt, on a clock where that pays at any
+    acceptance above ~0.85 and the draft (the target's copy) has every candidate accepted. Judged at
+    the prior rate (0.8), as before `hopeful_acceptance`, it never drafts and so never learns the
+    rate; judged at the upper end of the prior's spread (0.92) it catches up, its rounds measure the
+    acceptance, and it drafts on. The output is target-only's either way."""
+    if not hopeful:
+        monkeypatch.setattr("specdec.loop.hopeful_acceptance", lambda accepted, trials: accepted / trials)
+    transport, loop = budgeted_loop(tiny_engine, pays_above_the_prior, head_bias=3.0)
+    params = build_params(policy="specdec++cost", k=4, max_new_tokens=120)
+    [result] = run(loop, [(PROMPTS[1], params)])
+    if hopeful:
+        assert transport.candidates > 60 and loop.acceptance > 0.9, (transport.candidates, loop.acceptance)
+    else:
+        assert transport.candidates == 0 and loop.acceptance == pytest.approx(0.8)
+    plain = build_params(policy="target-only", max_new_tokens=120)
+    assert result.completions[0].token_ids == expected(tiny_engine, PROMPTS[1], plain)
+
+
 def test_the_stop_rate_follows_how_the_finished_samples_ended(tiny_engine):
     """A sample that runs to max_new_tokens adds its tokens and no stop; one that ends at EOS adds
     one stop: the rate a catch-up's expected remaining tokens are figured at."""
