@@ -6,8 +6,9 @@
 Each argument runs `sessions` HumanEval (or prose) prompts at once (greedy, --max-new-tokens,
 default 128) on one engine, so the live profile carries over from run to run as it does in
 benchmarks/concurrency.py. Per run it prints tokens/s and the candidates drafted / accepted, then
-every step that called the draft: batch size, sessions drafting, the saving at the bound and at
-the measured acceptance (ms a token, budget.drafting_saving), the step's wall time, the smallest
+every step that called the draft: batch size, sessions drafting, the saving at the bound, at the
+measured acceptance and at the one a catch-up is judged at (ms a token, budget.drafting_saving),
+the step's wall time, the smallest
 draft lags and each drafting session's K; then the live profile. --out DIR writes each run's
 whole trace as JSON.
 """
@@ -42,6 +43,8 @@ def traced(loop, trace: list[dict]) -> None:
         if plan.costs is not None:
             record["saving_bound"] = round(drafting_saving(plan.costs, len(batch), MAX_CANDIDATES), 1)
             record["saving"] = round(drafting_saving(plan.costs, len(batch), MAX_CANDIDATES, loop.acceptance), 1)
+            record["saving_catch_up"] = round(drafting_saving(plan.costs, len(batch), MAX_CANDIDATES,
+                                                              loop.catch_up_acceptance), 1)
         trace.append(record)
         return drafting, probe, probe_tokens, plan
 

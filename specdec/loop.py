@@ -320,6 +320,12 @@ class RoundLoop:
         return self._accepted / self._verified
 
     @property
+    def catch_up_acceptance(self) -> float:
+        """The acceptance a lagging draft's catch-up is judged at: the upper end of the measured one
+        (budget.hopeful_acceptance)."""
+        return hopeful_acceptance(self._accepted, self._verified)
+
+    @property
     def stop_rate(self) -> float:
         """P(a token ends its generation) over recently finished samples (0 before any)."""
         return self._stopped / self._finished_tokens if self._finished_tokens else 0.0
@@ -349,7 +355,7 @@ class RoundLoop:
                 self.observer.on_costs(profile, self.drafting)
             if self.drafting:  # a lagging draft catches up only where that may pay; a resting session waits
                 ready = [s for s in budgeted if len(s.sample.history) >= s.rests_until]
-                hopeful = best_allocation(profile, len(batch), cap, hopeful_acceptance(self._accepted, self._verified))
+                hopeful = best_allocation(profile, len(batch), cap, self.catch_up_acceptance)
                 joins = who_drafts(profile, hopeful, len(batch), [len(s.sample.history) - s.drafted_at for s in ready],
                                    [expected_remaining(s.request.params.max_new_tokens - len(s.sample.generated),
                                                        self.stop_rate) for s in ready])
