@@ -217,12 +217,17 @@ def bucket(tokens: int) -> int:
 class LiveCosts:
     """The live profile. Each role's pass times are kept by token bucket, with the role's speed
     factored out: a bucket holds its last WINDOW timings divided by the role's `level` when each
-    came in, and counts at level x the median of them (an outlier moves nothing). Every timing of a
-    bucket that has a value is also compared with it; once the median of the last LEVEL_WINDOW such
-    ratios is off by more than LEVEL_BAND, the level moves by that median and the comparisons start
-    over. So a change of the machine's speed (a busy host, another thread count) moves the whole
-    curve within LEVEL_WINDOW passes of any size, sizes not being timed included, and a change of
-    one size alone moves its bucket within WINDOW // 2 + 1 of its passes.
+    came in, and counts at level x the median of them (an outlier moves nothing). The level is
+    anchored: each bucket keeps a base, the median of its first MIN_SAMPLES timings (in level
+    units), and every timing divided by its bucket's base estimates the level; once the median of
+    the last LEVEL_WINDOW estimates is off the level by more than LEVEL_BAND, the level becomes
+    that median. So a change of the machine's speed (a busy host, another thread count) moves the
+    whole curve within LEVEL_WINDOW passes of any size, sizes not being timed included, and a
+    change of one size alone moves its bucket within WINDOW // 2 + 1 of its passes. (The level once
+    moved by the ratio of each timing to its bucket's current value: after a move the bucket being
+    timed still held values of the old level, the next ratios moved it back part way, and noise of
+    plain passes (33-60 ms on llama.cpp) walked it without an anchor: sizes not timed for a while
+    came out 10x their cost after 40 HumanEval prompts, a 4-token pass priced at 1056 ms against 100.)
 
     A bucket counts once it holds MIN_SAMPLES timings, or at once when a probe measured it (each
     worker's short probe when it starts, and the loop's rare probes while the draft is off:
@@ -239,8 +244,9 @@ class LiveCosts:
     def __init__(self):
         self._times: dict[PassRole, dict[int, deque[tuple[int, float]]]] = {"draft": {}, "verifier": {}}
         self._level: dict[PassRole, float] = {"draft": 1.0, "verifier": 1.0}
-        self._ratios: dict[PassRole, deque[float]] = {role: deque(maxlen=self.LEVEL_WINDOW) for role in self._times}
+        self._estimates: dict[PassRole, deque[float]] = {role: deque(maxlen=self.LEVEL_WINDOW) for role in self._times}
         self._seeded: set[tuple[PassRole, int]] = set()
+        self._base: dict[tuple[PassRole, int], list[float]] = {}  # a bucket's first timings, in level units
         self._snapshot: CostProfile | None = None
         self._dirty = False
         self.observed = 0  # timings folded in
@@ -249,24 +255,26 @@ class LiveCosts:
         for t in timings:
             if t.tokens < 1 or not (math.isfinite(t.ms) and t.ms > 0) or t.role not in self._times:
                 continue
-            key, level = bucket(t.tokens), self._level[t.role]
+            key = bucket(t.tokens)
             window = self._times[t.role].setdefault(key, deque(maxlen=self.WINDOW))
-            if window:
-                self._track_level(t.role, t.ms / (level * statistics.median(ms for _, ms in window)))
+            base = self._base.setdefault((t.role, key), [])
+            if base:
+                self._track_level(t.role, t.ms / statistics.median(base))
             if t.probe:  # a deliberate fresh measurement of a size the rounds may not be timing
                 window.clear()
                 self._seeded.add((t.role, key))
             window.append((t.tokens, t.ms / self._level[t.role]))
+            if len(base) < self.MIN_SAMPLES:
+                base.append(t.ms / self._level[t.role])
             self.observed += 1
             self._dirty = True
 
-    def _track_level(self, role: PassRole, ratio: float) -> None:
-        ratios = self._ratios[role]
-        ratios.append(ratio)
-        shift = statistics.median(ratios)
-        if len(ratios) == ratios.maxlen and abs(shift - 1.0) > self.LEVEL_BAND:
-            self._level[role] *= shift
-            ratios.clear()
+    def _track_level(self, role: PassRole, estimate: float) -> None:
+        estimates = self._estimates[role]
+        estimates.append(estimate)
+        level = statistics.median(estimates)
+        if len(estimates) == estimates.maxlen and abs(level / self._level[role] - 1.0) > self.LEVEL_BAND:
+            self._level[role] = level
 
     def curve(self, role: PassRole) -> dict[int, float]:
         """tokens -> ms: each counted bucket's median tokens and level x median time."""

@@ -4,6 +4,7 @@ profile the loop measures (`LiveCosts`) on a fake clock."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from pydantic import ValidationError
@@ -145,6 +146,20 @@ def test_a_slower_machine_moves_sizes_that_are_not_being_timed():
     for _ in range(LiveCosts.LEVEL_WINDOW):  # noise within the band moves nothing
         costs.observe(timings("verifier", 1, 160.0))
     assert costs.profile().pass_ms(4) == pytest.approx(360.0)
+
+
+def test_noisy_plain_passes_do_not_walk_the_sizes_that_are_not_being_timed():
+    """llama.cpp's plain passes on a 2-core host: 33 ms, one in three up to 60. 4000 of them (40
+    prompts) while a 4-token pass, timed at 100 ms at the start, is not timed again: it stays within
+    the plain passes' spread (60 / 33) of 100 ms (a level that moved by the ratio to each bucket's
+    current value walked it to 10x)."""
+    rng = random.Random(0)
+    costs = LiveCosts()
+    costs.observe(timings("draft", 1, 10.0, probe=True))
+    costs.observe(timings("verifier", 1, 33.0, 33.0, 33.0) + timings("verifier", 4, 100.0, probe=True))
+    for _ in range(4000):
+        costs.observe(timings("verifier", 1, 33.0 if rng.random() < 0.66 else rng.uniform(33.0, 60.0)))
+        assert 90.0 <= costs.profile().pass_ms(4) <= 185.0
 
 
 def test_bad_timings_are_ignored():

@@ -287,9 +287,11 @@ def test_the_loop_times_the_longer_passes_the_budget_would_choose_before_ruling_
     """8 sessions on the steep-then-flat clock: the budget extrapolates the target curve past 8
     tokens and rules drafting out. With curve probes the verifier times a 16-token pass, drafting
     pays by the measured curve, and the sessions draft (longer passes are probed later, each size
-    once); with the probes switched off they never draft. The output is target-only's."""
+    once); with the probes switched off (and a catch-up judged at the measured acceptance, whose
+    optimism would find the longer passes too) they never draft. The output is target-only's."""
     if not probes:
         monkeypatch.setattr("specdec.loop.curve_probe", lambda profile, wanted: None)
+        monkeypatch.setattr("specdec.loop.hopeful_acceptance", lambda accepted, trials: accepted / trials)
     transport, loop = budgeted_loop(tiny_engine, steep_then_flat)
     params = build_params(policy="specdec++cost", k=4, max_new_tokens=80)
     prompts = [PROMPTS[i % len(PROMPTS)] + [i] for i in range(8)]
