@@ -348,14 +348,16 @@ class RoundLoop:
             cap = max(s.request.params.policy.k or MAX_CANDIDATES for s in budgeted)
             bound = best_allocation(profile, len(batch), cap)  # every candidate accepted
             self.drafting = bound.saving > 0
-            # what the sessions will draft (with the draft off, nothing: a first candidate's B + 1 tokens)
-            likely = best_allocation(profile, len(batch), cap, self.acceptance) if self.drafting else bound
+            # who may catch up is judged at the upper end of the measured acceptance, what the sessions
+            # will draft at the measured one (where nothing pays at the upper end, nothing does below
+            # it; with the draft off, nothing: a first candidate's B + 1 tokens)
+            hopeful = best_allocation(profile, len(batch), cap, self.catch_up_acceptance) if self.drafting else bound
+            likely = best_allocation(profile, len(batch), cap, self.acceptance) if hopeful.drafters else hopeful
             probe_tokens = self._curve_probe(profile, len(batch), len(batch) + max(likely.drafters * likely.candidates, 1))
             if self.observer:
                 self.observer.on_costs(profile, self.drafting)
             if self.drafting:  # a lagging draft catches up only where that may pay; a resting session waits
                 ready = [s for s in budgeted if len(s.sample.history) >= s.rests_until]
-                hopeful = best_allocation(profile, len(batch), cap, self.catch_up_acceptance)
                 joins = who_drafts(profile, hopeful, len(batch), [len(s.sample.history) - s.drafted_at for s in ready],
                                    [expected_remaining(s.request.params.max_new_tokens - len(s.sample.generated),
                                                        self.stop_rate) for s in ready])
