@@ -8,9 +8,8 @@ default 128) on one engine, so the live profile carries over from run to run as 
 benchmarks/concurrency.py. Per run it prints tokens/s and the candidates drafted / accepted, then
 every step that called the draft: batch size, sessions drafting, the saving at the bound, at the
 measured acceptance and at the one a catch-up is judged at (ms a token, budget.drafting_saving),
-the step's wall time, the smallest
-draft lags and each drafting session's K; then the live profile. --out DIR writes each run's
-whole trace as JSON.
+the step's wall time, the smallest draft lags and each drafting session's K; then the live
+profile. --out DIR writes each run's whole trace as JSON.
 """
 
 from __future__ import annotations
