@@ -234,7 +234,17 @@ class LiveCosts:
     workers.py, loop.py); a probe's timing replaces what its bucket held. `profile()` is None until
     both roles have a bucket: the draft then plans with its prior. While the draft is off, the
     target is timed at plain decoding's size every step, the draft and a pass one token longer only
-    by the probes."""
+    by the probes.
+
+    A target pass costs more the more sessions hold a cache: attention reads every cached token
+    (llama.cpp's one cache for all sessions: 8 sessions at 450 tokens each took 270 ms for a pass
+    of 8 tokens where at 150 each it took 222). So each timing keeps the sessions of the step it
+    was made in, and `profile(sessions)`, the costs for a step of that many, leaves out the target
+    passes longer than the step's plain one that were timed in steps of fewer sessions: priced from
+    4 sessions' rounds, 8 sessions' passes of 9-12 tokens came out cheaper than their plain pass of
+    8 (199 against 229 ms), and the default drafted at 8 sessions for 0.88x target-only. Past the
+    plain pass such a step then plans along the curve's slope until the loop's curve probe times a
+    pass at its size (loop.py)."""
 
     WINDOW = 9
     MIN_SAMPLES = 3
@@ -242,16 +252,17 @@ class LiveCosts:
     LEVEL_BAND = 0.15
 
     def __init__(self):
-        self._times: dict[PassRole, dict[int, deque[tuple[int, float]]]] = {"draft": {}, "verifier": {}}
+        # role -> bucket -> its last timings: (tokens, ms / level, sessions of the step)
+        self._times: dict[PassRole, dict[int, deque[tuple[int, float, int]]]] = {"draft": {}, "verifier": {}}
         self._level: dict[PassRole, float] = {"draft": 1.0, "verifier": 1.0}
         self._estimates: dict[PassRole, deque[float]] = {role: deque(maxlen=self.LEVEL_WINDOW) for role in self._times}
         self._seeded: set[tuple[PassRole, int]] = set()
         self._base: dict[tuple[PassRole, int], list[float]] = {}  # a bucket's first timings, in level units
-        self._snapshot: CostProfile | None = None
-        self._dirty = False
+        self._snapshots: dict[int | None, CostProfile | None] = {}
         self.observed = 0  # timings folded in
 
-    def observe(self, timings: Iterable[PassTiming]) -> None:
+    def observe(self, timings: Iterable[PassTiming], sessions: int = 1) -> None:
+        """Fold in the timings of a step of `sessions` sessions (a worker's start-up probe: 1)."""
         for t in timings:
             if t.tokens < 1 or not (math.isfinite(t.ms) and t.ms > 0) or t.role not in self._times:
                 continue
@@ -263,11 +274,11 @@ class LiveCosts:
             if t.probe:  # a deliberate fresh measurement of a size the rounds may not be timing
                 window.clear()
                 self._seeded.add((t.role, key))
-            window.append((t.tokens, t.ms / self._level[t.role]))
+            window.append((t.tokens, t.ms / self._level[t.role], sessions))
             if len(base) < self.MIN_SAMPLES:
                 base.append(t.ms / self._level[t.role])
             self.observed += 1
-            self._dirty = True
+            self._snapshots.clear()
 
     def _track_level(self, role: PassRole, estimate: float) -> None:
         estimates = self._estimates[role]
@@ -276,19 +287,25 @@ class LiveCosts:
         if len(estimates) == estimates.maxlen and abs(level / self._level[role] - 1.0) > self.LEVEL_BAND:
             self._level[role] = level
 
-    def curve(self, role: PassRole) -> dict[int, float]:
-        """tokens -> ms: each counted bucket's median tokens and level x median time."""
+    def curve(self, role: PassRole, sessions: int | None = None) -> dict[int, float]:
+        """tokens -> ms: each counted bucket's median tokens and level x median time; with `sessions`,
+        a target pass longer than `sessions` tokens only if timed in steps of as many sessions or
+        more (the class docstring)."""
         curve, level = {}, self._level[role]
         for key, window in self._times[role].items():
             if len(window) >= self.MIN_SAMPLES or (role, key) in self._seeded:
-                curve[round(statistics.median(n for n, _ in window))] = level * statistics.median(ms for _, ms in window)
+                tokens = round(statistics.median(n for n, _, _ in window))
+                if role == "verifier" and sessions is not None and tokens > sessions \
+                        and statistics.median(b for _, _, b in window) < sessions:
+                    continue
+                curve[tokens] = level * statistics.median(ms for _, ms, _ in window)
         return dict(sorted(curve.items()))
 
-    def profile(self) -> CostProfile | None:
-        if self._dirty or self._snapshot is None:
-            draft, target = self.curve("draft"), self.curve("verifier")
-            self._snapshot = None if not (draft and target) else CostProfile(
+    def profile(self, sessions: int | None = None) -> CostProfile | None:
+        """The live costs for a step of `sessions` sessions (None: every measured pass, as reported)."""
+        if sessions not in self._snapshots:
+            draft, target = self.curve("draft"), self.curve("verifier", sessions)
+            self._snapshots[sessions] = None if not (draft and target) else CostProfile(
                 t_draft_ms=interpolate(draft, 1), t_draft_rows_ms=draft, t_target_ms=target,
                 source=f"measured in the loop ({self.observed} passes)")
-            self._dirty = False
-        return self._snapshot
+        return self._snapshots[sessions]

@@ -213,9 +213,9 @@ class RoundLoop:
         self.probe_share = probe_share
         self.drafting = True  # the last step's answer to "does drafting pay at all" (budget.py)
         self._off_steps = 0  # steps since the draft last ran or probed while it is off
-        # target pass sizes past the live curve probed so far (each once), and the plain-step time
-        # since the last such probe times CURVE_PROBE_SHARE: what the next one may cost (the first is free)
-        self._curve_probed: set[int] = set()
+        # target pass sizes past the live curve probed so far (each once per step size), and the plain-step
+        # time since the last such probe times CURVE_PROBE_SHARE: what the next one may cost (the first is free)
+        self._curve_probed: set[tuple[int, int]] = set()  # (tokens, sessions of the step)
         self._curve_credit_ms = math.inf
         # candidates accepted and verified, decayed by ACCEPTANCE_DECAY a round: the acceptance
         # a catch-up is judged at (budget.hopeful_acceptance)
@@ -330,10 +330,10 @@ class RoundLoop:
         """P(a token ends its generation) over recently finished samples (0 before any)."""
         return self._stopped / self._finished_tokens if self._finished_tokens else 0.0
 
-    def cost_profile(self) -> CostProfile | None:
-        """What the step's budget plans with: a profile given by hand, else the live one (None until
-        both roles are measured)."""
-        return given_profile() or self.costs.profile()
+    def cost_profile(self, sessions: int | None = None) -> CostProfile | None:
+        """What the step's budget plans with: a profile given by hand, else the live one for a step of
+        `sessions` sessions (None until both roles are measured; `sessions` None: every pass measured)."""
+        return given_profile() or self.costs.profile(sessions)
 
     def _budget(self, batch: list[Sequence]) -> tuple[list[Sequence], Sequence | None, int, StepPlan]:
         """The sessions that call the draft this step, the one that probes it (None: no probe), the
@@ -342,7 +342,7 @@ class RoundLoop:
         one resting after drafting rounds that verified nothing (`budget.rest_after`) skips it, and one whose
         draft would first have to catch up skips it while that does not pay."""
         drafting = [s for s in batch if s.traits.uses_draft]
-        profile, probe, probe_tokens = self.cost_profile(), None, 0
+        profile, probe, probe_tokens = self.cost_profile(len(batch)), None, 0
         budgeted = [s for s in drafting if s.traits.budgeted]
         if profile is not None and budgeted:
             cap = max(s.request.params.policy.k or MAX_CANDIDATES for s in budgeted)
@@ -375,16 +375,17 @@ class RoundLoop:
     def _curve_probe(self, profile: CostProfile, sessions: int, wanted: int) -> int:
         """The size of a target pass to time after this step (0: none): where the budget weighs passes
         of up to `wanted` tokens past what the live curve has measured (`budget.curve_probe`), each
-        size once: the first at once (a pass the budget is about to price), each later one once
+        size once per step size (`LiveCosts.profile`: a pass timed in smaller steps does not price a
+        larger step's): the first at once (a pass the budget is about to price), each later one once
         CURVE_PROBE_SHARE of the plain steps since the last pays for it. A profile given by hand is
         not probed."""
         if given_profile() is not None:
             return 0
         self._curve_credit_ms += CURVE_PROBE_SHARE * profile.pass_ms(sessions)
         size = curve_probe(profile, wanted)
-        if size is None or size in self._curve_probed or self._curve_credit_ms < profile.pass_ms(size):
+        if size is None or (size, sessions) in self._curve_probed or self._curve_credit_ms < profile.pass_ms(size):
             return 0
-        self._curve_probed.add(size)
+        self._curve_probed.add((size, sessions))
         self._curve_credit_ms = 0.0
         return size
 
@@ -392,7 +393,7 @@ class RoundLoop:
         # propose
         drafting, probe, probe_tokens, plan = self._budget(batch)
         proposals = await self._call("draft", drafting, partial(self._propose_item, probe=probe),
-                                     lambda items: self.transport.propose(items, plan))
+                                     lambda items: self.transport.propose(items, plan), len(batch))
         for s, proposal in proposals.items():
             s.unsent = 0
             if proposal.forward_passes:  # the draft caught up with the history and fed y_1 .. y_{K-1}
@@ -401,7 +402,7 @@ class RoundLoop:
         verifying = [s for s in batch if not s.over and (s in proposals or s not in drafting)]
         verdicts = await self._call("verifier", verifying, partial(
             self._verify_item, proposals=proposals, probe=verifying[0] if probe_tokens and verifying else None,
-            probe_tokens=probe_tokens), self.transport.verify)
+            probe_tokens=probe_tokens), self.transport.verify, len(batch))
         # commit, decide
         for s, verdict in verdicts.items():
             if not s.over:
@@ -428,9 +429,10 @@ class RoundLoop:
             seed=RoundSeed(s.request.seed, s.index, s.round_index), probe_tokens=probe_tokens if s is probe else 0)
 
     async def _call(self, role: Role, sequences: list[Sequence], build: Callable[[Sequence, bool], object],
-                    send: Callable[[list], object]) -> dict[Sequence, object]:
-        """One batched call for every sequence (as deltas); SessionMissing answers are sent again in
-        full, Unreachable ones retried after a backoff; Refused ones fail their sequence only."""
+                    send: Callable[[list], object], step_sessions: int) -> dict[Sequence, object]:
+        """One batched call for every sequence (as deltas) of a step of `step_sessions` sessions;
+        SessionMissing answers are sent again in full, Unreachable ones retried after a backoff;
+        Refused ones fail their sequence only."""
         results: dict[Sequence, object] = {}
         pending = [s for s in sequences if not s.over]
         for attempt in range(self.retry.attempts):
@@ -447,7 +449,7 @@ class RoundLoop:
                     self._fail(s, exc)
                 return results
             self._record(role, pending, reply.calls)
-            self.costs.observe(reply.passes)
+            self.costs.observe(reply.passes, sessions=step_sessions)
             again, lost = [], False
             for s, item, answer in zip(pending, items, reply.answers):
                 if s.over:

@@ -25,7 +25,7 @@ from specdec.errors import InvalidRequestError
 from specdec.head import AcceptanceHead
 from specdec.metrics import MS_PER_S
 from specdec.models.runtime import DraftRole, KVSession, Runtime, TargetRole
-from specdec.policies import StoppingPolicy, make_policy, validate_policy
+from specdec.policies import PolicyConfig, StoppingPolicy, make_policy, validate_policy
 from specdec.protocol import ProposeItem, Refused, SessionMissing, VerifyItem, history_from_delta
 from specdec.rounds import DraftRow, Proposal, TargetRow, propose, verify
 from specdec.sampling import SamplingParams
@@ -77,35 +77,82 @@ def serve_batch(items: list, row_for: Callable, run: Callable[[list], list]) -> 
     return answers
 
 
-# The probe a worker runs when it starts: a scratch session's passes over this many tokens (after a
-# short untimed context); the draft's 16 prices a catch-up (a prompt's prefill). ~2 s in all on the
-# default pair (llama.cpp, 2-core AMD EPYC, a plain target pass ~100 ms there).
-PROBE_TOKENS = {"draft": (1, 2, 16), "verifier": (1, 2, 4, 8)}
+# The probe a worker runs when it starts: passes of these sizes after a short untimed context: a
+# drafting step of 1, 2 and 16 sessions (the most a probe's scratch sessions take beside the live
+# ones), a verification pass of 1-8 tokens. ~2 s in all on the
+# default pair (llama.cpp, 2-core AMD EPYC, a plain target pass ~100 ms there). A probe times a pass
+# as the rounds make it, host work included: a pass priced from a bare forward looked cheap enough
+# to draft where drafting lost (probe_verification, probe_drafting).
+PROBE_SIZES = {"draft": (1, 2, 16), "verifier": (1, 2, 4, 8)}
 PROBE_CONTEXT = 2  # tokens fed before the timed passes (the first pass pays for lazy set-up)
 
 
-def probe_passes(runtime: Runtime, role: str, sizes: Sequence[int], context: int = PROBE_CONTEXT) -> list[PassTiming]:
-    """Time one pass over each of `sizes` tokens on a scratch session (dropped after), after
-    `context` untimed tokens (a model's first pass pays for lazy set-up; on a GPU each new size does,
-    so there every size is fed once untimed first)."""
-    session = runtime.new_session()
-    history = [(7 + i) % runtime.vocab_size for i in range(context)]
-    feed = (lambda: runtime.start([session], [history])) if role == "draft" else (
-        lambda: runtime.score([session], [history], [[]]))
+def probe_verification(target: TargetRole, sizes: Sequence[int], context: int = PROBE_CONTEXT) -> list[PassTiming]:
+    """Time one verification pass over each of `sizes` tokens on a scratch session (dropped after),
+    after `context` untimed tokens (a model's first pass pays for lazy set-up; on a GPU each new size
+    does, so there every size is fed once untimed first). A pass of n tokens scores its last n - 1
+    as candidates: it reads n rows of logits, as a verification of n - 1 candidates does. Each row
+    read costs the output layer (a 151,936-token vocabulary is 15% of the 1.5B target's weights): on
+    llama.cpp a pass of 8 tokens reading one row took 162-194 ms where reading all 8 took 214-247 and
+    8 sessions' plain step 222-240, and priced from one-row probes a pass of 16 tokens came out
+    cheaper than the plain step of 8 sessions (201.7 against 229 ms): drafting looked nearly free,
+    and the default at 8 sessions ran 0.94x target-only (docs/benchmarks.md)."""
+    session = target.new_session()
+    history = [(7 + i) % target.vocab_size for i in range(context)]
+
+    def feed(n: int) -> None:  # the last n tokens of `history` are the ones the cache lacks
+        read_from = len(history) - n + 1
+        target.score([session], [history[:read_from]], [history[read_from:]])
+
     if history:
-        feed()
+        feed(1)
     timings = []
     for size in sizes:
-        if len(history) + size >= runtime.max_context:
+        if len(history) + size >= target.max_context:
             break
-        history += [(len(history) * 31 + 7) % runtime.vocab_size for _ in range(size)]
-        if context and runtime.sets_up_per_shape:  # an untimed pass of this size first
-            feed()
-            runtime.rollback(session, len(history) - size)
+        history += [(len(history) * 31 + 7) % target.vocab_size for _ in range(size)]
+        if context and target.sets_up_per_shape:  # an untimed pass of this size first
+            feed(size)
+            target.rollback(session, len(history) - size)
         start = time.perf_counter()
-        feed()
-        timings.append(PassTiming(role, size, (time.perf_counter() - start) * MS_PER_S, probe=True))
-    runtime.rollback(session, 0)
+        feed(size)
+        timings.append(PassTiming("verifier", size, (time.perf_counter() - start) * MS_PER_S, probe=True))
+    target.rollback(session, 0)
+    return timings
+
+
+def probe_drafting(draft: DraftRole, sizes: Sequence[int], policy: Callable[[], StoppingPolicy],
+                   context: int = PROBE_CONTEXT) -> list[PassTiming]:
+    """Time one drafting step of n sessions for each n of `sizes`: n scratch sessions (dropped after),
+    each after `context` untimed tokens, draft one greedy candidate under `policy` through
+    `rounds.propose`, so the timing holds what a round's step costs: the pass with an output per
+    session, sampling and the policy's head. A bare pass of 16 tokens took 74-77 ms on llama.cpp
+    where the rounds' steps of 16 sessions took 111. A catch-up (a prompt's prefill: many tokens,
+    one output) costs less than a step of as many sessions; it is priced along the steps' curve until
+    a round's catch-up is timed, which errs towards plain decoding. No step holds more sessions than
+    the runtime's pass does without evicting one (`max_pass_sessions`)."""
+    timings: list[PassTiming] = []
+    for n in sorted({min(n, draft.max_pass_sessions or n) for n in sizes}):
+        sessions = [draft.new_session() for _ in range(n)]
+        histories = [[(7 + s + i) % draft.vocab_size for i in range(context + 1)] for s in range(n)]
+        if len(histories[0]) + 1 >= draft.max_context:
+            break
+        if context:
+            draft.start(sessions, [h[:-1] for h in histories])
+
+        def step(into: list[PassTiming]) -> None:
+            propose(draft, [DraftRow(s, h, policy(), 1, 0, SamplingParams(), torch.Generator())
+                            for s, h in zip(sessions, histories)], timings=into)
+
+        if context and draft.sets_up_per_shape:  # an untimed step of this size first
+            step([])
+            for s, h in zip(sessions, histories):
+                draft.rollback(s, len(h) - 1)
+        timed: list[PassTiming] = []
+        step(timed)
+        timings.append(PassTiming("draft", n, timed[0].ms, probe=True))
+        for s in sessions:
+            draft.rollback(s, 0)
     return timings
 
 
@@ -127,9 +174,12 @@ class Worker:
         """Time a few scratch passes (kept with the other timings): the start-up probe, or with
         `sizes` the loop's probe of a warm model (no untimed context: it costs only what it times)."""
         if sizes is None:
-            self.timings += probe_passes(self.runtime, self.role, PROBE_TOKENS[self.role])
+            self.timings += self._probe(PROBE_SIZES[self.role], PROBE_CONTEXT)
         else:
-            self.timings += probe_passes(self.runtime, self.role, sizes, context=0)
+            self.timings += self._probe(sizes, 0)
+
+    def _probe(self, sizes: Sequence[int], context: int) -> list[PassTiming]:
+        raise NotImplementedError
 
     def take_timings(self) -> list[PassTiming]:
         taken, self.timings = self.timings, []
@@ -152,6 +202,10 @@ class DraftWorker(Worker):
         head_profile = head.config.cost_profile if head is not None else None
         self.prior: CostProfile = head_profile or DEFAULT_PROFILES.get(draft.kind, DEFAULT_PROFILES["torch"])
 
+    def _probe(self, sizes: Sequence[int], context: int) -> list[PassTiming]:
+        policy = PolicyConfig(name="specdec++") if self.head is not None else PolicyConfig(name="fixed", k=1)
+        return probe_drafting(self.draft, sizes, lambda: make_policy(policy, head=self.head), context)
+
     def costs(self, plan: StepPlan) -> CostProfile:
         """What the step's budget plans with: a profile given by hand, else the caller's measured
         one, else the prior."""
@@ -160,8 +214,8 @@ class DraftWorker(Worker):
     def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan()) -> list[Proposal | SessionMissing | Refused]:
         answers = serve_batch(items, self._row, lambda rows: propose(
             self.draft, rows, self.costs(plan), plan.other_sessions, self.timings))
-        if any(item.probe for item in items):  # the draft is off for the step: time a pass of its size
-            self.probe((len(items) + plan.other_sessions,))
+        if any(item.probe for item in items):  # the draft is off for the step: time a step of its size
+            self.probe((min(len(items) + plan.other_sessions, max(PROBE_SIZES["draft"])),))
         return answers
 
     def _row(self, item: ProposeItem) -> DraftRow | None:
@@ -196,6 +250,9 @@ class VerifierWorker(Worker):
         super().__init__()
         self.target = self.runtime = target
         self.sessions: SessionStore[VerifierSession] = sessions if sessions is not None else SessionStore()
+
+    def _probe(self, sizes: Sequence[int], context: int) -> list[PassTiming]:
+        return probe_verification(self.target, sizes, context)
 
     def verify(self, items: list[VerifyItem]) -> list[Verdict | SessionMissing | Refused]:
         answers = serve_batch(items, self._row, lambda rows: verify(self.target, rows, self.timings))

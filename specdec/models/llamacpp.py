@@ -213,7 +213,7 @@ class LlamaCppRuntime(Runtime):
         self.llama = LlamaCppModel(Path(path), options, hidden)
         self.identity, self.name = identity, name
         self.forward_passes = 0
-        self.sequences = options.sequences
+        self.sequences = self.max_pass_sessions = options.sequences
         self._free = list(range(options.sequences - 1, -1, -1))  # a stack of unused sequence ids
         self._owners: OrderedDict[int, tuple[weakref.ref, weakref.finalize]] = OrderedDict()  # LRU first
         self._dropped: deque[int] = deque()  # sequences of sessions gone; appended from any thread

@@ -58,6 +58,8 @@ class Runtime(ABC):
     # A pass of a size not run before pays set-up (on CUDA: kernels loaded on first use, cuBLAS
     # choosing per shape; measured on an H100: a first 1-token draft pass 637 ms, later ones 3-30 ms).
     sets_up_per_shape: bool = False
+    # Most sessions one pass holds without taking another's cache (llama.cpp: its sequences); None: any.
+    max_pass_sessions: int | None = None
 
     @property
     @abstractmethod

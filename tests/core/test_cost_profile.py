@@ -162,6 +162,27 @@ def test_noisy_plain_passes_do_not_walk_the_sizes_that_are_not_being_timed():
         assert 90.0 <= costs.profile().pass_ms(4) <= 185.0
 
 
+def test_a_pass_timed_in_a_smaller_step_does_not_price_a_larger_steps_extra_tokens():
+    """The llama.cpp curve that did it: 4 sessions' rounds timed passes of 9 and 12 tokens at 199
+    and 228 ms; 8 sessions' plain pass of 8 took 229 (every cached token is read). For a step of 8
+    the 9-12 token passes are left out (the curve goes on at its slope past 8) until timed in a
+    step of 8; a step of 4, and the report, keep them."""
+    costs = LiveCosts()
+    costs.observe(timings("draft", 1, 13.0, probe=True))
+    costs.observe(timings("verifier", 4, 117.0, probe=True))
+    costs.observe(timings("verifier", 9, 199.0, 199.0, 199.0) + timings("verifier", 12, 228.0, 228.0, 228.0),
+                  sessions=4)
+    costs.observe(timings("verifier", 8, 229.0, 229.0, 229.0), sessions=8)
+    assert costs.profile(4).pass_ms(9) == 199.0 and costs.profile().pass_ms(12) == 228.0
+    at_8 = costs.profile(8)
+    assert set(at_8.t_target_ms) == {4, 8}
+    assert at_8.pass_ms(9) > at_8.pass_ms(8) and at_8.pass_ms(12) > 229.0 + 3 * 25.0  # along 4 -> 8's slope
+    assert not drafting_pays(CostProfile(t_draft_ms=13.0, t_target_ms=at_8.t_target_ms), 8, 4)
+    assert drafting_pays(CostProfile(t_draft_ms=13.0, t_target_ms=costs.profile().t_target_ms), 8, 4)
+    costs.observe(timings("verifier", 16, 274.0, probe=True), sessions=8)  # the loop's curve probe at 8
+    assert costs.profile(8).pass_ms(16) == 274.0
+
+
 def test_bad_timings_are_ignored():
     costs = LiveCosts()
     costs.observe([PassTiming("draft", 0, 5.0), PassTiming("draft", 1, float("nan")), PassTiming("draft", 1, -1.0),
