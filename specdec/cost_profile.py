@@ -240,7 +240,8 @@ class LiveCosts:
     (llama.cpp's one cache for all sessions: 8 sessions at 450 tokens each took 270 ms for a pass
     of 8 tokens where at 150 each it took 222). So each timing keeps the sessions of the step it
     was made in, and `profile(sessions)`, the costs for a step of that many, leaves out the target
-    passes longer than the step's plain one that were timed in steps of fewer sessions: priced from
+    passes longer than the step's plain one that were timed in steps of at most half as many
+    sessions (closer, the cache differs by less than the noise of a few timings): priced from
     4 sessions' rounds, 8 sessions' passes of 9-12 tokens came out cheaper than their plain pass of
     8 (199 against 229 ms), and the default drafted at 8 sessions for 0.88x target-only. Past the
     plain pass such a step then plans along the curve's slope until the loop's curve probe times a
@@ -289,14 +290,14 @@ class LiveCosts:
 
     def curve(self, role: PassRole, sessions: int | None = None) -> dict[int, float]:
         """tokens -> ms: each counted bucket's median tokens and level x median time; with `sessions`,
-        a target pass longer than `sessions` tokens only if timed in steps of as many sessions or
-        more (the class docstring)."""
+        a target pass longer than `sessions` tokens only if timed in steps of more than half as many
+        sessions (the class docstring)."""
         curve, level = {}, self._level[role]
         for key, window in self._times[role].items():
             if len(window) >= self.MIN_SAMPLES or (role, key) in self._seeded:
                 tokens = round(statistics.median(n for n, _, _ in window))
                 if role == "verifier" and sessions is not None and tokens > sessions \
-                        and statistics.median(b for _, _, b in window) < sessions:
+                        and 2 * statistics.median(b for _, _, b in window) <= sessions:
                     continue
                 curve[tokens] = level * statistics.median(ms for _, ms, _ in window)
         return dict(sorted(curve.items()))

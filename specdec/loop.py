@@ -44,6 +44,7 @@ import asyncio
 import logging
 import math
 import secrets
+import statistics
 import time
 import uuid
 from collections import Counter
@@ -54,9 +55,9 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specdec.budget import (CURVE_PROBE_SHARE, MAX_CANDIDATES, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PROBE_SHARE,
-                            STOP_RATE_DECAY, StepPlan, expected_remaining,
-                            best_allocation, curve_probe, hopeful_acceptance, rest_after, who_drafts)
+from specdec.budget import (CURVE_PROBE_SHARE, IN_STEP_LAG, MAX_CANDIDATES, PRIOR_ACCEPTANCE, PRIOR_WEIGHT,
+                            PROBE_SHARE, STOP_RATE_DECAY, StepPlan, best_allocation, curve_probe,
+                            draining_allocation, expected_remaining, hopeful_acceptance, rest_after, who_drafts)
 from specdec.cost_profile import CostProfile, LiveCosts, given_profile
 from specdec.errors import InvalidRequestError, Unavailable
 from specdec.metrics import MS_PER_S, RequestStats
@@ -213,9 +214,9 @@ class RoundLoop:
         self.probe_share = probe_share
         self.drafting = True  # the last step's answer to "does drafting pay at all" (budget.py)
         self._off_steps = 0  # steps since the draft last ran or probed while it is off
-        # target pass sizes past the live curve probed so far (each once per step size), and the plain-step
+        # target pass sizes past the live curve probed so far (once per power of two of sessions), and the plain-step
         # time since the last such probe times CURVE_PROBE_SHARE: what the next one may cost (the first is free)
-        self._curve_probed: set[tuple[int, int]] = set()  # (tokens, sessions of the step)
+        self._curve_probed: set[tuple[int, int]] = set()  # (tokens, bit length of the step's sessions)
         self._curve_credit_ms = math.inf
         # candidates accepted and verified, decayed by ACCEPTANCE_DECAY a round: the acceptance
         # a catch-up is judged at (budget.hopeful_acceptance)
@@ -350,19 +351,26 @@ class RoundLoop:
             self.drafting = bound.saving > 0
             # who may catch up is judged at the upper end of the measured acceptance, what the sessions
             # will draft at the measured one (where nothing pays at the upper end, nothing does below
-            # it; with the draft off, nothing: a first candidate's B + 1 tokens)
+            # it); the curve is probed up to what they will draft, where none drafts (the draft off, or
+            # no catch-up paying) up to a first candidate's B + 1 tokens
             hopeful = best_allocation(profile, len(batch), cap, self.catch_up_acceptance) if self.drafting else bound
             likely = best_allocation(profile, len(batch), cap, self.acceptance) if hopeful.drafters else hopeful
-            probe_tokens = self._curve_probe(profile, len(batch), len(batch) + max(likely.drafters * likely.candidates, 1))
             if self.observer:
                 self.observer.on_costs(profile, self.drafting)
+            joined: set[Sequence] = set()
             if self.drafting:  # a lagging draft catches up only where that may pay; a resting session waits
                 ready = [s for s in budgeted if len(s.sample.history) >= s.rests_until]
-                joins = who_drafts(profile, hopeful, len(batch), [len(s.sample.history) - s.drafted_at for s in ready],
-                                   [expected_remaining(s.request.params.max_new_tokens - len(s.sample.generated),
-                                                       self.stop_rate) for s in ready])
+                lags = [len(s.sample.history) - s.drafted_at for s in ready]
+                left = [s.request.params.max_new_tokens - len(s.sample.generated) for s in ready]
+                judged = hopeful if all(lag <= IN_STEP_LAG for lag in lags) else draining_allocation(
+                    profile, hopeful, len(batch), cap, self.catch_up_acceptance, statistics.median_low(left),
+                    self.stop_rate)
+                joins = who_drafts(profile, judged, len(batch), lags,
+                                   [expected_remaining(n, self.stop_rate) for n in left])
                 joined = {s for s, join in zip(ready, joins) if join}
                 drafting = [s for s in drafting if not s.traits.budgeted or s in joined]
+            wanted = max(likely.drafters * likely.candidates, 1) if joined else 1
+            probe_tokens = self._curve_probe(profile, len(batch), len(batch) + wanted)
         if not self.drafting and budgeted:
             drafting = [s for s in drafting if not s.traits.budgeted]
             self._off_steps += 1
@@ -375,17 +383,18 @@ class RoundLoop:
     def _curve_probe(self, profile: CostProfile, sessions: int, wanted: int) -> int:
         """The size of a target pass to time after this step (0: none): where the budget weighs passes
         of up to `wanted` tokens past what the live curve has measured (`budget.curve_probe`), each
-        size once per step size (`LiveCosts.profile`: a pass timed in smaller steps does not price a
-        larger step's): the first at once (a pass the budget is about to price), each later one once
+        size once per power of two of the step's sessions (`LiveCosts.profile`: a pass timed in steps
+        of half as many sessions does not price a step's): the first at once (a pass the budget is about to price), each later one once
         CURVE_PROBE_SHARE of the plain steps since the last pays for it. A profile given by hand is
         not probed."""
         if given_profile() is not None:
             return 0
         self._curve_credit_ms += CURVE_PROBE_SHARE * profile.pass_ms(sessions)
         size = curve_probe(profile, wanted)
-        if size is None or (size, sessions) in self._curve_probed or self._curve_credit_ms < profile.pass_ms(size):
+        if size is None or (size, sessions.bit_length()) in self._curve_probed \
+                or self._curve_credit_ms < profile.pass_ms(size):
             return 0
-        self._curve_probed.add((size, sessions))
+        self._curve_probed.add((size, sessions.bit_length()))
         self._curve_credit_ms = 0.0
         return size
 

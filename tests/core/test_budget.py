@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.budget import (StepBudget, best_allocation, curve_probe, drafting_pays, drafting_saving,
-                            expected_remaining, expected_tokens, geometric, hopeful_acceptance, replay_round,
+from specdec.budget import (StepBudget, best_allocation, curve_probe, draining_allocation, draining_batch,
+                            drafting_pays, drafting_saving, expected_remaining, expected_tokens, geometric, hopeful_acceptance, replay_round,
                             who_drafts, worth_catching_up)
 from specdec.cost_profile import CostProfile, LiveCosts, PassTiming
 from specdec.features import FEATURES_DISTRIBUTION
@@ -296,3 +296,36 @@ def test_a_pass_past_the_measured_curve_is_probed_at_the_next_power_of_two():
     assert curve_probe(curve, 8) is None and curve_probe(curve, 9) == 16 and curve_probe(curve, 200) == 16
     assert curve_probe(CostProfile(t_draft_ms=5.0, t_target_ms={1: 50.0, 9: 130.0}), 10) == 16
     assert curve_probe(CostProfile(t_draft_ms=5.0, t_target_ms={1: 50.0, 16: 150.0}), 17) == 32
+
+
+# llama.cpp on the faster AMD machine, 8 HumanEval sessions (target-only then fixed:1, one process):
+# plain steps of 4 and 8 sessions took 98 and 222 ms, fixed:1's verification of 16 tokens at 8
+# sessions 259 (its 8 tokens at 4 sessions 230: the extra tokens cost little only in a full batch).
+LLAMACPP_AT_8 = CostProfile(t_draft_ms=13.0, t_draft_rows_ms={1: 13.0, 2: 21.6, 4: 32.7, 8: 54.3, 16: 111.0,
+                                                              583: 1850.0},  # the prompts' catch-up
+                            t_target_ms={1: 33.0, 2: 66.0, 4: 98.0, 5: 125.0, 8: 222.0, 16: 259.0})
+# torch on the same machine (budget-trace-torch-c8-faithful-probes.log): a smaller batch saves more.
+TORCH_AT_8 = CostProfile(t_draft_ms=32.0, t_draft_rows_ms={1: 32.0, 2: 34.5, 16: 70.6},
+                         t_target_ms={1: 200.0, 2: 285.0, 4: 326.0, 8: 403.0, 16: 511.0})
+
+
+def test_a_batch_drains_as_its_sessions_stop():
+    assert draining_batch(8, 126, 0.0) == 8  # nobody is expected to stop: the batch stays
+    assert draining_batch(8, 126, 13 / 1225) == 5  # HumanEval's stop rate: ~70 of 126 tokens each
+    assert draining_batch(1, 126, 0.5) == 1 and draining_batch(8, 0, 0.1) == 8
+
+
+def test_a_catch_up_is_judged_by_what_drafting_saves_as_the_batch_drains():
+    """llama.cpp: drafting saves 21% of a token's time at 8 sessions, under 4% at 5; where sessions stop
+    (HumanEval's rate), a catch-up is judged by the drained batch's saving, under the catch-up margin,
+    so none happens. With no stops it is judged at 8 as before, and on torch, where 5 sessions save
+    more than 8, nothing changes."""
+    best, at_5 = best_allocation(LLAMACPP_AT_8, 8, 20, 0.97), best_allocation(LLAMACPP_AT_8, 5, 20, 0.97)
+    assert best.saving > 0.2 * best.plain_ms and at_5.saving < 0.04 * at_5.plain_ms
+    assert draining_allocation(LLAMACPP_AT_8, best, 8, 20, 0.97, 126, 0.0) == best
+    judged = draining_allocation(LLAMACPP_AT_8, best, 8, 20, 0.97, 126, 13 / 1225)
+    assert judged.saving == pytest.approx(at_5.saving) and judged.drafters == best.drafters
+    assert who_drafts(LLAMACPP_AT_8, best, 8, [130] * 8, [126.0] * 8) != [False] * 8
+    assert who_drafts(LLAMACPP_AT_8, judged, 8, [130] * 8, [70.0] * 8) == [False] * 8
+    torch_best = best_allocation(TORCH_AT_8, 8, 20, 0.95)
+    assert draining_allocation(TORCH_AT_8, torch_best, 8, 20, 0.95, 126, 13 / 1225) == torch_best

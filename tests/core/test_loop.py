@@ -377,3 +377,24 @@ def test_rest_after_doubles_up_to_its_cap():
     from specdec.budget import MAX_REST, rest_after
 
     assert [rest_after(n) for n in range(1, 8)] == [1, 2, 4, 8, 16, 32, 32] and MAX_REST == 32
+
+
+def flat_target(role: str, tokens: int) -> float:
+    """A draft pass 2 ms a row, a target pass 100 + 1 ms a token past the first: at the prior
+    acceptance (0.8) rounds of ~10 candidates take ~33 ms a token against a plain 100 (the start-up
+    probe timed passes of up to 8 tokens), and a 60-token prompt's prefill into the draft 118 ms."""
+    return 2.0 * tokens if role == "draft" else 100.0 + 1.0 * (tokens - 1)
+
+
+def test_no_longer_pass_is_timed_while_no_session_catches_up(tiny_engine):
+    """One session on a clock where long rounds pay, in generations of 1 token that cannot repay the
+    prompt's prefill into the draft (67 ms saved against 118): the session never drafts, so no pass
+    past the measured curve is timed for the rounds it would draft (on llama.cpp at 8 sessions a 16-
+    and a 32-token pass, 3% of a run that drafted nothing)."""
+    transport, loop = budgeted_loop(tiny_engine, flat_target)
+    params, prompt = build_params(policy="specdec++cost", max_new_tokens=1), list(range(40, 100))
+    for _ in range(3):
+        [result] = run(loop, [(prompt, params)])
+    assert loop.drafting and transport.candidates == 0 and transport.pass_probes == [], transport.pass_probes
+    plain = build_params(policy="target-only", max_new_tokens=1)
+    assert result.completions[0].token_ids == expected(tiny_engine, prompt, plain)
