@@ -3,7 +3,8 @@
     python benchmarks/budget_host_time.py [--profile FILE] [--sessions 1 4 16 64] [--candidates 20]
 
 What the budget adds to a step of B sessions, in the loop (`RoundLoop._budget`: the best allocation at
-the bound, at the upper end of the measured acceptance and at it, then `who_drafts`) and on the draft side per drafting step
+the bound, at the upper end of the measured acceptance and at it, the draining batch's where a session
+lags, then `who_drafts`) and on the draft side per drafting step
 (`StepBudget.keep` and `StepBudget.draft_on` over the step's sessions), against the step's own
 target pass (plain decoding's pass over B tokens, from the profile). The profile is the default
 pair's llama.cpp or torch default, or one measured (a bench results.json, `--profile`); the
@@ -16,7 +17,8 @@ import argparse
 import statistics
 import timeit
 
-from specdec.budget import PRIOR_WEIGHT, StepBudget, best_allocation, drafting_saving, hopeful_acceptance, who_drafts
+from specdec.budget import (PRIOR_WEIGHT, StepBudget, best_allocation, draining_allocation, drafting_saving,
+                            hopeful_acceptance, who_drafts)
 from specdec.cost_profile import DEFAULT_PROFILES, CostProfile
 
 
@@ -43,9 +45,11 @@ def main() -> None:
 
         def loop_side():
             drafting_saving(profile, sessions, k)
-            hopeful = best_allocation(profile, sessions, k, hopeful_acceptance(a * PRIOR_WEIGHT, PRIOR_WEIGHT))
+            upper = hopeful_acceptance(a * PRIOR_WEIGHT, PRIOR_WEIGHT)
+            hopeful = best_allocation(profile, sessions, k, upper)
             best_allocation(profile, sessions, k, a)
-            who_drafts(profile, hopeful, sessions, lags, remaining)
+            judged = draining_allocation(profile, hopeful, sessions, k, upper, 126, 13 / 1225)
+            who_drafts(profile, judged, sessions, lags, remaining)
 
         def draft_side():
             budget = StepBudget(profile, expected=float(sessions), tokens=sessions, spent_ms=profile.draft_ms(sessions))
