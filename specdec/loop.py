@@ -214,8 +214,9 @@ class RoundLoop:
         self.probe_share = probe_share
         self.drafting = True  # the last step's answer to "does drafting pay at all" (budget.py)
         self._off_steps = 0  # steps since the draft last ran or probed while it is off
-        # target pass sizes past the live curve probed so far (once per power of two of sessions), and the plain-step
-        # time since the last such probe times CURVE_PROBE_SHARE: what the next one may cost (the first is free)
+        # target pass sizes past the live curve probed so far (once per power of two of sessions), and the
+        # plain-step time since the last such probe times CURVE_PROBE_SHARE: what the next one may cost (the
+        # first is free)
         self._curve_probed: set[tuple[int, int]] = set()  # (tokens, bit length of the step's sessions)
         self._curve_credit_ms = math.inf
         # candidates accepted and verified, decayed by ACCEPTANCE_DECAY a round: the acceptance
@@ -384,9 +385,9 @@ class RoundLoop:
         """The size of a target pass to time after this step (0: none): where the budget weighs passes
         of up to `wanted` tokens past what the live curve has measured (`budget.curve_probe`), each
         size once per power of two of the step's sessions (`LiveCosts.profile`: a pass timed in steps
-        of half as many sessions does not price a step's): the first at once (a pass the budget is about to price), each later one once
-        CURVE_PROBE_SHARE of the plain steps since the last pays for it. A profile given by hand is
-        not probed."""
+        of half as many sessions does not price a step's): the first at once (a pass the budget is
+        about to price), each later one once CURVE_PROBE_SHARE of the plain steps since the last
+        pays for it. A profile given by hand is not probed."""
         if given_profile() is not None:
             return 0
         self._curve_credit_ms += CURVE_PROBE_SHARE * profile.pass_ms(sessions)

@@ -78,13 +78,16 @@ def serve_batch(items: list, row_for: Callable, run: Callable[[list], list]) -> 
 
 
 # The probe a worker runs when it starts: passes of these sizes after a short untimed context: a
-# drafting step of 1, 2 and 16 sessions (the most a probe's scratch sessions take beside the live
-# ones), a verification pass of 1-8 tokens. ~2 s in all on the
-# default pair (llama.cpp, 2-core AMD EPYC, a plain target pass ~100 ms there). A probe times a pass
-# as the rounds make it, host work included: a pass priced from a bare forward looked cheap enough
-# to draft where drafting lost (probe_verification, probe_drafting).
+# drafting step of 1, 2 and 16 sessions (16: the most a probe's scratch sessions take beside the live
+# ones), a verification pass of 1-8 tokens. ~2 s in all on the default pair (llama.cpp, 2-core AMD
+# EPYC, a plain target pass ~100 ms there). A probe times a pass as the rounds make it, host work
+# included: priced from bare forwards, drafting looked cheap enough to pay where it lost
+# (probe_verification, probe_drafting).
 PROBE_SIZES = {"draft": (1, 2, 16), "verifier": (1, 2, 4, 8)}
 PROBE_CONTEXT = 2  # tokens fed before the timed passes (the first pass pays for lazy set-up)
+# The draft's start-up probe also times a catch-up: one session's prefill of this many tokens (one
+# output), which prices a prompt's catch-up past the steps' curve (probe_catch_up).
+CATCH_UP_PROBE_TOKENS = 64
 
 
 def probe_verification(target: TargetRole, sizes: Sequence[int], context: int = PROBE_CONTEXT) -> list[PassTiming]:
@@ -121,6 +124,29 @@ def probe_verification(target: TargetRole, sizes: Sequence[int], context: int = 
     return timings
 
 
+def probe_catch_up(draft: DraftRole, tokens: int = CATCH_UP_PROBE_TOKENS,
+                   context: int = PROBE_CONTEXT) -> list[PassTiming]:
+    """Time one catch-up: a scratch session (dropped after) fed `tokens` tokens in one pass after
+    `context` untimed ones, reading the last one's outputs, as a lagging draft's first step does.
+    Priced along the steps' curve instead (a step of n sessions reads n outputs), a catch-up of
+    ~120 tokens came out at 620 ms on torch against ~300 measured, and at 16 sessions no session
+    caught up where fixed:4 ran 1.25x target-only."""
+    session = draft.new_session()
+    history = [(7 + i) % draft.vocab_size for i in range(context + tokens)]
+    if len(history) >= draft.max_context:
+        return []
+    if context:
+        draft.start([session], [history[:context]])
+    if context and draft.sets_up_per_shape:  # an untimed pass of this size first
+        draft.start([session], [history])
+        draft.rollback(session, context)
+    start = time.perf_counter()
+    draft.start([session], [history])
+    timing = PassTiming("draft", tokens, (time.perf_counter() - start) * MS_PER_S, probe=True)
+    draft.rollback(session, 0)
+    return [timing]
+
+
 def probe_drafting(draft: DraftRole, sizes: Sequence[int], policy: Callable[[], StoppingPolicy],
                    context: int = PROBE_CONTEXT) -> list[PassTiming]:
     """Time one drafting step of n sessions for each n of `sizes`: n scratch sessions (dropped after),
@@ -128,9 +154,8 @@ def probe_drafting(draft: DraftRole, sizes: Sequence[int], policy: Callable[[], 
     `rounds.propose`, so the timing holds what a round's step costs: the pass with an output per
     session, sampling and the policy's head. A bare pass of 16 tokens took 74-77 ms on llama.cpp
     where the rounds' steps of 16 sessions took 111. A catch-up (a prompt's prefill: many tokens,
-    one output) costs less than a step of as many sessions; it is priced along the steps' curve until
-    a round's catch-up is timed, which errs towards plain decoding. No step holds more sessions than
-    the runtime's pass does without evicting one (`max_pass_sessions`)."""
+    one output) costs less than a step of as many sessions: `probe_catch_up` times one. No step
+    holds more sessions than the runtime's pass does without evicting one (`max_pass_sessions`)."""
     timings: list[PassTiming] = []
     for n in sorted({min(n, draft.max_pass_sessions or n) for n in sizes}):
         sessions = [draft.new_session() for _ in range(n)]
@@ -204,7 +229,8 @@ class DraftWorker(Worker):
 
     def _probe(self, sizes: Sequence[int], context: int) -> list[PassTiming]:
         policy = PolicyConfig(name="specdec++") if self.head is not None else PolicyConfig(name="fixed", k=1)
-        return probe_drafting(self.draft, sizes, lambda: make_policy(policy, head=self.head), context)
+        steps = probe_drafting(self.draft, sizes, lambda: make_policy(policy, head=self.head), context)
+        return steps + probe_catch_up(self.draft, context=context) if context else steps
 
     def costs(self, plan: StepPlan) -> CostProfile:
         """What the step's budget plans with: a profile given by hand, else the caller's measured

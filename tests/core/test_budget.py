@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from specdec.budget import (StepBudget, best_allocation, curve_probe, draining_allocation, draining_batch,
-                            drafting_pays, drafting_saving, expected_remaining, expected_tokens, geometric, hopeful_acceptance, replay_round,
-                            who_drafts, worth_catching_up)
+                            drafting_pays, drafting_saving, expected_remaining, expected_tokens, geometric,
+                            hopeful_acceptance, replay_round, who_drafts, worth_catching_up)
 from specdec.cost_profile import CostProfile, LiveCosts, PassTiming
 from specdec.features import FEATURES_DISTRIBUTION
 from specdec.head import AcceptanceHead, HeadConfig

@@ -1,6 +1,6 @@
 from specdec.models.runtime import DraftRuntime, TargetRuntime
 from specdec.policies import FixedK
-from specdec.workers import probe_drafting, probe_verification
+from specdec.workers import probe_catch_up, probe_drafting, probe_verification
 from tiny import tiny_model
 
 
@@ -63,3 +63,10 @@ def test_a_drafting_probe_times_a_step_of_that_many_sessions_through_the_policy(
     assert [(t.role, t.tokens, t.probe) for t in timings] == [("draft", 1, True), ("draft", 3, True)]
     assert runtime.passes == [(1, 2, 1), (1, 1, 1), (3, 6, 3), (3, 3, 3)]  # untimed context, then the step
     assert decided == [1, 1, 1, 1]  # every session's candidate went through its policy
+
+
+def test_a_catch_up_probe_times_one_sessions_prefill_reading_one_output():
+    runtime = RecordsFeeds(tiny_model(64))
+    timings = probe_catch_up(runtime, tokens=20, context=2)
+    assert [(t.role, t.tokens, t.probe) for t in timings] == [("draft", 20, True)]
+    assert runtime.passes == [(1, 2, 1), (1, 20, 1)]  # the untimed context, then the prefill
