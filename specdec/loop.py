@@ -392,10 +392,10 @@ class RoundLoop:
             return 0
         self._curve_credit_ms += CURVE_PROBE_SHARE * profile.pass_ms(sessions)
         size = curve_probe(profile, wanted)
-        if size is None or (size, sessions.bit_length()) in self._curve_probed \
-                or self._curve_credit_ms < profile.pass_ms(size):
+        key = (size, sessions.bit_length())
+        if size is None or key in self._curve_probed or self._curve_credit_ms < profile.pass_ms(size):
             return 0
-        self._curve_probed.add((size, sessions.bit_length()))
+        self._curve_probed.add(key)
         self._curve_credit_ms = 0.0
         return size
 

@@ -14,6 +14,7 @@ next reply takes them (`take_timings`) for the caller's live profile.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -24,7 +25,7 @@ from specdec.cost_profile import DEFAULT_PROFILES, CostProfile, PassTiming, give
 from specdec.errors import InvalidRequestError
 from specdec.head import AcceptanceHead
 from specdec.metrics import MS_PER_S
-from specdec.models.runtime import DraftRole, KVSession, Runtime, TargetRole
+from specdec.models.runtime import DraftRole, KVSession, TargetRole
 from specdec.policies import PolicyConfig, StoppingPolicy, make_policy, validate_policy
 from specdec.protocol import ProposeItem, Refused, SessionMissing, VerifyItem, history_from_delta
 from specdec.rounds import DraftRow, Proposal, TargetRow, propose, verify
@@ -181,12 +182,11 @@ def probe_drafting(draft: DraftRole, sizes: Sequence[int], policy: Callable[[], 
     return timings
 
 
-class Worker:
+class Worker(ABC):
     """A role's sessions (`release` drops them; a session never seen is not an error) and the
     timings of its passes not yet taken."""
 
     sessions: SessionStore
-    runtime: Runtime
     role: str
 
     def __init__(self):
@@ -203,8 +203,9 @@ class Worker:
         else:
             self.timings += self._probe(sizes, 0)
 
+    @abstractmethod
     def _probe(self, sizes: Sequence[int], context: int) -> list[PassTiming]:
-        raise NotImplementedError
+        """Time this role's passes of `sizes` after `context` untimed tokens."""
 
     def take_timings(self) -> list[PassTiming]:
         taken, self.timings = self.timings, []
@@ -221,7 +222,6 @@ class DraftWorker(Worker):
                  logits_filter: LogitsFilterFactory | None = None):
         super().__init__()
         self.draft, self.head, self.logits_filter = draft, head, logits_filter
-        self.runtime = draft
         self.sessions: SessionStore[DraftSession] = sessions if sessions is not None else SessionStore()
         # Plans with this until the caller sends measured costs: the head's profile, else the runtime's default.
         head_profile = head.config.cost_profile if head is not None else None
@@ -229,8 +229,10 @@ class DraftWorker(Worker):
 
     def _probe(self, sizes: Sequence[int], context: int) -> list[PassTiming]:
         policy = PolicyConfig(name="specdec++") if self.head is not None else PolicyConfig(name="fixed", k=1)
-        steps = probe_drafting(self.draft, sizes, lambda: make_policy(policy, head=self.head), context)
-        return steps + probe_catch_up(self.draft, context=context) if context else steps
+        timings = probe_drafting(self.draft, sizes, lambda: make_policy(policy, head=self.head), context)
+        if context:  # the start-up probe
+            timings += probe_catch_up(self.draft, context=context)
+        return timings
 
     def costs(self, plan: StepPlan) -> CostProfile:
         """What the step's budget plans with: a profile given by hand, else the caller's measured
@@ -274,7 +276,7 @@ class VerifierWorker(Worker):
 
     def __init__(self, target: TargetRole, sessions: SessionStore[VerifierSession] | None = None):
         super().__init__()
-        self.target = self.runtime = target
+        self.target = target
         self.sessions: SessionStore[VerifierSession] = sessions if sessions is not None else SessionStore()
 
     def _probe(self, sizes: Sequence[int], context: int) -> list[PassTiming]:
