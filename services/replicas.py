@@ -100,7 +100,7 @@ class Draft(RoundReplica):
         draft, _ = build_draft(config.models.model_copy(update={"threads": config.draft.threads}), progress=False)
         sessions = SessionStore(config.sessions.max_sessions, config.sessions.ttl_s)
         worker = DraftWorker(draft, build_head(config.models, draft), sessions, sparsifier(config.sparsify_below))
-        worker.probe()  # its timings seed the coordinator's live costs with the first reply
+        worker.probe_at_first_batch()  # its timings seed the coordinator's live costs with the first reply
         return DraftServicer(worker, self._executor)
 
     async def propose(self, payload: bytes) -> bytes:
@@ -122,7 +122,7 @@ class Verifier(RoundReplica):
                                  progress=False, load=load)
         sessions = SessionStore(config.sessions.max_sessions, config.sessions.ttl_s)
         worker = VerifierWorker(target, sessions)
-        worker.probe()  # its timings seed the coordinator's live costs with the first reply
+        worker.probe_at_first_batch()  # its timings seed the coordinator's live costs with the first reply
         return VerifierServicer(worker, self._executor)
 
     async def verify(self, payload: bytes) -> bytes:

@@ -191,6 +191,21 @@ class Worker(ABC):
 
     def __init__(self):
         self.timings: list[PassTiming] = []
+        self._probe_due = False
+
+    def probe_at_first_batch(self) -> None:
+        """Run the start-up probe before the first batch instead of now. A served replica loads
+        beside the other role's, and a probe run while that one still loaded timed torch's draft
+        steps 4-6x slow (a 1-session step 197 ms and a 16-session one 408, where the rounds
+        measured 35 and 98; in process the probe times 31-35 and 72 on the same machine); at 8
+        sessions no round timed those sizes again, so the default planned with them throughout
+        and drafted less than fixed:4 (1.36x target-only against 1.42x, docs/benchmarks.md)."""
+        self._probe_due = True
+
+    def _before_batch(self) -> None:
+        if self._probe_due:
+            self._probe_due = False
+            self.probe()
 
     def release(self, session_ids: list[str]) -> list[bool]:
         return [self.sessions.pop(session_id) is not None for session_id in session_ids]
@@ -240,6 +255,7 @@ class DraftWorker(Worker):
         return given_profile() or plan.costs or self.prior
 
     def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan()) -> list[Proposal | SessionMissing | Refused]:
+        self._before_batch()
         answers = serve_batch(items, self._row, lambda rows: propose(
             self.draft, rows, self.costs(plan), plan.other_sessions, self.timings))
         if any(item.probe for item in items):  # the draft is off for the step: time a step of its size
@@ -283,6 +299,7 @@ class VerifierWorker(Worker):
         return probe_verification(self.target, sizes, context)
 
     def verify(self, items: list[VerifyItem]) -> list[Verdict | SessionMissing | Refused]:
+        self._before_batch()
         answers = serve_batch(items, self._row, lambda rows: verify(self.target, rows, self.timings))
         sizes = sorted({item.probe_tokens for item in items if item.probe_tokens > 0})
         if sizes:

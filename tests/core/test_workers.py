@@ -1,6 +1,6 @@
 from specdec.models.runtime import DraftRuntime, TargetRuntime
 from specdec.policies import FixedK
-from specdec.workers import probe_catch_up, probe_drafting, probe_verification
+from specdec.workers import PROBE_SIZES, VerifierWorker, probe_catch_up, probe_drafting, probe_verification
 from tiny import tiny_model
 
 
@@ -70,3 +70,14 @@ def test_a_catch_up_probe_times_one_sessions_prefill_reading_one_output():
     timings = probe_catch_up(runtime, tokens=20, context=2)
     assert [(t.role, t.tokens, t.probe) for t in timings] == [("draft", 20, True)]
     assert runtime.passes == [(1, 2, 1), (1, 20, 1)]  # the untimed context, then the prefill
+
+
+def test_a_worker_told_to_probe_at_its_first_batch_probes_then_and_only_then():
+    """A served replica probes before its first batch, not while the other role's replica loads."""
+    worker = VerifierWorker(TargetRuntime(tiny_model(64)))
+    worker.probe_at_first_batch()
+    assert worker.take_timings() == []
+    worker.verify([])
+    assert [t.tokens for t in worker.take_timings() if t.probe] == list(PROBE_SIZES["verifier"])
+    worker.verify([])
+    assert not any(t.probe for t in worker.take_timings())

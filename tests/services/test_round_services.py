@@ -150,8 +150,8 @@ def test_the_costs_travel_with_the_calls(tiny_engine):
     head = AcceptanceHead(HeadConfig(hidden_size=tiny_engine.draft.hidden_size, depth=0, draft_identity="x")).eval()
     draft = DraftServicer(DraftWorker(tiny_engine.draft, head))
     verifier = VerifierServicer(VerifierWorker(tiny_engine.target))
-    draft.worker.probe()  # the replicas' start-up probes: their timings go out with the first replies
-    verifier.worker.probe()
+    for servicer in (draft, verifier):  # as the replicas do: the probes' timings go out with the first replies
+        servicer.worker.probe_at_first_batch()
     servers = [start_server(draft=draft), start_server(verifier=verifier)]
     try:
         transport = PlanRecordingTransport(servers[0][1], servers[1][1])
