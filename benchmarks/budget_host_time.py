@@ -2,7 +2,7 @@
 
     python benchmarks/budget_host_time.py [--profile FILE] [--sessions 1 4 16 64] [--candidates 20]
 
-What the budget adds to a step of B sessions, in the loop (`RoundLoop._budget`: the best allocation at
+What the budget adds to a step of B sessions, in the loop (`RoundLoop._who_drafts`: the best allocation at
 the bound, at the upper end of the measured acceptance and at it, the draining batch's where a session
 lags, then `who_drafts`) and on the draft side per drafting step
 (`StepBudget.keep` and `StepBudget.draft_on` over the step's sessions), against the step's own

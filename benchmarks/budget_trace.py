@@ -28,15 +28,17 @@ from specdec.prompts import humaneval_prompts, prose_test_prompts
 
 
 def traced(loop, trace: list[dict]) -> None:
-    """Wrap the loop's `_budget`, `_step` and its transport's `propose` so that every step appends its
-    record to `trace` (with the candidates each drafting session's round got: K = 0 after a drafting
-    pass is a pass the budget spent for nothing)."""
-    budget, step, propose = loop._budget, loop._step, loop.transport.propose
+    """Wrap the loop's `_budget`, `_step` and its transport's `propose` and `verify` so that every
+    step appends its record to `trace` (with the candidates each drafting session's round got: K = 0
+    after a drafting pass is a pass the budget spent for nothing, and the target pass the verifier
+    timed before the step's decision, `pass_probe`)."""
+    budget, step, propose, verify = loop._budget, loop._step, loop.transport.propose, loop.transport.verify
+    probed: list[int] = []
 
-    def traced_budget(batch):
-        drafting, probe, probe_tokens, plan = budget(batch)
+    async def traced_budget(batch):
+        drafting, probe, plan = await budget(batch)
         record = {"sessions": len(batch), "drafting": len(drafting), "probe": probe is not None,
-                  "pass_probe": probe_tokens,
+                  "pass_probe": probed.pop() if probed else 0,
                   "acceptance": round(loop.acceptance, 3),
                   "lags": sorted(len(s.sample.history) - s.drafted_at for s in batch)[:3]}
         if plan.costs is not None:
@@ -45,7 +47,7 @@ def traced(loop, trace: list[dict]) -> None:
             record["saving_catch_up"] = round(drafting_saving(plan.costs, len(batch), MAX_CANDIDATES,
                                                               loop.catch_up_acceptance), 1)
         trace.append(record)
-        return drafting, probe, probe_tokens, plan
+        return drafting, probe, plan
 
     async def traced_step(batch):
         start = time.perf_counter()
@@ -57,7 +59,13 @@ def traced(loop, trace: list[dict]) -> None:
         trace[-1]["K"] = [len(answer.candidates) for answer in reply.answers if hasattr(answer, "candidates")]
         return reply
 
-    loop._budget, loop._step, loop.transport.propose = traced_budget, traced_step, traced_propose
+    async def traced_verify(items, probe_tokens=0):
+        if not items:
+            probed.append(probe_tokens)
+        return await verify(items, probe_tokens)
+
+    loop._budget, loop._step = traced_budget, traced_step
+    loop.transport.propose, loop.transport.verify = traced_propose, traced_verify
 
 
 def main() -> None:

@@ -165,8 +165,7 @@ def verify_item_to_proto(item: VerifyItem) -> verifier_pb2.VerifyRequest:
         session_id=item.session_id, history=delta_to_proto(item.history), candidates=item.candidates,
         draft_probs=[q if isinstance(q, common_pb2.SparseDistribution) else dense_to_sparse(q)
                      for q in item.draft_probs],
-        sampling=sampling_to_proto(item.sampling), seed=seed_to_proto(item.seed),
-        probe_tokens=item.probe_tokens)
+        sampling=sampling_to_proto(item.sampling), seed=seed_to_proto(item.seed))
 
 
 def verify_item_from_proto(msg: verifier_pb2.VerifyRequest, vocab_size: int) -> VerifyItem:
@@ -175,7 +174,7 @@ def verify_item_from_proto(msg: verifier_pb2.VerifyRequest, vocab_size: int) -> 
     return VerifyItem(
         session_id=msg.session_id, history=delta_from_proto(msg.history), candidates=list(msg.candidates),
         draft_probs=[] if sampling.greedy else [sparse_to_dense(q, vocab_size) for q in msg.draft_probs],
-        sampling=sampling, seed=seed_from_proto(msg.seed), probe_tokens=msg.probe_tokens)
+        sampling=sampling, seed=seed_from_proto(msg.seed))
 
 
 def verdict_to_proto(answer) -> verifier_pb2.Verdict:

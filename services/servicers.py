@@ -63,7 +63,7 @@ class VerifierServicer(RoundServicer, verifier_pb2_grpc.VerifierServicer):
 
     def Verify(self, request: verifier_pb2.VerifyBatch, context) -> verifier_pb2.VerdictBatch:
         vocab = self.worker.target.vocab_size
-        answers, ms = self._serve(request.items, lambda msg: verify_item_from_proto(msg, vocab), self.worker.verify,
-                                  context)
+        answers, ms = self._serve(request.items, lambda msg: verify_item_from_proto(msg, vocab),
+                                  lambda items: self.worker.verify(items, request.probe_tokens), context)
         return verifier_pb2.VerdictBatch(verdicts=[verdict_to_proto(a) for a in answers], target_ms=ms,
                                          passes=timings_to_proto(self.worker.take_timings()))

@@ -40,6 +40,9 @@ from services.server import MAX_ROUND_MESSAGE_BYTES
 logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 300.0  # a long prompt's prefill on CPU takes seconds; a hung replica is a bug
+# A probe sent without items (the loop's curve probe) is routed as a session of this id: any
+# verifier replica times it; they run on alike hardware.
+PROBE_ROUTING_KEY = "probe"
 # A replica answering these is not gone: the call's sessions fail instead of being retried
 # (RESOURCE_EXHAUSTED: a message over the size limit would be over it again).
 FINAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INTERNAL,
@@ -75,9 +78,18 @@ class GrpcTransport:
                 [propose_item_to_proto(i) for i in group]),
             lambda reply: ([proposal_from_proto(p) for p in reply.proposals], reply.draft_ms))
 
-    async def verify(self, items: list[VerifyItem]) -> BatchReply:
+    async def verify(self, items: list[VerifyItem], probe_tokens: int = 0) -> BatchReply:
+        """A probe goes with the first item's group, or alone (routed as PROBE_ROUTING_KEY)."""
+        if not items and probe_tokens:
+            owner = await self._owner_or_none("verifier", PROBE_ROUTING_KEY)
+            if owner is None:
+                return BatchReply([], [], [])
+            request = verifier_pb2.VerifyBatch(probe_tokens=probe_tokens)
+            reply = await self._send("verifier", owner, "Verify", request, PROBE_ROUTING_KEY)
+            return BatchReply([], [], timings_from_proto(reply.passes))
         return await self._batched(
-            "verifier", items, lambda group: verifier_pb2.VerifyBatch(items=[verify_item_to_proto(i) for i in group]),
+            "verifier", items, lambda group: verifier_pb2.VerifyBatch(
+                items=[verify_item_to_proto(i) for i in group], probe_tokens=probe_tokens if group[0] is items[0] else 0),
             lambda reply: ([verdict_from_proto(v) for v in reply.verdicts], reply.target_ms))
 
     async def release(self, role: Role, session_ids: list[str]) -> None:

@@ -18,7 +18,8 @@ of candidates beats plain decoding the budgeted sessions skip the draft altogeth
 step's size and the verifier one a token longer, the costs that are otherwise not measured while the
 draft is off (the probes take PROBE_SHARE of the time, budget.py). And where the budget weighs a
 pass longer than the live target curve has measured, the verifier times one of the next power of two
-after a step (`_curve_probe`): once per size, paid for by CURVE_PROBE_SHARE of the plain steps.
+before the step's decision (`_curve_probe`): once per size, paid for by CURVE_PROBE_SHARE of the plain
+steps.
 
 A `RoundTransport` carries the two calls: the in-process workers (`LocalTransport`, below), gRPC
 stubs or Ray Serve handles (services/); the loop does not know which. The loop's history is the
@@ -133,7 +134,9 @@ class RoundTransport(Protocol):
 
     async def propose(self, items: list[ProposeItem], plan: StepPlan) -> ProposeReply: ...
 
-    async def verify(self, items: list[VerifyItem]) -> VerifyReply: ...
+    async def verify(self, items: list[VerifyItem], probe_tokens: int = 0) -> VerifyReply:
+        """`probe_tokens` > 0: the verifier also times a scratch pass of that many tokens (with no
+        items, only that)."""
 
     async def release(self, role: Role, session_ids: list[str]) -> None: ...
 
@@ -337,52 +340,86 @@ class RoundLoop:
         `sessions` sessions (None until both roles are measured; `sessions` None: every pass measured)."""
         return given_profile() or self.costs.profile(sessions)
 
-    def _budget(self, batch: list[Sequence]) -> tuple[list[Sequence], Sequence | None, int, StepPlan]:
-        """The sessions that call the draft this step, the one that probes it (None: no probe), the
-        size of a target pass the verifier times after the step (0: none; `_curve_probe`) and the
-        plan they carry: budgeted sessions skip the draft while no allocation beats plain decoding,
-        one resting after drafting rounds that verified nothing (`budget.rest_after`) skips it, and one whose
-        draft would first have to catch up skips it while that does not pay."""
+    async def _budget(self, batch: list[Sequence]) -> tuple[list[Sequence], Sequence | None, StepPlan]:
+        """The sessions that call the draft this step, the one that probes it (None: no probe; the
+        verifier then times a pass one token longer after the step) and the plan they carry. Where
+        the decision priced a target pass past the measured curve, the verifier times one first and
+        the step is decided again with it: decided after, the sessions of a burst that joins a new
+        level caught up a step late (torch, 16 sessions: a plain step of 16 tokens where fixed:4
+        made ~77, ~3% of the run; docs/benchmarks.md)."""
+        drafting, curve_tokens = self._who_drafts(batch)
+        if curve_tokens:
+            await self._probe_target(curve_tokens, len(batch))
+            drafting, _ = self._who_drafts(batch)
+        probe, profile = self._off_probe(batch), self.cost_profile(len(batch))
+        if probe is not None:
+            drafting.append(probe)
+        if profile is not None:  # what the next curve probe may cost
+            self._curve_credit_ms += CURVE_PROBE_SHARE * profile.pass_ms(len(batch))
+        return drafting, probe, StepPlan(profile, other_sessions=len(batch) - len(drafting))
+
+    def _who_drafts(self, batch: list[Sequence]) -> tuple[list[Sequence], int]:
+        """The sessions that call the draft this step, and the size of a target pass to time before
+        deciding (0: none; `_curve_probe`): budgeted sessions skip the draft while no allocation
+        beats plain decoding, one resting after drafting rounds that verified nothing
+        (`budget.rest_after`) skips it, and one whose draft would first have to catch up skips it
+        while that does not pay."""
         drafting = [s for s in batch if s.traits.uses_draft]
-        profile, probe, probe_tokens = self.cost_profile(len(batch)), None, 0
+        profile = self.cost_profile(len(batch))
         budgeted = [s for s in drafting if s.traits.budgeted]
-        if profile is not None and budgeted:
-            cap = max(s.request.params.policy.k or MAX_CANDIDATES for s in budgeted)
-            bound = best_allocation(profile, len(batch), cap)  # every candidate accepted
-            self.drafting = bound.saving > 0
-            # who may catch up is judged at the upper end of the measured acceptance, what the sessions
-            # will draft at the measured one (where nothing pays at the upper end, nothing does below
-            # it); the curve is probed up to what they will draft, where none drafts (the draft off, or
-            # no catch-up paying) up to a first candidate's B + 1 tokens
-            hopeful = best_allocation(profile, len(batch), cap, self.catch_up_acceptance) if self.drafting else bound
-            likely = best_allocation(profile, len(batch), cap, self.acceptance) if hopeful.drafters else hopeful
-            if self.observer:
-                self.observer.on_costs(profile, self.drafting)
-            joined: set[Sequence] = set()
-            if self.drafting:  # a lagging draft catches up only where that may pay; a resting session waits
-                ready = [s for s in budgeted if len(s.sample.history) >= s.rests_until]
-                lags = [len(s.sample.history) - s.drafted_at for s in ready]
-                left = [s.request.params.max_new_tokens - len(s.sample.generated) for s in ready]
-                judged = hopeful if all(lag <= IN_STEP_LAG for lag in lags) else draining_allocation(
-                    profile, hopeful, len(batch), cap, self.catch_up_acceptance, statistics.median_low(left),
-                    self.stop_rate)
-                joins = who_drafts(profile, judged, len(batch), lags,
-                                   [expected_remaining(n, self.stop_rate) for n in left])
-                joined = {s for s, join in zip(ready, joins) if join}
-                drafting = [s for s in drafting if not s.traits.budgeted or s in joined]
-            wanted = max(likely.drafters * likely.candidates, 1) if joined else 1
-            probe_tokens = self._curve_probe(profile, len(batch), len(batch) + wanted)
-        if not self.drafting and budgeted:
-            drafting = [s for s in drafting if not s.traits.budgeted]
-            self._off_steps += 1
-            if self._off_steps >= probe_interval(profile, len(batch), self.probe_share):
-                self._off_steps, probe = 0, budgeted[0]
-                drafting.append(probe)
-                probe_tokens = probe_tokens or len(batch) + 1  # the pass a first candidate would make
-        return drafting, probe, probe_tokens, StepPlan(profile, other_sessions=len(batch) - len(drafting))
+        if profile is None or not budgeted:
+            return drafting, 0
+        cap = max(s.request.params.policy.k or MAX_CANDIDATES for s in budgeted)
+        bound = best_allocation(profile, len(batch), cap)  # every candidate accepted
+        self.drafting = bound.saving > 0
+        # who may catch up is judged at the upper end of the measured acceptance, what the sessions
+        # will draft at the measured one (where nothing pays at the upper end, nothing does below
+        # it); the curve is probed up to what they will draft, where none drafts (the draft off, or
+        # no catch-up paying) up to a first candidate's B + 1 tokens
+        hopeful = best_allocation(profile, len(batch), cap, self.catch_up_acceptance) if self.drafting else bound
+        likely = best_allocation(profile, len(batch), cap, self.acceptance) if hopeful.drafters else hopeful
+        if self.observer:
+            self.observer.on_costs(profile, self.drafting)
+        if not self.drafting:
+            return [s for s in drafting if not s.traits.budgeted], self._curve_probe(profile, len(batch), len(batch) + 1)
+        # a lagging draft catches up only where that may pay; a resting session waits
+        ready = [s for s in budgeted if len(s.sample.history) >= s.rests_until]
+        lags = [len(s.sample.history) - s.drafted_at for s in ready]
+        left = [s.request.params.max_new_tokens - len(s.sample.generated) for s in ready]
+        judged = hopeful if all(lag <= IN_STEP_LAG for lag in lags) else draining_allocation(
+            profile, hopeful, len(batch), cap, self.catch_up_acceptance, statistics.median_low(left),
+            self.stop_rate)
+        joins = who_drafts(profile, judged, len(batch), lags, [expected_remaining(n, self.stop_rate) for n in left])
+        joined = {s for s, join in zip(ready, joins) if join}
+        wanted = max(likely.drafters * likely.candidates, 1) if joined else 1
+        return ([s for s in drafting if not s.traits.budgeted or s in joined],
+                self._curve_probe(profile, len(batch), len(batch) + wanted))
+
+    def _off_probe(self, batch: list[Sequence]) -> Sequence | None:
+        """While the draft is off, once every `probe_interval` steps a budgeted session carries a
+        probe (the draft times a scratch step of the step's size, the verifier a pass one token
+        longer: the pass a first candidate would make)."""
+        budgeted = [s for s in batch if s.traits.uses_draft and s.traits.budgeted]
+        if self.drafting or not budgeted:
+            return None
+        self._off_steps += 1
+        if self._off_steps < probe_interval(self.cost_profile(len(batch)), len(batch), self.probe_share):
+            return None
+        self._off_steps = 0
+        return budgeted[0]
+
+    async def _probe_target(self, tokens: int, sessions: int) -> None:
+        """Time one scratch target pass of `tokens` tokens for the live profile of a step of
+        `sessions` sessions. A probe that fails fails no session: the budget goes on without it."""
+        try:
+            reply = await self.transport.verify([], probe_tokens=tokens)
+        except Exception:  # noqa: BLE001 - a failed probe costs only its measurement
+            logger.warning("the verifier's probe of a %d-token pass failed", tokens, exc_info=True)
+            return
+        self.costs.observe(reply.passes, sessions=sessions)
 
     def _curve_probe(self, profile: CostProfile, sessions: int, wanted: int) -> int:
-        """The size of a target pass to time after this step (0: none): where the budget weighs passes
+        """The size of a target pass to time before this step's decision (0: none): where the budget weighs passes
         of up to `wanted` tokens past what the live curve has measured (`budget.curve_probe`), each
         size once per power of two of the step's sessions (`LiveCosts.profile`: a pass timed in steps
         of half as many sessions does not price a step's): the first at once (a pass the budget is
@@ -390,7 +427,6 @@ class RoundLoop:
         pays for it. A profile given by hand is not probed."""
         if given_profile() is not None:
             return 0
-        self._curve_credit_ms += CURVE_PROBE_SHARE * profile.pass_ms(sessions)
         size = curve_probe(profile, wanted)
         key = (size, sessions.bit_length())
         if size is None or key in self._curve_probed or self._curve_credit_ms < profile.pass_ms(size):
@@ -401,7 +437,7 @@ class RoundLoop:
 
     async def _step(self, batch: list[Sequence]) -> None:
         # propose
-        drafting, probe, probe_tokens, plan = self._budget(batch)
+        drafting, probe, plan = await self._budget(batch)
         proposals = await self._call("draft", drafting, partial(self._propose_item, probe=probe),
                                      lambda items: self.transport.propose(items, plan), len(batch))
         for s, proposal in proposals.items():
@@ -410,9 +446,9 @@ class RoundLoop:
                 s.drafted_at = len(s.sample.history) + max(len(proposal.candidates) - 1, 0)
         # verify
         verifying = [s for s in batch if not s.over and (s in proposals or s not in drafting)]
-        verdicts = await self._call("verifier", verifying, partial(
-            self._verify_item, proposals=proposals, probe=verifying[0] if probe_tokens and verifying else None,
-            probe_tokens=probe_tokens), self.transport.verify, len(batch))
+        probe_tokens = len(batch) + 1 if probe is not None else 0  # the pass a first candidate would make
+        verdicts = await self._call("verifier", verifying, partial(self._verify_item, proposals=proposals),
+                                    partial(self.transport.verify, probe_tokens=probe_tokens), len(batch))
         # commit, decide
         for s, verdict in verdicts.items():
             if not s.over:
@@ -430,13 +466,12 @@ class RoundLoop:
             num_generated=len(s.sample.generated), rounds=list(s.outcomes if full else s.outcomes[len(s.outcomes) - s.unsent:]),
             seed=RoundSeed(s.request.seed, s.index, s.round_index), reference=s.request.reference, probe=s is probe)
 
-    def _verify_item(self, s: Sequence, full: bool, proposals: dict, probe: Sequence | None = None,
-                     probe_tokens: int = 0) -> VerifyItem:
+    def _verify_item(self, s: Sequence, full: bool, proposals: dict) -> VerifyItem:
         proposal = proposals.get(s, NO_PROPOSAL)
         return VerifyItem(
             session_id=s.session_id, history=delta_for(s.sample.history, None if full else s.synced["verifier"]),
             candidates=proposal.candidates, draft_probs=proposal.draft_probs, sampling=s.request.params.sampling,
-            seed=RoundSeed(s.request.seed, s.index, s.round_index), probe_tokens=probe_tokens if s is probe else 0)
+            seed=RoundSeed(s.request.seed, s.index, s.round_index))
 
     async def _call(self, role: Role, sequences: list[Sequence], build: Callable[[Sequence, bool], object],
                     send: Callable[[list], object], step_sessions: int) -> dict[Sequence, object]:
@@ -583,8 +618,8 @@ class LocalTransport:
     async def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan()) -> ProposeReply:
         return self._timed(partial(self.draft.propose, plan=plan), items, self.draft)
 
-    async def verify(self, items: list[VerifyItem]) -> VerifyReply:
-        return self._timed(self.verifier.verify, items, self.verifier)
+    async def verify(self, items: list[VerifyItem], probe_tokens: int = 0) -> VerifyReply:
+        return self._timed(partial(self.verifier.verify, probe_tokens=probe_tokens), items, self.verifier)
 
     async def release(self, role: Role, session_ids: list[str]) -> None:
         (self.draft if role == "draft" else self.verifier).release(session_ids)

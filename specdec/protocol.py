@@ -118,10 +118,6 @@ class VerifyItem:
     draft_probs: list[torch.Tensor]  # q_1..q_K [V] each when sampled; empty when greedy
     sampling: SamplingParams
     seed: RoundSeed
-    # > 0: after the batch, time one scratch pass over this many tokens: while the draft is off, the
-    # step's tokens plus one (the pass a first candidate would make, else not measured); or a size
-    # the step's budget would choose but the live target curve only extrapolates to (loop.py).
-    probe_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -298,12 +298,12 @@ class VerifierWorker(Worker):
     def _probe(self, sizes: Sequence[int], context: int) -> list[PassTiming]:
         return probe_verification(self.target, sizes, context)
 
-    def verify(self, items: list[VerifyItem]) -> list[Verdict | SessionMissing | Refused]:
+    def verify(self, items: list[VerifyItem], probe_tokens: int = 0) -> list[Verdict | SessionMissing | Refused]:
+        """Verify the batch; `probe_tokens` > 0: then time a scratch pass of that many tokens."""
         self._before_batch()
         answers = serve_batch(items, self._row, lambda rows: verify(self.target, rows, self.timings))
-        sizes = sorted({item.probe_tokens for item in items if item.probe_tokens > 0})
-        if sizes:
-            self.probe(sizes)
+        if probe_tokens > 0:
+            self.probe((probe_tokens,))
         return answers
 
     def _row(self, item: VerifyItem) -> TargetRow | None:

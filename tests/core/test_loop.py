@@ -4,6 +4,7 @@ limit, lanes, retries and session_missing, failures that stay with their session
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from dataclasses import replace
 
 import pytest
@@ -32,8 +33,8 @@ class CountingTransport(LocalTransport):
     async def propose(self, items, plan):
         return await self._forward("draft", items, lambda items: super(CountingTransport, self).propose(items, plan))
 
-    async def verify(self, items):
-        return await self._forward("verifier", items, super().verify)
+    async def verify(self, items, probe_tokens=0):
+        return await self._forward("verifier", items, partial(super().verify, probe_tokens=probe_tokens))
 
     async def _forward(self, role, items, call):
         self.calls.append((role, [item.session_id for item in items]))
@@ -164,6 +165,7 @@ class FakeClock(LocalTransport):
         super().__init__(DraftWorker(draft or engine.draft, head), VerifierWorker(engine.target))
         self.cost, self.candidates, self.probes, self.steps = cost, 0, 0, 0
         self.pass_probes: list[int] = []  # target pass sizes the verifier was asked to time
+        self.events: list[tuple[str, int]] = []  # ("propose", sessions drafting), ("verify", items), ("probe", tokens)
 
     def timed(self, reply):
         reply.passes = [replace(t, ms=self.cost(t.role, t.tokens)) for t in reply.passes]
@@ -171,14 +173,16 @@ class FakeClock(LocalTransport):
 
     async def propose(self, items, plan):
         self.probes += sum(item.probe for item in items)
+        self.events.append(("propose", sum(not item.probe for item in items)))
         reply = self.timed(await super().propose(items, plan))
         self.candidates += sum(len(a.candidates) for a in reply.answers)
         return reply
 
-    async def verify(self, items):
-        self.steps += 1
-        self.pass_probes += [item.probe_tokens for item in items if item.probe_tokens]
-        return self.timed(await super().verify(items))
+    async def verify(self, items, probe_tokens=0):
+        self.steps += bool(items)
+        self.pass_probes += [probe_tokens] if probe_tokens else []
+        self.events.append(("verify", len(items)) if items else ("probe", probe_tokens))
+        return self.timed(await super().verify(items, probe_tokens))
 
 
 def cheap(role: str, tokens: int) -> float:
@@ -299,6 +303,9 @@ def test_the_loop_times_the_longer_passes_the_budget_would_choose_before_ruling_
     curve = [size for size in transport.pass_probes if size != 9]  # 9: the probes while the draft is off
     if probes:
         assert curve[:2] == [16, 32] and len(set(curve)) == len(curve), transport.pass_probes  # each size once
+        # timed before the step's decision: the sessions draft in the step the 16-token pass was timed for
+        after = transport.events[transport.events.index(("probe", 16)) + 1]
+        assert after[0] == "propose" and after[1] > 0, transport.events
         assert {16, 32} <= set(loop.costs.curve("verifier")), loop.costs.curve("verifier")  # measured, not extrapolated
         assert transport.candidates > 100 and loop.drafting, (transport.pass_probes, transport.candidates)
     else:

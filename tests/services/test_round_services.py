@@ -63,10 +63,10 @@ class RecordingTransport(GrpcTransport):
         self.sent += [("draft", i.session_id, i.history.full, len(i.history.tail)) for i in items]
         return await super().propose(items, plan)
 
-    async def verify(self, items):
+    async def verify(self, items, probe_tokens=0):
         self.calls["verifier"] += 1
         self.sent += [("verifier", i.session_id, i.history.full, len(i.history.tail)) for i in items]
-        reply = await super().verify(items)
+        reply = await super().verify(items, probe_tokens)
         if self.after_verify:
             self.after_verify(self.calls["verifier"])
         return reply
@@ -300,7 +300,7 @@ def test_a_replica_that_fails_for_good_fails_only_its_own_sessions(servers, tiny
     """One of two verifier replicas crashes on every batch (a bug: INTERNAL, "internal error"); the
     sessions it holds fail in one line, the other replica's sessions in the same steps finish."""
     class Crashing(VerifierWorker):
-        def verify(self, items):
+        def verify(self, items, probe_tokens=0):
             raise RuntimeError("boom")
 
     broken = VerifierServicer(Crashing(tiny_engine.target))
@@ -343,11 +343,11 @@ def test_a_refused_item_fails_only_its_session(servers, tiny_engine):
     """One session's item is malformed on the wire: that request fails in one line, the others in
     the same batch are served."""
     class Corrupting(GrpcTransport):
-        async def verify(self, items):
+        async def verify(self, items, probe_tokens=0):
             for item in items:
                 if item.session_id.startswith(victim[0]):
                     item.candidates = [10 ** 6]  # out of the vocabulary
-            return await super().verify(items)
+            return await super().verify(items, probe_tokens)
 
     victim = [""]
     loop = RoundLoop(Corrupting(*servers.addresses), tiny_engine.rules)
@@ -500,14 +500,18 @@ def test_round_server_with_a_key_refuses_calls_without_it(tiny_engine):
 
 
 def test_a_probe_of_a_pass_size_travels_and_comes_back_timed(servers):
-    """A Verify item may ask for a scratch pass of a given size (the loop's curve probes): the
-    replica times one after the batch and the timing comes back with the reply, marked a probe."""
+    """A Verify batch may ask for a scratch pass of a given size, with items (the probes while the
+    draft is off) or without (the loop's curve probes): the replica times one after the batch and the
+    timing comes back with the reply, marked a probe."""
     transport = GrpcTransport(*servers.addresses)
-    item = VerifyItem("probe-size", HistoryDelta(0, [5, 6, 7], full=True), [], [], SamplingParams(), RoundSeed(1, 0, 0),
-                      probe_tokens=16)
-    reply = asyncio.run(transport.verify([item]))
-    probes = [(t.role, t.tokens) for t in reply.passes if t.probe]
-    assert probes == [("verifier", 16)] and len(reply.answers) == 1
+    item = VerifyItem("probe-size", HistoryDelta(0, [5, 6, 7], full=True), [], [], SamplingParams(), RoundSeed(1, 0, 0))
+
+    async def both():
+        return await transport.verify([item], probe_tokens=16), await transport.verify([], probe_tokens=8)
+
+    reply, alone = asyncio.run(both())
+    assert [(t.role, t.tokens) for t in reply.passes if t.probe] == [("verifier", 16)] and len(reply.answers) == 1
+    assert [(t.role, t.tokens, t.probe) for t in alone.passes] == [("verifier", 8, True)] and alone.answers == []
     servers.verifier.worker.release(["probe-size"])
 
 
