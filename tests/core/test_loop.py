@@ -315,6 +315,27 @@ def test_the_loop_times_the_longer_passes_the_budget_would_choose_before_ruling_
         assert result.completions[0].token_ids == expected(tiny_engine, prompt, plain)
 
 
+def test_a_probe_that_fails_fails_no_session(tiny_engine):
+    """The verifier refuses every probe sent before a step's decision (a replica gone in between):
+    the sessions go on deciding without it and finish with target-only's output."""
+    transport, loop = budgeted_loop(tiny_engine, steep_then_flat)
+    verify = transport.verify
+
+    async def failing_probes(items, probe_tokens=0):
+        if not items:
+            raise Unavailable("the verifier is gone")
+        return await verify(items, probe_tokens)
+
+    transport.verify = failing_probes
+    params = build_params(policy="specdec++cost", k=4, max_new_tokens=40)
+    prompts = [PROMPTS[i % len(PROMPTS)] + [i] for i in range(8)]
+    results = run(loop, [(prompt, params) for prompt in prompts])
+    assert 16 not in loop.costs.curve("verifier")  # nothing measured, nothing failed
+    plain = build_params(policy="target-only", max_new_tokens=40)
+    for prompt, result in zip(prompts, results):
+        assert result.completions[0].token_ids == expected(tiny_engine, prompt, plain)
+
+
 def pays_only_at_the_bound(role: str, tokens: int) -> float:
     """Drafting pays only if nearly every candidate is accepted: a draft pass 30 + 10 ms a row, a
     target pass 100 + 40 ms a token past the first. At a = 1 a round of 20 candidates takes ~80 ms
