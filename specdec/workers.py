@@ -195,11 +195,11 @@ class Worker(ABC):
 
     def probe_at_first_batch(self) -> None:
         """Run the start-up probe before the first batch instead of now. A served replica loads
-        beside the other role's, and a probe run while that one still loaded timed torch's draft
-        steps 4-6x slow (a 1-session step 197 ms and a 16-session one 408, where the rounds
-        measured 35 and 98; in process the probe times 31-35 and 72 on the same machine); at 8
-        sessions no round timed those sizes again, so the default planned with them throughout
-        and drafted less than fixed:4 (1.36x target-only against 1.42x, docs/benchmarks.md)."""
+        beside the other role's, and a probe run while (most likely) that one still loaded timed
+        torch's draft steps 4-6x slow (a 1-session step 197 ms and a 16-session one 408, where the
+        rounds measured 35 and 98; in process the probe times 31-35 and 72 on the same machine);
+        at 8 sessions no round times those sizes again, so the coordinator planned with them for
+        the whole run (docs/benchmarks.md)."""
         self._probe_due = True
 
     def _before_batch(self) -> None:
