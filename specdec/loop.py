@@ -351,7 +351,8 @@ class RoundLoop:
         if curve_tokens:
             await self._probe_target(curve_tokens, len(batch))
             drafting, _ = self._who_drafts(batch)
-        probe, profile = self._off_probe(batch), self.cost_profile(len(batch))
+        profile = self.cost_profile(len(batch))
+        probe = self._off_probe(batch, profile)
         if probe is not None:
             drafting.append(probe)
         if profile is not None:  # what the next curve probe may cost
@@ -395,15 +396,16 @@ class RoundLoop:
         return ([s for s in drafting if not s.traits.budgeted or s in joined],
                 self._curve_probe(profile, len(batch), len(batch) + wanted))
 
-    def _off_probe(self, batch: list[Sequence]) -> Sequence | None:
+    def _off_probe(self, batch: list[Sequence], profile: CostProfile | None) -> Sequence | None:
         """While the draft is off, once every `probe_interval` steps a budgeted session carries a
         probe (the draft times a scratch step of the step's size, the verifier a pass one token
-        longer: the pass a first candidate would make)."""
+        longer: the pass a first candidate would make). Without a profile nothing decided the draft
+        off this step (`_who_drafts` kept the budgeted sessions drafting), so nothing probes."""
         budgeted = [s for s in batch if s.traits.uses_draft and s.traits.budgeted]
-        if self.drafting or not budgeted:
+        if self.drafting or not budgeted or profile is None:
             return None
         self._off_steps += 1
-        if self._off_steps < probe_interval(self.cost_profile(len(batch)), len(batch), self.probe_share):
+        if self._off_steps < probe_interval(profile, len(batch), self.probe_share):
             return None
         self._off_steps = 0
         return budgeted[0]
