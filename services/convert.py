@@ -245,7 +245,7 @@ def sparsifier(min_prob: float):
 
 
 def sparsify_logits(logits: torch.Tensor, sampling: SamplingParams, min_prob: float = SPARSE_MIN_PROB) -> torch.Tensor:
-    """logits [V] -> logits whose processed distribution has no entry at or below `min_prob`.
+    """logits [..., V] -> logits whose processed distributions have no entry at or below `min_prob`.
 
     Applied to the draft's logits BEFORE `probs_from_logits`/sampling, so the candidate is drawn
     from the truncated, renormalised q and that q is what the draft sends (exactness, see
@@ -253,9 +253,8 @@ def sparsify_logits(logits: torch.Tensor, sampling: SamplingParams, min_prob: fl
     """
     if sampling.greedy or min_prob <= 0:
         return logits
-    q = probs_from_logits(logits, sampling)  # [V]
-    drop = q <= min_prob
-    drop[torch.argmax(q)] = False
+    q = probs_from_logits(logits, sampling)  # [..., V]
+    drop = (q <= min_prob).scatter(-1, torch.argmax(q, dim=-1, keepdim=True), False)
     return logits.masked_fill(drop, -math.inf)
 
 

@@ -24,10 +24,11 @@ import torch
 from specdec.budget import IN_STEP_LAG, StepBudget, drafting_pays, expected_tokens
 from specdec.cost_profile import CostProfile, PassTiming
 from specdec.metrics import MS_PER_S
-from specdec.models.runtime import DraftRole, KVSession, TargetRole
+from specdec.models.runtime import DraftOutputs, DraftRole, KVSession, Scores, TargetRole
 from specdec.policies import Decision, DraftStep, StoppingPolicy
-from specdec.sampling import SamplingParams, choose_token, probs_from_logits
-from specdec.verification import Verdict, verify_greedy, verify_sampled
+from specdec.sampling import SamplingParams, choose_tokens, probs_by_params, probs_in_place, rows_by
+from specdec.verification import (RoundBatch, Verdict, final_distributions, verify_greedy_batch,
+                                  verify_sampled_batch)
 
 SEED_BITS = 63
 
@@ -57,8 +58,11 @@ class DraftRow:
     num_generated: int  # tokens generated before this round
     sampling: SamplingParams
     generator: torch.Generator
-    # Applied to the draft's logits before sampling (services: sparsify what travels); None: as is.
-    logits_filter: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+# sampling -> a function applied to the draft's logits [N, V] of rows with that sampling before they
+# are sampled (None: none). The served draft truncates what it sends this way (services.convert.sparsify_logits).
+LogitsFilterFactory = Callable[[SamplingParams], Callable[[torch.Tensor], torch.Tensor] | None]
 
 
 @dataclass
@@ -94,32 +98,56 @@ class _Drafting:
     def left(self) -> int:
         return self.limit - len(self.proposal.candidates)
 
-    def draw(self, logits: torch.Tensor) -> tuple[DraftStep, torch.Tensor]:
-        """Sample y_i from the draft's logits: the step the policy (or the budget) judges, and q_i."""
-        row = self.row
-        if row.logits_filter is not None:
-            logits = row.logits_filter(logits)
-        q = probs_from_logits(logits, row.sampling)  # [V]
-        y = choose_token(q, row.sampling, row.generator)
-        return DraftStep(len(self.proposal.candidates) + 1, y, q, self.prev_hidden, row.num_generated, self.hidden,
-                         row.sampling.greedy), q
-
-    def append(self, step: DraftStep, q: torch.Tensor) -> None:
+    def append(self, step: DraftStep) -> None:
         self.proposal.candidates.append(step.token)
         if not self.row.sampling.greedy:  # greedy verification is exact match: q stays here
-            self.proposal.draft_probs.append(q)
+            self.proposal.draft_probs.append(step.probs)
 
-    def decide(self, step: DraftStep, q: torch.Tensor) -> bool:
+    def decided(self, step: DraftStep, decision: Decision) -> bool:
         """A policy that decides on its own: True while the row drafts on."""
-        decision = self.row.policy.decide(step)
         if decision is Decision.DROP_LAST:
             return False
-        self.append(step, q)
+        self.append(step)
         return decision is not Decision.STOP and self.left > 0
 
 
+def draw(active: list[_Drafting], outputs: DraftOutputs,
+         logits_filter: LogitsFilterFactory | None = None) -> list[DraftStep]:
+    """Sample y_i for every drafting row at once from the step's logits [A, V]: the steps their
+    policies (or the budget) judge, q_i in each (None where nothing reads it: a greedy row whose
+    policy does not). One softmax per distinct sampling, one argmax, one inverse-CDF draw per
+    sampled row from its own generator (sampling.choose_tokens)."""
+    logits = outputs.logits  # [A, V]
+    params = [d.row.sampling for d in active]
+    if logits_filter is not None:
+        filtered = logits
+        for param, rows in rows_by(params).items():
+            if (keep := logits_filter(param)) is not None:
+                filtered = logits.clone() if filtered is logits else filtered
+                index = torch.tensor(rows)
+                filtered[index] = keep(logits[index])
+        logits = filtered
+    reads = any(not p.greedy or d.row.policy.traits.reads_distribution for d, p in zip(active, params))
+    probs = probs_by_params(logits, params) if reads else None  # [A, V]
+    tokens = choose_tokens(logits, probs, params, [d.row.generator for d in active])
+    return [DraftStep(len(d.proposal.candidates) + 1, y, probs[b] if probs is not None else None, d.prev_hidden,
+                      d.row.num_generated, d.hidden, d.row.sampling.greedy)
+            for b, (d, y) in enumerate(zip(active, tokens))]
+
+
+def by_policy(active: list[_Drafting], steps: list[DraftStep], ask: str) -> list:
+    """Ask every row's policy about its step, one call per policy class (`StoppingPolicy.decide_many`
+    or `estimate_many`: a head runs once for all its sessions)."""
+    answers: list = [None] * len(active)
+    for cls, rows in rows_by([type(d.row.policy) for d in active]).items():
+        replies = getattr(cls, ask)([active[b].row.policy for b in rows], [steps[b] for b in rows])
+        for b, reply in zip(rows, replies):
+            answers[b] = reply
+    return answers
+
+
 def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = None, other_sessions: int = 0,
-            timings: list[PassTiming] | None = None) -> list[Proposal]:
+            timings: list[PassTiming] | None = None, logits_filter: LogitsFilterFactory | None = None) -> list[Proposal]:
     """Draft up to each row's limit after its history. A budgeted row's round is decided by the
     step's budget (budget.py) over `costs` (required when there is one), beside `other_sessions`
     sessions of the step that verify plainly elsewhere; any other row asks its policy after every
@@ -138,32 +166,39 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
         d.row.policy.start_round()
     fed = draft.fed_tokens
     start = time.perf_counter()
-    outputs = draft.start([d.row.session for d in active], [d.row.history for d in active]) if active else []
+    outputs = draft.start([d.row.session for d in active], [d.row.history for d in active]) if active else None
     while active:
         if budget is not None:  # a catch-up beyond a round's unseen tokens is the loop's investment
             budget.spent_ms += costs.draft_ms(min(draft.fed_tokens - fed, IN_STEP_LAG * len(active)))
-        still, judged = [], []
-        for d, out in zip(active, outputs):
+        for b, d in enumerate(active):
             d.proposal.forward_passes += 1
-            d.hidden = out.hidden  # the state q_i comes from (e_0 after `start`)
-            step, q = d.draw(out.logits)
-            if not d.budgeted:
-                if d.decide(step, q):
-                    still.append(d)
-                if budget is not None and len(d.proposal.candidates) == step.index:
-                    budget.tokens += 1
-                continue
-            estimate = d.row.policy.estimate(step)
-            if estimate.previous is not None and d.acceptance:  # y_{i-1} judged one step late
-                budget.expected -= expected_tokens(d.acceptance)
-                d.acceptance[-1] = estimate.previous
-                budget.expected += expected_tokens(d.acceptance)
-            judged.append((d, step, q, estimate))
+            d.hidden = outputs.hidden[b]  # the state q_i comes from (e_0 after `start`)
+        steps = draw(active, outputs, logits_filter)
+        alone = [b for b, d in enumerate(active) if not d.budgeted]
+        judged_rows = [b for b, d in enumerate(active) if d.budgeted]
+        still = []
+        decisions = by_policy([active[b] for b in alone], [steps[b] for b in alone], "decide_many")
+        for b, decision in zip(alone, decisions):
+            d, step = active[b], steps[b]
+            if d.decided(step, decision):
+                still.append(d)
+            if budget is not None and len(d.proposal.candidates) == step.index:
+                budget.tokens += 1
+        judged = []
+        if judged_rows:
+            estimates = by_policy([active[b] for b in judged_rows], [steps[b] for b in judged_rows], "estimate_many")
+            for b, estimate in zip(judged_rows, estimates):
+                d = active[b]
+                if estimate.previous is not None and d.acceptance:  # y_{i-1} judged one step late
+                    budget.expected -= expected_tokens(d.acceptance)
+                    d.acceptance[-1] = estimate.previous
+                    budget.expected += expected_tokens(d.acceptance)
+                judged.append((d, steps[b], estimate))
         if judged:
-            kept = budget.keep([d.survive * e.blind for d, _, _, e in judged])
-            judged = [(d, step, q, e) for (d, step, q, e), keep in zip(judged, kept) if keep]
-            for d, step, q, e in judged:
-                d.append(step, q)
+            kept = budget.keep([d.survive * e.blind for d, _, e in judged])
+            judged = [(d, step, e) for (d, step, e), keep in zip(judged, kept) if keep]
+            for d, step, e in judged:
+                d.append(step)
                 d.acceptance.append(e.known)
                 budget.add(d.survive)
             on = budget.draft_on([d.survive for d, *_ in judged], [e.known for *_, e in judged],
@@ -175,30 +210,70 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
         if active:
             fed, start = draft.fed_tokens, time.perf_counter()
             outputs = draft.step([d.row.session for d in active], [d.proposal.candidates[-1] for d in active])
-            for d, out in zip(active, outputs):
-                d.prev_hidden = out.hidden  # e_i, read by the policy at step i + 1
+            for b, d in enumerate(active):
+                d.prev_hidden = outputs.hidden[b]  # e_i, read by the policy at step i + 1
     return [d.proposal for d in drafting]
 
 
+@torch.inference_mode()  # the target's distributions are written over its logits, inference tensors on torch
 def verify(target: TargetRole, rows: list[TargetRow], timings: list[PassTiming] | None = None) -> list[Verdict]:
-    """One target pass over every row's unseen history plus its candidates, Algorithm 1 per row, and
-    each cache rolled back to its history + the accepted candidates. The whole of it is timed into
-    `timings` by the tokens the pass fed."""
+    """One target pass over every row's unseen history plus its candidates, Algorithm 1 for all
+    rows at once (greedy rows by exact match, sampled ones by rejection sampling), and each cache
+    rolled back to its history + the accepted candidates. The whole of it is timed into `timings`
+    by the tokens the pass fed."""
     if not rows:
         return []
     fed, start = target.fed_tokens, time.perf_counter()
-    all_logits = target.score([r.session for r in rows], [r.history for r in rows], [r.candidates for r in rows])
+    scores = target.score([r.session for r in rows], [r.history for r in rows], [r.candidates for r in rows])
+    accepted, tokens = [0] * len(rows), [0] * len(rows)
+    for greedy, group in rows_by([r.sampling.greedy for r in rows]).items():
+        outcome = (verify_greedy_rows if greedy else verify_sampled_rows)([rows[b] for b in group], scores, group)
+        for b, n, token in zip(group, *outcome):
+            accepted[b], tokens[b] = n, token
     verdicts = []
-    for row, target_logits in zip(rows, all_logits):  # target_logits [K+1, V]
-        ids = torch.tensor(row.candidates, dtype=torch.long)
-        if row.sampling.greedy:
-            verdict = verify_greedy(ids, target_logits)
-        else:
-            target_probs = probs_from_logits(target_logits, row.sampling)  # [K+1, V]
-            q = torch.stack(row.draft_probs) if row.draft_probs else target_probs[:0]
-            verdict = verify_sampled(ids, q, target_probs, row.generator)
-        target.rollback(row.session, len(row.history) + verdict.num_accepted)
-        verdicts.append(verdict)
+    for row, n, token in zip(rows, accepted, tokens):
+        target.rollback(row.session, len(row.history) + n)
+        verdicts.append(Verdict(n, token))
     if timings is not None:
         timings.append(PassTiming("verifier", target.fed_tokens - fed, (time.perf_counter() - start) * MS_PER_S))
     return verdicts
+
+
+def _target_rows(scores: Scores, group: list[int]) -> torch.Tensor:
+    """[T_group, V] the target logits of the rows `group` of the pass, in order (a view when they are all of it)."""
+    if len(group) == len(scores):
+        return scores.logits
+    return torch.cat([scores[b] for b in group])
+
+
+def verify_greedy_rows(rows: list[TargetRow], scores: Scores, group: list[int]) -> tuple[list[int], list[int]]:
+    """Exact match for greedy rows: (num_accepted, next_token) per row."""
+    batch = RoundBatch.of([r.candidates for r in rows])
+    accepted, tokens = verify_greedy_batch(batch, _target_rows(scores, group))
+    return accepted.tolist(), tokens.tolist()
+
+
+def verify_sampled_rows(rows: list[TargetRow], scores: Scores, group: list[int]) -> tuple[list[int], list[int]]:
+    """Rejection sampling for sampled rows: the target's distributions written over its logits
+    (`probs_in_place`), q_i(y_i) read off the draft's rows, the uniforms from each row's generator:
+    r_1..r_K, then the one its last token is drawn with."""
+    batch = RoundBatch.of([r.candidates for r in rows])
+    probs = probs_in_place(_target_rows(scores, group), [p for r in rows for p in [r.sampling] * (len(r.candidates) + 1)])
+    k_max = batch.candidates.shape[1]
+    positions = batch.positions  # [B, K_max + 1]
+    target_token_probs = probs[positions[:, :-1], batch.candidates]  # [B, K_max]
+    draft_token_probs = torch.ones(batch.candidates.shape)  # [B, K_max]: q_i(y_i), 1 past K_b
+    if k_max:
+        draft_token_probs[batch.real] = torch.stack([q[y] for r in rows for q, y in zip(r.draft_probs, r.candidates)])
+    uniforms = torch.stack([torch.cat([torch.rand(len(r.candidates) + 1, generator=r.generator, dtype=torch.float64),
+                                       torch.zeros(k_max - len(r.candidates), dtype=torch.float64)]) for r in rows])
+
+    def final(accepted: torch.Tensor) -> torch.Tensor:  # [B] -> [B, V]
+        ends = positions.gather(1, accepted[:, None]).squeeze(1)  # [B]: each round's last target row
+        target_rows = probs[ends]  # [B, V]
+        rejected = accepted < batch.num_candidates
+        draft_rows = [r.draft_probs[n] for r, n in zip(rows, accepted.tolist()) if n < len(r.candidates)]
+        return final_distributions(target_rows, torch.stack(draft_rows) if draft_rows else None, rejected)
+
+    accepted, tokens = verify_sampled_batch(batch, draft_token_probs, target_token_probs, uniforms, final)
+    return accepted.tolist(), tokens.tolist()

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # Largest number of independent samples one request may ask for; more is almost surely a mistake
 # and would hold a session's caches for a long time.
 MAX_SAMPLES_PER_REQUEST = 64
+BLOCK = 2048  # columns per block of `argmax` and `sample`
 
 
 class SamplingParams(BaseModel):
@@ -69,8 +70,104 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
+def probs_by_params(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [N, V] -> probabilities [N, V], row n processed with params[n] (`probs_from_logits`);
+    one call per distinct parameter set."""
+    if len(set(params)) == 1:
+        return probs_from_logits(logits, params[0])
+    probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for param, rows in rows_by(params).items():
+        index = torch.tensor(rows, device=logits.device)
+        probs[index] = probs_from_logits(logits[index], param)
+    return probs
+
+
+def rows_by(keys: list) -> dict:
+    """{key: the indices of the rows with that key}, in first-seen order."""
+    groups: dict = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    return groups
+
+
+def probs_in_place(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`probs_by_params`, written over logits [N, V] (and returned) where every row has one sampling
+    without top-k or top-p: no new [N, V] tensor. At 160 rows of 151,936 a new one cost 25 ms of
+    page faults on 2 cores (a softmax 36 ms, in place 12); under 32 MB the allocator reuses memory."""
+    param = params[0]
+    if len(set(params)) > 1 or param.top_k or param.top_p < 1.0:
+        return probs_by_params(logits, params)
+    if not param.greedy and param.temperature != 1.0:
+        logits.div_(param.temperature)
+    logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+    return logits.div_(logits.sum(dim=-1, keepdim=True))
+
+
+def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: probs [N, V] (need not sum to 1), uniforms [N] in [0, 1) float64 ->
+    tokens [N] long, token v drawn with probability probs[n, v] / sum probs[n]. One uniform per row
+    from the row's own generator (`uniforms_from`) keeps a row's draw independent of its batch;
+    torch.multinomial with a generator per row took 3 ms a row over a 151,936-token vocabulary.
+    By blocks, as `argmax`: the blocks' masses in one pass, then the CDF (fp64) inside the one block
+    the point falls in (a cumsum over all of [N, V] took 2.3 ms at 32 rows, this under 1)."""
+    rows, width = probs.shape
+    block = min(BLOCK, width)
+    main = width - width % block
+    masses = probs[:, :main].reshape(rows, -1, block).sum(dim=-1)  # [N, V // block]
+    if main < width:
+        masses = torch.cat([masses, probs[:, main:].sum(dim=-1, keepdim=True)], dim=1)
+    cdf = masses.double().cumsum(dim=-1)  # [N, blocks]
+    total = cdf[:, -1:]
+    point = torch.minimum(uniforms.to(cdf.device)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    chosen = torch.searchsorted(cdf, point, right=True).clamp(max=cdf.shape[1] - 1)  # [N, 1]: the block it falls in
+    before = torch.where(chosen > 0, cdf.gather(1, (chosen - 1).clamp(min=0)), torch.zeros_like(point))  # [N, 1]
+    columns = chosen * block + torch.arange(block, device=probs.device)  # [N, block]
+    inside = probs.gather(1, columns.clamp(max=width - 1)).double() * (columns < width)  # [N, block]
+    step = torch.searchsorted(before + inside.cumsum(dim=-1), point, right=True)  # [N, 1]
+    # rounding between the block's mass and its own sum: never outside its tokens that have any mass
+    positive = inside > 0
+    first = torch.argmax(positive.to(torch.uint8), dim=-1, keepdim=True)
+    last = (torch.arange(block, device=probs.device) * positive).amax(dim=-1, keepdim=True)
+    return (chosen * block + torch.maximum(torch.minimum(step, last), first)).squeeze(-1)
+
+
+def uniforms_from(generators: list[torch.Generator], count: int = 1) -> torch.Tensor:
+    """[len(generators), count] float64 uniforms, row n from generators[n]."""
+    return torch.stack([torch.rand(count, generator=g, dtype=torch.float64) for g in generators])
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) for x [N, V] (the first index of each row's maximum), by blocks: the
+    block maxima in one vectorized pass, then the argmax inside each row's first best block. On 2
+    cores over 160 rows of 151,936 logits: 3-4 ms against torch.argmax's 19 (its kernel tracks
+    indices element by element; amax runs at memory speed)."""
+    rows, width = x.shape
+    if width < 4 * BLOCK:
+        return torch.argmax(x, dim=-1)
+    main = width - width % BLOCK
+    blocks = x[:, :main].reshape(rows, -1, BLOCK).amax(dim=-1)  # [N, V // block]
+    if main < width:
+        blocks = torch.cat([blocks, x[:, main:].amax(dim=-1, keepdim=True)], dim=1)
+    starts = torch.argmax(blocks, dim=-1) * BLOCK  # [N]: the first block holding the maximum
+    # the last block may be short: its clamped columns repeat its last one, after the real ones
+    columns = (starts[:, None] + torch.arange(BLOCK, device=x.device)).clamp(max=width - 1)  # [N, block]
+    return starts + torch.argmax(x.gather(1, columns), dim=-1)
+
+
+def choose_tokens(logits: torch.Tensor, probs: torch.Tensor | None, params: list[SamplingParams],
+                  generators: list[torch.Generator]) -> list[int]:
+    """One token per row: the argmax of logits [N, V] for greedy rows, else a draw from probs [N, V]
+    (the rows' processed distributions) with one uniform from the row's generator."""
+    tokens = argmax(logits) if any(p.greedy for p in params) else None  # [N]
+    sampled = [n for n, p in enumerate(params) if not p.greedy]
+    if sampled:
+        index = torch.tensor(sampled, device=logits.device)
+        rows = probs if len(sampled) == len(params) else probs[index]
+        draws = sample(rows, uniforms_from([generators[n] for n in sampled])[:, 0])
+        tokens = draws if tokens is None else tokens.index_put((index,), draws)
+    return tokens.tolist()
+
+
 def choose_token(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Draw one token from probs [V] (argmax when greedy)."""
-    if params.greedy:
-        return int(torch.argmax(probs))
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """Draw one token from probs [V] (argmax when greedy): `choose_tokens` for one row."""
+    return choose_tokens(probs[None], probs[None], [params], [generator])[0]

@@ -24,6 +24,10 @@ class SampleState:
     text: str = ""
     emitted_chars: int = 0
     finish_reason: str | None = None
+    # Incremental detokenization (TGI's decode_token): `text` holds generated[:decoded]; the next
+    # decode starts at `context`, the tokens before `decoded` that make the new ones decode as in the whole text.
+    context: int = 0
+    decoded: int = 0
 
     @property
     def history(self) -> list[int]:
@@ -112,15 +116,32 @@ class RequestRules:
                 break
         if self.tokenizer is None:
             return new_ids, ""
-        seq.text = self.tokenizer.decode(seq.generated, skip_special_tokens=True)
-        if params.stop and self._truncate_at_stop_string(seq, new_ids, params.stop):
+        new_text, held = self._decode_new(seq)
+        seq.text += new_text
+        if params.stop and self._truncate_at_stop_string(seq, new_ids, params.stop, held):
             seq.finish_reason = FINISH_STOP
         return new_ids, self._releasable_text(seq, params.stop)
 
-    def _truncate_at_stop_string(self, seq: SampleState, new_ids: list[int], stops: Sequence[str]) -> bool:
-        """Cut the text before the first stop string, and the ids after the token completing it."""
+    def _decode_new(self, seq: SampleState) -> tuple[str, str]:
+        """(text for `seq.text`, text held back) of the generated tokens not in `seq.text` yet,
+        decoded after their context and without its text. It is held back while it ends inside a
+        character (U+FFFD) or adds nothing, unless the sample has finished. Decoding the whole text
+        every round grew with its length."""
+        decode = self.tokenizer.decode
+        before = decode(seq.generated[seq.context:seq.decoded], skip_special_tokens=True)
+        text = decode(seq.generated[seq.context:], skip_special_tokens=True)
+        if seq.finish_reason is None and (len(text) <= len(before) or text.endswith("\ufffd")):
+            return "", text[len(before):]
+        seq.context, seq.decoded = seq.decoded, len(seq.generated)
+        return text[len(before):], ""
+
+    def _truncate_at_stop_string(self, seq: SampleState, new_ids: list[int], stops: Sequence[str],
+                                 held: str = "") -> bool:
+        """Cut the text (with what decoding `held` back) before the first stop string, and the ids
+        after the token completing it."""
         search_from = max(seq.emitted_chars - max(len(s) for s in stops), 0)
-        hits = [i for i in (seq.text.find(s, search_from) for s in stops) if i >= 0]
+        found = seq.text + held
+        hits = [i for i in (found.find(s, search_from) for s in stops) if i >= 0]
         if not hits:
             return False
         first_new = len(seq.generated) - len(new_ids)
@@ -130,7 +151,7 @@ class RequestRules:
                 del new_ids[keep - first_new:]
                 del seq.generated[keep:]
                 break
-        seq.text = seq.text[:min(hits)]
+        seq.text = found[:min(hits)]
         return True
 
     @staticmethod

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.sampling import argmax, sample
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -29,14 +31,94 @@ class Verdict:
         return [*candidates[: self.num_accepted], self.next_token]
 
 
+@dataclass(frozen=True)
+class RoundBatch:
+    """B sessions' candidates, laid out as vLLM's `SpecDecodeMetadata`: padded [B, K_max] for the
+    token ids, flat for the [*, V] rows (the target scores session b's K_b + 1 positions in rows
+    target_starts[b] + 0..K_b of one [T, V] tensor).
+
+    Worked example: candidates [[5, 7], [], [9]] -> padded [[5, 7], [0, 0], [9, 0]],
+    num_candidates [2, 0, 1], target_starts [0, 3, 4] (T = 6)."""
+
+    candidates: torch.Tensor  # [B, K_max] long, 0 past each session's K_b
+    num_candidates: torch.Tensor  # [B] long: K_b
+    target_starts: torch.Tensor  # [B] long: where session b's target rows start
+
+    @classmethod
+    def of(cls, candidates: list[list[int]]) -> RoundBatch:
+        k_max = max((len(c) for c in candidates), default=0)
+        padded = torch.tensor([c + [0] * (k_max - len(c)) for c in candidates], dtype=torch.long).reshape(len(candidates), k_max)
+        counts = torch.tensor([len(c) for c in candidates], dtype=torch.long)
+        starts = torch.cumsum(counts + 1, 0) - (counts + 1)
+        return cls(padded, counts, starts)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[B, K_max + 1] long: the target row of each position, the last row repeated past K_b."""
+        steps = torch.arange(self.candidates.shape[1] + 1)
+        return self.target_starts[:, None] + torch.minimum(steps[None, :], self.num_candidates[:, None])
+
+    @property
+    def real(self) -> torch.Tensor:
+        """[B, K_max] bool: True where a candidate is one of the session's (not padding)."""
+        return torch.arange(self.candidates.shape[1])[None, :] < self.num_candidates[:, None]
+
+
+def verify_greedy_batch(batch: RoundBatch, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact match against the target's argmax, for every session at once.
+
+    target_logits [T, V] (the batch's layout) -> (num_accepted [B], next_token [B]) long."""
+    target_tokens = argmax(target_logits)[batch.positions]  # [B, K_max + 1]
+    rejected = (batch.candidates != target_tokens[:, :-1]) | ~batch.real  # [B, K_max]
+    num_accepted = _first_true_rows(rejected)
+    return num_accepted, target_tokens.gather(1, num_accepted[:, None]).squeeze(1)
+
+
+def verify_sampled_batch(batch: RoundBatch, draft_token_probs: torch.Tensor, target_token_probs: torch.Tensor,
+                         uniforms: torch.Tensor, final_probs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling for every session at once: accept y_i while r_i < p_i(y_i) / q_i(y_i).
+
+    draft_token_probs, target_token_probs [B, K_max]: q_i(y_i) and p_i(y_i) (any value past K_b);
+    uniforms [B, K_max + 1] float64 from each session's generator: r_1..r_{K_b}, then the one the
+    correction or bonus token is drawn with (column K_b); final_probs(num_accepted [B]) -> [B, V]:
+    each session's Norm[(p_{n+1} - q_{n+1})_+] where n < K, else p_{K+1}, unnormalised
+    (`final_distributions`).
+    Returns (num_accepted [B], next_token [B]) long. The output sequence is distributed as the target's."""
+    ratio = (target_token_probs / draft_token_probs).double()  # [B, K_max]; q_i(y_i) > 0 since y_i ~ q_i
+    rejected = (uniforms[:, :-1] >= ratio) | ~batch.real
+    num_accepted = _first_true_rows(rejected)
+    draw = uniforms.gather(1, batch.num_candidates[:, None]).squeeze(1)  # [B]: the uniform at column K_b
+    return num_accepted, sample(final_probs(num_accepted), draw)
+
+
+def final_distributions(target_rows: torch.Tensor, draft_rows: torch.Tensor | None,
+                        rejected: torch.Tensor) -> torch.Tensor:
+    """[B, V] the weights (unnormalised: `sample` normalises) each session's last committed token is
+    drawn with: (p - q)_+ where its candidate was rejected (p where that is all 0: a rejection of
+    probability ~0), p (the bonus row) where all were accepted. target_rows [B, V] p_{n+1}, written
+    over; draft_rows [R, V] q_{n+1} of the R rejected sessions, in order (None: none rejected);
+    rejected [B] bool."""
+    if draft_rows is None:
+        return target_rows
+    index = rejected.nonzero().squeeze(1)
+    every = len(index) == len(target_rows)
+    residual = (target_rows if every else target_rows[index]).sub(draft_rows).clamp_(min=0.0)  # [R, V]
+    empty = residual.sum(dim=-1) <= 0
+    if bool(empty.any()):
+        residual[empty] = target_rows[index[empty]]
+    if every:
+        return residual
+    target_rows[index] = residual
+    return target_rows
+
+
 def verify_greedy(candidates: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
-    """Exact match against the target's argmax.
+    """Exact match against the target's argmax (`verify_greedy_batch` for one session).
 
     candidates: [K] long; target_logits: [K+1, V] (row i scores position i+1).
     """
-    target_tokens = torch.argmax(target_logits, dim=-1)  # [K+1]
-    num_accepted = _first_true(candidates != target_tokens[: len(candidates)])
-    return Verdict(num_accepted, int(target_tokens[num_accepted]))
+    n, token = verify_greedy_batch(RoundBatch.of([candidates.tolist()]), target_logits)
+    return Verdict(int(n[0]), int(token[0]))
 
 
 def verify_sampled(
@@ -45,36 +127,36 @@ def verify_sampled(
     target_probs: torch.Tensor,
     generator: torch.Generator,
 ) -> Verdict:
-    """Rejection sampling: accept y_i while r_i < p_i(y_i) / q_i(y_i).
+    """Rejection sampling for one session (`verify_sampled_batch`).
 
     candidates: [K] long; draft_probs: [K, V] (q_i, what y_i was drawn from);
     target_probs: [K+1, V] (p_i, processed exactly like q). The output sequence is distributed as
     the target's.
     """
     k = len(candidates)
+    batch = RoundBatch.of([candidates.tolist()])
     positions = torch.arange(k)
-    p_y = target_probs[positions, candidates]  # [K]
-    q_y = draft_probs[positions, candidates]  # [K], > 0 since y_i ~ q_i
-    r = torch.rand(k, generator=generator, dtype=torch.float64)
-    num_accepted = _first_true(r >= (p_y / q_y).double())
-    if num_accepted < k:
-        distribution = residual_distribution(target_probs[num_accepted], draft_probs[num_accepted])
-    else:
-        distribution = target_probs[k]
-    return Verdict(num_accepted, int(torch.multinomial(distribution, 1, generator=generator)))
+    uniforms = torch.rand(k + 1, generator=generator, dtype=torch.float64)[None]  # [1, K + 1]
+
+    def final(n: torch.Tensor) -> torch.Tensor:
+        i = int(n[0])
+        return final_distributions(target_probs[i:i + 1].clone(), draft_probs[i:i + 1] if i < k else None,
+                                   torch.tensor([i < k]))
+
+    n, token = verify_sampled_batch(batch, draft_probs[positions, candidates][None], target_probs[positions, candidates][None],
+                                    uniforms, final)
+    return Verdict(int(n[0]), int(token[0]))
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Norm[(p - q)_+]. When p <= q everywhere (p == q up to rounding) a rejection had probability
-    ~0; p itself is then the right distribution."""
+    """Norm[(p - q)_+] over the last dimension. Where p <= q everywhere (p == q up to rounding) a
+    rejection had probability ~0; p itself is then the right distribution."""
     residual = torch.clamp(p - q, min=0.0)
-    total = residual.sum()
-    if total <= 0:
-        return p
-    return residual / total
+    total = residual.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), p)
 
 
-def _first_true(mask: torch.Tensor) -> int:
-    """Index of the first True in a 1-D mask, or its length when there is none."""
-    hits = torch.nonzero(mask)
-    return int(hits[0]) if len(hits) else len(mask)
+def _first_true_rows(mask: torch.Tensor) -> torch.Tensor:
+    """[B, K] bool -> [B] long: the index of each row's first True, K where there is none."""
+    padded = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=torch.bool)], dim=1)  # [B, K + 1]
+    return padded.to(torch.uint8).argmax(dim=1)

@@ -28,15 +28,10 @@ from specdec.metrics import MS_PER_S
 from specdec.models.runtime import DraftRole, KVSession, TargetRole
 from specdec.policies import PolicyConfig, StoppingPolicy, make_policy, validate_policy
 from specdec.protocol import ProposeItem, Refused, SessionMissing, VerifyItem, history_from_delta
-from specdec.rounds import DraftRow, Proposal, TargetRow, propose, verify
+from specdec.rounds import DraftRow, LogitsFilterFactory, Proposal, TargetRow, propose, verify
 from specdec.sampling import SamplingParams
 from specdec.sessions import SessionStore
 from specdec.verification import Verdict
-
-# sampling -> a function applied to the draft's logits before it samples (None: none). The served
-# draft truncates what it sends this way (services.convert.sparsify_logits).
-LogitsFilterFactory = Callable[[SamplingParams], Callable[[torch.Tensor], torch.Tensor] | None]
-
 
 @dataclass
 class DraftSession:
@@ -257,7 +252,7 @@ class DraftWorker(Worker):
     def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan()) -> list[Proposal | SessionMissing | Refused]:
         self._before_batch()
         answers = serve_batch(items, self._row, lambda rows: propose(
-            self.draft, rows, self.costs(plan), plan.other_sessions, self.timings))
+            self.draft, rows, self.costs(plan), plan.other_sessions, self.timings, self.logits_filter))
         if any(item.probe for item in items):  # the draft is off for the step: time a step of its size
             self.probe((min(len(items) + plan.other_sessions, max(PROBE_SIZES["draft"])),))
         return answers
@@ -279,10 +274,9 @@ class DraftWorker(Worker):
             entry.policy.end_round(num_candidates, num_accepted)
         entry.history = history
         self.sessions.put(item.session_id, entry)
-        logits_filter = self.logits_filter(item.sampling) if self.logits_filter else None
         limit = 0 if item.probe else item.max_candidates  # a probe item drafts nothing: its cache catches up later
         return DraftRow(entry.kv, history, entry.policy, limit, item.num_generated, item.sampling,
-                        item.seed.generator("draft"), logits_filter)
+                        item.seed.generator("draft"))
 
 
 class VerifierWorker(Worker):

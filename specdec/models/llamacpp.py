@@ -36,7 +36,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.errors import ModelSourceError, SpecDecError
-from specdec.models.runtime import DraftRole, Feed, KVSession, Runtime, TargetRole
+from specdec.models.runtime import DraftRole, Feed, KVSession, PassOutputs, Runtime, TargetRole
 
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
 DEFAULT_SEQUENCES = 64
@@ -240,27 +240,32 @@ class LlamaCppRuntime(Runtime):
             del session.tokens[length:]
 
     @torch.inference_mode()
-    def _forward(self, feeds: list[Feed]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _forward(self, feeds: list[Feed]) -> PassOutputs:
         for feed in feeds:  # llama.cpp aborts the process on a sequence longer than its cache
             if len(feed.session.tokens) + len(feed.tokens) > self.llama.n_ctx:
                 raise LlamaCppError(f"a session of {len(feed.session.tokens) + len(feed.tokens)} positions does not "
                                     f"fit llama.cpp's cache of {self.llama.n_ctx} (raise the llamacpp context)")
         self._reclaim()
-        results: list[tuple[torch.Tensor, torch.Tensor]] = []
+        logits: list[np.ndarray] = []
+        hidden: list[np.ndarray] = []
         # A pass of more sessions than sequences runs as several; a group may take the sequences
         # of the groups before it (their outputs are read), never of its own or later ones.
         for start in range(0, len(feeds), self.sequences):
-            results.extend(self._forward_group(feeds[start:start + self.sequences], protected=feeds[start:]))
-        return results
+            self._forward_group(feeds[start:start + self.sequences], feeds[start:], logits, hidden)
+        flat_logits = torch.from_numpy(np.stack(logits)) if logits else torch.empty((0, self.vocab_size))
+        flat_hidden = torch.from_numpy(np.stack(hidden)) if hidden else torch.empty((len(logits), 0))
+        return PassOutputs(flat_logits, flat_hidden, PassOutputs.bounds_of(feeds))
 
-    def _forward_group(self, feeds: list[Feed], protected: list[Feed]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _forward_group(self, feeds: list[Feed], protected: list[Feed], logits: list[np.ndarray],
+                       hidden: list[np.ndarray]) -> None:
+        """Run one group's feeds, appending their output rows to `logits` and `hidden`, feed by feed."""
         for feed in feeds:
             self._attach(feed.session, protected)
         # The pass as flat token entries: (feed index, token, wanted as an output).
         entries = [(f, token, j >= len(feed.tokens) - feed.num_outputs)
                    for f, feed in enumerate(feeds) for j, token in enumerate(feed.tokens)]
-        logits: list[list[np.ndarray]] = [[] for _ in feeds]
-        hidden: list[list[np.ndarray]] = [[] for _ in feeds]
+        rows: list[list[np.ndarray]] = [[] for _ in feeds]
+        states: list[list[np.ndarray]] = [[] for _ in feeds]
         n = self.llama.n_batch
         for chunk in [part[start:start + n] for part in self._parts(entries) for start in range(0, len(part), n)]:
             if self.llama.hidden:  # off for a chunk of unread tokens only
@@ -268,12 +273,13 @@ class LlamaCppRuntime(Runtime):
             self._decode(feeds, chunk, protected)
             for i, (f, _, wanted) in enumerate(chunk):
                 if wanted:
-                    logits[f].append(self.llama.logits(i))
+                    rows[f].append(self.llama.logits(i))
                     if self.llama.hidden:
-                        hidden[f].append(self.llama.embedding(i))
+                        states[f].append(self.llama.embedding(i))
         self.forward_passes += 1
-        return [(torch.from_numpy(np.stack(rows)), torch.from_numpy(np.stack(states)) if states
-                 else torch.empty((len(rows), 0))) for rows, states in zip(logits, hidden)]
+        for feed_rows, feed_states in zip(rows, states):
+            logits += feed_rows
+            hidden += feed_states
 
     def _parts(self, entries: list[tuple[int, int, bool]]) -> list[list[tuple[int, int, bool]]]:
         """The pass as one part, or with hidden states on as its unread tokens then its read ones

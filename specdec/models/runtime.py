@@ -27,14 +27,76 @@ from transformers import PreTrainedModel
 from specdec.models.cache import KV_KINDS, Feed, KVSession, supports_slots
 from specdec.models.formats import scales_activations_per_pass
 
-__all__ = ["CausalLMRuntime", "DraftOutput", "DraftRole", "DraftRuntime", "Feed", "KVSession", "Runtime", "TargetRole",
-           "TargetRuntime", "common_prefix_length"]
+__all__ = ["CausalLMRuntime", "DraftOutput", "DraftOutputs", "DraftRole", "DraftRuntime", "Feed", "KVSession",
+           "PassOutputs", "Runtime", "Scores", "TargetRole", "TargetRuntime", "common_prefix_length"]
+
+
+@dataclass(frozen=True)
+class PassOutputs:
+    """A pass's outputs, flat, feed by feed: feed f's are rows bounds[f]:bounds[f + 1]. Iterating
+    gives each feed's (logits, hidden)."""
+
+    logits: torch.Tensor  # [N, V] fp32, N = the feeds' num_outputs summed
+    hidden: torch.Tensor  # [N, H] (H = 0 where the runtime reads no hidden states)
+    bounds: list[int]  # [F + 1]
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def __getitem__(self, f: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lo, hi = self.bounds[f], self.bounds[f + 1]
+        return self.logits[lo:hi], self.hidden[lo:hi]
+
+    def __iter__(self):
+        return (self[f] for f in range(len(self)))
+
+    @staticmethod
+    def bounds_of(feeds: list[Feed]) -> list[int]:
+        bounds = [0]
+        for feed in feeds:
+            bounds.append(bounds[-1] + feed.num_outputs)
+        return bounds
 
 
 @dataclass(frozen=True)
 class DraftOutput:
     logits: torch.Tensor  # [V] fp32: the draft's next-token logits after the last fed token
     hidden: torch.Tensor  # [H]: the final hidden state at the last fed token (what the head reads)
+
+
+@dataclass(frozen=True)
+class DraftOutputs:
+    """A drafting pass's outputs, one row per session; indexing gives a session's `DraftOutput`."""
+
+    logits: torch.Tensor  # [B, V] fp32
+    hidden: torch.Tensor  # [B, H]
+
+    def __len__(self) -> int:
+        return self.logits.shape[0]
+
+    def __getitem__(self, b: int) -> DraftOutput:
+        return DraftOutput(self.logits[b], self.hidden[b])
+
+    def __iter__(self):
+        return (self[b] for b in range(len(self)))
+
+
+@dataclass(frozen=True)
+class Scores:
+    """A verification pass's logits, flat (vLLM's layout): session b's [K_b + 1, V] are rows
+    bounds[b]:bounds[b + 1]; indexing gives them."""
+
+    logits: torch.Tensor  # [T, V] fp32, T = sum of K_b + 1
+    bounds: list[int]  # [B + 1]
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def __getitem__(self, b: int) -> torch.Tensor:
+        return self.logits[self.bounds[b]:self.bounds[b + 1]]
+
+    def __iter__(self):
+        return (self[b] for b in range(len(self)))
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -81,10 +143,10 @@ class Runtime(ABC):
         """Keep only the first `length` cached positions."""
 
     @abstractmethod
-    def _forward(self, feeds: list[Feed]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Feed every session its tokens (extending `session.tokens`). Returns per feed (logits
-        [num_outputs, V] fp32, hidden [num_outputs, H]) for its last num_outputs positions, on the CPU
-        where sampling, verification and the head run."""
+    def _forward(self, feeds: list[Feed]) -> PassOutputs:
+        """Feed every session its tokens (extending `session.tokens`). Returns the logits and hidden
+        states of each feed's last num_outputs positions, flat, on the CPU where sampling,
+        verification and the head run."""
 
     def _pending(self, session: KVSession, sequence: list[int]) -> list[int]:
         """Crop the cache to its common prefix with `sequence`; return the tokens still to feed
@@ -133,23 +195,25 @@ class CausalLMRuntime(Runtime):
         self.kv.rollback(session, length)
 
     @torch.inference_mode()
-    def _forward(self, feeds: list[Feed]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _forward(self, feeds: list[Feed]) -> PassOutputs:
         """The LM head runs only on the positions asked for."""
         if self.first_token_alone:
             feeds = self._feed_first_tokens(feeds)
-        results = []
+        logits, hidden = [], []
         for part in self._passes(feeds):
-            hidden = self.kv.hidden_states(self.model, part)  # [sum num_outputs, H]
-            logits = self.model.lm_head(hidden).float()  # [sum num_outputs, V]
-            if logits.device.type != "cpu":
-                logits, hidden = logits.cpu(), hidden.float().cpu()
-            start = 0
+            states = self.kv.hidden_states(self.model, part)  # [sum num_outputs, H]
+            scores = self.model.lm_head(states).float()  # [sum num_outputs, V]
+            if scores.device.type != "cpu":
+                scores, states = scores.cpu(), states.float().cpu()
+            logits.append(scores)
+            hidden.append(states)
             for feed in part:
-                results.append((logits[start:start + feed.num_outputs], hidden[start:start + feed.num_outputs]))
-                start += feed.num_outputs
                 feed.session.tokens.extend(feed.tokens)
             self.forward_passes += 1
-        return results
+        if len(logits) != 1:  # several passes (max_tokens_per_pass), or none
+            logits = [torch.cat(logits)] if logits else [torch.empty((0, self.vocab_size))]
+            hidden = [torch.cat(hidden)] if hidden else [torch.empty((0, self.hidden_size))]
+        return PassOutputs(logits[0], hidden[0], PassOutputs.bounds_of(feeds))
 
     def _feed_first_tokens(self, feeds: list[Feed]) -> list[Feed]:
         """Feed the first token of every session that starts in this call in a pass of its own; returns
@@ -193,19 +257,20 @@ class CausalLMRuntime(Runtime):
 class DraftRole(Runtime):
     """The draft model: catches up on committed tokens, then drafts one token per session per step."""
 
-    def start(self, sessions: list[KVSession], histories: list[list[int]]) -> list[DraftOutput]:
+    def start(self, sessions: list[KVSession], histories: list[list[int]]) -> DraftOutputs:
         """Extend each cache with every committed token it lacks (corrections included) before
         drafting; returns each session's distribution of y_1."""
         feeds = [Feed(s, self._pending(s, h), 1) for s, h in zip(sessions, histories)]
         return self._draft_outputs(feeds)
 
-    def step(self, sessions: list[KVSession], tokens: list[int]) -> list[DraftOutput]:
+    def step(self, sessions: list[KVSession], tokens: list[int]) -> DraftOutputs:
         """Feed each session its candidate y_i; returns e_i (its hidden state) and the logits of q_{i+1}."""
         return self._draft_outputs([Feed(s, [t], 1) for s, t in zip(sessions, tokens)])
 
-    def _draft_outputs(self, feeds: list[Feed]) -> list[DraftOutput]:
+    def _draft_outputs(self, feeds: list[Feed]) -> DraftOutputs:
         self.fed_tokens += sum(len(f.tokens) for f in feeds)
-        return [DraftOutput(logits=logits[0], hidden=hidden[0]) for logits, hidden in self._forward(feeds)]
+        out = self._forward(feeds)  # one output per feed
+        return DraftOutputs(out.logits, out.hidden)
 
 
 class TargetRole(Runtime):
@@ -213,12 +278,13 @@ class TargetRole(Runtime):
     every session in one pass (a different K each)."""
 
     def score(self, sessions: list[KVSession], histories: list[list[int]],
-              candidates: list[list[int]]) -> list[torch.Tensor]:
+              candidates: list[list[int]]) -> Scores:
         """Returns per session logits [K+1, V] fp32: row i is the target's next-token logits after
         history + y_1..y_i (row 0 scores y_1, row K gives the bonus distribution)."""
         feeds = [Feed(s, self._pending(s, h) + c, len(c) + 1) for s, h, c in zip(sessions, histories, candidates)]
         self.fed_tokens += sum(len(f.tokens) for f in feeds)
-        return [logits for logits, _ in self._forward(feeds)]
+        out = self._forward(feeds)
+        return Scores(out.logits, out.bounds)
 
 
 class DraftRuntime(DraftRole, CausalLMRuntime):

@@ -42,7 +42,9 @@ class Decision(enum.Enum):
 class DraftStep:
     index: int  # i: 1-based index of the candidate just drafted in this round
     token: int  # y_i
-    probs: torch.Tensor  # [V] q_i, the draft distribution y_i was drawn from (plain softmax when greedy)
+    # [V] q_i, the draft distribution y_i was drawn from (plain softmax when greedy); None for a greedy
+    # step of a policy that does not read it (`PolicyTraits.reads_distribution`)
+    probs: torch.Tensor | None
     prev_hidden: torch.Tensor | None  # [H] e_{i-1}, the draft's final hidden state at y_{i-1}; None when i = 1
     num_generated: int  # tokens generated before this round; y_i would be generated token number num_generated + i
     # [H] the hidden state q_i was computed from: e_{i-1}, and at i = 1 the state at the last committed
@@ -63,6 +65,8 @@ class PolicyTraits:
     # Its round lengths come from the batch's verification budget (specdec/budget.py): the policy
     # supplies acceptance estimates (`estimate`), the budget decides who drafts on and what is kept.
     budgeted: bool = False
+    # Reads the draft's distribution q_i (`DraftStep.probs`) even when greedy.
+    reads_distribution: bool = False
 
     @property
     def servable(self) -> bool:
@@ -106,6 +110,17 @@ class StoppingPolicy(ABC):
     def estimate(self, step: DraftStep) -> Estimate:
         """Budgeted policies only: the acceptance estimates of y_i (`decide` is then not asked)."""
         raise NotImplementedError(f"policy {self.name!r} is not budgeted")
+
+    # A drafting step asks every session's policy at once, one call per policy class: a policy
+    # with a model (the acceptance head) overrides these to run it once for all of them.
+
+    @classmethod
+    def decide_many(cls, policies: list[StoppingPolicy], steps: list[DraftStep]) -> list[Decision]:
+        return [policy.decide(step) for policy, step in zip(policies, steps)]
+
+    @classmethod
+    def estimate_many(cls, policies: list[StoppingPolicy], steps: list[DraftStep]) -> list[Estimate]:
+        return [policy.estimate(step) for policy, step in zip(policies, steps)]
 
 
 def check_threshold(name: str, value: float) -> float:

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from specdec.policies.base import Decision, DraftStep, StoppingPolicy, check_count, check_threshold
+from specdec.policies.base import Decision, DraftStep, PolicyTraits, StoppingPolicy, check_count, check_threshold
 
 
 class Confidence(StoppingPolicy):
@@ -8,6 +8,7 @@ class Confidence(StoppingPolicy):
     token drafted while the draft's top probability was below the threshold."""
 
     name = "confidence"
+    traits = PolicyTraits(reads_distribution=True)
     DEFAULT_THRESHOLD, DEFAULT_MAX_K = 0.4, 20  # HF's defaults
 
     def __init__(self, threshold: float = DEFAULT_THRESHOLD, max_candidates: int = DEFAULT_MAX_K):

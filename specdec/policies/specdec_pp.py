@@ -12,50 +12,78 @@ def rejection_probability(acceptance_probs: torch.Tensor) -> float:
     return 1.0 - float(torch.prod(acceptance_probs))
 
 
-def judged_acceptance(head: AcceptanceHead, step: DraftStep) -> float | None:
-    """The head's acceptance probability for the candidate it can judge at drafting step i.
+def judged_acceptances(head: AcceptanceHead, steps: list[DraftStep]) -> list[float | None]:
+    """The head's acceptance probability for the candidate it can judge at each step, every
+    session's in one head call.
 
     The paper's `hidden` head reads e_j, the state after the draft has read y_j, which only the
     next draft pass produces: at step i it judges y_{i-1} from `prev_hidden` (None at i = 1). A
     `hidden+distribution` head reads the state q_i came from and q_i at y_i, all known as soon as
     y_i is sampled: it judges y_i itself, before the next draft pass is paid for (features.py)."""
     if head.config.judges_current:
-        if step.hidden is None:
-            raise ValueError("a hidden+distribution head needs DraftStep.hidden")
-        scalars = distribution_features(step.probs, torch.tensor(step.token), torch.tensor(step.index), step.greedy)
-        return float(head.acceptance_probability(head.head_inputs(step.hidden.float(), scalars)))
-    if step.prev_hidden is None:
-        return None
-    return float(head.acceptance_probability(step.prev_hidden))
+        if any(s.hidden is None or s.probs is None for s in steps):
+            raise ValueError("a hidden+distribution head needs DraftStep.hidden and DraftStep.probs")
+        scalars = distribution_features(torch.stack([s.probs for s in steps]), torch.tensor([s.token for s in steps]),
+                                        torch.tensor([s.index for s in steps]),
+                                        torch.tensor([s.greedy for s in steps]))  # [B, S]
+        hidden = torch.stack([s.hidden for s in steps]).float()  # [B, H]
+        return head.acceptance_probability(head.head_inputs(hidden, scalars)).tolist()
+    judged: list[float | None] = [None] * len(steps)
+    rows = [b for b, s in enumerate(steps) if s.prev_hidden is not None]
+    if rows:
+        values = head.acceptance_probability(torch.stack([steps[b].prev_hidden for b in rows]))  # [R]
+        for b, value in zip(rows, values.tolist()):
+            judged[b] = value
+    return judged
 
 
-# Candidates whose acceptance `expected_acceptance` evaluates; the rest of q's mass gets the value
+def judged_acceptance(head: AcceptanceHead, step: DraftStep) -> float | None:
+    """`judged_acceptances` for one step."""
+    return judged_acceptances(head, [step])[0]
+
+
+# Candidates whose acceptance `expected_acceptances` evaluates; the rest of q's mass gets the value
 # of the last one. A q-weighted mean over them needs one small batch through the head.
 EXPECTATION_TOKENS = 8
 
 
-def expected_acceptance(head: AcceptanceHead, step: DraftStep) -> float | None:
-    """The head's acceptance for the candidate of step i, not knowing which token it is: what a
+def expected_acceptances(head: AcceptanceHead, steps: list[DraftStep]) -> list[float | None]:
+    """The head's acceptance for the candidate of each step, not knowing which token it is: what a
     decision about keeping y_i in the round may depend on without breaking losslessness
-    (base.py). For the paper's head and for greedy requests that is `judged_acceptance` (the former
-    never reads y_i, the latter's y_i is the argmax of q_i). For a `hidden+distribution` head and a
-    sampled y_i it is E_{y ~ q_i} a(y), over the EXPECTATION_TOKENS likeliest tokens of q_i with
-    the remaining mass at the last one's value: a function of q_i alone."""
-    if not head.config.judges_current or step.greedy:
-        return judged_acceptance(head, step)
-    if step.hidden is None:
+    (base.py). For the paper's head and for greedy requests that is `judged_acceptances` (the
+    former never reads y_i, the latter's y_i is the argmax of q_i). For a `hidden+distribution` head and a sampled y_i it is
+    E_{y ~ q_i} a(y), over the EXPECTATION_TOKENS likeliest tokens of q_i with the remaining mass at
+    the last one's value: a function of q_i alone. Every session's in one head call."""
+    blind = [None] * len(steps)
+    sampled = [b for b, s in enumerate(steps) if head.config.judges_current and not s.greedy]
+    plain = sorted(set(range(len(steps))) - set(sampled))
+    if plain:
+        for b, value in zip(plain, judged_acceptances(head, [steps[b] for b in plain])):
+            blind[b] = value
+    if not sampled:
+        return blind
+    if any(steps[b].hidden is None for b in sampled):
         raise ValueError("a hidden+distribution head needs DraftStep.hidden")
-    probs = step.probs.float()
-    top = probs.topk(min(EXPECTATION_TOKENS, probs.numel()))  # values, indices [m]
-    m = len(top.values)
+    probs = torch.stack([steps[b].probs for b in sampled]).float()  # [R, V]
+    top = probs.topk(min(EXPECTATION_TOKENS, probs.shape[-1]), dim=-1)  # values, indices [R, m]
+    m = top.values.shape[-1]
     # the m tokens share every feature but log q(y) (column 0): compute the rest once over [V]
-    scalars = distribution_features(probs, top.indices[0], torch.tensor(step.index), step.greedy).expand(m, -1).clone()  # [m, S]
-    scalars[:, 0] = torch.log(top.values.clamp_min(MIN_PROB))
-    hidden = step.hidden.float().expand(m, -1)  # [m, H]
-    acceptance = head.acceptance_probability(head.head_inputs(hidden, scalars)).double()  # [m]
+    scalars = distribution_features(probs, top.indices[:, 0], torch.tensor([steps[b].index for b in sampled]),
+                                    False)[:, None, :].expand(-1, m, -1).clone()  # [R, m, S]
+    scalars[..., 0] = torch.log(top.values.clamp_min(MIN_PROB))
+    hidden = torch.stack([steps[b].hidden for b in sampled]).float()[:, None, :].expand(-1, m, -1)  # [R, m, H]
+    acceptance = head.acceptance_probability(head.head_inputs(hidden, scalars)).double()  # [R, m]
     values = top.values.double()
-    rest = max(0.0, 1.0 - float(values.sum()))
-    return float((values * acceptance).sum()) + rest * float(acceptance[-1])
+    rest = (1.0 - values.sum(-1)).clamp_min(0.0)  # [R]
+    expected = (values * acceptance).sum(-1) + rest * acceptance[:, -1]  # [R]
+    for b, value in zip(sampled, expected.tolist()):
+        blind[b] = value
+    return blind
+
+
+def expected_acceptance(head: AcceptanceHead, step: DraftStep) -> float | None:
+    """`expected_acceptances` for one step."""
+    return expected_acceptances(head, [step])[0]
 
 
 class SpecDecPP(StoppingPolicy):
@@ -66,7 +94,7 @@ class SpecDecPP(StoppingPolicy):
     `hidden+distribution` head it is y_i (`judged_acceptance`)."""
 
     name = "specdec++"
-    traits = PolicyTraits(needs_head=True)
+    traits = PolicyTraits(needs_head=True, reads_distribution=True)
     DEFAULT_THRESHOLD = 0.7  # the paper's robust choice (D=3, w_rej=6, h=0.7), for a head without its own
     DEFAULT_MAX_K = 20  # the paper stops every round at 20 candidates
 
@@ -83,9 +111,28 @@ class SpecDecPP(StoppingPolicy):
         self._accept_all = 1.0
 
     def decide(self, step: DraftStep) -> Decision:
-        acceptance = judged_acceptance(self.head, step)
+        return self._decide(judged_acceptance(self.head, step))
+
+    @classmethod
+    def decide_many(cls, policies: list[SpecDecPP], steps: list[DraftStep]) -> list[Decision]:
+        """One head call for every session sharing a head."""
+        return [p._decide(a) for p, a in zip(policies, _by_head(policies, steps, judged_acceptances))]
+
+    def _decide(self, acceptance: float | None) -> Decision:
         if acceptance is not None:
             self._accept_all *= acceptance
         if 1.0 - self._accept_all > self.threshold:
             return Decision.STOP
         return Decision.CONTINUE
+
+
+def _by_head(policies: list, steps: list[DraftStep], estimate) -> list:
+    """`estimate(head, steps)` for the policies' steps, one call per head they hold (usually one)."""
+    out: list = [None] * len(steps)
+    groups: dict[int, list[int]] = {}
+    for b, policy in enumerate(policies):
+        groups.setdefault(id(policy.head), []).append(b)
+    for rows in groups.values():
+        for b, value in zip(rows, estimate(policies[rows[0]].head, [steps[b] for b in rows])):
+            out[b] = value
+    return out

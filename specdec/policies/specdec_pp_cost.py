@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from specdec.head import AcceptanceHead
 from specdec.policies.base import Decision, DraftStep, Estimate, PolicyTraits, StoppingPolicy, check_count
-from specdec.policies.specdec_pp import expected_acceptance, judged_acceptance
+from specdec.policies.specdec_pp import _by_head, expected_acceptances, judged_acceptances
 
 UNKNOWN_ACCEPTANCE = 1.0  # a_1 before the paper's head has seen anything: keep y_1, decide at step 2
 MAX_ABSTAIN = 8  # rounds decoded without drafting, at most, after a round that dropped y_1
@@ -35,7 +35,7 @@ MAX_ABSTAIN = 8  # rounds decoded without drafting, at most, after a round that 
 
 class SpecDecPPCost(StoppingPolicy):
     name = "specdec++cost"
-    traits = PolicyTraits(needs_head=True, budgeted=True)
+    traits = PolicyTraits(needs_head=True, budgeted=True, reads_distribution=True)
     DEFAULT_MAX_K = 20  # the paper's cap on a round
 
     def __init__(self, head: AcceptanceHead, max_candidates: int = DEFAULT_MAX_K):
@@ -64,9 +64,22 @@ class SpecDecPPCost(StoppingPolicy):
         self._drafted = False
 
     def estimate(self, step: DraftStep) -> Estimate:
-        judged = judged_acceptance(self.head, step)
+        return self.estimate_many([self], [step])[0]
+
+    @classmethod
+    def estimate_many(cls, policies: list[SpecDecPPCost], steps: list[DraftStep]) -> list[Estimate]:
+        """Every session's estimates with one head call per kind of estimate (judged, blind)."""
+        judged = _by_head(policies, steps, judged_acceptances)
+        blind = list(judged)  # the judged value where the keep decision may read it (`expected_acceptances`)
+        sampled = [b for b, (p, s) in enumerate(zip(policies, steps)) if p.head.config.judges_current and not s.greedy]
+        if sampled:
+            for b, value in zip(sampled, _by_head([policies[b] for b in sampled], [steps[b] for b in sampled],
+                                                  expected_acceptances)):
+                blind[b] = value
+        return [p._estimate(j, bl) for p, j, bl in zip(policies, judged, blind)]
+
+    def _estimate(self, judged: float | None, blind: float | None) -> Estimate:
         if self.head.config.judges_current:  # judged: a(y_i), which the keep decision must not read
-            blind = judged if step.greedy else expected_acceptance(self.head, step)
             return Estimate(blind=blind, known=judged)
         previous = judged  # judged: a_{i-1}; a_i (unknown) is estimated by it
         if judged is not None:

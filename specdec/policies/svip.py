@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from specdec.policies.base import Decision, DraftStep, StoppingPolicy, check_count, check_threshold
+from specdec.policies.base import Decision, DraftStep, PolicyTraits, StoppingPolicy, check_count, check_threshold
 
 
 def entropy(probs: torch.Tensor) -> float:
@@ -18,6 +18,7 @@ class SVIP(StoppingPolicy):
     function of the draft entropy; stop once sqrt(gamma * H(q_i)) > threshold."""
 
     name = "svip"
+    traits = PolicyTraits(reads_distribution=True)
     DEFAULT_GAMMA, DEFAULT_THRESHOLD, DEFAULT_MAX_K = 0.15, 0.3, 40  # the official defaults
 
     def __init__(self, threshold: float = DEFAULT_THRESHOLD, gamma: float = DEFAULT_GAMMA,

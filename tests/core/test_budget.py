@@ -12,7 +12,7 @@ from specdec.budget import (StepBudget, best_allocation, curve_probe, draining_a
 from specdec.cost_profile import CostProfile, LiveCosts, PassTiming
 from specdec.features import FEATURES_DISTRIBUTION
 from specdec.head import AcceptanceHead, HeadConfig
-from specdec.models.runtime import DraftOutput, KVSession
+from specdec.models.runtime import DraftOutputs, KVSession
 from specdec.policies import FixedK, SpecDecPPCost
 from specdec.rounds import DraftRow, propose
 from specdec.sampling import SamplingParams
@@ -133,11 +133,11 @@ class ScriptedDraft:
     def __init__(self, script: dict[int, float]):
         self.script, self.passes, self.fed_tokens = script, [], 0
 
-    def _outputs(self, sessions: list[KVSession]) -> list[DraftOutput]:
+    def _outputs(self, sessions: list[KVSession]) -> DraftOutputs:
         self.passes.append(len(sessions))
         self.fed_tokens += len(sessions)
-        return [DraftOutput(torch.log(torch.tensor([self.script[s.seq], 1 - self.script[s.seq]])), torch.zeros(HIDDEN))
-                for s in sessions]
+        return DraftOutputs(torch.log(torch.tensor([[self.script[s.seq], 1 - self.script[s.seq]] for s in sessions])),
+                            torch.zeros(len(sessions), HIDDEN))
 
     def start(self, sessions, histories):
         return self._outputs(sessions)

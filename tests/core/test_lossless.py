@@ -153,14 +153,15 @@ class DecisionSpy:
 
     def __call__(self, *args, **kwargs):
         policy = self.make_policy(*args, **kwargs)
-        decide = policy.decide
+        name = "_decide" if hasattr(policy, "_decide") else "decide"  # a head's policy decides the batch's steps at once
+        decide = getattr(policy, name)
 
-        def recorded(step):
-            decision = decide(step)
+        def recorded(*step):
+            decision = decide(*step)
             self.decisions[decision] += 1
             return decision
 
-        policy.decide = recorded
+        setattr(policy, name, recorded)
         return policy
 
 

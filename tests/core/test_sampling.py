@@ -9,7 +9,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from specdec.sampling import SamplingParams, choose_token, probs_from_logits
+from scipy.stats import chisquare
+
+from specdec.sampling import BLOCK, SamplingParams, argmax, choose_token, probs_from_logits, sample
 
 LOGITS = torch.tensor([2.0, -1.0, 0.5, 3.0, 0.0, -2.5])  # distinct values: no ties at a cut-off
 
@@ -117,3 +119,27 @@ def test_choose_token_samples_with_the_generator():
     filtered = probs_from_logits(LOGITS, SamplingParams(temperature=1.0, top_k=2))
     generator = torch.Generator().manual_seed(6)
     assert {choose_token(filtered, params, generator) for _ in range(100)} == {0, 3}
+
+
+def test_argmax_by_blocks_is_torch_argmax_ties_included():
+    rows = torch.randn(6, 3 * BLOCK + 17, generator=torch.Generator().manual_seed(1))
+    rows[1, 5] = rows[1, BLOCK + 3] = 50.0  # a tie across blocks: the first
+    rows[2, -1] = 60.0  # in the short last block
+    rows[3, BLOCK - 1] = rows[3, BLOCK] = 70.0  # at a block edge
+    assert torch.equal(argmax(rows), torch.argmax(rows, dim=-1))
+
+
+def test_sample_by_blocks_follows_the_distribution_and_never_draws_zero_mass():
+    """Mass at block edges and in the short last block; 100,000 draws against a chi-squared test."""
+    generator = torch.Generator().manual_seed(2)
+    width = 3 * BLOCK + 17
+    probs = torch.zeros(width)
+    probs[torch.randperm(width, generator=generator)[:12]] = torch.rand(12, generator=generator)
+    probs[BLOCK - 1], probs[BLOCK], probs[-1] = 0.3, 0.2, 0.1
+    uniforms = torch.rand(100_000, generator=generator, dtype=torch.float64)
+    tokens = sample(probs[None].expand(len(uniforms), width), uniforms)
+    counts = torch.bincount(tokens, minlength=width).double()
+    support = probs > 0
+    assert counts[~support].sum() == 0
+    expected = probs[support].double() / probs.sum() * len(uniforms)
+    assert chisquare(counts[support].numpy(), expected.numpy() * counts.sum().item() / expected.sum().item()).pvalue > 1e-3

@@ -1,0 +1,122 @@
+"""Host work per step: what the round loop costs besides the forward passes, by concurrency.
+
+    python benchmarks/host_work.py [--concurrency 1 2 4 8 16 32 64] [--policy fixed:4] [--temperatures 0 1]
+                                   [--out docs/results/host-work/NAME.json]
+
+Tiny random Qwen2 models (a 1-layer draft and a 2-layer target, hidden 16 and 32) with the default
+pair's real vocabulary (151,936 tokens) and its tokenizer, so every per-row cost of the step
+(softmax, sampling, verification, the copy of the logits, detokenization) is paid at full size while
+the passes themselves cost almost nothing. C prompts of 64 synthetic tokens decode 64 new tokens
+each in one batch (every session shares every step), in process (`SpecDecEngine.generate_many`).
+Host work per step = (wall - the time inside every forward pass, logits on the host included) /
+the target passes: on a GPU, the part of a step the device does not do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from specdec.bench.forward import synthetic_tokens
+from specdec.bench.specs import parse_spec
+from specdec.builder import EngineConfig, load_tokenizer, model_dir
+from specdec.engine import SpecDecEngine
+from specdec.loop import BatchConfig
+from specdec.models.runtime import DraftRuntime, TargetRuntime
+from specdec.params import GenerationParams
+from specdec.sampling import SamplingParams
+
+VOCAB = 151_936  # the default pair's
+PROMPT_TOKENS, NEW_TOKENS = 64, 64
+
+
+def tiny_model(hidden: int, layers: int, seed: int) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         initializer_range=0.2, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(config).eval()
+
+
+class TimedForward:
+    """Wraps a runtime's `_forward` to add up its wall time and count its passes."""
+
+    def __init__(self, runtime):
+        self.inner, self.seconds, self.calls = runtime._forward, 0.0, 0
+        runtime._forward = self
+
+    def __call__(self, feeds):
+        start = time.perf_counter()
+        try:
+            return self.inner(feeds)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+
+def measure(engine: SpecDecEngine, timers, concurrency: int, params: GenerationParams, repeats: int) -> dict:
+    runs = []
+    for r in range(repeats):
+        prompts = [synthetic_tokens(PROMPT_TOKENS, VOCAB, offset=97 * i + r) for i in range(concurrency)]
+        for timer in timers:
+            timer.seconds, timer.calls = 0.0, 0
+        start = time.perf_counter()
+        results = engine.generate_many(prompts, params)
+        wall = time.perf_counter() - start
+        steps = timers[1].calls
+        forward = sum(t.seconds for t in timers)
+        runs.append({"wall_s": wall, "steps": steps, "forward_s": forward,
+                     "host_ms_per_step": 1e3 * (wall - forward) / max(steps, 1),
+                     "tokens": sum(x.stats.generated_tokens for x in results)})
+    best = min(runs, key=lambda run: run["host_ms_per_step"])
+    return {**best, "host_ms_per_step_median": statistics.median(run["host_ms_per_step"] for run in runs),
+            "repeats": repeats}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--policy", default="fixed:4", help="a bench spec: fixed:4, target-only, ...")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--repeats", type=int, default=3, help="runs per cell (the least host work is reported)")
+    parser.add_argument("--out", type=Path, help="write the figures here as JSON")
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    tokenizer = load_tokenizer(model_dir(EngineConfig(), "target"))
+    draft, target = DraftRuntime(tiny_model(16, 1, seed=1)), TargetRuntime(tiny_model(32, 2, seed=2))
+    engine = SpecDecEngine(draft, target, tokenizer, batch=BatchConfig(max_sessions_per_step=max(args.concurrency)))
+    timers = TimedForward(draft), TimedForward(target)
+    policy = parse_spec(args.policy).policy_config()
+    rows = {}
+    print(f"host ms per step ({args.policy}, {NEW_TOKENS} new tokens, least of {args.repeats} runs)")
+    print("| concurrency | " + " | ".join(f"T = {t:g}" for t in args.temperatures) + " |")
+    print("|---|" + "---|" * len(args.temperatures))
+    for temperature in args.temperatures:  # every batch size once, untimed
+        params = GenerationParams(max_new_tokens=8, chat_template=False, policy=policy,
+                                  sampling=SamplingParams(temperature=temperature, seed=0))
+        for c in args.concurrency:
+            engine.generate_many([synthetic_tokens(PROMPT_TOKENS, VOCAB, offset=5 + i) for i in range(c)], params)
+    for c in args.concurrency:
+        cells = []
+        for temperature in args.temperatures:
+            params = GenerationParams(max_new_tokens=NEW_TOKENS, chat_template=False, policy=policy,
+                                      sampling=SamplingParams(temperature=temperature, seed=0))
+            row = measure(engine, timers, c, params, args.repeats)
+            rows[f"T={temperature:g}@{c}"] = row
+            cells.append(f"{row['host_ms_per_step']:.1f}")
+        print(f"| {c} | " + " | ".join(cells) + " |", flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"policy": args.policy, "prompt_tokens": PROMPT_TOKENS,
+                                        "new_tokens": NEW_TOKENS, "torch_threads": torch.get_num_threads(),
+                                        "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Committing a round's tokens: incremental detokenization and stop strings (specdec/sequences.py)."""
+
+from specdec.params import FINISH_LENGTH, FINISH_STOP, GenerationParams
+from specdec.sequences import RequestRules, SampleState
+from tiny import byte_tokenizer
+
+TOKENIZER = byte_tokenizer()
+RULES = RequestRules(TOKENIZER, eos_token_ids=(), max_context=256, vocab_size=len(TOKENIZER), has_head=False)
+
+
+def ids(text: str) -> list[int]:
+    return TOKENIZER.encode(text, add_special_tokens=False)
+
+
+def test_text_grows_by_whole_characters_and_ends_as_the_whole_decode():
+    """'é' and '€' are 2 and 3 byte tokens: a round may end inside one. The streamed pieces never
+    carry a half character, and the text is the whole text's decode."""
+    tokens = ids("a é b €!")
+    params = GenerationParams(max_new_tokens=len(tokens))
+    sample, pieces = SampleState([1]), []
+    for token in tokens:
+        _, text = RULES.commit(sample, [token], params)
+        pieces.append(text)
+    assert sample.finish_reason == FINISH_LENGTH
+    assert sample.text == "".join(pieces) == TOKENIZER.decode(tokens) == "a é b €!"
+    assert not any("\ufffd" in piece for piece in pieces)
+    assert sample.decoded == len(tokens)
+
+
+def test_a_stop_string_before_a_half_character_cuts_in_the_same_round():
+    """The round's text ends inside 'é' (held back), but the stop string before it is found now and
+    the ids end with the token completing it."""
+    before, stop, after = ids("ab"), ids("\n"), ids("é")
+    params = GenerationParams(max_new_tokens=20, stop=("\n",))
+    sample = SampleState([1])
+    RULES.commit(sample, before, params)
+    new_ids, text = RULES.commit(sample, stop + after[:1], params)
+    assert sample.finish_reason == FINISH_STOP
+    assert sample.text == "ab" and text == ""
+    assert sample.generated == before + stop and new_ids == stop
