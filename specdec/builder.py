@@ -52,9 +52,10 @@ class EngineConfig(BaseModel):
     # Sessions per step and tokens per pass (specdec/loop.py); shared by the in-process engine,
     # the replicas and the served coordinator.
     batch: BatchConfig = BatchConfig()
-    # "slots": many sessions per pass (models/cache.py); "reference": the batch-1 path, one pass per
-    # session (kept to compare against).
-    kv_cache: Literal["slots", "reference"] = "slots"
+    # "slots": many sessions per pass, each in buffers that grow (models/cache.py); "static": many
+    # sessions per pass in one cache allocated once with fixed shapes, the GPU's layout
+    # (models/static.py); "reference": the batch-1 path, one pass per session (kept to compare against).
+    kv_cache: Literal["slots", "static", "reference"] = "slots"
     # Which kernels run the models: "llamacpp" reads a GGUF file as it is (models/llamacpp.py),
     # "torch" runs a Hugging Face model (a GGUF converted once to fp32); "auto" = llamacpp for
     # `default` and .gguf sources (faster and a tenth of the memory on CPU, docs/performance.md),

@@ -42,8 +42,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                        help="sessions one step advances at most (default 16; the others wait their turn)")
     group.add_argument("--max-pass-tokens", type=int, default=None,
                        help="tokens one forward pass feeds at most; more run as several passes (default: no limit)")
-    group.add_argument("--kv-cache", default="slots", choices=["slots", "reference"],
-                       help="slots: many sessions per pass; reference: the batch-1 path, one pass per session")
+    group.add_argument("--kv-cache", default="slots", choices=["slots", "static", "reference"],
+                       help="slots: many sessions per pass; static: the same in one preallocated cache (the GPU's "
+                            "layout); reference: the batch-1 path, one pass per session")
 
 
 def add_generation_flags(parser: argparse.ArgumentParser) -> None:

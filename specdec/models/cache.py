@@ -205,9 +205,10 @@ class SlotKV:
     def rollback(self, session: KVSession, length: int) -> None:
         del session.tokens[length:]  # the slot's positions past `length` become scratch
 
-    def hidden_states(self, model, feeds: list[Feed]) -> torch.Tensor:
+    def hidden_states(self, model, feeds: list[Feed], protected: list[Feed] = ()) -> torch.Tensor:
         """One pass over every feed; returns the final hidden states [sum num_outputs, H] of each
-        feed's last num_outputs positions, feed by feed."""
+        feed's last num_outputs positions, feed by feed. (`protected`: the sessions a pooled cache
+        must not evict; none here.)"""
         batch = RaggedBatch([f.session.slot for f in feeds], [len(f.session) for f in feeds],
                             [len(f.tokens) for f in feeds])
         device = model.device
@@ -234,7 +235,7 @@ class ReferenceKV:
             session.dynamic.crop(length - len(session.tokens))  # a negative count removes that many positions
             del session.tokens[length:]
 
-    def hidden_states(self, model, feeds: list[Feed]) -> torch.Tensor:
+    def hidden_states(self, model, feeds: list[Feed], protected: list[Feed] = ()) -> torch.Tensor:
         rows = []
         for f in feeds:
             input_ids = torch.tensor([f.tokens], dtype=torch.long, device=model.device)
@@ -242,5 +243,3 @@ class ReferenceKV:
             rows.append(out.last_hidden_state[0, len(f.tokens) - f.num_outputs:])
         return torch.cat(rows)
 
-
-KV_KINDS = {"slots": SlotKV, "reference": ReferenceKV}

@@ -12,10 +12,9 @@ tokens (a prefill, a catch-up) with them off first. Rollback is `llama_memory_se
 length on.
 
 Sequences and cache cells are finite, and a session's cache is only a cache (models/runtime.py):
-a session gets a sequence at its first pass; when none is free, or a pass finds no room in the
-cache, the least recently used sessions outside the pass lose theirs (their next call re-prefills).
-A session dropped anywhere (released, evicted, failed) hands its sequence back through a finalizer,
-which only queues the id: llama.cpp is called from the runtime's own thread.
+a session gets a sequence from the runtime's slot pool (models/pool.py) at its first pass; when none
+is free, or a pass finds no room in the cache, the least recently used sessions outside the pass
+lose theirs (their next call re-prefills).
 
 llama.cpp's numerics depend on how many tokens share a pass (its matrix kernels differ by batch
 size), so a verification pass over K + 1 tokens can score a token slightly differently from
@@ -27,8 +26,6 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-import weakref
-from collections import OrderedDict, deque
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +33,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.errors import ModelSourceError, SpecDecError
+from specdec.models.pool import SlotPool
 from specdec.models.runtime import DraftRole, Feed, KVSession, PassOutputs, Runtime, TargetRole
 
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
@@ -214,9 +212,7 @@ class LlamaCppRuntime(Runtime):
         self.identity, self.name = identity, name
         self.forward_passes = 0
         self.sequences = self.max_pass_sessions = options.sequences
-        self._free = list(range(options.sequences - 1, -1, -1))  # a stack of unused sequence ids
-        self._owners: OrderedDict[int, tuple[weakref.ref, weakref.finalize]] = OrderedDict()  # LRU first
-        self._dropped: deque[int] = deque()  # sequences of sessions gone; appended from any thread
+        self.pool = SlotPool(options.sequences, free=lambda seq: self.llama.remove(seq, 0))  # sessions' sequences
 
     @property
     def vocab_size(self) -> int:
@@ -245,7 +241,7 @@ class LlamaCppRuntime(Runtime):
             if len(feed.session.tokens) + len(feed.tokens) > self.llama.n_ctx:
                 raise LlamaCppError(f"a session of {len(feed.session.tokens) + len(feed.tokens)} positions does not "
                                     f"fit llama.cpp's cache of {self.llama.n_ctx} (raise the llamacpp context)")
-        self._reclaim()
+        self.pool.reclaim()
         logits: list[np.ndarray] = []
         hidden: list[np.ndarray] = []
         # A pass of more sessions than sequences runs as several; a group may take the sequences
@@ -259,8 +255,9 @@ class LlamaCppRuntime(Runtime):
     def _forward_group(self, feeds: list[Feed], protected: list[Feed], logits: list[np.ndarray],
                        hidden: list[np.ndarray]) -> None:
         """Run one group's feeds, appending their output rows to `logits` and `hidden`, feed by feed."""
-        for feed in feeds:
-            self._attach(feed.session, protected)
+        for feed in feeds:  # groups fit the sequences: a session always gets one
+            if not self.pool.attach(feed.session, [f.session for f in protected]):
+                raise LlamaCppError("no llama.cpp sequence to spare")
         # The pass as flat token entries: (feed index, token, wanted as an output).
         entries = [(f, token, j >= len(feed.tokens) - feed.num_outputs)
                    for f, feed in enumerate(feeds) for j, token in enumerate(feed.tokens)]
@@ -307,48 +304,9 @@ class LlamaCppRuntime(Runtime):
                 for f, token, _ in chunk:
                     feeds[f].session.tokens.append(token)
                 return
-            if status != NO_KV_SLOT or not self._evict_one(protected):
+            if status != NO_KV_SLOT or not self.pool.evict_one([f.session for f in protected]):
                 raise LlamaCppError(f"llama.cpp decode failed (status {status}) for {len(tokens)} tokens of "
                                     f"{len(offsets)} sessions; the cache holds {self.llama.n_ctx} positions")
-
-    def _attach(self, session: KVSession, protected: list[Feed]) -> None:
-        """Give the session a sequence (its own, or a free or evicted one) and mark it recently used."""
-        if session.seq is not None and session.seq in self._owners:
-            self._owners.move_to_end(session.seq)
-            return
-        if not self._free and not self._evict_one(protected):
-            raise LlamaCppError("no llama.cpp sequence to spare")  # unreachable: groups fit the sequences
-        seq = self._free.pop()
-        session.seq = seq
-        session.tokens.clear()
-        finalizer = weakref.finalize(session, self._dropped.append, seq)
-        self._owners[seq] = (weakref.ref(session), finalizer)
-
-    def _evict_one(self, keep: list[Feed]) -> bool:
-        """Take the sequence of the least recently used session outside `keep`; False if none."""
-        kept = {id(feed.session) for feed in keep}
-        for seq, (ref, _) in self._owners.items():
-            session = ref()
-            if session is None or id(session) not in kept:
-                self._release(seq)
-                if session is not None:
-                    session.seq = None
-                    session.tokens.clear()
-                return True
-        return False
-
-    def _release(self, seq: int) -> None:
-        _, finalizer = self._owners.pop(seq)
-        finalizer.detach()
-        self.llama.remove(seq, 0)
-        self._free.append(seq)
-
-    def _reclaim(self) -> None:
-        """Free the sequences of sessions dropped since the last pass."""
-        while self._dropped:
-            seq = self._dropped.popleft()
-            if seq in self._owners and self._owners[seq][0]() is None:
-                self._release(seq)
 
 
 class LlamaCppDraftRuntime(DraftRole, LlamaCppRuntime):

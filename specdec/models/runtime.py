@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from specdec.models.cache import KV_KINDS, Feed, KVSession, supports_slots
+from specdec.models.cache import Feed, KVSession, ReferenceKV, SlotKV, supports_slots
+from specdec.models.static import StaticKV
 from specdec.models.formats import scales_activations_per_pass
 
 __all__ = ["CausalLMRuntime", "DraftOutput", "DraftOutputs", "DraftRole", "DraftRuntime", "Feed", "KVSession",
@@ -107,6 +108,11 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     return n
 
 
+# The torch runtime's KV caches by name (`--kv-cache`): one ragged pass over per-session slots that
+# grow (CPU), one preallocated cache with fixed shapes (static: the GPU's), the batch-1 reference.
+KV_KINDS = {"slots": SlotKV, "static": StaticKV, "reference": ReferenceKV}
+
+
 class Runtime(ABC):
     """The batched runtime interface the rounds call (`DraftRole.start/step`, `TargetRole.score`):
     sessions, rollback and one `_forward` over many sessions' feeds. A backend (torch here,
@@ -165,9 +171,10 @@ class CausalLMRuntime(Runtime):
                  max_tokens_per_pass: int | None = None):
         self.model = model.eval()
         self.identity, self.name = identity, name
-        if kv == "slots" and not supports_slots(self.model):
+        if kv != "reference" and not supports_slots(self.model):
             kv = "reference"  # sliding-window layers: one session per pass
         self.kv = KV_KINDS[kv](self.model)
+        self.max_pass_sessions = getattr(self.kv, "max_pass_sessions", None)  # the static cache's rows
         self.max_tokens_per_pass = max_tokens_per_pass
         self.first_token_alone = scales_activations_per_pass(self.model)
         self.forward_passes = 0
@@ -186,7 +193,7 @@ class CausalLMRuntime(Runtime):
 
     @property
     def max_context(self) -> int:
-        return self.model.config.max_position_embeddings
+        return min(self.model.config.max_position_embeddings, getattr(self.kv, "capacity", float("inf")))
 
     def new_session(self) -> KVSession:
         return self.kv.new_session()
@@ -200,8 +207,10 @@ class CausalLMRuntime(Runtime):
         if self.first_token_alone:
             feeds = self._feed_first_tokens(feeds)
         logits, hidden = [], []
+        done = 0
         for part in self._passes(feeds):
-            states = self.kv.hidden_states(self.model, part)  # [sum num_outputs, H]
+            states = self.kv.hidden_states(self.model, part, protected=feeds[done:])  # [sum num_outputs, H]
+            done += len(part)
             scores = self.model.lm_head(states).float()  # [sum num_outputs, V]
             if scores.device.type != "cpu":
                 scores, states = scores.cpu(), states.float().cpu()
@@ -231,7 +240,7 @@ class CausalLMRuntime(Runtime):
             return feeds
         sinks = [Feed(feeds[i].session, feeds[i].tokens[:1], 0) for i in starting]
         for part in self._passes(sinks):
-            self.kv.hidden_states(self.model, part)
+            self.kv.hidden_states(self.model, part, protected=feeds)
             for feed in part:
                 feed.session.tokens.extend(feed.tokens)
             self.forward_passes += 1
@@ -241,12 +250,14 @@ class CausalLMRuntime(Runtime):
         return feeds
 
     def _passes(self, feeds: list[Feed]) -> list[list[Feed]]:
-        """Feeds grouped into passes of at most max_tokens_per_pass tokens, in order."""
-        if self.max_tokens_per_pass is None:
+        """Feeds grouped into passes of at most max_tokens_per_pass tokens and max_pass_sessions
+        sessions, in order."""
+        if self.max_tokens_per_pass is None and self.max_pass_sessions is None:
             return [feeds] if feeds else []
+        most_tokens, most_sessions = self.max_tokens_per_pass or float("inf"), self.max_pass_sessions or len(feeds)
         passes, tokens = [], 0
         for feed in feeds:
-            if not passes or tokens + len(feed.tokens) > self.max_tokens_per_pass:
+            if not passes or tokens + len(feed.tokens) > most_tokens or len(passes[-1]) == most_sessions:
                 passes.append([])
                 tokens = 0
             passes[-1].append(feed)

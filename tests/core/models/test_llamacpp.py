@@ -163,12 +163,12 @@ def test_a_dropped_session_hands_its_sequence_back(gguf_pair):
     target = LlamaCppTargetRuntime(gguf_pair[1], options=options(sequences=2))
     sessions = [target.new_session() for _ in range(2)]
     target.score(sessions, [PROMPTS[0], PROMPTS[1]], [[1], [2]])
-    assert target._free == []
+    assert target.pool._free == []
     del sessions
     gc.collect()
     keep = target.new_session()
     target.score([keep], [PROMPTS[2]], [[3]])  # reclaims both, takes one
-    assert len(target._free) == 1 and keep.seq is not None
+    assert len(target.pool._free) == 1 and keep.seq is not None
 
 
 def test_a_full_cache_evicts_other_sessions_and_a_session_that_cannot_fit_fails_clearly(gguf_pair, hf_target):

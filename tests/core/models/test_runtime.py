@@ -11,7 +11,8 @@ from tiny import tiny_model
 VOCAB = 40
 PROMPT = [3, 17, 5, 9, 22, 1]
 CANDIDATES = [7, 8, 9, 10]
-KV_KINDS = ("slots", "reference")
+KV_KINDS = ("slots", "static", "reference")
+BATCHED = ("slots", "static")  # the caches that run many sessions per pass
 
 
 @pytest.fixture(scope="module", params=KV_KINDS)
@@ -99,9 +100,10 @@ HISTORIES = [PROMPT, [1, 2, 3], list(range(10, 30)), [5]]
 RAGGED_CANDIDATES = [[7, 8, 9, 10], [], [4], [6, 6]]
 
 
-def test_a_ragged_verification_pass_gives_each_session_its_own_rows():
+@pytest.mark.parametrize("kv", BATCHED)
+def test_a_ragged_verification_pass_gives_each_session_its_own_rows(kv):
     model = tiny_model(VOCAB, hidden_size=32, layers=2, seed=7)
-    batched, alone = TargetRuntime(model, kv="slots"), TargetRuntime(model, kv="reference")
+    batched, alone = TargetRuntime(model, kv=kv), TargetRuntime(model, kv="reference")
     sessions = [batched.new_session() for _ in HISTORIES]
     passes = batched.forward_passes
     rows = batched.score(sessions, HISTORIES, RAGGED_CANDIDATES)
@@ -112,10 +114,11 @@ def test_a_ragged_verification_pass_gives_each_session_its_own_rows():
         torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_sessions_roll_back_on_their_own_and_keep_sharing_passes():
+@pytest.mark.parametrize("kv", BATCHED)
+def test_sessions_roll_back_on_their_own_and_keep_sharing_passes(kv):
     """Round after round: each session accepts a different prefix, rolls back, and the next pass
     (committed tail plus new candidates, a prefill joining) still matches a fresh prefill."""
-    target = TargetRuntime(tiny_model(VOCAB, hidden_size=32, layers=2, seed=7), kv="slots")
+    target = TargetRuntime(tiny_model(VOCAB, hidden_size=32, layers=2, seed=7), kv=kv)
     histories = [list(h) for h in HISTORIES[:3]]
     sessions = [target.new_session() for _ in histories]
     generator = torch.Generator().manual_seed(0)
@@ -136,9 +139,10 @@ def test_sessions_roll_back_on_their_own_and_keep_sharing_passes():
             assert session.tokens == histories[b][:-1]
 
 
-def test_batched_draft_steps_match_single_sessions():
+@pytest.mark.parametrize("kv", BATCHED)
+def test_batched_draft_steps_match_single_sessions(kv):
     model = tiny_model(VOCAB, hidden_size=16, layers=1, seed=8)
-    batched, alone = DraftRuntime(model, kv="slots"), DraftRuntime(model, kv="reference")
+    batched, alone = DraftRuntime(model, kv=kv), DraftRuntime(model, kv="reference")
     sessions = [batched.new_session() for _ in HISTORIES]
     outs = batched.start(sessions, HISTORIES)
     outs_step = batched.step(sessions[:2], [11, 12])  # two sessions draft on, two stopped

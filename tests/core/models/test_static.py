@@ -1,0 +1,83 @@
+"""The static KV cache (models/static.py): rows from a slot pool, eviction, capacity, and the engine
+on it (many sessions per pass: tests/core/models/test_runtime.py runs it beside the slot cache)."""
+
+import gc
+
+import pytest
+import torch
+
+from specdec.engine import SpecDecEngine
+from specdec.models.runtime import DraftRuntime, TargetRuntime
+from specdec.models.static import StaticKV
+from specdec.params import build_params
+from tiny import tiny_model
+
+VOCAB = 40
+PROMPTS = [[3, 17, 5, 9, 22, 1], [1, 2, 3], list(range(10, 30))]
+
+
+def reference(model, history, candidates):
+    alone = TargetRuntime(model, kv="reference")
+    [logits] = alone.score([alone.new_session()], [history], [candidates])
+    return logits
+
+
+def small_static(model, slots: int, capacity: int = 64) -> TargetRuntime:
+    runtime = TargetRuntime(model, kv="static")
+    runtime.kv = StaticKV(model, slots=slots, capacity=capacity)
+    runtime.max_pass_sessions = slots
+    return runtime
+
+
+def test_a_session_evicted_for_another_reprefills_from_its_history():
+    model = tiny_model(VOCAB, hidden_size=32, layers=2, seed=7)
+    target = small_static(model, slots=2)
+    a, b, c = (target.new_session() for _ in range(3))
+    target.score([a, b], PROMPTS[:2], [[4], [5]])
+    target.score([b], [PROMPTS[1] + [5]], [[6]])  # b is now the most recently used
+    target.score([c], [PROMPTS[2]], [[7]])  # takes a's row
+    assert a.seq is None and a.tokens == [] and {b.seq, c.seq} == {0, 1}
+    [logits] = target.score([a], [PROMPTS[0] + [4]], [[8]])  # a re-prefills (evicting b)
+    torch.testing.assert_close(logits, reference(model, PROMPTS[0] + [4], [8]), rtol=1e-4, atol=1e-4)
+
+
+def test_a_pass_of_more_sessions_than_rows_runs_as_several():
+    model = tiny_model(VOCAB, hidden_size=32, layers=2, seed=7)
+    target = small_static(model, slots=2)
+    sessions = [target.new_session() for _ in PROMPTS]
+    passes = target.forward_passes
+    rows = target.score(sessions, PROMPTS, [[4], [], [6, 7]])
+    assert target.forward_passes == passes + 2
+    for prompt, candidates, logits in zip(PROMPTS, [[4], [], [6, 7]], rows):
+        torch.testing.assert_close(logits, reference(model, prompt, candidates), rtol=1e-4, atol=1e-4)
+
+
+def test_a_dropped_session_hands_its_row_back():
+    target = small_static(tiny_model(VOCAB, hidden_size=32, layers=2, seed=7), slots=2)
+    sessions = [target.new_session() for _ in range(2)]
+    target.score(sessions, PROMPTS[:2], [[1], [2]])
+    assert target.kv.pool._free == []
+    del sessions
+    gc.collect()
+    keep = target.new_session()
+    target.score([keep], [PROMPTS[2]], [[3]])
+    assert len(target.kv.pool._free) == 1 and keep.seq is not None
+
+
+def test_the_context_is_the_cache_capacity_and_a_longer_session_fails_clearly():
+    target = small_static(tiny_model(VOCAB, hidden_size=32, layers=2, seed=7), slots=2, capacity=16)
+    assert target.max_context == 16
+    with pytest.raises(ValueError, match="does not fit"):
+        target.score([target.new_session()], [list(range(1, 15))], [[3, 4, 5]])
+
+
+def test_the_engine_on_static_caches_decodes_greedily_as_target_only_on_slots():
+    def pair(kv: str) -> SpecDecEngine:  # a model's attention is set by its cache: one pair each
+        return SpecDecEngine(DraftRuntime(tiny_model(VOCAB, hidden_size=16, layers=1, seed=8), kv=kv),
+                             TargetRuntime(tiny_model(VOCAB, hidden_size=32, layers=2, seed=7), kv=kv))
+
+    static, slots = pair("static"), pair("slots")
+    prompts = [p + [9] * i for i, p in enumerate(PROMPTS * 2)]
+    got = static.generate_many(prompts, build_params(policy="fixed", k=3, max_new_tokens=12, chat_template=False))
+    want = slots.generate_many(prompts, build_params(policy="target-only", max_new_tokens=12, chat_template=False))
+    assert [r.completions[0].token_ids for r in got] == [r.completions[0].token_ids for r in want]
