@@ -56,6 +56,9 @@ class EngineConfig(BaseModel):
     # sessions per pass in one cache allocated once with fixed shapes, the GPU's layout
     # (models/static.py); "reference": the batch-1 path, one pass per session (kept to compare against).
     kv_cache: Literal["slots", "static", "reference"] = "slots"
+    # With the static cache on CUDA: drafting steps and verifications replay CUDA graphs captured per
+    # bucket of sessions, tokens and length; off: eager (the reference).
+    cuda_graphs: bool = True
     # Which kernels run the models: "llamacpp" reads a GGUF file as it is (models/llamacpp.py),
     # "torch" runs a Hugging Face model (a GGUF converted once to fp32); "auto" = llamacpp for
     # `default` and .gguf sources (faster and a tenth of the memory on CPU, docs/performance.md),
@@ -158,7 +161,8 @@ def llamacpp_options(config: EngineConfig) -> LlamaCppOptions:
 
 
 def runtime_options(config: EngineConfig) -> dict:
-    return {"kv": config.kv_cache, "max_tokens_per_pass": config.batch.max_tokens_per_pass}
+    return {"kv": config.kv_cache, "max_tokens_per_pass": config.batch.max_tokens_per_pass,
+            "graphs": config.cuda_graphs}
 
 
 def head_path(config: EngineConfig) -> str | None:

@@ -45,6 +45,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache", default="slots", choices=["slots", "static", "reference"],
                        help="slots: many sessions per pass; static: the same in one preallocated cache (the GPU's "
                             "layout); reference: the batch-1 path, one pass per session")
+    group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                       help="with --kv-cache static on CUDA: run every pass eagerly instead of replaying captured graphs")
 
 
 def add_generation_flags(parser: argparse.ArgumentParser) -> None:
@@ -89,7 +91,7 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(draft=args.draft, target=args.target, head=args.head, cache_dir=args.cache_dir,
                         draft_format=args.draft_format, target_format=args.target_format,
                         draft_vocab=args.draft_vocab, draft_quant=args.draft_quant, threads=args.threads,
-                        device=args.device, batch=batch, kv_cache=args.kv_cache, runtime=args.runtime,
+                        device=args.device, batch=batch, kv_cache=args.kv_cache, cuda_graphs=args.cuda_graphs, runtime=args.runtime,
                         llamacpp=llamacpp)
 
 

@@ -12,7 +12,8 @@ Sections, in order:
   pass replayed as a CUDA graph; each a median in ms. `graph_vs_eager` is the largest logit
   difference between a replay and the eager static pass on fresh ids, `static_vs_runtime` the
   same against the runtime (bf16: expect ~1e-2 of the logits' scale).
-- loop: the engine (one round loop, in process) with a self-draft (the target's own weights draft,
+- loop: the engine (one round loop, in process; with the static cache and captured graphs, then
+  today's slot cache) with a self-draft (the target's own weights draft,
   so greedy accepts every candidate: the ceiling), random prompts, greedy, at concurrency 1-64 for
   target-only, fixed K and the default policy (a random head: its stops mean nothing, its costs
   do). tokens/s, and host time per verification pass: wall minus every forward pass's time.
@@ -191,9 +192,13 @@ class TimedForward:
             self.calls += 1
 
 
-def loop_throughput(report: Report, name: str, model, concurrency, policies, new_tokens: int) -> None:
+def loop_throughput(report: Report, name: str, model, concurrency, policies, new_tokens: int,
+                    kv: str = "slots") -> None:
+    """`kv`: the runtimes' cache: `slots` (eager, per-session buffers) or `static` (one preallocated
+    cache, drafting steps and verifications replayed as CUDA graphs: models/static.py)."""
     config = model.config
-    draft, target = DraftRuntime(model), TargetRuntime(model)  # the self-draft: the target's own weights
+    # the self-draft: the target's own weights (one cache each: a static cache is per runtime)
+    draft, target = DraftRuntime(model, kv=kv, graphs=True), TargetRuntime(model, kv=kv, graphs=True)
     torch.manual_seed(0)
     head = AcceptanceHead(HeadConfig(hidden_size=config.hidden_size, depth=1, draft_identity="gpu-bench")).eval()
     engine = SpecDecEngine(draft, target, head=head, batch=BatchConfig(max_sessions_per_step=max(concurrency)))
@@ -225,7 +230,7 @@ def loop_throughput(report: Report, name: str, model, concurrency, policies, new
                 "draft_forward_s": timers[0].seconds, "target_forward_s": timers[1].seconds,
                 "host_ms_per_target_pass": 1e3 * (wall - forward) / max(1, verify_passes),
                 "acceptance": accepted / drafted if drafted else None}
-            report.put("loop", name, results)
+            report.put("loop", f"{name}/{kv}" if kv != "slots" else name, results)
 
 
 def main() -> None:
@@ -236,6 +241,8 @@ def main() -> None:
     parser.add_argument("--sections", nargs="+", default=["passes", "loop"])
     parser.add_argument("--shapes", nargs="+", default=list(PASS_SHAPES), help="the passes section's shapes")
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES), help="the passes section's B")
+    parser.add_argument("--loop-kv", nargs="+", default=["static", "slots"], choices=["static", "slots"],
+                        help="the loop section's caches (static: captured graphs on CUDA)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -269,10 +276,16 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if "loop" in args.sections and report.time_left() > 30:
-        start = time.perf_counter()
         model = random_model(shapes[LOOP_SHAPE], device, dtype)
-        loop_throughput(report, LOOP_SHAPE, model, concurrency, LOOP_POLICIES, new_tokens)
-        print(f"loop {LOOP_SHAPE}: {time.perf_counter() - start:.0f} s", flush=True)
+        for kv in args.loop_kv:
+            if report.time_left() < 30:
+                break
+            start = time.perf_counter()
+            try:
+                loop_throughput(report, LOOP_SHAPE, model, concurrency, LOOP_POLICIES, new_tokens, kv)
+            except Exception as exc:  # a first run of a path on a GPU: keep what the others measured
+                report.put("loop", f"{LOOP_SHAPE}/{kv}", {"error": f"{type(exc).__name__}: {exc}"[:500]})
+            print(f"loop {LOOP_SHAPE} ({kv}): {time.perf_counter() - start:.0f} s", flush=True)
     report.data["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     report.save()
     print_summary(report.data)

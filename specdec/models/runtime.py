@@ -168,12 +168,14 @@ class CausalLMRuntime(Runtime):
     kind = "torch"
 
     def __init__(self, model: PreTrainedModel, identity: str = "", name: str = "", kv: str = "slots",
-                 max_tokens_per_pass: int | None = None):
+                 max_tokens_per_pass: int | None = None, graphs: bool = False):
+        """`graphs`: with the static cache on CUDA, replay drafting steps and verifications as
+        captured CUDA graphs (models/static.py)."""
         self.model = model.eval()
         self.identity, self.name = identity, name
         if kv != "reference" and not supports_slots(self.model):
             kv = "reference"  # sliding-window layers: one session per pass
-        self.kv = KV_KINDS[kv](self.model)
+        self.kv = StaticKV(self.model, graphs=graphs) if kv == "static" else KV_KINDS[kv](self.model)
         self.max_pass_sessions = getattr(self.kv, "max_pass_sessions", None)  # the static cache's rows
         self.max_tokens_per_pass = max_tokens_per_pass
         self.first_token_alone = scales_activations_per_pass(self.model)

@@ -16,8 +16,12 @@ feeds 2, session b (row 0) holds 2 and feeds 1: input_ids [[a5 a6] [b2 0]], posi
 a's keys land in row 3 at 5, 6, b's in row 0 at 2 (the pad at 8, scratch); rows are gathered up to
 position 6, and the pad's query attends key 0 alone (its output is never read).
 
-Eager here; on CUDA the same pass is what a graph captures (benchmarks/gpu/static_pass.py measured
-it: a 0.5B draft step at batch 1 in 2.72 ms captured).
+On CUDA with `graphs` on, a pass of at most GRAPH_SESSIONS[-1] sessions feeding at most
+GRAPH_TOKENS[-1] tokens each (drafting steps, verifications; not prefills) is padded up to a bucket
+(sessions, tokens, gathered length: powers of two) and replayed as a CUDA graph captured at the
+bucket's first use: one launch instead of hundreds (benchmarks/gpu/static_pass.py measured it on an
+H100: a 0.5B draft step at batch 1 in 2.78 ms captured, 30.8 eager). Padding sessions write to a
+scratch row (`slots`). Eager (`graphs` off, and on the CPU) is the reference the tests compare against.
 """
 
 from __future__ import annotations
@@ -36,6 +40,14 @@ from specdec.models.pool import SlotPool
 STATIC_ATTENTION = "specdec_static"
 DEFAULT_SLOTS = 64  # rows: sessions one cache holds
 DEFAULT_CAPACITY = 4096  # positions per row
+GRAPH_SESSIONS = (1, 2, 4, 8, 16, 32, 64)  # captured batch sizes (a pass is padded up to one)
+GRAPH_TOKENS = (1, 2, 4, 8, 16)  # captured tokens per session
+MIN_GRAPH_LENGTH = 256  # gathered positions per row, captured in powers of two from here
+
+
+def bucket(value: int, sizes) -> int | None:
+    """The smallest of `sizes` holding `value` (None: none does)."""
+    return next((size for size in sizes if size >= value), None)
 
 
 @dataclass
@@ -51,17 +63,22 @@ class StaticBatch:
 class StaticKV:
     """Every session in a row of one preallocated cache (the module docstring)."""
 
-    def __init__(self, model, slots: int = DEFAULT_SLOTS, capacity: int = DEFAULT_CAPACITY):
+    def __init__(self, model, slots: int = DEFAULT_SLOTS, capacity: int = DEFAULT_CAPACITY, graphs: bool = False):
         config = model.config
         model.set_attn_implementation(STATIC_ATTENTION)
         self.capacity = min(capacity, config.max_position_embeddings)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        shape = (slots, self.capacity + 1, config.num_key_value_heads, head_dim)  # + 1: the pads' scratch position
+        # + 1 row and position: the padding sessions' and tokens' scratch
+        shape = (slots + 1, self.capacity + 1, config.num_key_value_heads, head_dim)
         dtype = next(model.parameters()).dtype
         self.keys = [torch.zeros(shape, dtype=dtype, device=model.device) for _ in range(config.num_hidden_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=model.device) for _ in range(config.num_hidden_layers)]
         self.pool = SlotPool(slots)
         self.max_pass_sessions = slots
+        self.graphs = graphs  # on the CPU: the buckets' padding, replayed eagerly (what the tests check)
+        self._captured: dict[tuple[int, int, int], CapturedPass] = {}
+        on_cuda = graphs and model.device.type == "cuda"
+        self._graph_pool = torch.cuda.graph_pool_handle() if on_cuda else None  # shared by every capture
 
     def new_session(self) -> KVSession:
         return KVSession()  # a row is attached at its first pass
@@ -94,12 +111,76 @@ class StaticKV:
         batch = StaticBatch(torch.tensor([f.session.seq for f in feeds], device=device), positions, mask, length)
         input_ids = torch.tensor([f.tokens + [0] * (width - len(f.tokens)) for f in feeds], dtype=torch.long,
                                  device=device)  # [B, k]
-        out = model.model(input_ids=input_ids, position_ids=positions.clamp(max=self.capacity - 1),
-                          attention_mask={"full_attention": None}, use_cache=False, static=batch, static_kv=self)
+        captured = self._captured_pass(model, len(feeds), width, length) if self.graphs else None
+        if captured is not None:
+            last_hidden = captured.run(input_ids, batch)  # [B, k, H]
+        else:
+            last_hidden = self.forward(model, input_ids, batch)
         rows = [(b, i) for b, f in enumerate(feeds) for i in range(len(f.tokens) - f.num_outputs, len(f.tokens))]
         index_b = torch.tensor([b for b, _ in rows], device=device)
         index_i = torch.tensor([i for _, i in rows], device=device)
-        return out.last_hidden_state[index_b, index_i]  # [sum num_outputs, H]
+        return last_hidden[index_b, index_i]  # [sum num_outputs, H]
+
+    def forward(self, model, input_ids: torch.Tensor, batch: StaticBatch) -> torch.Tensor:
+        """input_ids [B, k] -> the final hidden states [B, k, H], writing the tokens' keys and values."""
+        return model.model(input_ids=input_ids, position_ids=batch.positions.clamp(max=self.capacity - 1),
+                           attention_mask={"full_attention": None}, use_cache=False, static=batch,
+                           static_kv=self).last_hidden_state
+
+    def _captured_pass(self, model, sessions: int, tokens: int, length: int) -> CapturedPass | None:
+        """The graph for this pass's bucket, captured at its first use; None where the pass is
+        larger than every bucket (a prefill: eager)."""
+        key = (bucket(sessions, GRAPH_SESSIONS), bucket(tokens, GRAPH_TOKENS),
+               bucket(length, [MIN_GRAPH_LENGTH << i for i in range(32)]))
+        if None in key or key[2] > self.capacity + 1:
+            return None
+        if key not in self._captured:
+            self._captured[key] = CapturedPass(self, model, *key)
+        return self._captured[key]
+
+
+class CapturedPass:
+    """`StaticKV.forward` for one bucket (B sessions, k tokens, L gathered positions) captured as a
+    CUDA graph over fixed input tensors; `run` copies a smaller pass into them (the rest: padding on
+    the scratch row) and replays. Off CUDA nothing is captured and `run` runs the padded pass eagerly."""
+
+    def __init__(self, kv: StaticKV, model, sessions: int, tokens: int, length: int, warmup: int = 2):
+        device = model.device
+        self.kv, self.model, self.length, self.graph = kv, model, length, None
+        self.input_ids = torch.zeros((sessions, tokens), dtype=torch.long, device=device)
+        scratch_row, scratch_position = kv.pool.size, kv.capacity
+        self.batch = StaticBatch(torch.full((sessions,), scratch_row, device=device),
+                                 torch.full((sessions, tokens), scratch_position, device=device),
+                                 torch.zeros((sessions, 1, tokens, length), dtype=torch.bool, device=device), length)
+        self.batch.mask[..., 0] = True
+        if device.type != "cuda":
+            return
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):  # cuBLAS and the allocator set up outside the capture
+            for _ in range(warmup):
+                kv.forward(model, self.input_ids, self.batch)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=kv._graph_pool):
+            self.hidden = kv.forward(model, self.input_ids, self.batch)  # [B, k, H]
+
+    def run(self, input_ids: torch.Tensor, batch: StaticBatch) -> torch.Tensor:
+        """input_ids [b, t] and its batch (b <= B, t <= k, its length <= L) -> hidden [b, t, H]."""
+        b, t = input_ids.shape
+        self.input_ids.zero_()
+        self.input_ids[:b, :t] = input_ids
+        self.batch.rows.fill_(self.kv.pool.size)
+        self.batch.rows[:b] = batch.rows
+        self.batch.positions.fill_(self.kv.capacity)
+        self.batch.positions[:b, :t] = batch.positions
+        self.batch.mask.zero_()
+        self.batch.mask[..., 0] = True
+        self.batch.mask[:b, :, :t, :batch.length] = batch.mask
+        if self.graph is None:
+            return self.kv.forward(self.model, self.input_ids, self.batch)[:b, :t]
+        self.graph.replay()
+        return self.hidden[:b, :t]
 
 
 def static_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

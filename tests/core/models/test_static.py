@@ -8,6 +8,7 @@ import torch
 
 from specdec.engine import SpecDecEngine
 from specdec.models.runtime import DraftRuntime, TargetRuntime
+from specdec.models import static
 from specdec.models.static import StaticKV
 from specdec.params import build_params
 from tiny import tiny_model
@@ -22,9 +23,9 @@ def reference(model, history, candidates):
     return logits
 
 
-def small_static(model, slots: int, capacity: int = 64) -> TargetRuntime:
+def small_static(model, slots: int, capacity: int = 64, graphs: bool = False) -> TargetRuntime:
     runtime = TargetRuntime(model, kv="static")
-    runtime.kv = StaticKV(model, slots=slots, capacity=capacity)
+    runtime.kv = StaticKV(model, slots=slots, capacity=capacity, graphs=graphs)
     runtime.max_pass_sessions = slots
     return runtime
 
@@ -81,3 +82,27 @@ def test_the_engine_on_static_caches_decodes_greedily_as_target_only_on_slots():
     got = static.generate_many(prompts, build_params(policy="fixed", k=3, max_new_tokens=12, chat_template=False))
     want = slots.generate_many(prompts, build_params(policy="target-only", max_new_tokens=12, chat_template=False))
     assert [r.completions[0].token_ids for r in got] == [r.completions[0].token_ids for r in want]
+
+
+def test_passes_padded_to_their_graph_bucket_give_the_eager_outputs(monkeypatch):
+    """What a CUDA graph replays: the pass padded to a bucket of sessions, tokens and length, the
+    padding on the scratch row (on the CPU nothing is captured; the padded pass runs eagerly).
+    Round after round (3 sessions -> bucket 4, K = 0..2 -> k bucket 4, lengths past 32 -> 64),
+    every row equals an unpadded eager pass's."""
+    monkeypatch.setattr(static, "MIN_GRAPH_LENGTH", 32)
+    padded_model, eager_model = (tiny_model(VOCAB, hidden_size=32, layers=2, seed=7) for _ in range(2))
+    padded = small_static(padded_model, slots=4, capacity=128, graphs=True)
+    eager = small_static(eager_model, slots=4, capacity=128)
+    histories = [list(range(1, 9)), [5, 6], [7] * 28]
+    sessions = {runtime: [runtime.new_session() for _ in histories] for runtime in (padded, eager)}
+    eager.score(sessions[eager], histories, [[] for _ in histories])  # prefills: eager on both
+    padded.score(sessions[padded], histories, [[] for _ in histories])
+    for round_index in range(3):
+        candidates = [[(3 * b + round_index) % VOCAB] * ((b + round_index) % 3) for b in range(len(histories))]
+        got = padded.score(sessions[padded], histories, candidates)
+        want = eager.score(sessions[eager], histories, candidates)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        for b in range(len(histories)):
+            histories[b] = histories[b] + candidates[b] + [int(want[b][-1].argmax())]
+    assert sorted(padded.kv._captured) == [(4, 4, 32), (4, 4, 64)]
