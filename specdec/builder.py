@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Literal
 
@@ -20,6 +21,7 @@ from specdec.heads import resolve_head
 from specdec.models.formats import WeightFormat, apply_weight_format
 from specdec.models.llamacpp import LlamaCppDraftRuntime, LlamaCppOptions, LlamaCppTargetRuntime, llamacpp_available
 from specdec.models.runtime import DraftRole, DraftRuntime, TargetRole, TargetRuntime
+from specdec.models.static import DEFAULT_CAPACITY
 from specdec.models.sources import (DEFAULT_DRAFT_QUANT, REQUANT_FTYPES, SHIPPED, model_identity, requantize_gguf,
                                     resolve_gguf, resolve_model)
 from specdec.models.vocab import FULL as FULL_VOCAB
@@ -91,28 +93,81 @@ def resolve_runtime(config: EngineConfig, source: str) -> str:
         return config.runtime
     is_gguf = source == "default" or source.lower().endswith(".gguf")
     on_cpu = resolve_device(config.device).type == "cpu"
-    return "llamacpp" if is_gguf and on_cpu and llamacpp_available() else "torch"
+    return "llamacpp" if is_gguf and on_cpu and RUNTIMES["llamacpp"].available() else "torch"
 
 
-def model_dir(config: EngineConfig, role: Role, progress: bool = True) -> Path:
-    """The directory with a model's config and tokenizer (no weights loaded)."""
-    source = config.draft if role == "draft" else config.target
-    if resolve_runtime(config, source) == "llamacpp":
+class RuntimeBackend(ABC):
+    """How one runtime builds a role from a model source: its files, its limits, its defaults. The
+    builder asks the registry (`RUNTIMES`, by `EngineConfig.runtime` or `resolve_runtime`) instead of
+    comparing runtime names."""
+
+    name: str
+    # The draft weights `draft_quant: auto` means for the default draft (models/sources.py).
+    default_draft_quant: str = SHIPPED
+
+    def available(self) -> bool:
+        return True
+
+    @abstractmethod
+    def meta_dir(self, config: EngineConfig, source: str, role: Role, progress: bool) -> Path:
+        """The directory with the model's config and tokenizer (no weights loaded)."""
+
+    def context_limit(self, config: EngineConfig) -> int | None:
+        """Positions a session may hold beyond the model's own limit (None: none)."""
+        return None
+
+    @abstractmethod
+    def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]: ...
+
+    @abstractmethod
+    def target(self, config: EngineConfig, progress: bool, load=None) -> tuple[TargetRole, Path]: ...
+
+
+class TorchBackend(RuntimeBackend):
+    """transformers models in torch (models/runtime.py); a GGUF source is converted once."""
+
+    name = "torch"
+
+    def meta_dir(self, config: EngineConfig, source: str, role: Role, progress: bool) -> Path:
+        return resolve_model(source, role=role, cache=config.cache_dir, progress=progress)
+
+    def context_limit(self, config: EngineConfig) -> int | None:
+        return DEFAULT_CAPACITY if config.kv_cache == "static" else None
+
+    def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]:
+        if quant != SHIPPED:
+            raise ModelSourceError("--draft-quant needs the llamacpp runtime (the torch runtime converts the GGUF "
+                                   "as shipped)")
+        draft_dir = self.meta_dir(config, config.draft, "draft", progress)
+        keep = draft_vocabulary(config.draft_vocab, draft_dir)
+        draft = DraftRuntime(load_model(draft_dir, "draft", config.draft_format, progress, config.device, keep),
+                             identity=model_identity(draft_dir), name=config.draft, **runtime_options(config))
+        return draft, draft_dir
+
+    def target(self, config: EngineConfig, progress: bool, load=None) -> tuple[TargetRole, Path]:
+        target_dir = self.meta_dir(config, config.target, "target", progress)
+        model = load(target_dir) if load else load_model(target_dir, "target", config.target_format, progress,
+                                                         config.device)
+        return (TargetRuntime(model, identity=model_identity(target_dir), name=config.target,
+                              **runtime_options(config)), target_dir)
+
+
+class LlamaCppBackend(RuntimeBackend):
+    """GGUF files as they are, on llama.cpp's CPU kernels (models/llamacpp.py)."""
+
+    name = "llamacpp"
+    default_draft_quant = DEFAULT_DRAFT_QUANT
+
+    def available(self) -> bool:
+        return llamacpp_available()
+
+    def meta_dir(self, config: EngineConfig, source: str, role: Role, progress: bool) -> Path:
         return resolve_gguf(source, role=role, cache=config.cache_dir, progress=progress).meta_dir
-    return resolve_model(source, role=role, cache=config.cache_dir, progress=progress)
 
+    def context_limit(self, config: EngineConfig) -> int | None:
+        return config.llamacpp.context
 
-def resolve_draft_quant(config: EngineConfig) -> str:
-    """The draft weights `draft_quant` names (see EngineConfig.draft_quant)."""
-    if config.draft_quant != "auto":
-        return config.draft_quant
-    on_llamacpp = resolve_runtime(config, config.draft) == "llamacpp"
-    return DEFAULT_DRAFT_QUANT if config.draft == "default" and on_llamacpp else SHIPPED
-
-
-def build_draft(config: EngineConfig, progress: bool = True) -> tuple[DraftRole, Path]:
-    quant = resolve_draft_quant(config)
-    if resolve_runtime(config, config.draft) == "llamacpp":
+    def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]:
         if config.draft_vocab != FULL_VOCAB:
             raise ModelSourceError("--draft-vocab needs the torch runtime (llama.cpp's output layer is its own)")
         source = resolve_gguf(config.draft, role="draft", cache=config.cache_dir, progress=progress)
@@ -120,14 +175,35 @@ def build_draft(config: EngineConfig, progress: bool = True) -> tuple[DraftRole,
             source = requantize_gguf(source, quant, cache=config.cache_dir, progress=progress)
         return (LlamaCppDraftRuntime(source.gguf, identity=source.identity, name=config.draft,
                                      options=llamacpp_options(config)), source.meta_dir)
-    if quant != SHIPPED:
-        raise ModelSourceError("--draft-quant needs the llamacpp runtime (the torch runtime converts the GGUF "
-                               "as shipped)")
-    draft_dir = resolve_model(config.draft, role="draft", cache=config.cache_dir, progress=progress)
-    keep = draft_vocabulary(config.draft_vocab, draft_dir)
-    draft = DraftRuntime(load_model(draft_dir, "draft", config.draft_format, progress, config.device, keep),
-                         identity=model_identity(draft_dir), name=config.draft, **runtime_options(config))
-    return draft, draft_dir
+
+    def target(self, config: EngineConfig, progress: bool, load=None) -> tuple[TargetRole, Path]:
+        source = resolve_gguf(config.target, role="target", cache=config.cache_dir, progress=progress)
+        return (LlamaCppTargetRuntime(source.gguf, identity=source.identity, name=config.target,
+                                      options=llamacpp_options(config)), source.meta_dir)
+
+
+RUNTIMES: dict[str, RuntimeBackend] = {backend.name: backend for backend in (TorchBackend(), LlamaCppBackend())}
+
+
+def backend_for(config: EngineConfig, role: Role) -> RuntimeBackend:
+    return RUNTIMES[resolve_runtime(config, config.draft if role == "draft" else config.target)]
+
+
+def model_dir(config: EngineConfig, role: Role, progress: bool = True) -> Path:
+    """The directory with a model's config and tokenizer (no weights loaded)."""
+    return backend_for(config, role).meta_dir(config, config.draft if role == "draft" else config.target, role,
+                                              progress)
+
+
+def resolve_draft_quant(config: EngineConfig) -> str:
+    """The draft weights `draft_quant` names (see EngineConfig.draft_quant)."""
+    if config.draft_quant != "auto":
+        return config.draft_quant
+    return backend_for(config, "draft").default_draft_quant if config.draft == "default" else SHIPPED
+
+
+def build_draft(config: EngineConfig, progress: bool = True) -> tuple[DraftRole, Path]:
+    return backend_for(config, "draft").draft(config, resolve_draft_quant(config), progress)
 
 
 def draft_vocabulary(vocab: str, draft_dir: Path) -> list[int] | None:
@@ -140,15 +216,8 @@ def draft_vocabulary(vocab: str, draft_dir: Path) -> list[int] | None:
 
 def build_target(config: EngineConfig, progress: bool = True, load=None) -> tuple[TargetRole, Path]:
     """`load(model_dir) -> model` replaces the default one-device load (the sharded verifier, torch)."""
-    if load is None and resolve_runtime(config, config.target) == "llamacpp":
-        source = resolve_gguf(config.target, role="target", cache=config.cache_dir, progress=progress)
-        return (LlamaCppTargetRuntime(source.gguf, identity=source.identity, name=config.target,
-                                      options=llamacpp_options(config)), source.meta_dir)
-    target_dir = resolve_model(config.target, role="target", cache=config.cache_dir, progress=progress)
-    model = load(target_dir) if load else load_model(target_dir, "target", config.target_format, progress,
-                                                     config.device)
-    return (TargetRuntime(model, identity=model_identity(target_dir), name=config.target, **runtime_options(config)),
-            target_dir)
+    backend = RUNTIMES["torch"] if load is not None else backend_for(config, "target")
+    return backend.target(config, progress, load)
 
 
 def llamacpp_options(config: EngineConfig) -> LlamaCppOptions:
@@ -187,9 +256,9 @@ def build_rules(config: EngineConfig, progress: bool = True) -> RequestRules:
     tokenizer = load_tokenizer(target_dir)
     check_same_tokenizer(draft_dir, tokenizer)
     generation_config = load_generation_config(target_dir)
-    max_context = min(draft_config.max_position_embeddings, target_config.max_position_embeddings)
-    if "llamacpp" in (resolve_runtime(config, config.draft), resolve_runtime(config, config.target)):
-        max_context = min(max_context, config.llamacpp.context)
+    limits = [backend_for(config, role).context_limit(config) for role in ("draft", "target")]
+    max_context = min(draft_config.max_position_embeddings, target_config.max_position_embeddings,
+                      *(limit for limit in limits if limit is not None))
     return RequestRules(tokenizer, eos_token_ids_of(generation_config, tokenizer), max_context,
                         target_config.vocab_size, has_head=head_path(config) is not None)
 
