@@ -51,7 +51,8 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     logits = logits.float()
     if params.greedy:
         return torch.softmax(logits, dim=-1)
-    logits = logits / params.temperature
+    if params.temperature != 1.0:
+        logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
