@@ -184,9 +184,9 @@ class KVSession:
     """A session's cache: `tokens` are the ids whose keys and values it holds, in order."""
 
     tokens: list[int] = field(default_factory=list)
-    slot: SlotBuffers | None = None  # slot runtimes
+    slot: SlotBuffers | None = None  # the slot cache's buffers
     dynamic: DynamicCache | None = None  # the batch-1 reference runtime
-    seq: int | None = None  # llama.cpp runtimes (models/llamacpp.py): the session's sequence id
+    seq: int | None = None  # pooled caches (models/pool.py): llama.cpp's sequence, the static cache's row
 
     def __len__(self) -> int:
         return len(self.tokens)

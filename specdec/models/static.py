@@ -104,7 +104,7 @@ class StaticKV:
         steps = torch.arange(width, device=device)
         real = steps[None, :] < counts[:, None]  # [B, k]
         positions = torch.where(real, starts[:, None] + steps[None, :], self.capacity)  # [B, k]
-        length = int((starts + counts).max())
+        length = max(len(f.session) + len(f.tokens) for f in feeds)  # from the host: no device sync
         keys = torch.arange(length, device=device)
         seen = torch.where(real, positions, 0)  # a pad's query attends key 0 alone (its output is never read)
         mask = (keys[None, None, :] <= seen[:, :, None])[:, None]  # [B, 1, k, L]
