@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from specdec.bench.forward import synthetic_tokens
+from specdec.bench.forward import TimedForward, synthetic_tokens
 from specdec.bench.specs import parse_spec
 from specdec.builder import EngineConfig, load_tokenizer, model_dir
 from specdec.engine import SpecDecEngine
@@ -42,22 +42,6 @@ def tiny_model(hidden: int, layers: int, seed: int) -> Qwen2ForCausalLM:
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                          initializer_range=0.2, tie_word_embeddings=True)
     return Qwen2ForCausalLM(config).eval()
-
-
-class TimedForward:
-    """Wraps a runtime's `_forward` to add up its wall time and count its passes."""
-
-    def __init__(self, runtime):
-        self.inner, self.seconds, self.calls = runtime._forward, 0.0, 0
-        runtime._forward = self
-
-    def __call__(self, feeds):
-        start = time.perf_counter()
-        try:
-            return self.inner(feeds)
-        finally:
-            self.seconds += time.perf_counter() - start
-            self.calls += 1
 
 
 def measure(engine: SpecDecEngine, timers, concurrency: int, params: GenerationParams, repeats: int) -> dict:

@@ -37,7 +37,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent.parent)]
 from shapes import SHAPES, shape_config  # noqa: E402
 from static_pass import STATIC_ATTENTION, CapturedPass, StaticBatch, static_logits  # noqa: E402
 
-from specdec.bench.forward import PROMPT_TOKENS, synthetic_tokens, time_pass  # noqa: E402
+from specdec.bench.forward import PROMPT_TOKENS, TimedForward, synthetic_tokens, time_pass  # noqa: E402
 from specdec.head import AcceptanceHead, HeadConfig  # noqa: E402
 from specdec.models.cache import RAGGED_ATTENTION  # noqa: E402
 from specdec.models.runtime import DraftRuntime, Feed, TargetRuntime  # noqa: E402
@@ -174,22 +174,6 @@ def max_difference(a: torch.Tensor, b: torch.Tensor) -> dict:
     a, b = a.float().cpu(), b.float().cpu()
     return {"max_abs": (a - b).abs().max().item(), "scale": b.abs().max().item(),
             "argmax_agree": (a.argmax(-1) == b.argmax(-1)).float().mean().item()}
-
-
-class TimedForward:
-    """Wraps a runtime's `_forward` to add up its wall time (a pass ends with its logits on the host)."""
-
-    def __init__(self, runtime):
-        self.runtime, self.inner, self.seconds, self.calls = runtime, runtime._forward, 0.0, 0
-        runtime._forward = self
-
-    def __call__(self, feeds):
-        start = time.perf_counter()
-        try:
-            return self.inner(feeds)
-        finally:
-            self.seconds += time.perf_counter() - start
-            self.calls += 1
 
 
 def loop_throughput(report: Report, name: str, model, concurrency, policies, new_tokens: int,

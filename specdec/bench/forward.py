@@ -19,6 +19,23 @@ def synthetic_tokens(count: int, vocab_size: int, offset: int = 0) -> list[int]:
     return [((offset + i) * 7919 + 100) % vocab_size for i in range(count)]
 
 
+class TimedForward:
+    """Wraps a runtime's `_forward` to add up its wall time and count its passes (a pass ends with
+    its logits on the host): the loop's time outside them is its host work."""
+
+    def __init__(self, runtime: Runtime):
+        self.inner, self.seconds, self.calls = runtime._forward, 0.0, 0
+        runtime._forward = self
+
+    def __call__(self, feeds):
+        start = time.perf_counter()
+        try:
+            return self.inner(feeds)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+
 def time_pass(runtime: Runtime, k: int, repeats: int = DEFAULT_REPEATS,
               prompt_tokens: int = PROMPT_TOKENS, sessions: int = 1, outputs: int | None = None) -> float:
     """Median seconds of one pass in which each of `sessions` sessions feeds k tokens after its own
