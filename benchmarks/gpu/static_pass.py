@@ -21,7 +21,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-STATIC_ATTENTION = "specdec_static"
+STATIC_ATTENTION = "specdec_static_prototype"  # models/static.py registers "specdec_static"
 
 
 @dataclass

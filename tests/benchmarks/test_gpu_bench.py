@@ -1,0 +1,23 @@
+"""The GPU benchmark runs end to end in its smoke mode (tiny shapes, CPU): a GPU machine's minutes
+are too few to find a broken script there (a second attention registered under the prototype's
+name once broke its passes section)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_gpu_benchmark_smoke_run_writes_every_section(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu/bench.py"), "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["finished"]
+    passes, loop = data["sections"]["passes"], data["sections"]["loop"]
+    assert all("static_ms" in row and "runtime_ms" in row for rows in passes.values() for row in rows.values())
+    assert {"qwen2.5-1.5b", "qwen2.5-1.5b/static"} <= set(loop)
+    assert all("error" not in rows and all("tokens_per_s" in row for row in rows.values())
+               for name, rows in loop.items() if name != "probe_profile")
