@@ -274,7 +274,9 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     if error["type"] == "json_invalid":
         return ApiError(400, "the request body is not valid JSON")
     loc = [part for part in error["loc"] if part != "body"]
-    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    # a key the client sent (logit_bias's) may hold a newline: quoted, it stays on the line
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" if str(p).isprintable() else f"[{json.dumps(str(p))}]"
+                    for p in loc).lstrip(".")
     param = str(loc[0]) if loc else None
     return ApiError(400, f"{where or 'body'}: {one_line(error['msg'])}", param=param)
 

@@ -26,7 +26,8 @@ from specdec.cost_profile import CostProfile, PassTiming
 from specdec.metrics import MS_PER_S
 from specdec.models.runtime import DraftOutputs, DraftRole, KVSession, Scores, TargetRole
 from specdec.policies import Decision, DraftStep, StoppingPolicy
-from specdec.sampling import SamplingParams, choose_tokens, probs_by_params, probs_in_place, rows_by
+from specdec.sampling import (SamplingParams, choose_tokens, probs_by_params, probs_in_place, rows_by,
+                              transform_of)
 from specdec.verification import (RoundBatch, Verdict, final_distributions, verify_greedy_batch,
                                   verify_sampled_batch)
 
@@ -121,8 +122,8 @@ def draw(active: list[_Drafting], outputs: DraftOutputs,
     params = [d.row.sampling for d in active]
     if logits_filter is not None:
         filtered = logits
-        for param, rows in rows_by(params).items():
-            if (keep := logits_filter(param)) is not None:
+        for rows in rows_by([transform_of(p) for p in params]).values():
+            if (keep := logits_filter(params[rows[0]])) is not None:
                 filtered = logits.clone() if filtered is logits else filtered
                 index = torch.tensor(rows)
                 filtered[index] = keep(logits[index])

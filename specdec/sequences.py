@@ -130,6 +130,8 @@ class RequestRules:
         decode = self.tokenizer.decode
         before = decode(seq.generated[seq.context:seq.decoded], skip_special_tokens=True)
         text = decode(seq.generated[seq.context:], skip_special_tokens=True)
+        if not text.startswith(before):  # a tokenizer that cleans up spaces across the boundary: the whole text
+            before, text = seq.text, decode(seq.generated, skip_special_tokens=True)
         if seq.finish_reason is None and (len(text) <= len(before) or text.endswith("\ufffd")):
             return "", text[len(before):]
         seq.context, seq.decoded = seq.decoded, len(seq.generated)

@@ -75,10 +75,11 @@ class StaticKV:
         self.values = [torch.zeros(shape, dtype=dtype, device=model.device) for _ in range(config.num_hidden_layers)]
         self.pool = SlotPool(slots)
         self.max_pass_sessions = slots
-        self.graphs = graphs  # on the CPU: the buckets' padding, replayed eagerly (what the tests check)
+        # CUDA only: padding buys nothing without a graph (the tests set it on the CPU to check the
+        # buckets' padding, replayed eagerly)
+        self.graphs = graphs and model.device.type == "cuda"
         self._captured: dict[tuple[int, int, int], CapturedPass] = {}
-        on_cuda = graphs and model.device.type == "cuda"
-        self._graph_pool = torch.cuda.graph_pool_handle() if on_cuda else None  # shared by every capture
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None  # shared by every capture
 
     def new_session(self) -> KVSession:
         return KVSession()  # a row is attached at its first pass
@@ -98,6 +99,24 @@ class StaticKV:
             if len(feed.session) + len(feed.tokens) > self.capacity:
                 raise ValueError(f"a session of {len(feed.session) + len(feed.tokens)} positions does not fit the "
                                  f"static cache's {self.capacity} (raise its capacity)")
+        # every feed is padded to the longest: a long one (a prefill, a catch-up) runs in a pass of its own
+        short = [f for f in feeds if len(f.tokens) <= GRAPH_TOKENS[-1]]
+        groups = ([short] if short else []) + [[f] for f in feeds if len(f.tokens) > GRAPH_TOKENS[-1]]
+        if len(groups) == 1:
+            return self._pass(model, feeds)
+        states = {id(f): rows for group in groups for f, rows in zip(group, self._pass_by_feed(model, group))}
+        return torch.cat([states[id(f)] for f in feeds])
+
+    def _pass_by_feed(self, model, feeds: list[Feed]) -> list[torch.Tensor]:
+        states, start = self._pass(model, feeds), 0
+        rows = []
+        for f in feeds:
+            rows.append(states[start:start + f.num_outputs])
+            start += f.num_outputs
+        return rows
+
+    def _pass(self, model, feeds: list[Feed]) -> torch.Tensor:
+        """One [B, k] pass over feeds whose sessions hold rows: hidden states [sum num_outputs, H]."""
         device, width = model.device, max(len(f.tokens) for f in feeds)
         starts = torch.tensor([len(f.session) for f in feeds], device=device)  # [B]
         counts = torch.tensor([len(f.tokens) for f in feeds], device=device)  # [B]

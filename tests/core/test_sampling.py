@@ -11,7 +11,8 @@ from pydantic import ValidationError
 
 from scipy.stats import chisquare
 
-from specdec.sampling import BLOCK, SamplingParams, argmax, choose_token, probs_from_logits, sample
+from specdec.sampling import (BLOCK, SamplingParams, argmax, choose_token, probs_by_params, probs_from_logits,
+                              probs_in_place, sample)
 
 LOGITS = torch.tensor([2.0, -1.0, 0.5, 3.0, 0.0, -2.5])  # distinct values: no ties at a cut-off
 
@@ -143,3 +144,16 @@ def test_sample_by_blocks_follows_the_distribution_and_never_draws_zero_mass():
     assert counts[~support].sum() == 0
     expected = probs[support].double() / probs.sum() * len(uniforms)
     assert chisquare(counts[support].numpy(), expected.numpy() * counts.sum().item() / expected.sum().item()).pvalue > 1e-3
+
+
+def test_a_rows_distribution_does_not_depend_on_its_batch():
+    """Rows of one transform share a call whatever their seeds, and every path (one call, per group,
+    in place) computes a row bit for bit alike: a seeded request draws the same beside any other."""
+    logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(temperature=0.7, seed=s) for s in (1, 2, 1, 3)]
+    alone = torch.cat([probs_from_logits(logits[i:i + 1], p) for i, p in enumerate(params)])
+    mixed = [params[0], SamplingParams(temperature=0.7, top_k=50), params[2], params[3]]
+    assert torch.equal(probs_in_place(logits.clone(), params), alone)
+    assert torch.equal(probs_in_place(logits.clone(), [params[0]] * 4),
+                       torch.cat([probs_from_logits(logits[i:i + 1], params[0]) for i in range(4)]))
+    assert torch.equal(probs_by_params(logits, mixed)[[0, 2, 3]], alone[[0, 2, 3]])

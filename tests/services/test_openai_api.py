@@ -181,6 +181,13 @@ def test_neutral_values_of_unsupported_fields_are_accepted(client):
     assert client.post("/v1/completions", json=body).status_code == 200
 
 
+def test_a_key_with_a_newline_is_quoted_in_the_one_line_error(client):
+    """Found by the fuzz test: a logit_bias key "\n" put a newline in the message."""
+    response = client.post("/v1/completions", json={"prompt": "x", "logit_bias": {"\n": None}})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == 'logit_bias["\\n"]: Input should be a valid number'
+
+
 def test_invalid_json(client):
     response = client.post("/v1/completions", content=b"{", headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["message"] == "the request body is not valid JSON"

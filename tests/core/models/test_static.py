@@ -91,7 +91,8 @@ def test_passes_padded_to_their_graph_bucket_give_the_eager_outputs(monkeypatch)
     every row equals an unpadded eager pass's."""
     monkeypatch.setattr(static, "MIN_GRAPH_LENGTH", 32)
     padded_model, eager_model = (tiny_model(VOCAB, hidden_size=32, layers=2, seed=7) for _ in range(2))
-    padded = small_static(padded_model, slots=4, capacity=128, graphs=True)
+    padded = small_static(padded_model, slots=4, capacity=128)
+    padded.kv.graphs = True  # CUDA only by default: here the padded buckets replay eagerly
     eager = small_static(eager_model, slots=4, capacity=128)
     histories = [list(range(1, 9)), [5, 6], [7] * 28]
     sessions = {runtime: [runtime.new_session() for _ in histories] for runtime in (padded, eager)}
@@ -105,4 +106,18 @@ def test_passes_padded_to_their_graph_bucket_give_the_eager_outputs(monkeypatch)
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
         for b in range(len(histories)):
             histories[b] = histories[b] + candidates[b] + [int(want[b][-1].argmax())]
-    assert sorted(padded.kv._captured) == [(4, 4, 32), (4, 4, 64)]
+    assert sorted(padded.kv._captured) == [(2, 8, 32), (4, 4, 32), (4, 4, 64)]  # (2, 8): the two short prefills
+
+
+def test_a_long_feed_runs_in_a_pass_of_its_own_and_the_rows_come_back_in_order():
+    """A prefill beside one-token steps would pad every step to its length."""
+    model = tiny_model(VOCAB, hidden_size=32, layers=2, seed=7)
+    target = small_static(model, slots=4)
+    histories, candidates = [PROMPTS[0], list(range(1, 40)), PROMPTS[1]], [[4], [5, 6], []]
+    sessions = [target.new_session() for _ in histories]
+    target.score(sessions[::2], histories[::2], [[], []])  # the short ones cached: they feed 2 and 1 tokens
+    passes = target.forward_passes
+    rows = target.score(sessions, histories, candidates)
+    assert target.forward_passes == passes + 1 and [len(r) for r in rows] == [2, 3, 1]
+    for history, cands, logits in zip(histories, candidates, rows):
+        torch.testing.assert_close(logits, reference(model, history, cands), rtol=1e-4, atol=1e-4)
