@@ -35,6 +35,17 @@ def test_json_output(tiny_pair):
     assert stats["generated_tokens"] == 9
 
 
+def test_the_static_cache_decodes_as_the_slot_cache(tiny_pair, capsys):
+    """`--kv-cache static` through the builder (the draft's default int8 weights feed a session's
+    first token alone: a pass that reads no output)."""
+    ids = []
+    for kv in ("static", "slots"):
+        assert main(["generate", "hello", *tiny_flags(tiny_pair), "--kv-cache", kv, "--policy", "fixed", "--k", "3",
+                     "--max-new-tokens", "8", "--json"]) == 0
+        ids.append(json.loads(capsys.readouterr().out)["completions"][0]["token_ids"])
+    assert ids[0] == ids[1] and len(ids[0]) == 8
+
+
 def test_streams_text_then_summary(tiny_pair, capsys):
     code = main(["generate", "hello", *tiny_flags(tiny_pair), "--policy", "svip", "--max-new-tokens", "8",
                  "--temperature", "0.7", "--seed", "3"])

@@ -136,8 +136,8 @@ class StaticKV:
         else:
             last_hidden = self.forward(model, input_ids, batch)
         rows = [(b, i) for b, f in enumerate(feeds) for i in range(len(f.tokens) - f.num_outputs, len(f.tokens))]
-        index_b = torch.tensor([b for b, _ in rows], device=device)
-        index_i = torch.tensor([i for _, i in rows], device=device)
+        index_b = torch.tensor([b for b, _ in rows], dtype=torch.long, device=device)  # empty where nothing is read
+        index_i = torch.tensor([i for _, i in rows], dtype=torch.long, device=device)
         return last_hidden[index_b, index_i]  # [sum num_outputs, H]
 
     def forward(self, model, input_ids: torch.Tensor, batch: StaticBatch) -> torch.Tensor:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from specdec.engine import SpecDecEngine
+from specdec.models.cache import Feed
 from specdec.models.runtime import DraftRuntime, TargetRuntime
 from specdec.models import static
 from specdec.models.static import StaticKV
@@ -121,3 +122,10 @@ def test_a_long_feed_runs_in_a_pass_of_its_own_and_the_rows_come_back_in_order()
     assert target.forward_passes == passes + 1 and [len(r) for r in rows] == [2, 3, 1]
     for history, cands, logits in zip(histories, candidates, rows):
         torch.testing.assert_close(logits, reference(model, history, cands), rtol=1e-4, atol=1e-4)
+
+
+def test_a_pass_that_reads_no_output_runs():
+    """A session's first token fed alone (int8 weights, models/runtime.py `_feed_first_tokens`)."""
+    target = small_static(tiny_model(VOCAB, hidden_size=32, layers=2, seed=7), slots=2)
+    session = target.new_session()
+    assert target.kv.hidden_states(target.model, [Feed(session, [3], 0)]).shape == (0, 32)
