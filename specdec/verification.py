@@ -149,11 +149,13 @@ def verify_sampled(
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Norm[(p - q)_+] over the last dimension. Where p <= q everywhere (p == q up to rounding) a
-    rejection had probability ~0; p itself is then the right distribution."""
+    """Norm[(p - q)_+]. When p <= q everywhere (p == q up to rounding) a rejection had probability
+    ~0; p itself is then the right distribution. (`final_distributions` is its batched, unnormalised form.)"""
     residual = torch.clamp(p - q, min=0.0)
-    total = residual.sum(dim=-1, keepdim=True)
-    return torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), p)
+    total = residual.sum()
+    if total <= 0:
+        return p
+    return residual / total
 
 
 def _first_true_rows(mask: torch.Tensor) -> torch.Tensor:

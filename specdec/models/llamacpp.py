@@ -261,22 +261,17 @@ class LlamaCppRuntime(Runtime):
         # The pass as flat token entries: (feed index, token, wanted as an output).
         entries = [(f, token, j >= len(feed.tokens) - feed.num_outputs)
                    for f, feed in enumerate(feeds) for j, token in enumerate(feed.tokens)]
-        rows: list[list[np.ndarray]] = [[] for _ in feeds]
-        states: list[list[np.ndarray]] = [[] for _ in feeds]
         n = self.llama.n_batch
         for chunk in [part[start:start + n] for part in self._parts(entries) for start in range(0, len(part), n)]:
             if self.llama.hidden:  # off for a chunk of unread tokens only
                 self.llama.set_hidden(any(wanted for _, _, wanted in chunk))
             self._decode(feeds, chunk, protected)
-            for i, (f, _, wanted) in enumerate(chunk):
-                if wanted:
-                    rows[f].append(self.llama.logits(i))
+            for i, (_, _, wanted) in enumerate(chunk):
+                if wanted:  # read tokens come feed by feed, each feed's in order (_parts keeps it)
+                    logits.append(self.llama.logits(i))
                     if self.llama.hidden:
-                        states[f].append(self.llama.embedding(i))
+                        hidden.append(self.llama.embedding(i))
         self.forward_passes += 1
-        for feed_rows, feed_states in zip(rows, states):
-            logits += feed_rows
-            hidden += feed_states
 
     def _parts(self, entries: list[tuple[int, int, bool]]) -> list[list[tuple[int, int, bool]]]:
         """The pass as one part, or with hidden states on as its unread tokens then its read ones

@@ -104,16 +104,9 @@ class StaticKV:
         groups = ([short] if short else []) + [[f] for f in feeds if len(f.tokens) > GRAPH_TOKENS[-1]]
         if len(groups) == 1:
             return self._pass(model, feeds)
-        states = {id(f): rows for group in groups for f, rows in zip(group, self._pass_by_feed(model, group))}
-        return torch.cat([states[id(f)] for f in feeds])
-
-    def _pass_by_feed(self, model, feeds: list[Feed]) -> list[torch.Tensor]:
-        states, start = self._pass(model, feeds), 0
-        rows = []
-        for f in feeds:
-            rows.append(states[start:start + f.num_outputs])
-            start += f.num_outputs
-        return rows
+        rows = {id(f): part for group in groups
+                for f, part in zip(group, self._pass(model, group).split([f.num_outputs for f in group]))}
+        return torch.cat([rows[id(f)] for f in feeds])
 
     def _pass(self, model, feeds: list[Feed]) -> torch.Tensor:
         """One [B, k] pass over feeds whose sessions hold rows: hidden states [sum num_outputs, H]."""
