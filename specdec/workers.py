@@ -73,6 +73,20 @@ def serve_batch(items: list, row_for: Callable, run: Callable[[list], list]) -> 
     return answers
 
 
+def in_groups(rows: list, size: int | None, run: Callable[[list], list]) -> list:
+    """`run` over consecutive groups of at most `size` rows (None: all at once), its answers in order.
+    A pooled cache (models/pool.py: llama.cpp's sequences, the static cache's rows) holds `size`
+    sessions: a call over more would run as several passes, each evicting the sessions of the ones
+    before it, and the call's next pass (a drafting step; the next round's verification) would find
+    the rows it needs held by sessions it may not evict. A group evicts only earlier groups' sessions,
+    which re-prefill at their next call."""
+    size = size or len(rows) or 1
+    answers: list = []
+    for start in range(0, len(rows), size):
+        answers += run(rows[start:start + size])
+    return answers
+
+
 # The probe a worker runs when it starts: passes of these sizes after a short untimed context: a
 # drafting step of 1, 2 and 16 sessions (16: the most a probe's scratch sessions take beside the live
 # ones), a verification pass of 1-8 tokens. ~2 s in all on the default pair (llama.cpp, 2-core AMD
@@ -251,11 +265,17 @@ class DraftWorker(Worker):
 
     def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan()) -> list[Proposal | SessionMissing | Refused]:
         self._before_batch()
-        answers = serve_batch(items, self._row, lambda rows: propose(
-            self.draft, rows, self.costs(plan), plan.other_sessions, self.timings, self.logits_filter))
+        answers = serve_batch(items, self._row, lambda rows: self._propose_rows(rows, plan))
         if any(item.probe for item in items):  # the draft is off for the step: time a step of its size
             self.probe((min(len(items) + plan.other_sessions, max(PROBE_SIZES["draft"])),))
         return answers
+
+    def _propose_rows(self, rows: list[DraftRow], plan: StepPlan) -> list[Proposal]:
+        """Draft every row's round, in groups that fit the cache (`in_groups`), each budgeted beside
+        the others as sessions that verify plainly."""
+        return in_groups(rows, self.draft.max_pass_sessions, lambda group: propose(
+            self.draft, group, self.costs(plan), plan.other_sessions + len(rows) - len(group), self.timings,
+            self.logits_filter))
 
     def _row(self, item: ProposeItem) -> DraftRow | None:
         entry = self.sessions.get(item.session_id)
@@ -295,7 +315,8 @@ class VerifierWorker(Worker):
     def verify(self, items: list[VerifyItem], probe_tokens: int = 0) -> list[Verdict | SessionMissing | Refused]:
         """Verify the batch; `probe_tokens` > 0: then time a scratch pass of that many tokens."""
         self._before_batch()
-        answers = serve_batch(items, self._row, lambda rows: verify(self.target, rows, self.timings))
+        answers = serve_batch(items, self._row, lambda rows: in_groups(
+            rows, self.target.max_pass_sessions, lambda group: verify(self.target, group, self.timings)))
         if probe_tokens > 0:
             self.probe((probe_tokens,))
         return answers

@@ -184,9 +184,10 @@ class KVSession:
     """A session's cache: `tokens` are the ids whose keys and values it holds, in order."""
 
     tokens: list[int] = field(default_factory=list)
-    slot: SlotBuffers | None = None  # the slot cache's buffers
-    dynamic: DynamicCache | None = None  # the batch-1 reference runtime
-    seq: int | None = None  # pooled caches (models/pool.py): llama.cpp's sequence, the static cache's row
+    # the backend's handle on the cache: the slot cache's SlotBuffers, the reference runtime's
+    # DynamicCache, a pooled cache's slot (models/pool.py: llama.cpp's sequence, the static cache's
+    # row; None until the session's first pass and after an eviction)
+    handle: SlotBuffers | DynamicCache | int | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -200,7 +201,7 @@ class SlotKV:
         self.cache = SlotCache(model.config.num_hidden_layers)
 
     def new_session(self) -> KVSession:
-        return KVSession(slot=SlotBuffers())
+        return KVSession(handle=SlotBuffers())
 
     def rollback(self, session: KVSession, length: int) -> None:
         del session.tokens[length:]  # the slot's positions past `length` become scratch
@@ -209,7 +210,7 @@ class SlotKV:
         """One pass over every feed; returns the final hidden states [sum num_outputs, H] of each
         feed's last num_outputs positions, feed by feed. (`protected`: the sessions a pooled cache
         must not evict; none here.)"""
-        batch = RaggedBatch([f.session.slot for f in feeds], [len(f.session) for f in feeds],
+        batch = RaggedBatch([f.session.handle for f in feeds], [len(f.session) for f in feeds],
                             [len(f.tokens) for f in feeds])
         device = model.device
         input_ids = torch.tensor([[t for f in feeds for t in f.tokens]], dtype=torch.long, device=device)  # [1, T]
@@ -228,18 +229,18 @@ class ReferenceKV:
         pass
 
     def new_session(self) -> KVSession:
-        return KVSession(dynamic=DynamicCache())
+        return KVSession(handle=DynamicCache())
 
     def rollback(self, session: KVSession, length: int) -> None:
         if length < len(session.tokens):
-            session.dynamic.crop(length - len(session.tokens))  # a negative count removes that many positions
+            session.handle.crop(length - len(session.tokens))  # a negative count removes that many positions
             del session.tokens[length:]
 
     def hidden_states(self, model, feeds: list[Feed], protected: list[Feed] = ()) -> torch.Tensor:
         rows = []
         for f in feeds:
             input_ids = torch.tensor([f.tokens], dtype=torch.long, device=model.device)
-            out = model.model(input_ids=input_ids, cache=f.session.dynamic, use_cache=True)
+            out = model.model(input_ids=input_ids, cache=f.session.handle, use_cache=True)
             rows.append(out.last_hidden_state[0, len(f.tokens) - f.num_outputs:])
         return torch.cat(rows)
 

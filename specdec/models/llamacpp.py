@@ -231,8 +231,8 @@ class LlamaCppRuntime(Runtime):
 
     def rollback(self, session: KVSession, length: int) -> None:
         if length < len(session.tokens):
-            if session.seq is not None:
-                self.llama.remove(session.seq, length)
+            if session.handle is not None:
+                self.llama.remove(session.handle, length)
             del session.tokens[length:]
 
     @torch.inference_mode()
@@ -289,7 +289,7 @@ class LlamaCppRuntime(Runtime):
             offsets: dict[int, int] = {}
             for f, token, wanted in chunk:
                 session = feeds[f].session
-                seqs.append(session.seq)
+                seqs.append(session.handle)
                 positions.append(len(session.tokens) + offsets.get(f, 0))
                 offsets[f] = offsets.get(f, 0) + 1
                 tokens.append(token)

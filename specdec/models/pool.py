@@ -1,7 +1,7 @@
 """A fixed set of cache slots shared by sessions: llama.cpp's sequences (models/llamacpp.py), the
 static cache's rows (models/cache.py `StaticKV`).
 
-A session gets a slot at its first pass (`KVSession.seq`); when none is free, the least recently
+A session gets a slot at its first pass (`KVSession.handle`); when none is free, the least recently
 used session outside the pass loses its own (its cache empties, so its next call re-prefills: a
 cache is only a cache, models/runtime.py). A session dropped anywhere (released, evicted, failed)
 hands its slot back through a finalizer, which only queues the id (`reclaim` frees it on the
@@ -28,13 +28,13 @@ class SlotPool:
     def attach(self, session: KVSession, keep: Iterable[KVSession]) -> bool:
         """Give the session a slot (its own, or a free or evicted one: never one of `keep`'s) and
         mark it recently used; False when every slot is kept."""
-        if session.seq is not None and session.seq in self._owners:
-            self._owners.move_to_end(session.seq)
+        if session.handle is not None and session.handle in self._owners:
+            self._owners.move_to_end(session.handle)
             return True
         if not self._free and not self.evict_one(keep):
             return False
         slot = self._free.pop()
-        session.seq = slot
+        session.handle = slot
         session.tokens.clear()
         finalizer = weakref.finalize(session, self._dropped.append, slot)
         self._owners[slot] = (weakref.ref(session), finalizer)
@@ -48,7 +48,7 @@ class SlotPool:
             if session is None or id(session) not in kept:
                 self._release(slot)
                 if session is not None:
-                    session.seq = None
+                    session.handle = None
                     session.tokens.clear()
                 return True
         return False

@@ -4,7 +4,7 @@ their caches the same way).
 
 Per layer, keys and values [slots, capacity + 1, kv_heads, head_dim] on the model's device and in
 its dtype, allocated at start. A session takes a row from the slot pool (models/pool.py:
-`KVSession.seq`) at its first pass; when every row is taken the least recently used session outside
+`KVSession.handle`) at its first pass; when every row is taken the least recently used session outside
 the pass loses its own and re-prefills at its next call. Rollback is the session's length: positions
 past it are scratch, overwritten by the next pass.
 
@@ -120,7 +120,7 @@ class StaticKV:
         keys = torch.arange(length, device=device)
         seen = torch.where(real, positions, 0)  # a pad's query attends key 0 alone (its output is never read)
         mask = (keys[None, None, :] <= seen[:, :, None])[:, None]  # [B, 1, k, L]
-        batch = StaticBatch(torch.tensor([f.session.seq for f in feeds], device=device), positions, mask, length)
+        batch = StaticBatch(torch.tensor([f.session.handle for f in feeds], device=device), positions, mask, length)
         input_ids = torch.tensor([f.tokens + [0] * (width - len(f.tokens)) for f in feeds], dtype=torch.long,
                                  device=device)  # [B, k]
         captured = self._captured_pass(model, len(feeds), width, length) if self.graphs else None

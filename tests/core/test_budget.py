@@ -136,7 +136,7 @@ class ScriptedDraft:
     def _outputs(self, sessions: list[KVSession]) -> DraftOutputs:
         self.passes.append(len(sessions))
         self.fed_tokens += len(sessions)
-        return DraftOutputs(torch.log(torch.tensor([[self.script[s.seq], 1 - self.script[s.seq]] for s in sessions])),
+        return DraftOutputs(torch.log(torch.tensor([[self.script[s.handle], 1 - self.script[s.handle]] for s in sessions])),
                             torch.zeros(len(sessions), HIDDEN))
 
     def start(self, sessions, histories):
@@ -147,7 +147,7 @@ class ScriptedDraft:
 
 
 def row(session: int, policy, limit: int = 20) -> DraftRow:
-    return DraftRow(KVSession(seq=session), [1, 2, 3], policy, limit, 0, SamplingParams(temperature=0.0),
+    return DraftRow(KVSession(handle=session), [1, 2, 3], policy, limit, 0, SamplingParams(temperature=0.0),
                     torch.Generator().manual_seed(session))
 
 

@@ -138,7 +138,7 @@ def test_many_sessions_in_one_pass_each_get_their_own_outputs(gguf_pair, hf_targ
     for prompt, cand, logits in zip(PROMPTS, candidates, all_logits):
         expected, _ = hf_outputs(hf_target, prompt + cand)
         torch.testing.assert_close(logits, expected[len(prompt) - 1:], atol=ATOL, rtol=0)
-    assert len({s.seq for s in sessions}) == 3
+    assert len({s.handle for s in sessions}) == 3
 
 
 def test_sessions_beyond_the_sequences_take_the_least_recently_used_and_re_prefill(gguf_pair, hf_target):
@@ -147,7 +147,7 @@ def test_sessions_beyond_the_sequences_take_the_least_recently_used_and_re_prefi
     target.score([a, b], [PROMPTS[0], PROMPTS[1]], [[1], [2]])
     target.score([b], [PROMPTS[1] + [2]], [[3]])  # b is now the most recently used
     target.score([c], [PROMPTS[2]], [[4]])  # takes a's sequence
-    assert a.seq is None and a.tokens == [] and {b.seq, c.seq} == {0, 1}
+    assert a.handle is None and a.tokens == [] and {b.handle, c.handle} == {0, 1}
     logits = target.score([a], [PROMPTS[0] + [1]], [[5]])[0]  # a re-prefills (evicting b)
     expected, _ = hf_outputs(hf_target, PROMPTS[0] + [1, 5])
     torch.testing.assert_close(logits, expected[-2:], atol=ATOL, rtol=0)
@@ -168,7 +168,7 @@ def test_a_dropped_session_hands_its_sequence_back(gguf_pair):
     gc.collect()
     keep = target.new_session()
     target.score([keep], [PROMPTS[2]], [[3]])  # reclaims both, takes one
-    assert len(target.pool._free) == 1 and keep.seq is not None
+    assert len(target.pool._free) == 1 and keep.handle is not None
 
 
 def test_a_full_cache_evicts_other_sessions_and_a_session_that_cannot_fit_fails_clearly(gguf_pair, hf_target):
@@ -177,7 +177,7 @@ def test_a_full_cache_evicts_other_sessions_and_a_session_that_cannot_fit_fails_
     long_a, long_b = list(range(1, 150)), list(range(100, 230))
     target.score([first], [long_a], [[1]])
     logits = target.score([second], [long_b], [[2]])[0]  # 150 + 131 cells > 256: first loses its cache
-    assert first.tokens == [] and first.seq is None
+    assert first.tokens == [] and first.handle is None
     expected, _ = hf_outputs(hf_target, long_b + [2])
     torch.testing.assert_close(logits, expected[-2:], atol=ATOL, rtol=0)
     with pytest.raises(LlamaCppError, match="does not fit"):

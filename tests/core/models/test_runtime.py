@@ -3,6 +3,7 @@ pass over many sessions gives each the outputs it would get alone (the batch-1 r
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from specdec.models.cache import RaggedBatch, SlotBuffers
 from specdec.models.runtime import DraftRuntime, TargetRuntime, common_prefix_length
@@ -41,8 +42,8 @@ def test_target_cache_holds_accepted_prefix(target, num_accepted):
     target.rollback(session, len(PROMPT) + num_accepted)
     kept = PROMPT + CANDIDATES[:num_accepted]
     assert session.tokens == kept
-    if session.dynamic is not None:
-        assert session.dynamic.get_seq_length() == len(kept)
+    if isinstance(session.handle, DynamicCache):
+        assert session.handle.get_seq_length() == len(kept)
 
     correction = 11
     [next_logits] = target.score([session], [kept + [correction]], [[]])

@@ -38,7 +38,7 @@ def test_a_session_evicted_for_another_reprefills_from_its_history():
     target.score([a, b], PROMPTS[:2], [[4], [5]])
     target.score([b], [PROMPTS[1] + [5]], [[6]])  # b is now the most recently used
     target.score([c], [PROMPTS[2]], [[7]])  # takes a's row
-    assert a.seq is None and a.tokens == [] and {b.seq, c.seq} == {0, 1}
+    assert a.handle is None and a.tokens == [] and {b.handle, c.handle} == {0, 1}
     [logits] = target.score([a], [PROMPTS[0] + [4]], [[8]])  # a re-prefills (evicting b)
     torch.testing.assert_close(logits, reference(model, PROMPTS[0] + [4], [8]), rtol=1e-4, atol=1e-4)
 
@@ -63,7 +63,7 @@ def test_a_dropped_session_hands_its_row_back():
     gc.collect()
     keep = target.new_session()
     target.score([keep], [PROMPTS[2]], [[3]])
-    assert len(target.kv.pool._free) == 1 and keep.seq is not None
+    assert len(target.kv.pool._free) == 1 and keep.handle is not None
 
 
 def test_the_context_is_the_cache_capacity_and_a_longer_session_fails_clearly():
@@ -129,3 +129,24 @@ def test_a_pass_that_reads_no_output_runs():
     target = small_static(tiny_model(VOCAB, hidden_size=32, layers=2, seed=7), slots=2)
     session = target.new_session()
     assert target.kv.hidden_states(target.model, [Feed(session, [3], 0)]).shape == (0, 32)
+
+
+
+def test_a_step_of_more_sessions_than_rows_drafts_in_groups_that_fit():
+    """Within one drafting call a later pass would evict an earlier one's rows between its steps
+    (workers.DraftWorker drafts in groups of at most the rows); verification passes split too."""
+    def runtime(role, model):
+        role.kv = StaticKV(model, slots=2, capacity=64)
+        role.max_pass_sessions = 2
+        return role
+
+    draft_model, target_model = tiny_model(VOCAB, hidden_size=16, layers=1, seed=8), tiny_model(VOCAB, hidden_size=32, layers=2, seed=7)
+    engine = SpecDecEngine(runtime(DraftRuntime(draft_model, kv="static"), draft_model),
+                           runtime(TargetRuntime(target_model, kv="static"), target_model))
+    plain = SpecDecEngine(DraftRuntime(tiny_model(VOCAB, hidden_size=16, layers=1, seed=8)),
+                          TargetRuntime(tiny_model(VOCAB, hidden_size=32, layers=2, seed=7)))
+    prompts = [p + [9] * i for i, p in enumerate(PROMPTS * 2)]  # 6 sessions a step, 2 rows
+    got = engine.generate_many(prompts, build_params(policy="fixed", k=3, max_new_tokens=12, chat_template=False))
+    want = plain.generate_many(prompts, build_params(policy="target-only", max_new_tokens=12, chat_template=False))
+    assert [r.completions[0].token_ids for r in got] == [r.completions[0].token_ids for r in want]
+    assert sum(r.stats.accepted_tokens for r in got) > 0
