@@ -17,6 +17,7 @@ from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from specdec.errors import Overloaded
+from services.autoscaling import POLICY as ROUND_CALLS_POLICY
 from services.config import CONSISTENT_HASH_ROUTER, AppConfig, ReplicaConfig
 from services.errors import RETRY_AFTER_S, TABLE
 from services.ingress import ingress_class
@@ -27,12 +28,16 @@ from services.server import MAX_ROUND_MESSAGE_BYTES
 # ------------------------------------------------------------------------------------------------
 # Builders
 
-def _deployment(cls: type, name: str, replicas: ReplicaConfig, sticky: bool = False, **options):
+def _deployment(cls: type, name: str, replicas: ReplicaConfig, round_service: bool = False, **options):
+    """`round_service` (Draft, Verifier): routed by session id, and autoscaled on its round calls
+    unless the config names another policy (services/autoscaling.py)."""
     if replicas.autoscaling:
         options["autoscaling_config"] = replicas.autoscaling
+        if round_service:
+            options["autoscaling_config"] = {"policy": {"policy_function": ROUND_CALLS_POLICY}} | replicas.autoscaling
     else:
         options["num_replicas"] = replicas.num_replicas
-    if sticky:
+    if round_service:
         options["request_router_config"] = RequestRouterConfig(request_router_class=CONSISTENT_HASH_ROUTER)
     # Serve's inter-deployment gRPC (round_transport serve-grpc) receives at most 4 MiB by default.
     # No OMP_WAIT_POLICY: PASSIVE made every parallel region wake a sleeping thread, and a 2-thread
@@ -57,8 +62,8 @@ def _deployment(cls: type, name: str, replicas: ReplicaConfig, sticky: bool = Fa
 def build_app(args: dict | AppConfig | None = None) -> serve.Application:
     """`serve run services.app:build_app [key=value ...]` or a config file's `args:`."""
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
-    draft = _deployment(Draft, "Draft", config.draft, sticky=True).bind(config)
-    verifier = _deployment(Verifier, "Verifier", config.verifier, sticky=True).bind(config)
+    draft = _deployment(Draft, "Draft", config.draft, round_service=True).bind(config)
+    verifier = _deployment(Verifier, "Verifier", config.verifier, round_service=True).bind(config)
     # At capacity a request is refused at once (HTTP 429 + Retry-After, gRPC RESOURCE_EXHAUSTED),
     # whether the proxies' queue for the ingress or the ingress's queue for a coordinator is full.
     bounded = {"max_queued_requests": config.max_queued_requests,

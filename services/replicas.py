@@ -11,11 +11,13 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
+import torch
 
-from specdec.builder import build_draft, build_head, build_rules, build_target
+from specdec.builder import build_draft, build_head, build_rules, build_target, resolve_dtype
 from specdec.sessions import SessionStore
 from specdec.v1 import common_pb2, draft_pb2, generation_pb2, verifier_pb2
 from specdec.workers import DraftWorker, VerifierWorker
+from services.autoscaling import ROUND_CALLS
 from services.config import AppConfig
 from services.convert import sparsifier
 from services.coordinator import Coordinator
@@ -91,6 +93,11 @@ class RoundReplica:
         """Serve calls this every few seconds: also when idle sessions' caches are freed."""
         self.servicer.sessions.evict_expired()
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve samples this for the deployment's autoscaling policy (services/autoscaling.py): the
+        round calls this replica is serving, which the `direct` transport's never pass through Serve."""
+        return {ROUND_CALLS: float(self.servicer.round_calls)}
+
 
 class Draft(RoundReplica):
     role = "draft"
@@ -117,7 +124,8 @@ class Verifier(RoundReplica):
             from specdec.models.sharding import ShardingConfig, load_sharded
 
             sharding = ShardingConfig(shards=config.target_shards)
-            load = lambda model_dir: load_sharded(model_dir, sharding)  # noqa: E731
+            dtype = resolve_dtype(config.models.dtype, torch.device(sharding.resolve_devices()[0]))
+            load = lambda model_dir: load_sharded(model_dir, sharding, dtype)  # noqa: E731
         target, _ = build_target(config.models.model_copy(update={"threads": config.verifier.threads}),
                                  progress=False, load=load)
         sessions = SessionStore(config.sessions.max_sessions, config.sessions.ttl_s)

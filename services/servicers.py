@@ -9,6 +9,7 @@ process holds one OpenMP team: services/replicas.py); Release never waits for it
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -26,6 +27,8 @@ class RoundServicer:
 
     def __init__(self, worker: DraftWorker | VerifierWorker, torch_executor: Executor | None = None):
         self.worker, self._executor = worker, torch_executor
+        self.round_calls = 0  # being served, waiting for the torch thread included (services/autoscaling.py)
+        self._calls_lock = threading.Lock()  # gRPC calls arrive on the server's threads
 
     @property
     def sessions(self):
@@ -38,6 +41,8 @@ class RoundServicer:
         """(the answers for `messages`, in order; the milliseconds it took). A call that fails as a
         whole aborts with its status (a Serve handle call, without a gRPC context, raises)."""
         start = time.perf_counter()
+        with self._calls_lock:
+            self.round_calls += 1
         try:
             items, refused = convert_items(messages, convert)
             answers = self._executor.submit(run, items).result() if self._executor else run(items)
@@ -46,6 +51,9 @@ class RoundServicer:
             if context is None:
                 raise
             context.abort(*grpc_status(exc))
+        finally:
+            with self._calls_lock:
+                self.round_calls -= 1
 
 
 class DraftServicer(RoundServicer, draft_pb2_grpc.DraftServicer):

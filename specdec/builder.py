@@ -30,6 +30,7 @@ from specdec.sequences import RequestRules
 
 Role = Literal["draft", "target"]
 RuntimeName = Literal["auto", "torch", "llamacpp"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DraftQuant = Literal["auto", SHIPPED, *REQUANT_FTYPES]  # type: ignore[valid-type]
 
 
@@ -51,6 +52,10 @@ class EngineConfig(BaseModel):
     # Where each model runs: "auto" = the first GPU when there is one, else the CPU; or a torch
     # device string ("cpu", "cuda", "cuda:1"). A sharded verifier places itself (models/sharding.py).
     device: str = "auto"
+    # The torch models' weights and activations on a GPU: "auto" = bfloat16 there (a pass is bound by
+    # memory traffic: half of fp32's), float32 on the CPU, whose kernels (models/formats.py) take fp32.
+    # The output is the target's distribution in this dtype; logits and Algorithm 1 stay fp32.
+    dtype: Dtype = "auto"
     # Sessions per step and tokens per pass (specdec/loop.py); shared by the in-process engine,
     # the replicas and the served coordinator.
     batch: BatchConfig = BatchConfig()
@@ -140,14 +145,15 @@ class TorchBackend(RuntimeBackend):
                                    "as shipped)")
         draft_dir = self.meta_dir(config, config.draft, "draft", progress)
         keep = draft_vocabulary(config.draft_vocab, draft_dir)
-        draft = DraftRuntime(load_model(draft_dir, "draft", config.draft_format, progress, config.device, keep),
+        draft = DraftRuntime(load_model(draft_dir, "draft", config.draft_format, progress, config.device, keep,
+                                        config.dtype),
                              identity=model_identity(draft_dir), name=config.draft, **runtime_options(config))
         return draft, draft_dir
 
     def target(self, config: EngineConfig, progress: bool, load=None) -> tuple[TargetRole, Path]:
         target_dir = self.meta_dir(config, config.target, "target", progress)
         model = load(target_dir) if load else load_model(target_dir, "target", config.target_format, progress,
-                                                         config.device)
+                                                         config.device, dtype=config.dtype)
         return (TargetRuntime(model, identity=model_identity(target_dir), name=config.target,
                               **runtime_options(config)), target_dir)
 
@@ -275,14 +281,26 @@ def resolve_device(device: str = "auto") -> torch.device:
     return resolved
 
 
+def resolve_dtype(dtype: Dtype, device: torch.device) -> torch.dtype:
+    """EngineConfig.dtype on `device`: "auto" is bfloat16 on a GPU and float32 on the CPU, the only
+    dtype the CPU weight formats take (models/formats.py)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cpu" and dtype != "float32":
+        raise ModelSourceError(f"dtype {dtype!r} on the CPU: the torch runtime's CPU kernels take float32 "
+                               "(use --dtype auto or float32 there)")
+    return getattr(torch, dtype)
+
+
 def load_model(model_dir: Path, role: Role, weight_format: WeightFormat = "auto", progress: bool = True,
-               device: str = "auto", keep_tokens: list[int] | None = None):
+               device: str = "auto", keep_tokens: list[int] | None = None, dtype: Dtype = "auto"):
     """`keep_tokens`: the only ids the LM head scores (a trimmed draft vocabulary, models/vocab.py)."""
     start = time.perf_counter()
     target_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, target_device)
     hf_logging.disable_progress_bar()  # a cached model loads in seconds; one summary line says so
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
     except Exception as exc:  # transformers raises OSError, ValueError, safetensors errors, ...
         raise ModelSourceError(f"cannot load the {role} model from {model_dir}: {_first_line(exc)}") from None
     if keep_tokens is not None:

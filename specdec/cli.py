@@ -37,6 +37,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                        help="llama.cpp cache positions per model, shared by all sessions (default 8192)")
     group.add_argument("--threads", type=int, default=None, help="CPU threads (torch and llama.cpp)")
     group.add_argument("--device", default="auto", help="where the models run: auto (a GPU when present), cpu, cuda, cuda:N")
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="the torch models' dtype: auto = bfloat16 on a GPU, float32 on the CPU")
     group = parser.add_argument_group("batching (sessions share every forward pass)")
     group.add_argument("--max-batch-sessions", type=int, default=None,
                        help="sessions one step advances at most (default 16; the others wait their turn)")
@@ -91,7 +93,7 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(draft=args.draft, target=args.target, head=args.head, cache_dir=args.cache_dir,
                         draft_format=args.draft_format, target_format=args.target_format,
                         draft_vocab=args.draft_vocab, draft_quant=args.draft_quant, threads=args.threads,
-                        device=args.device, batch=batch, kv_cache=args.kv_cache, cuda_graphs=args.cuda_graphs, runtime=args.runtime,
+                        device=args.device, dtype=args.dtype, batch=batch, kv_cache=args.kv_cache, cuda_graphs=args.cuda_graphs, runtime=args.runtime,
                         llamacpp=llamacpp)
 
 

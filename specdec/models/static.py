@@ -2,8 +2,8 @@
 layout a GPU wants (fixed addresses and shapes, what CUDA graphs capture; vLLM and gpt-fast keep
 their caches the same way).
 
-Per layer, keys and values [slots, capacity + 1, kv_heads, head_dim] on the model's device and in
-its dtype, allocated at start. A session takes a row from the slot pool (models/pool.py:
+Per layer, keys and values [slots, capacity + 1, kv_heads, head_dim] on the layer's device (a sharded
+target's span several GPUs; it then runs eagerly) and in the model's dtype, allocated at start. A session takes a row from the slot pool (models/pool.py:
 `KVSession.handle`) at its first pass; when every row is taken the least recently used session outside
 the pass loses its own and re-prefills at its next call. Rollback is the session's length: positions
 past it are scratch, overwritten by the next pass.
@@ -71,13 +71,14 @@ class StaticKV:
         # + 1 row and position: the padding sessions' and tokens' scratch
         shape = (slots + 1, self.capacity + 1, config.num_key_value_heads, head_dim)
         dtype = next(model.parameters()).dtype
-        self.keys = [torch.zeros(shape, dtype=dtype, device=model.device) for _ in range(config.num_hidden_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=model.device) for _ in range(config.num_hidden_layers)]
+        devices = layer_devices(model)  # a sharded target's layers sit on several GPUs (models/sharding.py)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for device in devices]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for device in devices]
         self.pool = SlotPool(slots)
         self.max_pass_sessions = slots
-        # CUDA only: padding buys nothing without a graph (the tests set it on the CPU to check the
-        # buckets' padding, replayed eagerly)
-        self.graphs = graphs and model.device.type == "cuda"
+        # CUDA on one device only: padding buys nothing without a graph (the tests set it on the CPU
+        # to check the buckets' padding, replayed eagerly), and a sharded model runs eagerly
+        self.graphs = graphs and model.device.type == "cuda" and len(set(devices)) == 1
         self._captured: dict[tuple[int, int, int], CapturedPass] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None  # shared by every capture
 
@@ -151,6 +152,14 @@ class StaticKV:
         return self._captured[key]
 
 
+def layer_devices(model) -> list[torch.device]:
+    """The device of each decoder layer's weights (one for a model on one device)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or len(layers) != model.config.num_hidden_layers:
+        return [model.device] * model.config.num_hidden_layers
+    return [next(layer.parameters()).device for layer in layers]
+
+
 class CapturedPass:
     """`StaticKV.forward` for one bucket (B sessions, k tokens, L gathered positions) captured as a
     CUDA graph over fixed input tensors; `run` copies a smaller pass into them (the rest: padding on
@@ -208,14 +217,16 @@ def static_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     layer = module.layer_idx
     cache_k, cache_v = static_kv.keys[layer], static_kv.values[layer]  # [S, capacity + 1, kvh, D]
     slots, width = cache_k.shape[:2]
-    flat = (static.rows[:, None] * width + static.positions).reshape(-1)  # [B * k]
+    rows = static.rows.to(cache_k.device)  # the same tensor unless the model is sharded over devices
+    flat = (rows[:, None] * width + static.positions.to(cache_k.device)).reshape(-1)  # [B * k]
     heads, dim = key.shape[1], key.shape[-1]
     cache_k.view(slots * width, heads, dim).index_copy_(0, flat, key.transpose(1, 2).reshape(-1, heads, dim).to(cache_k.dtype))
     cache_v.view(slots * width, heads, dim).index_copy_(0, flat, value.transpose(1, 2).reshape(-1, heads, dim).to(cache_v.dtype))
-    keys = cache_k[static.rows, :static.length].transpose(1, 2)  # [B, kvh, L, D]
-    values = cache_v[static.rows, :static.length].transpose(1, 2)
-    out = F.scaled_dot_product_attention(query, keys.to(query.dtype), values.to(query.dtype), attn_mask=static.mask,
-                                         scale=scaling, enable_gqa=query.shape[1] != heads)
+    keys = cache_k[rows, :static.length].transpose(1, 2)  # [B, kvh, L, D]
+    values = cache_v[rows, :static.length].transpose(1, 2)
+    out = F.scaled_dot_product_attention(query, keys.to(query.dtype), values.to(query.dtype),
+                                         attn_mask=static.mask.to(query.device), scale=scaling,
+                                         enable_gqa=query.shape[1] != heads)
     return out.transpose(1, 2).contiguous(), None
 
 

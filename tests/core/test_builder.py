@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from specdec.builder import EngineConfig, build_engine, resolve_device
+from specdec.builder import EngineConfig, build_engine, resolve_device, resolve_dtype
 from specdec.errors import ModelSourceError
 
 
@@ -25,6 +25,18 @@ def test_models_load_on_the_configured_device(tiny_pair):
     draft, target = tiny_pair
     engine = build_engine(EngineConfig(draft=str(draft), target=str(target), device="cpu"), progress=False)
     assert engine.draft.model.device.type == engine.target.model.device.type == "cpu"
+
+
+def test_auto_dtype_is_bfloat16_on_a_gpu_and_float32_on_the_cpu():
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("float16", torch.device("cuda")) == torch.float16
+
+
+def test_a_half_dtype_on_the_cpu_is_a_clear_error(tiny_pair):
+    draft, target = tiny_pair
+    with pytest.raises(ModelSourceError, match="dtype 'bfloat16' on the CPU"):
+        build_engine(EngineConfig(draft=str(draft), target=str(target), device="cpu", dtype="bfloat16"), progress=False)
 
 
 def test_auto_draft_quant_requantizes_only_the_default_draft_on_llamacpp(tiny_pair):
