@@ -17,6 +17,9 @@ Sections, in order:
   so greedy accepts every candidate: the ceiling), random prompts, greedy, at concurrency 1-64 for
   target-only, fixed K and the default policy (a random head: its stops mean nothing, its costs
   do). tokens/s, and host time per verification pass: wall minus every forward pass's time.
+- transport: the same loop (fixed K, greedy, self-draft) in process and over our gRPC round services
+  on loopback (services/: GrpcTransport, the calls the `direct` transport makes once Serve has named
+  a session's replica), one after the other on the same models: the extra ms per step.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ LOOP_SHAPE = "qwen2.5-1.5b"
 LOOP_CONCURRENCY = (1, 8, 32, 64)
 LOOP_POLICIES = (("target-only", None), ("fixed", 4), ("specdec++cost", None))
 LOOP_PROMPT_TOKENS, LOOP_NEW_TOKENS = 64, 32
+TRANSPORT_CONCURRENCY, TRANSPORT_K, TRANSPORT_NEW_TOKENS = (1, 8), 4, 128
 
 
 class Report:
@@ -217,12 +221,59 @@ def loop_throughput(report: Report, name: str, model, concurrency, policies, new
             report.put("loop", f"{name}/{kv}" if kv != "slots" else name, results)
 
 
+def transport_overhead(report: Report, model, concurrency, new_tokens: int, kv: str) -> None:
+    """ms per step the gRPC round transport adds on this host: the loop with the same workers in
+    process and over loopback gRPC, each run twice (the first warms up)."""
+    import asyncio
+
+    from services.server import start_server
+    from services.servicers import DraftServicer, VerifierServicer
+    from services.transports import GrpcTransport
+    from specdec.loop import RoundLoop
+    from specdec.workers import DraftWorker, VerifierWorker
+
+    draft, target = DraftRuntime(model, kv=kv, graphs=True), TargetRuntime(model, kv=kv, graphs=True)
+    engine = SpecDecEngine(draft, target, batch=BatchConfig(max_sessions_per_step=max(concurrency)))
+    servers = [start_server(draft=DraftServicer(DraftWorker(draft))),
+               start_server(verifier=VerifierServicer(VerifierWorker(target)))]
+    served = RoundLoop(GrpcTransport(servers[0][1], servers[1][1]), engine.rules, engine.loop.batch)
+    timer = TimedForward(target)
+    params = GenerationParams(max_new_tokens=new_tokens, policy=PolicyConfig(name="fixed", k=TRANSPORT_K),
+                              chat_template=False)
+
+    async def run(loop, prompts) -> tuple[float, int]:
+        timer.calls, start = 0, time.perf_counter()
+        await asyncio.gather(*(loop.generate(p, params) for p in prompts))
+        return time.perf_counter() - start, timer.calls
+
+    async def measure() -> None:  # one event loop: the transport's channels belong to it
+        results = {}
+        for c in concurrency:
+            if report.time_left() < 20:
+                results[f"C={c}"] = {"skipped": "time"}
+                continue
+            prompts = [synthetic_tokens(LOOP_PROMPT_TOKENS, model.config.vocab_size, offset=31 * i) for i in range(c)]
+            row = {}
+            for name, loop in (("in_process", engine.loop), ("grpc", served)):
+                await run(loop, prompts)  # warm-up: graphs, channels
+                row[f"{name}_s"], row[f"{name}_steps"] = await run(loop, prompts)
+            row["grpc_ms_per_step"] = 1e3 * (row["grpc_s"] - row["in_process_s"]) / max(1, row["grpc_steps"])
+            results[f"C={c}"] = row
+            report.put("transport", f"{LOOP_SHAPE}/{kv}", results)
+
+    try:
+        asyncio.run(measure())
+    finally:
+        for server, _ in servers:
+            server.stop(None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget-s", type=float, default=420, help="stop starting new figures after this long")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and few repeats: checks the script runs")
-    parser.add_argument("--sections", nargs="+", default=["passes", "loop"])
+    parser.add_argument("--sections", nargs="+", default=["passes", "loop", "transport"])
     parser.add_argument("--shapes", nargs="+", default=list(PASS_SHAPES), help="the passes section's shapes")
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES), help="the passes section's B")
     parser.add_argument("--loop-kv", nargs="+", default=["static", "slots"], choices=["static", "slots"],
@@ -270,6 +321,14 @@ def main() -> None:
             except Exception as exc:  # a first run of a path on a GPU: keep what the others measured
                 report.put("loop", f"{LOOP_SHAPE}/{kv}", {"error": f"{type(exc).__name__}: {exc}"[:500]})
             print(f"loop {LOOP_SHAPE} ({kv}): {time.perf_counter() - start:.0f} s", flush=True)
+    if "transport" in args.sections and report.time_left() > 30:
+        model = random_model(shapes[LOOP_SHAPE], device, dtype)
+        for kv in args.loop_kv:  # the first cache that runs
+            try:
+                transport_overhead(report, model, *(((1, 2), new_tokens) if args.smoke else (TRANSPORT_CONCURRENCY, TRANSPORT_NEW_TOKENS)), kv)
+                break
+            except Exception as exc:
+                report.put("transport", f"{LOOP_SHAPE}/{kv}", {"error": f"{type(exc).__name__}: {exc}"[:500]})
     report.data["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     report.save()
     print_summary(report.data)
@@ -289,6 +348,10 @@ def print_summary(data: dict) -> None:
             if "tokens_per_s" in row:
                 print(f"  {key:20s} {row['tokens_per_s']:8.1f} tok/s  host {row['host_ms_per_target_pass']:.2f} ms"
                       f"  passes {row['draft_passes']}/{row['target_passes']}")
+    for name, rows in data["sections"].get("transport", {}).items():
+        print(f"\ntransport {name}: gRPC round services on loopback against in process, ms per step")
+        for key, row in rows.items():
+            print(f"  {key:6s} " + (f"{row['grpc_ms_per_step']:.2f} ms" if "grpc_ms_per_step" in row else str(row)))
 
 
 if __name__ == "__main__":

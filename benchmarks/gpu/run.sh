@@ -3,7 +3,8 @@
 #   1. installs the carried wheels (benchmarks/gpu/wheels.sh fetched them) into /tmp/site;
 #   2. correctness on CUDA: the losslessness tests (greedy equality with target-only, chi-squared of
 #      the sampled joint distribution) with the tiny models on the GPU;
-#   3. benchmarks/gpu/bench.py: per-pass costs eager and captured, and the loop at concurrency 1-64.
+#   3. benchmarks/gpu/bench.py: per-pass costs eager and captured, the loop at concurrency 1-64, and the
+#      gRPC round transport's ms per step against in process on this host.
 # Everything lands in $OUT (default docs/results/gpu/latest): results.json, pytest.log, bench.log, gpu.txt.
 # On one H100 (2026-11-27): the tests ~100 s with the install, the passes ~210 s, the loop ~130 s; with
 # the defaults (TEST_TIMEOUT=150, BENCH_BUDGET=330) the whole command stays near 8 minutes, and a

@@ -21,3 +21,5 @@ def test_the_gpu_benchmark_smoke_run_writes_every_section(tmp_path):
     assert {"qwen2.5-1.5b", "qwen2.5-1.5b/static"} <= set(loop)
     assert all("error" not in rows and all("tokens_per_s" in row for row in rows.values())
                for name, rows in loop.items() if name != "probe_profile")
+    [transport] = data["sections"]["transport"].values()  # the first cache that ran: static
+    assert all("grpc_ms_per_step" in row for row in transport.values()), transport
