@@ -8,7 +8,7 @@ lags, then `who_drafts`) and on the draft side per drafting step
 (`StepBudget.keep` and `StepBudget.draft_on` over the step's sessions), against the step's own
 target pass (plain decoding's pass over B tokens, from the profile). The profile is the default
 pair's llama.cpp or torch default, or one measured (a bench results.json, `--profile`); the
-decisions' cost hardly depends on its numbers, only on B and the candidate cap (a loop over m x k).
+decisions' cost hardly depends on its numbers, only on B and the candidate cap (a numpy grid over m x k).
 """
 
 from __future__ import annotations

@@ -47,6 +47,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from specdec.cost_profile import CostProfile
 
 MAX_CANDIDATES = 20  # the paper's cap on a round, for a budgeted policy given no --k
@@ -79,11 +81,13 @@ def expected_tokens(acceptance: list[float]) -> float:
     return total
 
 
-def geometric(a: float, depth: int) -> float:
-    """a + a^2 + ... + a^depth: the expected accepted tokens of `depth` more candidates at a each."""
-    if a >= 1.0:
-        return float(depth)
-    return a * (1.0 - a ** depth) / (1.0 - a)
+def geometric(a, depth):
+    """a + a^2 + ... + a^depth: the expected accepted tokens of `depth` more candidates at a each
+    (numbers, or arrays that broadcast)."""
+    a, depth = np.asarray(a, dtype=float), np.asarray(depth, dtype=float)
+    whole = a >= 1.0
+    y = np.where(whole, depth, a * (1.0 - a ** depth) / np.where(whole, 1.0, 1.0 - a))
+    return y if y.ndim else float(y)
 
 
 @dataclass(frozen=True)
@@ -107,14 +111,16 @@ def best_allocation(profile: CostProfile, sessions: int, max_candidates: int, ac
     probability a = `acceptance` given the ones before:
     (t_draft(m (1 + a^k)) + (k - 1) t_draft(m) + pass(B + m k)) / (B + m (a + ... + a^k))."""
     plain = profile.pass_ms(sessions) / sessions
-    best = Allocation(plain, 0, 0, plain)
-    for m in range(1, sessions + 1):
-        for k in range(1, max_candidates + 1):
-            draft = profile.draft_ms(m * (1 + acceptance ** k)) + (k - 1) * profile.draft_ms(m)
-            token_ms = (draft + profile.pass_ms(sessions + m * k)) / (sessions + m * geometric(acceptance, k))
-            if token_ms < best.token_ms:
-                best = Allocation(token_ms, m, k, plain)
-    return best
+    if sessions < 1 or max_candidates < 1:
+        return Allocation(plain, 0, 0, plain)
+    m = np.arange(1, sessions + 1, dtype=float)[:, None]  # [M, 1] sessions drafting
+    k = np.arange(1, max_candidates + 1, dtype=float)[None, :]  # [1, K] candidates each
+    draft = profile.draft_ms(m * (1 + acceptance ** k)) + (k - 1) * profile.draft_ms(m)  # [M, K]
+    token_ms = (draft + profile.pass_ms(sessions + m * k)) / (sessions + m * geometric(acceptance, k))  # [M, K]
+    best = np.unravel_index(np.argmin(token_ms), token_ms.shape)  # the first of equals, fewest sessions first
+    if token_ms[best] < plain:
+        return Allocation(float(token_ms[best]), int(best[0]) + 1, int(best[1]) + 1, plain)
+    return Allocation(plain, 0, 0, plain)
 
 
 def drafting_saving(profile: CostProfile, sessions: int, max_candidates: int, acceptance: float = 1.0) -> float:
@@ -277,8 +283,9 @@ class StepBudget:
     tokens: int  # N: tokens the verification pass will feed so far
     spent_ms: float = 0.0  # drafting steps so far
 
-    def rate(self, gain: float = 0.0, tokens: int = 0, draft_ms: float = 0.0) -> float:
-        """R with `gain` expected tokens, `tokens` pass tokens and `draft_ms` more."""
+    def rate(self, gain=0.0, tokens=0, draft_ms=0.0):
+        """R with `gain` expected tokens, `tokens` pass tokens and `draft_ms` more (numbers, or
+        arrays that broadcast)."""
         return (self.expected + gain) / (self.spent_ms + draft_ms + self.profile.pass_ms(self.tokens + tokens))
 
     def add(self, survive: float) -> None:
@@ -291,31 +298,31 @@ class StepBudget:
         return self.profile.draft_ms(rows + beside) - self.profile.draft_ms(beside)
 
     def keep(self, gains: list[float]) -> list[bool]:
-        """Which of the just-drafted candidates (blind gains P_{s,i-1} a_s) join the pass."""
+        """Which of the just-drafted candidates (blind gains P_{s,i-1} a_s) join the pass: the top m
+        by gain, m = 0 .. M at once."""
         order = sorted(range(len(gains)), key=lambda s: -gains[s])
-        best_m, best, total = 0, self.rate(), 0.0
-        for m, s in enumerate(order, 1):
-            total += gains[s]
-            rate = self.rate(total, m)
-            if rate > best:
-                best_m, best = m, rate
+        if not order:
+            return []
+        m = np.arange(1, len(order) + 1)  # [M]
+        rates = self.rate(np.cumsum([gains[s] for s in order]), m)  # [M]
+        best_m = int(np.argmax(rates)) + 1 if rates.max() > self.rate() else 0
         kept = set(order[:best_m])
         return [s in kept for s in range(len(gains))]
 
     def draft_on(self, survive: list[float], acceptance: list[float], left: list[int], beside: int = 0) -> list[bool]:
         """Which sessions take another drafting step: survive P_{s,i}, acceptance a_s, left: candidates
-        each may still draft; `beside`: rows of other policies in the next step."""
+        each may still draft; `beside`: rows of other policies in the next step. Every (d, m) at once."""
         order = sorted((s for s in range(len(survive)) if left[s] > 0), key=lambda s: -survive[s] * acceptance[s])
-        best_m, best = 0, self.rate()
-        depth = max((left[s] for s in order), default=0)
-        for d in range(1, depth + 1):
-            gain, tokens = 0.0, 0
-            for m, s in enumerate(order, 1):
-                steps = min(d, left[s])
-                gain += survive[s] * geometric(acceptance[s], steps)
-                tokens += steps
-                rate = self.rate(gain, tokens, d * self.step_ms(m, beside))
-                if rate > best:
-                    best_m, best = m, rate
+        if not order:
+            return [False] * len(survive)
+        p, a, most = (np.array([v[s] for s in order], dtype=float) for v in (survive, acceptance, left))  # [M]
+        d = np.arange(1, int(most.max()) + 1, dtype=float)[:, None]  # [D, 1] more drafting steps
+        steps = np.minimum(d, most[None, :])  # [D, M] candidates each session adds
+        gain = np.cumsum(p * geometric(a, steps), axis=1)  # [D, M]: the top m sessions' expected tokens
+        tokens = np.cumsum(steps, axis=1)  # [D, M]
+        m = np.arange(1, len(order) + 1)  # [M]
+        rates = self.rate(gain, tokens, d * self.step_ms(m, beside))  # [D, M]
+        best = np.unravel_index(np.argmax(rates), rates.shape)  # the first of equals: fewest steps, then sessions
+        best_m = int(best[1]) + 1 if rates[best] > self.rate() else 0
         chosen = set(order[:best_m])
         return [s in chosen for s in range(len(survive))]

@@ -34,8 +34,10 @@ import statistics
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from specdec.errors import InvalidRequestError
@@ -60,17 +62,19 @@ class CostProfile(BaseModel):
             raise ValueError("a cost curve maps token counts >= 1 to positive times")
         return dict(sorted(curve.items()))
 
-    def pass_ms(self, tokens: float) -> float:
-        """Time of one target pass over `tokens` tokens (interpolated; module docstring)."""
+    def pass_ms(self, tokens):
+        """Time of one target pass over `tokens` tokens, a number or an array (interpolated; module
+        docstring)."""
         return interpolate(self.t_target_ms, tokens)
 
-    def draft_ms(self, rows: float) -> float:
-        """Time of one drafting step advancing `rows` sessions (0: none, no pass). Without a measured
-        curve, t_draft_ms per session: on a CPU a pass grows with its rows, and the overestimate errs
-        towards plain decoding."""
-        if rows <= 0:
+    def draft_ms(self, rows):
+        """Time of one drafting step advancing `rows` sessions, a number or an array (0: none, no
+        pass). Without a measured curve, t_draft_ms per session: on a CPU a pass grows with its rows,
+        and the overestimate errs towards plain decoding."""
+        if np.ndim(rows) == 0 and rows <= 0:
             return 0.0
-        return interpolate(self.t_draft_rows_ms, rows) if self.t_draft_rows_ms else self.t_draft_ms * rows
+        ms = interpolate(self.t_draft_rows_ms, rows) if self.t_draft_rows_ms else self.t_draft_ms * np.asarray(rows, float)
+        return np.where(np.asarray(rows) > 0, ms, 0.0) if np.ndim(rows) else float(ms)
 
     def t_target(self, candidates: int) -> float:
         """ms of the verification pass over `candidates` candidates (k + 1 tokens)."""
@@ -137,23 +141,43 @@ def describe_profile(profile: CostProfile | None, drafting: bool) -> str:
             f"{{{target}}}; drafting {'pays' if drafting else 'does not pay: the draft is off'}")
 
 
-def interpolate(curve: dict[int, float], x: float) -> float:
-    """A measured curve at x: linear between its points (as measured: a dip where the kernels batch
-    well stays). Past the last point it grows at the steeper of its last segment and its whole
-    span's mean slope, never less: a noisy last point (a live bucket of few timings) must not make
-    longer passes look cheap, let alone free. Before the first point, along the first segment."""
-    points = list(curve.items())
-    if len(points) == 1:
-        return points[0][1]
-    (k_first, t_first), (k_last, t_last) = points[0], points[-1]
-    if x > k_last:
-        k0, t0 = points[-2]
-        slope = max((t_last - t0) / (k_last - k0), (t_last - t_first) / (k_last - k_first), 0.0)
-        return t_last + slope * (x - k_last)
-    for (k0, t0), (k1, t1) in zip(points, points[1:]):
-        if x <= k1:
-            break
-    return max(t0 + (t1 - t0) * (x - k0) / (k1 - k0), 0.0)
+class Curve:
+    """A measured curve (tokens or sessions -> ms) as arrays, evaluated at a number or an array of
+    them (the budget prices a grid of allocations at once: budget.py): linear between its points (as
+    measured: a dip where the kernels batch well stays). Past the last point it grows at the steeper
+    of its last segment and its whole span's mean slope, never less: a noisy last point (a live
+    bucket of few timings) must not make longer passes look cheap, let alone free. Before the first
+    point, along the first segment."""
+
+    def __init__(self, points: dict[int, float]):
+        self.ks = np.fromiter(points.keys(), float, len(points))
+        self.ts = np.fromiter(points.values(), float, len(points))
+        ks, ts = self.ks, self.ts
+        self.slope = 0.0 if len(ks) == 1 else max((ts[-1] - ts[-2]) / (ks[-1] - ks[-2]),
+                                                  (ts[-1] - ts[0]) / (ks[-1] - ks[0]), 0.0)
+
+    def __call__(self, x):
+        ks, ts = self.ks, self.ts
+        x = np.asarray(x, dtype=float)
+        if len(ks) == 1:
+            y = np.full(x.shape, ts[0])
+        else:
+            i = np.clip(np.searchsorted(ks, x), 1, len(ks) - 1)  # the segment [k_{i-1}, k_i] holding x
+            k0, k1, t0, t1 = ks[i - 1], ks[i], ts[i - 1], ts[i]
+            y = np.where(x > ks[-1], ts[-1] + self.slope * (x - ks[-1]),
+                         np.maximum(t0 + (t1 - t0) * (x - k0) / (k1 - k0), 0.0))
+        return y if y.ndim else float(y)
+
+
+def interpolate(curve: dict[int, float], x):
+    """`curve` at x (a number or an array): `Curve`, built once per curve (a budget evaluates one
+    profile's curves many times a step)."""
+    return _curve(tuple(curve.items()))(x)
+
+
+@lru_cache(maxsize=256)
+def _curve(points: tuple[tuple[int, float], ...]) -> Curve:
+    return Curve(dict(points))
 
 
 def given_profile() -> CostProfile | None:
