@@ -253,6 +253,12 @@ class LiveCosts:
     plain passes (33-60 ms on llama.cpp) walked it without an anchor: sizes not timed for a while
     came out 10x their cost after 40 HumanEval prompts, a 4-token pass priced at 1056 ms against 100.)
 
+    While the draft is off only the target is timed; the level of a role not timed for IDLE_TIMINGS
+    timings moves with the other's. With each role's level its own, a slowdown moved the target's
+    curve alone and left the draft's where it was measured, cheap by the same factor: llama.cpp, 8
+    sessions, a target-only run's plain passes came out 1.5x their start-up cost, and the next run's
+    budget found drafting worth three catch-ups and long rounds (0.80x target-only).
+
     A bucket counts once it holds MIN_SAMPLES timings, or at once when a probe measured it (each
     worker's short probe when it starts, and the loop's rare probes while the draft is off:
     workers.py, loop.py); a probe's timing replaces what its bucket held. `profile()` is None until
@@ -275,6 +281,9 @@ class LiveCosts:
     MIN_SAMPLES = 3
     LEVEL_WINDOW = 5
     LEVEL_BAND = 0.15
+    # A role not timed for this many timings (of the other role: the draft while it is off) is idle,
+    # and its level moves with the other's (`_track_level`).
+    IDLE_TIMINGS = 20
 
     def __init__(self):
         # role -> bucket -> its last timings: (tokens, ms / level, sessions of the step)
@@ -285,6 +294,7 @@ class LiveCosts:
         self._base: dict[tuple[PassRole, int], list[float]] = {}  # a bucket's first timings, in level units
         self._snapshots: dict[int | None, CostProfile | None] = {}
         self.observed = 0  # timings folded in
+        self._last_timed: dict[PassRole, int] = {role: 0 for role in self._times}  # `observed` at its last timing
 
     def observe(self, timings: Iterable[PassTiming], sessions: int = 1) -> None:
         """Fold in the timings of a step of `sessions` sessions (a worker's start-up probe: 1)."""
@@ -303,6 +313,7 @@ class LiveCosts:
             if len(base) < self.MIN_SAMPLES:
                 base.append(t.ms / self._level[t.role])
             self.observed += 1
+            self._last_timed[t.role] = self.observed
             self._snapshots.clear()
 
     def _track_level(self, role: PassRole, estimate: float) -> None:
@@ -310,6 +321,9 @@ class LiveCosts:
         estimates.append(estimate)
         level = statistics.median(estimates)
         if len(estimates) == estimates.maxlen and abs(level / self._level[role] - 1.0) > self.LEVEL_BAND:
+            for other in self._level:  # an idle role's curve moves with the machine (IDLE_TIMINGS)
+                if other != role and self.observed - self._last_timed[other] > self.IDLE_TIMINGS:
+                    self._level[other] *= level / self._level[role]
             self._level[role] = level
 
     def curve(self, role: PassRole, sessions: int | None = None) -> dict[int, float]:

@@ -133,6 +133,26 @@ def test_the_profile_ignores_an_outlier_and_follows_a_change():
     assert costs.profile().t_draft_ms == 10.0  # the other role is untouched
 
 
+def test_an_idle_drafts_curve_moves_with_the_machine():
+    """The draft timed at start (10 ms), then only plain passes for a while (the draft off), then
+    the host gets 1.5x slower: the draft's curve follows the target's level, or drafting would look
+    cheaper by as much. A draft being timed keeps its own level."""
+    costs = LiveCosts()
+    costs.observe(timings("draft", 1, 10.0, probe=True))
+    costs.observe(timings("verifier", 8, *[100.0] * (LiveCosts.IDLE_TIMINGS + 1)))
+    for _ in range(LiveCosts.LEVEL_WINDOW):
+        costs.observe(timings("verifier", 8, 150.0))
+    profile = costs.profile()
+    assert profile.pass_ms(8) == pytest.approx(150.0) and profile.t_draft_ms == pytest.approx(15.0)
+
+    busy = LiveCosts()
+    busy.observe(timings("draft", 1, 10.0, probe=True))
+    for _ in range(LiveCosts.IDLE_TIMINGS + LiveCosts.LEVEL_WINDOW):
+        busy.observe(timings("verifier", 8, 150.0 if busy.observed > LiveCosts.IDLE_TIMINGS else 100.0)
+                     + timings("draft", 1, 10.0))
+    assert busy.profile().pass_ms(8) == pytest.approx(150.0) and busy.profile().t_draft_ms == pytest.approx(10.0)
+
+
 def test_a_slower_machine_moves_sizes_that_are_not_being_timed():
     """Plain decoding (1 token) and a verification of 4 were timed at 50 and 120 ms; the host gets 3x
     slower while only plain passes run (the draft is off): the 4-token pass follows."""
