@@ -7,9 +7,10 @@ CUDA, written as JSON as it goes (a run cut short keeps what it measured).
 Sections, in order:
 - passes: for each shape (shapes.py: the default pair's 0.5B and 1.5B, and a 7B target), random bf16
   weights, B sessions each holding a 200-token prompt and feeding k tokens:
-  `runtime` is today's torch runtime (models/runtime.py: one ragged pass, logits copied to the host),
-  `static` the same math over a preallocated cache (static_pass.py) run eagerly, `captured` that
-  pass replayed as a CUDA graph; each a median in ms. `graph_vs_eager` is the largest logit
+  `runtime` is the torch runtime on its slot cache (models/runtime.py: one ragged pass, logits copied
+  to the host), `static` the same math over a preallocated cache (static_pass.py) run eagerly,
+  `captured` that pass replayed as a CUDA graph, `runtime_static` the runtime on its own static cache
+  (models/static.py: captured passes, host work and the logits' copy included); each a median in ms. `graph_vs_eager` is the largest logit
   difference between a replay and the eager static pass on fresh ids, `static_vs_runtime` the
   same against the runtime (bf16: expect ~1e-2 of the logits' scale).
 - loop: the engine (one round loop, in process; with the static cache and captured graphs, then
@@ -44,6 +45,7 @@ from specdec.bench.forward import PROMPT_TOKENS, TimedForward, synthetic_tokens,
 from specdec.head import AcceptanceHead, HeadConfig  # noqa: E402
 from specdec.models.cache import RAGGED_ATTENTION  # noqa: E402
 from specdec.models.runtime import DraftRuntime, Feed, TargetRuntime  # noqa: E402
+from specdec.models.static import StaticKV  # noqa: E402
 from specdec.engine import SpecDecEngine  # noqa: E402
 from specdec.loop import BatchConfig  # noqa: E402
 from specdec.params import GenerationParams  # noqa: E402
@@ -57,6 +59,7 @@ LOOP_CONCURRENCY = (1, 8, 32, 64)
 LOOP_POLICIES = (("target-only", None), ("fixed", 4), ("specdec++cost", None))
 LOOP_PROMPT_TOKENS, LOOP_NEW_TOKENS = 64, 32
 TRANSPORT_CONCURRENCY, TRANSPORT_K, TRANSPORT_NEW_TOKENS = (1, 8), 4, 128
+RUNTIME_STATIC_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b")
 
 
 class Report:
@@ -171,6 +174,27 @@ def pass_costs(report: Report, name: str, model, ks, batches, device, repeats: i
         del static
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    # The runtime itself on its static cache (models/static.py): its captured pass with the host work
+    # around it (the pass's index tensors, the logits copied to the host), against the prototype's;
+    # the default pair's shapes only (the 7B's projection reads the prototype's).
+    if name not in RUNTIME_STATIC_SHAPES:
+        model.set_attn_implementation(RAGGED_ATTENTION)
+        return
+    runtime = TargetRuntime(model)
+    runtime.kv = StaticKV(model, slots=max(batches), capacity=2 * CACHE_LENGTH, graphs=True)
+    runtime.max_pass_sessions = max(batches)
+    for batch in batches:
+        for k in ks:
+            row = results.get(f"B={batch},k={k}")
+            if report.time_left() < 30 or row is None or "skipped" in row:
+                continue
+            try:
+                row["runtime_static_ms"] = 1e3 * time_pass(runtime, k, repeats=repeats, sessions=batch)
+            except Exception as exc:  # a first run on a GPU: recorded, the other figures stand
+                row["runtime_static_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                break
+            report.put("passes", name, results)
+    del runtime
     model.set_attn_implementation(RAGGED_ATTENTION)
 
 
@@ -336,9 +360,10 @@ def main() -> None:
 
 def print_summary(data: dict) -> None:
     for name, rows in data["sections"].get("passes", {}).items():
-        print(f"\n{name}: ms per pass (runtime / static eager / captured)")
+        print(f"\n{name}: ms per pass (runtime / static eager / captured / runtime on its static cache)")
         for key, row in rows.items():
-            cells = [f"{row[c]:.2f}" if c in row else "-" for c in ("runtime_ms", "static_ms", "captured_ms")]
+            cells = [f"{row[c]:.2f}" if c in row else "-"
+                     for c in ("runtime_ms", "static_ms", "captured_ms", "runtime_static_ms")]
             print(f"  {key:12s} " + " / ".join(cells) + (f"  {row['captured_error'][:80]}" if "captured_error" in row else ""))
     for name, rows in data["sections"].get("loop", {}).items():
         if not isinstance(rows, dict):

@@ -18,6 +18,7 @@ def test_the_gpu_benchmark_smoke_run_writes_every_section(tmp_path):
     assert data["finished"]
     passes, loop = data["sections"]["passes"], data["sections"]["loop"]
     assert all("static_ms" in row and "runtime_ms" in row for rows in passes.values() for row in rows.values())
+    assert all("runtime_static_ms" in row for name in ("qwen2.5-0.5b", "qwen2.5-1.5b") for row in passes[name].values())
     assert {"qwen2.5-1.5b", "qwen2.5-1.5b/static"} <= set(loop)
     assert all("error" not in rows and all("tokens_per_s" in row for row in rows.values())
                for name, rows in loop.items() if name != "probe_profile")

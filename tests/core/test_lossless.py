@@ -42,6 +42,8 @@ from tiny import tiny_model
 # Where the tiny models run: the CPU in CI; `SPECDEC_TEST_DEVICE=cuda` runs the same tests on a GPU
 # (benchmarks/gpu/run.sh). Sampling, verification and the head stay on the host either way.
 DEVICE = torch.device(os.environ.get("SPECDEC_TEST_DEVICE", "cpu"))
+# Their KV cache: `SPECDEC_TEST_KV=static` runs them on the static cache, with captured passes on CUDA.
+KV = os.environ.get("SPECDEC_TEST_KV", "slots")
 
 # A p-value below this at the fixed seeds means the engine's outputs do not follow the target.
 SIGNIFICANCE = 1e-3
@@ -83,7 +85,8 @@ def random_head(hidden_size: int, seed: int) -> AcceptanceHead:
 def make_engine(vocab: int, layers: int, model_seed: int, noise: float, noise_seed: int) -> SpecDecEngine:
     target = tiny_model(vocab, hidden_size=16, layers=layers, seed=model_seed, init_range=0.5)
     draft = noisy_copy(target, noise, noise_seed)
-    return SpecDecEngine(DraftRuntime(draft.to(DEVICE)), TargetRuntime(target.to(DEVICE)), head=random_head(16, seed=11))
+    return SpecDecEngine(DraftRuntime(draft.to(DEVICE), kv=KV, graphs=True), TargetRuntime(target.to(DEVICE), kv=KV, graphs=True),
+                         head=random_head(16, seed=11))
 
 
 @pytest.fixture(scope="module")
