@@ -324,6 +324,7 @@ class LiveCosts:
             for other in self._level:  # an idle role's curve moves with the machine (IDLE_TIMINGS)
                 if other != role and self.observed - self._last_timed[other] > self.IDLE_TIMINGS:
                     self._level[other] *= level / self._level[role]
+                    self._estimates[other].clear()  # measured at the level it had: they would pull it back
             self._level[role] = level
 
     def curve(self, role: PassRole, sessions: int | None = None) -> dict[int, float]:

@@ -3,10 +3,11 @@ layout a GPU wants (fixed addresses and shapes, what CUDA graphs capture; vLLM a
 their caches the same way).
 
 Per layer, keys and values [slots, capacity + 1, kv_heads, head_dim] on the layer's device (a sharded
-target's span several GPUs; it then runs eagerly) and in the model's dtype, allocated at start. A session takes a row from the slot pool (models/pool.py:
-`KVSession.handle`) at its first pass; when every row is taken the least recently used session outside
-the pass loses its own and re-prefills at its next call. Rollback is the session's length: positions
-past it are scratch, overwritten by the next pass.
+target's span several GPUs; it then runs eagerly) and in the model's dtype, allocated at start. A
+session takes a row from the slot pool (models/pool.py: `KVSession.handle`) at its first pass; when
+every row is taken the least recently used session outside the pass loses its own and re-prefills
+at its next call. Rollback is the session's length: positions past it are scratch, overwritten by
+the next pass.
 
 A pass over B sessions is one [B, k] batch, k the most tokens any session feeds: a shorter feed is
 padded with token 0, written to the row's last, scratch position (`capacity`), and every query

@@ -138,12 +138,14 @@ def test_an_idle_drafts_curve_moves_with_the_machine():
     the host gets 1.5x slower: the draft's curve follows the target's level, or drafting would look
     cheaper by as much. A draft being timed keeps its own level."""
     costs = LiveCosts()
-    costs.observe(timings("draft", 1, 10.0, probe=True))
+    costs.observe(timings("draft", 1, 10.0, probe=True) + timings("draft", 1, *[10.0] * LiveCosts.LEVEL_WINDOW))
     costs.observe(timings("verifier", 8, *[100.0] * (LiveCosts.IDLE_TIMINGS + 1)))
     for _ in range(LiveCosts.LEVEL_WINDOW):
         costs.observe(timings("verifier", 8, 150.0))
     profile = costs.profile()
     assert profile.pass_ms(8) == pytest.approx(150.0) and profile.t_draft_ms == pytest.approx(15.0)
+    costs.observe(timings("draft", 1, 15.0))  # drafting again, as slow as its curve says: it stays there
+    assert costs.profile().t_draft_ms == pytest.approx(15.0)
 
     busy = LiveCosts()
     busy.observe(timings("draft", 1, 10.0, probe=True))
