@@ -67,6 +67,18 @@ class Run:
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s if self.wall_s else 0.0
 
+    def merge(self, other: Run) -> Run:
+        """This run and another of the same policy and level as one (their requests, tokens and walls
+        added): `--rounds`."""
+        self.requests, self.tokens, self.wall_s = self.requests + other.requests, self.tokens + other.tokens, \
+            self.wall_s + other.wall_s
+        self.latency_s += other.latency_s
+        self.first_token_s += other.first_token_s
+        self.drafted, self.accepted = self.drafted + other.drafted, self.accepted + other.accepted
+        for index, tokens in other.outputs.items():
+            self.outputs.setdefault(index, tokens)
+        return self
+
     def row(self) -> dict:
         def pct(values: list[float], q: float) -> float:
             return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
@@ -106,12 +118,16 @@ async def closed_loop(send, concurrency: int, per_client: int, pool: int, run: R
 
 
 def in_process(models: EngineConfig, prompts: list[str], specs, levels: list[int], per_client: Callable[[int], int],
-               max_new_tokens: int, mode: str = "in-process") -> list[Run]:
+               max_new_tokens: int, mode: str = "in-process", rounds: int = 1) -> list[Run]:
+    """`rounds` > 1: each level's policies run that many times, in their order and then reversed in
+    turn (A B B A ...), and a policy's runs count as one: a machine whose speed drifts over the run
+    favours neither the first policy nor the last."""
     engine = build_engine(models, progress=False)
     ids = [engine.encode_prompt(p) for p in prompts]
     runs = []
     for level in levels:  # the policies of a level one after the other: a drift of the machine spares the ratios
-        for spec in specs:
+        merged: dict[str, Run] = {}
+        for spec in [s for r in range(rounds) for s in (specs if r % 2 == 0 else specs[::-1])]:
             params = GenerationParams(max_new_tokens=max_new_tokens, policy=spec.policy_config())
             engine.generate_ids(ids[0], params.model_copy(update={"max_new_tokens": 4}))  # warm-up
 
@@ -127,7 +143,8 @@ def in_process(models: EngineConfig, prompts: list[str], specs, levels: list[int
 
             run = asyncio.run(closed_loop(send, level, per_client(level), len(ids), Run(mode, spec.key, level)))
             print(f"  {mode} {spec.key} C={level}: {run.tokens_per_s:.2f} tok/s", file=sys.stderr, flush=True)
-            runs.append(run)
+            merged[spec.key] = merged[spec.key].merge(run) if spec.key in merged else run
+        runs += merged.values()
     return runs
 
 
@@ -260,6 +277,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="served: torch threads per replica")
     parser.add_argument("--runtime", default="auto", choices=["auto", "torch", "llamacpp"],
                         help="kernels (auto: llama.cpp for the default pair on a CPU)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="in process: run each level's policies this many times, in order then reversed "
+                             "(A B B A), each policy's runs counted as one")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -285,7 +305,7 @@ def main() -> int:
         runs += in_process(models.model_copy(update={"kv_cache": "reference"}), prompts, specs, [1],
                            per_client, args.max_new_tokens, mode="in-process, batch-1 reference")
     if "in-process" in args.modes:
-        runs += in_process(models, prompts, specs, levels, per_client, args.max_new_tokens)
+        runs += in_process(models, prompts, specs, levels, per_client, args.max_new_tokens, rounds=args.rounds)
     gc.collect()  # the in-process engine's models go before the served replicas load theirs
     if "served" in args.modes:
         runs += served(models, prompts, specs, levels, per_client, args.max_new_tokens,
@@ -295,7 +315,8 @@ def main() -> int:
     differ = mismatches(runs)
     print(f"\n{'tiny' if args.tiny else 'default'} pair, greedy, {args.max_new_tokens} new tokens, HumanEval prompts "
           f"(pool of {len(prompts)}), {args.requests_per_client} requests per client"
-          f"{f' (at least {args.min_requests} a level)' if args.min_requests else ''}, {cpu_name()}, "
+          f"{f' (at least {args.min_requests} a level)' if args.min_requests else ''}"
+          f"{f', {args.rounds} rounds in process (A B B A)' if args.rounds > 1 else ''}, {cpu_name()}, "
           f"{time.strftime('%Y-%m-%d')}; batch {batch.model_dump()}\n")
     print(table(rows))
     print(f"\ngreedy outputs identical across every mode and level: {not differ}")

@@ -27,6 +27,7 @@ from specdec.bench.forward import TimedForward, synthetic_tokens
 from specdec.bench.specs import parse_spec
 from specdec.builder import EngineConfig, load_tokenizer, model_dir
 from specdec.engine import SpecDecEngine
+from specdec.head import AcceptanceHead, HeadConfig
 from specdec.loop import BatchConfig
 from specdec.models.runtime import DraftRuntime, TargetRuntime
 from specdec.params import GenerationParams
@@ -74,7 +75,10 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tokenizer = load_tokenizer(model_dir(EngineConfig(), "target"))
     draft, target = DraftRuntime(tiny_model(16, 1, seed=1)), TargetRuntime(tiny_model(32, 2, seed=2))
-    engine = SpecDecEngine(draft, target, tokenizer, batch=BatchConfig(max_sessions_per_step=max(args.concurrency)))
+    torch.manual_seed(0)  # a random acceptance head for the policies that read one: its stops mean nothing, its costs do
+    head = AcceptanceHead(HeadConfig(hidden_size=16, depth=1, draft_identity="host-work")).eval()
+    engine = SpecDecEngine(draft, target, tokenizer, head=head,
+                           batch=BatchConfig(max_sessions_per_step=max(args.concurrency)))
     timers = TimedForward(draft), TimedForward(target)
     policy = parse_spec(args.policy).policy_config()
     rows = {}
