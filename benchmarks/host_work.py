@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from specdec.bench.forward import TimedForward, synthetic_tokens
 from specdec.bench.specs import parse_spec
 from specdec.builder import EngineConfig, load_tokenizer, model_dir
+from specdec.cost_profile import PROFILE_ENV
 from specdec.engine import SpecDecEngine
 from specdec.head import AcceptanceHead, HeadConfig
 from specdec.loop import BatchConfig
@@ -70,13 +72,19 @@ def main() -> None:
     parser.add_argument("--policy", default="fixed:4", help="a bench spec: fixed:4, target-only, ...")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--repeats", type=int, default=3, help="runs per cell (the least host work is reported)")
+    parser.add_argument("--self-draft", action="store_true",
+                        help="the target's own weights draft (greedy accepts every candidate: a budgeted policy "
+                             "drafts wherever its cost profile, e.g. SPECDEC_COST_PROFILE, says drafting pays)")
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tokenizer = load_tokenizer(model_dir(EngineConfig(), "target"))
-    draft, target = DraftRuntime(tiny_model(16, 1, seed=1)), TargetRuntime(tiny_model(32, 2, seed=2))
+    target_model = tiny_model(32, 2, seed=2)
+    draft_model = target_model if args.self_draft else tiny_model(16, 1, seed=1)
+    draft, target = DraftRuntime(draft_model), TargetRuntime(target_model)
     torch.manual_seed(0)  # a random acceptance head for the policies that read one: its stops mean nothing, its costs do
-    head = AcceptanceHead(HeadConfig(hidden_size=16, depth=1, draft_identity="host-work")).eval()
+    head = AcceptanceHead(HeadConfig(hidden_size=draft_model.config.hidden_size, depth=1,
+                                     draft_identity="host-work")).eval()
     engine = SpecDecEngine(draft, target, tokenizer, head=head,
                            batch=BatchConfig(max_sessions_per_step=max(args.concurrency)))
     timers = TimedForward(draft), TimedForward(target)
@@ -101,7 +109,8 @@ def main() -> None:
         print(f"| {c} | " + " | ".join(cells) + " |", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"policy": args.policy, "prompt_tokens": PROMPT_TOKENS,
+        args.out.write_text(json.dumps({"policy": args.policy, "self_draft": args.self_draft,
+                                        "cost_profile": os.environ.get(PROFILE_ENV), "prompt_tokens": PROMPT_TOKENS,
                                         "new_tokens": NEW_TOKENS, "torch_threads": torch.get_num_threads(),
                                         "rows": rows}, indent=1))
 
