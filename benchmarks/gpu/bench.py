@@ -19,8 +19,8 @@ Sections, in order:
   target-only, fixed K and the default policy (a random head: its stops mean nothing, its costs
   do). tokens/s, and host time per verification pass: wall minus every forward pass's time.
 - transport: the same loop (fixed K, greedy, self-draft) in process and over our gRPC round services
-  on loopback (services/: GrpcTransport, the calls the `direct` transport makes once Serve has named
-  a session's replica), one after the other on the same models: the extra ms per step.
+  on loopback, served from a process of their own as a replica's are (services/: GrpcTransport, the
+  calls the `direct` transport makes once Serve has named a session's replica): the extra ms per step.
 """
 
 from __future__ import annotations
@@ -245,27 +245,57 @@ def loop_throughput(report: Report, name: str, model, concurrency, policies, new
             report.put("loop", f"{name}/{kv}" if kv != "slots" else name, results)
 
 
-def transport_overhead(report: Report, model, concurrency, new_tokens: int, kv: str) -> None:
-    """ms per step the gRPC round transport adds on this host: the loop with the same workers in
-    process and over loopback gRPC, each run twice (the first warms up)."""
-    import asyncio
-
+def serve_round_services(shape: dict, device: str, dtype: str, kv: str, pipe) -> None:
+    """`transport_overhead`'s server process (a replica's place): the shape's random model, a draft
+    and a verifier worker on gRPC servers of their own; sends their addresses, serves until the
+    parent says stop (or goes)."""
     from services.server import start_server
     from services.servicers import DraftServicer, VerifierServicer
+    from specdec.workers import DraftWorker, VerifierWorker
+
+    torch.manual_seed(0)
+    model = random_model(shape, torch.device(device), getattr(torch, dtype.removeprefix("torch.")))
+    draft, target = DraftRuntime(model, kv=kv, graphs=True), TargetRuntime(model, kv=kv, graphs=True)
+    servers = [start_server(draft=DraftServicer(DraftWorker(draft))),
+               start_server(verifier=VerifierServicer(VerifierWorker(target)))]
+    pipe.send([address for _, address in servers])
+    try:
+        pipe.recv()
+    except EOFError:
+        pass
+    for server, _ in servers:
+        server.stop(None)
+
+
+def transport_overhead(report: Report, shape: dict, model, concurrency, new_tokens: int, kv: str) -> None:
+    """ms per step the gRPC round transport adds on this host: the loop in process, and the loop over
+    our gRPC services in a process of their own (as a replica's: in one process the client's and the
+    servers' threads share the GIL, which added ~3 ms a step on the CPU), each run twice (the first
+    warms up). The server process holds its own copy of the model."""
+    import asyncio
+    import multiprocessing
+
     from services.transports import GrpcTransport
     from specdec.loop import RoundLoop
-    from specdec.workers import DraftWorker, VerifierWorker
 
     draft, target = DraftRuntime(model, kv=kv, graphs=True), TargetRuntime(model, kv=kv, graphs=True)
     engine = SpecDecEngine(draft, target, batch=BatchConfig(max_sessions_per_step=max(concurrency)))
-    servers = [start_server(draft=DraftServicer(DraftWorker(draft))),
-               start_server(verifier=VerifierServicer(VerifierWorker(target)))]
-    served = RoundLoop(GrpcTransport(servers[0][1], servers[1][1]), engine.rules, engine.loop.batch)
+    context = multiprocessing.get_context("spawn")
+    pipe, child_pipe = context.Pipe()
+    server = context.Process(target=serve_round_services, daemon=True,
+                             args=(shape, str(model.device), str(model.dtype), kv, child_pipe))
+    server.start()
+    if not pipe.poll(300):
+        server.kill()
+        raise RuntimeError("the round services' process did not start within 300 s")
+    draft_address, verifier_address = pipe.recv()
+    served = RoundLoop(GrpcTransport(draft_address, verifier_address), engine.rules, engine.loop.batch)
     timer = TimedForward(target)
     params = GenerationParams(max_new_tokens=new_tokens, policy=PolicyConfig(name="fixed", k=TRANSPORT_K),
                               chat_template=False)
 
     async def run(loop, prompts) -> tuple[float, int]:
+        """(seconds, verification passes in this process: the in-process loop's steps)"""
         timer.calls, start = 0, time.perf_counter()
         await asyncio.gather(*(loop.generate(p, params) for p in prompts))
         return time.perf_counter() - start, timer.calls
@@ -280,16 +310,19 @@ def transport_overhead(report: Report, model, concurrency, new_tokens: int, kv: 
             row = {}
             for name, loop in (("in_process", engine.loop), ("grpc", served)):
                 await run(loop, prompts)  # warm-up: graphs, channels
-                row[f"{name}_s"], row[f"{name}_steps"] = await run(loop, prompts)
-            row["grpc_ms_per_step"] = 1e3 * (row["grpc_s"] - row["in_process_s"]) / max(1, row["grpc_steps"])
+                row[f"{name}_s"], steps = await run(loop, prompts)
+                row.setdefault("steps", steps)  # in process (greedy self-draft: the served run's rounds are the same)
+            row["grpc_ms_per_step"] = 1e3 * (row["grpc_s"] - row["in_process_s"]) / max(1, row["steps"])
             results[f"C={c}"] = row
             report.put("transport", f"{LOOP_SHAPE}/{kv}", results)
 
     try:
         asyncio.run(measure())
     finally:
-        for server, _ in servers:
-            server.stop(None)
+        pipe.send("stop")
+        server.join(30)
+        if server.is_alive():
+            server.kill()
 
 
 def main() -> None:
@@ -349,7 +382,8 @@ def main() -> None:
         model = random_model(shapes[LOOP_SHAPE], device, dtype)
         for kv in args.loop_kv:  # the first cache that runs
             try:
-                transport_overhead(report, model, *(((1, 2), new_tokens) if args.smoke else (TRANSPORT_CONCURRENCY, TRANSPORT_NEW_TOKENS)), kv)
+                transport_overhead(report, shapes[LOOP_SHAPE], model,
+                                   *(((1, 2), new_tokens) if args.smoke else (TRANSPORT_CONCURRENCY, TRANSPORT_NEW_TOKENS)), kv)
                 break
             except Exception as exc:
                 report.put("transport", f"{LOOP_SHAPE}/{kv}", {"error": f"{type(exc).__name__}: {exc}"[:500]})
