@@ -17,8 +17,8 @@ import argparse
 import statistics
 import timeit
 
-from specdec.budget import (PRIOR_WEIGHT, StepBudget, best_allocation, draining_allocation, drafting_saving,
-                            hopeful_acceptance, who_drafts)
+from specdec.budget import (PRIOR_WEIGHT, StepBudget, best_allocations, draining_allocation, hopeful_acceptance,
+                            who_drafts)
 from specdec.cost_profile import DEFAULT_PROFILES, CostProfile
 
 
@@ -43,11 +43,9 @@ def main() -> None:
     for sessions in args.sessions:
         lags, remaining = [1] * (sessions - 1) + [200], [100] * sessions
 
-        def loop_side():
-            drafting_saving(profile, sessions, k)
+        def loop_side():  # RoundLoop._who_drafts
             upper = hopeful_acceptance(a * PRIOR_WEIGHT, PRIOR_WEIGHT)
-            hopeful = best_allocation(profile, sessions, k, upper)
-            best_allocation(profile, sessions, k, a)
+            _, hopeful, _ = best_allocations(profile, sessions, k, (1.0, upper, a))
             judged = draining_allocation(profile, hopeful, sessions, k, upper, 126, 13 / 1225)
             who_drafts(profile, judged, sessions, lags, remaining)
 

@@ -45,6 +45,7 @@ a = 0.95: keep, (1 + 0.95) / (5 + 65) = 0.0279 > 1 / (5 + 35) = 0.025; draft on?
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,17 +111,24 @@ def best_allocation(profile: CostProfile, sessions: int, max_candidates: int, ac
     pass(B) / B, or a step in which m of them draft k candidates each, each accepted with
     probability a = `acceptance` given the ones before:
     (t_draft(m (1 + a^k)) + (k - 1) t_draft(m) + pass(B + m k)) / (B + m (a + ... + a^k))."""
+    return best_allocations(profile, sessions, max_candidates, (acceptance,))[0]
+
+
+def best_allocations(profile: CostProfile, sessions: int, max_candidates: int,
+                     acceptances: Sequence[float]) -> list[Allocation]:
+    """`best_allocation` at each of `acceptances`, every (a, m, k) priced in one grid (the loop asks
+    at the bound, at the upper end of the measured acceptance and at it, every step)."""
     plain = profile.pass_ms(sessions) / sessions
     if sessions < 1 or max_candidates < 1:
-        return Allocation(plain, 0, 0, plain)
-    m = np.arange(1, sessions + 1, dtype=float)[:, None]  # [M, 1] sessions drafting
-    k = np.arange(1, max_candidates + 1, dtype=float)[None, :]  # [1, K] candidates each
-    draft = profile.draft_ms(m * (1 + acceptance ** k)) + (k - 1) * profile.draft_ms(m)  # [M, K]
-    token_ms = (draft + profile.pass_ms(sessions + m * k)) / (sessions + m * geometric(acceptance, k))  # [M, K]
-    best = np.unravel_index(np.argmin(token_ms), token_ms.shape)  # the first of equals, fewest sessions first
-    if token_ms[best] < plain:
-        return Allocation(float(token_ms[best]), int(best[0]) + 1, int(best[1]) + 1, plain)
-    return Allocation(plain, 0, 0, plain)
+        return [Allocation(plain, 0, 0, plain) for _ in acceptances]
+    a = np.asarray(acceptances, dtype=float)[:, None, None]  # [A, 1, 1]
+    m = np.arange(1, sessions + 1, dtype=float)[None, :, None]  # [1, M, 1] sessions drafting
+    k = np.arange(1, max_candidates + 1, dtype=float)[None, None, :]  # [1, 1, K] candidates each
+    draft = profile.draft_ms(m * (1 + a ** k)) + (k - 1) * profile.draft_ms(m)  # [A, M, K]
+    token_ms = ((draft + profile.pass_ms(sessions + m * k)) / (sessions + m * geometric(a, k))).reshape(len(a), -1)
+    best = token_ms.argmin(axis=1)  # [A]: the first of equals, fewest sessions first
+    return [Allocation(float(token_ms[i, j]), int(j) // max_candidates + 1, int(j) % max_candidates + 1, plain)
+            if token_ms[i, j] < plain else Allocation(plain, 0, 0, plain) for i, j in enumerate(best)]
 
 
 def drafting_saving(profile: CostProfile, sessions: int, max_candidates: int, acceptance: float = 1.0) -> float:

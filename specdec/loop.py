@@ -57,7 +57,7 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specdec.budget import (CURVE_PROBE_SHARE, IN_STEP_LAG, MAX_CANDIDATES, PRIOR_ACCEPTANCE, PRIOR_WEIGHT,
-                            PROBE_SHARE, STOP_RATE_DECAY, StepPlan, best_allocation, curve_probe,
+                            PROBE_SHARE, STOP_RATE_DECAY, StepPlan, best_allocations, curve_probe,
                             draining_allocation, expected_remaining, hopeful_acceptance, rest_after, who_drafts)
 from specdec.cost_profile import CostProfile, LiveCosts, given_profile
 from specdec.errors import InvalidRequestError, Unavailable
@@ -371,14 +371,16 @@ class RoundLoop:
         if profile is None or not budgeted:
             return drafting, 0
         cap = max(s.request.params.policy.k or MAX_CANDIDATES for s in budgeted)
-        bound = best_allocation(profile, len(batch), cap)  # every candidate accepted
+        # every candidate accepted (the bound), the upper end of the measured acceptance, and it
+        bound, hopeful, likely = best_allocations(profile, len(batch), cap,
+                                                  (1.0, self.catch_up_acceptance, self.acceptance))
         self.drafting = bound.saving > 0
         # who may catch up is judged at the upper end of the measured acceptance, what the sessions
         # will draft at the measured one (where nothing pays at the upper end, nothing does below
         # it); the curve is probed up to what they will draft, where none drafts (the draft off, or
         # no catch-up paying) up to a first candidate's B + 1 tokens
-        hopeful = best_allocation(profile, len(batch), cap, self.catch_up_acceptance) if self.drafting else bound
-        likely = best_allocation(profile, len(batch), cap, self.acceptance) if hopeful.drafters else hopeful
+        hopeful = hopeful if self.drafting else bound
+        likely = likely if hopeful.drafters else hopeful
         if self.observer:
             self.observer.on_costs(profile, self.drafting)
         if not self.drafting:

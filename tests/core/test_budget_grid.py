@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from specdec.budget import Allocation, StepBudget, best_allocation, geometric
+from specdec.budget import Allocation, StepBudget, best_allocation, best_allocations, geometric
 from specdec.cost_profile import CostProfile, interpolate
 
 
@@ -127,3 +127,12 @@ def test_keep_and_draft_on_are_the_loops(profile, sessions, rows, spent, beside)
     m = chosen_count(on, draft_on_rates(budget, survive, acceptance, left, beside))
     order = sorted((s for s in range(len(survive)) if left[s] > 0), key=lambda s: -survive[s] * acceptance[s])
     assert [s for s in order if on[s]] == order[:m] and not any(on[s] for s in range(len(on)) if left[s] == 0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(profiles(), st.integers(1, 12), st.integers(1, 20), st.lists(st.floats(0.05, 1.0), min_size=1, max_size=4))
+def test_several_acceptances_in_one_grid_are_each_ones_allocation(profile, sessions, cap, acceptances):
+    together = best_allocations(profile, sessions, cap, acceptances)
+    for got, a in zip(together, acceptances, strict=True):
+        want = best_allocation(profile, sessions, cap, a)
+        assert got.token_ms == pytest.approx(want.token_ms, rel=1e-12, abs=0) and got.plain_ms == want.plain_ms
