@@ -30,8 +30,6 @@ from services.transports import round_transport
 def set_threads(threads: int | None) -> None:
     """torch's intra-op threads in a replica; None: every core. (Ray sets OMP_NUM_THREADS to a
     replica's num_cpus, 1 for a fractional one, which would leave a CPU model on one core.)"""
-    import torch
-
     torch.set_num_threads(threads or os.cpu_count() or 1)
 
 

@@ -72,10 +72,13 @@ class CostProfile(BaseModel):
         """Time of one drafting step advancing `rows` sessions, a number or an array (0: none, no
         pass). Without a measured curve, t_draft_ms per session: on a CPU a pass grows with its rows,
         and the overestimate errs towards plain decoding."""
-        if np.ndim(rows) == 0 and rows <= 0:
-            return 0.0
-        ms = interpolate(self.t_draft_rows_ms, rows) if self.t_draft_rows_ms else self.t_draft_ms * np.asarray(rows, float)
-        return np.where(np.asarray(rows) > 0, ms, 0.0) if np.ndim(rows) else float(ms)
+        if np.ndim(rows) == 0:
+            if rows <= 0:
+                return 0.0
+            return interpolate(self.t_draft_rows_ms, rows) if self.t_draft_rows_ms else self.t_draft_ms * rows
+        rows = np.asarray(rows, dtype=float)
+        ms = interpolate(self.t_draft_rows_ms, rows) if self.t_draft_rows_ms else self.t_draft_ms * rows
+        return np.where(rows > 0, ms, 0.0)
 
     def t_target(self, candidates: int) -> float:
         """ms of the verification pass over `candidates` candidates (k + 1 tokens)."""

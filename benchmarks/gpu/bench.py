@@ -26,6 +26,7 @@ Sections, in order:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -259,10 +260,8 @@ def serve_round_services(shape: dict, device: str, dtype: str, kv: str, pipe) ->
     servers = [start_server(draft=DraftServicer(DraftWorker(draft))),
                start_server(verifier=VerifierServicer(VerifierWorker(target)))]
     pipe.send([address for _, address in servers])
-    try:
+    with contextlib.suppress(EOFError):  # the parent's "stop", or its end
         pipe.recv()
-    except EOFError:
-        pass
     for server, _ in servers:
         server.stop(None)
 
