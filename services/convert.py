@@ -146,7 +146,7 @@ def proposal_to_proto(answer) -> draft_pb2.Proposal:
             return draft_pb2.Proposal(error=one_line(reason))
         case Proposal():
             return draft_pb2.Proposal(candidates=answer.candidates, forward_passes=answer.forward_passes,
-                                      draft_probs=[dense_to_sparse(q) for q in answer.draft_probs])
+                                      draft_probs=dense_rows_to_sparse(answer.draft_probs))
     raise TypeError(f"not a proposal answer: {answer!r}")
 
 
@@ -222,6 +222,14 @@ def dense_to_sparse(q: torch.Tensor) -> common_pb2.SparseDistribution:
     """q [V] fp32 -> every nonzero entry, exactly (fp32 on both sides)."""
     ids = torch.nonzero(q, as_tuple=True)[0]  # [nnz]
     return common_pb2.SparseDistribution(token_ids=ids.tolist(), probs=q[ids].float().tolist())
+
+
+def dense_rows_to_sparse(rows: list[torch.Tensor]) -> list[common_pb2.SparseDistribution]:
+    """`dense_to_sparse` for a round's q_1..q_K, brought to the host in one copy (they stay on the
+    draft's device until a transport must carry them)."""
+    if rows and rows[0].device.type != "cpu":
+        rows = torch.stack(rows).cpu()
+    return [dense_to_sparse(q) for q in rows]
 
 
 def sparse_to_dense(msg: common_pb2.SparseDistribution, vocab_size: int) -> torch.Tensor:

@@ -62,7 +62,7 @@ def distribution_features(
     second = top2[..., 1] if top2.shape[-1] > 1 else torch.zeros_like(top1)
     log = lambda x: torch.log(x.clamp_min(MIN_PROB))  # noqa: E731
     entropy = -torch.xlogy(probs, probs).sum(-1)  # [...], 0 log 0 = 0
-    greedy = torch.as_tensor(greedy, dtype=torch.float32).expand_as(top1)
+    greedy = torch.as_tensor(greedy, dtype=torch.float32, device=top1.device).expand_as(top1)
     return torch.stack([log(token_prob), log(top1), log(top1) - log(second), entropy,
                         torch.log(positions.float().clamp_min(1.0)), greedy], dim=-1)
 

@@ -125,7 +125,7 @@ def draw(active: list[_Drafting], outputs: DraftOutputs,
         for rows in rows_by([transform_of(p) for p in params]).values():
             if (keep := logits_filter(params[rows[0]])) is not None:
                 filtered = logits.clone() if filtered is logits else filtered
-                index = torch.tensor(rows)
+                index = torch.tensor(rows, device=logits.device)
                 filtered[index] = keep(logits[index])
         logits = filtered
     reads = any(not p.greedy or d.row.policy.traits.reads_distribution for d, p in zip(active, params))
@@ -248,33 +248,36 @@ def _target_rows(scores: Scores, group: list[int]) -> torch.Tensor:
 
 
 def verify_greedy_rows(rows: list[TargetRow], scores: Scores, group: list[int]) -> tuple[list[int], list[int]]:
-    """Exact match for greedy rows: (num_accepted, next_token) per row."""
-    batch = RoundBatch.of([r.candidates for r in rows])
-    accepted, tokens = verify_greedy_batch(batch, _target_rows(scores, group))
-    return accepted.tolist(), tokens.tolist()
+    """Exact match for greedy rows: (num_accepted, next_token) per row, in one copy to the host."""
+    logits = _target_rows(scores, group)
+    accepted, tokens = verify_greedy_batch(RoundBatch.of([r.candidates for r in rows], logits.device), logits)
+    return torch.stack([accepted, tokens]).tolist()
 
 
 def verify_sampled_rows(rows: list[TargetRow], scores: Scores, group: list[int]) -> tuple[list[int], list[int]]:
     """Rejection sampling for sampled rows: the target's distributions written over its logits
     (`probs_in_place`), q_i(y_i) read off the draft's rows, the uniforms from each row's generator:
     r_1..r_K, then the one its last token is drawn with."""
-    batch = RoundBatch.of([r.candidates for r in rows])
-    probs = probs_in_place(_target_rows(scores, group), [p for r in rows for p in [r.sampling] * (len(r.candidates) + 1)])
+    logits = _target_rows(scores, group)
+    device = logits.device
+    batch = RoundBatch.of([r.candidates for r in rows], device)
+    probs = probs_in_place(logits, [p for r in rows for p in [r.sampling] * (len(r.candidates) + 1)])
     k_max = batch.candidates.shape[1]
     positions = batch.positions  # [B, K_max + 1]
     target_token_probs = probs[positions[:, :-1], batch.candidates]  # [B, K_max]
-    draft_token_probs = torch.ones(batch.candidates.shape)  # [B, K_max]: q_i(y_i), 1 past K_b
-    if k_max:
-        draft_token_probs[batch.real] = torch.stack([q[y] for r in rows for q, y in zip(r.draft_probs, r.candidates)])
+    draft_token_probs = torch.ones(batch.candidates.shape, device=device)  # [B, K_max]: q_i(y_i), 1 past K_b
+    if k_max:  # q arrives on the draft's device (in process) or the host (off the wire)
+        draft_token_probs[batch.real] = torch.stack([q[y] for r in rows for q, y in zip(r.draft_probs, r.candidates)]).to(device)
     uniforms = torch.stack([torch.cat([torch.rand(len(r.candidates) + 1, generator=r.generator, dtype=torch.float64),
-                                       torch.zeros(k_max - len(r.candidates), dtype=torch.float64)]) for r in rows])
+                                       torch.zeros(k_max - len(r.candidates), dtype=torch.float64)])
+                            for r in rows]).to(device)  # [B, K_max + 1], drawn on the host from each row's generator
 
     def final(accepted: torch.Tensor) -> torch.Tensor:  # [B] -> [B, V]
         ends = positions.gather(1, accepted[:, None]).squeeze(1)  # [B]: each round's last target row
         target_rows = probs[ends]  # [B, V]
         rejected = accepted < batch.num_candidates
         draft_rows = [r.draft_probs[n] for r, n in zip(rows, accepted.tolist()) if n < len(r.candidates)]
-        return final_distributions(target_rows, torch.stack(draft_rows) if draft_rows else None, rejected)
+        return final_distributions(target_rows, torch.stack(draft_rows).to(device) if draft_rows else None, rejected)
 
     accepted, tokens = verify_sampled_batch(batch, draft_token_probs, target_token_probs, uniforms, final)
-    return accepted.tolist(), tokens.tolist()
+    return torch.stack([accepted, tokens]).tolist()

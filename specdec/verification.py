@@ -15,6 +15,7 @@ fails, n = 2 and the round commits y_1, y_2, y' with y' ~ Norm[(p_3 - q_3)_+]; p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -45,23 +46,25 @@ class RoundBatch:
     target_starts: torch.Tensor  # [B] long: where session b's target rows start
 
     @classmethod
-    def of(cls, candidates: list[list[int]]) -> RoundBatch:
+    def of(cls, candidates: list[list[int]], device: torch.device | str = "cpu") -> RoundBatch:
+        """On `device`, the target logits' (one copy from the host)."""
         k_max = max((len(c) for c in candidates), default=0)
-        padded = torch.tensor([c + [0] * (k_max - len(c)) for c in candidates], dtype=torch.long).reshape(len(candidates), k_max)
-        counts = torch.tensor([len(c) for c in candidates], dtype=torch.long)
-        starts = torch.cumsum(counts + 1, 0) - (counts + 1)
-        return cls(padded, counts, starts)
+        counts = [len(c) for c in candidates]
+        starts = accumulate((n + 1 for n in counts[:-1]), initial=0)
+        rows = torch.tensor([c + [0] * (k_max - len(c)) + [n, s] for c, n, s in zip(candidates, counts, starts)],
+                            dtype=torch.long, device=device).reshape(len(candidates), k_max + 2)
+        return cls(rows[:, :k_max], rows[:, k_max], rows[:, k_max + 1])
 
     @property
     def positions(self) -> torch.Tensor:
         """[B, K_max + 1] long: the target row of each position, the last row repeated past K_b."""
-        steps = torch.arange(self.candidates.shape[1] + 1)
+        steps = torch.arange(self.candidates.shape[1] + 1, device=self.candidates.device)
         return self.target_starts[:, None] + torch.minimum(steps[None, :], self.num_candidates[:, None])
 
     @property
     def real(self) -> torch.Tensor:
         """[B, K_max] bool: True where a candidate is one of the session's (not padding)."""
-        return torch.arange(self.candidates.shape[1])[None, :] < self.num_candidates[:, None]
+        return torch.arange(self.candidates.shape[1], device=self.candidates.device)[None, :] < self.num_candidates[:, None]
 
 
 def verify_greedy_batch(batch: RoundBatch, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -245,7 +245,8 @@ class DraftWorker(Worker):
                  sessions: SessionStore[DraftSession] | None = None,
                  logits_filter: LogitsFilterFactory | None = None):
         super().__init__()
-        self.draft, self.head, self.logits_filter = draft, head, logits_filter
+        self.draft, self.logits_filter = draft, logits_filter
+        self.head = head.to(draft.device) if head is not None else None  # it reads the draft's states where they are
         self.sessions: SessionStore[DraftSession] = sessions if sessions is not None else SessionStore()
         # Plans with this until the caller sends measured costs: the head's profile, else the runtime's default.
         head_profile = head.config.cost_profile if head is not None else None

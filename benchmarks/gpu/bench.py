@@ -7,10 +7,10 @@ CUDA, written as JSON as it goes (a run cut short keeps what it measured).
 Sections, in order:
 - passes: for each shape (shapes.py: the default pair's 0.5B and 1.5B, and a 7B target), random bf16
   weights, B sessions each holding a 200-token prompt and feeding k tokens:
-  `runtime` is the torch runtime on its slot cache (models/runtime.py: one ragged pass, logits copied
-  to the host), `static` the same math over a preallocated cache (static_pass.py) run eagerly,
+  `runtime` is the torch runtime on its slot cache (models/runtime.py: one ragged pass, its logits
+  left on the device), `static` the same math over a preallocated cache (static_pass.py) run eagerly,
   `captured` that pass replayed as a CUDA graph, `runtime_static` the runtime on its own static cache
-  (models/static.py: captured passes, host work and the logits' copy included); each a median in ms. `graph_vs_eager` is the largest logit
+  (models/static.py: captured passes and the runtime's host work included); each a median in ms. `graph_vs_eager` is the largest logit
   difference between a replay and the eager static pass on fresh ids, `static_vs_runtime` the
   same against the runtime (bf16: expect ~1e-2 of the logits' scale).
 - loop: the engine (one round loop, in process; with the static cache and captured graphs, then

@@ -20,8 +20,8 @@ def synthetic_tokens(count: int, vocab_size: int, offset: int = 0) -> list[int]:
 
 
 class TimedForward:
-    """Wraps a runtime's `_forward` to add up its wall time and count its passes (a pass ends with
-    its logits on the host): the loop's time outside them is its host work."""
+    """Wraps a runtime's `_forward` to add up its wall time and count its passes (a pass returns
+    once its outputs are ready): the loop's time outside them is its host work."""
 
     def __init__(self, runtime: Runtime):
         self.inner, self.seconds, self.calls = runtime._forward, 0.0, 0

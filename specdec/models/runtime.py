@@ -130,6 +130,11 @@ class Runtime(ABC):
     max_pass_sessions: int | None = None
 
     @property
+    def device(self) -> torch.device:
+        """Where `_forward` leaves its outputs (and a head that reads the draft's states runs)."""
+        return torch.device("cpu")
+
+    @property
     @abstractmethod
     def vocab_size(self) -> int: ...
 
@@ -151,8 +156,10 @@ class Runtime(ABC):
     @abstractmethod
     def _forward(self, feeds: list[Feed]) -> PassOutputs:
         """Feed every session its tokens (extending `session.tokens`). Returns the logits and hidden
-        states of each feed's last num_outputs positions, flat, on the CPU where sampling,
-        verification and the head run."""
+        states of each feed's last num_outputs positions, flat, on `device`: sampling, verification
+        and the head run there, and only what they decide (token ids, counts) crosses to the host.
+        Returns once they are ready, so whatever times a call times its pass (the live costs, the
+        probes, the benchmarks)."""
 
     def _pending(self, session: KVSession, sequence: list[int]) -> list[int]:
         """Crop the cache to its common prefix with `sequence`; return the tokens still to feed
@@ -186,6 +193,10 @@ class CausalLMRuntime(Runtime):
         return self.model.device.type == "cuda"
 
     @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
@@ -213,17 +224,16 @@ class CausalLMRuntime(Runtime):
         for part in self._passes(feeds):
             states = self.kv.hidden_states(self.model, part, protected=feeds[done:])  # [sum num_outputs, H]
             done += len(part)
-            scores = self.model.lm_head(states).float()  # [sum num_outputs, V]
-            if scores.device.type != "cpu":
-                scores, states = scores.cpu(), states.float().cpu()
-            logits.append(scores)
-            hidden.append(states)
+            logits.append(self.model.lm_head(states).float())  # [sum num_outputs, V]
+            hidden.append(states.float())
             for feed in part:
                 feed.session.tokens.extend(feed.tokens)
             self.forward_passes += 1
         if len(logits) != 1:  # several passes (max_tokens_per_pass), or none
-            logits = [torch.cat(logits)] if logits else [torch.empty((0, self.vocab_size))]
-            hidden = [torch.cat(hidden)] if hidden else [torch.empty((0, self.hidden_size))]
+            logits = [torch.cat(logits)] if logits else [torch.empty((0, self.vocab_size), device=self.device)]
+            hidden = [torch.cat(hidden)] if hidden else [torch.empty((0, self.hidden_size), device=self.device)]
+        if logits[0].device.type == "cuda":  # a sharded model's last device finishes last
+            torch.cuda.synchronize(logits[0].device)
         return PassOutputs(logits[0], hidden[0], PassOutputs.bounds_of(feeds))
 
     def _feed_first_tokens(self, feeds: list[Feed]) -> list[Feed]:

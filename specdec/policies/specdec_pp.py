@@ -23,9 +23,9 @@ def judged_acceptances(head: AcceptanceHead, steps: list[DraftStep]) -> list[flo
     if head.config.judges_current:
         if any(s.hidden is None or s.probs is None for s in steps):
             raise ValueError("a hidden+distribution head needs DraftStep.hidden and DraftStep.probs")
-        scalars = distribution_features(torch.stack([s.probs for s in steps]), torch.tensor([s.token for s in steps]),
-                                        torch.tensor([s.index for s in steps]),
-                                        torch.tensor([s.greedy for s in steps]))  # [B, S]
+        probs = torch.stack([s.probs for s in steps])  # [B, V], on the draft's device
+        scalars = distribution_features(probs, *torch.tensor([[s.token, s.index, s.greedy] for s in steps],
+                                                             device=probs.device).T)  # [B, S]
         hidden = torch.stack([s.hidden for s in steps]).float()  # [B, H]
         return head.acceptance_probability(head.head_inputs(hidden, scalars)).tolist()
     judged: list[float | None] = [None] * len(steps)
@@ -68,8 +68,8 @@ def expected_acceptances(head: AcceptanceHead, steps: list[DraftStep]) -> list[f
     top = probs.topk(min(EXPECTATION_TOKENS, probs.shape[-1]), dim=-1)  # values, indices [R, m]
     m = top.values.shape[-1]
     # the m tokens share every feature but log q(y) (column 0): compute the rest once over [V]
-    scalars = distribution_features(probs, top.indices[:, 0], torch.tensor([steps[b].index for b in sampled]),
-                                    False)[:, None, :].expand(-1, m, -1).clone()  # [R, m, S]
+    positions = torch.tensor([steps[b].index for b in sampled], device=probs.device)
+    scalars = distribution_features(probs, top.indices[:, 0], positions, False)[:, None, :].expand(-1, m, -1).clone()  # [R, m, S]
     scalars[..., 0] = torch.log(top.values.clamp_min(MIN_PROB))
     hidden = torch.stack([steps[b].hidden for b in sampled]).float()[:, None, :].expand(-1, m, -1)  # [R, m, H]
     acceptance = head.acceptance_probability(head.head_inputs(hidden, scalars)).double()  # [R, m]

@@ -39,8 +39,8 @@ def teacher_forced(runtime: Runtime, prompt_ids: list[int], response_ids: list[i
     """(logits [N, V] fp32, hidden [N, H]) at the N response positions, from one pass of a fresh
     session over prompt + X_<N: row i is the model's state before X_{i+1} (data.response_logits)."""
     feed = Feed(runtime.new_session(), list(prompt_ids) + list(response_ids[:-1]), len(response_ids))
-    logits, hidden = runtime._forward([feed])[0]
-    return logits.float(), hidden
+    logits, hidden = runtime._forward([feed])[0]  # on the runtime's device; the labels are drawn on the host
+    return logits.float().cpu(), hidden.cpu()
 
 
 @dataclass

@@ -40,7 +40,7 @@ from stats import chi2_pvalue
 from tiny import tiny_model
 
 # Where the tiny models run: the CPU in CI; `SPECDEC_TEST_DEVICE=cuda` runs the same tests on a GPU
-# (benchmarks/gpu/run.sh). Sampling, verification and the head stay on the host either way.
+# (benchmarks/gpu/run.sh), where sampling, verification and the head run on the GPU too.
 DEVICE = torch.device(os.environ.get("SPECDEC_TEST_DEVICE", "cpu"))
 # Their KV cache: `SPECDEC_TEST_KV=static` runs them on the static cache, with captured passes on CUDA.
 KV = os.environ.get("SPECDEC_TEST_KV", "slots")
@@ -230,7 +230,7 @@ def test_cost_aware_rounds_with_k_zero_stay_lossless(sampled_engine, monkeypatch
     path = tmp_path / "profile.json"
     path.write_text(profile.model_dump_json())
     monkeypatch.setenv(PROFILE_ENV, str(path))
-    monkeypatch.setattr(sampled_engine.draft_worker, "head", q_reading_head(bias=1.5))
+    monkeypatch.setattr(sampled_engine.draft_worker, "head", q_reading_head(bias=1.5).to(DEVICE))
     passes, propose = [], specdec.workers.propose
 
     def recording_propose(*args, **kwargs):

@@ -107,7 +107,7 @@ def test_the_draft_plans_with_a_given_profile_then_the_callers_then_its_prior(tm
     head = q_head()
 
     class Draft:
-        kind = "llamacpp"
+        kind, device = "llamacpp", torch.device("cpu")
 
     worker = DraftWorker(Draft(), head)
     assert worker.costs(StepPlan()) == DEFAULT_PROFILES["llamacpp"]
