@@ -5,11 +5,11 @@
 
 Tiny random Qwen2 models (a 1-layer draft and a 2-layer target, hidden 16 and 32) with the default
 pair's real vocabulary (151,936 tokens) and its tokenizer, so every per-row cost of the step
-(softmax, sampling, verification, the copy of the logits, detokenization) is paid at full size while
-the passes themselves cost almost nothing. C prompts of 64 synthetic tokens decode 64 new tokens
-each in one batch (every session shares every step), in process (`SpecDecEngine.generate_many`).
-Host work per step = (wall - the time inside every forward pass, logits on the host included) /
-the target passes: on a GPU, the part of a step the device does not do.
+(softmax, sampling, verification, detokenization) is paid at full size while the passes themselves
+cost almost nothing. C prompts of 64 synthetic tokens decode 64 new tokens each in one batch (every
+session shares every step), in process (`SpecDecEngine.generate_many`). Host work per step = (wall -
+the time inside every forward pass, each returning once its outputs are ready) / the target passes:
+on a GPU, the part of a step the device does not do.
 """
 
 from __future__ import annotations
