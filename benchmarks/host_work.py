@@ -1,7 +1,7 @@
 """Host work per step: what the round loop costs besides the forward passes, by concurrency.
 
     python benchmarks/host_work.py [--concurrency 1 2 4 8 16 32 64] [--policy fixed:4] [--temperatures 0 1]
-                                   [--out docs/results/host-work/NAME.json]
+                                   [--self-draft] [--vocab 151936] [--out docs/results/host-work/NAME.json]
 
 Tiny random Qwen2 models (a 1-layer draft and a 2-layer target, hidden 16 and 32) with the default
 pair's real vocabulary (151,936 tokens) and its tokenizer, so every per-row cost of the step
@@ -39,9 +39,9 @@ VOCAB = 151_936  # the default pair's
 PROMPT_TOKENS, NEW_TOKENS = 64, 64
 
 
-def tiny_model(hidden: int, layers: int, seed: int) -> Qwen2ForCausalLM:
+def tiny_model(hidden: int, layers: int, seed: int, vocab: int = VOCAB) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                          initializer_range=0.2, tie_word_embeddings=True)
     return Qwen2ForCausalLM(config).eval()
@@ -50,7 +50,7 @@ def tiny_model(hidden: int, layers: int, seed: int) -> Qwen2ForCausalLM:
 def measure(engine: SpecDecEngine, timers, concurrency: int, params: GenerationParams, repeats: int) -> dict:
     runs = []
     for r in range(repeats):
-        prompts = [synthetic_tokens(PROMPT_TOKENS, VOCAB, offset=97 * i + r) for i in range(concurrency)]
+        prompts = [synthetic_tokens(PROMPT_TOKENS, engine.target.vocab_size, offset=97 * i + r) for i in range(concurrency)]
         for timer in timers:
             timer.seconds, timer.calls = 0.0, 0
         start = time.perf_counter()
@@ -75,12 +75,15 @@ def main() -> None:
     parser.add_argument("--self-draft", action="store_true",
                         help="the target's own weights draft (greedy accepts every candidate: a budgeted policy "
                              "drafts wherever its cost profile, e.g. SPECDEC_COST_PROFILE, says drafting pays)")
+    parser.add_argument("--vocab", type=int, default=VOCAB,
+                        help="the models' vocabulary (a small one leaves the step's Python: what a GPU host "
+                             "still pays when the per-row work runs as device kernels)")
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tokenizer = load_tokenizer(model_dir(EngineConfig(), "target"))
-    target_model = tiny_model(32, 2, seed=2)
-    draft_model = target_model if args.self_draft else tiny_model(16, 1, seed=1)
+    target_model = tiny_model(32, 2, seed=2, vocab=args.vocab)
+    draft_model = target_model if args.self_draft else tiny_model(16, 1, seed=1, vocab=args.vocab)
     draft, target = DraftRuntime(draft_model), TargetRuntime(target_model)
     torch.manual_seed(0)  # a random acceptance head for the policies that read one: its stops mean nothing, its costs do
     head = AcceptanceHead(HeadConfig(hidden_size=draft_model.config.hidden_size, depth=1,
@@ -97,7 +100,7 @@ def main() -> None:
         params = GenerationParams(max_new_tokens=8, chat_template=False, policy=policy,
                                   sampling=SamplingParams(temperature=temperature, seed=0))
         for c in args.concurrency:
-            engine.generate_many([synthetic_tokens(PROMPT_TOKENS, VOCAB, offset=5 + i) for i in range(c)], params)
+            engine.generate_many([synthetic_tokens(PROMPT_TOKENS, args.vocab, offset=5 + i) for i in range(c)], params)
     for c in args.concurrency:
         cells = []
         for temperature in args.temperatures:
@@ -111,7 +114,7 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"policy": args.policy, "self_draft": args.self_draft,
                                         "cost_profile": os.environ.get(PROFILE_ENV), "prompt_tokens": PROMPT_TOKENS,
-                                        "new_tokens": NEW_TOKENS, "torch_threads": torch.get_num_threads(),
+                                        "new_tokens": NEW_TOKENS, "vocab": args.vocab, "torch_threads": torch.get_num_threads(),
                                         "rows": rows}, indent=1))
 
 
