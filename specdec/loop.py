@@ -351,6 +351,8 @@ class RoundLoop:
         if curve_tokens:
             await self._probe_target(curve_tokens, len(batch))
             drafting, _ = self._who_drafts(batch)
+        if not any(s.traits.uses_draft and s.traits.budgeted for s in batch):  # nothing this step reads the costs
+            return drafting, None, StepPlan(other_sessions=len(batch) - len(drafting))
         profile = self.cost_profile(len(batch))
         probe = self._off_probe(batch, profile)
         if probe is not None:
@@ -366,9 +368,9 @@ class RoundLoop:
         (`budget.rest_after`) skips it, and one whose draft would first have to catch up skips it
         while that does not pay."""
         drafting = [s for s in batch if s.traits.uses_draft]
-        profile = self.cost_profile(len(batch))
         budgeted = [s for s in drafting if s.traits.budgeted]
-        if profile is None or not budgeted:
+        profile = self.cost_profile(len(batch)) if budgeted else None
+        if profile is None:
             return drafting, 0
         cap = max(s.request.params.policy.k or MAX_CANDIDATES for s in budgeted)
         # every candidate accepted (the bound), the upper end of the measured acceptance, and it
