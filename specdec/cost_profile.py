@@ -31,7 +31,7 @@ import json
 import math
 import os
 import statistics
-from bisect import bisect_left
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -159,29 +159,35 @@ class Curve:
         ks, ts = self.k_list, self.t_list
         self.slope = 0.0 if len(ks) == 1 else max((ts[-1] - ts[-2]) / (ks[-1] - ks[-2]),
                                                   (ts[-1] - ts[0]) / (ks[-1] - ks[0]), 0.0)
+        self.first_slope = 0.0 if len(ks) == 1 else (ts[1] - ts[0]) / (ks[1] - ks[0])
 
     def __call__(self, x):
         if isinstance(x, (int, float, np.number)):  # the same arithmetic without numpy's ~10 us a call
             return self._at(float(x))
-        ks, ts = self.ks, self.ts
         x = np.asarray(x, dtype=float)
-        if len(ks) == 1:
-            y = np.full(x.shape, ts[0])
+        if len(self.k_list) == 1:
+            y = np.full(x.shape, self.t_list[0])
         else:
-            i = np.clip(np.searchsorted(ks, x), 1, len(ks) - 1)  # the segment [k_{i-1}, k_i] holding x
-            k0, k1, t0, t1 = ks[i - 1], ks[i], ts[i - 1], ts[i]
-            y = np.where(x > ks[-1], ts[-1] + self.slope * (x - ks[-1]),
-                         np.maximum(t0 + (t1 - t0) * (x - k0) / (k1 - k0), 0.0))
+            ks, ts = self.ks, self.ts
+            y = np.where(x > ks[-1], ts[-1] + self.slope * (x - ks[-1]), np.interp(x, ks, ts))
+            if x.size and x.min() < ks[0]:
+                y = np.where(x < ks[0], np.maximum(self.first_slope * (x - ks[0]) + ts[0], 0.0), y)
         return y if y.ndim else float(y)
 
     def _at(self, x: float) -> float:
+        """np.interp's arithmetic inside the curve (a point's own value at it, else the segment's
+        slope times the distance from its start, plus its start), the class docstring's outside."""
         ks, ts = self.k_list, self.t_list
         if len(ks) == 1:
             return ts[0]
         if x > ks[-1]:
             return ts[-1] + self.slope * (x - ks[-1])
-        i = min(max(bisect_left(ks, x), 1), len(ks) - 1)
-        return max(ts[i - 1] + (ts[i] - ts[i - 1]) * (x - ks[i - 1]) / (ks[i] - ks[i - 1]), 0.0)
+        if x < ks[0]:
+            return max(self.first_slope * (x - ks[0]) + ts[0], 0.0)
+        j = bisect_right(ks, x) - 1
+        if ks[j] == x:
+            return ts[j]
+        return (ts[j + 1] - ts[j]) / (ks[j + 1] - ks[j]) * (x - ks[j]) + ts[j]
 
 
 def interpolate(curve: dict[int, float], x):

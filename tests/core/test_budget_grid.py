@@ -23,10 +23,15 @@ def reference_interpolate(curve: dict[int, float], x: float) -> float:
         k0, t0 = points[-2]
         slope = max((t_last - t0) / (k_last - k0), (t_last - t_first) / (k_last - k_first), 0.0)
         return t_last + slope * (x - k_last)
-    for (k0, t0), (k1, t1) in zip(points, points[1:]):
-        if x <= k1:
-            break
-    return max(t0 + (t1 - t0) * (x - k0) / (k1 - k0), 0.0)
+    if x < k_first:  # along the first segment
+        (k1, t1) = points[1]
+        return max((t1 - t_first) / (k1 - k_first) * (x - k_first) + t_first, 0.0)
+    for (k0, t0), (k1, t1) in zip(points, points[1:]):  # np.interp's arithmetic
+        if x == k0:
+            return t0
+        if x < k1:
+            return (t1 - t0) / (k1 - k0) * (x - k0) + t0
+    return t_last
 
 
 def reference_best_allocation(profile: CostProfile, sessions: int, max_candidates: int, acceptance: float) -> Allocation:
