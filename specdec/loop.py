@@ -19,7 +19,8 @@ step's size and the verifier one a token longer, the costs that are otherwise no
 draft is off (the probes take PROBE_SHARE of the time, budget.py). And where the budget weighs a
 pass longer than the live target curve has measured, the verifier times one of the next power of two
 before the step's decision (`_curve_probe`): once per size, paid for by CURVE_PROBE_SHARE of the plain
-steps.
+steps. A step that sends no budgeted session to the draft is priced again only every REPRICE_STEPS
+steps while its sessions stay the same.
 
 A `RoundTransport` carries the two calls: the in-process workers (`LocalTransport`, below), gRPC
 stubs or Ray Serve handles (services/); the loop does not know which. The loop's history is the
@@ -217,6 +218,11 @@ class RoundLoop:
         self.probe_share = probe_share
         self.drafting = True  # the last step's answer to "does drafting pay at all" (budget.py)
         self._off_steps = 0  # steps since the draft last ran or probed while it is off
+        # where the last priced step sent no budgeted session to the draft: what it was priced for
+        # (its sessions, those ready to draft, the candidate cap) and the steps since (REPRICE_STEPS)
+        self._idle_key: tuple | None = None
+        self._idle_age = 0
+        self._idle_profile: CostProfile | None = None
         # target pass sizes past the live curve probed so far (once per power of two of sessions), and the
         # plain-step time since the last such probe times CURVE_PROBE_SHARE: what the next one may cost (the
         # first is free)
@@ -353,10 +359,12 @@ class RoundLoop:
             drafting, _ = self._who_drafts(batch)
         if not any(s.traits.uses_draft and s.traits.budgeted for s in batch):  # nothing this step reads the costs
             return drafting, None, StepPlan(other_sessions=len(batch) - len(drafting))
-        profile = self.cost_profile(len(batch))
+        # what the step was priced with (an idle answer: when it was given)
+        profile = self._idle_profile if self._idle_key is not None else self.cost_profile(len(batch))
         probe = self._off_probe(batch, profile)
         if probe is not None:
             drafting.append(probe)
+            self._idle_key = None  # the next step is priced with what the probe measures
         if profile is not None:  # what the next curve probe may cost
             self._curve_credit_ms += CURVE_PROBE_SHARE * profile.pass_ms(len(batch))
         return drafting, probe, StepPlan(profile, other_sessions=len(batch) - len(drafting))
@@ -366,13 +374,28 @@ class RoundLoop:
         deciding (0: none; `_curve_probe`): budgeted sessions skip the draft while no allocation
         beats plain decoding, one resting after drafting rounds that verified nothing
         (`budget.rest_after`) skips it, and one whose draft would first have to catch up skips it
-        while that does not pay."""
+        while that does not pay. Where that sent no budgeted session to the draft, the answer
+        stands for REPRICE_STEPS steps of the same sessions (the same ones ready to draft) unless a
+        probe times something meanwhile."""
         drafting = [s for s in batch if s.traits.uses_draft]
         budgeted = [s for s in drafting if s.traits.budgeted]
+        ready = [s for s in budgeted if len(s.sample.history) >= s.rests_until]
+        cap = max((s.request.params.policy.k or MAX_CANDIDATES for s in budgeted), default=0)
+        key = (tuple(s.session_id for s in batch), tuple(s.session_id for s in ready), cap)
+        if key == self._idle_key and self._idle_age < REPRICE_STEPS:
+            self._idle_age += 1
+            return [s for s in drafting if not s.traits.budgeted], 0
+        chosen, curve_tokens, profile = self._priced(batch, drafting, budgeted, ready, cap)
+        idle = bool(budgeted) and not curve_tokens and not any(s.traits.budgeted for s in chosen)
+        self._idle_key, self._idle_age, self._idle_profile = (key, 0, profile) if idle else (None, 0, None)
+        return chosen, curve_tokens
+
+    def _priced(self, batch: list[Sequence], drafting: list[Sequence], budgeted: list[Sequence],
+                ready: list[Sequence], cap: int) -> tuple[list[Sequence], int, CostProfile | None]:
+        """`_who_drafts` from the step's costs, and the costs."""
         profile = self.cost_profile(len(batch)) if budgeted else None
         if profile is None:
-            return drafting, 0
-        cap = max(s.request.params.policy.k or MAX_CANDIDATES for s in budgeted)
+            return drafting, 0, profile
         # every candidate accepted (the bound), the upper end of the measured acceptance, and it
         bound, hopeful, likely = best_allocations(profile, len(batch), cap,
                                                   (1.0, self.catch_up_acceptance, self.acceptance))
@@ -386,9 +409,9 @@ class RoundLoop:
         if self.observer:
             self.observer.on_costs(profile, self.drafting)
         if not self.drafting:
-            return [s for s in drafting if not s.traits.budgeted], self._curve_probe(profile, len(batch), len(batch) + 1)
+            return ([s for s in drafting if not s.traits.budgeted], self._curve_probe(profile, len(batch), len(batch) + 1),
+                    profile)
         # a lagging draft catches up only where that may pay; a resting session waits
-        ready = [s for s in budgeted if len(s.sample.history) >= s.rests_until]
         lags = [len(s.sample.history) - s.drafted_at for s in ready]
         left = [s.request.params.max_new_tokens - len(s.sample.generated) for s in ready]
         judged = hopeful if all(lag <= IN_STEP_LAG for lag in lags) else draining_allocation(
@@ -398,7 +421,7 @@ class RoundLoop:
         joined = {s for s, join in zip(ready, joins) if join}
         wanted = max(likely.drafters * likely.candidates, 1) if joined else 1
         return ([s for s in drafting if not s.traits.budgeted or s in joined],
-                self._curve_probe(profile, len(batch), len(batch) + wanted))
+                self._curve_probe(profile, len(batch), len(batch) + wanted), profile)
 
     def _off_probe(self, batch: list[Sequence], profile: CostProfile | None) -> Sequence | None:
         """While the draft is off, once every `probe_interval` steps a budgeted session carries a
@@ -604,6 +627,15 @@ class RoundLoop:
                     s.done.set_exception(s.error)
                 else:
                     s.done.set_result(None)
+
+
+# Where a step sent no budgeted session to the draft (the draft off, or no catch-up paying), the same
+# sessions are priced again after this many steps, at once when one joins, leaves or ends its rest,
+# or a probe times something: only plain passes are timed meanwhile, which move the costs slowly, and
+# a lag only grows while the tokens left to repay a catch-up shrink. Pricing a step took ~0.4 ms on
+# llama.cpp at one session (the allocation grid, the live profile), 0.8% of a plain step there: most
+# of what the default policy added to plain decoding while it drafted nothing.
+REPRICE_STEPS = 16
 
 
 def probe_interval(profile: CostProfile | None, sessions: int, share: float = PROBE_SHARE) -> int:

@@ -242,6 +242,41 @@ def test_the_budget_turns_drafting_off_when_the_costs_say_so_and_back_on(tiny_en
     assert loop.drafting and probes >= 1 and drafted > 20 and ids == plain
 
 
+def slightly(role: str, tokens: int) -> float:
+    """Drafting saves ~6 ms of a plain 100 ms token at best (3 candidates, all accepted, the first
+    step feeding 2 tokens: (60 + 60 + 256) / 4 = 94 ms), under the margin a catch-up needs."""
+    return 30.0 * tokens if role == "draft" else 100.0 + 52.0 * (tokens - 1)
+
+
+@pytest.mark.parametrize("clock", ["costly", "slightly"])
+def test_a_step_that_drafts_nothing_is_priced_again_every_few_steps_and_after_a_probe(tiny_engine, monkeypatch, clock):
+    """costly: drafting never pays (the draft off); slightly: it pays, but not the session's catch-up.
+    Either way no budgeted session calls the draft, and after the first pricing the loop prices the
+    same session again only every REPRICE_STEPS steps, and at once in the step after a probe (whose
+    timings may change the answer). The output is target-only's."""
+    import specdec.loop as loop_module
+
+    priced: list[int] = []  # the verification count at each pricing
+    allocations = loop_module.best_allocations
+
+    def counted(*args, **kwargs):
+        priced.append(transport.steps)
+        return allocations(*args, **kwargs)
+
+    monkeypatch.setattr(loop_module, "best_allocations", counted)
+    transport, loop = budgeted_loop(tiny_engine, costly if clock == "costly" else slightly)
+    loop.probe_share = 0.06  # costly: a probe every 40 steps
+    [result] = run(loop, [(PROMPTS[1], build_params(policy="specdec++cost", k=4, max_new_tokens=100))])
+    assert transport.candidates == 0 and loop.drafting == (clock == "slightly")
+    gaps = [b - a for a, b in zip(priced, priced[1:])]
+    assert gaps and max(gaps) == loop_module.REPRICE_STEPS + 1, priced
+    assert len(priced) < transport.steps / 4, (priced, transport.steps)
+    if clock == "costly":
+        assert transport.probes >= 1 and any(gap <= loop_module.REPRICE_STEPS for gap in gaps), priced
+    assert result.completions[0].token_ids == expected(
+        tiny_engine, PROMPTS[1], build_params(policy="target-only", max_new_tokens=100))
+
+
 def barely(role: str, tokens: int) -> float:
     """Drafting saves ~6 ms a token at best (3 candidates, all accepted: (120 + 256) / 4 = 94 ms
     against a plain 100): over 120 tokens less than a 21-token prompt's catch-up (20 x 40 ms)."""
