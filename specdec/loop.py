@@ -359,7 +359,7 @@ class RoundLoop:
             drafting, _ = self._who_drafts(batch)
         if not any(s.traits.uses_draft and s.traits.budgeted for s in batch):  # nothing this step reads the costs
             return drafting, None, StepPlan(other_sessions=len(batch) - len(drafting))
-        # what the step was priced with (an idle answer: when it was given)
+        # the costs the step's answer was priced with (an answer that stands: those of its pricing)
         profile = self._idle_profile if self._idle_key is not None else self.cost_profile(len(batch))
         probe = self._off_probe(batch, profile)
         if probe is not None:
