@@ -32,9 +32,8 @@ def _deployment(cls: type, name: str, replicas: ReplicaConfig, round_service: bo
     """`round_service` (Draft, Verifier): routed by session id, and autoscaled on its round calls
     unless the config names another policy (services/autoscaling.py)."""
     if replicas.autoscaling:
-        options["autoscaling_config"] = replicas.autoscaling
-        if round_service:
-            options["autoscaling_config"] = {"policy": {"policy_function": ROUND_CALLS_POLICY}} | replicas.autoscaling
+        policy = {"policy": {"policy_function": ROUND_CALLS_POLICY}} if round_service else {}
+        options["autoscaling_config"] = policy | replicas.autoscaling
     else:
         options["num_replicas"] = replicas.num_replicas
     if round_service:

@@ -379,21 +379,23 @@ class RoundLoop:
         probe times something meanwhile."""
         drafting = [s for s in batch if s.traits.uses_draft]
         budgeted = [s for s in drafting if s.traits.budgeted]
+        if not budgeted:
+            return drafting, 0
         ready = [s for s in budgeted if len(s.sample.history) >= s.rests_until]
-        cap = max((s.request.params.policy.k or MAX_CANDIDATES for s in budgeted), default=0)
+        cap = max(s.request.params.policy.k or MAX_CANDIDATES for s in budgeted)
         key = (tuple(s.session_id for s in batch), tuple(s.session_id for s in ready), cap)
         if key == self._idle_key and self._idle_age < REPRICE_STEPS:
             self._idle_age += 1
             return [s for s in drafting if not s.traits.budgeted], 0
-        chosen, curve_tokens, profile = self._priced(batch, drafting, budgeted, ready, cap)
-        idle = bool(budgeted) and not curve_tokens and not any(s.traits.budgeted for s in chosen)
+        chosen, curve_tokens, profile = self._priced(batch, drafting, ready, cap)
+        idle = not curve_tokens and not any(s.traits.budgeted for s in chosen)
         self._idle_key, self._idle_age, self._idle_profile = (key, 0, profile) if idle else (None, 0, None)
         return chosen, curve_tokens
 
-    def _priced(self, batch: list[Sequence], drafting: list[Sequence], budgeted: list[Sequence],
-                ready: list[Sequence], cap: int) -> tuple[list[Sequence], int, CostProfile | None]:
+    def _priced(self, batch: list[Sequence], drafting: list[Sequence], ready: list[Sequence],
+                cap: int) -> tuple[list[Sequence], int, CostProfile | None]:
         """`_who_drafts` from the step's costs, and the costs."""
-        profile = self.cost_profile(len(batch)) if budgeted else None
+        profile = self.cost_profile(len(batch))
         if profile is None:
             return drafting, 0, profile
         # every candidate accepted (the bound), the upper end of the measured acceptance, and it

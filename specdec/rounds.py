@@ -251,7 +251,8 @@ def verify_greedy_rows(rows: list[TargetRow], scores: Scores, group: list[int]) 
     """Exact match for greedy rows: (num_accepted, next_token) per row, in one copy to the host."""
     logits = _target_rows(scores, group)
     accepted, tokens = verify_greedy_batch(RoundBatch.of([r.candidates for r in rows], logits.device), logits)
-    return torch.stack([accepted, tokens]).tolist()
+    accepted, tokens = torch.stack([accepted, tokens]).tolist()
+    return accepted, tokens
 
 
 def verify_sampled_rows(rows: list[TargetRow], scores: Scores, group: list[int]) -> tuple[list[int], list[int]]:
@@ -280,4 +281,5 @@ def verify_sampled_rows(rows: list[TargetRow], scores: Scores, group: list[int])
         return final_distributions(target_rows, torch.stack(draft_rows).to(device) if draft_rows else None, rejected)
 
     accepted, tokens = verify_sampled_batch(batch, draft_token_probs, target_token_probs, uniforms, final)
-    return torch.stack([accepted, tokens]).tolist()
+    accepted, tokens = torch.stack([accepted, tokens]).tolist()  # one copy to the host
+    return accepted, tokens

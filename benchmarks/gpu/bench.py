@@ -176,7 +176,7 @@ def pass_costs(report: Report, name: str, model, ks, batches, device, repeats: i
         if device.type == "cuda":
             torch.cuda.empty_cache()
     # The runtime itself on its static cache (models/static.py): its captured pass with the host work
-    # around it (the pass's index tensors, the logits copied to the host), against the prototype's;
+    # around it (the pass's index tensors, the wait for the pass), against the prototype's;
     # the default pair's shapes only (the 7B's projection reads the prototype's).
     if name not in RUNTIME_STATIC_SHAPES:
         model.set_attn_implementation(RAGGED_ATTENTION)
