@@ -84,7 +84,10 @@ class RoundSeed:
     sample_index: int  # which of the request's n samples
     round_index: int  # of this sample; a round sent again keeps its index
 
-    def generator(self, role: str) -> torch.Generator:
+    def generator(self, role: str, sampling: SamplingParams) -> torch.Generator | None:
+        """The round's generator for `role`; None for a greedy round, which draws nothing."""
+        if sampling.greedy:
+            return None
         return round_generator(self.request_seed, self.sample_index, self.round_index, role)
 
 

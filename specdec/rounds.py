@@ -58,7 +58,7 @@ class DraftRow:
     limit: int  # most candidates (token budget and context)
     num_generated: int  # tokens generated before this round
     sampling: SamplingParams
-    generator: torch.Generator
+    generator: torch.Generator | None  # sampled rows only: a greedy round draws nothing
 
 
 # sampling -> a function applied to the draft's logits [N, V] of rows with that sampling before they
@@ -75,7 +75,7 @@ class TargetRow:
     candidates: list[int]  # y_1..y_K, K >= 0
     draft_probs: list[torch.Tensor]  # q_1..q_K [V] each; empty when greedy
     sampling: SamplingParams
-    generator: torch.Generator
+    generator: torch.Generator | None  # sampled rows only
 
 
 class _Drafting:

@@ -297,7 +297,7 @@ class DraftWorker(Worker):
         self.sessions.put(item.session_id, entry)
         limit = 0 if item.probe else item.max_candidates  # a probe item drafts nothing: its cache catches up later
         return DraftRow(entry.kv, history, entry.policy, limit, item.num_generated, item.sampling,
-                        item.seed.generator("draft"))
+                        item.seed.generator("draft", item.sampling))
 
 
 class VerifierWorker(Worker):
@@ -342,4 +342,4 @@ class VerifierWorker(Worker):
         entry.history = history
         self.sessions.put(item.session_id, entry)
         return TargetRow(entry.kv, history, item.candidates, item.draft_probs if not item.sampling.greedy else [],
-                         item.sampling, item.seed.generator("target"))
+                         item.sampling, item.seed.generator("target", item.sampling))
