@@ -120,7 +120,7 @@ def verify_greedy(candidates: torch.Tensor, target_logits: torch.Tensor) -> Verd
 
     candidates: [K] long; target_logits: [K+1, V] (row i scores position i+1).
     """
-    n, token = verify_greedy_batch(RoundBatch.of([candidates.tolist()]), target_logits)
+    n, token = verify_greedy_batch(RoundBatch.of([candidates.tolist()], target_logits.device), target_logits)
     return Verdict(int(n[0]), int(token[0]))
 
 
@@ -136,15 +136,15 @@ def verify_sampled(
     target_probs: [K+1, V] (p_i, processed exactly like q). The output sequence is distributed as
     the target's.
     """
-    k = len(candidates)
-    batch = RoundBatch.of([candidates.tolist()])
-    positions = torch.arange(k)
-    uniforms = torch.rand(k + 1, generator=generator, dtype=torch.float64)[None]  # [1, K + 1]
+    k, device = len(candidates), target_probs.device
+    batch = RoundBatch.of([candidates.tolist()], device)
+    positions = torch.arange(k, device=device)
+    uniforms = torch.rand(k + 1, generator=generator, dtype=torch.float64)[None].to(device)  # [1, K + 1], host generator
 
     def final(n: torch.Tensor) -> torch.Tensor:
         i = int(n[0])
         return final_distributions(target_probs[i:i + 1].clone(), draft_probs[i:i + 1] if i < k else None,
-                                   torch.tensor([i < k]))
+                                   torch.tensor([i < k], device=device))
 
     n, token = verify_sampled_batch(batch, draft_probs[positions, candidates][None], target_probs[positions, candidates][None],
                                     uniforms, final)
@@ -163,5 +163,5 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def _first_true_rows(mask: torch.Tensor) -> torch.Tensor:
     """[B, K] bool -> [B] long: the index of each row's first True, K where there is none."""
-    padded = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=torch.bool)], dim=1)  # [B, K + 1]
+    padded = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)  # [B, K + 1]
     return padded.to(torch.uint8).argmax(dim=1)
