@@ -82,9 +82,14 @@ class Report:
 
 
 def environment(device: torch.device) -> dict:
+    import importlib.metadata
+
     import transformers
     env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
            "device": str(device)}
+    for package in ("grpcio", "protobuf", "pydantic"):  # the transport's stubs need grpcio >= 1.85.1, protobuf 7
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            env[package] = importlib.metadata.version(package)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
@@ -220,12 +225,13 @@ def loop_throughput(report: Report, name: str, model, concurrency, policies, new
     results = {}
     for policy, k in policies:
         params = GenerationParams(max_new_tokens=new_tokens, policy=PolicyConfig(name=policy, k=k), chat_template=False)
-        warm = [synthetic_tokens(LOOP_PROMPT_TOKENS, config.vocab_size, offset=999 + i) for i in range(max(concurrency))]
-        engine.generate_many(warm, params.model_copy(update={"max_new_tokens": 8}))  # every batch size once
         for c in concurrency:
             if report.time_left() < 20:
                 results[f"{policy}@{c}"] = {"skipped": "time"}
                 continue
+            # untimed, the same batch: its graphs (sessions, tokens, lengths) are captured here, not in the run
+            warm = [synthetic_tokens(LOOP_PROMPT_TOKENS, config.vocab_size, offset=999 + i) for i in range(c)]
+            engine.generate_many(warm, params.model_copy(update={"max_new_tokens": 8}))
             prompts = [synthetic_tokens(LOOP_PROMPT_TOKENS, config.vocab_size, offset=17 * i) for i in range(c)]
             for timer in timers:
                 timer.seconds, timer.calls = 0.0, 0
@@ -284,9 +290,14 @@ def transport_overhead(report: Report, shape: dict, model, concurrency, new_toke
     server = context.Process(target=serve_round_services, daemon=True,
                              args=(shape, str(model.device), str(model.dtype), kv, child_pipe))
     server.start()
-    if not pipe.poll(300):
-        server.kill()
-        raise RuntimeError("the round services' process did not start within 300 s")
+    child_pipe.close()  # the child's end lives in the child alone: its death reads as end-of-file here
+    deadline = time.monotonic() + min(300.0, max(0.0, report.time_left() - 30))
+    while not pipe.poll(1.0):
+        if not server.is_alive():
+            raise RuntimeError(f"the round services' process exited at start-up (exit code {server.exitcode})")
+        if time.monotonic() > deadline:
+            server.kill()
+            raise RuntimeError("the round services' process did not start in time")
     draft_address, verifier_address = pipe.recv()
     served = RoundLoop(GrpcTransport(draft_address, verifier_address), engine.rules, engine.loop.batch)
     timer = TimedForward(target)
@@ -361,7 +372,10 @@ def main() -> None:
                 break
             start = time.perf_counter()
             model = random_model(shapes[name], device, dtype)
-            pass_costs(report, name, model, ks, batches, device, repeats)
+            try:
+                pass_costs(report, name, model, ks, batches, device, repeats)
+            except Exception as exc:  # recorded: the other shapes and sections still run
+                report.put("passes", f"{name}/error", f"{type(exc).__name__}: {exc}"[:500])
             print(f"passes {name}: {time.perf_counter() - start:.0f} s", flush=True)
             del model
             if device.type == "cuda":
