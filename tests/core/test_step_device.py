@@ -146,10 +146,11 @@ SAMPLINGS = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, se
              SamplingParams(temperature=0.8, top_k=3, top_p=0.9, seed=4)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bfloat16: the models' dtype on a GPU
 @pytest.mark.parametrize("kv", ["slots", "static"])
-def test_every_policy_s_step_keeps_to_the_device(tracked, kv):
-    target = tiny_model(6, hidden_size=16, layers=1, seed=3, init_range=0.5)
-    draft = tiny_model(6, hidden_size=16, layers=1, seed=4, init_range=0.5)
+def test_every_policy_s_step_keeps_to_the_device(tracked, kv, dtype):
+    target = tiny_model(6, hidden_size=16, layers=1, seed=3, init_range=0.5).to(dtype)
+    draft = tiny_model(6, hidden_size=16, layers=1, seed=4, init_range=0.5).to(dtype)
     torch.manual_seed(0)
     head = AcceptanceHead(HeadConfig(hidden_size=16, depth=1, draft_identity="test")).eval()
     engine = SpecDecEngine(DraftRuntime(draft, kv=kv), TargetRuntime(target, kv=kv), head=head)
