@@ -17,7 +17,8 @@ Sections, in order:
   today's slot cache) with a self-draft (the target's own weights draft,
   so greedy accepts every candidate: the ceiling), random prompts, greedy, at concurrency 1-64 for
   target-only, fixed K and the default policy (a random head: its stops mean nothing, its costs
-  do). tokens/s, and host time per verification pass: wall minus every forward pass's time.
+  do). tokens/s, and host time per verification pass: wall minus every forward pass's time; at
+  the lowest and highest concurrency, where that time goes (`host_profile`: cProfile's top rows).
 - transport: the same loop (fixed K, greedy, self-draft) in process and over our gRPC round services
   on loopback, served from a process of their own as a replica's are (services/: GrpcTransport, the
   calls the `direct` transport makes once Serve has named a session's replica): the extra ms per step.
@@ -249,7 +250,43 @@ def loop_throughput(report: Report, name: str, model, concurrency, policies, new
                 "draft_forward_s": timers[0].seconds, "target_forward_s": timers[1].seconds,
                 "host_ms_per_target_pass": 1e3 * (wall - forward) / max(1, verify_passes),
                 "acceptance": accepted / drafted if drafted else None}
+            if c in (min(concurrency), max(concurrency)) and report.time_left() > 40:
+                results[f"{policy}@{c}"]["host_profile"] = host_profile(engine, prompts, params, verify_passes)
             report.put("loop", f"{name}/{kv}" if kv != "slots" else name, results)
+
+
+def host_profile(engine: SpecDecEngine, prompts, params: GenerationParams, steps: int, rows: int = 25) -> list:
+    """Where the host's time goes: the same run once more under cProfile, paused inside the forward
+    passes; its `rows` functions of most time of their own, in ms per verification pass ([function,
+    calls per pass, ms per pass]; the profiler's own cost inflates Python-heavy rows, so compare
+    rows, not these with the run's)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+
+    def unprofiled(forward):
+        def call(feeds):
+            profiler.disable()
+            try:
+                return forward(feeds)
+            finally:
+                profiler.enable()
+        return call
+
+    runtimes = (engine.draft, engine.target)
+    forwards = [runtime._forward for runtime in runtimes]
+    for runtime, forward in zip(runtimes, forwards):
+        runtime._forward = unprofiled(forward)
+    try:
+        profiler.runcall(engine.generate_many, prompts, params)
+    finally:
+        for runtime, forward in zip(runtimes, forwards):
+            runtime._forward = forward
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive, tottime, cumtime, callers)}
+    top = sorted(stats.items(), key=lambda item: -item[1][2])[:rows]
+    return [[f"{Path(file).name}:{line}({name})", round(calls / max(1, steps), 2), round(1e3 * own / max(1, steps), 4)]
+            for (file, line, name), (_, calls, own, _, _) in top]
 
 
 def serve_round_services(shape: dict, device: str, dtype: str, kv: str, pipe) -> None:
@@ -420,6 +457,8 @@ def print_summary(data: dict) -> None:
             if "tokens_per_s" in row:
                 print(f"  {key:20s} {row['tokens_per_s']:8.1f} tok/s  host {row['host_ms_per_target_pass']:.2f} ms"
                       f"  passes {row['draft_passes']}/{row['target_passes']}")
+                for function, calls, ms in row.get("host_profile", [])[:5]:
+                    print(f"      {ms:7.3f} ms  {calls:6.2f} calls  {function}")
     for name, rows in data["sections"].get("transport", {}).items():
         print(f"\ntransport {name}: gRPC round services on loopback against in process, ms per step")
         for key, row in rows.items():
