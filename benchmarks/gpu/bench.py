@@ -283,7 +283,7 @@ def host_profile(engine: SpecDecEngine, prompts, params: GenerationParams, steps
     finally:
         for runtime, forward in zip(runtimes, forwards):
             runtime._forward = forward
-    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive, tottime, cumtime, callers)}
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, tottime, cumtime, callers)}
     top = sorted(stats.items(), key=lambda item: -item[1][2])[:rows]
     return [[f"{Path(file).name}:{line}({name})", round(calls / max(1, steps), 2), round(1e3 * own / max(1, steps), 4)]
             for (file, line, name), (_, calls, own, _, _) in top]
