@@ -229,7 +229,7 @@ def verify(target: TargetRole, rows: list[TargetRow], timings: list[PassTiming] 
     accepted, tokens = [0] * len(rows), [0] * len(rows)
     for greedy, group in rows_by([r.sampling.greedy for r in rows]).items():
         outcome = (verify_greedy_rows if greedy else verify_sampled_rows)([rows[b] for b in group], scores, group)
-        for b, n, token in zip(group, *outcome):
+        for b, n, token in zip(group, *outcome.tolist()):  # one copy to the host
             accepted[b], tokens[b] = n, token
     verdicts = []
     for row, n, token in zip(rows, accepted, tokens):
@@ -247,18 +247,17 @@ def _target_rows(scores: Scores, group: list[int]) -> torch.Tensor:
     return torch.cat([scores[b] for b in group])
 
 
-def verify_greedy_rows(rows: list[TargetRow], scores: Scores, group: list[int]) -> tuple[list[int], list[int]]:
-    """Exact match for greedy rows: (num_accepted, next_token) per row, in one copy to the host."""
+def verify_greedy_rows(rows: list[TargetRow], scores: Scores, group: list[int]) -> torch.Tensor:
+    """Exact match for greedy rows: [2, B] (num_accepted, next_token) per row, on the logits' device."""
     logits = _target_rows(scores, group)
-    accepted, tokens = verify_greedy_batch(RoundBatch.of([r.candidates for r in rows], logits.device), logits)
-    accepted, tokens = torch.stack([accepted, tokens]).tolist()
-    return accepted, tokens
+    return torch.stack(verify_greedy_batch(RoundBatch.of([r.candidates for r in rows], logits.device), logits))
 
 
-def verify_sampled_rows(rows: list[TargetRow], scores: Scores, group: list[int]) -> tuple[list[int], list[int]]:
+def verify_sampled_rows(rows: list[TargetRow], scores: Scores, group: list[int]) -> torch.Tensor:
     """Rejection sampling for sampled rows: the target's distributions written over its logits
     (`probs_in_place`), q_i(y_i) read off the draft's rows, the uniforms from each row's generator:
-    r_1..r_K, then the one its last token is drawn with."""
+    r_1..r_K, then the one its last token is drawn with. [2, B] (num_accepted, next_token), on the
+    logits' device."""
     logits = _target_rows(scores, group)
     device = logits.device
     batch = RoundBatch.of([r.candidates for r in rows], device)
@@ -280,6 +279,4 @@ def verify_sampled_rows(rows: list[TargetRow], scores: Scores, group: list[int])
         draft_rows = [r.draft_probs[n] for r, n in zip(rows, accepted.tolist()) if n < len(r.candidates)]
         return final_distributions(target_rows, torch.stack(draft_rows).to(device) if draft_rows else None, rejected)
 
-    accepted, tokens = verify_sampled_batch(batch, draft_token_probs, target_token_probs, uniforms, final)
-    accepted, tokens = torch.stack([accepted, tokens]).tolist()  # one copy to the host
-    return accepted, tokens
+    return torch.stack(verify_sampled_batch(batch, draft_token_probs, target_token_probs, uniforms, final))
