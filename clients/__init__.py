@@ -3,7 +3,7 @@ clients.http_client (the OpenAI-compatible routes); `specdec client` on the comm
 
 from __future__ import annotations
 
-from specdec.errors import SpecDecError
+from specdec.errors import SpecDecError, one_line
 
 
 class ClientError(SpecDecError):
@@ -16,5 +16,4 @@ class ClientError(SpecDecError):
         self.code, self.message, self.retry_after_s = code, message, retry_after_s
 
 
-def one_line(message: str) -> str:
-    return message.strip().splitlines()[0] if message.strip() else ""
+__all__ = ["ClientError", "one_line"]

@@ -1,3 +1,3 @@
 """Serving: the internal round services (draft, verifier) over gRPC, the session store that
 bounds their memory, and a local coordinator that drives them; Ray Serve deployments build on
-these (issue 3)."""
+these."""

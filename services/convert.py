@@ -17,19 +17,17 @@ import torch
 from google.protobuf import json_format
 from pydantic import ValidationError
 
-from specdec.budget import StepPlan
 from specdec.cost_profile import CostProfile, PassTiming
-from specdec.errors import InvalidRequestError
+from specdec.errors import InvalidRequestError, one_line
 from specdec.metrics import RequestStats
 from specdec.params import GenerationParams, build_params, validation_message
 from specdec.policies import PolicyConfig
-from specdec.protocol import HistoryDelta, ProposeItem, Refused, RoundSeed, SessionMissing, VerifyItem
-from specdec.rounds import Proposal
+from specdec.protocol import (HistoryDelta, Proposal, ProposeItem, Refused, RoundSeed, SessionMissing, StepPlan,
+                              VerifyItem)
 from specdec.sampling import SamplingParams, probs_from_logits
 from specdec.sequences import RequestRules
 from specdec.v1 import common_pb2, draft_pb2, generation_pb2, verifier_pb2
 from specdec.verification import Verdict
-from services.errors import one_line
 
 # Draft probabilities at or below this are dropped by `sparsify_logits` (0 = keep all: exact).
 # 1e-6 keeps the argmax of any vocabulary under 10^6 tokens (max q >= 1/V) and, on Qwen-sized
@@ -120,13 +118,13 @@ def plan_from_proto(msg: draft_pb2.ProposeBatch) -> StepPlan:
     if msg.other_sessions < 0:
         raise InvalidRequestError(f"other-sessions must be at least 0, got {msg.other_sessions}")
     if not msg.HasField("costs"):
-        return StepPlan(None, msg.other_sessions)
+        return StepPlan(other_sessions=msg.other_sessions)
     try:
         costs = CostProfile(t_draft_ms=msg.costs.t_draft_ms, t_target_ms=dict(msg.costs.t_target_ms),
                             t_draft_rows_ms=dict(msg.costs.t_draft_rows_ms), source=msg.costs.source)
     except ValidationError as exc:
         raise InvalidRequestError(f"bad cost profile: {validation_message(exc)}") from None
-    return StepPlan(costs, msg.other_sessions)
+    return StepPlan(costs=costs, other_sessions=msg.other_sessions)
 
 
 def timings_to_proto(timings: list[PassTiming]) -> list[common_pb2.PassTiming]:

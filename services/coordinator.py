@@ -16,10 +16,11 @@ import uuid
 from collections.abc import AsyncIterator
 
 from specdec.errors import InvalidRequestError
-from specdec.loop import BatchConfig, RetryPolicy, RoundLoop, RoundObserver, RoundTransport
+from specdec.calls import RetryPolicy, RoundTransport
+from specdec.loop import BatchConfig, RoundLoop
 from specdec.params import GenerationParams
 from specdec.policies import PolicyConfig, policy_traits, resolve_policy
-from specdec.sequences import RequestRules
+from specdec.sequences import RequestRules, RoundObserver
 from specdec.v1 import generation_pb2
 from services.convert import params_from_request, prompt_ids_from_request, stats_to_proto
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from specdec.errors import InvalidRequestError, Overloaded, Unavailable
+from specdec.errors import InvalidRequestError, Overloaded, Unavailable, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +45,6 @@ TABLE: dict[type[Exception], Status] = {
 INTERNAL = Status(grpc.StatusCode.INTERNAL, 500, "internal_error")
 
 
-def one_line(message: str) -> str:
-    return message.strip().splitlines()[0] if message.strip() else "invalid request"
-
-
 def user_error(exc: BaseException) -> BaseException:
     """The error itself, or the user error a remote Ray call wrapped (Ray keeps it as `.cause`;
     the wrapper's own text would carry the remote traceback)."""
@@ -67,7 +63,7 @@ def describe(exc: BaseException) -> tuple[Status, str]:
     if cls is None:
         logger.error("request failed", exc_info=exc)
         return INTERNAL, INTERNAL_REASON
-    return TABLE[cls], one_line(str(exc))
+    return TABLE[cls], one_line(exc, "invalid request")
 
 
 def retry_after(exc: BaseException) -> int | None:

@@ -39,6 +39,9 @@ class RayRoundMetrics:
         self.generated_tokens = counter("generated_tokens", "Tokens generated (N)")
         self.discarded_tokens = counter("discarded_tokens", "Candidates rejected (N_discarded)")
         self.requests = counter("requests", "Finished requests", ("policy", "outcome"))
+        self.held_rounds = counter("draft_held_rounds", "Rounds whose policy drafts that the step planner kept off "
+                                   "the draft, by reason (no_round_pays: no round pays at the costs measured here; "
+                                   "catch_up, resting, not_measured)", ("policy", "reason"))
         self.k_per_round = metrics.Histogram(PREFIX + "candidates_per_round", description="K per round",
                                              boundaries=K_BUCKETS, tag_keys=("policy",))
         self.call_ms = metrics.Histogram(PREFIX + "round_call_ms", description="Round call time by part (ms)",
@@ -51,8 +54,10 @@ class RayRoundMetrics:
                                       "beats plain decoding at the measured costs, else 0 (the draft is off)")
         self._profile: CostProfile | None = None
 
-    def on_round(self, num_candidates: int, num_accepted: int, policy: str) -> None:
+    def on_round(self, num_candidates: int, num_accepted: int, policy: str, held: str | None = None) -> None:
         tags = {"policy": policy}
+        if held:
+            self.held_rounds.inc(1, {"policy": policy, "reason": held})
         self.target_passes.inc(1, tags)
         self.k_per_round.observe(num_candidates, tags)
         if num_candidates:  # Ray counters take only positive increments

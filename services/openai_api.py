@@ -36,10 +36,11 @@ from starlette.authentication import AuthenticationBackend, AuthenticationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.authentication import AuthenticationMiddleware
 
+from specdec.errors import one_line
 from specdec.sampling import MAX_SAMPLES_PER_REQUEST
 from specdec.v1 import generation_pb2
 from services.auth import MISSING_KEY, key_matches
-from services.errors import TABLE, Unauthenticated, describe, one_line, retry_after
+from services.errors import TABLE, Unauthenticated, describe, retry_after
 
 __all__ = ["GenerationBackend", "create_app"]
 

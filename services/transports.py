@@ -1,5 +1,5 @@
 """Round transports: how the coordinator's batched calls reach the draft and verifier workers
-(specdec/loop.py's RoundTransport; the in-process one is specdec.loop.LocalTransport).
+(specdec/calls.py's RoundTransport; the in-process one is specdec.calls.LocalTransport).
 
 A batch is split by the replica that owns each session, and the groups go out at once, one call
 each. A group whose replica does not answer (gone, restarting, unreachable, hung past the call
@@ -27,9 +27,8 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from specdec.budget import StepPlan
 from specdec.metrics import MS_PER_S
-from specdec.protocol import BatchReply, CallTiming, Failed, ProposeItem, Role, Unreachable, VerifyItem
+from specdec.protocol import BatchReply, CallTiming, Failed, ProposeItem, Role, StepPlan, Unreachable, VerifyItem
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from services.auth import call_metadata
 from services.convert import (plan_to_proto, proposal_from_proto, propose_item_to_proto, timings_from_proto,

@@ -1,6 +1,8 @@
-"""One verification budget per step for the whole batch (issue 32; vLLM's adaptive verification and
-SmartSpec decide the same way): who drafts on, and which drafted candidates are verified, from the
+"""One verification budget per step for the whole batch (vLLM's adaptive verification and SmartSpec
+decide the same way): who drafts, who drafts on, and which drafted candidates are verified, from the
 expected accepted tokens against the measured cost of the step and of the tokens added to the pass.
+Pure functions: the step planner (specdec/planner.py) keeps the state they read, and
+docs/planner.md tells why each rule is what it is, with the runs that showed it.
 
 A step advances sessions s = 1..B. With a_{s,j} the estimated P(y_j accepted | y_<j accepted) of
 session s's candidates (the head's calibrated a_j: policies/specdec_pp_cost.py) and
@@ -16,13 +18,13 @@ in expectation (at k = 1 and every candidate accepted, twice a later step's).
 The budget maximises the step's rate R = (sum_s E_s) / T, K = 0 included for one session and for
 all:
 
-- `drafting_pays`: before the step. If no allocation (m sessions drafting k candidates each, every
-  one accepted) beats plain decoding's B / t_target(B), the draft does not run at all; and a
-  session whose draft cache lags (its prompt, or tokens decoded without the draft) drafts only if
-  the best allocation at the upper end of the acceptance measured so far (`hopeful_acceptance`)
-  saves at least 5% of a plain token's time
-  and what that saves over its own remaining tokens repays the catch-up pass (`worth_catching_up`),
-  and only as many catch up as the allocation has drafting sessions (`who_drafts`).
+- `decide_step`: before the step, once (the planner's one call). If no allocation (m sessions
+  drafting k candidates each, every one accepted) beats plain decoding's B / t_target(B), the draft
+  does not run at all; and a session whose draft cache lags (its prompt, or tokens decoded without
+  the draft) drafts only if the best allocation at the upper end of the acceptance measured so far
+  (`hopeful_acceptance`) saves at least CATCH_UP_MARGIN of a plain token's time and what that
+  saves over its own remaining tokens repays the catch-up pass (`worth_catching_up`), and only as
+  many catch up as the allocation has drafting sessions (`who_drafts`).
 - `keep`: after drafting step i, for the sessions that drafted y_i. Its draft pass is spent either
   way; session s gains g_s = P_{s,i-1} a_s for one token more in the pass. The top m by gain are
   kept, m maximising (E + g_1 + ... + g_m) / (T + t_target(N + m) - t_target(N)). Losslessness
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+import statistics
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,16 +57,16 @@ from specdec.cost_profile import CostProfile
 
 MAX_CANDIDATES = 20  # the paper's cap on a round, for a budgeted policy given no --k
 # P(a candidate is accepted | the ones before were) before any is verified, and its weight in
-# candidates: the loop's estimate starts here and follows the rounds' outcomes (loop.py).
+# candidates: the planner's estimate starts here and follows the rounds' outcomes.
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.8, 10.0
-# While the draft is off, one probe of its cost may take this share of the plain steps (loop.py).
+# While the draft is off, one off-probe of its cost may take this share of the plain steps (probe_interval).
 PROBE_SHARE = 0.005
-# A probe of a target pass longer than the live curve reaches may take this share of the steps since
-# the last one (loop.py). Each size is probed once, so this bounds a handful of passes, not a rate.
+# A curve probe (a target pass longer than the live curve reaches) may take this share of the steps
+# since the last one (planner.py). Each size is probed once, so this bounds a handful of passes.
 CURVE_PROBE_SHARE = 0.1
 # Most tokens a session decodes without its draft after drafting rounds that verified nothing (rest_after).
 MAX_REST = 32
-# Per finished sample: the loop's estimate of how often a token ends a generation follows the last
+# Per finished sample: the planner's estimate of how often a token ends a generation follows the last
 # ~50 requests' samples (expected_remaining); before any finishes, none is assumed to stop early.
 STOP_RATE_DECAY = 0.98
 # A lagging draft catches up only for a saving above this share of a plain token's time (worth_catching_up).
@@ -116,8 +119,8 @@ def best_allocation(profile: CostProfile, sessions: int, max_candidates: int, ac
 
 def best_allocations(profile: CostProfile, sessions: int, max_candidates: int,
                      acceptances: Sequence[float]) -> list[Allocation]:
-    """`best_allocation` at each of `acceptances`, every (a, m, k) priced in one grid (the loop asks
-    at the bound, at the upper end of the measured acceptance and at it, every step)."""
+    """`best_allocation` at each of `acceptances`, every (a, m, k) priced in one grid (`decide_step`
+    asks at the bound, at the upper end of the measured acceptance and at it)."""
     plain = profile.pass_ms(sessions) / sessions
     if sessions < 1 or max_candidates < 1:
         return [Allocation(plain, 0, 0, plain) for _ in acceptances]
@@ -148,14 +151,11 @@ def worth_catching_up(profile: CostProfile, saving: float, sessions: int, lag: i
     """Whether a session whose draft cache lags `lag` committed tokens (its prompt, at its first
     round; the tokens decoded while it did not draft) should draft: the catch-up pass costs
     t_draft(lag) - t_draft(1) once, and drafting saves `saving` (at `hopeful_acceptance`, not the
-    all-accepted bound: this is an investment) a token. Only the session's own `remaining`
-    tokens are credited: what the batch around it saves depends on which sessions share its steps,
-    and they finish and join meanwhile (a saving found at one batch size, where the target's kernels
-    happen to batch well, is gone a few steps later). Where drafting barely pays, a short generation
-    does not earn back the draft's prefill. And a saving under CATCH_UP_MARGIN of a plain token's
-    time is within what the costs (medians of a few passes) and the acceptance (recent rounds,
-    another text) are known to, while the prefill is spent for sure: no catch-up for it. A draft in
-    step (lag <= IN_STEP_LAG) has nothing to catch up: the step's budget decides."""
+    all-accepted bound: this is an investment) a token. Only the session's own `remaining` tokens
+    are credited: the batch around it changes while it repays. A saving under CATCH_UP_MARGIN of a
+    plain token's time is within what the costs and the acceptance are known to, while the prefill
+    is spent for sure: no catch-up for it (docs/planner.md, "Catching up"). A draft in step
+    (lag <= IN_STEP_LAG) has nothing to catch up: the step's budget decides."""
     if lag <= IN_STEP_LAG:
         return True
     if saving <= CATCH_UP_MARGIN * profile.pass_ms(sessions) / sessions:
@@ -166,14 +166,10 @@ def worth_catching_up(profile: CostProfile, saving: float, sessions: int, lag: i
 def hopeful_acceptance(accepted: float, trials: float) -> float:
     """The acceptance a catch-up is judged at (`who_drafts`): one standard deviation above the
     measured rate `accepted` / `trials` (accept-or-reject events of verified candidates, the prior's
-    included), as a Beta posterior spreads it: 0.92 at the prior alone (0.8 of 10), within ~0.01 of the
-    rate after a few hundred. The measured rate moves only while sessions draft, so judging a
-    catch-up at it alone can keep every session from ever drafting where the prior is too low: torch,
-    8 sessions joining a loop that ran target-only, HumanEval at 0.94 acceptance, the catch-up was
-    marginal at 0.8, and in one served run none caught up (0.98x target-only against fixed:4's
-    1.22x; at the upper end 1.54x against 1.52x). Optimism under uncertainty, as a bandit's
-    upper confidence bound: where drafting pays only at a rate the draft does not reach, the rounds
-    of the few sessions that catch up measure it, and the bound falls to it."""
+    included), as a Beta posterior spreads it: 0.92 at the prior alone (0.8 of 10), within ~0.01 of
+    the rate after a few hundred. The measured rate moves only while sessions draft, so judged at it
+    alone a low prior could keep every session from ever drafting; optimism under uncertainty, as a
+    bandit's upper confidence bound, lets the few that catch up measure it (docs/planner.md)."""
     rate = accepted / trials
     return min(1.0, rate + math.sqrt(rate * (1.0 - rate) / (trials + 1.0)))
 
@@ -181,10 +177,8 @@ def hopeful_acceptance(accepted: float, trials: float) -> float:
 def expected_remaining(left: int, stop_rate: float) -> float:
     """Tokens a session is expected to still generate when at most `left` more are allowed and each
     ends the generation (EOS, a stop string) with probability `stop_rate`: sum_{t < left} (1 - h)^t.
-    A catch-up is repaid only by the tokens that follow it (`worth_catching_up`), and crediting
-    `left` where requests stop early overpays it: 16 HumanEval sessions on torch with 128 allowed
-    stopped after 77 on average, and their prompts' prefill into the draft (35 s) cost more than
-    drafting then saved (~25 s)."""
+    A catch-up is repaid only by the tokens that follow it (`worth_catching_up`): crediting `left`
+    where requests stop early overpays it."""
     if stop_rate <= 0.0:
         return float(left)
     return (1.0 - (1.0 - min(stop_rate, 1.0)) ** left) / stop_rate
@@ -205,9 +199,7 @@ def draining_allocation(profile: CostProfile, best: Allocation, sessions: int, m
     saving cut to what the draining batch's best saves (`draining_batch`) where that is less. A
     catch-up is repaid over the session's remaining tokens, and those share steps with fewer sessions
     as the others finish unless new ones join; where drafting pays only in a full batch, it must pay
-    in both. llama.cpp, 8 HumanEval sessions: drafting saved ~3-5 ms of a 29 ms token at 8, nothing
-    at 5 or fewer, and the sessions that caught up for the saving at 8 lost it as the batch drained
-    (0.92-0.94x target-only). On torch a smaller batch saves more: nothing changes there."""
+    in both (docs/planner.md, "Catching up")."""
     draining = draining_batch(sessions, left, stop_rate)
     if not best.drafters or draining >= sessions:
         return best
@@ -219,11 +211,8 @@ def curve_probe(profile: CostProfile, wanted: int) -> int | None:
     """The target pass to time next when the step's budget weighs passes of up to `wanted` tokens
     and the measured curve stops short of that: the next power of two past the curve's last point
     (None: the curve reaches `wanted`). Past its last point the curve is extrapolated at its steepest
-    mean slope (cost_profile.interpolate), which on a CPU, where a pass's first extra tokens cost the
-    most, overprices long passes: at 8 sessions on torch the start-up probe and the plain steps time
-    1-8 tokens, drafting was priced at 91 ms a token past 8 against ~36 measured, and the default
-    drafted a quarter of what fixed:4 did. Doubling reaches any size in a few probes, each
-    interpolated from measured points only."""
+    mean slope (cost_profile.Curve), which on a CPU overprices long passes; doubling reaches any size
+    in a few probes, each interpolated from measured points only (docs/planner.md, "Curve probes")."""
     last = max(profile.t_target_ms)
     return 1 << last.bit_length() if wanted > last else None
 
@@ -232,10 +221,10 @@ def rest_after(empty_rounds: int) -> int:
     """Tokens a session decodes without its draft after `empty_rounds` drafting rounds in a row that
     verified nothing: 1, 2, 4, ... up to MAX_REST. A drafting step learns y_1's estimate only by
     drafting it; where the step's budget then drops y_1 the pass was spent for nothing, and on text
-    the draft does not predict (prose on torch: 12 catch-up passes of ~215 ms for 4 candidates in a
-    128-token generation) the next ones mostly would be too. Backing off bounds that loss to about
-    log2 of the generation's length in passes, while a stretch the draft does predict is found again
-    within MAX_REST tokens."""
+    the draft does not predict the next ones mostly would be too. Backing off bounds that loss to
+    about log2 of the generation's length in passes, while a stretch the draft does predict is found
+    again within MAX_REST tokens (docs/planner.md, "Rests"). The one backoff of the system: no
+    policy keeps another."""
     return min(2 ** (empty_rounds - 1), MAX_REST)
 
 
@@ -255,6 +244,48 @@ def who_drafts(profile: CostProfile, best: Allocation, sessions: int, lags: list
     return joins
 
 
+def probe_interval(profile: CostProfile, sessions: int, share: float = PROBE_SHARE) -> int:
+    """Steps between off-probes while the draft is off: an off-probe (a draft step of the step's size
+    and a target pass one token longer) costs `share` of the plain steps in between."""
+    probe_ms = profile.draft_ms(sessions) + profile.pass_ms(sessions + 1)
+    return max(1, math.ceil(probe_ms / (share * profile.pass_ms(sessions))))
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """What one priced step decides (`decide_step`)."""
+
+    pays: bool  # some allocation beats plain decoding if every candidate is accepted: the draft is on
+    joins: tuple[bool, ...]  # per session ready to draft: it calls the draft this step
+    curve_probe: int | None  # a target pass to time first: the decision weighed passes past the measured curve
+    probe_interval: int  # steps between off-probes while the draft is off
+
+
+def decide_step(profile: CostProfile, sessions: int, cap: int, acceptance: float, upper: float,
+                lags: Sequence[int], left: Sequence[int], stop_rate: float,
+                probe_share: float = PROBE_SHARE) -> StepDecision:
+    """Who of a step's budgeted sessions ready to draft calls the draft: B = `sessions` in the step,
+    at most `cap` candidates a round; `acceptance` measured, `upper` its hopeful end (a catch-up is
+    an investment: `hopeful_acceptance`); per ready session its draft's lag and the tokens it may
+    still generate; `stop_rate` how often a token ends a generation.
+
+    Nothing drafts where no allocation pays even if every candidate is accepted. Otherwise sessions
+    in step draft and lagging ones catch up where that repays (`who_drafts`), judged at `upper` by
+    the batch as it drains where one lags. The curve probe is the pass the decision weighed past the
+    measured curve: what the sessions will draft at `acceptance` (at `upper` where none would), or
+    where none drafts a first candidate's B + 1 tokens."""
+    bound, hopeful, likely = best_allocations(profile, sessions, cap, (1.0, upper, acceptance))
+    interval = probe_interval(profile, sessions, probe_share)
+    if bound.saving <= 0:
+        return StepDecision(False, (False,) * len(lags), curve_probe(profile, sessions + 1), interval)
+    likely = likely if hopeful.drafters else hopeful
+    judged = hopeful if all(lag <= IN_STEP_LAG for lag in lags) else draining_allocation(
+        profile, hopeful, sessions, cap, upper, statistics.median_low(left), stop_rate)
+    joins = who_drafts(profile, judged, sessions, list(lags), [expected_remaining(n, stop_rate) for n in left])
+    wanted = max(likely.drafters * likely.candidates, 1) if any(joins) else 1
+    return StepDecision(True, tuple(joins), curve_probe(profile, sessions + wanted), interval)
+
+
 def replay_round(profile: CostProfile, acceptance: list[float], limit: int) -> tuple[int, int]:
     """One session's round as rounds.propose spends the budget, for candidates whose acceptance
     (blind and known alike: greedy) is given in advance -> (K, drafting steps). The offline replay
@@ -269,16 +300,6 @@ def replay_round(profile: CostProfile, acceptance: list[float], limit: int) -> t
         if not budget.draft_on([survive], [a], [limit - i])[0]:
             return i, i
     return min(limit, len(acceptance)), min(limit, len(acceptance))
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What the draft side needs to spend a step's budget, sent with each Propose: the caller's live
-    costs (None: nothing measured yet, the draft plans with its prior) and the step's sessions that
-    are not in the call (each verifies one token beside them)."""
-
-    costs: CostProfile | None = None
-    other_sessions: int = 0
 
 
 @dataclass

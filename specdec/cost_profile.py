@@ -1,5 +1,5 @@
 """Forward costs for the cost-aware rule and the batch's verification budget (`specdec++cost`,
-specdec/budget.py, DESIGN.md §5).
+specdec/budget.py; docs/planner.md).
 
 A profile holds the time of a drafting step by the sessions (rows) it advances, and the time of a
 target pass by the tokens it feeds. A verification pass over k candidates feeds k + 1 tokens, so for
@@ -11,14 +11,12 @@ with `pass` (and the drafting step's curve) linearly interpolated between the me
 extended past the last at the steeper of its last segment and its whole span's mean slope (a single
 point: flat; `interpolate`).
 
-Where the loop's profile comes from (specdec/loop.py): measured where it runs (`LiveCosts`, below:
-every drafting step and verification pass is timed, seeded by a short probe when the workers start),
-unless a profile is given by hand: the file named by the environment variable `SPECDEC_COST_PROFILE`
-(a profile JSON as below, or a bench `results.json`: its `cost_profile`, the costs measured in the
-loop itself (`specdec/bench/costmodel.py`, `fit_round_costs`), else its `forward_times`,
-converted). Before anything is measured (a served draft replica's first round) the draft plans with
-the `cost_profile` of the head's head.json, else the default profile of its runtime
-(`DEFAULT_PROFILES`: the default pair measured once on the project's 2-core Intel CPU).
+Where the step planner's profile comes from (specdec/planner.py): measured where it runs
+(`LiveCosts`, below: every drafting step and verification pass is timed, seeded by a short probe
+when the workers start), unless a profile is given by hand: the file named by the environment
+variable `SPECDEC_COST_PROFILE` when the loop is built (a profile JSON as below, or a bench
+`results.json`: `CostProfile.load`). Before anything is measured no budgeted session drafts: a
+profile measured elsewhere does not say what pays here.
 
     {"t_draft_ms": 22, "t_target_ms": {"1": 35, "2": 65, "4": 110, "8": 237, "16": 305}}
     (optional: "t_draft_rows_ms": {"1": 22, "8": 60}, a drafting step by the sessions in it; without
@@ -41,7 +39,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from specdec.errors import InvalidRequestError
+from specdec.errors import InvalidRequestError, one_line
 from specdec.metrics import MS_PER_S
 
 PROFILE_ENV = "SPECDEC_COST_PROFILE"
@@ -95,11 +93,8 @@ class CostProfile(BaseModel):
     @classmethod
     def load(cls, path: str | Path) -> CostProfile:
         """A profile JSON, or a bench results.json / notes.json: its `live_profile` (the curves the loop
-        measured and planned with), else its `cost_profile` (eq. 2.1's linear fit over the rounds),
-        else its bare `forward_times`. The live curves come first: a straight line through the fit
-        misprices a curve with a step in it (torch on the AMD CPU: a 2-token pass costs 1.9 one-token
-        ones, 8 tokens 2.6), and planned with the fit the default drafted nothing where the live
-        curves gave 1.59x (docs/benchmarks.md)."""
+        measured and planned with), else its `cost_profile` (eq. 2.1's linear fit over the rounds,
+        which misprices a curve with a step in it: docs/planner.md), else its bare `forward_times`."""
         path = Path(path).expanduser()
         try:
             raw = json.loads(path.read_text())
@@ -114,21 +109,16 @@ class CostProfile(BaseModel):
         except OSError as exc:
             raise InvalidRequestError(f"cannot read cost profile {path}: {exc.strerror or exc}") from None
         except (ValueError, KeyError, TypeError, ValidationError) as exc:
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise InvalidRequestError(f"bad cost profile {path}: {message}") from None
+            raise InvalidRequestError(f"bad cost profile {path}: {one_line(exc)}") from None
 
 
-# The default pair on the torch runtime (int8 draft, fp32 target), costs measured in the loop itself
-# (`specdec/bench/costmodel.py`, `fit_round_costs`) over the shipped head's validation bench runs
-# (docs/results/head3-validation/C-stdlib and C-prose, 96 generations, 2-core Intel Xeon): a drafting
-# step 56 ms (a bare draft pass is 33 ms: sampling, features and the head add the rest), a verification
-# pass over k candidates 397 + 23.1 k ms. The bare passes of `forward_times` grow half as fast.
+# Reference profiles of the default pair, measured once on the project's 2-core Intel Xeon, for the
+# offline tools (benchmarks/replay_rules.py, budget_host_time.py) and tests; the loop never plans with
+# them (docs/planner.md, "Before anything is measured"). torch: the in-loop fit over the shipped head's
+# validation runs (docs/results/head3-validation/); llama.cpp: benchmarks/forward_times.py.
 DEFAULT_PROFILE = CostProfile(t_draft_ms=56.0, t_target_ms={1: 396.77, 21: 859.36},
                               source="default pair, torch runtime, in-loop fit on validation runs, 2-core Intel Xeon")
 
-
-# The default pair on llama.cpp's kernels (models/llamacpp.py), same CPU: `python benchmarks/forward_times.py
-# --formats llamacpp` (docs/performance.md); t_draft adds ~1 ms for sampling and the policy.
 LLAMACPP_PROFILE = CostProfile(t_draft_ms=35.0, t_target_ms={1: 68.0, 2: 100.0, 3: 123.0, 4: 108.0, 5: 141.0, 6: 161.0,
                                                              8: 194.0, 12: 245.0, 16: 238.0},
                                source="default pair, llama.cpp Q4_K_M, 2-core Intel Xeon (docs/performance.md)")
@@ -202,36 +192,10 @@ def _curve(points: tuple[tuple[int, float], ...]) -> Curve:
 
 
 def given_profile() -> CostProfile | None:
-    """The profile given by hand (`SPECDEC_COST_PROFILE`), which overrides the measured one."""
+    """The profile given by hand (`SPECDEC_COST_PROFILE`), which overrides the measured one; read
+    once, when a loop is built."""
     path = os.environ.get(PROFILE_ENV)
-    return _load_cached(path, _mtime(path)) if path else None
-
-
-def resolve_profile(head_profile: CostProfile | None, runtime: str = "torch") -> CostProfile:
-    """Before anything is measured: the environment's file, else the head's profile, else the
-    runtime's default (module docstring)."""
-    given = given_profile()
-    if given is not None:
-        return given
-    return head_profile if head_profile is not None else DEFAULT_PROFILES.get(runtime, DEFAULT_PROFILE)
-
-
-_CACHE: dict[tuple[str, float], CostProfile] = {}
-
-
-def _mtime(path: str) -> float:
-    try:
-        return Path(path).expanduser().stat().st_mtime
-    except OSError:
-        return -1.0
-
-
-def _load_cached(path: str, mtime: float) -> CostProfile:
-    """Every session makes its policy: read the file once per version, not once per session."""
-    key = (path, mtime)
-    if key not in _CACHE:
-        _CACHE[key] = CostProfile.load(path)
-    return _CACHE[key]
+    return CostProfile.load(path) if path else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,35 +232,20 @@ class LiveCosts:
     the last LEVEL_WINDOW estimates is off the level by more than LEVEL_BAND, the level becomes
     that median. So a change of the machine's speed (a busy host, another thread count) moves the
     whole curve within LEVEL_WINDOW passes of any size, sizes not being timed included, and a
-    change of one size alone moves its bucket within WINDOW // 2 + 1 of its passes. (The level once
-    moved by the ratio of each timing to its bucket's current value: after a move the bucket being
-    timed still held values of the old level, the next ratios moved it back part way, and noise of
-    plain passes (33-60 ms on llama.cpp) walked it without an anchor: sizes not timed for a while
-    came out 10x their cost after 40 HumanEval prompts, a 4-token pass priced at 1056 ms against 100.)
+    change of one size alone moves its bucket within WINDOW // 2 + 1 of its passes. While the
+    draft is off only the target is timed; the level of a role not timed for IDLE_TIMINGS timings
+    moves with the other's.
 
-    While the draft is off only the target is timed; the level of a role not timed for IDLE_TIMINGS
-    timings moves with the other's. With each role's level its own, a slowdown moved the target's
-    curve alone and left the draft's where it was measured, cheap by the same factor: llama.cpp, 8
-    sessions, a target-only run's plain passes came out 1.5x their start-up cost, and the next run's
-    budget found drafting worth three catch-ups and long rounds (0.80x target-only).
+    A bucket counts once it holds MIN_SAMPLES timings, or at once when a probe measured it (the
+    planner's glossary: specdec/planner.py); a probe's timing replaces what its bucket held.
+    `profile()` is None until both roles have a bucket.
 
-    A bucket counts once it holds MIN_SAMPLES timings, or at once when a probe measured it (each
-    worker's short probe when it starts, and the loop's rare probes while the draft is off:
-    workers.py, loop.py); a probe's timing replaces what its bucket held. `profile()` is None until
-    both roles have a bucket: the draft then plans with its prior. While the draft is off, the
-    target is timed at plain decoding's size every step, the draft and a pass one token longer only
-    by the probes.
-
-    A target pass costs more the more sessions hold a cache: attention reads every cached token
-    (llama.cpp's one cache for all sessions: 8 sessions at 450 tokens each took 270 ms for a pass
-    of 8 tokens where at 150 each it took 222). So each timing keeps the sessions of the step it
-    was made in, and `profile(sessions)`, the costs for a step of that many, leaves out the target
-    passes longer than the step's plain one that were timed in steps of at most half as many
-    sessions (closer, the cache differs by less than the noise of a few timings): priced from
-    4 sessions' rounds, 8 sessions' passes of 9-12 tokens came out cheaper than their plain pass of
-    8 (199 against 229 ms), and the default drafted at 8 sessions for 0.88x target-only. Past the
-    plain pass such a step then plans along the curve's slope until the loop's curve probe times a
-    pass at its size (loop.py)."""
+    A target pass costs more the more sessions hold a cache (attention reads every cached token),
+    so each timing keeps the sessions of the step it was made in, and `profile(sessions)`, the
+    costs for a step of that many, leaves out the target passes longer than the step's plain one
+    that were timed in steps of at most half as many sessions; past the plain pass such a step
+    plans along the curve's slope until a curve probe times a pass at its size. docs/planner.md
+    ("Live costs") tells the runs that made each rule."""
 
     WINDOW = 9
     MIN_SAMPLES = 3

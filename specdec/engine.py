@@ -17,10 +17,11 @@ from collections.abc import Sequence
 from specdec.cost_profile import CostProfile
 from specdec.errors import IncompatibleModelsError
 from specdec.head import AcceptanceHead
-from specdec.loop import BatchConfig, Completion, GenerationResult, LocalTransport, RoundLoop, UpdateCallback
+from specdec.calls import LocalTransport
+from specdec.loop import BatchConfig, Completion, GenerationResult, RoundLoop
 from specdec.models.runtime import DraftRole, TargetRole
 from specdec.params import GenerationParams
-from specdec.sequences import RequestRules
+from specdec.sequences import RequestRules, UpdateCallback
 from specdec.workers import DraftWorker, VerifierWorker
 
 __all__ = ["Completion", "GenerationResult", "SpecDecEngine", "UpdateCallback"]

@@ -30,3 +30,12 @@ class Overloaded(SpecDecError):
 class Unavailable(SpecDecError):
     """The replica running the request died (or none is up yet): HTTP 503, gRPC UNAVAILABLE.
     Retriable at once: a greedy or seeded request gives the same result again."""
+
+
+def one_line(message: object, default: str = "") -> str:
+    """The first line of a message (an exception: its text, else its class name), for a user-facing
+    reason: a status detail, an error field, a log line."""
+    text = str(message).strip()
+    if text:
+        return text.splitlines()[0]
+    return type(message).__name__ if isinstance(message, BaseException) and not default else default

@@ -21,7 +21,6 @@ hidden state from drowning them. None: the blocks read the whole input, the pape
 
 `calibration` (optional): an affine map of the logit, sigmoid(scale * l + bias), fitted after
 training on validation tokens (training/calibration.py) and applied by `acceptance_probability`.
-`cost_profile` (optional): the forward costs `specdec++cost` plans with (specdec/cost_profile.py).
 
 On disk a head is a directory with `head.safetensors` and `head.json`; the JSON records the
 draft model it was trained on (hidden size and identity), and loading it for another draft fails,
@@ -40,8 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from specdec.cost_profile import CostProfile
-from specdec.errors import IncompatibleModelsError, ModelSourceError
+from specdec.errors import IncompatibleModelsError, ModelSourceError, one_line
 from specdec.features import FEATURES_DISTRIBUTION, FEATURES_HIDDEN, NUM_SCALAR_FEATURES, FeatureKind, join_head_inputs
 
 WEIGHTS_FILE, CONFIG_FILE = "head.safetensors", "head.json"
@@ -92,7 +90,6 @@ class HeadConfig(BaseModel):
     bottleneck: int | None = Field(None, gt=0)  # width the hidden state is projected to (module docstring)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)  # on the standardised hidden state, in training only
     calibration: Calibration | None = None
-    cost_profile: CostProfile | None = None
     validated_drafts: list[ValidatedDraft] = []
 
     def serves(self, draft_identity: str) -> bool:
@@ -194,7 +191,7 @@ def load_head(
     try:
         config = HeadConfig.model_validate(json.loads(config_path.read_text()))
     except ValueError as exc:
-        raise ModelSourceError(f"corrupt head config {config_path}: {_first_line(exc)}") from None
+        raise ModelSourceError(f"corrupt head config {config_path}: {one_line(exc)}") from None
     if hidden_size is not None and config.hidden_size != hidden_size:
         raise IncompatibleModelsError(
             f"head {directory} expects hidden size {config.hidden_size} but the draft has {hidden_size}")
@@ -207,7 +204,7 @@ def load_head(
     try:
         head.load_state_dict(load_file(weights_path))
     except Exception as exc:  # safetensors raises several types for truncated or mismatched files
-        raise ModelSourceError(f"corrupt head weights {weights_path}: {_first_line(exc)}") from None
+        raise ModelSourceError(f"corrupt head weights {weights_path}: {one_line(exc)}") from None
     return head.eval()
 
 
@@ -230,6 +227,3 @@ def _mean_std(rows: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tenso
     mean = total / count
     return mean, (squares / count - mean * mean).clamp_min(0).sqrt().clamp_min(MIN_INPUT_STD)
 
-
-def _first_line(exc: Exception) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -12,6 +12,14 @@ from dataclasses import dataclass, field
 
 MS_PER_S = 1000.0
 
+# Why the step planner (planner.py) kept a session whose policy drafts off the draft for a round.
+NOT_MEASURED = "not_measured"  # nothing timed on this machine yet: an off-probe measures it first
+NO_ROUND_PAYS = "no_round_pays"  # no round beats plain decoding at the costs measured here
+CATCH_UP = "catch_up"  # its draft lags and catching it up would not repay
+RESTING = "resting"  # its last drafting rounds verified nothing (budget.rest_after)
+HELD = {NOT_MEASURED: "no costs measured here yet", NO_ROUND_PAYS: "no round pays at the costs measured here",
+        CATCH_UP: "catching the draft up would not repay", RESTING: "resting after rounds that verified nothing"}
+
 
 @dataclass
 class RequestStats:
@@ -25,6 +33,9 @@ class RequestStats:
     drafted_per_position: list[int] = field(default_factory=list)  # [j]: rounds with a candidate at position j+1
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: rounds accepting position j+1
     k_histogram: Counter[int] = field(default_factory=Counter)  # K -> rounds
+    # Rounds in which the session's policy drafts but the step planner kept it off the draft, by why
+    # (HELD).
+    held: Counter[str] = field(default_factory=Counter)
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
     wall_time_s: float = 0.0
@@ -33,8 +44,11 @@ class RequestStats:
     transport_time_s: float = 0.0
     transport_bytes: int = 0
 
-    def record_round(self, num_candidates: int, num_accepted: int) -> None:
+    def record_round(self, num_candidates: int, num_accepted: int, held: str | None = None) -> None:
+        """A verified round; `held`: why the session did not call the draft for it, if it did not."""
         self.rounds += 1
+        if held:
+            self.held[held] += 1
         self.target_forward_passes += 1
         self.draft_tokens += num_candidates
         self.accepted_tokens += num_accepted
@@ -54,6 +68,7 @@ class RequestStats:
             for j, count in enumerate(theirs):
                 mine[j] += count
         self.k_histogram.update(other.k_histogram)
+        self.held.update(other.held)
 
     @property
     def verification_rate(self) -> float:
@@ -97,6 +112,7 @@ class RequestStats:
             "drafted_per_position": list(self.drafted_per_position),
             "accepted_per_position": list(self.accepted_per_position),
             "k_histogram": {str(k): v for k, v in sorted(self.k_histogram.items())},
+            "draft_held": dict(sorted(self.held.items())),
             "draft_time_s": self.draft_time_s,
             "target_time_s": self.target_time_s,
             "wall_time_s": self.wall_time_s,
@@ -109,7 +125,15 @@ class RequestStats:
         return (f"{self.generated_tokens} tokens in {self.wall_time_s:.1f}s ({self.tokens_per_s:.2f} tok/s) | "
                 f"verification rate {self.verification_rate:.3f} | discard rate {self.discard_rate:.3f} | "
                 f"acceptance {self.acceptance_rate:.1%} | mean accepted length {self.mean_accepted_length:.2f} | "
-                f"draft {self.draft_time_s:.1f}s / target {self.target_time_s:.1f}s")
+                f"draft {self.draft_time_s:.1f}s / target {self.target_time_s:.1f}s{self.held_summary()}")
+
+    def held_summary(self) -> str:
+        """Where the planner kept the draft off: ' | draft off in 120 of 128 rounds: no round pays at the
+        costs measured here' (its most common reason), else ''."""
+        if not self.held:
+            return ""
+        reason, _ = self.held.most_common(1)[0]
+        return f" | draft off in {sum(self.held.values())} of {self.rounds} rounds: {HELD.get(reason, reason)}"
 
 
 def aggregate_summary(stats: list[RequestStats], wall_time_s: float) -> str:

@@ -16,16 +16,16 @@ that session fails, the other replicas' sessions go on).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
 import torch
 
-from specdec.cost_profile import PassTiming
+from specdec.cost_profile import CostProfile, PassTiming
 from specdec.errors import InvalidRequestError
 from specdec.policies import PolicyConfig
-from specdec.rounds import Proposal, round_generator
 from specdec.sampling import SamplingParams
 from specdec.verification import Verdict
 
@@ -75,6 +75,16 @@ def history_from_delta(held: list[int] | None, delta: HistoryDelta, vocab_size: 
     return held + list(delta.tail)
 
 
+SEED_BITS = 63
+
+
+def round_generator(request_seed: int, sample_index: int, round_index: int, role: str) -> torch.Generator:
+    """An independent generator per (request seed, sample, round, role)."""
+    key = f"{request_seed}:{sample_index}:{round_index}:{role}".encode()
+    seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> (64 - SEED_BITS)
+    return torch.Generator().manual_seed(seed)
+
+
 @dataclass(frozen=True)
 class RoundSeed:
     """Where a round's random numbers come from: each side seeds a fresh generator from it and its
@@ -89,6 +99,32 @@ class RoundSeed:
         if sampling.greedy:
             return None
         return round_generator(self.request_seed, self.sample_index, self.round_index, role)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's plan (specdec/planner.py): who calls the draft, and what the draft side spends a
+    budgeted session's round with. Only `costs` and `other_sessions` travel with a Propose.
+
+    `costs` None: nothing priced the step, and a budgeted session drafts nothing (no round drafts on
+    costs measured elsewhere)."""
+
+    drafting: frozenset[str] = frozenset()  # the session ids that call the draft this step
+    probe: str | None = None  # the session whose item carries the off-probe (ProposeItem.probe)
+    probe_tokens: int = 0  # > 0: the verifier times a scratch pass of this many tokens after the step
+    costs: CostProfile | None = None  # the profile the step was priced with
+    other_sessions: int = 0  # the step's sessions not in the Propose (each verifies one token beside them)
+    # session id -> why a session whose policy drafts does not call the draft (metrics.HELD)
+    held: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Proposal:
+    """A drafted round: its candidates and, when sampled, the draft distributions they were drawn from."""
+
+    candidates: list[int] = field(default_factory=list)  # y_1..y_K
+    draft_probs: list = field(default_factory=list)  # q_1..q_K, each [V] (or its wire form); sampled rounds only
+    forward_passes: int = 0  # draft passes this session took part in
 
 
 @dataclass

@@ -4,48 +4,34 @@ and the services.
 `propose` runs on the draft's side: every drafting step is one forward pass over the sessions still
 drafting (Algorithm 2). A budgeted session (the default policy) is decided with the whole step by
 its verification budget (specdec/budget.py: who drafts on, which candidates are verified); any other
-session's policy decides its own stop. A session that stops leaves the next step. `verify` runs on the target's side: one pass over every session's unseen committed
-tokens plus its candidates (a different K each), Algorithm 1 per session, then a rollback per
-session. Each row names its session's full committed history: the runtimes sync their caches to it.
-Randomness comes from `round_generator`, derived from (request seed, sample, round, role), so a
-round draws the same numbers whichever process, replica or batch runs it.
+session's policy decides its own stop. A session that stops leaves the next step. Who calls the
+draft at all was decided by the caller's step plan (specdec/planner.py). `verify` runs on the
+target's side: one pass over every session's unseen committed tokens plus its candidates (a
+different K each), Algorithm 1 per session, then a rollback per session. Each row names its
+session's full committed history: the runtimes sync their caches to it. Randomness comes from
+`protocol.round_generator`, derived from (request seed, sample, round, role), so a round draws the
+same numbers whichever process, replica or batch runs it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from specdec.budget import IN_STEP_LAG, StepBudget, drafting_pays, expected_tokens
+from specdec.budget import IN_STEP_LAG, StepBudget, expected_tokens
 from specdec.cost_profile import CostProfile, PassTiming
 from specdec.metrics import MS_PER_S
 from specdec.models.runtime import DraftOutputs, DraftRole, KVSession, Scores, TargetRole
 from specdec.policies import Decision, DraftStep, StoppingPolicy
+from specdec.protocol import Proposal
 from specdec.sampling import (SamplingParams, choose_tokens, probs_by_params, probs_in_place, rows_by,
                               transform_of)
 from specdec.verification import (RoundBatch, Verdict, final_distributions, verify_greedy_batch,
                                   verify_sampled_batch)
-
-SEED_BITS = 63
-
-
-def round_generator(request_seed: int, sample_index: int, round_index: int, role: str) -> torch.Generator:
-    """An independent generator per (request seed, sample, round, role)."""
-    key = f"{request_seed}:{sample_index}:{round_index}:{role}".encode()
-    seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> (64 - SEED_BITS)
-    return torch.Generator().manual_seed(seed)
-
-
-@dataclass
-class Proposal:
-    candidates: list[int] = field(default_factory=list)  # y_1..y_K
-    draft_probs: list[torch.Tensor] = field(default_factory=list)  # q_1..q_K, each [V]; sampled rounds only
-    forward_passes: int = 0  # draft passes this session took part in
 
 
 @dataclass
@@ -150,18 +136,15 @@ def by_policy(active: list[_Drafting], steps: list[DraftStep], ask: str) -> list
 def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = None, other_sessions: int = 0,
             timings: list[PassTiming] | None = None, logits_filter: LogitsFilterFactory | None = None) -> list[Proposal]:
     """Draft up to each row's limit after its history. A budgeted row's round is decided by the
-    step's budget (budget.py) over `costs` (required when there is one), beside `other_sessions`
-    sessions of the step that verify plainly elsewhere; any other row asks its policy after every
-    token. Each drafting step's time (its host work included) is appended to `timings`."""
+    step's budget (budget.py) over `costs`, beside `other_sessions` sessions of the step that verify
+    plainly elsewhere (without costs a budgeted row drafts nothing: nothing priced the step); any
+    other row asks its policy after every token. Each drafting step's time (its host work included)
+    is appended to `timings`."""
     drafting = [_Drafting(row) for row in rows]
-    active = [d for d in drafting if d.row.policy.uses_draft and d.limit > 0]
+    active = [d for d in drafting if d.row.policy.uses_draft and d.limit > 0 and (costs or not d.budgeted)]
     budget = None
     if any(d.budgeted for d in active):
-        if costs is None:
-            raise ValueError("budgeted policies need a cost profile")
         sessions = len(rows) + other_sessions
-        if not drafting_pays(costs, sessions, max(d.limit for d in active if d.budgeted)):
-            active = [d for d in active if not d.budgeted]
         budget = StepBudget(costs, expected=float(sessions), tokens=sessions)
     for d in active:
         d.row.policy.start_round()

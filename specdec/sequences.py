@@ -5,12 +5,19 @@ round's tokens (EOS, token budget, context, stop strings, streamable text).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from specdec.errors import InvalidRequestError
+from specdec.metrics import RequestStats
 from specdec.params import FINISH_LENGTH, FINISH_STOP, GenerationParams
-from specdec.policies import policy_traits, resolve_policy, validate_policy
+from specdec.policies import PolicyTraits, policy_traits, resolve_policy, validate_policy
+
+if TYPE_CHECKING:
+    from specdec.cost_profile import CostProfile
+    from specdec.protocol import Role
 
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -32,6 +39,67 @@ class SampleState:
     @property
     def history(self) -> list[int]:
         return self.prompt + self.generated
+
+
+# on_update(sample_index, new_token_ids, new_text, finish_reason): after every round that committed
+# something, and once with the finish reason (which may come with the last tokens).
+UpdateCallback = Callable[[int, list[int], str, str | None], None]
+
+
+@dataclass(eq=False)
+class Request:
+    """What a request's samples share; its params hold the resolved policy (a name, never the default)."""
+
+    params: GenerationParams
+    seed: int
+    stats: RequestStats = field(default_factory=RequestStats)
+    on_update: UpdateCallback | None = None
+    reference: list[int] | None = None  # the oracle's hindsight
+    traits: PolicyTraits = field(init=False)
+
+    def __post_init__(self):
+        self.traits = policy_traits(self.params.policy.name)
+
+
+@dataclass(eq=False)
+class LoopSample:
+    """One sample while the round loop decodes it: a session on the workers. Its wire state lives
+    with the calls (calls.py), its planning state with its lane's planner (planner.py)."""
+
+    session_id: str
+    index: int  # which of the request's samples
+    request: Request
+    sample: SampleState
+    done: asyncio.Future  # the sample's outcome: set once its workers' caches are released
+    round_index: int = 0  # rounds committed: with the request's seed, where a round's random numbers come from
+    error: BaseException | None = None
+
+    @property
+    def traits(self) -> PolicyTraits:
+        return self.request.traits
+
+    @property
+    def over(self) -> bool:
+        """Finished, failed or cancelled: it leaves the loop at the next step boundary."""
+        return self.sample.finish_reason is not None or self.error is not None or self.done.done()
+
+    def fail(self, exc: BaseException) -> None:
+        """The sample's first error stands (a later one is what the first caused)."""
+        if self.error is None and not self.done.done():
+            self.error = exc
+
+
+class RoundObserver(Protocol):
+    """Metrics sink (services/metrics.py)."""
+
+    def on_round(self, num_candidates: int, num_accepted: int, policy: str, held: str | None) -> None:
+        """A committed round; `held`: why the session did not call the draft (metrics.HELD), if so."""
+
+    def on_call(self, role: Role, compute_ms: float, transport_ms: float, num_bytes: int) -> None: ...
+
+    def on_request(self, stats: RequestStats, policy: str, ok: bool) -> None: ...
+
+    def on_costs(self, profile: CostProfile, drafting: bool) -> None: ...
 
 
 class RequestRules:
@@ -78,10 +146,13 @@ class RequestRules:
             raise InvalidRequestError("this engine has no tokenizer: pass token ids")
         return self.tokenizer
 
-    def validate(self, prompt_ids: Sequence[int], params: GenerationParams) -> None:
-        """Reject a request before any model work."""
+    def validate(self, prompt_ids: Sequence[int], params: GenerationParams) -> GenerationParams:
+        """Reject a request before any model work; else its params with the policy resolved (the
+        default named), which is what travels with its rounds."""
+        if not params.policy.name:
+            params = params.model_copy(update={"policy": resolve_policy(params.policy, self.has_head)})
         validate_policy(params.policy, has_head=self.has_head)
-        name = resolve_policy(params.policy, self.has_head).name
+        name = params.policy.name
         if policy_traits(name).greedy_only and not params.sampling.greedy:
             raise InvalidRequestError(f"policy {name!r} is defined for greedy decoding (temperature 0) only")
         if not prompt_ids:
@@ -91,6 +162,7 @@ class RequestRules:
                 f"prompt has {len(prompt_ids)} tokens; the models' context holds {self.max_context}")
         if any(not 0 <= t < self.vocab_size for t in prompt_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        return params
 
     # ----------------------------------------------------------------------------------------
     # Rounds

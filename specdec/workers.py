@@ -20,15 +20,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.budget import StepPlan
-from specdec.cost_profile import DEFAULT_PROFILES, CostProfile, PassTiming, given_profile
+from specdec.cost_profile import PassTiming
 from specdec.errors import InvalidRequestError
 from specdec.head import AcceptanceHead
 from specdec.metrics import MS_PER_S
 from specdec.models.runtime import DraftRole, KVSession, TargetRole
-from specdec.policies import PolicyConfig, StoppingPolicy, make_policy, validate_policy
-from specdec.protocol import ProposeItem, Refused, SessionMissing, VerifyItem, history_from_delta
-from specdec.rounds import DraftRow, LogitsFilterFactory, Proposal, TargetRow, propose, verify
+from specdec.policies import PolicyConfig, StoppingPolicy, make_policy
+from specdec.protocol import (Proposal, ProposeItem, Refused, SessionMissing, StepPlan, VerifyItem,
+                              history_from_delta)
+from specdec.rounds import DraftRow, LogitsFilterFactory, TargetRow, propose, verify
 from specdec.sampling import SamplingParams
 from specdec.sessions import SessionStore
 from specdec.verification import Verdict
@@ -87,12 +87,10 @@ def in_groups(rows: list, size: int | None, run: Callable[[list], list]) -> list
     return answers
 
 
-# The probe a worker runs when it starts: passes of these sizes after a short untimed context: a
-# drafting step of 1, 2 and 16 sessions (16: the most a probe's scratch sessions take beside the live
-# ones), a verification pass of 1-8 tokens. ~2 s in all on the default pair (llama.cpp, 2-core AMD
-# EPYC, a plain target pass ~100 ms there). A probe times a pass as the rounds make it, host work
-# included: priced from bare forwards, drafting looked cheap enough to pay where it lost
-# (probe_verification, probe_drafting).
+# The start-up probe: passes of these sizes after a short untimed context: a drafting step of 1, 2
+# and 16 sessions (16: the most a probe's scratch sessions take beside the live ones), a verification
+# pass of 1-8 tokens. A probe times a pass as the rounds make it, host work included: priced from
+# bare forwards, drafting looks cheaper than it is (docs/planner.md, "Probes").
 PROBE_SIZES = {"draft": (1, 2, 16), "verifier": (1, 2, 4, 8)}
 PROBE_CONTEXT = 2  # tokens fed before the timed passes (the first pass pays for lazy set-up)
 # The draft's start-up probe also times a catch-up: one session's prefill of this many tokens (one
@@ -104,12 +102,8 @@ def probe_verification(target: TargetRole, sizes: Sequence[int], context: int = 
     """Time one verification pass over each of `sizes` tokens on a scratch session (dropped after),
     after `context` untimed tokens (a model's first pass pays for lazy set-up; on a GPU each new size
     does, so there every size is fed once untimed first). A pass of n tokens scores its last n - 1
-    as candidates: it reads n rows of logits, as a verification of n - 1 candidates does. Each row
-    read costs the output layer (a 151,936-token vocabulary is 15% of the 1.5B target's weights): on
-    llama.cpp a pass of 8 tokens reading one row took 162-194 ms where reading all 8 took 214-247 and
-    8 sessions' plain step 222-240, and priced from one-row probes a pass of 16 tokens came out
-    cheaper than the plain step of 8 sessions (201.7 against 229 ms): drafting looked nearly free,
-    and the default at 8 sessions ran 0.94x target-only (docs/benchmarks.md)."""
+    as candidates: it reads n rows of logits, as a verification of n - 1 candidates does, and each
+    row read costs the output layer (docs/planner.md, "Probes")."""
     session = target.new_session()
     history = [(7 + i) % target.vocab_size for i in range(context)]
 
@@ -137,10 +131,9 @@ def probe_verification(target: TargetRole, sizes: Sequence[int], context: int = 
 def probe_catch_up(draft: DraftRole, tokens: int = CATCH_UP_PROBE_TOKENS,
                    context: int = PROBE_CONTEXT) -> list[PassTiming]:
     """Time one catch-up: a scratch session (dropped after) fed `tokens` tokens in one pass after
-    `context` untimed ones, reading the last one's outputs, as a lagging draft's first step does.
-    Priced along the steps' curve instead (a step of n sessions reads n outputs), a catch-up of
-    ~120 tokens came out at 620 ms on torch against ~300 measured, and at 16 sessions no session
-    caught up where fixed:4 ran 1.25x target-only."""
+    `context` untimed ones, reading the last one's outputs, as a lagging draft's first step does
+    (priced along the steps' curve, where a step of n sessions reads n outputs, a catch-up comes out
+    about twice its cost)."""
     session = draft.new_session()
     history = [(7 + i) % draft.vocab_size for i in range(context + tokens)]
     if len(history) >= draft.max_context:
@@ -162,10 +155,9 @@ def probe_drafting(draft: DraftRole, sizes: Sequence[int], policy: Callable[[], 
     """Time one drafting step of n sessions for each n of `sizes`: n scratch sessions (dropped after),
     each after `context` untimed tokens, draft one greedy candidate under `policy` through
     `rounds.propose`, so the timing holds what a round's step costs: the pass with an output per
-    session, sampling and the policy's head. A bare pass of 16 tokens took 74-77 ms on llama.cpp
-    where the rounds' steps of 16 sessions took 111. A catch-up (a prompt's prefill: many tokens,
-    one output) costs less than a step of as many sessions: `probe_catch_up` times one. No step
-    holds more sessions than the runtime's pass does without evicting one (`max_pass_sessions`)."""
+    session, sampling and the policy's head. A catch-up (a prompt's prefill: many tokens, one
+    output) costs less than a step of as many sessions: `probe_catch_up` times one. No step holds
+    more sessions than the runtime's pass does without evicting one (`max_pass_sessions`)."""
     timings: list[PassTiming] = []
     for n in sorted({min(n, draft.max_pass_sessions or n) for n in sizes}):
         sessions = [draft.new_session() for _ in range(n)]
@@ -203,12 +195,9 @@ class Worker(ABC):
         self._probe_due = False
 
     def probe_at_first_batch(self) -> None:
-        """Run the start-up probe before the first batch instead of now. A served replica loads
-        beside the other role's, and a probe run while (most likely) that one still loaded timed
-        torch's draft steps 4-6x slow (a 1-session step 197 ms and a 16-session one 408, where the
-        rounds measured 35 and 98; in process the probe times 31-35 and 72 on the same machine);
-        at 8 sessions no round times those sizes again, so the coordinator planned with them for
-        the whole run (docs/benchmarks.md)."""
+        """Run the start-up probe before the first batch instead of now: a served replica loads
+        beside the other role's, and a probe timed while that one still loads is several times slow
+        (docs/planner.md, "Probes")."""
         self._probe_due = True
 
     def _before_batch(self) -> None:
@@ -221,7 +210,8 @@ class Worker(ABC):
 
     def probe(self, sizes: Sequence[int] | None = None) -> None:
         """Time a few scratch passes (kept with the other timings): the start-up probe, or with
-        `sizes` the loop's probe of a warm model (no untimed context: it costs only what it times)."""
+        `sizes` an off-probe or curve probe of a warm model (no untimed context: it costs only what
+        it times)."""
         if sizes is None:
             self.timings += self._probe(PROBE_SIZES[self.role], PROBE_CONTEXT)
         else:
@@ -248,9 +238,6 @@ class DraftWorker(Worker):
         self.draft, self.logits_filter = draft, logits_filter
         self.head = head.to(draft.device) if head is not None else None  # it reads the draft's states where they are
         self.sessions: SessionStore[DraftSession] = sessions if sessions is not None else SessionStore()
-        # Plans with this until the caller sends measured costs: the head's profile, else the runtime's default.
-        head_profile = head.config.cost_profile if head is not None else None
-        self.prior: CostProfile = head_profile or DEFAULT_PROFILES.get(draft.kind, DEFAULT_PROFILES["torch"])
 
     def _probe(self, sizes: Sequence[int], context: int) -> list[PassTiming]:
         policy = PolicyConfig(name="specdec++") if self.head is not None else PolicyConfig(name="fixed", k=1)
@@ -259,23 +246,18 @@ class DraftWorker(Worker):
             timings += probe_catch_up(self.draft, context=context)
         return timings
 
-    def costs(self, plan: StepPlan) -> CostProfile:
-        """What the step's budget plans with: a profile given by hand, else the caller's measured
-        one, else the prior."""
-        return given_profile() or plan.costs or self.prior
-
     def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan()) -> list[Proposal | SessionMissing | Refused]:
         self._before_batch()
         answers = serve_batch(items, self._row, lambda rows: self._propose_rows(rows, plan))
-        if any(item.probe for item in items):  # the draft is off for the step: time a step of its size
+        if any(item.probe for item in items):  # an off-probe: time a drafting step of the step's size
             self.probe((min(len(items) + plan.other_sessions, max(PROBE_SIZES["draft"])),))
         return answers
 
     def _propose_rows(self, rows: list[DraftRow], plan: StepPlan) -> list[Proposal]:
         """Draft every row's round, in groups that fit the cache (`in_groups`), each budgeted beside
-        the others as sessions that verify plainly."""
+        the others as sessions that verify plainly, with the costs the caller priced the step with."""
         return in_groups(rows, self.draft.max_pass_sessions, lambda group: propose(
-            self.draft, group, self.costs(plan), plan.other_sessions + len(rows) - len(group), self.timings,
+            self.draft, group, plan.costs, plan.other_sessions + len(rows) - len(group), self.timings,
             self.logits_filter))
 
     def _row(self, item: ProposeItem) -> DraftRow | None:
@@ -288,8 +270,7 @@ class DraftWorker(Worker):
                 f"max-candidates {item.max_candidates} after {len(history)} tokens exceeds the "
                 f"draft's context of {self.draft.max_context}")
         if item.history.full:  # rebuild: keep the cache (it re-syncs by common prefix), reset the policy
-            validate_policy(item.policy, has_head=self.head is not None)
-            policy = make_policy(item.policy, head=self.head, reference=item.reference)
+            policy = make_policy(item.policy, head=self.head, reference=item.reference)  # validates it (Refused)
             entry = DraftSession(policy, entry.kv if entry else self.draft.new_session())
         for num_candidates, num_accepted in item.rounds:  # oldest first: the policy reaches the caller's state
             entry.policy.end_round(num_candidates, num_accepted)

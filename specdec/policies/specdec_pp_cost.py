@@ -14,13 +14,9 @@ decision to draft on reads a(y_i) (`known`). The paper's `hidden` head judges y_
 is estimated by the last judged value (by 1 at i = 1: nothing is known yet), and the judged value
 revises y_{i-1}'s (`previous`).
 
-A K = 0 decided at step 1 has already paid for y_1's draft pass; where drafting does not pay that
-would make the policy slower than plain decoding every round. So after a round that dropped y_1 the
-next rounds decode plainly without drafting, 1, 2, 4, then at most MAX_ABSTAIN rounds in a row,
-before the session probes again (the draft catches up on the skipped tokens in its next pass, which
-costs about one pass); any round that keeps a candidate ends the backoff. Where the costs say that no
-round can pay at all the loop keeps the draft off for every session (loop.py, budget.py
-`drafting_pays`).
+A K = 0 decided at step 1 has already paid for y_1's draft pass; the step planner rests a session
+after such rounds and keeps the draft off where no round can pay at all (specdec/planner.py): the
+policy itself keeps no backoff.
 """
 
 from __future__ import annotations
@@ -30,7 +26,6 @@ from specdec.policies.base import Decision, DraftStep, Estimate, PolicyTraits, S
 from specdec.policies.specdec_pp import _by_head, expected_acceptances, judged_acceptances
 
 UNKNOWN_ACCEPTANCE = 1.0  # a_1 before the paper's head has seen anything: keep y_1, decide at step 2
-MAX_ABSTAIN = 8  # rounds decoded without drafting, at most, after a round that dropped y_1
 
 
 class SpecDecPPCost(StoppingPolicy):
@@ -42,26 +37,9 @@ class SpecDecPPCost(StoppingPolicy):
         self.head = head
         self.max_candidates = check_count("--k", max_candidates)
         self._last: float | None = None  # the paper's head: the last judged a_j this round
-        self._drafted = False  # this round ran the draft
-        self._abstain = 0  # rounds left to decode without drafting
-        self._backoff = 0  # length of the next abstention
-
-    def round_limit(self) -> int:
-        return self.max_candidates if self._abstain == 0 else 0
 
     def start_round(self) -> None:
         self._last = None
-        self._drafted = True
-
-    def end_round(self, num_candidates: int, num_accepted: int) -> None:
-        if self._drafted and num_candidates == 0:  # y_1 drafted and dropped: drafting does not pay here
-            self._backoff = min(max(1, 2 * self._backoff), MAX_ABSTAIN)
-            self._abstain = self._backoff
-        elif self._drafted:
-            self._backoff = 0
-        elif self._abstain > 0:
-            self._abstain -= 1
-        self._drafted = False
 
     def estimate(self, step: DraftStep) -> Estimate:
         return self.estimate_many([self], [step])[0]

@@ -1,4 +1,4 @@
-"""Training the acceptance head (paper §3.3; DESIGN.md §1, "Training data").
+"""Training the acceptance head (paper §3.3; docs/training.md).
 
 The math is pure functions over tensors, one module per step, each testable without Ray or a model:
 

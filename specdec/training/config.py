@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specdec.builder import EngineConfig
-from specdec.errors import SpecDecError
+from specdec.errors import SpecDecError, one_line
 from specdec.features import FEATURES_HIDDEN, FeatureKind
 from specdec.head import MAX_DEPTH
 from specdec.models.formats import WeightFormat
@@ -225,7 +225,7 @@ def load_config(path: str | Path) -> PipelineConfig:
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        raise ConfigError(f"{path}: not valid YAML ({one_line(exc)})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections (models, data, scaling, train, sweep)")
     return parse_config(raw, source=str(path))

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.errors import IncompatibleModelsError, SpecDecError
+from specdec.errors import IncompatibleModelsError, SpecDecError, one_line
 from specdec.models.vocab import SETTINGS_BEFORE_DRAFT_VOCAB, vocab_setting
 from specdec.sampling import SamplingParams, probs_from_logits
 from specdec.training.config import DataSection, ModelsSection, PipelineConfig, PromptsSection
@@ -264,7 +264,7 @@ def read_shard(path: Path, expected_sha256: str | None = None, columns: Sequence
     try:
         table = pq.read_table(path)
     except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
-        raise DatasetError(f"shard {path} is corrupt or not parquet: {_first_line(exc)}") from None
+        raise DatasetError(f"shard {path} is corrupt or not parquet: {one_line(exc)}") from None
     missing = [c for c in columns if c not in table.column_names]
     if missing:
         raise DatasetError(f"shard {path} is not a training shard (missing columns: {', '.join(missing)})")
@@ -315,7 +315,7 @@ def read_manifest(directory: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (ValueError, OSError) as exc:
-        raise DatasetError(f"corrupt manifest {path}: {_first_line(exc)}") from None
+        raise DatasetError(f"corrupt manifest {path}: {one_line(exc)}") from None
 
 
 def write_manifest(directory: Path, manifest: dict) -> None:
@@ -481,10 +481,6 @@ def load_dataset(directory: str | Path, draft_identity: str | None = None) -> tu
 def sha256_file(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def iter_split(rows: Iterable[dict], split: str) -> list[dict]:

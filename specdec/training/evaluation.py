@@ -1,4 +1,4 @@
-"""Metrics of an acceptance head on held-out positions, each epoch (issue 4).
+"""Metrics of an acceptance head on held-out positions, each epoch.
 
 Inputs are the head's logits l_i (or predictions) and the soft labels P_i, in that order, over
 draft positions (apply the mixing mask first, or pass it). All metrics are computed in fp64 on the CPU.

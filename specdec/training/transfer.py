@@ -1,4 +1,4 @@
-"""Does a head trained for one draft judge another draft's candidates as well? (issue 34)
+"""Does a head trained for one draft judge another draft's candidates as well?
 
 The head reads the draft's hidden state and its distribution at each candidate, so it belongs to the
 draft's weights (`HeadConfig.draft_identity`). A draft requantized for faster kernels computes nearly

@@ -75,7 +75,7 @@ class Completion(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("generated_tokens", "draft_forward_passes", "target_forward_passes", "rounds", "draft_tokens", "accepted_tokens", "discarded_tokens", "verification_rate", "discard_rate", "acceptance_rate", "mean_accepted_length", "acceptance_by_position", "drafted_per_position", "accepted_per_position", "k_histogram", "draft_time_s", "target_time_s", "wall_time_s", "tokens_per_s", "transport_time_s", "transport_bytes")
+    __slots__ = ("generated_tokens", "draft_forward_passes", "target_forward_passes", "rounds", "draft_tokens", "accepted_tokens", "discarded_tokens", "verification_rate", "discard_rate", "acceptance_rate", "mean_accepted_length", "acceptance_by_position", "drafted_per_position", "accepted_per_position", "k_histogram", "draft_time_s", "target_time_s", "wall_time_s", "tokens_per_s", "transport_time_s", "transport_bytes", "draft_held")
     class KHistogramEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,13 @@ class Stats(_message.Message):
         key: int
         value: int
         def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    class DraftHeldEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FORWARD_PASSES_FIELD_NUMBER: _ClassVar[int]
     TARGET_FORWARD_PASSES_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +111,7 @@ class Stats(_message.Message):
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_TIME_S_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_HELD_FIELD_NUMBER: _ClassVar[int]
     generated_tokens: int
     draft_forward_passes: int
     target_forward_passes: int
@@ -125,7 +133,8 @@ class Stats(_message.Message):
     tokens_per_s: float
     transport_time_s: float
     transport_bytes: int
-    def __init__(self, generated_tokens: _Optional[int] = ..., draft_forward_passes: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., discarded_tokens: _Optional[int] = ..., verification_rate: _Optional[float] = ..., discard_rate: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., acceptance_by_position: _Optional[_Iterable[float]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., k_histogram: _Optional[_Mapping[int, int]] = ..., draft_time_s: _Optional[float] = ..., target_time_s: _Optional[float] = ..., wall_time_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., transport_time_s: _Optional[float] = ..., transport_bytes: _Optional[int] = ...) -> None: ...
+    draft_held: _containers.ScalarMap[str, int]
+    def __init__(self, generated_tokens: _Optional[int] = ..., draft_forward_passes: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., discarded_tokens: _Optional[int] = ..., verification_rate: _Optional[float] = ..., discard_rate: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., acceptance_by_position: _Optional[_Iterable[float]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., k_histogram: _Optional[_Mapping[int, int]] = ..., draft_time_s: _Optional[float] = ..., target_time_s: _Optional[float] = ..., wall_time_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., transport_time_s: _Optional[float] = ..., transport_bytes: _Optional[int] = ..., draft_held: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("completions", "stats", "prompt_tokens", "request_id")

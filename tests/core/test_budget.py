@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.budget import (StepBudget, best_allocation, curve_probe, draining_allocation, draining_batch,
+from specdec.budget import (StepBudget, best_allocation, curve_probe, decide_step, draining_allocation, draining_batch,
                             drafting_pays, drafting_saving, expected_remaining, expected_tokens, geometric,
                             hopeful_acceptance, replay_round, who_drafts, worth_catching_up)
 from specdec.cost_profile import CostProfile, LiveCosts, PassTiming
@@ -18,11 +18,11 @@ from specdec.rounds import DraftRow, propose
 from specdec.sampling import SamplingParams
 
 HIDDEN = 4
-# DESIGN.md §5's llama.cpp target curve with a cheap draft (5 ms): pass(k) = 35, 65, 87.5, 110 ms.
+# a llama.cpp target curve (2-core Intel CPU) with a cheap draft (5 ms): pass(k) = 35, 65, 87.5, 110 ms.
 CHEAP_DRAFT = CostProfile(t_draft_ms=5.0, t_target_ms={1: 35.0, 2: 65.0, 4: 110.0, 8: 237.0, 16: 305.0})
 LLAMA_CPP = CHEAP_DRAFT.model_copy(update={"t_draft_ms": 22.0})  # the measured draft: 22 ms a token
 FLAT = CostProfile(t_draft_ms=10.0, t_target_ms={1: 100.0})
-# issue 32's AMD EPYC: a drafting step 40.6 ms, a pass over k candidates 61 + 32.5 k, a plain pass 50
+# the 2-core AMD EPYC: a drafting step 40.6 ms, a pass over k candidates 61 + 32.5 k, a plain pass 50
 AMD = CostProfile(t_draft_ms=40.6, t_target_ms={1: 50.0, 2: 93.5, 21: 711.0})
 
 
@@ -164,16 +164,21 @@ def test_propose_gives_each_session_of_the_batch_its_own_k():
     assert all(t.role == "draft" and t.ms > 0 for t in timings)
 
 
-def test_propose_turns_budgeted_sessions_off_when_drafting_cannot_pay():
+def test_the_step_decision_turns_the_draft_off_when_no_round_can_pay():
+    """At AMD's costs no round pays even if every candidate is accepted: nobody drafts, and while the
+    draft is off an off-probe comes every few hundred steps; at FLAT's the sessions in step draft."""
+    off = decide_step(AMD, 2, 20, 0.8, 0.92, lags=[1, 1], left=[100, 100], stop_rate=0.0)
+    assert not off.pays and off.joins == (False, False) and off.probe_interval > 100
+    on = decide_step(FLAT, 2, 20, 0.8, 0.92, lags=[1, 1], left=[100, 100], stop_rate=0.0)
+    assert on.pays and on.joins == (True, True)
+
+
+def test_propose_drafts_nothing_for_a_budgeted_session_without_costs():
+    """Nothing priced the step: a budgeted session drafts nothing, a fixed-K one beside it its K."""
     draft = ScriptedDraft({0: 0.99, 1: 0.9})
-    proposals = propose(draft, [row(0, SpecDecPPCost(q_head())), row(1, FixedK(2))], AMD)
+    proposals = propose(draft, [row(0, SpecDecPPCost(q_head())), row(1, FixedK(2))])
     assert [len(p.candidates) for p in proposals] == [0, 2]
     assert proposals[0].forward_passes == 0 and draft.passes == [1, 1]  # the fixed-K session alone drafts
-
-
-def test_propose_needs_costs_for_a_budgeted_session():
-    with pytest.raises(ValueError, match="cost profile"):
-        propose(ScriptedDraft({0: 0.9}), [row(0, SpecDecPPCost(q_head()))])
 
 
 def test_a_lagging_draft_catches_up_only_when_the_generation_earns_it_back():

@@ -10,9 +10,8 @@ import pytest
 from pydantic import ValidationError
 
 from specdec.budget import drafting_pays
-from specdec.cost_profile import DEFAULT_PROFILE, CostProfile, LiveCosts, PassTiming, bucket
+from specdec.cost_profile import CostProfile, LiveCosts, PassTiming, bucket
 from specdec.errors import InvalidRequestError
-from specdec.head import AcceptanceHead, HeadConfig, load_head
 
 LLAMA_CPP = {"t_draft_ms": 22, "t_target_ms": {"1": 35, "2": 65, "4": 110, "8": 237, "16": 305}}
 
@@ -77,11 +76,7 @@ def test_a_bad_profile_is_one_line(tmp_path, text):
         CostProfile.load(tmp_path / "missing.json")
 
 
-def test_the_head_carries_a_profile_optionally(tmp_path):
-    head = AcceptanceHead(HeadConfig(hidden_size=4, depth=0, draft_identity="x"))
-    assert load_head(head.save(tmp_path / "a")).config.cost_profile is None
-    head.config.cost_profile = DEFAULT_PROFILE
-    assert load_head(head.save(tmp_path / "b")).config.cost_profile == DEFAULT_PROFILE
+def test_a_negative_cost_is_refused():
     with pytest.raises(ValidationError):
         CostProfile(t_draft_ms=-1, t_target_ms={1: 10})
 

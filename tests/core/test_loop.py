@@ -12,7 +12,8 @@ import torch
 
 from specdec.errors import Unavailable
 from specdec.features import FEATURES_DISTRIBUTION
-from specdec.loop import BatchConfig, LocalTransport, RetryPolicy, RoundLoop
+from specdec.calls import LocalTransport, RetryPolicy
+from specdec.loop import BatchConfig, RoundLoop
 from specdec.params import build_params
 from specdec.protocol import BatchReply, SessionMissing, Unreachable
 from specdec.workers import DraftWorker, VerifierWorker
@@ -166,6 +167,7 @@ class FakeClock(LocalTransport):
         self.cost, self.candidates, self.probes, self.steps = cost, 0, 0, 0
         self.pass_probes: list[int] = []  # target pass sizes the verifier was asked to time
         self.events: list[tuple[str, int]] = []  # ("propose", sessions drafting), ("verify", items), ("probe", tokens)
+        self.on_verify = lambda: None  # called at every verification of a step
 
     def timed(self, reply):
         reply.passes = [replace(t, ms=self.cost(t.role, t.tokens)) for t in reply.passes]
@@ -180,6 +182,8 @@ class FakeClock(LocalTransport):
 
     async def verify(self, items, probe_tokens=0):
         self.steps += bool(items)
+        if items:
+            self.on_verify()
         self.pass_probes += [probe_tokens] if probe_tokens else []
         self.events.append(("verify", len(items)) if items else ("probe", probe_tokens))
         return self.timed(await super().verify(items, probe_tokens))
@@ -235,11 +239,11 @@ def test_the_budget_turns_drafting_off_when_the_costs_say_so_and_back_on(tiny_en
 
     plain = expected(tiny_engine, PROMPTS[0], build_params(policy="target-only", max_new_tokens=120))
     drafted, _, ids = phase(cheap)
-    assert drafted > 20 and loop.drafting and ids == plain
+    assert drafted > 20 and loop.planners[0].drafting and ids == plain
     drafted, probes, ids = phase(costly)
-    assert not loop.drafting and drafted < 20 and probes >= 1 and ids == plain
+    assert not loop.planners[0].drafting and drafted < 20 and probes >= 1 and ids == plain
     drafted, probes, ids = phase(cheap)
-    assert loop.drafting and probes >= 1 and drafted > 20 and ids == plain
+    assert loop.planners[0].drafting and probes >= 1 and drafted > 20 and ids == plain
 
 
 def slightly(role: str, tokens: int) -> float:
@@ -254,25 +258,21 @@ def test_a_step_that_drafts_nothing_is_priced_again_every_few_steps_and_after_a_
     Either way no budgeted session calls the draft, and after the first pricing the loop prices the
     same session again only every REPRICE_STEPS steps, and at once in the step after a probe (whose
     timings may change the answer). The output is target-only's."""
-    import specdec.loop as loop_module
+    from specdec.planner import REPRICE_STEPS
 
-    priced: list[int] = []  # the verification count at each pricing
-    allocations = loop_module.best_allocations
-
-    def counted(*args, **kwargs):
-        priced.append(transport.steps)
-        return allocations(*args, **kwargs)
-
-    monkeypatch.setattr(loop_module, "best_allocations", counted)
     transport, loop = budgeted_loop(tiny_engine, costly if clock == "costly" else slightly)
-    loop.probe_share = 0.06  # costly: a probe every 40 steps
+    planner = loop.planners[0]
+    planner.probe_share = 0.06  # costly: a probe every 40 steps
+    counts = []  # the planner's pricings so far, at each verification
+    transport.on_verify = lambda: counts.append(planner.priced)
     [result] = run(loop, [(PROMPTS[1], build_params(policy="specdec++cost", k=4, max_new_tokens=100))])
-    assert transport.candidates == 0 and loop.drafting == (clock == "slightly")
+    assert transport.candidates == 0 and planner.drafting == (clock == "slightly")
+    priced = [step for step, (before, after) in enumerate(zip([counts[0]] + counts, counts)) if after > before]
     gaps = [b - a for a, b in zip(priced, priced[1:])]
-    assert gaps and max(gaps) == loop_module.REPRICE_STEPS + 1, priced
+    assert gaps and max(gaps) == REPRICE_STEPS + 1, priced
     assert len(priced) < transport.steps / 4, (priced, transport.steps)
     if clock == "costly":
-        assert transport.probes >= 1 and any(gap <= loop_module.REPRICE_STEPS for gap in gaps), priced
+        assert transport.probes >= 1 and any(gap <= REPRICE_STEPS for gap in gaps), priced
     assert result.completions[0].token_ids == expected(
         tiny_engine, PROMPTS[1], build_params(policy="target-only", max_new_tokens=100))
 
@@ -291,7 +291,7 @@ def test_a_draft_that_lags_does_not_catch_up_for_a_saving_that_cannot_repay_it(t
     transport.cost = lambda role, tokens: (costly if transport.steps < 40 else barely)(role, tokens)
     params = build_params(policy="specdec++cost", k=4, max_new_tokens=120)
     [result] = run(loop, [(PROMPTS[1], params)])
-    assert transport.probes >= 1 and loop.drafting  # probes ran; drafting pays again at the end
+    assert transport.probes >= 1 and loop.planners[0].drafting  # probes ran; drafting pays again at the end
     assert transport.candidates == 0 and result.stats.draft_forward_passes == 0
 
 
@@ -303,7 +303,7 @@ def test_a_session_whose_drafting_rounds_verify_nothing_rests_longer_each_time(t
     transport, loop = budgeted_loop(tiny_engine, cheap, head_bias=-3.0)
     params = build_params(policy="specdec++cost", k=4, max_new_tokens=120)
     [result] = run(loop, [(PROMPTS[0], params)])
-    assert transport.candidates == 0 and loop.drafting
+    assert transport.candidates == 0 and loop.planners[0].drafting
     assert 3 <= result.stats.draft_forward_passes <= 10
     plain = build_params(policy="target-only", max_new_tokens=120)
     assert result.completions[0].token_ids == expected(tiny_engine, PROMPTS[0], plain)
@@ -329,8 +329,8 @@ def test_the_loop_times_the_longer_passes_the_budget_would_choose_before_ruling_
     once); with the probes switched off (and a catch-up judged at the measured acceptance, whose
     optimism would find the longer passes too) they never draft. The output is target-only's."""
     if not probes:
-        monkeypatch.setattr("specdec.loop.curve_probe", lambda profile, wanted: None)
-        monkeypatch.setattr("specdec.loop.hopeful_acceptance", lambda accepted, trials: accepted / trials)
+        monkeypatch.setattr("specdec.budget.curve_probe", lambda profile, wanted: None)
+        monkeypatch.setattr("specdec.planner.hopeful_acceptance", lambda accepted, trials: accepted / trials)
     transport, loop = budgeted_loop(tiny_engine, steep_then_flat)
     params = build_params(policy="specdec++cost", k=4, max_new_tokens=80)
     prompts = [PROMPTS[i % len(PROMPTS)] + [i] for i in range(8)]
@@ -342,7 +342,7 @@ def test_the_loop_times_the_longer_passes_the_budget_would_choose_before_ruling_
         after = transport.events[transport.events.index(("probe", 16)) + 1]
         assert after[0] == "propose" and after[1] > 0, transport.events
         assert {16, 32} <= set(loop.costs.curve("verifier")), loop.costs.curve("verifier")  # measured, not extrapolated
-        assert transport.candidates > 100 and loop.drafting, (transport.pass_probes, transport.candidates)
+        assert transport.candidates > 100 and loop.planners[0].drafting, (transport.pass_probes, transport.candidates)
     else:
         assert not curve and transport.candidates == 0
     plain = build_params(policy="target-only", max_new_tokens=80)
@@ -386,7 +386,7 @@ def test_the_loop_times_no_longer_pass_than_the_sessions_would_draft_into(tiny_e
     transport, loop = budgeted_loop(tiny_engine, pays_only_at_the_bound)
     params = build_params(policy="specdec++cost", max_new_tokens=80)
     [result] = run(loop, [(PROMPTS[0], params)])
-    assert loop.drafting and transport.candidates == 0 and transport.pass_probes == [], transport.pass_probes
+    assert loop.planners[0].drafting and transport.candidates == 0 and transport.pass_probes == [], transport.pass_probes
     plain = build_params(policy="target-only", max_new_tokens=80)
     assert result.completions[0].token_ids == expected(tiny_engine, PROMPTS[0], plain)
 
@@ -407,14 +407,14 @@ def test_a_catch_up_is_judged_at_the_upper_end_of_what_the_rounds_measured(tiny_
     rate; judged at the upper end of the prior's spread (0.92) it catches up, its rounds measure the
     acceptance, and it drafts on. The output is target-only's either way."""
     if not hopeful:
-        monkeypatch.setattr("specdec.loop.hopeful_acceptance", lambda accepted, trials: accepted / trials)
+        monkeypatch.setattr("specdec.planner.hopeful_acceptance", lambda accepted, trials: accepted / trials)
     transport, loop = budgeted_loop(tiny_engine, pays_above_the_prior, head_bias=3.0)
     params = build_params(policy="specdec++cost", k=4, max_new_tokens=120)
     [result] = run(loop, [(PROMPTS[1], params)])
     if hopeful:
-        assert transport.candidates > 60 and loop.acceptance > 0.9, (transport.candidates, loop.acceptance)
+        assert transport.candidates > 60 and loop.planners[0].acceptance > 0.9, (transport.candidates, loop.planners[0].acceptance)
     else:
-        assert transport.candidates == 0 and loop.acceptance == pytest.approx(0.8)
+        assert transport.candidates == 0 and loop.planners[0].acceptance == pytest.approx(0.8)
     plain = build_params(policy="target-only", max_new_tokens=120)
     assert result.completions[0].token_ids == expected(tiny_engine, PROMPTS[1], plain)
 
@@ -427,13 +427,13 @@ def test_the_stop_rate_follows_how_the_finished_samples_ended(tiny_engine):
     transport, loop = budgeted_loop(tiny_engine, cheap)
     plain = build_params(policy="target-only", max_new_tokens=40)
     [full] = run(loop, [(PROMPTS[0], plain)])
-    assert loop.stop_rate == 0.0 and full.completions[0].finish_reason == "length"
+    assert loop.planners[0].stop_rate == 0.0 and full.completions[0].finish_reason == "length"
     eos = full.completions[0].token_ids[20]  # the same prompt again, with that token as its EOS
     loop.rules = RequestRules(None, [eos], tiny_engine.max_context, tiny_engine.target.vocab_size, has_head=True)
     [stopped] = run(loop, [(PROMPTS[0], plain)])
     assert stopped.completions[0].finish_reason == "stop"
     generated = len(full.completions[0].token_ids) + len(stopped.completions[0].token_ids)
-    assert 1.0 / generated <= loop.stop_rate <= 1.0 / (0.98 * generated)
+    assert 1.0 / generated <= loop.planners[0].stop_rate <= 1.0 / (0.98 * generated)
 
 
 def test_rest_after_doubles_up_to_its_cap():
@@ -458,6 +458,6 @@ def test_no_longer_pass_is_timed_while_no_session_catches_up(tiny_engine):
     params, prompt = build_params(policy="specdec++cost", max_new_tokens=1), list(range(40, 100))
     for _ in range(3):
         [result] = run(loop, [(prompt, params)])
-    assert loop.drafting and transport.candidates == 0 and transport.pass_probes == [], transport.pass_probes
+    assert loop.planners[0].drafting and transport.candidates == 0 and transport.pass_probes == [], transport.pass_probes
     plain = build_params(policy="target-only", max_new_tokens=1)
     assert result.completions[0].token_ids == expected(tiny_engine, prompt, plain)

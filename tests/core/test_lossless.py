@@ -15,7 +15,6 @@ fixed seeds.
 from __future__ import annotations
 
 import copy
-import json
 import os
 from collections import Counter
 
@@ -26,13 +25,14 @@ import torch
 import asyncio
 
 import specdec.workers
-from specdec.cost_profile import PROFILE_ENV, CostProfile
+from specdec.cost_profile import CostProfile
 from specdec.engine import SpecDecEngine
 from specdec.features import FEATURES_DISTRIBUTION, SCALAR_FEATURES
 from specdec.params import GenerationParams
 from specdec.head import AcceptanceHead, HeadConfig
 from specdec.metrics import RequestStats
 from specdec.models.runtime import DraftRuntime, TargetRuntime
+from specdec.models.static import StaticOptions
 from specdec.models.vocab import trim_lm_head
 from specdec.policies import POLICY_NAMES, Decision, PolicyConfig
 from specdec.sampling import MAX_SAMPLES_PER_REQUEST, SamplingParams, probs_from_logits
@@ -85,8 +85,9 @@ def random_head(hidden_size: int, seed: int) -> AcceptanceHead:
 def make_engine(vocab: int, layers: int, model_seed: int, noise: float, noise_seed: int) -> SpecDecEngine:
     target = tiny_model(vocab, hidden_size=16, layers=layers, seed=model_seed, init_range=0.5)
     draft = noisy_copy(target, noise, noise_seed)
-    return SpecDecEngine(DraftRuntime(draft.to(DEVICE), kv=KV, graphs=True), TargetRuntime(target.to(DEVICE), kv=KV, graphs=True),
-                         head=random_head(16, seed=11))
+    graphs = StaticOptions(graphs=True)
+    return SpecDecEngine(DraftRuntime(draft.to(DEVICE), kv=KV, static=graphs),
+                         TargetRuntime(target.to(DEVICE), kv=KV, static=graphs), head=random_head(16, seed=11))
 
 
 @pytest.fixture(scope="module")
@@ -221,15 +222,19 @@ def q_reading_head(bias: float = 1.0) -> AcceptanceHead:
     return head.eval()
 
 
-def test_cost_aware_rounds_with_k_zero_stay_lossless(sampled_engine, monkeypatch, tmp_path):
+def plan_with(engine, profile: CostProfile, monkeypatch) -> None:
+    """The engine's planners price every step with `profile` for this test (given by hand)."""
+    for planner in engine.loop.planners:
+        monkeypatch.setattr(planner, "given", profile)
+
+
+def test_cost_aware_rounds_with_k_zero_stay_lossless(sampled_engine, monkeypatch):
     """specdec++cost with a head judging y_i at step i, its rounds decided by the step's budget over
     16 sessions a pass: sessions of one pass get different K, 0 included (y_1 dropped: plain
     decoding), and the output still follows the target. (A keep decision that read a(y_i) of the
     sampled y_i itself fails here with p ~ 1e-6: policies/base.py.)"""
     profile = CostProfile(t_draft_ms=0.2, t_draft_rows_ms={1: 0.2, 64: 0.4}, t_target_ms={1: 10.0, 16: 14.0, 64: 26.0})
-    path = tmp_path / "profile.json"
-    path.write_text(profile.model_dump_json())
-    monkeypatch.setenv(PROFILE_ENV, str(path))
+    plan_with(sampled_engine, profile, monkeypatch)
     monkeypatch.setattr(sampled_engine.draft_worker, "head", q_reading_head(bias=1.5).to(DEVICE))
     passes, propose = [], specdec.workers.propose
 
@@ -360,12 +365,10 @@ def test_greedy_output_equals_target_greedy(greedy_engine, policy_name):
         assert total.draft_tokens == 0 and total.target_forward_passes == total.generated_tokens
 
 
-def test_cost_aware_policy_that_never_drafts_is_plain_decoding(greedy_engine, tmp_path, monkeypatch):
-    """A profile where no round can pay (llama.cpp's measured curve, DESIGN.md §5): the draft never
-    runs, every round verifies zero candidates, and the output is the target's greedy output."""
-    path = tmp_path / "llama-cpp.json"
-    path.write_text(json.dumps({"t_draft_ms": 22, "t_target_ms": {"1": 35, "2": 65, "4": 110, "8": 237, "16": 305}}))
-    monkeypatch.setenv(PROFILE_ENV, str(path))
+def test_cost_aware_policy_that_never_drafts_is_plain_decoding(greedy_engine, monkeypatch):
+    """A profile where no round can pay (a llama.cpp curve measured on the 2-core Intel CPU): the draft
+    never runs, every round verifies zero candidates, and the output is the target's greedy output."""
+    plan_with(greedy_engine, CostProfile(t_draft_ms=22, t_target_ms={1: 35, 2: 65, 4: 110, 8: 237, 16: 305}), monkeypatch)
     params = GenerationParams(max_new_tokens=GREEDY_NEW_TOKENS, policy=PolicyConfig(name="specdec++cost"))
     for prompt in GREEDY_PROMPTS:
         result = greedy_engine.generate_ids(prompt, params)

@@ -6,7 +6,8 @@ from specdec.engine import SpecDecEngine
 from specdec.params import build_params
 from specdec.models.runtime import DraftRuntime, TargetRuntime
 from specdec.policies import PolicyConfig, make_policy
-from specdec.rounds import DraftRow, TargetRow, propose, round_generator, verify
+from specdec.protocol import round_generator
+from specdec.rounds import DraftRow, TargetRow, propose, verify
 from tiny import tiny_model
 
 VOCAB, PROMPT = 48, [3, 9, 27, 4]

@@ -17,7 +17,8 @@ from services.servicers import DraftServicer, VerifierServicer
 from services.transports import GrpcTransport
 from specdec.engine import SpecDecEngine
 from specdec.errors import InvalidRequestError
-from specdec.loop import RetryPolicy, RoundLoop
+from specdec.calls import RetryPolicy
+from specdec.loop import RoundLoop
 from specdec.params import build_params
 from specdec.protocol import HistoryDelta, RoundSeed, VerifyItem, history_from_delta
 from specdec.sampling import SamplingParams
@@ -129,22 +130,23 @@ def test_concurrent_requests_share_calls_and_equal_the_engine(servers, tiny_engi
 
 
 class PlanRecordingTransport(GrpcTransport):
-    """Records the plan every Propose carries."""
+    """Records the plan every Propose carries, and its items."""
 
     def __init__(self, *args):
         super().__init__(*args)
-        self.plans = []
+        self.plans, self.items = [], []
 
     async def propose(self, items, plan):
         self.plans.append(plan)
+        self.items.append(items)
         return await super().propose(items, plan)
 
 
 def test_the_costs_travel_with_the_calls(tiny_engine):
     """Served, the replicas time their passes and send the timings back; the loop's live profile
-    goes out with the next Propose, where the draft replica's budget plans with it. The first call
-    carries none (nothing measured yet: the replica plans with its prior); the output is
-    target-only's."""
+    goes out with the next Propose, where the draft replica's budget plans with it. Before anything
+    is measured the first step drafts nothing: its one item carries an off-probe (the replicas'
+    start-up probes come back with the replies) and no costs; the output is target-only's."""
     from specdec.head import AcceptanceHead, HeadConfig
 
     head = AcceptanceHead(HeadConfig(hidden_size=tiny_engine.draft.hidden_size, depth=0, draft_identity="x")).eval()
@@ -160,7 +162,8 @@ def test_the_costs_travel_with_the_calls(tiny_engine):
         loop = RoundLoop(transport, rules)
         params = build_params(policy="specdec++cost", k=3, max_new_tokens=MAX_NEW_TOKENS)
         [result] = run(loop, [(PROMPTS[0], params)])
-        assert transport.plans[0].costs is None
+        assert transport.plans[0].costs is None and [item.probe for item in transport.items[0]] == [True]
+        assert result.stats.held["not_measured"] == 1
         measured = [plan.costs for plan in transport.plans[1:] if plan.costs is not None]
         assert measured and measured[-1].source.startswith("measured in the loop")
         assert loop.costs.curve("draft") and loop.costs.curve("verifier")
@@ -262,12 +265,12 @@ def test_a_lost_draft_replica_mid_batch_costs_a_retry_not_tokens(tiny_engine):
     steps = 0
 
     class Killing(RoundLoop):
-        async def _step(self, batch):
+        async def _step(self, planner, batch):
             nonlocal steps
             steps += 1
             if steps == 3:
                 primary.servers[0][0].stop(None)  # the draft server goes away between calls
-            await super()._step(batch)
+            await super()._step(planner, batch)
 
     requests = [(prompt, build_params(policy="fixed", k=3, max_new_tokens=MAX_NEW_TOKENS)) for prompt in PROMPTS]
     try:

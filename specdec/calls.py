@@ -1,0 +1,231 @@
+"""The round calls: one batched Propose and one batched Verify per step, whatever carries them.
+
+A `RoundTransport` carries the calls: the in-process workers (`LocalTransport`, below), gRPC stubs
+or Ray Serve handles (services/transports.py). The loop's history is the truth and a worker's
+session a cache of it (specdec/protocol.py): each call sends a session only the tokens its worker
+has not seen; a `SessionMissing` answer gets the round again with the whole history; an
+`Unreachable` one (the replica is gone) is retried, after a backoff, elsewhere; `Refused` and
+`Failed` fail that session only. Rounds draw their random numbers from (request seed, sample,
+round, role), so a retried round, or one on another replica, draws the same numbers.
+
+`RoundCalls` keeps each session's wire state (what each side holds, who may hold it, the round
+outcomes the draft has not been told) and charges each request the calls it waited for. It returns
+the replicas' pass timings with the answers and feeds them nowhere: the step's planner observes
+them (specdec/planner.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Protocol
+
+from specdec.cost_profile import PassTiming
+from specdec.errors import InvalidRequestError, Unavailable
+from specdec.metrics import MS_PER_S
+from specdec.protocol import (ROLES, BatchReply, CallTiming, Failed, Proposal, ProposeItem, ProposeReply, Refused,
+                              Role, RoundSeed, SessionMissing, StepPlan, Unreachable, VerifyItem, VerifyReply,
+                              delta_for)
+from specdec.sequences import LoopSample, RequestRules, RoundObserver
+from specdec.verification import Verdict
+from specdec.workers import DraftWorker, VerifierWorker
+
+logger = logging.getLogger(__name__)
+
+NO_PROPOSAL = Proposal()  # a round that verifies no candidates
+# Best effort: a replica that cannot free a session this soon has lost it (its LRU/TTL frees it).
+RELEASE_TIMEOUT_S = 10.0
+
+
+class RoundTransport(Protocol):
+    """Carries batched round calls to the workers; each answer comes back in its item's place.
+
+    A replica that is gone makes its items `Unreachable` (the loop retries them), a call that
+    failed otherwise makes them `Failed`; anything raised fails every session of the call."""
+
+    async def propose(self, items: list[ProposeItem], plan: StepPlan) -> ProposeReply: ...
+
+    async def verify(self, items: list[VerifyItem], probe_tokens: int = 0) -> VerifyReply:
+        """`probe_tokens` > 0: the verifier also times a scratch pass of that many tokens (with no
+        items, only that)."""
+
+    async def release(self, role: Role, session_ids: list[str]) -> None: ...
+
+
+@dataclass
+class RetryPolicy:
+    """How long a session waits for a replica to come back (a restart takes seconds)."""
+
+    attempts: int = 30
+    first_backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+
+    def backoff(self, attempt: int) -> float:
+        return min(self.first_backoff_s * 2 ** attempt, self.max_backoff_s)
+
+
+@dataclass
+class Wire:
+    """A session's wire state."""
+
+    synced: dict = field(default_factory=lambda: {"draft": None, "verifier": None})  # history length each side holds
+    contacted: set = field(default_factory=set)  # roles that may hold the session: released when it leaves
+    outcomes: list[tuple[int, int]] = field(default_factory=list)  # every round's (K, n), for a draft that rebuilds
+    unsent: int = 0  # outcomes the draft has not been told about
+
+
+class RoundCalls:
+    def __init__(self, transport: RoundTransport, rules: RequestRules, retry: RetryPolicy = RetryPolicy(),
+                 observer: RoundObserver | None = None):
+        self.transport, self.rules, self.retry, self.observer = transport, rules, retry, observer
+        self._wire: dict[str, Wire] = {}
+
+    async def propose(self, sessions: list[LoopSample], plan: StepPlan
+                      ) -> tuple[dict[LoopSample, Proposal], list[PassTiming]]:
+        """Every session's round drafted (the one that carries the plan's off-probe drafts nothing)."""
+        proposals, timings = await self._call("draft", sessions, partial(self._propose_item, probe=plan.probe),
+                                              lambda items: self.transport.propose(items, plan))
+        for s in proposals:
+            self._wire[s.session_id].unsent = 0
+        return proposals, timings
+
+    async def verify(self, sessions: list[LoopSample], proposals: dict[LoopSample, Proposal], probe_tokens: int = 0
+                     ) -> tuple[dict[LoopSample, Verdict], list[PassTiming]]:
+        """Every session's round verified: its proposal's candidates (none where it has none)."""
+        verdicts, timings = await self._call("verifier", sessions, partial(self._verify_item, proposals=proposals),
+                                             partial(self.transport.verify, probe_tokens=probe_tokens))
+        for s, verdict in verdicts.items():
+            wire = self._wire[s.session_id]
+            wire.outcomes.append((len(proposals.get(s, NO_PROPOSAL).candidates), verdict.num_accepted))
+            wire.unsent += 1
+        return verdicts, timings
+
+    async def time_target(self, tokens: int) -> list[PassTiming]:
+        """One scratch target pass of `tokens` tokens, timed (the planner's curve probe)."""
+        return (await self.transport.verify([], probe_tokens=tokens)).passes
+
+    def _propose_item(self, s: LoopSample, full: bool, probe: str | None = None) -> ProposeItem:
+        history, params, wire = s.sample.history, s.request.params, self._wire[s.session_id]
+        return ProposeItem(
+            session_id=s.session_id, history=delta_for(history, None if full else wire.synced["draft"]),
+            policy=params.policy, sampling=params.sampling, max_candidates=self.rules.candidate_budget(s.sample, params),
+            num_generated=len(s.sample.generated),
+            rounds=list(wire.outcomes if full else wire.outcomes[len(wire.outcomes) - wire.unsent:]),
+            seed=RoundSeed(s.request.seed, s.index, s.round_index), reference=s.request.reference,
+            probe=s.session_id == probe)
+
+    def _verify_item(self, s: LoopSample, full: bool, proposals: dict[LoopSample, Proposal]) -> VerifyItem:
+        proposal = proposals.get(s, NO_PROPOSAL)
+        return VerifyItem(
+            session_id=s.session_id,
+            history=delta_for(s.sample.history, None if full else self._wire[s.session_id].synced["verifier"]),
+            candidates=proposal.candidates, draft_probs=proposal.draft_probs, sampling=s.request.params.sampling,
+            seed=RoundSeed(s.request.seed, s.index, s.round_index))
+
+    async def _call(self, role: Role, sessions: list[LoopSample], build: Callable[[LoopSample, bool], object],
+                    send: Callable[[list], object]) -> tuple[dict[LoopSample, object], list[PassTiming]]:
+        """One batched call for every session (as deltas); SessionMissing answers are sent again in
+        full, Unreachable ones retried after a backoff; Refused ones fail their session only."""
+        results: dict[LoopSample, object] = {}
+        timings: list[PassTiming] = []
+        pending = [s for s in sessions if not s.over]
+        for attempt in range(self.retry.attempts):
+            if not pending:
+                return results, timings
+            wires = [self._wire.setdefault(s.session_id, Wire()) for s in pending]
+            items = [build(s, wire.synced[role] is None) for s, wire in zip(pending, wires)]
+            for wire in wires:
+                wire.contacted.add(role)
+            try:
+                reply: BatchReply = await send(items)
+            except Exception as exc:  # noqa: BLE001 - a failure of the call itself fails its sessions, no others
+                logger.exception("%s call failed", role)
+                for s in pending:
+                    s.fail(exc)
+                return results, timings
+            self._record(role, pending, reply.calls)
+            timings += reply.passes
+            again, lost = [], False
+            for s, wire, item, answer in zip(pending, wires, items, reply.answers):
+                if s.over:
+                    continue
+                match answer:
+                    case SessionMissing():
+                        if item.history.full:
+                            s.fail(RuntimeError(f"the {role} answered session_missing to a full history"))
+                        else:
+                            wire.synced[role] = None
+                            again.append(s)
+                    case Unreachable(reason=reason):
+                        logger.warning("%s call for session %s failed (%s); retrying", role, s.session_id, reason)
+                        wire.synced[role] = None
+                        again.append(s)
+                        lost = True
+                    case Refused(reason=reason):
+                        s.fail(InvalidRequestError(reason))
+                    case Failed(error=error):
+                        s.fail(error)
+                    case _:
+                        wire.synced[role] = item.history.length
+                        results[s] = answer
+            pending = again
+            if lost and pending:
+                await asyncio.sleep(self.retry.backoff(attempt))
+        for s in pending:
+            s.fail(Unavailable(f"the {role} serving this request did not come back; retry"))
+        return results, timings
+
+    def _record(self, role: Role, sessions: list[LoopSample], calls: list[CallTiming]) -> None:
+        """Each request in a call is charged the call's time once (it waited that long), however
+        many of its samples the call carried, and its own items' share of the call's bytes."""
+        for call in calls:
+            transport_s = max(call.wall_s - call.compute_s, 0.0)
+            items = Counter(sessions[i].request for i in call.indices)  # a request's items in the call
+            for request, count in items.items():
+                stats = request.stats
+                if role == "draft":
+                    stats.draft_time_s += call.compute_s
+                else:
+                    stats.target_time_s += call.compute_s
+                stats.transport_time_s += transport_s
+                stats.transport_bytes += call.num_bytes * count // len(call.indices)
+            if self.observer:
+                self.observer.on_call(role, call.compute_s * MS_PER_S, transport_s * MS_PER_S, call.num_bytes)
+
+    async def release(self, leaving: Sequence[LoopSample]) -> None:
+        """Free the sessions' caches wherever they may be held. Best effort: a replica that lost the
+        session (or is gone) has nothing to free."""
+        wires = [self._wire.pop(s.session_id, Wire()) for s in leaving]
+        calls = [asyncio.wait_for(self.transport.release(role, ids), RELEASE_TIMEOUT_S) for role in ROLES
+                 if (ids := [s.session_id for s, wire in zip(leaving, wires) if role in wire.contacted])]
+        for outcome in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(outcome, Exception):  # the request's result does not depend on it
+                logger.debug("a release failed: %s", outcome)
+
+
+class LocalTransport:
+    """The in-process carrier: the workers called directly on this thread, nothing serialized."""
+
+    def __init__(self, draft: DraftWorker, verifier: VerifierWorker):
+        self.draft, self.verifier = draft, verifier
+
+    async def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan()) -> ProposeReply:
+        return self._timed(partial(self.draft.propose, plan=plan), items, self.draft)
+
+    async def verify(self, items: list[VerifyItem], probe_tokens: int = 0) -> VerifyReply:
+        return self._timed(partial(self.verifier.verify, probe_tokens=probe_tokens), items, self.verifier)
+
+    async def release(self, role: Role, session_ids: list[str]) -> None:
+        (self.draft if role == "draft" else self.verifier).release(session_ids)
+
+    @staticmethod
+    def _timed(call: Callable[[list], list], items: list, worker: DraftWorker | VerifierWorker) -> BatchReply:
+        start = time.perf_counter()
+        answers = call(items)
+        elapsed = time.perf_counter() - start
+        return BatchReply(answers, [CallTiming(list(range(len(items))), elapsed, elapsed)], worker.take_timings())

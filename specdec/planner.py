@@ -1,0 +1,236 @@
+"""The step planner: who calls the draft this step, decided before it from the costs measured where
+the loop runs (docs/architecture.md, "The step"; docs/planner.md tells why each rule is what it is).
+
+One planner per lane of the loop. It holds all that deciding needs across steps: the live costs
+(one `LiveCosts` shared by the lanes: they run on the same replicas), the acceptance and stop-rate
+estimates, the reprice cache, the probe schedule and each session's planning state. `plan(batch)`
+answers before the step (a `StepPlan`), `observe(outcomes, timings)` takes what the step measured.
+The arithmetic is `budget.decide_step`, called once per priced step; the draft side then spends a
+drafting session's round with the profile the plan carries (`budget.StepBudget`) and decides
+nothing else.
+
+Four things are called a probe:
+- the start-up probe: each worker times a few scratch passes when it starts (workers.py); the
+  timings seed the live costs.
+- an off-probe: while the draft is off (and before anything is measured) one budgeted session's
+  Propose item carries `probe`, once every `budget.probe_interval` steps: the draft times a scratch
+  step of the step's size, the verifier a pass one token longer, the costs the rounds do not time
+  while the draft is off.
+- a curve probe: where the decision weighs a target pass longer than the measured curve reaches,
+  the verifier times one of the next power of two before the step is decided again with it (a
+  Verify of no items): each size once per power of two of sessions, paid for by CURVE_PROBE_SHARE
+  of the plain steps.
+- `Worker.probe(sizes)`: the scratch passes the other three are made of.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from specdec.budget import (CURVE_PROBE_SHARE, MAX_CANDIDATES, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PROBE_SHARE,
+                            STOP_RATE_DECAY, StepDecision, decide_step, hopeful_acceptance, rest_after)
+from specdec.cost_profile import CostProfile, LiveCosts, PassTiming
+from specdec.metrics import CATCH_UP, NO_ROUND_PAYS, NOT_MEASURED, RESTING
+from specdec.params import FINISH_LENGTH
+from specdec.protocol import StepPlan
+from specdec.sequences import LoopSample, RoundObserver
+
+logger = logging.getLogger(__name__)
+
+ACCEPTANCE_DECAY = 0.99  # per drafted round: the acceptance estimate follows the last ~100 rounds
+# Where a step sent no budgeted session to the draft, the same sessions are priced again after this
+# many steps, at once when one joins, leaves or ends its rest, or after a probe timed something: only
+# plain passes are timed meanwhile, and a lag only grows while the tokens left to repay it shrink.
+REPRICE_STEPS = 16
+
+TimeTarget = Callable[[int], Awaitable[list[PassTiming]]]  # times one scratch target pass of n tokens
+
+
+@dataclass
+class SessionPlan:
+    """A session's planning state."""
+
+    drafted_at: int = 0  # history length the draft had seen when it last ran: its cache lags the rest
+    empty_rounds: int = 0  # drafting rounds in a row that verified nothing
+    rests_until: int = 0  # history length before which it does not draft again (budget.rest_after)
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What a committed round tells the planner."""
+
+    session: LoopSample
+    drafted_after: int  # the committed history's length when the round was drafted
+    candidates: int  # K
+    accepted: int  # n
+    draft_passes: int  # draft passes the session took part in (0: it did not call the draft)
+
+
+@dataclass
+class _Idle:
+    """A priced step that sent no budgeted session to the draft: what it was priced for (its sessions,
+    those ready to draft, the candidate cap), with what, and the steps it has stood since."""
+
+    key: tuple
+    profile: CostProfile
+    age: int = 0
+
+
+@dataclass
+class StepPlanner:
+    costs: LiveCosts
+    time_target: TimeTarget | None = None  # the curve probe's call (None: no curve probes)
+    given: CostProfile | None = None  # a profile given by hand: planned with instead of the live one
+    observer: RoundObserver | None = None
+    probe_share: float = PROBE_SHARE
+    drafting: bool = True  # the last priced step's answer to "does any round pay"
+    priced: int = 0  # decide_step calls so far
+    _off_steps: int = 0  # steps since the draft last ran or probed while it is off (before any cost: steps so far)
+    _probe_interval: int = 1  # the last priced step's budget.probe_interval
+    _idle: _Idle | None = None
+    _curve_probed: set[tuple[int, int]] = field(default_factory=set)  # (tokens, bit length of the step's sessions)
+    _curve_credit_ms: float = math.inf  # what the next curve probe may cost (the first is free)
+    # candidates accepted and verified, decayed by ACCEPTANCE_DECAY a round
+    _accepted: float = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
+    _verified: float = PRIOR_WEIGHT
+    # finished samples that stopped early (EOS, a stop string) and the tokens finished samples
+    # generated, decayed by STOP_RATE_DECAY a sample
+    _stopped: float = 0.0
+    _finished_tokens: float = 0.0
+    _sessions: dict[str, SessionPlan] = field(default_factory=dict)
+
+    @property
+    def acceptance(self) -> float:
+        """P(a candidate is accepted | the ones before were) over recent rounds, from PRIOR_ACCEPTANCE."""
+        return self._accepted / self._verified
+
+    @property
+    def stop_rate(self) -> float:
+        """P(a token ends its generation) over recently finished samples (0 before any)."""
+        return self._stopped / self._finished_tokens if self._finished_tokens else 0.0
+
+    def profile(self, sessions: int | None = None) -> CostProfile | None:
+        """What a step of `sessions` sessions is priced with (None: nothing measured yet)."""
+        return self.given or self.costs.profile(sessions)
+
+    async def plan(self, batch: Sequence[LoopSample]) -> StepPlan:
+        """Who of `batch` calls the draft, which session carries an off-probe, and the costs the
+        drafting sessions' rounds are spent with. Sessions whose policy is not budgeted draft as
+        their policy says; budgeted ones as the costs say."""
+        drafting = [s for s in batch if s.traits.uses_draft]
+        budgeted = [s for s in drafting if s.traits.budgeted]
+        if not budgeted:
+            return StepPlan(frozenset(s.session_id for s in drafting), other_sessions=len(batch) - len(drafting))
+        ready = [s for s in budgeted if len(s.sample.history) >= self._state(s).rests_until]
+        key = (tuple(s.session_id for s in batch), tuple(s.session_id for s in ready),
+               max(s.request.params.policy.k or MAX_CANDIDATES for s in budgeted))
+        if self._idle is not None and self._idle.key == key and self._idle.age < REPRICE_STEPS:
+            self._idle.age += 1
+            profile, joins = self._idle.profile, [False] * len(ready)
+        else:
+            profile, joins = await self._price(batch, ready, key)
+        joined = {s for s, join in zip(ready, joins) if join}
+        why = NOT_MEASURED if profile is None else CATCH_UP if self.drafting else NO_ROUND_PAYS
+        held = {s.session_id: why if s in ready else RESTING for s in budgeted if s not in joined}
+        calling = [s for s in drafting if not s.traits.budgeted or s in joined]
+        probe = self._off_probe(budgeted, profile)
+        if probe is not None:
+            calling.append(probe)
+            self._idle = None  # the next step is priced with what the probe measures
+        if profile is not None:
+            self._curve_credit_ms += CURVE_PROBE_SHARE * profile.pass_ms(len(batch))
+        return StepPlan(frozenset(s.session_id for s in calling), probe.session_id if probe else None,
+                        len(batch) + 1 if probe else 0, profile, len(batch) - len(calling), held)
+
+    async def _price(self, batch: Sequence[LoopSample], ready: list[LoopSample], key: tuple
+                     ) -> tuple[CostProfile | None, list[bool]]:
+        """The step's profile and who of `ready` joins, from `decide_step`; where the decision
+        weighed a pass past the measured curve, one is timed first and the step decided again."""
+        profile = self.profile(len(batch))
+        if profile is None:
+            return None, [False] * len(ready)
+        decision = self._decide(profile, len(batch), ready, key[2])
+        size = self._curve_probe(decision, profile, len(batch))
+        if size:
+            self.costs.observe(await self._time_target(size), sessions=len(batch))
+            profile = self.profile(len(batch))
+            decision = self._decide(profile, len(batch), ready, key[2])
+        self._idle = _Idle(key, profile) if not any(decision.joins) and not size else None
+        return profile, list(decision.joins)
+
+    def _decide(self, profile: CostProfile, sessions: int, ready: list[LoopSample], cap: int) -> StepDecision:
+        self.priced += 1
+        decision = decide_step(profile, sessions, cap, self.acceptance, hopeful_acceptance(self._accepted, self._verified),
+                               [len(s.sample.history) - self._state(s).drafted_at for s in ready],
+                               [s.request.params.max_new_tokens - len(s.sample.generated) for s in ready],
+                               self.stop_rate, self.probe_share)
+        self.drafting = decision.pays
+        self._probe_interval = decision.probe_interval
+        if self.observer:
+            self.observer.on_costs(profile, self.drafting)
+        return decision
+
+    def _curve_probe(self, decision: StepDecision, profile: CostProfile, sessions: int) -> int:
+        """The curve probe to time before the step is decided again (0: none): each size once per
+        power of two of the step's sessions (a pass timed in steps of half as many sessions does not
+        price a step's: `LiveCosts.profile`), the first at once, each later one once CURVE_PROBE_SHARE
+        of the plain steps since the last pays for it. A profile given by hand is not probed."""
+        size = decision.curve_probe
+        key = (size, sessions.bit_length())
+        if (self.given is not None or self.time_target is None or size is None or key in self._curve_probed
+                or self._curve_credit_ms < profile.pass_ms(size)):
+            return 0
+        self._curve_probed.add(key)
+        self._curve_credit_ms = 0.0
+        return size
+
+    async def _time_target(self, tokens: int) -> list[PassTiming]:
+        """A curve probe that fails fails no session: the step is decided without it."""
+        try:
+            return await self.time_target(tokens)
+        except Exception:  # noqa: BLE001 - a failed probe costs only its measurement
+            logger.warning("the verifier's probe of a %d-token pass failed", tokens, exc_info=True)
+            return []
+
+    def _off_probe(self, budgeted: list[LoopSample], profile: CostProfile | None) -> LoopSample | None:
+        """The session that carries an off-probe this step, if one is due: while nothing is measured
+        at the 1st, 2nd, 4th, 8th ... step (a served replica's start-up probe comes back with the
+        first), while the draft is off once every `probe_interval` steps."""
+        if profile is not None and self.drafting:
+            return None
+        self._off_steps += 1
+        due = self._off_steps & (self._off_steps - 1) == 0 if profile is None else self._off_steps >= self._probe_interval
+        if not due:
+            return None
+        self._off_steps = 0 if profile is not None else self._off_steps
+        return budgeted[0]
+
+    def observe(self, outcomes: Sequence[RoundOutcome], timings: Sequence[PassTiming], sessions: int) -> None:
+        """A step of `sessions` sessions: its passes' timings, and each committed round's outcome."""
+        self.costs.observe(timings, sessions=sessions)
+        for o in outcomes:
+            state = self._state(o.session)
+            if o.draft_passes:  # the draft caught up with the history and fed y_1 .. y_{K-1}
+                state.drafted_at = o.drafted_after + max(o.candidates - 1, 0)
+            if o.candidates:  # n accepted, then one rejected unless all K were
+                self._accepted = self._accepted * ACCEPTANCE_DECAY + o.accepted
+                self._verified = self._verified * ACCEPTANCE_DECAY + o.accepted + (o.accepted < o.candidates)
+                state.empty_rounds = 0
+            elif o.draft_passes and o.session.traits.budgeted:  # a draft pass spent for an empty round
+                state.empty_rounds += 1
+                state.rests_until = len(o.session.sample.history) + 1 + rest_after(state.empty_rounds)
+            sample = o.session.sample
+            if sample.finish_reason is not None:
+                self._stopped = self._stopped * STOP_RATE_DECAY + (sample.finish_reason != FINISH_LENGTH)
+                self._finished_tokens = self._finished_tokens * STOP_RATE_DECAY + len(sample.generated)
+
+    def forget(self, sessions: Sequence[LoopSample]) -> None:
+        """Sessions that left the lane."""
+        for s in sessions:
+            self._sessions.pop(s.session_id, None)
+
+    def _state(self, s: LoopSample) -> SessionPlan:
+        return self._sessions.setdefault(s.session_id, SessionPlan())
