@@ -166,7 +166,7 @@ def print_costs(engine, args: argparse.Namespace) -> None:
         return
     from specdec.cost_profile import describe_profile
 
-    print(describe_profile(engine.cost_profile(), engine.loop.drafting), file=sys.stderr)
+    print(describe_profile(engine.cost_profile(), engine.drafting), file=sys.stderr)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -54,7 +54,12 @@ class SpecDecEngine:
 
     def cost_profile(self) -> CostProfile | None:
         """The costs the default policy plans with now (measured here unless given by hand)."""
-        return self.loop.cost_profile()
+        return self.loop.planners[0].profile()
+
+    @property
+    def drafting(self) -> bool:
+        """Whether the last priced step (of some lane) found a round that pays: the draft is on."""
+        return any(planner.drafting for planner in self.loop.planners)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

@@ -38,11 +38,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specdec.budget import PROBE_SHARE
 from specdec.calls import NO_PROPOSAL, RetryPolicy, RoundCalls, RoundTransport
-from specdec.cost_profile import LiveCosts, given_profile
 from specdec.errors import InvalidRequestError
 from specdec.metrics import RequestStats
 from specdec.params import FINISH_LENGTH, GenerationParams, validation_message
-from specdec.planner import RoundOutcome, StepPlanner
+from specdec.planner import RoundOutcome, StepPlanner, lane_planners
 from specdec.protocol import SEED_BITS, Proposal, StepPlan
 from specdec.sequences import LoopSample, Request, RequestRules, RoundObserver, SampleState, UpdateCallback
 from specdec.verification import Verdict
@@ -96,13 +95,11 @@ class GenerationResult:
 class RoundLoop:
     def __init__(self, transport: RoundTransport, rules: RequestRules, batch: BatchConfig = BatchConfig(),
                  observer: RoundObserver | None = None, retry: RetryPolicy = RetryPolicy(),
-                 costs: LiveCosts | None = None, probe_share: float = PROBE_SHARE):
+                 probe_share: float = PROBE_SHARE):
         self.rules, self.batch, self.observer = rules, batch, observer
         self.calls = RoundCalls(transport, rules, retry, observer)
-        self.costs = costs if costs is not None else LiveCosts()  # one machine: the lanes share what it measures
-        given = given_profile()  # a profile given by hand, resolved once
-        self.planners = [StepPlanner(self.costs, self.calls.time_target, given, observer, probe_share)
-                         for _ in range(batch.lanes)]
+        self.planners = lane_planners(batch.lanes, self.calls.time_target, observer, probe_share)
+        self.costs = self.planners[0].costs  # the live profile the lanes share (the workers' probes seed it)
         self._lanes: list[list[LoopSample]] = [[] for _ in range(batch.lanes)]
         self._tasks: list[asyncio.Task | None] = [None] * batch.lanes
         self._releasing: dict[asyncio.Task, list[LoopSample]] = {}  # retired samples' releases, off the step path

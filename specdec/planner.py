@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from specdec.budget import (CURVE_PROBE_SHARE, MAX_CANDIDATES, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PROBE_SHARE,
                             STOP_RATE_DECAY, StepDecision, decide_step, hopeful_acceptance, rest_after)
-from specdec.cost_profile import CostProfile, LiveCosts, PassTiming
+from specdec.cost_profile import CostProfile, LiveCosts, PassTiming, given_profile
 from specdec.metrics import CATCH_UP, NO_ROUND_PAYS, NOT_MEASURED, RESTING
 from specdec.params import FINISH_LENGTH
 from specdec.protocol import StepPlan
@@ -112,6 +112,15 @@ class StepPlanner:
         """P(a token ends its generation) over recently finished samples (0 before any)."""
         return self._stopped / self._finished_tokens if self._finished_tokens else 0.0
 
+    @property
+    def catch_up_acceptance(self) -> float:
+        """The acceptance a lagging draft's catch-up is judged at: the upper end of the measured one."""
+        return hopeful_acceptance(self._accepted, self._verified)
+
+    def lag(self, s: LoopSample) -> int:
+        """Committed tokens the session's draft has not seen (its prompt, before it first drafts)."""
+        return len(s.sample.history) - self._state(s).drafted_at
+
     def profile(self, sessions: int | None = None) -> CostProfile | None:
         """What a step of `sessions` sessions is priced with (None: nothing measured yet)."""
         return self.given or self.costs.profile(sessions)
@@ -163,8 +172,8 @@ class StepPlanner:
 
     def _decide(self, profile: CostProfile, sessions: int, ready: list[LoopSample], cap: int) -> StepDecision:
         self.priced += 1
-        decision = decide_step(profile, sessions, cap, self.acceptance, hopeful_acceptance(self._accepted, self._verified),
-                               [len(s.sample.history) - self._state(s).drafted_at for s in ready],
+        decision = decide_step(profile, sessions, cap, self.acceptance, self.catch_up_acceptance,
+                               [self.lag(s) for s in ready],
                                [s.request.params.max_new_tokens - len(s.sample.generated) for s in ready],
                                self.stop_rate, self.probe_share)
         self.drafting = decision.pays
@@ -234,3 +243,11 @@ class StepPlanner:
 
     def _state(self, s: LoopSample) -> SessionPlan:
         return self._sessions.setdefault(s.session_id, SessionPlan())
+
+
+def lane_planners(lanes: int, time_target: TimeTarget | None = None, observer: RoundObserver | None = None,
+                  probe_share: float = PROBE_SHARE) -> list[StepPlanner]:
+    """A planner for each of a loop's lanes, over one live profile (the lanes' calls go to the same
+    replicas), with the profile given by hand (`SPECDEC_COST_PROFILE`) read once, here."""
+    costs, given = LiveCosts(), given_profile()
+    return [StepPlanner(costs, time_target, given, observer, probe_share) for _ in range(lanes)]

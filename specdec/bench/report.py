@@ -9,6 +9,7 @@ wall time, prefill included.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections import Counter
 from pathlib import Path
@@ -28,7 +29,10 @@ NOT_SPECULATIVE = (BASELINE,)  # families left out of the cost-model fit (no dra
 # default SpecDec++ against the best fixed K and the best training-free rule, each in hindsight.
 GOAL_FIXED, GOAL_RULES, GOAL_ORACLE_SHARE = 1.10, 1.05, 0.85
 TRAINING_FREE_RULES = ("svip", "confidence")
-MIN_CPU_SHARE = 0.6  # of the bench's threads busy over a generation; below, something else had the CPU
+# A record whose process got less than its neighbours' median CPU share over this factor was timed
+# while something else had the CPU: a generation slowed 1.3x by another process gets 1 / 1.3 of it.
+CONTENDED_SLOWDOWN = 1.25
+MIN_TIMED_S = 1.0  # a shorter generation's CPU share is noise (a tiny model's, a one-token one's)
 
 
 def build_results(store: RecordStore, specs: list[PolicySpec], config, prompt_count: int, notes: dict) -> dict:
@@ -61,15 +65,21 @@ def build_results(store: RecordStore, specs: list[PolicySpec], config, prompt_co
 
 
 def contended_records(records: list[dict], threads: int | None) -> list[str]:
-    """Records timed while another process held the CPU: the process got under MIN_CPU_SHARE of
-    its threads' wall time (a run alone keeps ~0.9-1.0: torch's threads spin while they wait). On
-    a 2-core machine a second busy process slows a generation 5-10x; rerun these (delete their
-    lines from records.jsonl and resume)."""
+    """Records timed while another process held the CPU: the process's CPU time over its threads'
+    wall time (its CPU share) fell under the median share of the records beside it by more than
+    CONTENDED_SLOWDOWN. A process alone keeps its share whatever it decodes (torch's threads spin
+    while they wait, llama.cpp's at barriers); another busy process takes its part of the cores and
+    stretches the wall time. The runner reruns such records once (`BenchRun`); a report names those
+    still contended (delete their lines from records.jsonl and resume)."""
     if not threads:
         return []
-    return [f"{r['spec']}@{r['temperature']:g}#{r['prompt']}" for r in records
-            if "process_cpu_s" in r and r["stats"]["wall_time_s"] > 0
-            and r["process_cpu_s"] / (r["stats"]["wall_time_s"] * threads) < MIN_CPU_SHARE]
+    shares = {i: r["process_cpu_s"] / (r["stats"]["wall_time_s"] * threads) for i, r in enumerate(records)
+              if "process_cpu_s" in r and r["stats"]["wall_time_s"] >= MIN_TIMED_S}
+    if not shares:
+        return []
+    usual = statistics.median(shares.values())
+    return [f"{records[i]['spec']}@{records[i]['temperature']:g}#{records[i]['prompt']}" for i, share in shares.items()
+            if share * CONTENDED_SLOWDOWN < usual]
 
 
 def lossless_summary(results: dict) -> dict:
@@ -342,8 +352,8 @@ def markdown(results: dict) -> str:
         f"torch {machine.get('torch', '?')}, transformers {machine.get('transformers', '?')}"
         + (f", GPU {machine['gpu']}" if machine.get("gpu") else "") + ".",
         *_mixed_machines(results.get("cpus") or {}),
-        *([f"**Timed while the CPU was shared** (the process got under {MIN_CPU_SHARE:.0%} of its threads' wall "
-           f"time; delete their lines from records.jsonl and resume): {', '.join(results['contended'])}."]
+        *([f"**Timed while the CPU was shared** (the process got under 1/{CONTENDED_SLOWDOWN:g} of its neighbours' median CPU "
+           f"share; delete their lines from records.jsonl and resume): {', '.join(results['contended'])}."]
           if results.get("contended") else []),
         "",
         "Tokens/s: total tokens over total wall time (prefill included) on the prompts every policy finished. "

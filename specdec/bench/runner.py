@@ -143,6 +143,7 @@ class BenchRun:
         write_notes(self.config.out, self.notes)
         bar = tqdm(total=len(todo), desc="bench", unit="gen", disable=not self.progress, file=sys.stderr,
                    dynamic_ncols=True)
+        fresh: list[dict] = []
         for temperature, spec, indices in self._groups(todo):
             bar.set_postfix_str(f"t={temperature:g} prompt {indices[0]} {spec.key}", refresh=False)
             if self.config.concurrency == 1 or spec.is_peer:
@@ -151,15 +152,30 @@ class BenchRun:
                 records = self._generate_group(spec, temperature, indices, [prompt_ids[i] for i in indices])
             for record in records:
                 self.store.append(record)
+            fresh += records
             bar.update(len(records))
         bar.close()
+        self._rerun_contended(fresh, prompt_ids)
         profile = self.engine.cost_profile()
         if todo and profile is not None:  # what the budget planned with at the end of this run
-            self.notes["live_profile"] = {**profile.model_dump(mode="json"), "drafting": self.engine.loop.drafting}
+            self.notes["live_profile"] = {**profile.model_dump(mode="json"), "drafting": self.engine.drafting}
         self._note_divergences(prompt_ids)
         self.notes["date"] = time.strftime("%Y-%m-%d")
         write_notes(self.config.out, self.notes)
         return self.notes
+
+    def _rerun_contended(self, fresh: list[dict], prompt_ids: list[list[int] | None]) -> None:
+        """Generate once more each record of this run that got much less CPU than the others
+        (`report.contended_records`: something else had the cores); the new record replaces it."""
+        from specdec.bench.report import contended_records
+
+        names = set(contended_records(fresh, torch.get_num_threads()))
+        again = [r for r in fresh if f"{r['spec']}@{r['temperature']:g}#{r['prompt']}" in names]
+        if again:
+            print(f"rerunning {len(again)} generation(s) timed while the CPU was shared", file=sys.stderr)
+        specs = {s.key: s for s in self.specs}
+        for r in again:
+            self.store.append(self._generate(specs[r["spec"]], r["temperature"], r["prompt"], prompt_ids[r["prompt"]]))
 
     # ----------------------------------------------------------------------------------------
 

@@ -277,6 +277,44 @@ def test_a_step_that_drafts_nothing_is_priced_again_every_few_steps_and_after_a_
         tiny_engine, PROMPTS[1], build_params(policy="target-only", max_new_tokens=100))
 
 
+def test_each_lane_plans_its_own_steps(tiny_engine):
+    """Two lanes, a session each, the draft off (no round pays): each lane's planner keeps its own
+    reprice cache and probe schedule, so each prices its steps only every REPRICE_STEPS or so (with
+    one state for both, the lanes' steps alternated its cache key and every step was priced again).
+    The outputs are target-only's."""
+    from specdec.sequences import RequestRules
+
+    transport, _ = budgeted_loop(tiny_engine, costly)
+    rules = RequestRules(None, tiny_engine.eos_token_ids, tiny_engine.max_context, tiny_engine.target.vocab_size,
+                         has_head=True)
+    loop = RoundLoop(transport, rules, BatchConfig(lanes=2), probe_share=0.06)
+    for worker in (transport.draft, transport.verifier):
+        worker.probe()
+        loop.costs.observe(transport.timed(BatchReply([], [], worker.take_timings())).passes)
+    params = build_params(policy="specdec++cost", k=4, max_new_tokens=100)
+    results = run(loop, [(PROMPTS[0], params), (PROMPTS[1], params)])
+    plain = build_params(policy="target-only", max_new_tokens=100)
+    assert transport.candidates == 0 and transport.steps >= 200
+    for planner in loop.planners:
+        assert not planner.drafting and 1 <= planner.priced <= transport.steps / 2 / 4, planner.priced
+    for prompt, result in zip(PROMPTS, results):
+        assert result.completions[0].token_ids == expected(tiny_engine, prompt, plain)
+
+
+def test_no_session_drafts_before_costs_are_measured(tiny_engine):
+    """A loop with nothing measured (a served coordinator's first step): no budgeted session calls
+    the draft, one carries an off-probe; its timings and the verifier's come back with the replies
+    and the next steps are priced with them. The output is target-only's."""
+    transport, loop = budgeted_loop(tiny_engine, cheap)
+    fresh = RoundLoop(transport, loop.calls.rules)
+    params = build_params(policy="specdec++cost", k=4, max_new_tokens=40)
+    [result] = run(fresh, [(PROMPTS[0], params)])
+    assert transport.events[0] == ("propose", 0) and transport.probes >= 1  # the probe item drafts nothing
+    assert result.stats.held["not_measured"] == 1 and transport.candidates > 0
+    assert result.completions[0].token_ids == expected(tiny_engine, PROMPTS[0], build_params(policy="target-only",
+                                                                                           max_new_tokens=40))
+
+
 def barely(role: str, tokens: int) -> float:
     """Drafting saves ~6 ms a token at best (3 candidates, all accepted: (120 + 256) / 4 = 94 ms
     against a plain 100): over 120 tokens less than a 21-token prompt's catch-up (20 x 40 ms)."""

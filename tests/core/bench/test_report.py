@@ -63,9 +63,11 @@ def test_records_timed_on_a_shared_cpu_are_named():
         r = {"spec": spec, "temperature": 0.0, "prompt": prompt, "stats": {"wall_time_s": wall_s}}
         return r if cpu_s is None else {**r, "process_cpu_s": cpu_s}
 
-    records = [record("fixed:4", 0, 19.0), record("fixed:4", 1, 8.0), record("specdec++cost", 0, None),
-               record("oracle", 2, 11.0)]  # alone ~2 threads busy; 8 s of 20: shared; no field: older run
-    assert contended_records(records, threads=2) == ["fixed:4@0#1", "oracle@0#2"]
+    records = [record("fixed:4", 0, 19.2), record("fixed:4", 1, 8.0), record("specdec++cost", 0, None),
+               record("oracle", 2, 11.0), record("oracle", 3, 19.4), record("target-only", 1, 19.2, wall_s=13.0),
+               record("target-only", 2, 19.2), record("specdec++cost", 4, 19.6)]  # no field: an older run
+    # alone ~0.96 of 2 threads; 8 s and 11 s of CPU in 10 s: shared; 19.2 s in 13 s: a 1.3x slowdown
+    assert contended_records(records, threads=2) == ["fixed:4@0#1", "oracle@0#2", "target-only@0#1"]
     assert contended_records(records, threads=None) == []
 
 
