@@ -1,7 +1,7 @@
 """Before stopping a `specdec bench` run that will resume elsewhere: drop the prompt in flight, so
 each prompt's policies all run on one machine.
 
-    python benchmarks/bench_drop_partial.py docs/results/bench-humaneval
+    python -m benchmarks.bench_drop_partial docs/results/bench-humaneval
 """
 
 import sys

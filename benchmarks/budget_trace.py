@@ -1,7 +1,7 @@
-"""Trace the step budget's decisions in one process (issue 32's load bugs were found with it).
+"""Trace the step planner's decisions in one process (docs/planner.md's load bugs were found with it).
 
-    python benchmarks/budget_trace.py target-only@16 specdec++cost@16   # policy@sessions, in order
-    python benchmarks/budget_trace.py --runtime torch --prompts prose specdec++cost@1
+    python -m benchmarks.budget_trace target-only@16 specdec++cost@16   # policy@sessions, in order
+    python -m benchmarks.budget_trace --runtime torch --prompts prose specdec++cost@1
 
 Each argument runs `sessions` HumanEval (or prose) prompts at once (greedy, --max-new-tokens,
 default 128) on one engine, so the live profile carries over from run to run as it does in
@@ -28,30 +28,36 @@ from specdec.prompts import humaneval_prompts, prose_test_prompts
 
 
 def traced(loop, trace: list[dict]) -> None:
-    """Wrap the loop's `_budget`, `_step` and its transport's `propose` and `verify` so that every
-    step appends its record to `trace` (with the candidates each drafting session's round got: K = 0
-    after a drafting pass is a pass the budget spent for nothing, and the target pass the verifier
-    timed before the step's decision, `pass_probe`)."""
-    budget, step, propose, verify = loop._budget, loop._step, loop.transport.propose, loop.transport.verify
+    """Wrap each lane's planner's `plan`, the loop's `_step` and its transport's `propose` and
+    `verify` so that every step appends its record to `trace` (with the candidates each drafting
+    session's round got: K = 0 after a drafting pass is a pass the budget spent for nothing, and the
+    target pass the verifier timed before the step's decision, `pass_probe`)."""
+    step, transport = loop._step, loop.calls.transport
+    propose, verify = transport.propose, transport.verify
     probed: list[int] = []
 
-    async def traced_budget(batch):
-        drafting, probe, plan = await budget(batch)
-        record = {"sessions": len(batch), "drafting": len(drafting), "probe": probe is not None,
-                  "pass_probe": probed.pop() if probed else 0,
-                  "acceptance": round(loop.acceptance, 3),
-                  "lags": sorted(len(s.sample.history) - s.drafted_at for s in batch)[:3]}
-        if plan.costs is not None:
-            record["saving_bound"] = round(drafting_saving(plan.costs, len(batch), MAX_CANDIDATES), 1)
-            record["saving"] = round(drafting_saving(plan.costs, len(batch), MAX_CANDIDATES, loop.acceptance), 1)
-            record["saving_catch_up"] = round(drafting_saving(plan.costs, len(batch), MAX_CANDIDATES,
-                                                              loop.catch_up_acceptance), 1)
-        trace.append(record)
-        return drafting, probe, plan
+    def traced_plan(planner):
+        plan = planner.plan
 
-    async def traced_step(batch):
+        async def traced(batch):
+            step_plan = await plan(batch)
+            record = {"sessions": len(batch), "drafting": len(step_plan.drafting), "probe": step_plan.probe is not None,
+                      "pass_probe": probed.pop() if probed else 0, "acceptance": round(planner.acceptance, 3),
+                      "lags": sorted(planner.lag(s) for s in batch)[:3]}
+            if step_plan.costs is not None:
+                costs = step_plan.costs
+                record["saving_bound"] = round(drafting_saving(costs, len(batch), MAX_CANDIDATES), 1)
+                record["saving"] = round(drafting_saving(costs, len(batch), MAX_CANDIDATES, planner.acceptance), 1)
+                record["saving_catch_up"] = round(drafting_saving(costs, len(batch), MAX_CANDIDATES,
+                                                                  planner.catch_up_acceptance), 1)
+            trace.append(record)
+            return step_plan
+
+        return traced
+
+    async def traced_step(planner, batch):
         start = time.perf_counter()
-        await step(batch)
+        await step(planner, batch)
         trace[-1]["step_ms"] = round((time.perf_counter() - start) * 1000)
 
     async def traced_propose(items, plan):
@@ -64,8 +70,10 @@ def traced(loop, trace: list[dict]) -> None:
             probed.append(probe_tokens)
         return await verify(items, probe_tokens)
 
-    loop._budget, loop._step = traced_budget, traced_step
-    loop.transport.propose, loop.transport.verify = traced_propose, traced_verify
+    for planner in loop.planners:
+        planner.plan = traced_plan(planner)
+    loop._step = traced_step
+    transport.propose, transport.verify = traced_propose, traced_verify
 
 
 def main() -> None:

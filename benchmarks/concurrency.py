@@ -1,10 +1,10 @@
 """Concurrent sessions: aggregate tokens/s, request latency and time to first token, in process and
 served, at several concurrency levels (the batched engine core: specdec/loop.py).
 
-    python benchmarks/concurrency.py                                   # default pair, the full table
-    python benchmarks/concurrency.py --modes in-process --concurrency 1 4 --policies fixed:8
-    python benchmarks/concurrency.py --tiny --requests-per-client 1    # tiny random models (smoke)
-    python benchmarks/concurrency.py --runtime torch                   # the default pair on torch
+    python -m benchmarks.concurrency                                   # default pair, the full table
+    python -m benchmarks.concurrency --modes in-process --concurrency 1 4 --policies fixed:8
+    python -m benchmarks.concurrency --tiny --requests-per-client 1    # tiny random models (smoke)
+    python -m benchmarks.concurrency --runtime torch                   # the default pair on torch
 
 C clients each send `--requests-per-client` greedy requests one after another (a closed loop: a
 client's next request starts when its last one ends; more where `--min-requests` asks for more at a
@@ -37,14 +37,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from specdec.bench.runner import cpu_name  # noqa: E402
-from specdec.bench.specs import BASELINE, parse_specs, with_baseline  # noqa: E402
-from specdec.builder import EngineConfig, build_engine  # noqa: E402
-from specdec.loop import BatchConfig  # noqa: E402
-from specdec.params import GenerationParams  # noqa: E402
-from specdec.prompts import humaneval_prompts  # noqa: E402
+from specdec.bench.runner import cpu_name
+from specdec.bench.specs import BASELINE, parse_specs, with_baseline
+from specdec.builder import EngineConfig, build_engine
+from specdec.loop import BatchConfig
+from specdec.params import GenerationParams
+from specdec.prompts import humaneval_prompts
 
 
 @dataclass
@@ -287,7 +285,7 @@ def main() -> int:
                                    max_tokens_per_pass=args.max_pass_tokens)
     prompts = humaneval_prompts(args.prompts)
     if args.tiny:
-        from tiny import save_tiny_pair
+        from tests.tiny import save_tiny_pair
 
         draft_dir, target_dir = save_tiny_pair(Path(tempfile.mkdtemp()))
         models = EngineConfig(draft=str(draft_dir), target=str(target_dir), batch=batch)

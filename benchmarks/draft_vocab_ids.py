@@ -1,7 +1,7 @@
 """A `--draft-vocab` id list: the N most frequent ids when the draft's tokenizer reads a corpus of
 Python files, plus every byte, special and added token (so any text can still be spelled).
 
-    python benchmarks/draft_vocab_ids.py --top 32000 --out /tmp/vocab-top32k.json
+    python -m benchmarks.draft_vocab_ids --top 32000 --out /tmp/vocab-top32k.json
 
 The default corpus is every third `.py` file under Python's library directory (site-packages
 included): the list docs/performance.md measures.

@@ -1,12 +1,12 @@
 """Forward time of each role per weight format, with a warm KV cache.
 
-    python benchmarks/forward_times.py --role draft --formats fp32 onednn int8 --ks 1 2 4 8 16
-    python benchmarks/forward_times.py --role target --formats fp32 onednn --ks 1 2 4 8 16
-    python benchmarks/forward_times.py --role draft --formats int8 --vocabs full ascii --ks 1 2 4 8
-    python benchmarks/forward_times.py --role target --formats onednn --ks 1 9 --sessions 1 2 4 8 16
-    python benchmarks/forward_times.py --role target --formats llamacpp --ks 1 2 4 8 16 --sessions 1 4
-    python benchmarks/forward_times.py --role draft --formats llamacpp llamacpp:q4_0 llamacpp:iq4_nl --ks 1
-    python benchmarks/forward_times.py --role draft --formats llamacpp --ks 160 --outputs 1 --silent-pass-min 8 100000
+    python -m benchmarks.forward_times --role draft --formats fp32 onednn int8 --ks 1 2 4 8 16
+    python -m benchmarks.forward_times --role target --formats fp32 onednn --ks 1 2 4 8 16
+    python -m benchmarks.forward_times --role draft --formats int8 --vocabs full ascii --ks 1 2 4 8
+    python -m benchmarks.forward_times --role target --formats onednn --ks 1 9 --sessions 1 2 4 8 16
+    python -m benchmarks.forward_times --role target --formats llamacpp --ks 1 2 4 8 16 --sessions 1 4
+    python -m benchmarks.forward_times --role draft --formats llamacpp llamacpp:q4_0 llamacpp:iq4_nl --ks 1
+    python -m benchmarks.forward_times --role draft --formats llamacpp --ks 160 --outputs 1 --silent-pass-min 8 100000
 
 `llamacpp` is the llama.cpp runtime on the GGUF file (a format of its own: the weights as shipped);
 `llamacpp:TYPE` the GGUF requantized to TYPE (--draft-quant). --silent-pass-min sets the llama.cpp

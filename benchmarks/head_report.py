@@ -1,6 +1,6 @@
 """The training report of an acceptance head: markdown tables and a reliability plot from its training.json.
 
-    python benchmarks/head_report.py specdec/heads/default-pair \
+    python -m benchmarks.head_report specdec/heads/default-pair \
         --plot specdec/heads/default-pair/reliability.png > specdec/heads/default-pair/report.md
 
 Prints the data counts, the final validation metrics (loss, binary KL to the soft labels, AUROC,

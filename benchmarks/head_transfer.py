@@ -1,6 +1,6 @@
 """Does the shipped head judge a requantized draft's candidates as well as the shipped draft's?
 
-    python benchmarks/head_transfer.py --quants q4_0 iq4_nl \
+    python -m benchmarks.head_transfer --quants q4_0 iq4_nl \
         --out docs/results/fast-draft/head-transfer-amd.json [--record]
 
 On the validation responses of the head's training data (data/default-pair), on the llama.cpp
@@ -11,7 +11,7 @@ the mean label (the draft's acceptance rate), and the verdict (AUROC within 0.00
 draft's, ECE at most 0.03). --record writes each accepted draft into the head's
 `validated_drafts` (head.json), so `--draft-quant TYPE` runs with the shipped head.
 
-    python benchmarks/head_transfer.py --quants q4_0 iq4_nl --prompts humaneval --limit 40
+    python -m benchmarks.head_transfer --quants q4_0 iq4_nl --prompts humaneval --limit 40
 
 does the same on a bench prompt set, with the target's greedy responses (target-only, made first):
 the drafts' acceptance rates where the goals are measured.

@@ -1,6 +1,6 @@
 """Host work per step: what the round loop costs besides the forward passes, by concurrency.
 
-    python benchmarks/host_work.py [--concurrency 1 2 4 8 16 32 64] [--policy fixed:4] [--temperatures 0 1]
+    python -m benchmarks.host_work [--concurrency 1 2 4 8 16 32 64] [--policy fixed:4] [--temperatures 0 1]
                                    [--self-draft] [--vocab 151936] [--out docs/results/host-work/NAME.json]
 
 Tiny random Qwen2 models (a 1-layer draft and a 2-layer target, hidden 16 and 32) with the default

@@ -7,7 +7,7 @@
    reference pass's top-1/top-2 logit gap there (a flip can only happen at a near-tie);
 3. greedy speculative decoding (the default policy, fixed:4) is compared with the reference text.
 
-    python benchmarks/llamacpp_numerics.py --limit 20 --out docs/results/llamacpp-numerics.json
+    python -m benchmarks.llamacpp_numerics --limit 20 --out docs/results/llamacpp-numerics.json
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Load on the served app: N concurrent streaming clients for T seconds on loopback.
 
-    python benchmarks/load.py --tiny --clients 8 --seconds 60                   # load
-    python benchmarks/load.py --tiny --clients 32 --seconds 30 --max-ongoing 4 --max-queued 4   # overload
-    python benchmarks/load.py --tiny --clients 8 --seconds 600 --sample-s 15    # soak (memory over time)
-    python benchmarks/load.py --grpc HOST:9000 --clients 8 --seconds 60         # a running server
+    python -m benchmarks.load --tiny --clients 8 --seconds 60                   # load
+    python -m benchmarks.load --tiny --clients 32 --seconds 30 --max-ongoing 4 --max-queued 4   # overload
+    python -m benchmarks.load --tiny --clients 8 --seconds 600 --sample-s 15    # soak (memory over time)
+    python -m benchmarks.load --grpc HOST:9000 --clients 8 --seconds 60         # a running server
 
 Each client streams one greedy request after another (prompts in turn) through the project's
 async clients, with retries off, so every refusal is counted. Printed: requests, tokens,
@@ -29,12 +29,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from clients import ClientError  # noqa: E402
-from clients.grpc_client import AsyncGrpcClient  # noqa: E402
-from clients.http_client import AsyncHttpClient  # noqa: E402
+from clients import ClientError
+from clients.grpc_client import AsyncGrpcClient
+from clients.http_client import AsyncHttpClient
 
 PROMPTS = ["def fibonacci(n):", "Write a haiku about caches.", "SELECT name FROM users WHERE",
            "class Stack:\n    def push(self, item):", "import numpy as np\n", "// reverse a linked list"]
@@ -215,7 +212,7 @@ def tiny_app(args):
     from services.launch import start
     from specdec.builder import EngineConfig, build_engine
     from specdec.params import build_params
-    from tiny import save_tiny_pair
+    from tests.tiny import save_tiny_pair
 
     draft_dir, target_dir = save_tiny_pair(Path(tempfile.mkdtemp()))
     models = EngineConfig(draft=str(draft_dir), target=str(target_dir))

@@ -26,6 +26,6 @@ if [[ " ${RUNTIMES:-llamacpp torch} " == *" torch "* ]]; then
 fi
 for runtime in ${CONCURRENCY_RUNTIMES-llamacpp torch}; do  # CONCURRENCY_RUNTIMES="": none
   [[ -f "$OUT/concurrency-$runtime.json" ]] && continue
-  python benchmarks/concurrency.py --runtime "$runtime" --concurrency 2 4 8 16 \
+  python -m benchmarks.concurrency --runtime "$runtime" --concurrency 2 4 8 16 \
     --policies specdec++cost fixed:2 fixed:4 --out "$OUT/concurrency-$runtime.json" | tee "$OUT/concurrency-$runtime.md"
 done

@@ -1,6 +1,6 @@
 """Policies side by side on HumanEval prompts, in one process, on one engine.
 
-    python benchmarks/policies.py --limit 10 --max-new-tokens 128 \
+    python -m benchmarks.policies --limit 10 --max-new-tokens 128 \
         --policies target-only fixed:4 fixed:8 svip confidence --out results.json
 
 Prints a markdown table (tokens/s over all prompts, verification and discard rates, acceptance,

@@ -1,6 +1,6 @@
 """Do features from the target's last verification pass predict acceptance beyond the shipped head?
 
-    python benchmarks/probe_target_features.py      # ~3 minutes: one fp32 target pass per validation response
+    python -m benchmarks.probe_target_features      # ~3 minutes: one fp32 target pass per validation response
 
 When a round starts at response position t, the target's last pass has scored position t - 1 (the
 token it committed there): its distribution p_{t-1} and its final hidden state are known, and no
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from replay_rules import HEAD, MAX_K, acceptance_by_position, label_sets, newest_cache
+from benchmarks.replay_rules import HEAD, MAX_K, acceptance_by_position, label_sets, newest_cache
 from specdec.builder import load_model, resolve_model
 from specdec.head import load_head
 from specdec.training.data import load_dataset, response_logits

@@ -1,8 +1,8 @@
 """Replay stopping rules offline on the head's validation tokens: what each rule would gain with the
 shipped head and a cost profile, in seconds instead of hours of `specdec bench`.
 
-    python benchmarks/replay_rules.py                       # the default pair's feature cache and head
-    python benchmarks/replay_rules.py --features ~/.cache/specdec/training/default-pair/features/<key>.pt
+    python -m benchmarks.replay_rules                       # the default pair's feature cache and head
+    python -m benchmarks.replay_rules --features ~/.cache/specdec/training/default-pair/features/<key>.pt
 
 The feature cache (`specdec train-head` writes it, training/train.py `compute_features`) holds, for
 every validation response X of the target and every label set, the draft's features at each

@@ -1,7 +1,7 @@
 """`specdec generate` on the torch and the llama.cpp runtimes, one fresh process per generation, as a
 user runs it: tokens/s (decoding, from the run's own stats) and the process's peak resident memory.
 
-    python benchmarks/runtimes.py --limit 3 --out docs/results/runtimes.json
+    python -m benchmarks.runtimes --limit 3 --out docs/results/runtimes.json
 
 Each prompt runs once per (runtime, policy) in an interleaved order (prompt by prompt), so slow
 drifts of the machine spread over all configurations alike. Prints a table; --out keeps the records.

@@ -1,8 +1,8 @@
 """Served vs in-process: tokens/s through Ray Serve (gRPC) against the in-process engine with the
 same policy, and the transport each round spends (ms, bytes).
 
-    python benchmarks/serving.py --limit 5 --max-new-tokens 128 --policy svip          # default pair
-    python benchmarks/serving.py --tiny --limit 10 --max-new-tokens 200 --policy fixed --k 4
+    python -m benchmarks.serving --limit 5 --max-new-tokens 128 --policy svip          # default pair
+    python -m benchmarks.serving --tiny --limit 10 --max-new-tokens 200 --policy fixed --k 4
 
 The two modes run one after the other, never together (they would share the cores). Requests are
 sequential (one session at a time), as the in-process engine serves them. Greedy outputs are
@@ -26,8 +26,6 @@ from specdec.builder import EngineConfig, build_engine
 from specdec.params import build_params
 from specdec.prompts import humaneval_prompts
 from specdec.v1 import generation_pb2, generation_pb2_grpc
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
 def in_process(models: EngineConfig, prompts: list[str], flags: dict, threads: int | None) -> dict:
@@ -109,7 +107,7 @@ def main() -> int:
     args = parser.parse_args()
 
     if args.tiny:
-        from tiny import save_tiny_pair
+        from tests.tiny import save_tiny_pair
 
         draft_dir, target_dir = save_tiny_pair(Path(tempfile.mkdtemp()))
         models = EngineConfig(draft=str(draft_dir), target=str(target_dir))

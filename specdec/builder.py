@@ -15,13 +15,13 @@ from transformers.utils import logging as hf_logging
 
 from specdec.engine import SpecDecEngine
 from specdec.loop import BatchConfig
-from specdec.errors import IncompatibleModelsError, ModelSourceError
+from specdec.errors import IncompatibleModelsError, ModelSourceError, one_line
 from specdec.head import AcceptanceHead, load_head
 from specdec.heads import resolve_head
 from specdec.models.formats import WeightFormat, apply_weight_format
 from specdec.models.llamacpp import LlamaCppDraftRuntime, LlamaCppOptions, LlamaCppTargetRuntime, llamacpp_available
 from specdec.models.runtime import DraftRole, DraftRuntime, TargetRole, TargetRuntime
-from specdec.models.static import DEFAULT_CAPACITY
+from specdec.models.static import StaticOptions
 from specdec.models.sources import (DEFAULT_DRAFT_QUANT, REQUANT_FTYPES, SHIPPED, model_identity, requantize_gguf,
                                     resolve_gguf, resolve_model)
 from specdec.models.vocab import FULL as FULL_VOCAB
@@ -137,7 +137,7 @@ class TorchBackend(RuntimeBackend):
         return resolve_model(source, role=role, cache=config.cache_dir, progress=progress)
 
     def context_limit(self, config: EngineConfig) -> int | None:
-        return DEFAULT_CAPACITY if config.kv_cache == "static" else None
+        return StaticOptions().capacity if config.kv_cache == "static" else None
 
     def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]:
         if quant != SHIPPED:
@@ -237,7 +237,7 @@ def llamacpp_options(config: EngineConfig) -> LlamaCppOptions:
 
 def runtime_options(config: EngineConfig) -> dict:
     return {"kv": config.kv_cache, "max_tokens_per_pass": config.batch.max_tokens_per_pass,
-            "graphs": config.cuda_graphs}
+            "static": StaticOptions(graphs=config.cuda_graphs)}
 
 
 def head_path(config: EngineConfig) -> str | None:
@@ -302,7 +302,7 @@ def load_model(model_dir: Path, role: Role, weight_format: WeightFormat = "auto"
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
     except Exception as exc:  # transformers raises OSError, ValueError, safetensors errors, ...
-        raise ModelSourceError(f"cannot load the {role} model from {model_dir}: {_first_line(exc)}") from None
+        raise ModelSourceError(f"cannot load the {role} model from {model_dir}: {one_line(exc)}") from None
     if keep_tokens is not None:
         model = trim_lm_head(model, keep_tokens)
     if target_device.type == "cpu":
@@ -320,7 +320,7 @@ def load_tokenizer(model_dir: Path):
     try:
         return AutoTokenizer.from_pretrained(model_dir)
     except Exception as exc:
-        raise ModelSourceError(f"cannot load the tokenizer from {model_dir}: {_first_line(exc)}") from None
+        raise ModelSourceError(f"cannot load the tokenizer from {model_dir}: {one_line(exc)}") from None
 
 
 def check_same_tokenizer(draft_dir: Path, target_tokenizer) -> None:
@@ -351,7 +351,3 @@ def eos_token_ids_of(generation_config, tokenizer) -> set[int]:
         ids.add(tokenizer.eos_token_id)
     return ids
 
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

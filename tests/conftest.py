@@ -1,13 +1,10 @@
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from tiny import save_tiny_pair  # noqa: E402
+from tiny import save_tiny_pair  # tests/ is on the path (pyproject.toml, [tool.pytest.ini_options] pythonpath)
 
 
 def pytest_addoption(parser):

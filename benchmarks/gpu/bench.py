@@ -1,18 +1,21 @@
 """The GPU benchmark: per-pass costs in the real shapes (eager and captured) and the round loop on
 CUDA, written as JSON as it goes (a run cut short keeps what it measured).
 
-    python benchmarks/gpu/bench.py --out docs/results/gpu/DATE      # on a CUDA machine; run.sh wraps it
-    python benchmarks/gpu/bench.py --smoke --out /tmp/gpu-smoke     # tiny shapes, any device (a dry run)
+    python -m benchmarks.gpu.bench --out docs/results/gpu/DATE      # on a CUDA machine; run.sh wraps it
+    python -m benchmarks.gpu.bench --smoke --out /tmp/gpu-smoke     # tiny shapes, any device (a dry run)
 
-Sections, in order:
+(from the repository root). Sections, in order:
 - passes: for each shape (shapes.py: the default pair's 0.5B and 1.5B, and a 7B target), random bf16
   weights, B sessions each holding a 200-token prompt and feeding k tokens:
   `runtime` is the torch runtime on its slot cache (models/runtime.py: one ragged pass, its logits
-  left on the device), `static` the same math over a preallocated cache (static_pass.py) run eagerly,
-  `captured` that pass replayed as a CUDA graph, `runtime_static` the runtime on its own static cache
-  (models/static.py: captured passes and the runtime's host work included); each a median in ms. `graph_vs_eager` is the largest logit
-  difference between a replay and the eager static pass on fresh ids, `static_vs_runtime` the
-  same against the runtime (bf16: expect ~1e-2 of the logits' scale).
+  left on the device); `static` one pass of the static cache (models/static.py `StaticKV.forward`
+  and the LM head over every position, without the runtime's host work) run eagerly; `captured` the
+  same pass replayed as the static cache's CUDA graph for its bucket (`StaticKV.captured_pass`);
+  `runtime_static` the runtime on that static cache with graphs, its host work included (the
+  default pair's shapes only); each a median in ms. `graph_vs_eager` is the largest logit difference
+  between a replay and the eager pass on fresh ids, `static_vs_runtime` the same between the eager
+  static pass and the slot runtime at B = 1 (bf16: expect ~1e-2 of the logits' scale). Off CUDA
+  nothing is captured: `captured` is measured only in `--smoke`, padded to its bucket and run eagerly.
 - loop: the engine (one round loop, in process; with the static cache and captured graphs, then
   today's slot cache) with a self-draft (the target's own weights draft,
   so greedy accepts every candidate: the ceiling), random prompts, greedy, at concurrency 1-64 for
@@ -31,37 +34,31 @@ import contextlib
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent.parent)]
-
-from shapes import SHAPES, shape_config  # noqa: E402
-from static_pass import STATIC_ATTENTION, CapturedPass, StaticBatch, static_logits  # noqa: E402
-
-from specdec.bench.forward import PROMPT_TOKENS, TimedForward, synthetic_tokens, time_pass  # noqa: E402
-from specdec.head import AcceptanceHead, HeadConfig  # noqa: E402
-from specdec.models.cache import RAGGED_ATTENTION  # noqa: E402
-from specdec.models.runtime import DraftRuntime, Feed, TargetRuntime  # noqa: E402
-from specdec.models.static import StaticKV  # noqa: E402
-from specdec.engine import SpecDecEngine  # noqa: E402
-from specdec.loop import BatchConfig  # noqa: E402
-from specdec.params import GenerationParams  # noqa: E402
-from specdec.policies import PolicyConfig  # noqa: E402
+from benchmarks.gpu.shapes import SHAPES, shape_config
+from specdec.bench.forward import PROMPT_TOKENS, TimedForward, synthetic_tokens, time_pass
+from specdec.head import AcceptanceHead, HeadConfig
+from specdec.models.runtime import DraftRuntime, Feed, TargetRuntime
+from specdec.models.static import StaticOptions
+from specdec.engine import SpecDecEngine
+from specdec.loop import BatchConfig
+from specdec.params import GenerationParams
+from specdec.policies import PolicyConfig
 
 PASS_SHAPES = {"qwen2.5-0.5b": (1, 2, 4), "qwen2.5-1.5b": (1, 2, 4, 8, 16), "qwen2.5-7b": (1, 2, 4, 8, 16)}  # -> ks
 BATCHES = (1, 4, 16, 64)
-CACHE_LENGTH = 256  # positions per session in the static cache: the prompt, k tokens, padding
+CACHE_LENGTH = 256  # positions per row of the static cache: the prompt, k tokens, the captured bucket's length
 LOOP_SHAPE = "qwen2.5-1.5b"
 LOOP_CONCURRENCY = (1, 8, 32, 64)
 LOOP_POLICIES = (("target-only", None), ("fixed", 4), ("specdec++cost", None))
 LOOP_PROMPT_TOKENS, LOOP_NEW_TOKENS = 64, 32
 TRANSPORT_CONCURRENCY, TRANSPORT_K, TRANSPORT_NEW_TOKENS = (1, 8), 4, 128
 RUNTIME_STATIC_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b")
+GRAPHS = StaticOptions(graphs=True)  # the loop's and the transport's static cache: the builder's default
 
 
 class Report:
@@ -128,81 +125,81 @@ def median_ms(fn, device: torch.device, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def pass_costs(report: Report, name: str, model, ks, batches, device, repeats: int) -> None:
-    """Fills report["passes"][name] with {"B=..,k=..": {runtime, static, captured, checks}}."""
-    config = model.config
-    vocab = config.vocab_size
-    model.set_attn_implementation(RAGGED_ATTENTION)
-    runtime = TargetRuntime(model)
-    results = {}
+def pass_costs(report: Report, name: str, model, ks, batches, device, repeats: int, smoke: bool = False) -> None:
+    """Fills report["passes"][name] with {"B=..,k=..": {runtime_ms, static_ms, captured_ms,
+    runtime_static_ms, checks}} (the module docstring)."""
+    vocab = model.config.vocab_size
+    probes = {k: synthetic_tokens(k, vocab, offset=5) for k in ks}  # B = 1's ids for static_vs_runtime
+    slots, references, results = TargetRuntime(model), {}, {}
     for batch in batches:
         for k in ks:
             if report.time_left() < 30:
                 results[f"B={batch},k={k}"] = {"skipped": "time"}
                 continue
             row = results[f"B={batch},k={k}"] = {}
-            row["runtime_ms"] = 1e3 * time_pass(runtime, k, repeats=repeats, sessions=batch)
+            row["runtime_ms"] = 1e3 * time_pass(slots, k, repeats=repeats, sessions=batch)
+            if batch == 1:
+                session = slots.new_session()
+                slots._forward([Feed(session, synthetic_tokens(PROMPT_TOKENS, vocab), 1)])
+                references[k] = slots._forward([Feed(session, probes[k], k)]).logits
             report.put("passes", name, results)
-    model.set_attn_implementation(STATIC_ATTENTION)
+    del slots
+    # One runtime on the static cache (`kv="static"`, as the builder makes it, sized for these passes)
+    # for the bare passes and the runtime's figures: the runtime's passes replay the bare ones' graphs.
+    static = TargetRuntime(model, kv="static", static=StaticOptions(slots=max(batches), capacity=CACHE_LENGTH,
+                                                                     graphs=True, pad_off_cuda=smoke))
+    kv = static.kv
+
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        return model.lm_head(hidden).float()  # [B, k, V]
+
     for batch in batches:
         if report.time_left() < 30:
             break
-        static = StaticBatch.allocate(config, batch, CACHE_LENGTH, device, model.dtype)
-        static.feed(torch.zeros(batch, dtype=torch.long, device=device), PROMPT_TOKENS)
-        prompt = torch.tensor([synthetic_tokens(PROMPT_TOKENS, vocab, offset=b) for b in range(batch)], device=device)
-        static_logits(model, static, prompt)
+        sessions = [static.new_session() for _ in range(batch)]
+        static._forward([Feed(session, synthetic_tokens(PROMPT_TOKENS, vocab, offset=b), 1)
+                         for b, session in enumerate(sessions)])
         for k in ks:
             row = results.get(f"B={batch},k={k}")
             if report.time_left() < 30 or row is None or "skipped" in row:
                 continue
-            static.feed(torch.full((batch,), PROMPT_TOKENS, dtype=torch.long, device=device), k)
-            ids = torch.randint(0, vocab, (batch, k), device=device)
-            row["static_ms"] = median_ms(lambda: static_logits(model, static, ids), device, repeats)
-            eager = static_logits(model, static, ids).clone()
+            # every pass feeds the k tokens after the prompt: the sessions' lengths stay, and so does the layout
+            ids, layout = kv.layout([Feed(session, [0] * k, k) for session in sessions], device)
+            ids.random_(0, vocab)
+            row["static_ms"] = median_ms(lambda: logits(kv.forward(model, ids, layout)), device, repeats)
             if batch == 1:
-                model.set_attn_implementation(RAGGED_ATTENTION)
-                session = runtime.new_session()
-                runtime._forward([Feed(session, synthetic_tokens(PROMPT_TOKENS, vocab), 1)])
-                reference = runtime._forward([Feed(session, ids[0].tolist(), k)])[0][0]
-                row["static_vs_runtime"] = max_difference(eager[0].cpu(), reference)
-                model.set_attn_implementation(STATIC_ATTENTION)
-            if device.type == "cuda" and not report.data.get("capture_failed"):
+                probe = torch.tensor([probes[k]], device=device)
+                row["static_vs_runtime"] = max_difference(logits(kv.forward(model, probe, layout))[0], references[k])
+            graphed = kv.graphs and not report.data.get("capture_failed")
+            if graphed and kv.graph_bucket(batch, k, layout.length) is None:
+                row["captured_error"] = "larger than every graph bucket (the runtime runs it eagerly)"
+            elif graphed:
                 try:
-                    captured = CapturedPass(model, static, k)
-                    row["captured_ms"] = median_ms(lambda: captured.run(ids), device, 4 * repeats)
+                    captured = kv.captured_pass(model, batch, k, layout.length)
+                    row["captured_ms"] = median_ms(lambda: logits(captured.run(ids, layout)), device, 4 * repeats)
                     fresh = torch.randint(0, vocab, (batch, k), device=device)
-                    replayed = captured.run(fresh).clone()
-                    row["graph_vs_eager"] = max_difference(replayed, static_logits(model, static, fresh))
-                    del captured
+                    replayed = logits(captured.run(fresh, layout))
+                    row["graph_vs_eager"] = max_difference(replayed, logits(kv.forward(model, fresh, layout)))
                 except Exception as exc:  # recorded, not fatal: eager figures still count
                     row["captured_error"] = f"{type(exc).__name__}: {exc}"[:300]
                     report.data["capture_failed"] = row["captured_error"]  # a failed capture can poison the stream
             report.put("passes", name, results)
-        del static
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    # The runtime itself on its static cache (models/static.py): its captured pass with the host work
-    # around it (the pass's index tensors, the wait for the pass), against the prototype's;
-    # the default pair's shapes only (the 7B's projection reads the prototype's).
-    if name not in RUNTIME_STATIC_SHAPES:
-        model.set_attn_implementation(RAGGED_ATTENTION)
-        return
-    runtime = TargetRuntime(model)
-    runtime.kv = StaticKV(model, slots=max(batches), capacity=2 * CACHE_LENGTH, graphs=True)
-    runtime.max_pass_sessions = max(batches)
-    for batch in batches:
-        for k in ks:
-            row = results.get(f"B={batch},k={k}")
-            if report.time_left() < 30 or row is None or "skipped" in row:
-                continue
-            try:
-                row["runtime_static_ms"] = 1e3 * time_pass(runtime, k, repeats=repeats, sessions=batch)
-            except Exception as exc:  # a first run on a GPU: recorded, the other figures stand
-                row["runtime_static_error"] = f"{type(exc).__name__}: {exc}"[:300]
-                break
-            report.put("passes", name, results)
-    del runtime
-    model.set_attn_implementation(RAGGED_ATTENTION)
+        del sessions
+    # The runtime itself on its static cache: the captured pass with the host work around it (the
+    # pass's index tensors, the wait for the pass); the default pair's shapes only (the 7B's
+    # projection reads the bare captured pass).
+    if name in RUNTIME_STATIC_SHAPES:
+        for batch in batches:
+            for k in ks:
+                row = results.get(f"B={batch},k={k}")
+                if report.time_left() < 30 or row is None or "skipped" in row:
+                    continue
+                try:
+                    row["runtime_static_ms"] = 1e3 * time_pass(static, k, repeats=repeats, sessions=batch)
+                except Exception as exc:  # a first run on a GPU: recorded, the other figures stand
+                    row["runtime_static_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                    break
+                report.put("passes", name, results)
 
 
 def max_difference(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -217,7 +214,7 @@ def loop_throughput(report: Report, name: str, model, concurrency, policies, new
     cache, drafting steps and verifications replayed as CUDA graphs: models/static.py)."""
     config = model.config
     # the self-draft: the target's own weights (one cache each: a static cache is per runtime)
-    draft, target = DraftRuntime(model, kv=kv, graphs=True), TargetRuntime(model, kv=kv, graphs=True)
+    draft, target = DraftRuntime(model, kv=kv, static=GRAPHS), TargetRuntime(model, kv=kv, static=GRAPHS)
     torch.manual_seed(0)
     head = AcceptanceHead(HeadConfig(hidden_size=config.hidden_size, depth=1, draft_identity="gpu-bench")).eval()
     engine = SpecDecEngine(draft, target, head=head, batch=BatchConfig(max_sessions_per_step=max(concurrency)))
@@ -299,7 +296,7 @@ def serve_round_services(shape: dict, device: str, dtype: str, kv: str, pipe) ->
 
     torch.manual_seed(0)
     model = random_model(shape, torch.device(device), getattr(torch, dtype.removeprefix("torch.")))
-    draft, target = DraftRuntime(model, kv=kv, graphs=True), TargetRuntime(model, kv=kv, graphs=True)
+    draft, target = DraftRuntime(model, kv=kv, static=GRAPHS), TargetRuntime(model, kv=kv, static=GRAPHS)
     servers = [start_server(draft=DraftServicer(DraftWorker(draft))),
                start_server(verifier=VerifierServicer(VerifierWorker(target)))]
     pipe.send([address for _, address in servers])
@@ -320,7 +317,7 @@ def transport_overhead(report: Report, shape: dict, model, concurrency, new_toke
     from services.transports import GrpcTransport
     from specdec.loop import RoundLoop
 
-    draft, target = DraftRuntime(model, kv=kv, graphs=True), TargetRuntime(model, kv=kv, graphs=True)
+    draft, target = DraftRuntime(model, kv=kv, static=GRAPHS), TargetRuntime(model, kv=kv, static=GRAPHS)
     engine = SpecDecEngine(draft, target, batch=BatchConfig(max_sessions_per_step=max(concurrency)))
     context = multiprocessing.get_context("spawn")
     pipe, child_pipe = context.Pipe()
@@ -410,7 +407,7 @@ def main() -> None:
             start = time.perf_counter()
             model = random_model(shapes[name], device, dtype)
             try:
-                pass_costs(report, name, model, ks, batches, device, repeats)
+                pass_costs(report, name, model, ks, batches, device, repeats, args.smoke)
             except Exception as exc:  # recorded: the other shapes and sections still run
                 report.put("passes", f"{name}/error", f"{type(exc).__name__}: {exc}"[:500])
             print(f"passes {name}: {time.perf_counter() - start:.0f} s", flush=True)

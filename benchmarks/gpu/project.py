@@ -11,8 +11,8 @@ would settle on with this acceptance; the adaptive rule can beat it (it chooses 
 `+host` adds the host time per pass that the loop measured (bench.py's loop section, eager
 runtime; today's per-session host work, which issue 33 vectorizes) to both sides.
 
-    python benchmarks/gpu/project.py docs/results/gpu/2026-11-27-h100
-    python benchmarks/gpu/project.py DIR --records docs/results/bench-humaneval/records.jsonl --spec fixed:14
+    python -m benchmarks.gpu.project docs/results/gpu/2026-11-27-h100
+    python -m benchmarks.gpu.project DIR --records docs/results/bench-humaneval/records.jsonl --spec fixed:14
 
 Caveats, printed with the table: the acceptance is the 0.5B draft's against the 1.5B target (the
 7B rows reuse it; a 7B target of the family agrees with the 0.5B draft less often), and the costs are
@@ -109,7 +109,9 @@ def main() -> None:
     parser.add_argument("results", type=Path, help="a folder of bench.py results (*.json)")
     parser.add_argument("--records", type=Path, default=RECORDS)
     parser.add_argument("--spec", default="fixed:14", help="the run whose rounds give the acceptance")
-    parser.add_argument("--mode", default="captured", choices=("captured", "static", "runtime"))
+    parser.add_argument("--mode", default="captured", choices=("captured", "static", "runtime", "runtime_static"),
+                        help="which pass costs (bench.py's passes section): the static cache's pass captured or "
+                             "eager, the runtime on its slot cache, or on its static cache (default pair only)")
     args = parser.parse_args()
     passes, loop = load_results(args.results)
     batches = sorted({int(key.split(",")[0].split("=")[1]) for key in passes[DRAFT]})

@@ -27,4 +27,4 @@ SPECDEC_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p 
 SPECDEC_TEST_DEVICE=cuda SPECDEC_TEST_KV=static timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider \
   tests/core/test_lossless.py 2>&1 | tee "$OUT/pytest-static.log" | tail -5
 echo "correctness: $(( $(date +%s) - start )) s"
-python3 benchmarks/gpu/bench.py --out "$OUT" --budget-s "${BENCH_BUDGET:-330}" 2>&1 | tee "$OUT/bench.log"
+python3 -m benchmarks.gpu.bench --out "$OUT" --budget-s "${BENCH_BUDGET:-330}" 2>&1 | tee "$OUT/bench.log"

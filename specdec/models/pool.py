@@ -1,5 +1,5 @@
 """A fixed set of cache slots shared by sessions: llama.cpp's sequences (models/llamacpp.py), the
-static cache's rows (models/cache.py `StaticKV`).
+static cache's rows (models/static.py `StaticKV`).
 
 A session gets a slot at its first pass (`KVSession.handle`); when none is free, the least recently
 used session outside the pass loses its own (its cache empties, so its next call re-prefills: a

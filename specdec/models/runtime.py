@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdec.models.cache import Feed, KVSession, ReferenceKV, SlotKV, supports_slots
-from specdec.models.static import StaticKV
+from specdec.models.static import StaticKV, StaticOptions
 from specdec.models.formats import scales_activations_per_pass
 
 __all__ = ["CausalLMRuntime", "DraftOutput", "DraftOutputs", "DraftRole", "DraftRuntime", "Feed", "KVSession",
@@ -175,14 +175,14 @@ class CausalLMRuntime(Runtime):
     kind = "torch"
 
     def __init__(self, model: PreTrainedModel, identity: str = "", name: str = "", kv: str = "slots",
-                 max_tokens_per_pass: int | None = None, graphs: bool = False):
-        """`graphs`: with the static cache on CUDA, replay drafting steps and verifications as
-        captured CUDA graphs (models/static.py)."""
+                 max_tokens_per_pass: int | None = None, static: StaticOptions = StaticOptions()):
+        """`static`: the static cache's settings, with `kv="static"` (rows, capacity, and whether
+        drafting steps and verifications replay captured CUDA graphs: models/static.py)."""
         self.model = model.eval()
         self.identity, self.name = identity, name
         if kv != "reference" and not supports_slots(self.model):
             kv = "reference"  # sliding-window layers: one session per pass
-        self.kv = StaticKV(self.model, graphs=graphs) if kv == "static" else KV_KINDS[kv](self.model)
+        self.kv = StaticKV(self.model, static) if kv == "static" else KV_KINDS[kv](self.model)
         self.max_pass_sessions = getattr(self.kv, "max_pass_sessions", None)  # the static cache's rows
         self.max_tokens_per_pass = max_tokens_per_pass
         self.first_token_alone = scales_activations_per_pass(self.model)

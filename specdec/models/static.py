@@ -17,12 +17,13 @@ feeds 2, session b (row 0) holds 2 and feeds 1: input_ids [[a5 a6] [b2 0]], posi
 a's keys land in row 3 at 5, 6, b's in row 0 at 2 (the pad at 8, scratch); rows are gathered up to
 position 6, and the pad's query attends key 0 alone (its output is never read).
 
-On CUDA with `graphs` on, a pass of at most GRAPH_SESSIONS[-1] sessions feeding at most
-GRAPH_TOKENS[-1] tokens each (drafting steps, verifications; not prefills) is padded up to a bucket
+On CUDA with `graphs` on, a pass that fits the largest bucket (by default 64 sessions feeding at
+most 16 tokens each: drafting steps, verifications; not prefills) is padded up to a bucket
 (sessions, tokens, gathered length: powers of two) and replayed as a CUDA graph captured at the
-bucket's first use: one launch instead of hundreds (benchmarks/gpu/static_pass.py measured it on an
-H100: a 0.5B draft step at batch 1 in 2.78 ms captured, 30.8 eager). Padding sessions write to a
-scratch row (`slots`). Eager (`graphs` off, and on the CPU) is the reference the tests compare against.
+bucket's first use: one launch instead of hundreds (docs/performance.md, "On a GPU"). Padding
+sessions write to a scratch row (`slots`). Eager (`graphs` off, and on the CPU) is the reference the
+tests compare against. The cache's settings (rows, capacity, graphs, buckets) are one
+`StaticOptions`, given when it is built.
 """
 
 from __future__ import annotations
@@ -51,6 +52,21 @@ def bucket(value: int, sizes) -> int | None:
     return next((size for size in sizes if size >= value), None)
 
 
+@dataclass(frozen=True)
+class StaticOptions:
+    """The static cache's settings (`CausalLMRuntime(model, kv="static", static=StaticOptions(...))`)."""
+
+    slots: int = DEFAULT_SLOTS  # rows: sessions one cache holds (and one pass at most)
+    capacity: int = DEFAULT_CAPACITY  # positions per row (at most the model's context)
+    graphs: bool = False  # on CUDA (one device), replay the passes that fit a bucket as captured graphs
+    # with `graphs`, off CUDA too: pad each such pass to its bucket and run it eagerly, what a replay
+    # computes (nothing is captured there; the tests and the GPU benchmark's CPU smoke run)
+    pad_off_cuda: bool = False
+    graph_sessions: tuple[int, ...] = GRAPH_SESSIONS  # the buckets' sessions per pass
+    graph_tokens: tuple[int, ...] = GRAPH_TOKENS  # the buckets' tokens per session (a longer feed: a pass of its own)
+    min_graph_length: int = MIN_GRAPH_LENGTH  # the buckets' gathered positions: powers of two from here
+
+
 @dataclass
 class StaticBatch:
     """One pass's layout over B sessions feeding at most k tokens each (the module docstring's example)."""
@@ -64,10 +80,11 @@ class StaticBatch:
 class StaticKV:
     """Every session in a row of one preallocated cache (the module docstring)."""
 
-    def __init__(self, model, slots: int = DEFAULT_SLOTS, capacity: int = DEFAULT_CAPACITY, graphs: bool = False):
+    def __init__(self, model, options: StaticOptions = StaticOptions()):
         config = model.config
         model.set_attn_implementation(STATIC_ATTENTION)
-        self.capacity = min(capacity, config.max_position_embeddings)
+        self.options, slots = options, options.slots
+        self.capacity = min(options.capacity, config.max_position_embeddings)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # + 1 row and position: the padding sessions' and tokens' scratch
         shape = (slots + 1, self.capacity + 1, config.num_key_value_heads, head_dim)
@@ -77,11 +94,12 @@ class StaticKV:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for device in devices]
         self.pool = SlotPool(slots)
         self.max_pass_sessions = slots
-        # CUDA on one device only: padding buys nothing without a graph (the tests set it on the CPU
-        # to check the buckets' padding, replayed eagerly), and a sharded model runs eagerly
-        self.graphs = graphs and model.device.type == "cuda" and len(set(devices)) == 1
+        # CUDA on one device only: padding buys nothing without a graph (`pad_off_cuda` pads on the
+        # CPU to check the buckets' padding, replayed eagerly), and a sharded model runs eagerly
+        on_cuda = model.device.type == "cuda"
+        self.graphs = options.graphs and (len(set(devices)) == 1 if on_cuda else options.pad_off_cuda)
         self._captured: dict[tuple[int, int, int], CapturedPass] = {}
-        self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None  # shared by every capture
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs and on_cuda else None  # shared by every capture
 
     def new_session(self) -> KVSession:
         return KVSession()  # a row is attached at its first pass
@@ -102,8 +120,9 @@ class StaticKV:
                 raise ValueError(f"a session of {len(feed.session) + len(feed.tokens)} positions does not fit the "
                                  f"static cache's {self.capacity} (raise its capacity)")
         # every feed is padded to the longest: a long one (a prefill, a catch-up) runs in a pass of its own
-        short = [f for f in feeds if len(f.tokens) <= GRAPH_TOKENS[-1]]
-        groups = ([short] if short else []) + [[f] for f in feeds if len(f.tokens) > GRAPH_TOKENS[-1]]
+        most = self.options.graph_tokens[-1]
+        short = [f for f in feeds if len(f.tokens) <= most]
+        groups = ([short] if short else []) + [[f] for f in feeds if len(f.tokens) > most]
         if len(groups) == 1:
             return self._pass(model, feeds)
         rows = {id(f): part for group in groups
@@ -112,7 +131,22 @@ class StaticKV:
 
     def _pass(self, model, feeds: list[Feed]) -> torch.Tensor:
         """One [B, k] pass over feeds whose sessions hold rows: hidden states [sum num_outputs, H]."""
-        device, width = model.device, max(len(f.tokens) for f in feeds)
+        input_ids, batch = self.layout(feeds, model.device)
+        captured = self.captured_pass(model, *input_ids.shape, batch.length) if self.graphs else None
+        if captured is not None:
+            last_hidden = captured.run(input_ids, batch)  # [B, k, H]
+        else:
+            last_hidden = self.forward(model, input_ids, batch)
+        device = model.device
+        rows = [(b, i) for b, f in enumerate(feeds) for i in range(len(f.tokens) - f.num_outputs, len(f.tokens))]
+        index_b = torch.tensor([b for b, _ in rows], dtype=torch.long, device=device)  # empty where nothing is read
+        index_i = torch.tensor([i for _, i in rows], dtype=torch.long, device=device)
+        return last_hidden[index_b, index_i]  # [sum num_outputs, H]
+
+    def layout(self, feeds: list[Feed], device: torch.device) -> tuple[torch.Tensor, StaticBatch]:
+        """(input_ids [B, k], their batch) for one pass over feeds whose sessions hold rows (the module
+        docstring's example); nothing is written until `forward` or a captured pass runs them."""
+        width = max(len(f.tokens) for f in feeds)
         starts = torch.tensor([len(f.session) for f in feeds], device=device)  # [B]
         counts = torch.tensor([len(f.tokens) for f in feeds], device=device)  # [B]
         steps = torch.arange(width, device=device)
@@ -125,15 +159,7 @@ class StaticKV:
         batch = StaticBatch(torch.tensor([f.session.handle for f in feeds], device=device), positions, mask, length)
         input_ids = torch.tensor([f.tokens + [0] * (width - len(f.tokens)) for f in feeds], dtype=torch.long,
                                  device=device)  # [B, k]
-        captured = self._captured_pass(model, len(feeds), width, length) if self.graphs else None
-        if captured is not None:
-            last_hidden = captured.run(input_ids, batch)  # [B, k, H]
-        else:
-            last_hidden = self.forward(model, input_ids, batch)
-        rows = [(b, i) for b, f in enumerate(feeds) for i in range(len(f.tokens) - f.num_outputs, len(f.tokens))]
-        index_b = torch.tensor([b for b, _ in rows], dtype=torch.long, device=device)  # empty where nothing is read
-        index_i = torch.tensor([i for _, i in rows], dtype=torch.long, device=device)
-        return last_hidden[index_b, index_i]  # [sum num_outputs, H]
+        return input_ids, batch
 
     def forward(self, model, input_ids: torch.Tensor, batch: StaticBatch) -> torch.Tensor:
         """input_ids [B, k] -> the final hidden states [B, k, H], writing the tokens' keys and values."""
@@ -141,12 +167,18 @@ class StaticKV:
                            attention_mask={"full_attention": None}, use_cache=False, static=batch,
                            static_kv=self).last_hidden_state
 
-    def _captured_pass(self, model, sessions: int, tokens: int, length: int) -> CapturedPass | None:
-        """The graph for this pass's bucket, captured at its first use; None where the pass is
-        larger than every bucket (a prefill: eager)."""
-        key = (bucket(sessions, GRAPH_SESSIONS), bucket(tokens, GRAPH_TOKENS),
-               bucket(length, [MIN_GRAPH_LENGTH << i for i in range(32)]))
-        if None in key or key[2] > self.capacity + 1:
+    def graph_bucket(self, sessions: int, tokens: int, length: int) -> tuple[int, int, int] | None:
+        """The bucket (sessions, tokens, gathered length) a pass of this size is padded to and
+        replayed as; None where the pass is larger than every bucket (a prefill: eager)."""
+        options = self.options
+        key = (bucket(sessions, options.graph_sessions), bucket(tokens, options.graph_tokens),
+               bucket(length, [options.min_graph_length << i for i in range(32)]))
+        return None if None in key or key[2] > self.capacity + 1 else key
+
+    def captured_pass(self, model, sessions: int, tokens: int, length: int) -> CapturedPass | None:
+        """The graph for this pass's bucket, captured at its first use (None: `graph_bucket`'s)."""
+        key = self.graph_bucket(sessions, tokens, length)
+        if key is None:
             return None
         if key not in self._captured:
             self._captured[key] = CapturedPass(self, model, *key)

@@ -13,8 +13,6 @@ import asyncio
 import json
 import math
 import os
-import sys
-from pathlib import Path
 
 import grpc
 import httpx
@@ -33,8 +31,7 @@ from specdec.builder import EngineConfig
 from specdec.params import build_params
 from specdec.v1 import common_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.load import RssSampler, run_load, wait_until_idle  # noqa: E402
+from benchmarks.load import RssSampler, run_load, wait_until_idle
 from engine_backend import free_ports
 
 API_KEY = "test-key-5d1e"
@@ -459,7 +456,7 @@ def test_http_client_disconnect_frees_sessions(served, route):
 
 
 # ------------------------------------------------------------------------------------------------
-# Load (short form; `python benchmarks/load.py --tiny ...` is the full one)
+# Load (short form; `python -m benchmarks.load --tiny ...` is the full one)
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_short_load_loses_nothing(served, tiny_engine, protocol):

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import httpx
@@ -27,10 +25,8 @@ from specdec.params import build_params
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 from services.config import AppConfig, ReplicaConfig
 from services.launch import APP_NAME, start
+from benchmarks.load import wait_until_idle
 from engine_backend import free_ports
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.load import wait_until_idle  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "Write a haiku about caches.", "SELECT name FROM users WHERE"]
 MIXED = [("svip", None), ("fixed", 3), ("heuristic", 2), ("confidence", None), ("target-only", None),

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from benchmarks import concurrency  # noqa: E402
+from benchmarks import concurrency
 
 
 def row(mode: str, policy: str, level: int, tps: float) -> dict:

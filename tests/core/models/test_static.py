@@ -9,8 +9,7 @@ import torch
 from specdec.engine import SpecDecEngine
 from specdec.models.cache import Feed
 from specdec.models.runtime import DraftRuntime, TargetRuntime
-from specdec.models import static
-from specdec.models.static import StaticKV
+from specdec.models.static import StaticOptions
 from specdec.params import build_params
 from tiny import tiny_model
 
@@ -24,11 +23,8 @@ def reference(model, history, candidates):
     return logits
 
 
-def small_static(model, slots: int, capacity: int = 64, graphs: bool = False) -> TargetRuntime:
-    runtime = TargetRuntime(model, kv="static")
-    runtime.kv = StaticKV(model, slots=slots, capacity=capacity, graphs=graphs)
-    runtime.max_pass_sessions = slots
-    return runtime
+def small_static(model, slots: int, capacity: int = 64, **options) -> TargetRuntime:
+    return TargetRuntime(model, kv="static", static=StaticOptions(slots=slots, capacity=capacity, **options))
 
 
 def test_a_session_evicted_for_another_reprefills_from_its_history():
@@ -85,16 +81,15 @@ def test_the_engine_on_static_caches_decodes_greedily_as_target_only_on_slots():
     assert [r.completions[0].token_ids for r in got] == [r.completions[0].token_ids for r in want]
 
 
-def test_passes_padded_to_their_graph_bucket_give_the_eager_outputs(monkeypatch):
+def test_passes_padded_to_their_graph_bucket_give_the_eager_outputs():
     """What a CUDA graph replays: the pass padded to a bucket of sessions, tokens and length, the
-    padding on the scratch row (on the CPU nothing is captured; the padded pass runs eagerly).
-    Round after round (3 sessions -> bucket 4, K = 0..2 -> k bucket 4, lengths past 32 -> 64),
-    every row equals an unpadded eager pass's."""
-    monkeypatch.setattr(static, "MIN_GRAPH_LENGTH", 32)
+    padding on the scratch row (on the CPU nothing is captured; `pad_off_cuda` runs the padded pass
+    eagerly). Round after round (3 sessions -> bucket 4, K = 0..2 -> k bucket 4, lengths past 32 ->
+    64), every row equals an unpadded eager pass's."""
     padded_model, eager_model = (tiny_model(VOCAB, hidden_size=32, layers=2, seed=7) for _ in range(2))
-    padded = small_static(padded_model, slots=4, capacity=128)
-    padded.kv.graphs = True  # CUDA only by default: here the padded buckets replay eagerly
+    padded = small_static(padded_model, slots=4, capacity=128, graphs=True, pad_off_cuda=True, min_graph_length=32)
     eager = small_static(eager_model, slots=4, capacity=128)
+    assert padded.kv.graphs and not eager.kv.graphs
     histories = [list(range(1, 9)), [5, 6], [7] * 28]
     sessions = {runtime: [runtime.new_session() for _ in histories] for runtime in (padded, eager)}
     eager.score(sessions[eager], histories, [[] for _ in histories])  # prefills: eager on both
@@ -108,6 +103,13 @@ def test_passes_padded_to_their_graph_bucket_give_the_eager_outputs(monkeypatch)
         for b in range(len(histories)):
             histories[b] = histories[b] + candidates[b] + [int(want[b][-1].argmax())]
     assert sorted(padded.kv._captured) == [(2, 8, 32), (4, 4, 32), (4, 4, 64)]  # (2, 8): the two short prefills
+
+
+def test_graphs_off_cuda_only_where_padding_is_asked_for():
+    model = tiny_model(VOCAB, hidden_size=32, layers=2, seed=7)
+    assert not small_static(model, slots=1, graphs=True).kv.graphs  # the CPU captures nothing
+    assert small_static(model, slots=1, graphs=True, pad_off_cuda=True).kv.graphs
+    assert not small_static(model, slots=1, pad_off_cuda=True).kv.graphs
 
 
 def test_a_long_feed_runs_in_a_pass_of_its_own_and_the_rows_come_back_in_order():
@@ -135,14 +137,9 @@ def test_a_pass_that_reads_no_output_runs():
 def test_a_step_of_more_sessions_than_rows_drafts_in_groups_that_fit():
     """Within one drafting call a later pass would evict an earlier one's rows between its steps
     (workers.DraftWorker drafts in groups of at most the rows); verification passes split too."""
-    def runtime(role, model):
-        role.kv = StaticKV(model, slots=2, capacity=64)
-        role.max_pass_sessions = 2
-        return role
-
-    draft_model, target_model = tiny_model(VOCAB, hidden_size=16, layers=1, seed=8), tiny_model(VOCAB, hidden_size=32, layers=2, seed=7)
-    engine = SpecDecEngine(runtime(DraftRuntime(draft_model, kv="static"), draft_model),
-                           runtime(TargetRuntime(target_model, kv="static"), target_model))
+    rows = StaticOptions(slots=2, capacity=64)
+    engine = SpecDecEngine(DraftRuntime(tiny_model(VOCAB, hidden_size=16, layers=1, seed=8), kv="static", static=rows),
+                           TargetRuntime(tiny_model(VOCAB, hidden_size=32, layers=2, seed=7), kv="static", static=rows))
     plain = SpecDecEngine(DraftRuntime(tiny_model(VOCAB, hidden_size=16, layers=1, seed=8)),
                           TargetRuntime(tiny_model(VOCAB, hidden_size=32, layers=2, seed=7)))
     prompts = [p + [9] * i for i, p in enumerate(PROMPTS * 2)]  # 6 sessions a step, 2 rows
