@@ -60,6 +60,10 @@ class Run:
     outputs: dict[int, list[int]] = field(default_factory=dict)  # prompt index -> greedy tokens
     # served: the coordinator's live profile after the run (its /metrics; what the next run starts with)
     live_profile: dict[str, float] = field(default_factory=dict)
+    per_round: list[float] = field(default_factory=list)  # --rounds: each round's tok/s, in order
+
+    def __post_init__(self):
+        self.per_round = self.per_round or ([self.tokens_per_s] if self.wall_s else [])
 
     @property
     def tokens_per_s(self) -> float:
@@ -73,6 +77,7 @@ class Run:
         self.latency_s += other.latency_s
         self.first_token_s += other.first_token_s
         self.drafted, self.accepted = self.drafted + other.drafted, self.accepted + other.accepted
+        self.per_round = (self.per_round or [self.tokens_per_s]) + (other.per_round or [other.tokens_per_s])
         for index, tokens in other.outputs.items():
             self.outputs.setdefault(index, tokens)
         return self
@@ -85,7 +90,7 @@ class Run:
                 "tokens": self.tokens, "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s,
                 "latency_p50_s": pct(self.latency_s, 50), "latency_p99_s": pct(self.latency_s, 99),
                 "ttft_p50_s": pct(self.first_token_s, 50), "ttft_p99_s": pct(self.first_token_s, 99),
-                "drafted": self.drafted, "accepted": self.accepted,
+                "drafted": self.drafted, "accepted": self.accepted, "per_round_tokens_per_s": self.per_round,
                 **({"live_profile": self.live_profile} if self.live_profile else {})}
 
 
@@ -233,13 +238,24 @@ def mismatches(runs: list[Run]) -> list[str]:
     return found
 
 
+def by_round(row: dict, plain: dict | None) -> str:
+    """`--rounds`: the row's tok/s over target-only's, round by round (each round runs both, next to
+    each other): the median and the range of the ratios."""
+    if plain is None or len(row.get("per_round_tokens_per_s", [])) < 2:
+        return "-"
+    ratios = [a / b for a, b in zip(row["per_round_tokens_per_s"], plain["per_round_tokens_per_s"]) if b]
+    return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}, {len(ratios)} pairs)"
+
+
 def table(rows: list[dict]) -> str:
     alone = {(r["mode"], r["policy"]): r["tokens_per_s"] for r in rows if r["concurrency"] == 1}
     plain = {(r["mode"], r["concurrency"]): r["tokens_per_s"] for r in rows if r["policy"] == BASELINE}
+    plain_rows = {(r["mode"], r["concurrency"]): r for r in rows if r["policy"] == BASELINE}
     in_process = {(r["policy"], r["concurrency"]): r["tokens_per_s"] for r in rows if r["mode"] == "in-process"}
-    lines = ["| mode | policy | C | requests | tokens | tok/s (aggregate) | vs C=1 | vs target-only | served / in process "
+    lines = ["| mode | policy | C | requests | tokens | tok/s (aggregate) | vs C=1 | vs target-only | "
+             "vs target-only by round: median (range) | served / in process "
              "| latency p50 / p99 (s) | first token p50 / p99 (s) | drafted / accepted |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = alone.get((r["mode"], r["policy"]))
         baseline = plain.get((r["mode"], r["concurrency"]))
@@ -248,7 +264,8 @@ def table(rows: list[dict]) -> str:
         scaling = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         speedup = f"{r['tokens_per_s'] / baseline:.2f}x" if baseline else "-"
         lines.append(f"| {r['mode']} | {r['policy']} | {r['concurrency']} | {r['requests']} | {r['tokens']} | "
-                     f"{r['tokens_per_s']:.2f} | {scaling} | {speedup} | {ratio} | "
+                     f"{r['tokens_per_s']:.2f} | {scaling} | {speedup} | "
+                     f"{by_round(r, plain_rows.get((r['mode'], r['concurrency'])))} | {ratio} | "
                      f"{r['latency_p50_s']:.1f} / {r['latency_p99_s']:.1f} | "
                      f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {r['drafted']} / {r['accepted']} |")
     return "\n".join(lines)
@@ -277,7 +294,8 @@ def main() -> int:
                         help="kernels (auto: llama.cpp for the default pair on a CPU)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="in process: run each level's policies this many times, in order then reversed "
-                             "(A B B A), each policy's runs counted as one")
+                             "(A B B A), each policy's runs counted as one; the table adds each round's ratio to "
+                             "target-only, median and range (a claim wants at least 5)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
