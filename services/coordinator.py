@@ -19,7 +19,7 @@ from specdec.errors import InvalidRequestError
 from specdec.calls import RetryPolicy, RoundTransport
 from specdec.loop import BatchConfig, RoundLoop
 from specdec.params import GenerationParams
-from specdec.policies import PolicyConfig, policy_traits, resolve_policy
+from specdec.policies import PolicyConfig, policy_traits
 from specdec.sequences import RequestRules, RoundObserver
 from specdec.v1 import generation_pb2
 from services.convert import params_from_request, prompt_ids_from_request, stats_to_proto
@@ -44,9 +44,7 @@ class Coordinator:
 
     def prepare(self, request: generation_pb2.GenerateRequest) -> tuple[list[int], GenerationParams]:
         """Parse and validate a request before any model work; raises InvalidRequestError."""
-        params = params_from_request(request, self.default_policy)
-        policy = resolve_policy(params.policy, self.rules.has_head)
-        params = params.model_copy(update={"policy": policy})
+        params = self.rules.resolved(params_from_request(request, self.default_policy))
         if not policy_traits(params.policy.name).servable:
             raise InvalidRequestError(f"policy {params.policy.name!r} needs the target's continuation in advance and "
                                       "runs in process only (specdec generate, benchmarks/)")
@@ -56,8 +54,7 @@ class Coordinator:
             raise InvalidRequestError(f"max-new-tokens {params.max_new_tokens} exceeds the models' context of "
                                       f"{self.rules.max_context} tokens")
         prompt_ids = prompt_ids_from_request(request, self.rules, params)
-        self.rules.validate(prompt_ids, params)
-        return prompt_ids, params
+        return prompt_ids, self.rules.validate(prompt_ids, params)
 
     async def generate(self, request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateResponse:
         completions: dict[int, generation_pb2.Completion] = {}

@@ -146,11 +146,16 @@ class RequestRules:
             raise InvalidRequestError("this engine has no tokenizer: pass token ids")
         return self.tokenizer
 
+    def resolved(self, params: GenerationParams) -> GenerationParams:
+        """The params with the request's policy named (the default where it names none): resolved
+        once, this is what travels with its rounds."""
+        if params.policy.name:
+            return params
+        return params.model_copy(update={"policy": resolve_policy(params.policy, self.has_head)})
+
     def validate(self, prompt_ids: Sequence[int], params: GenerationParams) -> GenerationParams:
-        """Reject a request before any model work; else its params with the policy resolved (the
-        default named), which is what travels with its rounds."""
-        if not params.policy.name:
-            params = params.model_copy(update={"policy": resolve_policy(params.policy, self.has_head)})
+        """Reject a request before any model work; else its params, `resolved`."""
+        params = self.resolved(params)
         validate_policy(params.policy, has_head=self.has_head)
         name = params.policy.name
         if policy_traits(name).greedy_only and not params.sampling.greedy:
