@@ -69,7 +69,7 @@ class RetryPolicy:
         return min(self.first_backoff_s * 2 ** attempt, self.max_backoff_s)
 
 
-@dataclass
+@dataclass(slots=True)
 class Wire:
     """A session's wire state."""
 
@@ -137,7 +137,7 @@ class RoundCalls:
         for attempt in range(self.retry.attempts):
             if not pending:
                 return results, timings
-            wires = [self._wire.setdefault(s.session_id, Wire()) for s in pending]
+            wires = [self._wire.get(s.session_id) or self._wire.setdefault(s.session_id, Wire()) for s in pending]
             items = [build(s, wire.synced[role] is None) for s, wire in zip(pending, wires)]
             for wire in wires:
                 wire.contacted.add(role)

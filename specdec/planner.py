@@ -58,7 +58,7 @@ class SessionPlan:
     rests_until: int = 0  # history length before which it does not draft again (budget.rest_after)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RoundOutcome:
     """What a committed round tells the planner."""
 
@@ -221,16 +221,17 @@ class StepPlanner:
         """A step of `sessions` sessions: its passes' timings, and each committed round's outcome."""
         self.costs.observe(timings, sessions=sessions)
         for o in outcomes:
-            state = self._state(o.session)
             if o.draft_passes:  # the draft caught up with the history and fed y_1 .. y_{K-1}
+                state = self._state(o.session)
                 state.drafted_at = o.drafted_after + max(o.candidates - 1, 0)
+                if o.candidates:
+                    state.empty_rounds = 0
+                elif o.session.traits.budgeted:  # a draft pass spent for an empty round
+                    state.empty_rounds += 1
+                    state.rests_until = len(o.session.sample.history) + 1 + rest_after(state.empty_rounds)
             if o.candidates:  # n accepted, then one rejected unless all K were
                 self._accepted = self._accepted * ACCEPTANCE_DECAY + o.accepted
                 self._verified = self._verified * ACCEPTANCE_DECAY + o.accepted + (o.accepted < o.candidates)
-                state.empty_rounds = 0
-            elif o.draft_passes and o.session.traits.budgeted:  # a draft pass spent for an empty round
-                state.empty_rounds += 1
-                state.rests_until = len(o.session.sample.history) + 1 + rest_after(state.empty_rounds)
             sample = o.session.sample
             if sample.finish_reason is not None:
                 self._stopped = self._stopped * STOP_RATE_DECAY + (sample.finish_reason != FINISH_LENGTH)
