@@ -258,7 +258,7 @@ class StepDecision:
     pays: bool  # some allocation beats plain decoding if every candidate is accepted: the draft is on
     joins: tuple[bool, ...]  # per session ready to draft: it calls the draft this step
     curve_probe: int | None  # a target pass to time first: the decision weighed passes past the measured curve
-    probe_interval: int  # steps between off-probes while the draft is off
+    probe_interval: int = 0  # steps between off-probes while the draft is off (0: the draft is on)
 
 
 def decide_step(profile: CostProfile, sessions: int, cap: int, acceptance: float, upper: float,
@@ -275,15 +275,15 @@ def decide_step(profile: CostProfile, sessions: int, cap: int, acceptance: float
     measured curve: what the sessions will draft at `acceptance` (at `upper` where none would), or
     where none drafts a first candidate's B + 1 tokens."""
     bound, hopeful, likely = best_allocations(profile, sessions, cap, (1.0, upper, acceptance))
-    interval = probe_interval(profile, sessions, probe_share)
     if bound.saving <= 0:
-        return StepDecision(False, (False,) * len(lags), curve_probe(profile, sessions + 1), interval)
+        return StepDecision(False, (False,) * len(lags), curve_probe(profile, sessions + 1),
+                            probe_interval(profile, sessions, probe_share))
     likely = likely if hopeful.drafters else hopeful
     judged = hopeful if all(lag <= IN_STEP_LAG for lag in lags) else draining_allocation(
         profile, hopeful, sessions, cap, upper, statistics.median_low(left), stop_rate)
     joins = who_drafts(profile, judged, sessions, list(lags), [expected_remaining(n, stop_rate) for n in left])
     wanted = max(likely.drafters * likely.candidates, 1) if any(joins) else 1
-    return StepDecision(True, tuple(joins), curve_probe(profile, sessions + wanted), interval)
+    return StepDecision(True, tuple(joins), curve_probe(profile, sessions + wanted))
 
 
 def replay_round(profile: CostProfile, acceptance: list[float], limit: int) -> tuple[int, int]:

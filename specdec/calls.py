@@ -109,25 +109,24 @@ class RoundCalls:
         """One scratch target pass of `tokens` tokens, timed (the planner's curve probe)."""
         return (await self.transport.verify([], probe_tokens=tokens)).passes
 
-    def _propose_item(self, s: LoopSample, full: bool, probe: str | None = None) -> ProposeItem:
-        history, params, wire = s.sample.history, s.request.params, self._wire[s.session_id]
+    def _propose_item(self, s: LoopSample, wire: Wire, probe: str | None = None) -> ProposeItem:
+        history, params, full = s.sample.history, s.request.params, wire.synced["draft"] is None
         return ProposeItem(
-            session_id=s.session_id, history=delta_for(history, None if full else wire.synced["draft"]),
+            session_id=s.session_id, history=delta_for(history, wire.synced["draft"]),
             policy=params.policy, sampling=params.sampling, max_candidates=self.rules.candidate_budget(s.sample, params),
             num_generated=len(s.sample.generated),
             rounds=list(wire.outcomes if full else wire.outcomes[len(wire.outcomes) - wire.unsent:]),
             seed=RoundSeed(s.request.seed, s.index, s.round_index), reference=s.request.reference,
             probe=s.session_id == probe)
 
-    def _verify_item(self, s: LoopSample, full: bool, proposals: dict[LoopSample, Proposal]) -> VerifyItem:
+    def _verify_item(self, s: LoopSample, wire: Wire, proposals: dict[LoopSample, Proposal]) -> VerifyItem:
         proposal = proposals.get(s, NO_PROPOSAL)
         return VerifyItem(
-            session_id=s.session_id,
-            history=delta_for(s.sample.history, None if full else self._wire[s.session_id].synced["verifier"]),
+            session_id=s.session_id, history=delta_for(s.sample.history, wire.synced["verifier"]),
             candidates=proposal.candidates, draft_probs=proposal.draft_probs, sampling=s.request.params.sampling,
             seed=RoundSeed(s.request.seed, s.index, s.round_index))
 
-    async def _call(self, role: Role, sessions: list[LoopSample], build: Callable[[LoopSample, bool], object],
+    async def _call(self, role: Role, sessions: list[LoopSample], build: Callable[[LoopSample, Wire], object],
                     send: Callable[[list], object]) -> tuple[dict[LoopSample, object], list[PassTiming]]:
         """One batched call for every session (as deltas); SessionMissing answers are sent again in
         full, Unreachable ones retried after a backoff; Refused ones fail their session only."""
@@ -138,7 +137,7 @@ class RoundCalls:
             if not pending:
                 return results, timings
             wires = [self._wire.get(s.session_id) or self._wire.setdefault(s.session_id, Wire()) for s in pending]
-            items = [build(s, wire.synced[role] is None) for s, wire in zip(pending, wires)]
+            items = [build(s, wire) for s, wire in zip(pending, wires)]
             for wire in wires:
                 wire.contacted.add(role)
             try:
@@ -200,9 +199,9 @@ class RoundCalls:
     async def release(self, leaving: Sequence[LoopSample]) -> None:
         """Free the sessions' caches wherever they may be held. Best effort: a replica that lost the
         session (or is gone) has nothing to free."""
-        wires = [self._wire.pop(s.session_id, Wire()) for s in leaving]
+        contacted = [wire.contacted if (wire := self._wire.pop(s.session_id, None)) else () for s in leaving]
         calls = [asyncio.wait_for(self.transport.release(role, ids), RELEASE_TIMEOUT_S) for role in ROLES
-                 if (ids := [s.session_id for s, wire in zip(leaving, wires) if role in wire.contacted])]
+                 if (ids := [s.session_id for s, roles in zip(leaving, contacted) if role in roles])]
         for outcome in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(outcome, Exception):  # the request's result does not depend on it
                 logger.debug("a release failed: %s", outcome)

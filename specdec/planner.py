@@ -211,11 +211,12 @@ class StepPlanner:
         if profile is not None and self.drafting:
             return None
         self._off_steps += 1
-        due = self._off_steps & (self._off_steps - 1) == 0 if profile is None else self._off_steps >= self._probe_interval
-        if not due:
-            return None
-        self._off_steps = 0 if profile is not None else self._off_steps
-        return budgeted[0]
+        if profile is None:  # powers of two: bounded where the timings never come back
+            due = self._off_steps & (self._off_steps - 1) == 0
+        else:
+            due = self._off_steps >= self._probe_interval
+            self._off_steps = 0 if due else self._off_steps
+        return budgeted[0] if due else None
 
     def observe(self, outcomes: Sequence[RoundOutcome], timings: Sequence[PassTiming], sessions: int) -> None:
         """A step of `sessions` sessions: its passes' timings, and each committed round's outcome."""
@@ -243,7 +244,10 @@ class StepPlanner:
             self._sessions.pop(s.session_id, None)
 
     def _state(self, s: LoopSample) -> SessionPlan:
-        return self._sessions.setdefault(s.session_id, SessionPlan())
+        state = self._sessions.get(s.session_id)
+        if state is None:
+            state = self._sessions[s.session_id] = SessionPlan()
+        return state
 
 
 def lane_planners(lanes: int, time_target: TimeTarget | None = None, observer: RoundObserver | None = None,
