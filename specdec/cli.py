@@ -237,8 +237,24 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    from specdec.training.config import load_config
+    from specdec.training.draft import check_draft_data, train_draft
+
+    config = load_config(args.config)
+    check_draft_data(config)  # a foreign, empty or corrupt dataset, a missing target, fail before Ray starts
+    start_ray(args.address)
+    report = train_draft(config)
+    final = report["final"]
+    accepted = ", ".join(f"{k.removeprefix('val_acc_')} {v:.3f}" for k, v in final.items() if k.startswith("val_acc_"))
+    print(f"feature draft saved to {config.draft.output}: {report['parameters']:,} parameters, "
+          f"{report['vocabulary']['ids']} output ids; validation greedy acceptance: {accepted}", file=sys.stderr)
+    return 0
+
+
 def add_training_parsers(commands) -> None:
-    gen = commands.add_parser("gen-data", help="generate the acceptance head's training data on Ray (resumable)")
+    gen = commands.add_parser("gen-data", help="generate training data on Ray (resumable): the acceptance head's "
+                                               "labels or the feature draft's target states (data.kind)")
     gen.add_argument("--config", required=True, help="pipeline YAML (see cluster/training/)")
     gen.add_argument("--address", default=None, help="Ray address (default $RAY_ADDRESS, else a new local instance)")
     gen.add_argument("--reuse-responses", default=None, metavar="DIR",
@@ -254,6 +270,12 @@ def add_training_parsers(commands) -> None:
     train.add_argument("--address", default=None, help="Ray address (default $RAY_ADDRESS, else a new local instance)")
     train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     train.set_defaults(func=cmd_train_head)
+
+    draft = commands.add_parser("train-draft", help="train the feature draft with Ray Train (resumable)")
+    draft.add_argument("--config", required=True, help="pipeline YAML with data.kind features and a draft section")
+    draft.add_argument("--address", default=None, help="Ray address (default $RAY_ADDRESS, else a new local instance)")
+    draft.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    draft.set_defaults(func=cmd_train_draft)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -132,8 +132,28 @@ class LabelsSection(Strict):
                 for t in self.temperatures for _ in range(1 if t == 0.0 else self.draws)]
 
 
+class FeaturesSection(Strict):
+    """What a `features` dataset keeps at every position of prompt + response, for the feature draft
+    (models/feature_draft.py): the target's hidden states after these decoder layers (0-based:
+    low, middle and high by default) and its output state (the final norm's, which its LM head
+    reads: the soft targets and the one-layer variant's input)."""
+
+    layers: list[int] = Field(default_factory=lambda: [1, 13, 24])
+
+    @field_validator("layers")
+    @classmethod
+    def _layers(cls, layers: list[int]) -> list[int]:
+        if any(i < 0 for i in layers) or len(set(layers)) < len(layers) or layers != sorted(layers):
+            raise ValueError("must be distinct decoder layer indices >= 0, in increasing order")
+        return layers
+
+
 class DataSection(Strict):
     dir: str = Field(min_length=1, description="shards and manifest.json")
+    # `labels`: the acceptance head's data (responses, labels); `features`: the feature draft's
+    # (responses and the target's hidden states; training/data.py).
+    kind: Literal["labels", "features"] = "labels"
+    features: FeaturesSection = FeaturesSection()
     prompts: PromptsSection = PromptsSection()
     response: ResponseSection = ResponseSection()
     labels: LabelsSection = LabelsSection()
@@ -184,6 +204,32 @@ class TrainSection(Strict):
         return self
 
 
+class DraftTrainSection(Strict):
+    """`specdec train-draft`: the feature draft (models/feature_draft.py) on a `features` dataset."""
+
+    storage: str = Field(min_length=1, description="Ray Train storage path: checkpoints")
+    name: str = Field("feature-draft", min_length=1, pattern=r"^[\w.-]+$", description="run name (resume key)")
+    output: str = Field(min_length=1, description="where the trained draft is saved")
+    # What g_t reads: `fused` = the dataset's layers (low, middle, high) reduced to one width, or
+    # `output` = the target's output state alone.
+    inputs: Literal["fused", "output"] = "fused"
+    intermediate_size: int | None = Field(4480, ge=1, description="the layer's MLP width (None: the target's)")
+    vocab_coverage: float = Field(0.99, gt=0.0, le=1.0, description="share of train response tokens the trimmed vocabulary covers")
+    steps: int = Field(3, ge=1, le=8, description="draft steps unrolled in training (training-time test)")
+    step_decay: float = Field(0.8, gt=0.0, le=1.0, description="loss weight of step j: step_decay ** (j - 1)")
+    prompt_weight: float = Field(0.5, ge=0.0, le=1.0, description="loss weight of positions that predict prompt tokens")
+    epochs: int = Field(4, ge=1)
+    batch_size: int = Field(8, ge=1, description="sequences per optimizer step")
+    lr: float = Field(5e-4, gt=0.0)
+    warmup_steps: int = Field(50, ge=0)
+    weight_decay: float = Field(0.01, ge=0.0)
+    checkpoint_every: int = Field(100, ge=1, description="optimizer steps between checkpoints (the unit of resume)")
+    max_tokens: int = Field(1024, ge=8, description="longest prompt + response trained on (longer ones are cut)")
+    seed: int = Field(0, ge=0)
+
+    _expand_paths = field_validator("storage", "output")(_expand)
+
+
 class SweepSection(Strict):
     depths: list[int] = Field(default_factory=lambda: list(range(MAX_DEPTH + 1)), min_length=1)
     w_rej: list[float] = Field(default_factory=lambda: [1.0, 3.0, 6.0, 12.0], min_length=1)
@@ -210,11 +256,19 @@ class PipelineConfig(Strict):
     scaling: ScalingSection = ScalingSection()
     train: TrainSection | None = None
     sweep: SweepSection = SweepSection()
+    draft: DraftTrainSection | None = None
 
     def require_train(self) -> TrainSection:
         if self.train is None:
             raise ConfigError("the config has no `train` section")
         return self.train
+
+    def require_draft(self) -> DraftTrainSection:
+        if self.draft is None:
+            raise ConfigError("the config has no `draft` section (what `specdec train-draft` trains)")
+        if self.data.kind != "features":
+            raise ConfigError("data.kind must be `features` to train a feature draft")
+        return self.draft
 
 
 def load_config(path: str | Path) -> PipelineConfig:

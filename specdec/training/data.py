@@ -27,6 +27,16 @@ Layout of `data.dir`:
 Shards hold token ids and labels only (a few bytes per token); the draft's hidden states are
 computed at training time (train.py), because they depend on the mixing draw and are ~1000x larger.
 
+The `features` kind (`data.kind`) is the feature draft's data (models/feature_draft.py, trained by
+training/draft.py): the same prompts, responses, resume and checks, and instead of labels the
+target's own states at every position of prompt + response, from one teacher-forced pass: after the
+decoder layers `data.features.layers` and its output state (the final norm's), bfloat16:
+
+    shard-00000.parquet    one row per prompt: prompt_id, split, prompt_ids, response_ids,
+    ...                    finish_reason, seed, states (bytes of [T, layers + 1, H] bfloat16)
+
+A features dataset depends on the target alone (no draft identity, no labels in its settings).
+
 Resume: a shard is written to a temporary name and renamed, so a shard on disk is complete; a
 rerun reads the prompt ids of every shard, skips those prompts, and rebuilds the manifest from the
 shards on disk. A rerun with other models or settings into the same directory is refused.
@@ -59,6 +69,11 @@ SHARD_PREFIX, SHARD_SUFFIX = "shard-", ".parquet"
 SPLITS = ("train", "validation")
 SHARD_COLUMNS = ("prompt_id", "split", "prompt_ids", "response_ids", "label_temperatures", "draft_ids", "labels",
                  "finish_reason", "seed")
+FEATURE_COLUMNS = ("prompt_id", "split", "prompt_ids", "response_ids", "finish_reason", "seed", "states")
+KIND_COLUMNS = {"labels": SHARD_COLUMNS, "features": FEATURE_COLUMNS}
+# what the manifest's entry of a shard reads (a features shard's states are megabytes)
+ENTRY_COLUMNS = {"labels": ("prompt_id", "split", "response_ids", "labels"),
+                 "features": ("prompt_id", "split", "prompt_ids", "response_ids")}
 SEED_BITS = 63
 FINISH_TOO_LONG = "prompt_too_long"  # a row with no response: over max_prompt_tokens or the models' context
 
@@ -216,37 +231,80 @@ class ExampleWriter:
                 row.update(response_ids=completion.token_ids, finish_reason=completion.finish_reason)
         generated = {id(row) for row in to_generate}
         for row in rows:
-            if not row["response_ids"]:
-                continue
-            target_logits = (self.target.committed_logits(row["prompt_ids"], row["response_ids"])
-                             if id(row) in generated else None)
-            sets = label_response(self.engine.draft.model, self.target.model, row["prompt_ids"], row["response_ids"],
-                                  self.data.labels.sets(), torch.Generator().manual_seed(row["seed"]), target_logits)
-            row.update(label_temperatures=[s.temperature for s in sets], draft_ids=[s.draft_ids for s in sets],
-                       labels=[s.labels for s in sets])
+            if row["response_ids"]:
+                self.annotate(row, generated=id(row) in generated)
         self.target.calls.clear()
         return rows
+
+    def annotate(self, row: dict, generated: bool) -> None:
+        """Label sets of a row with a response (its target logits recorded when it was just generated)."""
+        target_logits = self.target.committed_logits(row["prompt_ids"], row["response_ids"]) if generated else None
+        sets = label_response(self.engine.draft.model, self.target.model, row["prompt_ids"], row["response_ids"],
+                              self.data.labels.sets(), torch.Generator().manual_seed(row["seed"]), target_logits)
+        row.update(label_temperatures=[s.temperature for s in sets], draft_ids=[s.draft_ids for s in sets],
+                   labels=[s.labels for s in sets])
+
+
+@torch.inference_mode()
+def target_states(model, token_ids: Sequence[int], layers: Sequence[int]) -> torch.Tensor:
+    """[T, len(layers) + 1, H] bfloat16: the hidden states after each decoder layer in `layers` and the
+    output state (after the final norm) at every position of `token_ids`, from one forward pass."""
+    caught = {}
+    hooks = [model.model.layers[i].register_forward_hook(
+        lambda module, args, out, i=i: caught.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+        for i in layers]
+    try:
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=next(model.parameters()).device)
+        final = model.model(input_ids=ids).last_hidden_state  # [1, T, H]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return torch.stack([caught[i][0] for i in layers] + [final[0]], dim=1).to(torch.bfloat16).cpu()
+
+
+def states_bytes(states: torch.Tensor) -> bytes:
+    return states.contiguous().view(torch.int16).numpy().tobytes()
+
+
+def states_from_bytes(data: bytes, tokens: int, hidden_size: int) -> torch.Tensor:
+    """The inverse of `states_bytes`: [tokens, L + 1, H] bfloat16."""
+    import numpy as np
+
+    flat = torch.from_numpy(np.frombuffer(data, dtype=np.int16).copy()).view(torch.bfloat16)
+    return flat.view(tokens, -1, hidden_size)
+
+
+class FeatureWriter(ExampleWriter):
+    """The `features` kind: the target's states over prompt + response instead of labels."""
+
+    def annotate(self, row: dict, generated: bool) -> None:
+        ids = list(row["prompt_ids"]) + list(row["response_ids"])
+        row["states"] = states_bytes(target_states(self.target.model, ids, self.data.features.layers))
 
 
 # -- shards and the manifest ---------------------------------------------------------------------
 
-def shard_schema():
+def shard_schema(kind: str = "labels"):
     import pyarrow as pa
 
-    return pa.schema([("prompt_id", pa.string()), ("split", pa.string()), ("prompt_ids", pa.list_(pa.int32())),
-                      ("response_ids", pa.list_(pa.int32())), ("label_temperatures", pa.list_(pa.float32())),
-                      ("draft_ids", pa.list_(pa.list_(pa.int32()))), ("labels", pa.list_(pa.list_(pa.float32()))),
-                      ("finish_reason", pa.string()), ("seed", pa.int64())])
+    common = [("prompt_id", pa.string()), ("split", pa.string()), ("prompt_ids", pa.list_(pa.int32())),
+              ("response_ids", pa.list_(pa.int32()))]
+    if kind == "features":
+        return pa.schema(common + [("finish_reason", pa.string()), ("seed", pa.int64()), ("states", pa.binary())])
+    return pa.schema(common + [("label_temperatures", pa.list_(pa.float32())),
+                               ("draft_ids", pa.list_(pa.list_(pa.int32()))), ("labels", pa.list_(pa.list_(pa.float32()))),
+                               ("finish_reason", pa.string()), ("seed", pa.int64())])
 
 
-def write_shard(directory: Path, index: int, rows: list[dict]) -> Path:
+def write_shard(directory: Path, index: int, rows: list[dict], kind: str = "labels") -> Path:
     """Write rows as shard `index`, atomically (temporary name, then rename)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     path = directory / f"{SHARD_PREFIX}{index:05d}{SHARD_SUFFIX}"
     partial = path.with_name(path.name + ".partial")
-    pq.write_table(pa.Table.from_pylist(rows, schema=shard_schema()), partial)
+    rows = [{name: row.get(name) for name in KIND_COLUMNS[kind]} for row in rows]
+    pq.write_table(pa.Table.from_pylist(rows, schema=shard_schema(kind)), partial)
     os.replace(partial, path)
     return path
 
@@ -262,7 +320,7 @@ def read_shard(path: Path, expected_sha256: str | None = None, columns: Sequence
     if expected_sha256 is not None and sha256_file(path) != expected_sha256:
         raise DatasetError(f"shard {path} is corrupt: its sha256 differs from the manifest's")
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(path, columns=[c for c in columns if c in pq.read_schema(path).names])
     except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
         raise DatasetError(f"shard {path} is corrupt or not parquet: {one_line(exc)}") from None
     missing = [c for c in columns if c not in table.column_names]
@@ -274,10 +332,14 @@ def read_shard(path: Path, expected_sha256: str | None = None, columns: Sequence
 
 
 def shard_entry(path: Path, table) -> dict:
-    """`tokens`: labelled tokens (every label set's), `positions`: response tokens."""
+    """`tokens`: labelled tokens (every label set's; a features shard: positions with states, prompt
+    and response), `positions`: response tokens."""
     splits = table.column("split").to_pylist()
     positions = [len(x) for x in table.column("response_ids").to_pylist()]
-    tokens = [sum(len(labels) for labels in sets) for sets in table.column("labels").to_pylist()]
+    if "labels" in table.column_names:
+        tokens = [sum(len(labels) for labels in sets) for sets in table.column("labels").to_pylist()]
+    else:
+        tokens = [len(p) + n if n else 0 for p, n in zip(table.column("prompt_ids").to_pylist(), positions)]
     per_split = {s: {"sequences": sum(1 for x in splits if x == s),
                      "positions": sum(n for x, n in zip(splits, positions) if x == s),
                      "tokens": sum(t for x, t in zip(splits, tokens) if x == s)} for s in SPLITS}
@@ -294,12 +356,18 @@ def model_entry(source: str, role: str, cache_dir: str | None) -> dict:
     model_dir = resolve_model(source, role=role, cache=cache_dir, progress=True)
     config = AutoConfig.from_pretrained(model_dir)
     return {"source": source, "identity": model_identity(model_dir), "dir": str(model_dir),
-            "hidden_size": config.hidden_size, "vocab_size": config.vocab_size}
+            "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
+            "num_hidden_layers": config.num_hidden_layers}
 
 
-def settings_of(config: PipelineConfig, draft: dict, target: dict) -> dict:
-    """What must be equal for shards to belong to one dataset."""
+def settings_of(config: PipelineConfig, draft: dict | None, target: dict) -> dict:
+    """What must be equal for shards to belong to one dataset (a features dataset's: no draft, no labels)."""
     data = config.data
+    if data.kind == "features":
+        return {"format_version": FORMAT_VERSION, "kind": data.kind, "target_identity": target["identity"],
+                "prompt_source": data.prompts.source, "validation_fraction": data.prompts.validation_fraction,
+                "max_prompt_tokens": data.prompts.max_prompt_tokens, "response": data.response.model_dump(),
+                "seed": data.seed, "layers": data.features.layers, "states_dtype": "bfloat16"}
     return {"format_version": FORMAT_VERSION, "draft_identity": draft["identity"], "target_identity": target["identity"],
             "prompt_source": data.prompts.source, "validation_fraction": data.prompts.validation_fraction,
             "max_prompt_tokens": data.prompts.max_prompt_tokens,
@@ -392,6 +460,9 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
     if draft["vocab_size"] != target["vocab_size"]:
         raise IncompatibleModelsError(f"draft and target vocabularies differ ({draft['vocab_size']} vs "
                                       f"{target['vocab_size']} tokens)")
+    if data.kind == "features" and max(data.features.layers, default=-1) >= target["num_hidden_layers"]:
+        raise IncompatibleModelsError(f"data.features.layers: the target has {target['num_hidden_layers']} "
+                                      f"decoder layers (0..{target['num_hidden_layers'] - 1})")
     settings = settings_of(config, draft, target)
     if prompts is None:
         sources, source = source_prompts(data.prompts)
@@ -403,12 +474,12 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
     out.mkdir(parents=True, exist_ok=True)
     if (out / MANIFEST_FILE).is_file():
         _check_same_settings(out, read_manifest(out).get("settings", {}), settings)
-    tables = {path: read_shard(path) for path in shard_paths(out)}  # each shard read once
+    tables = {path: read_shard(path, columns=ENTRY_COLUMNS[data.kind]) for path in shard_paths(out)}
     shards = [shard_entry(path, table) for path, table in tables.items()]
     done = {pid for table in tables.values() for pid in table.column("prompt_id").to_pylist()}
     # reused responses first: each costs one teacher-forced pass, so the dataset grows fastest
     pending = sorted((p for p in selected if p.id not in done), key=lambda p: p.id not in reused)
-    manifest = {"settings": settings, "draft": draft, "target": target, "prompt_source": source,
+    manifest = {"settings": settings, "kind": data.kind, "draft": draft, "target": target, "prompt_source": source,
                 "python": sys.version.split()[0],
                 "prompts_selected": {s: sum(p.split == s for p in selected) for s in SPLITS},
                 "shards": shards, "counts": summarise(shards), "complete": not pending}
@@ -419,7 +490,7 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
     chunks = [pending[i:i + data.shard_size] for i in range(0, len(pending), data.shard_size)]
     if not ray.is_initialized():
         ray.init()
-    worker = ray.remote(ExampleWriter).options(num_cpus=scaling.cpus_per_worker,
+    worker = ray.remote(FeatureWriter if data.kind == "features" else ExampleWriter).options(num_cpus=scaling.cpus_per_worker,
                                                num_gpus=1 if scaling.use_gpu else 0)
     actors = [worker.remote(config.models, data, scaling.threads) for _ in range(min(scaling.num_workers, len(chunks)))]
     pool = ActorPool(actors)
@@ -431,9 +502,9 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
             return actor.rows.remote(chunk, {p.id: reused[p.id] for p in chunk if p.id in reused})
 
         for rows in pool.map_unordered(submit, chunks):
-            path = write_shard(out, next_index, rows)
+            path = write_shard(out, next_index, rows, data.kind)
             next_index += 1
-            shards.append(shard_entry(path, read_shard(path)))
+            shards.append(shard_entry(path, read_shard(path, columns=ENTRY_COLUMNS[data.kind])))
             manifest["shards"], manifest["counts"] = shards, summarise(shards)
             write_manifest(out, manifest)
             bar.update(len(rows))

@@ -1,0 +1,328 @@
+"""A draft that reads the target's own hidden features: one decoder layer of the target's
+architecture on top of what the target has already computed (docs/feature-draft.md).
+
+At position t the draft is fed g_t, the target's features at t, and the embedding of the token at
+t + 1, and predicts the token at t + 2:
+
+    g_t = W_reduce [rms(h_t^low); rms(h_t^mid); rms(h_t^high)]    (or the target's output state)
+    x_t = W_fuse [norm_e(E x_{t+1}); norm_g(g_t)]
+    s_t = Layer(x_t; its keys and values at 0..t)                   one decoder layer, causal
+    q(x_{t+2}) = softmax(U_trim norm(s_t))                          U: the target's LM head rows
+
+A later draft position feeds the draft's own output state forward (g_{t+1} := s_t) with the
+embedding of the token it just drafted. E (the target's embeddings) and U (the target's LM head,
+only the rows of a trimmed vocabulary) are the target's, frozen and read from its files, never
+copied into ours; ids outside the trimmed vocabulary get q = 0, which verification handles like
+any draft that never proposes them (lossless either way).
+
+Training unrolls several draft steps (`unroll`, "training-time test"): step j at position p sees
+the step-1 keys of positions <= p - j + 1 (those made from the target's features) and the keys of
+its own chain (steps 2..j at p - j + 2 .. p), exactly what a session's cache holds when it drafts
+(`chain_attention`). Serving keeps one cache per session in the slot layout of models/cache.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+from specdec.errors import IncompatibleModelsError, ModelSourceError, one_line
+from specdec.models.cache import KVSession, RaggedBatch, SlotBuffers, SlotCache, ragged_attention
+
+CONFIG_FILE, WEIGHTS_FILE, REPORT_FILE = "config.json", "model.safetensors", "report.json"
+FORMAT_VERSION = 1
+# Decoder layers whose attention is q/k/v/o projections with rotary positions and an MLP beside
+# it (their transformers classes are built from the target's config with one layer).
+SUPPORTED_TYPES = ("qwen2", "llama", "mistral")
+OUTPUT_STATE = "output"  # `inputs`: the target's output state alone (the one-layer variant)
+FUSED = "fused"  # `inputs`: the target's low, middle and high layers, reduced to one width
+
+
+class FeatureDraftConfig(BaseModel):
+    """What `config.json` holds: the target it reads and the layer's shape."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format_version: int = FORMAT_VERSION
+    target_identity: str  # models/sources.py model_identity of the target it was trained on
+    target_name: str = ""  # how it was named when trained ("default", a path), for messages
+    inputs: str = FUSED  # FUSED or OUTPUT_STATE
+    layers: list[int] = []  # the target's decoder layers read when FUSED (0-based)
+    layer_config: dict  # the target's transformers config with one layer and the draft's MLP width
+    vocab_size: int  # the target's full vocabulary (q is scattered into it)
+    dtype: str = "float32"  # of the saved weights
+
+    @property
+    def reads(self) -> int:
+        """How many target states a position needs (the output state is always stored last)."""
+        return len(self.layers) if self.inputs == FUSED else 1
+
+
+def layer_config_of(target_config, intermediate_size: int | None = None) -> dict:
+    """The target's config as a one-layer model's (vocabulary of 1: the embeddings are the target's)."""
+    if target_config.model_type not in SUPPORTED_TYPES:
+        raise IncompatibleModelsError(f"a feature draft needs a target of type {', '.join(SUPPORTED_TYPES)}, "
+                                      f"not {target_config.model_type!r}")
+    config = target_config.to_dict()
+    config.update(num_hidden_layers=1, vocab_size=1, tie_word_embeddings=False, pad_token_id=None, bos_token_id=None,
+                  eos_token_id=None,
+                  intermediate_size=intermediate_size or target_config.intermediate_size)
+    config.pop("layer_types", None)
+    for key in ("_name_or_path", "_model_name_or_path", "architectures", "transformers_version", "dtype",
+                "torch_dtype"):
+        config.pop(key, None)
+    return config
+
+
+def rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / its root mean square over the last dim: the target's layers differ in scale by 1000s."""
+    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, kv_heads, T, D] -> [B, kv_heads * groups, T, D] (grouped-query attention's sharing)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def shift_right(x: torch.Tensor, by: int, dim: int) -> torch.Tensor:
+    """x moved `by` places along `dim`, zeros in front: out[p] = x[p - by]."""
+    if by == 0:
+        return x
+    pad = torch.zeros_like(x.narrow(dim, 0, by))
+    return torch.cat([pad, x.narrow(dim, 0, x.shape[dim] - by)], dim=dim)
+
+
+def chain_attention(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                    scale: float) -> torch.Tensor:
+    """Attention of draft step j = len(keys) over all positions at once (training-time test).
+
+    query [B, heads, T, D]; keys[i], values[i] [B, kv_heads, T, D] of step i + 1. The query of step j
+    at position p attends step 1's keys at positions 0..p - j + 1 and step i's key at p - j + i for
+    i = 2..j: the cache of a session that holds the target's features up to t = p - j + 1 and has
+    drafted j - 1 tokens since. Step 1 is plain causal attention. Returns [B, heads, T, D].
+
+    Worked example, j = 2, p = 5: step-1 keys 0..4 and the step-2 key at 5 (its own)."""
+    groups = query.shape[1] // keys[0].shape[1]
+    j = len(keys)
+    if j == 1:
+        return F.scaled_dot_product_attention(query, repeat_kv(keys[0], groups), repeat_kv(values[0], groups),
+                                              is_causal=True, scale=scale)
+    T = query.shape[2]
+    positions = torch.arange(T, device=query.device)
+    first = (query @ repeat_kv(keys[0], groups).transpose(-1, -2)) * scale  # [B, h, T, T]
+    first = first.masked_fill(positions[None, :] > positions[:, None] - (j - 1), float("-inf"))
+    chain_keys = [shift_right(repeat_kv(k, groups), j - i, dim=2) for i, k in enumerate(keys[1:], start=2)]
+    chain_values = [shift_right(repeat_kv(v, groups), j - i, dim=2) for i, v in enumerate(values[1:], start=2)]
+    own = torch.stack([(query * k).sum(-1) * scale for k in chain_keys], dim=-1)  # [B, h, T, j - 1]
+    valid = torch.stack([positions >= j - i for i in range(2, j + 1)], dim=-1)  # [T, j - 1]
+    own = own.masked_fill(~valid, float("-inf"))  # the step-j key (shift 0) is always valid: no empty row
+    weights = torch.softmax(torch.cat([first, own], dim=-1).float(), dim=-1).to(query.dtype)
+    out = weights[..., :T] @ repeat_kv(values[0], groups)
+    for i, v in enumerate(chain_values):
+        out = out + weights[..., T + i:T + i + 1] * v
+    return out
+
+
+@dataclass
+class DraftFeed:
+    """One session's part of a ragged draft pass: n positions after those its cache holds."""
+
+    session: KVSession
+    features: torch.Tensor  # [n, H] g at each position: the target's (reduced) or the draft's own state
+    tokens: list[int]  # [n] the token after each position (x_{t+1})
+
+
+class FeatureDraft(nn.Module):
+    """The draft's trainable part plus the target's frozen embeddings and LM head rows (buffers that
+    are not saved)."""
+
+    def __init__(self, config: FeatureDraftConfig, embed: torch.Tensor, head: torch.Tensor,
+                 vocab_ids: torch.Tensor):
+        """embed [V, H] and head [V_trim, H]: the target's, rows of `vocab_ids` [V_trim] for the head."""
+        from transformers import AutoConfig, AutoModel
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        super().__init__()
+        self.config = config
+        layer_config = AutoConfig.for_model(**config.layer_config)
+        base = AutoModel.from_config(layer_config)
+        hidden = layer_config.hidden_size
+        self.layer, self.rotary = base.layers[0], base.rotary_emb
+        self.head_dim = getattr(layer_config, "head_dim", None) or hidden // layer_config.num_attention_heads
+        self.scale = self.head_dim ** -0.5
+        self._rotate = apply_rotary_pos_emb
+        norm = type(base.norm)
+        eps = layer_config.rms_norm_eps
+        self.reduce = nn.Linear(config.reads * hidden, hidden, bias=False) if config.reads > 1 else None
+        self.fuse = nn.Linear(2 * hidden, hidden, bias=False)
+        self.embed_norm, self.feature_norm, self.norm = norm(hidden, eps=eps), norm(hidden, eps=eps), norm(hidden, eps=eps)
+        self.register_buffer("embed", embed, persistent=False)  # [V, H] frozen
+        self.register_buffer("head", head, persistent=False)  # [V_trim, H] frozen
+        self.register_buffer("vocab_ids", vocab_ids.long(), persistent=True)  # [V_trim]
+        self._cache = SlotCache(1)
+
+    # -- the equations of the module docstring --------------------------------------------------
+
+    def feature(self, states: torch.Tensor) -> torch.Tensor:
+        """g from the target's states [..., reads, H] (the columns the config reads) -> [..., H]."""
+        if self.reduce is None:
+            return states[..., 0, :]
+        return self.reduce(rms(states).flatten(-2))
+
+    def fused_input(self, g: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """x = W_fuse [norm_e(E x_{t+1}); norm_g(g)]; g [..., H], tokens [...] -> [..., H]."""
+        e = self.embed[tokens].to(g.dtype)
+        return self.fuse(torch.cat([self.embed_norm(e), self.feature_norm(g)], dim=-1))
+
+    def block(self, x: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """The decoder layer on x [B, T, H] at positions [B, T]; `attend(q, k, v)` with q [B, heads, T, D],
+        k and v [B, kv_heads, T, D] -> [B, heads, T, D] (causal over whatever cache it keeps)."""
+        layer, (B, T, _) = self.layer, x.shape
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(h).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(h).view(B, T, -1, self.head_dim).transpose(1, 2)
+        cos, sin = self.rotary(x, positions)
+        q, k = self._rotate(q, k, cos, sin)
+        out = attend(q, k, v).transpose(1, 2).reshape(B, T, -1)
+        x = x + attn.o_proj(out)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def logits(self, state: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V_trim] scores of the trimmed vocabulary."""
+        normed = self.norm(state)
+        return normed @ self.head.to(normed.dtype).T
+
+    def full_logits(self, state: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V]: the trimmed scores scattered into the target's vocabulary, -inf elsewhere (q = 0)."""
+        trimmed = self.logits(state).float()
+        out = trimmed.new_full((*trimmed.shape[:-1], self.config.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.vocab_ids, trimmed)
+
+    # -- training: several draft steps over whole sequences ---------------------------------------
+
+    def unroll(self, states: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Output states [B, T, H] of draft steps 1..steps at every position.
+
+        states [B, T, reads, H]: the target's at each position; tokens [B, T]: x_{t+1} at position t
+        (the sequence shifted left by one). Every step's state at p drafts the token at p + 2; step j's
+        is the j-th draft of a round whose target features end at p - j + 1 (`chain_attention`)."""
+        B, T = tokens.shape
+        positions = torch.arange(T, device=tokens.device).expand(B, T)
+        g = self.feature(states)
+        keys, values, outs = [], [], []
+
+        def attend(q, k, v):
+            keys.append(k)
+            values.append(v)
+            return chain_attention(q, keys, values, self.scale)
+
+        for step in range(steps):
+            if step:  # position p continues from the draft's own state at p - 1, one step earlier
+                g = shift_right(outs[-1], 1, dim=1)
+            outs.append(self.block(self.fused_input(g, tokens), positions, attend))
+        return outs
+
+    # -- serving: a ragged pass over sessions' caches ---------------------------------------------
+
+    def new_session(self) -> KVSession:
+        return KVSession(handle=SlotBuffers())
+
+    @staticmethod
+    def rollback(session: KVSession, length: int) -> None:
+        del session.tokens[length:]  # the slot's positions past `length` become scratch
+
+    def forward_feeds(self, feeds: list[DraftFeed]) -> torch.Tensor:
+        """One pass over every feed, each appended to its session's cache; returns the output states
+        [sum n, H], feed by feed."""
+        batch = RaggedBatch([f.session.handle for f in feeds], [len(f.session) for f in feeds],
+                            [len(f.tokens) for f in feeds])
+        device = self.embed.device
+        tokens = torch.tensor([t for f in feeds for t in f.tokens], dtype=torch.long, device=device)
+        g = torch.cat([f.features for f in feeds]).to(self.fuse.weight.dtype)
+        positions = torch.tensor([batch.positions], dtype=torch.long, device=device)
+        layer = self._cache.layers[0]
+
+        def attend(q, k, v):
+            layer.update(k, v, ragged=batch)
+            out, _ = ragged_attention(self.layer.self_attn, q, k, v, None, scaling=self.scale, ragged=batch)
+            return out.transpose(1, 2)  # ragged_attention returns [1, T, heads, D]
+
+        states = self.block(self.fused_input(g, tokens)[None], positions, attend)[0]
+        for f in feeds:
+            f.session.tokens.extend(f.tokens)
+        return states
+
+    # -- files ------------------------------------------------------------------------------------
+
+    def save(self, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(directory / WEIGHTS_FILE))
+        config = self.config.model_copy(update={"dtype": str(dtype).removeprefix("torch.")})
+        (directory / CONFIG_FILE).write_text(json.dumps(config.model_dump(), indent=2) + "\n")
+        return directory
+
+
+def read_config(directory: str | Path) -> FeatureDraftConfig:
+    path = Path(directory) / CONFIG_FILE
+    try:
+        return FeatureDraftConfig.model_validate_json(path.read_text())
+    except OSError as exc:
+        raise ModelSourceError(f"no feature draft at {directory}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ModelSourceError(f"{path} is not a feature draft's config: {one_line(exc)}") from None
+
+
+def target_tensors(target_dir: str | Path, vocab_ids: torch.Tensor | None = None,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embeddings [V, H], LM head rows [V_trim, H]) read from the target's safetensors files, nothing
+    else loaded; `vocab_ids` None keeps every row of the head."""
+    from safetensors import safe_open
+
+    target_dir = Path(target_dir)
+    wanted = {"embed": ("model.embed_tokens.weight", "embed_tokens.weight"), "head": ("lm_head.weight",)}
+    found: dict[str, torch.Tensor] = {}
+    for path in sorted(target_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            names = set(f.keys())
+            for role, candidates in wanted.items():
+                name = next((n for n in candidates if n in names), None)
+                if role in found or name is None:
+                    continue
+                found[role] = f.get_tensor(name)
+                if role == "head" and vocab_ids is not None:
+                    found[role] = found[role][vocab_ids]
+    if "embed" not in found:
+        raise ModelSourceError(f"no embeddings in the target's files at {target_dir}")
+    if "head" not in found:  # tied: the LM head is the embedding matrix
+        found["head"] = found["embed"] if vocab_ids is None else found["embed"][vocab_ids]
+    return found["embed"].to(dtype), found["head"].to(dtype)
+
+
+def load_feature_draft(directory: str | Path, target_dir: str | Path, target_identity: str,
+                       dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> FeatureDraft:
+    """The draft at `directory` on the target at `target_dir` (whose identity must be the one it was
+    trained on: its features mean nothing to another model)."""
+    from safetensors.torch import load_file
+
+    config = read_config(directory)
+    if config.target_identity != target_identity:
+        raise IncompatibleModelsError(f"the feature draft at {directory} was trained on another target "
+                                      f"({config.target_identity[:24]}), not {target_identity[:24]}")
+    weights = load_file(str(Path(directory) / WEIGHTS_FILE))
+    vocab_ids = weights["vocab_ids"]
+    embed, head = target_tensors(target_dir, vocab_ids, dtype)
+    model = FeatureDraft(config, embed, head, vocab_ids)
+    model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()})
+    return model.to(device=device, dtype=dtype).eval()

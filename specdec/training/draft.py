@@ -1,0 +1,385 @@
+"""`specdec train-draft`: the feature draft (models/feature_draft.py) trained with Ray Train on a
+`features` dataset (training/data.py), resumable.
+
+1. Checks, before Ray starts: the dataset is a features one, made on the configured target (its
+   identity), and has sequences in both splits; a run name resumes only the settings it started with.
+2. The trimmed vocabulary: the fewest ids that cover `vocab_coverage` of the train responses'
+   tokens (most frequent first).
+3. `TorchTrainer` with `train_loop`: batches of sequences, `steps` draft steps unrolled on the
+   draft's own states (`FeatureDraft.unroll`), the loss at step j and position p the cross-entropy
+   KL from the target's distribution of the same token to the draft's q (soft targets: the target's
+   output state at p + 1 through its LM head's trimmed rows), weighted step_decay^(j-1), and
+   `prompt_weight` where the token predicted is a prompt's. bfloat16 autocast on CPU (its matmuls
+   are 3x fp32's on AVX-512 BF16) and on CUDA. A checkpoint every `checkpoint_every` optimizer
+   steps; a rerun resumes from the last.
+4. Validation per draft step on the held-out prompts, code and prose apart: greedy acceptance
+   teacher-forced (the draft's argmax equals the target's greedy token, the earlier tokens true).
+5. The draft of the last checkpoint saved to `draft.output` with its report (report.json).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.errors import IncompatibleModelsError, SpecDecError
+from specdec.models.feature_draft import (FUSED, REPORT_FILE, FeatureDraft, FeatureDraftConfig, layer_config_of,
+                                          target_tensors)
+from specdec.training.config import ConfigError, DraftTrainSection, PipelineConfig
+from specdec.training.data import FEATURE_COLUMNS, SPLITS, DatasetError, read_manifest, read_shard, states_from_bytes
+
+STATE_FILE, HISTORY_FILE = "state.pt", "history.json"
+CHECKPOINTS_TO_KEEP = 2
+PROSE_PREFIX = "prose:"  # prompt ids of the prose source (training/prose_prompts.py); the rest is code
+# settings a run may change when it resumes (how long it runs, how often it saves)
+RESUMABLE_CHANGES = ("epochs", "checkpoint_every")
+
+
+@dataclass
+class Example:
+    """One sequence of a features dataset."""
+
+    prompt_id: str
+    split: str
+    tokens: torch.Tensor  # [T] prompt + response ids
+    prompt_length: int
+    states: torch.Tensor  # [T, layers + 1, H] bfloat16, the output state last
+
+    @property
+    def kind(self) -> str:
+        return "prose" if self.prompt_id.startswith(PROSE_PREFIX) else "code"
+
+
+def load_examples(directory: str | Path, max_tokens: int) -> tuple[dict, list[Example]]:
+    """(manifest, examples) of every shard, each checked against the manifest's sha256."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    if manifest.get("kind") != "features":
+        raise DatasetError(f"dataset {directory} is not a features dataset (data.kind: features)")
+    if not manifest.get("shards"):
+        raise DatasetError(f"dataset {directory} has no shards yet; run `specdec gen-data`")
+    hidden = manifest["target"]["hidden_size"]
+    examples = []
+    for entry in manifest["shards"]:
+        path = directory / entry["file"]
+        if not path.is_file():
+            raise DatasetError(f"shard {path} listed in the manifest is missing")
+        for row in read_shard(path, entry.get("sha256"), columns=FEATURE_COLUMNS).to_pylist():
+            if not row["response_ids"]:
+                continue
+            ids = row["prompt_ids"] + row["response_ids"]
+            states = states_from_bytes(row["states"], len(ids), hidden)
+            examples.append(Example(row["prompt_id"], row["split"], torch.tensor(ids[:max_tokens]),
+                                    len(row["prompt_ids"]), states[:max_tokens]))
+    return manifest, examples
+
+
+def trimmed_vocabulary(examples: list[Example], coverage: float) -> torch.Tensor:
+    """The fewest ids covering `coverage` of the train responses' tokens, most frequent first, sorted."""
+    counts = Counter(t for e in examples if e.split == "train" for t in e.tokens[e.prompt_length:].tolist())
+    total, kept, covered = sum(counts.values()), [], 0
+    for token, n in counts.most_common():
+        if covered >= coverage * total:
+            break
+        kept.append(token)
+        covered += n
+    return torch.tensor(sorted(kept), dtype=torch.long)
+
+
+def coverage_of(examples: list[Example], vocab_ids: torch.Tensor, split: str) -> float:
+    kept = set(vocab_ids.tolist())
+    tokens = [t for e in examples if e.split == split for t in e.tokens[e.prompt_length:].tolist()]
+    return sum(t in kept for t in tokens) / max(len(tokens), 1)
+
+
+# -- one batch: inputs, soft targets, weights ----------------------------------------------------
+
+@dataclass
+class Batch:
+    """B sequences padded on the right to T positions."""
+
+    states: torch.Tensor  # [B, T, reads, H] what g_t reads
+    outputs: torch.Tensor  # [B, T, H] the target's output state (soft targets)
+    tokens: torch.Tensor  # [B, T] x_{t+1} at position t (shifted left; 0 past the end)
+    next_ids: torch.Tensor  # [B, T] the token the target's state at t predicts (x_{t+1}); -1 past the end
+    lengths: torch.Tensor  # [B]
+    prompt_lengths: torch.Tensor  # [B]
+
+
+def make_batch(examples: list[Example], inputs: str, layers: int, device) -> Batch:
+    T = max(len(e.tokens) for e in examples)
+    hidden = examples[0].states.shape[-1]
+    reads = layers if inputs == FUSED else 1
+    states = torch.zeros(len(examples), T, reads, hidden, dtype=torch.bfloat16)
+    outputs = torch.zeros(len(examples), T, hidden, dtype=torch.bfloat16)
+    tokens = torch.zeros(len(examples), T, dtype=torch.long)
+    next_ids = torch.full((len(examples), T), -1, dtype=torch.long)
+    for b, e in enumerate(examples):
+        n = len(e.tokens)
+        states[b, :n] = e.states[:, :layers] if inputs == FUSED else e.states[:, -1:]
+        outputs[b, :n] = e.states[:, -1]
+        tokens[b, :n - 1] = e.tokens[1:]
+        next_ids[b, :n - 1] = e.tokens[1:]
+    return Batch(states.to(device), outputs.to(device), tokens.to(device), next_ids.to(device),
+                 torch.tensor([len(e.tokens) for e in examples], device=device),
+                 torch.tensor([e.prompt_length for e in examples], device=device))
+
+
+def step_mask(batch: Batch, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid [B, T], predicts_response [B, T]) for draft step `step` (1-based): its state at p drafts
+    the token at p + 2 (the target's distribution at p + 1 is its soft target); valid where the round's
+    target features end inside the sequence (p - step + 1 >= 0) and p + 1 is a position of it."""
+    B, T = batch.tokens.shape
+    p = torch.arange(T, device=batch.tokens.device)[None, :]
+    valid = (p >= step - 1) & (p + 1 <= batch.lengths[:, None] - 1)
+    predicts_response = p + 2 >= batch.prompt_lengths[:, None]
+    return valid, predicts_response
+
+
+def batch_loss(model: FeatureDraft, batch: Batch, draft: DraftTrainSection) -> tuple[torch.Tensor, dict]:
+    """The weighted KL from the target's distribution to the draft's over the unrolled steps (the
+    soft-target cross-entropy less a constant), and per-step greedy (matches, positions)."""
+    device_type = batch.tokens.device.type
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        outs = model.unroll(batch.states, batch.tokens, draft.steps)
+        head = model.head.to(torch.bfloat16)
+        # the target's distribution at p + 1 over the trimmed vocabulary: what step 1 at p must match
+        target_logits = batch.outputs[:, 1:] @ head.T  # [B, T - 1, V_trim]
+    target_logp = torch.log_softmax(target_logits.float(), dim=-1)
+    target_p = target_logp.exp()
+    total, weight_sum, stats = 0.0, 0.0, {}
+    for j, out in enumerate(outs, start=1):
+        valid, predicts_response = step_mask(batch, j)
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            logits = model.logits(out[:, :-1])  # [B, T - 1, V_trim]: step j at p drafts the token the target's p + 1 predicts
+        log_q = torch.log_softmax(logits.float(), dim=-1)
+        kl = (target_p * (target_logp - log_q)).sum(-1)  # [B, T - 1] KL(p || q): cross-entropy less p's entropy
+        w = (valid & predicts_response).float() + draft.prompt_weight * (valid & ~predicts_response).float()
+        w = w[:, :-1] * draft.step_decay ** (j - 1)
+        total = total + (kl * w).sum()
+        weight_sum += float(w.sum())
+        stats[j] = greedy_matches(model, logits, batch, valid[:, :-1] & predicts_response[:, :-1])
+    return total / max(weight_sum, 1e-9), stats
+
+
+def greedy_matches(model: FeatureDraft, logits: torch.Tensor, batch: Batch, mask: torch.Tensor) -> tuple[int, int]:
+    """(matches, positions): the draft's argmax equal to the target's greedy token (the data's next
+    token: responses are the target's greedy output) at response positions that have one."""
+    drafted = model.vocab_ids[logits.argmax(-1)]  # [B, T - 1]
+    truth = batch.next_ids[:, 1:]  # the token at p + 2
+    mask = mask & (truth >= 0)
+    return int(((drafted == truth) & mask).sum()), int(mask.sum())
+
+
+# -- the Ray Train loop --------------------------------------------------------------------------
+
+def build_draft(settings: dict, target_dir: str, vocab_ids: torch.Tensor) -> FeatureDraft:
+    from transformers import AutoConfig
+
+    draft = DraftTrainSection(**settings["draft"])
+    target_config = AutoConfig.from_pretrained(target_dir)
+    config = FeatureDraftConfig(target_identity=settings["target_identity"], target_name=settings["target_name"],
+                                inputs=draft.inputs, layers=settings["layers"] if draft.inputs == FUSED else [],
+                                layer_config=layer_config_of(target_config, draft.intermediate_size),
+                                vocab_size=target_config.vocab_size)
+    embed, head = target_tensors(target_dir, vocab_ids, torch.bfloat16)
+    return FeatureDraft(config, embed, head, vocab_ids)
+
+
+def learning_rate(step: int, total: int, draft: DraftTrainSection) -> float:
+    """Linear warm-up, then cosine decay to a tenth."""
+    if step < draft.warmup_steps:
+        return draft.lr * (step + 1) / draft.warmup_steps
+    progress = (step - draft.warmup_steps) / max(total - draft.warmup_steps, 1)
+    return draft.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def validate(model: FeatureDraft, examples: list[Example], draft: DraftTrainSection, layers: int, device) -> dict:
+    """Per step and kind (code, prose): teacher-forced greedy acceptance; and the mean loss."""
+    model.eval()
+    counts: dict[str, list[int]] = {}
+    losses = []
+    with torch.no_grad():
+        for start in range(0, len(examples), draft.batch_size):
+            chunk = examples[start:start + draft.batch_size]
+            for kind in ("code", "prose"):
+                part = [e for e in chunk if e.kind == kind]
+                if not part:
+                    continue
+                loss, stats = batch_loss(model, make_batch(part, draft.inputs, layers, device), draft)
+                losses.append(float(loss))
+                for j, (hit, n) in stats.items():
+                    key = f"{kind}_step{j}"
+                    counts.setdefault(key, [0, 0])
+                    counts[key][0] += hit
+                    counts[key][1] += n
+    model.train()
+    metrics = {f"val_acc_{key}": hit / max(n, 1) for key, (hit, n) in counts.items()}
+    metrics["val_loss"] = sum(losses) / max(len(losses), 1)
+    return metrics
+
+
+def train_loop(loop_config: dict) -> None:
+    """Runs on every Ray Train worker: data parallel over sequences, a checkpoint every
+    `checkpoint_every` optimizer steps and at the end of each epoch."""
+    import ray.train
+    import ray.train.torch
+
+    draft = DraftTrainSection(**loop_config["draft"])
+    vocab_ids = torch.tensor(loop_config["vocab_ids"], dtype=torch.long)
+    _, examples = load_examples(loop_config["data_dir"], draft.max_tokens)
+    layers = len(loop_config["layers"])
+    train_set = [e for e in examples if e.split == "train"]
+    val_set = [e for e in examples if e.split == "validation"]
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    torch.manual_seed(draft.seed)
+    model = build_draft(loop_config, loop_config["target_dir"], vocab_ids)
+    device = ray.train.torch.get_device()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=draft.lr, weight_decay=draft.weight_decay)
+    step, history = 0, []
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as directory:
+            state = torch.load(Path(directory) / STATE_FILE, weights_only=True)
+            history = json.loads((Path(directory) / HISTORY_FILE).read_text())
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+    model = ray.train.torch.prepare_model(model)
+    core = model.module if hasattr(model, "module") else model
+    per_epoch = len(train_set) // (draft.batch_size * world)
+    total = per_epoch * draft.epochs
+    started, running = time.perf_counter(), []
+
+    def save(metrics: dict) -> None:
+        history.append(metrics)
+        if rank == 0:
+            with tempfile.TemporaryDirectory() as directory:
+                torch.save({"model": core.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+                           Path(directory) / STATE_FILE)
+                (Path(directory) / HISTORY_FILE).write_text(json.dumps(history, indent=2) + "\n")
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+        else:
+            ray.train.report(metrics)
+
+    while step < total:
+        epoch, within = divmod(step, per_epoch)
+        order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(draft.seed + epoch)).tolist()
+        mine = order[rank * per_epoch * draft.batch_size:(rank + 1) * per_epoch * draft.batch_size]
+        for index in range(within, per_epoch):
+            chunk = [train_set[i] for i in mine[index * draft.batch_size:(index + 1) * draft.batch_size]]
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step, total, draft)
+            loss, _ = batch_loss(core, make_batch(chunk, draft.inputs, layers, device), draft)
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            optimizer.step()
+            step += 1
+            running.append(float(loss))
+            end_of_epoch = index == per_epoch - 1
+            if step % draft.checkpoint_every == 0 or end_of_epoch or step == total:
+                metrics = {"step": step, "epoch": step / per_epoch, "train_loss": sum(running) / len(running),
+                           "seconds": time.perf_counter() - started}
+                running = []
+                if end_of_epoch or step == total:
+                    metrics.update(validate(core, val_set, draft, layers, device))
+                save(metrics)
+
+
+# -- the job -------------------------------------------------------------------------------------
+
+def check_draft_data(config: PipelineConfig) -> tuple[dict, str, str]:
+    """(manifest, target identity, target dir) after checking the data were made on the configured
+    target; one-line errors, no Ray."""
+    from specdec.errors import ModelSourceError
+    from specdec.models.sources import model_identity, resolve_model
+
+    config.require_draft()
+    manifest = read_manifest(Path(config.data.dir))
+    if manifest.get("kind") != "features":
+        raise DatasetError(f"dataset {config.data.dir} is not a features dataset (data.kind: features)")
+    try:
+        target_dir = resolve_model(config.models.target, role="target", cache=config.models.cache_dir)
+    except ModelSourceError as exc:
+        raise ModelSourceError(f"models.target: {exc}") from None
+    identity = model_identity(target_dir)
+    made_on = manifest.get("settings", {}).get("target_identity")
+    if made_on != identity:
+        raise IncompatibleModelsError(f"dataset {config.data.dir} was made on another target ({str(made_on)[:24]}), "
+                                      f"not models.target {config.models.target!r} ({identity[:24]})")
+    splits = {s: manifest["counts"].get(f"{s}_sequences", 0) for s in SPLITS}
+    if not splits["train"] or not splits["validation"]:
+        raise SpecDecError(f"dataset {config.data.dir} needs sequences in both splits "
+                           f"(train {splits['train']}, validation {splits['validation']})")
+    return manifest, identity, str(target_dir)
+
+
+def check_run_settings(draft: DraftTrainSection, data_settings: dict) -> None:
+    """A run name resumes only the run it started: refuse other settings or other data under it."""
+    path = Path(draft.storage).resolve() / f"{draft.name}.settings.json"
+    wanted = {"draft": draft.model_dump(exclude=set(RESUMABLE_CHANGES)), "data": data_settings}
+    if path.is_file():
+        found = json.loads(path.read_text())
+        changed = sorted(k for k in wanted["draft"] if found.get("draft", {}).get(k) != wanted["draft"][k])
+        if found.get("data") != data_settings:
+            changed.append("data")
+        if changed:
+            raise ConfigError(f"run {draft.name!r} in {draft.storage} was started with other settings "
+                              f"({', '.join(changed)}); choose another draft.name to start a new run")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(wanted, indent=2) + "\n")
+
+
+def train_draft(config: PipelineConfig) -> dict:
+    """`specdec train-draft`: check, choose the vocabulary, train, save. Returns the report."""
+    import ray
+    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    draft = config.require_draft()
+    manifest, identity, target_dir = check_draft_data(config)
+    data_dir = str(Path(config.data.dir).resolve())
+    _, examples = load_examples(data_dir, draft.max_tokens)
+    vocab_ids = trimmed_vocabulary(examples, draft.vocab_coverage)
+    data_settings = {**manifest["settings"], "sequences": manifest["counts"]["sequences"]}
+    check_run_settings(draft, data_settings)
+    if not ray.is_initialized():
+        ray.init()
+    scaling = config.scaling
+    loop_config = {"draft": draft.model_dump(), "vocab_ids": vocab_ids.tolist(), "data_dir": data_dir,
+                   "layers": manifest["settings"]["layers"], "target_dir": target_dir, "target_identity": identity,
+                   "target_name": config.models.target}
+    trainer = TorchTrainer(
+        train_loop, train_loop_config=loop_config,
+        scaling_config=ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu,
+                                     resources_per_worker={"CPU": scaling.cpus_per_worker}),
+        run_config=RunConfig(name=draft.name, storage_path=str(Path(draft.storage).resolve()),
+                             checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_TO_KEEP)))
+    result = trainer.fit()
+    if result.checkpoint is None:
+        raise SpecDecError(f"training run {draft.name!r} produced no checkpoint")
+    with result.checkpoint.as_directory() as directory:
+        state = torch.load(Path(directory) / STATE_FILE, weights_only=True)
+        history = json.loads((Path(directory) / HISTORY_FILE).read_text())
+    model = build_draft(loop_config, target_dir, vocab_ids)
+    model.load_state_dict(state["model"])
+    model.save(draft.output)
+    report = {"draft": draft.model_dump(), "data": {"dir": config.data.dir, "counts": manifest["counts"],
+                                                    "layers": manifest["settings"]["layers"],
+                                                    "prompt_source": manifest.get("prompt_source")},
+              "vocabulary": {"ids": len(vocab_ids), "coverage_train": coverage_of(examples, vocab_ids, "train"),
+                             "coverage_validation": coverage_of(examples, vocab_ids, "validation")},
+              "parameters": sum(p.numel() for p in model.parameters()), "history": history,
+              "final": history[-1] if history else {}}
+    (Path(draft.output) / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    return report

@@ -1,0 +1,122 @@
+"""The feature draft's model: training's unrolled steps are what a session computes when it drafts,
+chain attention is the cache a drafting session holds, and the files round-trip on the target."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config
+
+from specdec.errors import IncompatibleModelsError, ModelSourceError
+from specdec.models.feature_draft import (FUSED, OUTPUT_STATE, DraftFeed, FeatureDraft, FeatureDraftConfig,
+                                          chain_attention, layer_config_of, load_feature_draft, read_config,
+                                          target_tensors)
+
+HIDDEN, VOCAB = 32, 50
+
+
+def tiny_draft(inputs=FUSED, seed=0) -> FeatureDraft:
+    target = Qwen2Config(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, pad_token_id=0)
+    config = FeatureDraftConfig(target_identity="tiny", inputs=inputs, layers=[0, 1, 2] if inputs == FUSED else [],
+                                layer_config=layer_config_of(target, 48), vocab_size=VOCAB)
+    torch.manual_seed(seed)
+    vocab_ids = torch.arange(0, VOCAB, 2)
+    return FeatureDraft(config, torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN)[vocab_ids], vocab_ids).eval()
+
+
+@pytest.mark.parametrize("inputs", [FUSED, OUTPUT_STATE])
+def test_unrolled_steps_are_what_a_drafting_session_computes(inputs):
+    """Step 1 at t from the target's features 0..t in a session's cache, then steps 2..4 feeding the
+    draft's own state and the next token, one position at a time: equal to `unroll` at every t."""
+    model = tiny_draft(inputs)
+    B, T, steps = 2, 10, 4
+    states = torch.randn(B, T, model.config.reads, HIDDEN)
+    tokens = torch.randint(0, VOCAB, (B, T))
+    with torch.no_grad():
+        outs = model.unroll(states, tokens, steps)
+        for b in range(B):
+            for t in range(T - steps + 1):
+                session = model.new_session()
+                state = model.forward_feeds([DraftFeed(session, model.feature(states[b, :t + 1]),
+                                                       tokens[b, :t + 1].tolist())])[-1]
+                torch.testing.assert_close(state, outs[0][b, t], atol=1e-4, rtol=1e-4)
+                for j in range(2, steps + 1):
+                    p = t + j - 1
+                    state = model.forward_feeds([DraftFeed(session, state[None], [int(tokens[b, p])])])[-1]
+                    torch.testing.assert_close(state, outs[j - 1][b, p], atol=1e-4, rtol=1e-4)
+
+
+def test_a_ragged_pass_serves_sessions_as_one_pass_each():
+    model = tiny_draft()
+    g = torch.randn(7, HIDDEN)
+    with torch.no_grad():
+        alone = [model.forward_feeds([DraftFeed(model.new_session(), g[:4], [1, 2, 3, 4])]),
+                 model.forward_feeds([DraftFeed(model.new_session(), g[4:], [5, 6, 7])])]
+        together = model.forward_feeds([DraftFeed(model.new_session(), g[:4], [1, 2, 3, 4]),
+                                        DraftFeed(model.new_session(), g[4:], [5, 6, 7])])
+    torch.testing.assert_close(together, torch.cat(alone), atol=1e-5, rtol=1e-5)
+
+
+def test_rollback_forgets_drafted_positions():
+    model = tiny_draft()
+    g = torch.randn(6, HIDDEN)
+    with torch.no_grad():
+        session = model.new_session()
+        model.forward_feeds([DraftFeed(session, g[:3], [1, 2, 3])])
+        model.forward_feeds([DraftFeed(session, g[3:5], [9, 9])])  # drafted, then rejected
+        model.rollback(session, 3)
+        again = model.forward_feeds([DraftFeed(session, g[5:], [4])])
+        fresh = model.forward_feeds([DraftFeed(model.new_session(), torch.cat([g[:3], g[5:]]), [1, 2, 3, 4])])
+    torch.testing.assert_close(again[-1], fresh[-1], atol=1e-5, rtol=1e-5)
+
+
+def test_chain_attention_against_its_definition():
+    """Step j's query at p: softmax over step-1 keys 0..p-j+1 and step i's key at p-j+i, written out."""
+    torch.manual_seed(3)
+    B, heads, kv, T, D, j = 1, 4, 2, 6, 8, 3
+    q = torch.randn(B, heads, T, D)
+    keys = [torch.randn(B, kv, T, D) for _ in range(j)]
+    values = [torch.randn(B, kv, T, D) for _ in range(j)]
+    out = chain_attention(q, keys, values, 0.5)
+    for p in range(j - 1, T):
+        for h in range(heads):
+            g = h // (heads // kv)
+            ks = [keys[0][0, g, s] for s in range(p - j + 2)] + [keys[i - 1][0, g, p - j + i] for i in range(2, j + 1)]
+            vs = [values[0][0, g, s] for s in range(p - j + 2)] + [values[i - 1][0, g, p - j + i] for i in range(2, j + 1)]
+            w = torch.softmax(torch.stack([q[0, h, p] @ k for k in ks]) * 0.5, dim=0)
+            torch.testing.assert_close(out[0, h, p], sum(wi * v for wi, v in zip(w, vs)), atol=1e-5, rtol=1e-5)
+
+
+def test_ids_outside_the_trimmed_vocabulary_get_no_mass():
+    model = tiny_draft()
+    with torch.no_grad():
+        probs = torch.softmax(model.full_logits(torch.randn(3, HIDDEN)), dim=-1)
+    assert probs.shape == (3, VOCAB)
+    assert torch.all(probs[:, 1::2] == 0) and torch.allclose(probs.sum(-1), torch.ones(3))
+
+
+def test_saved_draft_loads_on_its_target_only(tiny_pair, tmp_path):
+    """The files hold the draft's own weights and the vocabulary; the embeddings and head rows come
+    back from the target's files; another target is refused with one line."""
+    from transformers import AutoConfig
+
+    _, target_dir = tiny_pair
+    target = AutoConfig.from_pretrained(target_dir)
+    vocab_ids = torch.tensor([3, 5, 8, 100, 200])
+    embed, head = target_tensors(target_dir, vocab_ids)
+    config = FeatureDraftConfig(target_identity="tiny-target", layers=[0, 1], vocab_size=target.vocab_size,
+                                layer_config=layer_config_of(target))
+    model = FeatureDraft(config, embed, head, vocab_ids).eval()
+    model.save(tmp_path / "draft", dtype=torch.float32)
+    saved = set(__import__("safetensors").safe_open(str(tmp_path / "draft" / "model.safetensors"), "pt").keys())
+    assert "vocab_ids" in saved and not any(name in saved for name in ("embed", "head"))
+    loaded = load_feature_draft(tmp_path / "draft", target_dir, "tiny-target")
+    assert read_config(tmp_path / "draft").layers == [0, 1]
+    states, tokens = torch.randn(1, 5, 2, target.hidden_size), torch.randint(0, 50, (1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.unroll(states, tokens, 2)[1], model.unroll(states, tokens, 2)[1])
+    with pytest.raises(IncompatibleModelsError, match="trained on another target"):
+        load_feature_draft(tmp_path / "draft", target_dir, "another")
+    with pytest.raises(ModelSourceError, match="no feature draft"):
+        read_config(tmp_path / "nothing")
