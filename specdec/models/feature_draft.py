@@ -246,7 +246,7 @@ class FeatureDraft(nn.Module):
                             [len(f.tokens) for f in feeds])
         device = self.embed.device
         tokens = torch.tensor([t for f in feeds for t in f.tokens], dtype=torch.long, device=device)
-        g = torch.cat([f.features for f in feeds]).to(self.fuse.weight.dtype)
+        g = torch.cat([f.features for f in feeds]).to(self.norm.weight.dtype)
         positions = torch.tensor([batch.positions], dtype=torch.long, device=device)
         layer = self._cache.layers[0]
 

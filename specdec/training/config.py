@@ -215,6 +215,7 @@ class DraftTrainSection(Strict):
     inputs: Literal["fused", "output"] = "fused"
     intermediate_size: int | None = Field(4480, ge=1, description="the layer's MLP width (None: the target's)")
     vocab_coverage: float = Field(0.99, gt=0.0, le=1.0, description="share of train response tokens the trimmed vocabulary covers")
+    vocab_size: int = Field(0, ge=0, description="at least this many output ids, the lowest (most frequent BPE merges) added")
     steps: int = Field(3, ge=1, le=8, description="draft steps unrolled in training (training-time test)")
     step_decay: float = Field(0.8, gt=0.0, le=1.0, description="loss weight of step j: step_decay ** (j - 1)")
     prompt_weight: float = Field(0.5, ge=0.0, le=1.0, description="loss weight of positions that predict prompt tokens")

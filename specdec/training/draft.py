@@ -81,8 +81,11 @@ def load_examples(directory: str | Path, max_tokens: int) -> tuple[dict, list[Ex
     return manifest, examples
 
 
-def trimmed_vocabulary(examples: list[Example], coverage: float) -> torch.Tensor:
-    """The fewest ids covering `coverage` of the train responses' tokens, most frequent first, sorted."""
+def trimmed_vocabulary(examples: list[Example], coverage: float, minimum: int = 0) -> torch.Tensor:
+    """The fewest ids covering `coverage` of the train responses' tokens (most frequent first), then
+    the lowest ids not yet in until there are `minimum`: a BPE vocabulary numbers its tokens in merge
+    order, so its low ids are the most frequent in the tokenizer's own corpus, which a few hundred
+    responses cannot sample (docs/feature-draft.md). Sorted."""
     counts = Counter(t for e in examples if e.split == "train" for t in e.tokens[e.prompt_length:].tolist())
     total, kept, covered = sum(counts.values()), [], 0
     for token, n in counts.most_common():
@@ -90,7 +93,11 @@ def trimmed_vocabulary(examples: list[Example], coverage: float) -> torch.Tensor
             break
         kept.append(token)
         covered += n
-    return torch.tensor(sorted(kept), dtype=torch.long)
+    chosen, next_id = set(kept), 0
+    while len(chosen) < minimum:
+        chosen.add(next_id)
+        next_id += 1
+    return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
 def coverage_of(examples: list[Example], vocab_ids: torch.Tensor, split: str) -> float:
@@ -132,50 +139,56 @@ def make_batch(examples: list[Example], inputs: str, layers: int, device) -> Bat
                  torch.tensor([e.prompt_length for e in examples], device=device))
 
 
-def step_mask(batch: Batch, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(valid [B, T], predicts_response [B, T]) for draft step `step` (1-based): its state at p drafts
-    the token at p + 2 (the target's distribution at p + 1 is its soft target); valid where the round's
-    target features end inside the sequence (p - step + 1 >= 0) and p + 1 is a position of it."""
-    B, T = batch.tokens.shape
-    p = torch.arange(T, device=batch.tokens.device)[None, :]
-    valid = (p >= step - 1) & (p + 1 <= batch.lengths[:, None] - 1)
-    predicts_response = p + 2 >= batch.prompt_lengths[:, None]
-    return valid, predicts_response
-
-
 def batch_loss(model: FeatureDraft, batch: Batch, draft: DraftTrainSection) -> tuple[torch.Tensor, dict]:
     """The weighted KL from the target's distribution to the draft's over the unrolled steps (the
-    soft-target cross-entropy less a constant), and per-step greedy (matches, positions)."""
+    soft-target cross-entropy less a constant), and per-step greedy (matches, positions). Only the
+    positions with a weight reach the vocabulary's scores: at 32k ids those are most of a step's work."""
     device_type = batch.tokens.device.type
     with torch.autocast(device_type, dtype=torch.bfloat16):
         outs = model.unroll(batch.states, batch.tokens, draft.steps)
-        head = model.head.to(torch.bfloat16)
-        # the target's distribution at p + 1 over the trimmed vocabulary: what step 1 at p must match
-        target_logits = batch.outputs[:, 1:] @ head.T  # [B, T - 1, V_trim]
+    weights = [step_weights(batch, j, draft) for j in range(1, draft.steps + 1)]  # [B, T - 1] each
+    first = weights[0].nonzero(as_tuple=True)  # every later step's positions are among step 1's
+    row_of = torch.full(weights[0].shape, -1, dtype=torch.long, device=weights[0].device)
+    row_of[first] = torch.arange(len(first[0]), device=row_of.device)
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        # the target's distribution at p + 1 over the trimmed vocabulary: what every step at p must match
+        target_logits = batch.outputs[:, 1:][first] @ model.head.to(torch.bfloat16).T  # [N, V_trim]
     target_logp = torch.log_softmax(target_logits.float(), dim=-1)
     target_p = target_logp.exp()
+    truth = batch.next_ids[:, 1:]  # [B, T - 1] the token at p + 2 (-1 past the end)
+    response = predicts_response(batch)[:, :-1]
     total, weight_sum, stats = 0.0, 0.0, {}
-    for j, out in enumerate(outs, start=1):
-        valid, predicts_response = step_mask(batch, j)
+    for j, (out, w) in enumerate(zip(outs, weights), start=1):
+        rows = w.nonzero(as_tuple=True)
         with torch.autocast(device_type, dtype=torch.bfloat16):
-            logits = model.logits(out[:, :-1])  # [B, T - 1, V_trim]: step j at p drafts the token the target's p + 1 predicts
+            logits = model.logits(out[:, :-1][rows])  # [n, V_trim]: step j at p drafts what the target's p + 1 predicts
         log_q = torch.log_softmax(logits.float(), dim=-1)
-        kl = (target_p * (target_logp - log_q)).sum(-1)  # [B, T - 1] KL(p || q): cross-entropy less p's entropy
-        w = (valid & predicts_response).float() + draft.prompt_weight * (valid & ~predicts_response).float()
-        w = w[:, :-1] * draft.step_decay ** (j - 1)
-        total = total + (kl * w).sum()
-        weight_sum += float(w.sum())
-        stats[j] = greedy_matches(model, logits, batch, valid[:, :-1] & predicts_response[:, :-1])
+        index = row_of[rows]
+        kl = (target_p[index] * (target_logp[index] - log_q)).sum(-1)  # [n] KL(p || q)
+        total = total + (kl * w[rows]).sum()
+        weight_sum += float(w[rows].sum())
+        drafted = model.vocab_ids[logits.argmax(-1)]
+        counted = response[rows] & (truth[rows] >= 0)  # greedy acceptance: response tokens the data hold
+        stats[j] = (int(((drafted == truth[rows]) & counted).sum()), int(counted.sum()))
     return total / max(weight_sum, 1e-9), stats
 
 
-def greedy_matches(model: FeatureDraft, logits: torch.Tensor, batch: Batch, mask: torch.Tensor) -> tuple[int, int]:
-    """(matches, positions): the draft's argmax equal to the target's greedy token (the data's next
-    token: responses are the target's greedy output) at response positions that have one."""
-    drafted = model.vocab_ids[logits.argmax(-1)]  # [B, T - 1]
-    truth = batch.next_ids[:, 1:]  # the token at p + 2
-    mask = mask & (truth >= 0)
-    return int(((drafted == truth) & mask).sum()), int(mask.sum())
+def predicts_response(batch: Batch) -> torch.Tensor:
+    """[B, T]: the state at p drafts a response token (p + 2 past the prompt)."""
+    p = torch.arange(batch.tokens.shape[1], device=batch.tokens.device)[None, :]
+    return p + 2 >= batch.prompt_lengths[:, None]
+
+
+def step_weights(batch: Batch, step: int, draft: DraftTrainSection) -> torch.Tensor:
+    """[B, T - 1] the loss weight of draft step `step` (1-based) at each position p: its state drafts
+    the token at p + 2 (the target's distribution at p + 1 is its soft target); 0 where the round's
+    target features would end before the sequence (p - step + 1 < 0) or p + 1 is past its end;
+    `prompt_weight` where the token drafted is a prompt's; times step_decay^(step - 1)."""
+    p = torch.arange(batch.tokens.shape[1], device=batch.tokens.device)[None, :]
+    valid = (p >= step - 1) & (p + 1 <= batch.lengths[:, None] - 1)
+    response = predicts_response(batch)
+    w = (valid & response).float() + draft.prompt_weight * (valid & ~response).float()
+    return w[:, :-1] * draft.step_decay ** (step - 1)
 
 
 # -- the Ray Train loop --------------------------------------------------------------------------
@@ -233,6 +246,8 @@ def train_loop(loop_config: dict) -> None:
     import ray.train.torch
 
     draft = DraftTrainSection(**loop_config["draft"])
+    if loop_config.get("threads"):  # Ray sets one OpenMP thread per CPU it reserved; the config may say more
+        torch.set_num_threads(loop_config["threads"])
     vocab_ids = torch.tensor(loop_config["vocab_ids"], dtype=torch.long)
     _, examples = load_examples(loop_config["data_dir"], draft.max_tokens)
     layers = len(loop_config["layers"])
@@ -263,6 +278,10 @@ def train_loop(loop_config: dict) -> None:
     def save(metrics: dict) -> None:
         history.append(metrics)
         if rank == 0:
+            accepted = " ".join(f"{k.removeprefix('val_acc_')} {v:.3f}" for k, v in metrics.items()
+                                if k.startswith("val_acc_"))
+            print(f"train-draft step {step}/{total} ({metrics['seconds']:.0f} s): train loss "
+                  f"{metrics['train_loss']:.4f}{'; validation acceptance ' + accepted if accepted else ''}", flush=True)
             with tempfile.TemporaryDirectory() as directory:
                 torch.save({"model": core.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
                            Path(directory) / STATE_FILE)
@@ -285,7 +304,7 @@ def train_loop(loop_config: dict) -> None:
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
             optimizer.step()
             step += 1
-            running.append(float(loss))
+            running.append(float(loss.detach()))
             end_of_epoch = index == per_epoch - 1
             if step % draft.checkpoint_every == 0 or end_of_epoch or step == total:
                 metrics = {"step": step, "epoch": step / per_epoch, "train_loss": sum(running) / len(running),
@@ -350,7 +369,7 @@ def train_draft(config: PipelineConfig) -> dict:
     manifest, identity, target_dir = check_draft_data(config)
     data_dir = str(Path(config.data.dir).resolve())
     _, examples = load_examples(data_dir, draft.max_tokens)
-    vocab_ids = trimmed_vocabulary(examples, draft.vocab_coverage)
+    vocab_ids = trimmed_vocabulary(examples, draft.vocab_coverage, draft.vocab_size)
     data_settings = {**manifest["settings"], "sequences": manifest["counts"]["sequences"]}
     check_run_settings(draft, data_settings)
     if not ray.is_initialized():
@@ -358,7 +377,7 @@ def train_draft(config: PipelineConfig) -> dict:
     scaling = config.scaling
     loop_config = {"draft": draft.model_dump(), "vocab_ids": vocab_ids.tolist(), "data_dir": data_dir,
                    "layers": manifest["settings"]["layers"], "target_dir": target_dir, "target_identity": identity,
-                   "target_name": config.models.target}
+                   "target_name": config.models.target, "threads": config.scaling.threads}
     trainer = TorchTrainer(
         train_loop, train_loop_config=loop_config,
         scaling_config=ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu,

@@ -86,6 +86,7 @@ def test_the_vocabulary_covers_the_share_asked():
     assert trimmed_vocabulary(examples, 0.5).tolist() == [1]  # 4 of 7 response tokens
     assert trimmed_vocabulary(examples, 0.8).tolist() == [1, 2]
     assert trimmed_vocabulary(examples, 1.0).tolist() == [1, 2, 3]
+    assert trimmed_vocabulary(examples, 0.8, minimum=4).tolist() == [0, 1, 2, 3]  # the lowest ids fill it
 
 
 def test_training_steps_lower_the_loss(feature_dataset):
