@@ -111,7 +111,7 @@ def model_free_running(model, example: Example, k: int, stride: int) -> list[int
     cache, held, lengths = DynamicCache(), 0, []
     for t in starts_of(example, stride):
         # the round knows x_0..x_{t+1}: feed what the cache lacks, then draft greedily
-        logits = model(torch.tensor([ids[held:t + 2]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        logits = model(torch.tensor([ids[held:t + 2]]), cache=cache, use_cache=True).logits[0, -1]
         held = t + 2
         accepted, truth = 0, ids[t + 2:t + 2 + k]
         for j in range(len(truth)):
@@ -120,9 +120,10 @@ def model_free_running(model, example: Example, k: int, stride: int) -> list[int
                 break
             accepted += 1
             if j + 1 < len(truth):
-                logits = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
+                logits = model(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
         lengths.append(accepted)
-        cache.crop(held)
+        if cache.get_seq_length() > held:
+            cache.crop(held - cache.get_seq_length())  # a negative count removes that many positions
     return lengths
 
 

@@ -139,8 +139,10 @@ class DraftFeed:
 
 
 class FeatureDraft(nn.Module):
-    """The draft's trainable part plus the target's frozen embeddings and LM head rows (buffers that
-    are not saved)."""
+    """The draft's trainable part plus the target's frozen embeddings (a buffer) and LM head rows (a
+    frozen Linear, so that a weight format converts it with the rest); neither is saved (`own_state`)."""
+
+    FROZEN = ("lm_head.weight",)
 
     def __init__(self, config: FeatureDraftConfig, embed: torch.Tensor, head: torch.Tensor,
                  vocab_ids: torch.Tensor):
@@ -163,7 +165,8 @@ class FeatureDraft(nn.Module):
         self.fuse = nn.Linear(2 * hidden, hidden, bias=False)
         self.embed_norm, self.feature_norm, self.norm = norm(hidden, eps=eps), norm(hidden, eps=eps), norm(hidden, eps=eps)
         self.register_buffer("embed", embed, persistent=False)  # [V, H] frozen
-        self.register_buffer("head", head, persistent=False)  # [V_trim, H] frozen
+        self.lm_head = nn.Linear(hidden, head.shape[0], bias=False)  # U_trim [V_trim, H], frozen
+        self.lm_head.weight = nn.Parameter(head, requires_grad=False)
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=True)  # [V_trim]
         self._cache = SlotCache(1)
 
@@ -197,8 +200,7 @@ class FeatureDraft(nn.Module):
 
     def logits(self, state: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V_trim] scores of the trimmed vocabulary."""
-        normed = self.norm(state)
-        return normed @ self.head.to(normed.dtype).T
+        return self.lm_head(self.norm(state))
 
     def full_logits(self, state: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V]: the trimmed scores scattered into the target's vocabulary, -inf elsewhere (q = 0)."""
@@ -262,12 +264,22 @@ class FeatureDraft(nn.Module):
 
     # -- files ------------------------------------------------------------------------------------
 
+    def own_state(self) -> dict[str, torch.Tensor]:
+        """The state that is ours to save: everything but the target's frozen tensors."""
+        return {k: v for k, v in self.state_dict().items() if k not in self.FROZEN}
+
+    def load_own_state(self, state: dict[str, torch.Tensor]) -> None:
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        if unexpected or set(missing) - set(self.FROZEN):
+            raise ModelSourceError(f"feature draft weights do not fit its config (missing "
+                                   f"{sorted(set(missing) - set(self.FROZEN))}, unexpected {sorted(unexpected)})")
+
     def save(self, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
         from safetensors.torch import save_file
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.state_dict().items()}
+        state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.own_state().items()}
         save_file(state, str(directory / WEIGHTS_FILE))
         config = self.config.model_copy(update={"dtype": str(dtype).removeprefix("torch.")})
         (directory / CONFIG_FILE).write_text(json.dumps(config.model_dump(), indent=2) + "\n")
@@ -324,5 +336,5 @@ def load_feature_draft(directory: str | Path, target_dir: str | Path, target_ide
     vocab_ids = weights["vocab_ids"]
     embed, head = target_tensors(target_dir, vocab_ids, dtype)
     model = FeatureDraft(config, embed, head, vocab_ids)
-    model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()})
+    model.load_own_state({k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()})
     return model.to(device=device, dtype=dtype).eval()

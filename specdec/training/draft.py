@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -32,10 +31,10 @@ import torch
 from specdec.errors import IncompatibleModelsError, SpecDecError
 from specdec.models.feature_draft import (FUSED, REPORT_FILE, FeatureDraft, FeatureDraftConfig, layer_config_of,
                                           target_tensors)
+from specdec.training import checkpoints
 from specdec.training.config import ConfigError, DraftTrainSection, PipelineConfig
 from specdec.training.data import FEATURE_COLUMNS, SPLITS, DatasetError, read_manifest, read_shard, states_from_bytes
 
-STATE_FILE, HISTORY_FILE = "state.pt", "history.json"
 CHECKPOINTS_TO_KEEP = 2
 PROSE_PREFIX = "prose:"  # prompt ids of the prose source (training/prose_prompts.py); the rest is code
 # settings a run may change when it resumes (how long it runs, how often it saves)
@@ -152,7 +151,7 @@ def batch_loss(model: FeatureDraft, batch: Batch, draft: DraftTrainSection) -> t
     row_of[first] = torch.arange(len(first[0]), device=row_of.device)
     with torch.autocast(device_type, dtype=torch.bfloat16):
         # the target's distribution at p + 1 over the trimmed vocabulary: what every step at p must match
-        target_logits = batch.outputs[:, 1:][first] @ model.head.to(torch.bfloat16).T  # [N, V_trim]
+        target_logits = model.lm_head(batch.outputs[:, 1:][first])  # [N, V_trim]
     target_logp = torch.log_softmax(target_logits.float(), dim=-1)
     target_p = target_logp.exp()
     truth = batch.next_ids[:, 1:]  # [B, T - 1] the token at p + 2 (-1 past the end)
@@ -260,13 +259,10 @@ def train_loop(loop_config: dict) -> None:
     device = ray.train.torch.get_device()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=draft.lr, weight_decay=draft.weight_decay)
-    step, history = 0, []
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint:
-        with checkpoint.as_directory() as directory:
-            state = torch.load(Path(directory) / STATE_FILE, weights_only=True)
-            history = json.loads((Path(directory) / HISTORY_FILE).read_text())
-        model.load_state_dict(state["model"])
+    step = 0
+    state, history = checkpoints.restored()
+    if state:
+        model.load_own_state(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
     model = ray.train.torch.prepare_model(model)
@@ -282,13 +278,8 @@ def train_loop(loop_config: dict) -> None:
                                 if k.startswith("val_acc_"))
             print(f"train-draft step {step}/{total} ({metrics['seconds']:.0f} s): train loss "
                   f"{metrics['train_loss']:.4f}{'; validation acceptance ' + accepted if accepted else ''}", flush=True)
-            with tempfile.TemporaryDirectory() as directory:
-                torch.save({"model": core.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-                           Path(directory) / STATE_FILE)
-                (Path(directory) / HISTORY_FILE).write_text(json.dumps(history, indent=2) + "\n")
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
-        else:
-            ray.train.report(metrics)
+        checkpoints.report(metrics, {"model": core.own_state(), "optimizer": optimizer.state_dict(), "step": step},
+                           history, rank)
 
     while step < total:
         epoch, within = divmod(step, per_epoch)
@@ -385,13 +376,9 @@ def train_draft(config: PipelineConfig) -> dict:
         run_config=RunConfig(name=draft.name, storage_path=str(Path(draft.storage).resolve()),
                              checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_TO_KEEP)))
     result = trainer.fit()
-    if result.checkpoint is None:
-        raise SpecDecError(f"training run {draft.name!r} produced no checkpoint")
-    with result.checkpoint.as_directory() as directory:
-        state = torch.load(Path(directory) / STATE_FILE, weights_only=True)
-        history = json.loads((Path(directory) / HISTORY_FILE).read_text())
+    state, history, _ = checkpoints.read_final(result, draft.name)
     model = build_draft(loop_config, target_dir, vocab_ids)
-    model.load_state_dict(state["model"])
+    model.load_own_state(state["model"])
     model.save(draft.output)
     report = {"draft": draft.model_dump(), "data": {"dir": config.data.dir, "counts": manifest["counts"],
                                                     "layers": manifest["settings"]["layers"],

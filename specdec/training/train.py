@@ -32,7 +32,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -44,6 +43,7 @@ from specdec.features import (
 )
 from specdec.head import AcceptanceHead, HeadConfig
 from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.training import checkpoints
 from specdec.training.calibration import calibration_report, cross_fitted_predictions
 from specdec.training.config import SELECT_BY, ConfigError, PipelineConfig, TrainSection
 from specdec.training.data import SPLITS, load_dataset
@@ -52,7 +52,7 @@ from specdec.training.loss import weighted_bce_loss
 from specdec.training.mixing import mix_tokens
 
 FEATURES_SUBDIR = "features"
-STATE_FILE, METRICS_FILE, HISTORY_FILE = "state.pt", "metrics.json", "history.json"
+METRICS_FILE = "metrics.json"
 REPORT_FILE = "training.json"
 FEATURE_DTYPE = torch.float16  # halves the cache; the head trains in fp32
 # Version of the feature cache's layout and meaning: part of its key, and checked when it is read,
@@ -257,12 +257,9 @@ def train_loop(loop_config: dict) -> None:
     torch.manual_seed(train.seed)
     head = new_head(train, features)
     optimizer = torch.optim.AdamW(head.parameters(), lr=train.lr, weight_decay=train.weight_decay)
-    start_epoch, history = 0, []
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint:
-        with checkpoint.as_directory() as directory:
-            state = torch.load(Path(directory) / STATE_FILE, weights_only=True)
-            history = json.loads((Path(directory) / HISTORY_FILE).read_text())
+    start_epoch = 0
+    state, history = checkpoints.restored()
+    if state:
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         start_epoch = state["epoch"]
@@ -278,15 +275,8 @@ def train_loop(loop_config: dict) -> None:
         metrics, full = validate(head, val_set, train, device)
         metrics.update(epoch=epoch + 1, train_loss=train_loss, resumed_from_epoch=start_epoch)
         history.append(metrics)
-        if rank == 0:
-            with tempfile.TemporaryDirectory() as directory:
-                torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1},
-                           Path(directory) / STATE_FILE)
-                (Path(directory) / METRICS_FILE).write_text(json.dumps(full, indent=2) + "\n")
-                (Path(directory) / HISTORY_FILE).write_text(json.dumps(history, indent=2) + "\n")
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
-        else:
-            ray.train.report(metrics)
+        checkpoints.report(metrics, {"head": head.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1},
+                           history, rank, files={METRICS_FILE: json.dumps(full, indent=2) + "\n"})
 
 
 def train_epoch(model, optimizer, train_set: dict, order: torch.Tensor, train: TrainSection, device="cpu") -> float:
@@ -395,12 +385,8 @@ def save_result(result, train: TrainSection, draft_identity: str, draft_name: st
                 features: str) -> dict:
     """Save the head of the run's last checkpoint to `train.output` with its report, calibrated on the
     validation features when `train.calibrate`; returns the report."""
-    if result.checkpoint is None:
-        raise SpecDecError(f"training run {train.name!r} produced no checkpoint")
-    with result.checkpoint.as_directory() as directory:
-        state = torch.load(Path(directory) / STATE_FILE, weights_only=True)
-        final = json.loads((Path(directory) / METRICS_FILE).read_text())
-        history = json.loads((Path(directory) / HISTORY_FILE).read_text())
+    state, history, files = checkpoints.read_final(result, train.name, files=(METRICS_FILE,))
+    final = json.loads(files[METRICS_FILE])
     cached = load_features(features)
     head = AcceptanceHead(HeadConfig(hidden_size=cached["hidden_size"], draft_identity=draft_identity,
                                      draft_name=draft_name, **head_settings(train)))
