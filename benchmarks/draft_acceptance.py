@@ -149,6 +149,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True, help="a features dataset (its validation split is read)")
     parser.add_argument("--feature-draft", default=None, help="a trained feature draft's directory")
+    parser.add_argument("--feature-format", default="fp32", help="the feature draft's weight format (models/formats.py)")
     parser.add_argument("--model-draft", default=None, help="a model draft source (e.g. default)")
     parser.add_argument("--target", default="default")
     parser.add_argument("--k", type=int, default=8)
@@ -165,8 +166,10 @@ def main() -> None:
     target_dir = resolve_model(args.target, role="target")
     drafts = {}
     if args.feature_draft:
-        drafts["feature"] = load_feature_draft(Path(args.feature_draft).expanduser(), target_dir,
-                                               model_identity(target_dir))
+        from specdec.models.formats import apply_weight_format
+
+        drafts["feature"] = apply_weight_format(load_feature_draft(Path(args.feature_draft).expanduser(), target_dir,
+                                                                   model_identity(target_dir)), "draft", args.feature_format)
     if args.model_draft:
         from specdec.builder import load_model
 

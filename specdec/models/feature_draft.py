@@ -200,7 +200,9 @@ class FeatureDraft(nn.Module):
 
     def logits(self, state: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V_trim] scores of the trimmed vocabulary."""
-        return self.lm_head(self.norm(state))
+        normed = self.norm(state)
+        flat = normed.reshape(-1, normed.shape[-1])  # an int8 Linear takes 2-D input only
+        return self.lm_head(flat).reshape(*normed.shape[:-1], -1)
 
     def full_logits(self, state: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V]: the trimmed scores scattered into the target's vocabulary, -inf elsewhere (q = 0)."""

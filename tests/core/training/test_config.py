@@ -22,7 +22,26 @@ def with_change(section: str, key: str, value) -> dict:
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     config = load_config(path)
-    assert config.train is not None and config.data.prompts.source == ["stdlib-docstrings", "prose"]
+    assert config.data.prompts.source == ["stdlib-docstrings", "prose"]
+    if config.data.kind == "features":  # the feature draft's: a draft section and nothing of the head's
+        assert config.require_draft() is not None and config.train is None
+    else:
+        assert config.train is not None
+
+
+def test_the_feature_draft_config_reuses_the_heads_responses():
+    """`--reuse-responses data/default-pair` needs the same response settings, seed and prompt limit."""
+    draft, head = (load_config(SHIPPED[0].parent / name) for name in ("feature-draft.yaml", "default-pair.yaml"))
+    assert draft.data.response == head.data.response and draft.data.seed == head.data.seed
+    assert draft.data.prompts == head.data.prompts
+
+
+def test_a_draft_section_needs_features_data():
+    config = parse_config({"data": {"dir": "d"}, "draft": {"storage": "s", "output": "o"}})
+    with pytest.raises(ConfigError, match="data.kind must be `features`"):
+        config.require_draft()
+    with pytest.raises(ConfigError, match="layers: .*increasing order"):
+        parse_config({"data": {"dir": "d", "kind": "features", "features": {"layers": [3, 1]}}})
 
 
 def test_gpu_config_differs_only_in_scaling():
