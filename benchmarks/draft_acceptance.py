@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from specdec.models.feature_draft import DraftFeed, load_feature_draft
+from specdec.models.feature_draft import DraftFeed, load_feature_draft, stored_inputs
 from specdec.models.sources import model_identity, resolve_model
-from specdec.training.draft import Example, load_examples
+from specdec.training.draft import Example, load_examples, make_batch
 
 KINDS = ("code", "prose")
 
@@ -52,18 +52,16 @@ def matched_run(drafted: list[int], truth: list[int]) -> int:
 
 @torch.inference_mode()
 def feature_teacher_forced(model, example: Example, k: int) -> list[tuple[int, int]]:
-    """[(matches, positions)] per draft position 1..k at response positions."""
-    states = example.states[None, :, :model.config.reads] if model.config.inputs == "fused" else \
-        example.states[None, :, -1:]
-    tokens = torch.zeros(1, len(example.tokens), dtype=torch.long)
-    tokens[0, :-1] = example.tokens[1:]
-    outs = model.unroll(states.float(), tokens, k)
+    """[(matches, positions)] per draft position 1..k at response positions, in the model's own
+    precision (training's `batch_loss` counts the same under bfloat16 autocast)."""
+    batch = make_batch([example], model.config.inputs, len(model.config.layers), "cpu")
+    outs = model.unroll(batch.states.float(), batch.tokens, k)
+    truth = batch.next_ids[0, 1:]  # x_{p+2}, -1 past the end
+    p = torch.arange(len(truth))
     out = []
     for j, state in enumerate(outs, start=1):
-        drafted = model.vocab_ids[model.logits(state[0, :-2]).argmax(-1)]  # state at p drafts x_{p+2}
-        truth = example.tokens[2:]
-        p = torch.arange(len(drafted))
-        mask = (p >= j - 1) & (p + 2 >= example.prompt_length)
+        drafted = model.vocab_ids[model.logits(state[0, :-1]).argmax(-1)]  # state at p drafts x_{p+2}
+        mask = (p >= j - 1) & (p + 2 >= example.prompt_length) & (truth >= 0)
         out.append((int(((drafted == truth) & mask).sum()), int(mask.sum())))
     return out
 
@@ -72,9 +70,8 @@ def feature_teacher_forced(model, example: Example, k: int) -> list[tuple[int, i
 def feature_free_running(model, example: Example, k: int, stride: int) -> list[int]:
     """Accepted length of a round from each start (drafting stops at the first miss: greedy
     verification commits nothing after it)."""
-    reads = model.config.reads
-    g_all = model.feature(example.states[:, :reads].float() if model.config.inputs == "fused"
-                          else example.states[:, -1:].float())  # [T, H]
+    inputs = stored_inputs(example.states, model.config.inputs, len(model.config.layers))
+    g_all = model.feature(inputs.float())  # [T, H]
     ids = example.tokens.tolist()
     session, held, lengths = model.new_session(), 0, []
     for t in starts_of(example, stride):

@@ -80,6 +80,12 @@ def layer_config_of(target_config, intermediate_size: int | None = None) -> dict
     return config
 
 
+def stored_inputs(states: torch.Tensor, inputs: str, layers: int) -> torch.Tensor:
+    """What g_t reads from states stored as [..., layers + 1, H] (training/data.py: the chosen layers,
+    then the output state) -> [..., reads, H]."""
+    return states[..., :layers, :] if inputs == FUSED else states[..., -1:, :]
+
+
 def rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / its root mean square over the last dim: the target's layers differ in scale by 1000s."""
     return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)

@@ -12,16 +12,21 @@ import torch
 STATE_FILE, HISTORY_FILE = "state.pt", "history.json"
 
 
-def restored() -> tuple[dict | None, list[dict]]:
-    """(state, history) of the run's latest checkpoint; (None, []) when the run is new."""
+def resume(load_model, optimizer, model_key: str, progress_key: str) -> tuple[int, list[dict]]:
+    """Load the run's latest checkpoint into the model (`load_model(state[model_key])`) and the
+    optimizer; returns (its progress, state[progress_key], and the metrics history), (0, []) when
+    the run is new."""
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
     if not checkpoint:
-        return None, []
+        return 0, []
     with checkpoint.as_directory() as directory:
-        return (torch.load(Path(directory) / STATE_FILE, weights_only=True),
-                json.loads((Path(directory) / HISTORY_FILE).read_text()))
+        state = torch.load(Path(directory) / STATE_FILE, weights_only=True)
+        history = json.loads((Path(directory) / HISTORY_FILE).read_text())
+    load_model(state[model_key])
+    optimizer.load_state_dict(state["optimizer"])
+    return state[progress_key], history
 
 
 def report(metrics: dict, state: dict, history: list[dict], rank: int, files: dict[str, str] | None = None) -> None:

@@ -30,7 +30,7 @@ import torch
 
 from specdec.errors import IncompatibleModelsError, SpecDecError
 from specdec.models.feature_draft import (FUSED, REPORT_FILE, FeatureDraft, FeatureDraftConfig, layer_config_of,
-                                          target_tensors)
+                                          stored_inputs, target_tensors)
 from specdec.training import checkpoints
 from specdec.training.config import ConfigError, DraftTrainSection, PipelineConfig
 from specdec.training.data import FEATURE_COLUMNS, SPLITS, DatasetError, read_manifest, read_shard, states_from_bytes
@@ -49,15 +49,16 @@ class Example:
     split: str
     tokens: torch.Tensor  # [T] prompt + response ids
     prompt_length: int
-    states: torch.Tensor  # [T, layers + 1, H] bfloat16, the output state last
+    states: torch.Tensor | None  # [T, layers + 1, H] bfloat16, the output state last (None: tokens only)
 
     @property
     def kind(self) -> str:
         return "prose" if self.prompt_id.startswith(PROSE_PREFIX) else "code"
 
 
-def load_examples(directory: str | Path, max_tokens: int) -> tuple[dict, list[Example]]:
-    """(manifest, examples) of every shard, each checked against the manifest's sha256."""
+def load_examples(directory: str | Path, max_tokens: int, states: bool = True) -> tuple[dict, list[Example]]:
+    """(manifest, examples) of every shard, each checked against the manifest's sha256; without the
+    states (a gigabyte on the default target's data) when `states` is False."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     if manifest.get("kind") != "features":
@@ -70,13 +71,14 @@ def load_examples(directory: str | Path, max_tokens: int) -> tuple[dict, list[Ex
         path = directory / entry["file"]
         if not path.is_file():
             raise DatasetError(f"shard {path} listed in the manifest is missing")
-        for row in read_shard(path, entry.get("sha256"), columns=FEATURE_COLUMNS).to_pylist():
+        columns = FEATURE_COLUMNS if states else tuple(c for c in FEATURE_COLUMNS if c != "states")
+        for row in read_shard(path, entry.get("sha256"), columns=columns).to_pylist():
             if not row["response_ids"]:
                 continue
             ids = row["prompt_ids"] + row["response_ids"]
-            states = states_from_bytes(row["states"], len(ids), hidden)
+            kept = states_from_bytes(row["states"], len(ids), hidden)[:max_tokens] if states else None
             examples.append(Example(row["prompt_id"], row["split"], torch.tensor(ids[:max_tokens]),
-                                    len(row["prompt_ids"]), states[:max_tokens]))
+                                    len(row["prompt_ids"]), kept))
     return manifest, examples
 
 
@@ -129,7 +131,7 @@ def make_batch(examples: list[Example], inputs: str, layers: int, device) -> Bat
     next_ids = torch.full((len(examples), T), -1, dtype=torch.long)
     for b, e in enumerate(examples):
         n = len(e.tokens)
-        states[b, :n] = e.states[:, :layers] if inputs == FUSED else e.states[:, -1:]
+        states[b, :n] = stored_inputs(e.states, inputs, layers)
         outputs[b, :n] = e.states[:, -1]
         tokens[b, :n - 1] = e.tokens[1:]
         next_ids[b, :n - 1] = e.tokens[1:]
@@ -259,12 +261,7 @@ def train_loop(loop_config: dict) -> None:
     device = ray.train.torch.get_device()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=draft.lr, weight_decay=draft.weight_decay)
-    step = 0
-    state, history = checkpoints.restored()
-    if state:
-        model.load_own_state(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        step = state["step"]
+    step, history = checkpoints.resume(model.load_own_state, optimizer, "model", "step")
     model = ray.train.torch.prepare_model(model)
     core = model.module if hasattr(model, "module") else model
     per_epoch = len(train_set) // (draft.batch_size * world)
@@ -359,7 +356,7 @@ def train_draft(config: PipelineConfig) -> dict:
     draft = config.require_draft()
     manifest, identity, target_dir = check_draft_data(config)
     data_dir = str(Path(config.data.dir).resolve())
-    _, examples = load_examples(data_dir, draft.max_tokens)
+    _, examples = load_examples(data_dir, draft.max_tokens, states=False)  # the workers read the states
     vocab_ids = trimmed_vocabulary(examples, draft.vocab_coverage, draft.vocab_size)
     data_settings = {**manifest["settings"], "sequences": manifest["counts"]["sequences"]}
     check_run_settings(draft, data_settings)

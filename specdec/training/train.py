@@ -257,12 +257,7 @@ def train_loop(loop_config: dict) -> None:
     torch.manual_seed(train.seed)
     head = new_head(train, features)
     optimizer = torch.optim.AdamW(head.parameters(), lr=train.lr, weight_decay=train.weight_decay)
-    start_epoch = 0
-    state, history = checkpoints.restored()
-    if state:
-        head.load_state_dict(state["head"])
-        optimizer.load_state_dict(state["optimizer"])
-        start_epoch = state["epoch"]
+    start_epoch, history = checkpoints.resume(head.load_state_dict, optimizer, "head", "epoch")
     model = ray.train.torch.prepare_model(head)
     device = ray.train.torch.get_device()
 
