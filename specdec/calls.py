@@ -9,7 +9,8 @@ has not seen; a `SessionMissing` answer gets the round again with the whole hist
 round, role), so a retried round, or one on another replica, draws the same numbers.
 
 `RoundCalls` keeps each session's wire state (what each side holds, who may hold it, the round
-outcomes the draft has not been told) and charges each request the calls it waited for. It returns
+outcomes the draft has not been told, and for a feature draft the target states its verifications
+returned that the draft has not been sent) and charges each request the calls it waited for. It returns
 the replicas' pass timings with the answers and feeds them nowhere: the step's planner observes
 them (specdec/planner.py).
 """
@@ -24,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
+
+import torch
 
 from specdec.cost_profile import PassTiming
 from specdec.errors import InvalidRequestError, Unavailable
@@ -77,6 +80,23 @@ class Wire:
     contacted: set = field(default_factory=set)  # roles that may hold the session: released when it leaves
     outcomes: list[tuple[int, int]] = field(default_factory=list)  # every round's (K, n), for a draft that rebuilds
     unsent: int = 0  # outcomes the draft has not been told about
+    # A feature draft's inputs: the target's states are known for positions < features_at; those of
+    # the verifications since the last Propose wait in `features` (they end at features_at).
+    features_at: int = 0
+    features: list = field(default_factory=list)
+
+    def features_for_draft(self, full: bool) -> tuple[object, int]:
+        """(states [m, reads, H] or None, their first position) for the next Propose. A draft that
+        rebuilds its session (a full history) holds no states: unless these start at 0, they are
+        dropped and the next verification computes them again from 0 (the target's cache rolls back)."""
+        m = sum(len(f) for f in self.features)
+        start = self.features_at - m
+        if full and start > 0:
+            self.features, self.features_at = [], 0
+            return None, 0
+        if not self.features:
+            return None, start
+        return (self.features[0] if len(self.features) == 1 else torch.cat(self.features)), start
 
 
 class RoundCalls:
@@ -91,7 +111,9 @@ class RoundCalls:
         proposals, timings = await self._call("draft", sessions, partial(self._propose_item, probe=plan.probe),
                                               lambda items: self.transport.propose(items, plan))
         for s in proposals:
-            self._wire[s.session_id].unsent = 0
+            wire = self._wire[s.session_id]
+            wire.unsent = 0
+            wire.features = []
         return proposals, timings
 
     async def verify(self, sessions: list[LoopSample], proposals: dict[LoopSample, Proposal], probe_tokens: int = 0
@@ -103,6 +125,9 @@ class RoundCalls:
             wire = self._wire[s.session_id]
             wire.outcomes.append((len(proposals.get(s, NO_PROPOSAL).candidates), verdict.num_accepted))
             wire.unsent += 1
+            if self.rules.draft_reads_features:
+                wire.features.append(verdict.features)
+                wire.features_at = len(s.sample.history) + verdict.num_accepted
         return verdicts, timings
 
     async def time_target(self, tokens: int) -> list[PassTiming]:
@@ -111,20 +136,22 @@ class RoundCalls:
 
     def _propose_item(self, s: LoopSample, wire: Wire, probe: str | None = None) -> ProposeItem:
         history, params, full = s.sample.history, s.request.params, wire.synced["draft"] is None
+        features, features_start = wire.features_for_draft(full) if self.rules.draft_reads_features else (None, 0)
         return ProposeItem(
             session_id=s.session_id, history=delta_for(history, wire.synced["draft"]),
             policy=params.policy, sampling=params.sampling, max_candidates=self.rules.candidate_budget(s.sample, params),
             num_generated=len(s.sample.generated),
             rounds=list(wire.outcomes if full else wire.outcomes[len(wire.outcomes) - wire.unsent:]),
             seed=RoundSeed(s.request.seed, s.index, s.round_index), reference=s.request.reference,
-            probe=s.session_id == probe)
+            probe=s.session_id == probe, features=features, features_start=features_start)
 
     def _verify_item(self, s: LoopSample, wire: Wire, proposals: dict[LoopSample, Proposal]) -> VerifyItem:
         proposal = proposals.get(s, NO_PROPOSAL)
         return VerifyItem(
             session_id=s.session_id, history=delta_for(s.sample.history, wire.synced["verifier"]),
             candidates=proposal.candidates, draft_probs=proposal.draft_probs, sampling=s.request.params.sampling,
-            seed=RoundSeed(s.request.seed, s.index, s.round_index))
+            seed=RoundSeed(s.request.seed, s.index, s.round_index),
+            features_from=wire.features_at if self.rules.draft_reads_features else None)
 
     async def _call(self, role: Role, sessions: list[LoopSample], build: Callable[[LoopSample, Wire], object],
                     send: Callable[[list], object]) -> tuple[dict[LoopSample, object], list[PassTiming]]:

@@ -41,9 +41,15 @@ class SpecDecEngine:
             raise IncompatibleModelsError(
                 f"draft and target vocabularies differ ({draft.vocab_size} vs {target.vocab_size} tokens); "
                 "speculative decoding needs one shared vocabulary")
+        if draft.reads_features:  # a feature draft: every verification also returns the states it reads
+            if draft.hidden_size != target.hidden_size:
+                raise IncompatibleModelsError(f"the feature draft reads states of width {draft.hidden_size}, the "
+                                              f"target's are {target.hidden_size}")
+            target.read_features(draft.target_layers)
         self.draft, self.target, self.tokenizer, self.head = draft, target, tokenizer, head
         self.rules = RequestRules(tokenizer, eos_token_ids, min(draft.max_context, target.max_context),
-                                  target.vocab_size, has_head=head is not None)
+                                  target.vocab_size, has_head=head is not None,
+                                  draft_reads_features=draft.reads_features)
         self.max_context = self.rules.max_context
         self.draft_worker, self.verifier_worker = DraftWorker(draft, head), VerifierWorker(target)
         self.loop = RoundLoop(LocalTransport(self.draft_worker, self.verifier_worker), self.rules, batch)

@@ -145,6 +145,10 @@ class ProposeItem:
     # The loop keeps the draft off this step: draft nothing for it, but time one scratch pass of the
     # step's size (the draft's costs are otherwise not measured while it is off).
     probe: bool = False
+    # A feature draft's input: the target's states [m, reads, H] at positions features_start.. (the
+    # verifications' since the previous call; from 0 with a full history). None: none this call.
+    features: torch.Tensor | None = None
+    features_start: int = 0
 
 
 @dataclass
@@ -157,6 +161,9 @@ class VerifyItem:
     draft_probs: list[torch.Tensor]  # q_1..q_K [V] each when sampled; empty when greedy
     sampling: SamplingParams
     seed: RoundSeed
+    # A feature draft's session: the verdict carries the target's states at the committed positions
+    # from this one on (Verdict.features). None: the draft reads none.
+    features_from: int | None = None
 
 
 @dataclass(frozen=True)

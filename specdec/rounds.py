@@ -62,6 +62,9 @@ class TargetRow:
     draft_probs: list[torch.Tensor]  # q_1..q_K [V] each; empty when greedy
     sampling: SamplingParams
     generator: torch.Generator | None  # sampled rows only
+    # A feature draft's session: return the target's states at the committed positions from this one
+    # on (the cache is rolled back to it first, so a draft that lost them gets them again). None: none.
+    features_from: int | None = None
 
 
 class _Drafting:
@@ -208,6 +211,9 @@ def verify(target: TargetRole, rows: list[TargetRow], timings: list[PassTiming] 
     if not rows:
         return []
     fed, start = target.fed_tokens, time.perf_counter()
+    for r in rows:
+        if r.features_from is not None and r.features_from < len(r.session):
+            target.rollback(r.session, r.features_from)
     scores = target.score([r.session for r in rows], [r.history for r in rows], [r.candidates for r in rows])
     accepted, tokens = [0] * len(rows), [0] * len(rows)
     for greedy, group in rows_by([r.sampling.greedy for r in rows]).items():
@@ -215,9 +221,12 @@ def verify(target: TargetRole, rows: list[TargetRow], timings: list[PassTiming] 
         for b, n, token in zip(group, *outcome.tolist()):  # one copy to the host
             accepted[b], tokens[b] = n, token
     verdicts = []
-    for row, n, token in zip(rows, accepted, tokens):
+    for b, (row, n, token) in enumerate(zip(rows, accepted, tokens)):
         target.rollback(row.session, len(row.history) + n)
-        verdicts.append(Verdict(n, token))
+        features = None
+        if row.features_from is not None:  # what the pass fed from features_from to the last accepted candidate
+            features = scores.features[b][row.features_from - scores.starts[b]:len(row.history) + n - scores.starts[b]]
+        verdicts.append(Verdict(n, token, features))
     if timings is not None:
         timings.append(PassTiming("verifier", target.fed_tokens - fed, (time.perf_counter() - start) * MS_PER_S))
     return verdicts

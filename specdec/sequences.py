@@ -104,13 +104,15 @@ class RoundObserver(Protocol):
 
 class RequestRules:
     """The rules of a request for one model pair: its tokenizer (may be None: token ids only), EOS
-    ids, shared context length and vocabulary, and whether a head is loaded (the default policy
-    depends on it)."""
+    ids, shared context length and vocabulary, whether a head is loaded (the default policy
+    depends on it) and whether the draft reads the target's features (a feature draft: each
+    verification hands them to the next round's draft, specdec/calls.py)."""
 
     def __init__(self, tokenizer, eos_token_ids: Sequence[int], max_context: int, vocab_size: int,
-                 has_head: bool):
+                 has_head: bool, draft_reads_features: bool = False):
         self.tokenizer, self.eos_token_ids = tokenizer, frozenset(eos_token_ids)
         self.max_context, self.vocab_size, self.has_head = max_context, vocab_size, has_head
+        self.draft_reads_features = draft_reads_features
 
     # ----------------------------------------------------------------------------------------
     # Prompts

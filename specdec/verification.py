@@ -14,7 +14,7 @@ fails, n = 2 and the round commits y_1, y_2, y' with y' ~ Norm[(p_3 - q_3)_+]; p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
@@ -26,6 +26,10 @@ from specdec.sampling import argmax, sample
 class Verdict:
     num_accepted: int  # n in 0..K
     next_token: int  # correction token (n < K) or bonus token (n = K)
+    # For a feature draft: the target's states [m, reads, H] at the committed positions from the
+    # item's `features_from` on (its history and the n accepted candidates), which the draft reads
+    # next round (models/feature_draft.py). None otherwise.
+    features: object = field(default=None, compare=False, repr=False)
 
     def committed(self, candidates: list[int]) -> list[int]:
         """The n + 1 tokens the round adds to the sequence."""

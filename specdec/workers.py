@@ -272,11 +272,19 @@ class DraftWorker(Worker):
         if item.history.full:  # rebuild: keep the cache (it re-syncs by common prefix), reset the policy
             policy = make_policy(item.policy, head=self.head, reference=item.reference)  # validates it (Refused)
             entry = DraftSession(policy, entry.kv if entry else self.draft.new_session())
+            self.draft.clear_features(entry.kv)
+        if item.features is not None:
+            if not 0 <= item.features_start <= len(history):
+                raise InvalidRequestError(f"features start at position {item.features_start}, past the history's "
+                                          f"{len(history)} tokens")
+            self.draft.add_features(entry.kv, item.features, item.features_start)
         for num_candidates, num_accepted in item.rounds:  # oldest first: the policy reaches the caller's state
             entry.policy.end_round(num_candidates, num_accepted)
         entry.history = history
         self.sessions.put(item.session_id, entry)
-        limit = 0 if item.probe else item.max_candidates  # a probe item drafts nothing: its cache catches up later
+        # A probe item drafts nothing (its cache catches up later), nor does a feature draft's session
+        # before the target's states reach its history's end (its first round: the prompt's prefill).
+        limit = 0 if item.probe or not self.draft.can_draft(entry.kv, history) else item.max_candidates
         return DraftRow(entry.kv, history, entry.policy, limit, item.num_generated, item.sampling,
                         item.seed.generator("draft", item.sampling))
 
@@ -319,8 +327,12 @@ class VerifierWorker(Worker):
             raise InvalidRequestError(
                 f"sampled verification needs one draft distribution per candidate: "
                 f"{len(item.candidates)} candidates, {len(item.draft_probs)} distributions")
+        if item.features_from is not None and not self.target.returns_features:
+            raise InvalidRequestError("this verifier reads no features for a feature draft")
+        if item.features_from is not None and not 0 <= item.features_from <= len(history):
+            raise InvalidRequestError(f"features-from {item.features_from} is past the history's {len(history)} tokens")
         entry = entry or VerifierSession(self.target.new_session())
         entry.history = history
         self.sessions.put(item.session_id, entry)
         return TargetRow(entry.kv, history, item.candidates, item.draft_probs if not item.sampling.greedy else [],
-                         item.sampling, item.seed.generator("target", item.sampling))
+                         item.sampling, item.seed.generator("target", item.sampling), item.features_from)

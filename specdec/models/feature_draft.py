@@ -32,8 +32,9 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from specdec.errors import IncompatibleModelsError, ModelSourceError, one_line
-from specdec.models.cache import KVSession, RaggedBatch, SlotBuffers, SlotCache, ragged_attention
+from specdec.errors import IncompatibleModelsError, InvalidRequestError, ModelSourceError, one_line
+from specdec.models.cache import Feed, KVSession, RaggedBatch, SlotBuffers, SlotCache, ragged_attention
+from specdec.models.runtime import DraftOutputs, DraftRole, PassOutputs, common_prefix_length
 
 CONFIG_FILE, WEIGHTS_FILE, REPORT_FILE = "config.json", "model.safetensors", "report.json"
 FORMAT_VERSION = 1
@@ -158,7 +159,7 @@ class FeatureDraft(nn.Module):
 
         super().__init__()
         self.config = config
-        layer_config = AutoConfig.for_model(**config.layer_config)
+        self.layer_config = layer_config = AutoConfig.for_model(**config.layer_config)
         base = AutoModel.from_config(layer_config)
         hidden = layer_config.hidden_size
         self.layer, self.rotary = base.layers[0], base.rotary_emb
@@ -292,6 +293,126 @@ class FeatureDraft(nn.Module):
         config = self.config.model_copy(update={"dtype": str(dtype).removeprefix("torch.")})
         (directory / CONFIG_FILE).write_text(json.dumps(config.model_dump(), indent=2) + "\n")
         return directory
+
+
+@dataclass
+class FeatureSession(KVSession):
+    """A feature draft's session in the round loop. Cache position t holds the pair (g_t, x_{t+1}), so
+    `tokens` are x_1..x_n: a history of n + 1 tokens. Pairs made from the target's states are exact;
+    a round's later pairs are made from the draft's own states and are replaced once the target's
+    arrive (`exact` marks where they start)."""
+
+    features: torch.Tensor | None = None  # [m, H] g_t for positions 0..m-1, from the target's states
+    exact: int = 0  # cache positions made from the target's states
+    state: torch.Tensor | None = None  # [H] s at the last position fed: the next step's g
+
+
+class FeatureDraftRuntime(DraftRole):
+    """The feature draft as a draft of the round loop (models/runtime.py `DraftRole`): a round's first
+    pass catches the session up on the pairs of its committed history (the target's states with the
+    next token) and drafts y_1 from the last; each later step feeds the draft's own state with the
+    token it just drafted. The verifications hand the target's states over (`add_features`); a
+    session whose states do not reach its history's end does not draft (`can_draft`): they are
+    recomputed by the target, never guessed. Only a probe's scratch session runs on zeros."""
+
+    kind = "torch"
+    reads_features = True
+
+    def __init__(self, model: FeatureDraft, identity: str = "", name: str = ""):
+        self.model, self.identity, self.name = model.eval(), identity, name
+        self.layer_config = model.layer_config
+        self.forward_passes = 0
+
+    @property
+    def target_layers(self) -> list[int] | None:
+        """The target's decoder layers whose states it reads (None: the target's output state)."""
+        return list(self.model.config.layers) if self.model.config.inputs == FUSED else None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layer_config.hidden_size
+
+    @property
+    def max_context(self) -> int:
+        return self.layer_config.max_position_embeddings
+
+    def new_session(self) -> FeatureSession:
+        return FeatureSession(handle=SlotBuffers())
+
+    def rollback(self, session: FeatureSession, length: int) -> None:
+        self.model.rollback(session, length)
+        session.exact = min(session.exact, length)
+
+    @torch.inference_mode()
+    def add_features(self, session: FeatureSession, states: torch.Tensor, start: int) -> None:
+        held = 0 if session.features is None else len(session.features)
+        if start > held:
+            raise InvalidRequestError(f"features start at position {start}, but the draft holds {held}")
+        if states.ndim != 3 or states.shape[1:] != (self.model.config.reads, self.hidden_size):
+            raise InvalidRequestError(f"features of shape {list(states.shape)}, not [tokens, "
+                                      f"{self.model.config.reads}, {self.hidden_size}]")
+        g = self.model.feature(states.to(self.device, torch.float32))  # [m, H]
+        session.features = g if not start else torch.cat([session.features[:start], g])
+        session.exact = min(session.exact, start)
+
+    def clear_features(self, session: FeatureSession) -> None:
+        session.features, session.exact = None, 0
+
+    def can_draft(self, session: FeatureSession, history: list[int]) -> bool:
+        return len(history) >= 2 and session.features is not None and len(session.features) >= len(history) - 1
+
+    def start(self, sessions: list[FeatureSession], histories: list[list[int]]) -> DraftOutputs:
+        """Feed each session the pairs (g_t, x_{t+1}) its cache lacks up to the history's end; the last
+        one's state drafts y_1. A cached pair made from the draft's own state is fed again."""
+        feeds = []
+        for session, history in zip(sessions, histories):
+            if len(history) < 2:
+                raise ValueError("a feature draft drafts after at least two tokens")
+            end = len(history) - 1  # pairs 0..end-1; the last is (g_{end-1}, x_end)
+            keep = min(session.exact, common_prefix_length(session.tokens, history[1:]), end - 1)
+            self.rollback(session, keep)
+            known = 0 if session.features is None else min(len(session.features), end)
+            g = session.features[keep:known] if known > keep else self.model.embed.new_zeros((0, self.hidden_size))
+            if known < end:  # only a probe's scratch session lacks them (can_draft)
+                g = torch.cat([g, g.new_zeros((end - max(known, keep), self.hidden_size))])
+            feeds.append(DraftFeed(session, g, history[keep + 1:end + 1]))
+            session.exact = max(known, keep)
+        return self._pass(feeds)
+
+    def step(self, sessions: list[FeatureSession], tokens: list[int]) -> DraftOutputs:
+        return self._pass([DraftFeed(s, s.state[None], [t]) for s, t in zip(sessions, tokens)])
+
+    @torch.inference_mode()
+    def _pass(self, feeds: list[DraftFeed]) -> DraftOutputs:
+        states = self.model.forward_feeds(feeds)  # [sum n, H]
+        ends = torch.tensor([len(f.tokens) for f in feeds], device=states.device).cumsum(0) - 1
+        last = states[ends]  # [B, H]
+        for feed, state in zip(feeds, last):
+            feed.session.state = state
+        self.fed_tokens += sum(len(f.tokens) for f in feeds)
+        self.forward_passes += 1
+        return DraftOutputs(self.model.full_logits(last), last.float())
+
+    def _forward(self, feeds: list[Feed]) -> PassOutputs:
+        raise TypeError("a feature draft is fed pairs of the target's states and tokens: call start/step")
+
+
+def is_feature_draft(source: str | Path) -> bool:
+    """Whether `source` is a feature draft's directory (its config names the target it reads)."""
+    path = Path(source).expanduser() / CONFIG_FILE
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "target_identity" in config and "layer_config" in config
 
 
 def read_config(directory: str | Path) -> FeatureDraftConfig:

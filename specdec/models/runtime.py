@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from specdec.errors import InvalidRequestError, ModelSourceError
 from specdec.models.cache import Feed, KVSession, ReferenceKV, SlotKV, supports_slots
 from specdec.models.static import StaticKV, StaticOptions
 from specdec.models.formats import scales_activations_per_pass
@@ -40,6 +41,9 @@ class PassOutputs:
     logits: torch.Tensor  # [N, V] fp32, N = the feeds' num_outputs summed
     hidden: torch.Tensor  # [N, H] (H = 0 where the runtime reads no hidden states)
     bounds: list[int]  # [F + 1]
+    # per feed [len(feed.tokens), reads, H] bfloat16: the states `read_features` asked for at every
+    # position the feed fed (a feature draft's inputs); None when nothing asked
+    features: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.bounds) - 1
@@ -89,6 +93,10 @@ class Scores:
 
     logits: torch.Tensor  # [T, V] fp32, T = sum of K_b + 1
     bounds: list[int]  # [B + 1]
+    # with `read_features`: session b's states [fed_b, reads, H] at positions starts[b]..: every
+    # position its pass fed (its unseen history, then its candidates)
+    features: list[torch.Tensor] | None = None
+    starts: list[int] | None = None  # [B] the position of each session's first fed token
 
     def __len__(self) -> int:
         return len(self.bounds) - 1
@@ -128,6 +136,8 @@ class Runtime(ABC):
     sets_up_per_shape: bool = False
     # Most sessions one pass holds without taking another's cache (llama.cpp: its sequences); None: any.
     max_pass_sessions: int | None = None
+    # A target whose passes also return the states a feature draft reads (`read_features`).
+    returns_features: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -187,6 +197,28 @@ class CausalLMRuntime(Runtime):
         self.max_tokens_per_pass = max_tokens_per_pass
         self.first_token_alone = scales_activations_per_pass(self.model)
         self.forward_passes = 0
+        self._caught: dict[int, list[torch.Tensor]] | None = None  # read_features: each read module's outputs
+        self._reading = False  # inside this runtime's pass
+
+    def read_features(self, layers: list[int] | None) -> None:
+        """From now on every pass also returns the states after these decoder layers (0-based; None:
+        the output state, after the final norm) at every fed position (`PassOutputs.features`): what
+        a feature draft reads (models/feature_draft.py). Forward hooks: transformers' layers stay as
+        they are, and a pass that reads nothing pays nothing."""
+        if isinstance(self.kv, StaticKV):  # its passes are padded to [B, k] and replayed as graphs
+            raise ModelSourceError("a feature draft reads the target's states from the slot cache's passes: "
+                                   "run it with --kv-cache slots")
+        body = self.model.model
+        modules = [body.norm] if layers is None else [body.layers[i] for i in layers]
+        self._caught = {i: [] for i in range(len(modules))}
+        self.returns_features = True
+
+        def catch(i: int, out) -> None:
+            if self._reading:  # not a forward of the model outside this runtime's passes
+                self._caught[i].append(out[0] if isinstance(out, tuple) else out)
+
+        for i, module in enumerate(modules):
+            module.register_forward_hook(lambda _module, _args, out, i=i: catch(i, out))
 
     @property
     def sets_up_per_shape(self) -> bool:
@@ -217,12 +249,21 @@ class CausalLMRuntime(Runtime):
     @torch.inference_mode()
     def _forward(self, feeds: list[Feed]) -> PassOutputs:
         """The LM head runs only on the positions asked for."""
+        fed: dict[int, list[torch.Tensor]] | None = {id(f.session): [] for f in feeds} if self._caught else None
+        self._reading = fed is not None
+        try:
+            return self._forward_reading(feeds, fed)
+        finally:
+            self._reading = False
+
+    def _forward_reading(self, feeds: list[Feed], fed: dict[int, list[torch.Tensor]] | None) -> PassOutputs:
         if self.first_token_alone:
-            feeds = self._feed_first_tokens(feeds)
+            feeds = self._feed_first_tokens(feeds, fed)
         logits, hidden = [], []
         done = 0
         for part in self._passes(feeds):
             states = self.kv.hidden_states(self.model, part, protected=feeds[done:])  # [sum num_outputs, H]
+            self._take_features(part, fed)
             done += len(part)
             logits.append(self.model.lm_head(states).float())  # [sum num_outputs, V]
             hidden.append(states.float())
@@ -234,9 +275,22 @@ class CausalLMRuntime(Runtime):
             hidden = [torch.cat(hidden)] if hidden else [torch.empty((0, self.hidden_size), device=self.device)]
         if logits[0].device.type == "cuda":  # a sharded model's last device finishes last
             torch.cuda.synchronize(logits[0].device)
-        return PassOutputs(logits[0], hidden[0], PassOutputs.bounds_of(feeds))
+        features = [torch.cat(fed[id(f.session)]) for f in feeds] if fed is not None else None
+        return PassOutputs(logits[0], hidden[0], PassOutputs.bounds_of(feeds), features)
 
-    def _feed_first_tokens(self, feeds: list[Feed]) -> list[Feed]:
+    def _take_features(self, part: list[Feed], fed: dict[int, list[torch.Tensor]] | None) -> None:
+        """The read modules' outputs of the pass over `part` ([1, T, H] each, or one per feed on the
+        reference path), split by feed into `fed` as [n, reads, H] bfloat16."""
+        if fed is None:
+            return
+        layers = [torch.cat([o.reshape(-1, o.shape[-1]) for o in outs]) for outs in self._caught.values()]
+        for outs in self._caught.values():
+            outs.clear()
+        states = torch.stack(layers, dim=1).to(torch.bfloat16)  # [T, reads, H]
+        for feed, rows in zip(part, states.split([len(f.tokens) for f in part])):
+            fed[id(feed.session)].append(rows)
+
+    def _feed_first_tokens(self, feeds: list[Feed], fed: dict | None = None) -> list[Feed]:
         """Feed the first token of every session that starts in this call in a pass of its own; returns
         the feeds without it.
 
@@ -246,13 +300,14 @@ class CausalLMRuntime(Runtime):
         prompt. Measured on the default draft over 6 prompts + 48 response tokens: next-token
         argmax agreement with fp32 0.90 and KL 0.071 nats with the prompt in one pass, 0.92 and
         0.030 with its first token alone (one token a pass: 0.96 and 0.007). A feed that needs the
-        first token's own output keeps it."""
+        first token's own output keeps it. The sinks' read states go into `fed` first."""
         starting = [i for i, f in enumerate(feeds) if not f.session.tokens and len(f.tokens) > f.num_outputs]
         if not starting:
             return feeds
         sinks = [Feed(feeds[i].session, feeds[i].tokens[:1], 0) for i in starting]
         for part in self._passes(sinks):
             self.kv.hidden_states(self.model, part, protected=feeds)
+            self._take_features(part, fed)
             for feed in part:
                 feed.session.tokens.extend(feed.tokens)
             self.forward_passes += 1
@@ -280,6 +335,21 @@ class CausalLMRuntime(Runtime):
 class DraftRole(Runtime):
     """The draft model: catches up on committed tokens, then drafts one token per session per step."""
 
+    # A feature draft (models/feature_draft.py) reads the target's states: the verifications hand
+    # them over (`add_features`) and a session drafts only once they reach its history's end.
+    reads_features = False
+
+    def add_features(self, session: KVSession, states: torch.Tensor, start: int) -> None:
+        """The target's states [m, reads, H] at positions start.. of the session's history."""
+        raise InvalidRequestError("this draft reads no target features")
+
+    def clear_features(self, session: KVSession) -> None:
+        """Forget the session's target states (it is rebuilt from a full history)."""
+
+    def can_draft(self, session: KVSession, history: list[int]) -> bool:
+        """Whether the session can draft after `history` now."""
+        return True
+
     def start(self, sessions: list[KVSession], histories: list[list[int]]) -> DraftOutputs:
         """Extend each cache with every committed token it lacks (corrections included) before
         drafting; returns each session's distribution of y_1."""
@@ -304,10 +374,14 @@ class TargetRole(Runtime):
               candidates: list[list[int]]) -> Scores:
         """Returns per session logits [K+1, V] fp32: row i is the target's next-token logits after
         history + y_1..y_i (row 0 scores y_1, row K gives the bonus distribution)."""
-        feeds = [Feed(s, self._pending(s, h) + c, len(c) + 1) for s, h, c in zip(sessions, histories, candidates)]
+        feeds, starts = [], []
+        for s, h, c in zip(sessions, histories, candidates):
+            pending = self._pending(s, h)
+            starts.append(len(h) - len(pending))
+            feeds.append(Feed(s, pending + c, len(c) + 1))
         self.fed_tokens += sum(len(f.tokens) for f in feeds)
         out = self._forward(feeds)
-        return Scores(out.logits, out.bounds)
+        return Scores(out.logits, out.bounds, out.features, starts)
 
 
 class DraftRuntime(DraftRole, CausalLMRuntime):

@@ -385,3 +385,107 @@ def test_greedy_output_with_a_trimmed_draft_vocabulary_equals_target_greedy():
     assert any(t in (4, 5) for ids in expected for t in ids)  # tokens the draft can no longer propose
     for prompt, ids in zip(GREEDY_PROMPTS, expected):
         assert engine.generate_ids(prompt, params).completions[0].token_ids == ids
+
+
+# ------------------------------------------------------------------------------------------------
+# A feature draft (models/feature_draft.py): it reads the target's states, which every verification
+# hands to the next round's draft (specdec/calls.py), and is as lossless as a model draft.
+
+def make_feature_engine(vocab: int, layers: int, model_seed: int, draft_seed: int,
+                        vocab_ids: list[int] | None = None, sessions: int | None = None) -> SpecDecEngine:
+    """A target and a random feature draft on its layers 0 and 1 (its LM head scores `vocab_ids` only:
+    the other ids get q = 0). `sessions`: the draft worker keeps that many, evicting the others."""
+    from specdec.models.feature_draft import FeatureDraft, FeatureDraftConfig, FeatureDraftRuntime, layer_config_of
+    from specdec.sessions import SessionStore
+
+    target = tiny_model(vocab, hidden_size=16, layers=layers, seed=model_seed, init_range=0.5)
+    config = FeatureDraftConfig(target_identity="tiny", layers=[0, layers - 1],
+                                layer_config=layer_config_of(target.config, 24), vocab_size=vocab)
+    ids = torch.tensor(vocab_ids if vocab_ids is not None else range(vocab))
+    torch.manual_seed(draft_seed)
+    draft = FeatureDraft(config, target.model.embed_tokens.weight.detach().clone(),
+                         target.lm_head.weight.detach()[ids].clone(), ids)
+    with torch.no_grad():  # the fused input leans on the target's last layer: the draft agrees sometimes
+        draft.reduce.weight.mul_(3.0)
+    engine = SpecDecEngine(FeatureDraftRuntime(draft.to(DEVICE), identity="tiny-feature"),
+                           TargetRuntime(target.to(DEVICE), kv="slots"))
+    if sessions is not None:
+        engine.draft_worker.sessions = SessionStore(max_sessions=sessions)
+    return engine
+
+
+@pytest.mark.parametrize("policy", [PolicyConfig(name="fixed", k=3), PolicyConfig(name="svip", threshold=0.4)])
+def test_greedy_output_with_a_feature_draft_equals_target_greedy(policy):
+    engine = make_feature_engine(GREEDY_VOCAB, layers=2, model_seed=3, draft_seed=1, vocab_ids=[0, 1, 2, 3, 4])
+    params = GenerationParams(max_new_tokens=GREEDY_NEW_TOKENS, policy=policy)
+    total = RequestStats()
+    for prompt in GREEDY_PROMPTS:
+        result = engine.generate_ids(prompt, params)
+        assert result.completions[0].token_ids == target_greedy(engine.target.model, prompt, GREEDY_NEW_TOKENS)
+        total.merge(result.stats)
+    assert total.accepted_tokens > 0 and total.discarded_tokens > 0
+
+
+def test_greedy_output_with_a_feature_draft_that_loses_its_sessions():
+    """Two requests share a draft worker that holds one session: every round evicts the other one,
+    whose next round re-syncs in full; its states are recomputed by the target (its cache rolled
+    back), never guessed, and the outputs stay the target's."""
+    engine = make_feature_engine(GREEDY_VOCAB, layers=2, model_seed=3, draft_seed=1, sessions=1)
+    params = GenerationParams(max_new_tokens=GREEDY_NEW_TOKENS, policy=PolicyConfig(name="fixed", k=3))
+    worker, missing = engine.draft_worker, Counter()
+    propose = worker.propose
+
+    def counted(items, *args, **kwargs):
+        answers = propose(items, *args, **kwargs)
+        missing.update(type(a).__name__ for a in answers)
+        return answers
+
+    worker.propose = counted
+
+    async def run():
+        return await asyncio.gather(*(engine.loop.generate(p, params) for p in GREEDY_PROMPTS))
+
+    results = asyncio.run(run())
+    for prompt, result in zip(GREEDY_PROMPTS, results):
+        assert result.completions[0].token_ids == target_greedy(engine.target.model, prompt, GREEDY_NEW_TOKENS)
+    assert missing["SessionMissing"] > 5 and sum(r.stats.draft_tokens for r in results) > 0
+
+
+def test_sampled_outputs_with_a_feature_draft_follow_the_target_distribution():
+    engine = make_feature_engine(SAMPLED_VOCAB, layers=1, model_seed=0, draft_seed=2, vocab_ids=[0, 1, 2, 3])
+    sampling = SAMPLINGS["temperature-1"]
+    completions, stats = sample_completions(engine, PolicyConfig(name="fixed", k=3), sampling, SAMPLES_PER_CASE,
+                                            seed=3000)
+    assert stats.accepted_tokens > 0 and stats.discarded_tokens > 0
+    for length in (1, 2, 3):
+        expected = target_joint(engine.target.model, SAMPLED_PROMPT, sampling, length)
+        assert chi2_pvalue(prefix_counts(completions, length, SAMPLED_VOCAB), expected) > SIGNIFICANCE
+
+
+def test_a_feature_draft_drafts_from_the_targets_states_of_its_whole_history():
+    """Every round's first candidate is what the draft computes offline from the target's states over
+    the history (training's `target_states` and `unroll`): the verifications handed over the states
+    of every position, at the right places, across rounds, accepted candidates and corrections."""
+    from specdec.training.data import target_states
+
+    engine = make_feature_engine(GREEDY_VOCAB, layers=2, model_seed=3, draft_seed=1)
+    draft = engine.draft.model
+    worker, firsts = engine.draft_worker, []
+    propose = worker.propose
+
+    def recorded(items, *args, **kwargs):
+        answers = propose(items, *args, **kwargs)
+        for item, answer in zip(items, answers):
+            if getattr(answer, "candidates", None):
+                firsts.append((list(worker.sessions.get(item.session_id).history), answer.candidates[0]))
+        return answers
+
+    worker.propose = recorded
+    params = GenerationParams(max_new_tokens=GREEDY_NEW_TOKENS, policy=PolicyConfig(name="fixed", k=3))
+    engine.generate_ids(GREEDY_PROMPTS[0], params)
+    assert len(firsts) > 5
+    with torch.inference_mode():
+        for history, first in firsts:
+            states = target_states(engine.target.model, history[:-1], draft.config.layers)[:, :-1]
+            [state] = draft.unroll(states[None].float(), torch.tensor([history[1:]]), steps=1)
+            assert int(draft.full_logits(state[0, -1]).argmax()) == first
