@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from specdec.cost_profile import CostProfile, PassTiming
 from specdec.errors import InvalidRequestError, one_line
 from specdec.metrics import RequestStats
+from specdec.models.feature_draft import pack_states, unpack_states
 from specdec.params import GenerationParams, build_params, validation_message
 from specdec.policies import PolicyConfig
 from specdec.protocol import (HistoryDelta, Proposal, ProposeItem, Refused, RoundSeed, SessionMissing, StepPlan,
@@ -89,12 +90,28 @@ def delta_from_proto(msg: common_pb2.HistoryDelta) -> HistoryDelta:
 # ------------------------------------------------------------------------------------------------
 # Round items and answers (specdec/protocol.py)
 
+def features_to_proto(states: torch.Tensor, start: int = 0) -> common_pb2.Features:
+    """The target's states [m, reads, H] as one packed bfloat16 field."""
+    tokens, reads, hidden = states.shape
+    return common_pb2.Features(start=start, tokens=tokens, reads=reads, hidden=hidden, data=pack_states(states))
+
+
+def features_from_proto(msg: common_pb2.Features) -> torch.Tensor:
+    """-> [tokens, reads, H] bfloat16; raises InvalidRequestError when the bytes do not fit the shape."""
+    expected = msg.tokens * msg.reads * msg.hidden * 2
+    if not msg.reads or not msg.hidden or len(msg.data) != expected:
+        raise InvalidRequestError(f"features of {msg.tokens} x {msg.reads} x {msg.hidden} need {expected} bytes, "
+                                  f"got {len(msg.data)}")
+    return unpack_states(msg.data, msg.tokens, msg.hidden)
+
+
 def propose_item_to_proto(item: ProposeItem) -> draft_pb2.ProposeRequest:
     return draft_pb2.ProposeRequest(
         session_id=item.session_id, history=delta_to_proto(item.history), policy=policy_to_proto(item.policy),
         sampling=sampling_to_proto(item.sampling), max_candidates=item.max_candidates,
         num_generated=item.num_generated, seed=seed_to_proto(item.seed), probe=item.probe,
-        rounds=[draft_pb2.RoundOutcome(num_candidates=k, num_accepted=n) for k, n in item.rounds])
+        rounds=[draft_pb2.RoundOutcome(num_candidates=k, num_accepted=n) for k, n in item.rounds],
+        features=None if item.features is None else features_to_proto(item.features, item.features_start))
 
 
 def propose_item_from_proto(msg: draft_pb2.ProposeRequest) -> ProposeItem:
@@ -103,7 +120,9 @@ def propose_item_from_proto(msg: draft_pb2.ProposeRequest) -> ProposeItem:
         session_id=msg.session_id, history=delta_from_proto(msg.history), policy=policy_from_proto(msg.policy),
         sampling=sampling_from_proto(msg.sampling), max_candidates=msg.max_candidates,
         num_generated=msg.num_generated, rounds=[(r.num_candidates, r.num_accepted) for r in msg.rounds],
-        seed=seed_from_proto(msg.seed), probe=msg.probe)
+        seed=seed_from_proto(msg.seed), probe=msg.probe,
+        features=features_from_proto(msg.features) if msg.HasField("features") else None,
+        features_start=msg.features.start)
 
 
 def plan_to_proto(plan: StepPlan, items: list) -> draft_pb2.ProposeBatch:
@@ -163,7 +182,7 @@ def verify_item_to_proto(item: VerifyItem) -> verifier_pb2.VerifyRequest:
         session_id=item.session_id, history=delta_to_proto(item.history), candidates=item.candidates,
         draft_probs=[q if isinstance(q, common_pb2.SparseDistribution) else dense_to_sparse(q)
                      for q in item.draft_probs],
-        sampling=sampling_to_proto(item.sampling), seed=seed_to_proto(item.seed))
+        sampling=sampling_to_proto(item.sampling), seed=seed_to_proto(item.seed), features_from=item.features_from)
 
 
 def verify_item_from_proto(msg: verifier_pb2.VerifyRequest, vocab_size: int) -> VerifyItem:
@@ -172,7 +191,8 @@ def verify_item_from_proto(msg: verifier_pb2.VerifyRequest, vocab_size: int) -> 
     return VerifyItem(
         session_id=msg.session_id, history=delta_from_proto(msg.history), candidates=list(msg.candidates),
         draft_probs=[] if sampling.greedy else [sparse_to_dense(q, vocab_size) for q in msg.draft_probs],
-        sampling=sampling, seed=seed_from_proto(msg.seed))
+        sampling=sampling, seed=seed_from_proto(msg.seed),
+        features_from=msg.features_from if msg.HasField("features_from") else None)
 
 
 def verdict_to_proto(answer) -> verifier_pb2.Verdict:
@@ -181,8 +201,9 @@ def verdict_to_proto(answer) -> verifier_pb2.Verdict:
             return verifier_pb2.Verdict(session_missing=True)
         case Refused(reason=reason):
             return verifier_pb2.Verdict(error=one_line(reason))
-        case Verdict():
-            return verifier_pb2.Verdict(num_accepted=answer.num_accepted, next_token=answer.next_token)
+        case Verdict():  # the features' rows start at the item's features_from
+            return verifier_pb2.Verdict(num_accepted=answer.num_accepted, next_token=answer.next_token,
+                                        features=None if answer.features is None else features_to_proto(answer.features))
     raise TypeError(f"not a verdict answer: {answer!r}")
 
 
@@ -192,7 +213,8 @@ def verdict_from_proto(msg: verifier_pb2.Verdict):
         return SessionMissing()
     if msg.error:
         return Refused(msg.error)
-    return Verdict(msg.num_accepted, msg.next_token)
+    return Verdict(msg.num_accepted, msg.next_token,
+                   features_from_proto(msg.features) if msg.HasField("features") else None)
 
 
 def convert_items(messages, convert) -> tuple[list, dict[int, Refused]]:

@@ -20,6 +20,8 @@ from specdec.head import AcceptanceHead, load_head
 from specdec.heads import resolve_head
 from specdec.models.formats import WeightFormat, apply_weight_format
 from specdec.models.llamacpp import LlamaCppDraftRuntime, LlamaCppOptions, LlamaCppTargetRuntime, llamacpp_available
+from specdec.models.feature_draft import (FeatureDraftRuntime, is_feature_draft, load_feature_draft, read_config,
+                                         target_layers_of)
 from specdec.models.runtime import DraftRole, DraftRuntime, TargetRole, TargetRuntime
 from specdec.models.static import StaticOptions
 from specdec.models.sources import (DEFAULT_DRAFT_QUANT, REQUANT_FTYPES, SHIPPED, model_identity, requantize_gguf,
@@ -39,6 +41,7 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    # A model source, or a feature draft's directory (`specdec train-draft`; it runs on a torch target).
     draft: str = "default"
     target: str = "default"
     # Acceptance head: "auto" = the head shipped for the draft (specdec/heads/), if any; "none"; a path.
@@ -188,10 +191,47 @@ class LlamaCppBackend(RuntimeBackend):
                                       options=llamacpp_options(config)), source.meta_dir)
 
 
-RUNTIMES: dict[str, RuntimeBackend] = {backend.name: backend for backend in (TorchBackend(), LlamaCppBackend())}
+class FeatureDraftBackend(RuntimeBackend):
+    """A feature draft's directory (models/feature_draft.py, `specdec train-draft`): one layer on the
+    target's own states, so it runs beside a torch target, whose passes hand them over, and shares
+    its tokenizer and vocabulary (its `meta_dir` is the target's)."""
+
+    name = "feature"
+
+    def meta_dir(self, config: EngineConfig, source: str, role: Role, progress: bool) -> Path:
+        return RUNTIMES["torch"].meta_dir(config, config.target, "target", progress)
+
+    def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]:
+        if quant != SHIPPED or config.draft_vocab != FULL_VOCAB:
+            raise ModelSourceError("a feature draft has its own weights and vocabulary: --draft-quant and "
+                                   "--draft-vocab do not apply")
+        start = time.perf_counter()
+        target_dir = self.meta_dir(config, config.target, "target", progress)
+        device = resolve_device(config.device)
+        model = load_feature_draft(Path(config.draft).expanduser(), target_dir, model_identity(target_dir),
+                                   resolve_dtype(config.dtype, device), device)
+        if device.type == "cpu":
+            model = apply_weight_format(model, "draft", config.draft_format)
+        if progress:
+            print(f"loaded feature draft {Path(config.draft).name} on {device} in {time.perf_counter() - start:.1f}s",
+                  file=sys.stderr)
+        return FeatureDraftRuntime(model, identity=model_identity(Path(config.draft).expanduser()),
+                                   name=config.draft), target_dir
+
+    def target(self, config: EngineConfig, progress: bool, load=None) -> tuple[TargetRole, Path]:
+        raise ModelSourceError("a feature draft is a draft: --target names its target")
+
+
+RUNTIMES: dict[str, RuntimeBackend] = {backend.name: backend
+                                       for backend in (TorchBackend(), LlamaCppBackend(), FeatureDraftBackend())}
 
 
 def backend_for(config: EngineConfig, role: Role) -> RuntimeBackend:
+    if is_feature_draft(config.draft):  # its target runs on torch: its passes hand over the states the draft reads
+        if config.runtime == "llamacpp":
+            raise ModelSourceError("a feature draft reads the target's hidden states, which the llamacpp runtime "
+                                   "does not hand out: use --runtime torch (or auto)")
+        return RUNTIMES["feature" if role == "draft" else "torch"]
     return RUNTIMES[resolve_runtime(config, config.draft if role == "draft" else config.target)]
 
 
@@ -221,9 +261,13 @@ def draft_vocabulary(vocab: str, draft_dir: Path) -> list[int] | None:
 
 
 def build_target(config: EngineConfig, progress: bool = True, load=None) -> tuple[TargetRole, Path]:
-    """`load(model_dir) -> model` replaces the default one-device load (the sharded verifier, torch)."""
+    """`load(model_dir) -> model` replaces the default one-device load (the sharded verifier, torch).
+    For a feature draft its passes also return the states the draft reads."""
     backend = RUNTIMES["torch"] if load is not None else backend_for(config, "target")
-    return backend.target(config, progress, load)
+    target, target_dir = backend.target(config, progress, load)
+    if is_feature_draft(config.draft):
+        target.read_features(target_layers_of(read_config(Path(config.draft).expanduser())))
+    return target, target_dir
 
 
 def llamacpp_options(config: EngineConfig) -> LlamaCppOptions:
@@ -266,7 +310,8 @@ def build_rules(config: EngineConfig, progress: bool = True) -> RequestRules:
     max_context = min(draft_config.max_position_embeddings, target_config.max_position_embeddings,
                       *(limit for limit in limits if limit is not None))
     return RequestRules(tokenizer, eos_token_ids_of(generation_config, tokenizer), max_context,
-                        target_config.vocab_size, has_head=head_path(config) is not None)
+                        target_config.vocab_size, has_head=head_path(config) is not None,
+                        draft_reads_features=is_feature_draft(config.draft))
 
 
 def resolve_device(device: str = "auto") -> torch.device:

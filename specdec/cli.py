@@ -16,7 +16,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     from specdec.models.sources import DEFAULT_DRAFT_QUANT, REQUANT_FTYPES, SHIPPED
 
     group = parser.add_argument_group("models")
-    group.add_argument("--draft", default="default", help="draft model: 'default', a HF directory, a .gguf file or a hub id")
+    group.add_argument("--draft", default="default",
+                       help="draft model: 'default', a HF directory, a .gguf file, a hub id, or a feature draft's "
+                            "directory (specdec train-draft; it runs on a torch target)")
     group.add_argument("--target", default="default", help="target model: same forms as --draft")
     group.add_argument("--head", default="auto",
                        help="acceptance head for specdec++: a directory, 'auto' (the head shipped for the default "

@@ -1,22 +1,32 @@
-"""Projected speedups on a GPU: the pass costs the GPU benchmark measured (bench.py, captured) with the
-acceptance the default pair measured on real text (a `specdec bench` run's records), by the paper's
-round cost model:
+"""Projected speedups on a GPU: the pass costs the GPU benchmark measured (bench.py, captured) with
+the acceptance a draft measured on real text, by the paper's round cost model:
 
-    speedup(K) = E(K) t_target(C, 1) / (K t_draft(C, 1) + t_target(C, K + 1)),   E(K) = 1 + sum_{j<=K} S_j
+    speedup(K) = E(K) t_target(C, 1) / (K t_draft(C) + t_target(C, K + 1)),   E(K) = 1 + sum_{j<=K} S_j
 
-where S_j is the share of rounds whose first j candidates were all accepted (from a fixed-K run of
-at least K), C the sessions sharing every pass, t(C, k) the median captured pass of C sessions
-feeding k tokens each (linear in k between measured points). `best K` is the K the cost-aware rule
-would settle on with this acceptance; the adaptive rule can beat it (it chooses K per round).
-`+host` adds the host time per pass that the loop measured (bench.py's loop section, eager
-runtime; today's per-session host work, which issue 33 vectorizes) to both sides.
+S_j is the share of rounds whose first j candidates were all accepted: cumulative already (a round
+that accepts position j accepted 1..j), so E(K) adds them as they are. C is the sessions sharing
+every pass and t(C, k) the median captured pass of C sessions feeding k tokens each (linear in k
+between measured points).
 
-    python -m benchmarks.gpu.project docs/results/gpu/2026-11-27-h100
-    python -m benchmarks.gpu.project DIR --records docs/results/bench-humaneval/records.jsonl --spec fixed:14
+Drafts:
+- `qwen2.5-0.5b`: S_j from a `specdec bench` run's records of the default pair (a fixed-K run of at
+  least K, HumanEval), greedy and T = 1; t_draft its captured step.
+- `feature` (models/feature_draft.py): S_j from `benchmarks/draft_acceptance.py`'s free-running
+  rounds on held-out code (greedy). Until a GPU times its captured step, t_draft is estimated: the
+  target's captured pass at C sessions over its layer count (one decoder layer of the target's
+  shape) plus its own weights past that layer (the trimmed output rows, the fuse and reduce
+  projections) at the bandwidth the 7B pass reached. Every such row says `estimated`.
 
-Caveats, printed with the table: the acceptance is the 0.5B draft's against the 1.5B target (the
-7B rows reuse it; a 7B target of the family agrees with the 0.5B draft less often), and the costs are
-random-weight passes with a 200-token context.
+Policy: `best-fixed` is the fixed K that is best in hindsight for this acceptance and these costs
+(the adaptive rule chooses K per round and can beat it). Projecting the default policy needs each
+round's head estimates recorded on real text, which no run records yet. `+host` adds the host time
+per pass that bench.py's loop section measured to both sides.
+
+    python -m benchmarks.gpu.project docs/results/gpu/2026-11-28-h200
+    python -m benchmarks.gpu.project DIR --json          # one JSON object per row
+
+Caveats: the acceptance is against the 1.5B target (the 7B rows reuse it: a 7B target of the family
+agrees with a 0.5B draft less often), and the costs are random-weight passes with a 200-token context.
 """
 
 from __future__ import annotations
@@ -25,11 +35,17 @@ import argparse
 import json
 from pathlib import Path
 
-from specdec.budget import expected_tokens
+from benchmarks.gpu.shapes import SHAPES
 
-RECORDS = Path(__file__).resolve().parents[2] / "docs" / "results" / "bench-humaneval" / "records.jsonl"
+ROOT = Path(__file__).resolve().parents[2]
+RECORDS = ROOT / "docs" / "results" / "bench-humaneval" / "records.jsonl"
+FEATURE_ACCEPTANCE = ROOT / "docs" / "results" / "feature-draft" / "acceptance.json"
 DRAFT = "qwen2.5-0.5b"
+FEATURE = "feature"
 TARGETS = ("qwen2.5-1.5b", "qwen2.5-7b")
+BANDWIDTH_SHAPE = "qwen2.5-7b"  # the pass whose weights' bytes over its time give the bandwidth
+FEATURE_VOCAB = 32768  # the trimmed output rows (docs/feature-draft.md)
+BYTES = 2  # bf16
 
 
 def survival(records: Path, spec: str, temperature: float) -> list[float]:
@@ -47,6 +63,16 @@ def survival(records: Path, spec: str, temperature: float) -> list[float]:
             drafted[j] += count
             accepted[j] += stats["accepted_per_position"][j] if j < len(stats["accepted_per_position"]) else 0
     return [a / d for a, d in zip(accepted, drafted) if d]
+
+
+def feature_survival(path: Path, kind: str = "code") -> list[float]:
+    """[S_1, S_2, ...] of the feature draft's free-running rounds (draft_acceptance.py's `reach`)."""
+    return json.loads(path.read_text())["drafts"]["feature"][kind]["reach"]
+
+
+def expected_tokens(survive: list[float]) -> float:
+    """E(K) = 1 + sum_j S_j for cumulative survival rates S_1..S_K."""
+    return 1.0 + sum(survive)
 
 
 def pass_curve(passes: dict, batch: int, mode: str) -> dict[int, float]:
@@ -69,14 +95,29 @@ def interpolate(curve: dict[int, float], k: int) -> float | None:
     return curve[lo] + (curve[hi] - curve[lo]) * (k - lo) / (hi - lo)
 
 
-def speedup(accept: list[float], k: int, t_draft: float, target: dict[int, float], host_plain: float = 0.0,
+def speedup(survive: list[float], k: int, t_draft: float, target: dict[int, float], host_plain: float = 0.0,
             host_round: float = 0.0) -> float | None:
     """E(k) plain steps (each plus `host_plain` ms) over one round (plus `host_round` ms)."""
     verify = interpolate(target, k + 1)
-    if verify is None or k > len(accept):
+    if verify is None or k > len(survive):
         return None
-    tokens = expected_tokens(accept[:k])
-    return tokens * (target[1] + host_plain) / (k * t_draft + verify + host_round)
+    return expected_tokens(survive[:k]) * (target[1] + host_plain) / (k * t_draft + verify + host_round)
+
+
+def weight_bytes(name: str) -> int:
+    """A shape's weights in bf16: embeddings (and an untied output layer), attention and MLP per layer."""
+    hidden, intermediate, layers, heads, kv_heads, vocab, tied = SHAPES[name]
+    kv = hidden // heads * kv_heads
+    layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * intermediate
+    return BYTES * (vocab * hidden * (1 if tied else 2) + layers * layer)
+
+
+def feature_step_ms(name: str, target_ms: float, bandwidth: float) -> float:
+    """The feature draft's step for target shape `name`, estimated: one of the target's layers (its
+    captured pass over its layer count) plus the draft's own weights (output rows, fuse and reduce:
+    (V_trim + 5 H) H) read at `bandwidth` bytes per ms."""
+    hidden, _, layers, *_ = SHAPES[name]
+    return target_ms / layers + BYTES * (FEATURE_VOCAB + 5 * hidden) * hidden / bandwidth
 
 
 def host_per_pass(loop: dict, policy: str, concurrency: int) -> float | None:
@@ -104,39 +145,77 @@ def load_results(folder: Path) -> tuple[dict, dict]:
     return passes, loop
 
 
+def project(passes: dict, loop: dict, acceptance: dict, mode: str) -> list[dict]:
+    """One row per (draft, target, temperature, concurrency): the best fixed K and its speedup.
+    `acceptance`: {(draft, temperature): [S_1, ...]}."""
+    bandwidth = None
+    if BANDWIDTH_SHAPE in passes and 1 in pass_curve(passes[BANDWIDTH_SHAPE], 1, mode):
+        bandwidth = weight_bytes(BANDWIDTH_SHAPE) / pass_curve(passes[BANDWIDTH_SHAPE], 1, mode)[1]
+    batches = sorted({int(key.split(",")[0].split("=")[1]) for key in passes[DRAFT]})
+    rows = []
+    for (draft_name, temperature), survive in acceptance.items():
+        for name in TARGETS:
+            for batch in batches:
+                target = pass_curve(passes.get(name, {}), batch, mode)
+                if 1 not in target:
+                    continue
+                if draft_name == FEATURE:
+                    if bandwidth is None:
+                        continue
+                    draft, costs = feature_step_ms(name, target[1], bandwidth), "estimated"
+                else:
+                    draft, costs = pass_curve(passes[draft_name], batch, mode).get(1), "measured"
+                    if draft is None:
+                        continue
+                by_k = {k: speedup(survive, k, draft, target) for k in range(1, len(survive) + 1)}
+                by_k = {k: s for k, s in by_k.items() if s is not None}
+                best = max(by_k, key=by_k.get)
+                host_plain, host_spec = host_per_pass(loop, "target-only", batch), host_per_pass(loop, "fixed", batch)
+                with_host = None
+                if host_plain is not None and host_spec is not None:
+                    with_host = speedup(survive, best, draft, target, host_plain, host_spec)
+                rows.append({"draft": draft_name, "target": name, "temperature": temperature, "concurrency": batch,
+                             "policy": "best-fixed", "k": best, "speedup": round(by_k[best], 3),
+                             "speedup_with_host": None if with_host is None else round(with_host, 3),
+                             "draft_ms": round(draft, 3), "target_ms": round(target[1], 3),
+                             "draft_cost": costs, "by_k": {k: round(by_k[k], 3) for k in (1, 3, 7) if k in by_k}})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", type=Path, help="a folder of bench.py results (*.json)")
     parser.add_argument("--records", type=Path, default=RECORDS)
-    parser.add_argument("--spec", default="fixed:14", help="the run whose rounds give the acceptance")
+    parser.add_argument("--spec", default="fixed:14", help="the run whose rounds give the 0.5B draft's acceptance")
+    parser.add_argument("--feature-acceptance", type=Path, default=FEATURE_ACCEPTANCE,
+                        help="benchmarks/draft_acceptance.py's JSON (the feature draft's rounds)")
     parser.add_argument("--mode", default="captured", choices=("captured", "static", "runtime", "runtime_static"),
                         help="which pass costs (bench.py's passes section): the static cache's pass captured or "
                              "eager, the runtime on its slot cache, or on its static cache (default pair only)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per row instead of the table")
     args = parser.parse_args()
     passes, loop = load_results(args.results)
-    batches = sorted({int(key.split(",")[0].split("=")[1]) for key in passes[DRAFT]})
-    print(f"acceptance: {args.records.relative_to(args.records.parents[2])} {args.spec}; costs: {args.mode} passes\n")
-    print("| target | T | C | draft ms | target ms k=1 | K=1 | K=3 | K=7 | best K | speedup | +host |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for temperature in (0.0, 1.0):
-        accept = survival(args.records, args.spec, temperature)
-        for name in TARGETS:
-            for batch in batches:
-                draft = pass_curve(passes[DRAFT], batch, args.mode).get(1)
-                target = pass_curve(passes[name], batch, args.mode)
-                if draft is None or 1 not in target:
-                    continue
-                by_k = {k: speedup(accept, k, draft, target) for k in range(1, len(accept) + 1)}
-                by_k = {k: s for k, s in by_k.items() if s is not None}
-                best = max(by_k, key=by_k.get)
-                host_plain, host_spec = host_per_pass(loop, "target-only", batch), host_per_pass(loop, "fixed", batch)
-                with_host = "-"
-                if host_plain is not None and host_spec is not None:
-                    with_host = f"{speedup(accept, best, draft, target, host_plain, host_spec):.2f}x"
-                cells = [f"{by_k[k]:.2f}x" if k in by_k else "-" for k in (1, 3, 7)]
-                print(f"| {name} | {temperature:g} | {batch} | {draft:.2f} | {target[1]:.2f} | " + " | ".join(cells)
-                      + f" | {best} | {by_k[best]:.2f}x | {with_host} |")
-    print("\nS_j (greedy):", ", ".join(f"{s:.3f}" for s in survival(args.records, args.spec, 0.0)))
+    acceptance = {(DRAFT, t): survival(args.records, args.spec, t) for t in (0.0, 1.0)}
+    if args.feature_acceptance.is_file():
+        acceptance[(FEATURE, 0.0)] = feature_survival(args.feature_acceptance)
+    rows = project(passes, loop, acceptance, args.mode)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return
+    print(f"acceptance: 0.5B {args.records.relative_to(args.records.parents[2])} {args.spec}; feature "
+          f"{args.feature_acceptance.relative_to(ROOT) if args.feature_acceptance.is_relative_to(ROOT) else args.feature_acceptance}"
+          f" (free-running, code); costs: {args.mode} passes (feature draft: estimated)\n")
+    print("| draft | target | T | C | draft ms | target ms k=1 | K=1 | K=3 | K=7 | best K | speedup | +host |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        cells = [f"{row['by_k'][k]:.2f}x" if k in row["by_k"] else "-" for k in (1, 3, 7)]
+        host = f"{row['speedup_with_host']:.2f}x" if row["speedup_with_host"] is not None else "-"
+        draft_ms = f"{row['draft_ms']:.2f}" + (" (est.)" if row["draft_cost"] == "estimated" else "")
+        print(f"| {row['draft']} | {row['target']} | {row['temperature']:g} | {row['concurrency']} | {draft_ms} | "
+              f"{row['target_ms']:.2f} | " + " | ".join(cells) + f" | {row['k']} | {row['speedup']:.2f}x | {host} |")
+    for (draft, temperature), survive in acceptance.items():
+        print(f"\nS_j {draft} T={temperature:g}:", ", ".join(f"{s:.3f}" for s in survive))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -85,6 +86,24 @@ def stored_inputs(states: torch.Tensor, inputs: str, layers: int) -> torch.Tenso
     """What g_t reads from states stored as [..., layers + 1, H] (training/data.py: the chosen layers,
     then the output state) -> [..., reads, H]."""
     return states[..., :layers, :] if inputs == FUSED else states[..., -1:, :]
+
+
+def target_layers_of(config: FeatureDraftConfig) -> list[int] | None:
+    """The target's decoder layers whose states the draft reads (None: the target's output state)."""
+    return list(config.layers) if config.inputs == FUSED else None
+
+
+def pack_states(states: torch.Tensor) -> bytes:
+    """bfloat16 states [...] -> their bytes, row-major (the training shards' and the wire's layout)."""
+    return states.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().tobytes()
+
+
+def unpack_states(data: bytes, tokens: int, hidden_size: int) -> torch.Tensor:
+    """The inverse of `pack_states`: [tokens, reads, H] bfloat16 (reads from the length)."""
+    import numpy as np
+
+    flat = torch.from_numpy(np.frombuffer(data, dtype=np.int16).copy()).view(torch.bfloat16)
+    return flat.view(tokens, -1, hidden_size)
 
 
 def rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -325,8 +344,7 @@ class FeatureDraftRuntime(DraftRole):
 
     @property
     def target_layers(self) -> list[int] | None:
-        """The target's decoder layers whose states it reads (None: the target's output state)."""
-        return list(self.model.config.layers) if self.model.config.inputs == FUSED else None
+        return target_layers_of(self.model.config)
 
     @property
     def device(self) -> torch.device:
@@ -379,16 +397,21 @@ class FeatureDraftRuntime(DraftRole):
             end = len(history) - 1  # pairs 0..end-1; the last is (g_{end-1}, x_end)
             keep = min(session.exact, common_prefix_length(session.tokens, history[1:]), end - 1)
             self.rollback(session, keep)
-            known = 0 if session.features is None else min(len(session.features), end)
-            g = session.features[keep:known] if known > keep else self.model.embed.new_zeros((0, self.hidden_size))
-            if known < end:  # only a probe's scratch session lacks them (can_draft)
-                g = torch.cat([g, g.new_zeros((end - max(known, keep), self.hidden_size))])
-            feeds.append(DraftFeed(session, g, history[keep + 1:end + 1]))
-            session.exact = max(known, keep)
+            feeds.append(DraftFeed(session, self._target_features(session, keep, end), history[keep + 1:end + 1]))
         return self._pass(feeds)
 
     def step(self, sessions: list[FeatureSession], tokens: list[int]) -> DraftOutputs:
         return self._pass([DraftFeed(s, s.state[None], [t]) for s, t in zip(sessions, tokens)])
+
+    def _target_features(self, session: FeatureSession, start: int, end: int) -> torch.Tensor:
+        """g of positions start..end-1 from the target's states [end - start, H]; zeros past those held
+        (only a scratch session lacks them: a probe's, a timing's; `can_draft` keeps real ones out)."""
+        held = 0 if session.features is None else min(len(session.features), end)
+        g = session.features[start:held] if held > start else self.model.embed.new_zeros((0, self.hidden_size))
+        session.exact = max(held, start)
+        if held < end:
+            g = torch.cat([g, g.new_zeros((end - max(held, start), self.hidden_size))])
+        return g
 
     @torch.inference_mode()
     def _pass(self, feeds: list[DraftFeed]) -> DraftOutputs:
@@ -401,8 +424,18 @@ class FeatureDraftRuntime(DraftRole):
         self.forward_passes += 1
         return DraftOutputs(self.model.full_logits(last), last.float())
 
+    @torch.inference_mode()
     def _forward(self, feeds: list[Feed]) -> PassOutputs:
-        raise TypeError("a feature draft is fed pairs of the target's states and tokens: call start/step")
+        """A pass of pairs after each session's cache, the tokens with the target's states held for
+        their positions (zeros past them): what timing a pass of that size needs (bench/forward.py)."""
+        pairs = [DraftFeed(f.session, self._target_features(f.session, len(f.session), len(f.session) + len(f.tokens)),
+                           f.tokens) for f in feeds]
+        states = self.model.forward_feeds(pairs)  # [sum n, H]
+        ends = accumulate(len(f.tokens) for f in feeds)
+        rows = [i for f, end in zip(feeds, ends) for i in range(end - f.num_outputs, end)]
+        self.forward_passes += 1
+        out = states[rows]
+        return PassOutputs(self.model.full_logits(out), out.float(), PassOutputs.bounds_of(feeds))
 
 
 def is_feature_draft(source: str | Path) -> bool:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from specdec.errors import InvalidRequestError, ModelSourceError
+from specdec.errors import IncompatibleModelsError, InvalidRequestError, ModelSourceError
 from specdec.models.cache import Feed, KVSession, ReferenceKV, SlotKV, supports_slots
 from specdec.models.static import StaticKV, StaticOptions
 from specdec.models.formats import scales_activations_per_pass
@@ -204,14 +204,19 @@ class CausalLMRuntime(Runtime):
         """From now on every pass also returns the states after these decoder layers (0-based; None:
         the output state, after the final norm) at every fed position (`PassOutputs.features`): what
         a feature draft reads (models/feature_draft.py). Forward hooks: transformers' layers stay as
-        they are, and a pass that reads nothing pays nothing."""
+        they are, and a pass that reads nothing pays nothing. Asking again for the same is a no-op."""
+        if self._caught is not None:
+            if layers != self._read_layers:
+                raise IncompatibleModelsError(f"this target already hands out the states of layers "
+                                              f"{self._read_layers}, not {layers}")
+            return
         if isinstance(self.kv, StaticKV):  # its passes are padded to [B, k] and replayed as graphs
             raise ModelSourceError("a feature draft reads the target's states from the slot cache's passes: "
                                    "run it with --kv-cache slots")
         body = self.model.model
         modules = [body.norm] if layers is None else [body.layers[i] for i in layers]
         self._caught = {i: [] for i in range(len(modules))}
-        self.returns_features = True
+        self._read_layers, self.returns_features = layers, True
 
         def catch(i: int, out) -> None:
             if self._reading:  # not a forward of the model outside this runtime's passes

@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 
 from specdec.errors import IncompatibleModelsError, SpecDecError, one_line
+from specdec.models.feature_draft import pack_states
 from specdec.models.vocab import SETTINGS_BEFORE_DRAFT_VOCAB, vocab_setting
 from specdec.sampling import SamplingParams, probs_from_logits
 from specdec.training.config import DataSection, ModelsSection, PipelineConfig, PromptsSection
@@ -262,24 +263,12 @@ def target_states(model, token_ids: Sequence[int], layers: Sequence[int]) -> tor
     return torch.stack([caught[i][0] for i in layers] + [final[0]], dim=1).to(torch.bfloat16).cpu()
 
 
-def states_bytes(states: torch.Tensor) -> bytes:
-    return states.contiguous().view(torch.int16).numpy().tobytes()
-
-
-def states_from_bytes(data: bytes, tokens: int, hidden_size: int) -> torch.Tensor:
-    """The inverse of `states_bytes`: [tokens, L + 1, H] bfloat16."""
-    import numpy as np
-
-    flat = torch.from_numpy(np.frombuffer(data, dtype=np.int16).copy()).view(torch.bfloat16)
-    return flat.view(tokens, -1, hidden_size)
-
-
 class FeatureWriter(ExampleWriter):
     """The `features` kind: the target's states over prompt + response instead of labels."""
 
     def annotate(self, row: dict, generated: bool) -> None:
         ids = list(row["prompt_ids"]) + list(row["response_ids"])
-        row["states"] = states_bytes(target_states(self.target.model, ids, self.data.features.layers))
+        row["states"] = pack_states(target_states(self.target.model, ids, self.data.features.layers))
 
 
 # -- shards and the manifest ---------------------------------------------------------------------

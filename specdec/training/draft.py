@@ -30,10 +30,10 @@ import torch
 
 from specdec.errors import IncompatibleModelsError, SpecDecError
 from specdec.models.feature_draft import (FUSED, REPORT_FILE, FeatureDraft, FeatureDraftConfig, layer_config_of,
-                                          stored_inputs, target_tensors)
+                                          stored_inputs, target_tensors, unpack_states)
 from specdec.training import checkpoints
 from specdec.training.config import ConfigError, DraftTrainSection, PipelineConfig
-from specdec.training.data import FEATURE_COLUMNS, SPLITS, DatasetError, read_manifest, read_shard, states_from_bytes
+from specdec.training.data import FEATURE_COLUMNS, SPLITS, DatasetError, read_manifest, read_shard
 
 CHECKPOINTS_TO_KEEP = 2
 PROSE_PREFIX = "prose:"  # prompt ids of the prose source (training/prose_prompts.py); the rest is code
@@ -76,7 +76,7 @@ def load_examples(directory: str | Path, max_tokens: int, states: bool = True) -
             if not row["response_ids"]:
                 continue
             ids = row["prompt_ids"] + row["response_ids"]
-            kept = states_from_bytes(row["states"], len(ids), hidden)[:max_tokens] if states else None
+            kept = unpack_states(row["states"], len(ids), hidden)[:max_tokens] if states else None
             examples.append(Example(row["prompt_id"], row["split"], torch.tensor(ids[:max_tokens]),
                                     len(row["prompt_ids"]), kept))
     return manifest, examples

@@ -95,3 +95,17 @@ class PassTiming(_message.Message):
     ms: float
     probe: bool
     def __init__(self, role: _Optional[str] = ..., tokens: _Optional[int] = ..., ms: _Optional[float] = ..., probe: _Optional[bool] = ...) -> None: ...
+
+class Features(_message.Message):
+    __slots__ = ("start", "tokens", "reads", "hidden", "data")
+    START_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    READS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    tokens: int
+    reads: int
+    hidden: int
+    data: bytes
+    def __init__(self, start: _Optional[int] = ..., tokens: _Optional[int] = ..., reads: _Optional[int] = ..., hidden: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...

@@ -48,7 +48,7 @@ class RoundOutcome(_message.Message):
     def __init__(self, num_candidates: _Optional[int] = ..., num_accepted: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "history", "policy", "sampling", "max_candidates", "num_generated", "rounds", "seed", "probe")
+    __slots__ = ("session_id", "history", "policy", "sampling", "max_candidates", "num_generated", "rounds", "seed", "probe", "features")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class ProposeRequest(_message.Message):
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     history: _common_pb2.HistoryDelta
     policy: PolicyConfig
@@ -67,7 +68,8 @@ class ProposeRequest(_message.Message):
     rounds: _containers.RepeatedCompositeFieldContainer[RoundOutcome]
     seed: _common_pb2.RoundSeed
     probe: bool
-    def __init__(self, session_id: _Optional[str] = ..., history: _Optional[_Union[_common_pb2.HistoryDelta, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_candidates: _Optional[int] = ..., num_generated: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[RoundOutcome, _Mapping]]] = ..., seed: _Optional[_Union[_common_pb2.RoundSeed, _Mapping]] = ..., probe: _Optional[bool] = ...) -> None: ...
+    features: _common_pb2.Features
+    def __init__(self, session_id: _Optional[str] = ..., history: _Optional[_Union[_common_pb2.HistoryDelta, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_candidates: _Optional[int] = ..., num_generated: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[RoundOutcome, _Mapping]]] = ..., seed: _Optional[_Union[_common_pb2.RoundSeed, _Mapping]] = ..., probe: _Optional[bool] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("session_missing", "error", "candidates", "draft_probs", "forward_passes")

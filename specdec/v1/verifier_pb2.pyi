@@ -28,29 +28,33 @@ class VerdictBatch(_message.Message):
     def __init__(self, verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., target_ms: _Optional[float] = ..., passes: _Optional[_Iterable[_Union[_common_pb2.PassTiming, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "history", "candidates", "draft_probs", "sampling", "seed")
+    __slots__ = ("session_id", "history", "candidates", "draft_probs", "sampling", "seed", "features_from")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FROM_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     history: _common_pb2.HistoryDelta
     candidates: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
     sampling: _common_pb2.SamplingParams
     seed: _common_pb2.RoundSeed
-    def __init__(self, session_id: _Optional[str] = ..., history: _Optional[_Union[_common_pb2.HistoryDelta, _Mapping]] = ..., candidates: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[_Union[_common_pb2.RoundSeed, _Mapping]] = ...) -> None: ...
+    features_from: int
+    def __init__(self, session_id: _Optional[str] = ..., history: _Optional[_Union[_common_pb2.HistoryDelta, _Mapping]] = ..., candidates: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[_Union[_common_pb2.RoundSeed, _Mapping]] = ..., features_from: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("session_missing", "error", "num_accepted", "next_token")
+    __slots__ = ("session_missing", "error", "num_accepted", "next_token", "features")
     SESSION_MISSING_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_missing: bool
     error: str
     num_accepted: int
     next_token: int
-    def __init__(self, session_missing: _Optional[bool] = ..., error: _Optional[str] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ...) -> None: ...
+    features: _common_pb2.Features
+    def __init__(self, session_missing: _Optional[bool] = ..., error: _Optional[str] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...

@@ -37,7 +37,7 @@ from specdec.models.vocab import trim_lm_head
 from specdec.policies import POLICY_NAMES, Decision, PolicyConfig
 from specdec.sampling import MAX_SAMPLES_PER_REQUEST, SamplingParams, probs_from_logits
 from stats import chi2_pvalue
-from tiny import tiny_model
+from tiny import tiny_feature_draft, tiny_model
 
 # Where the tiny models run: the CPU in CI; `SPECDEC_TEST_DEVICE=cuda` runs the same tests on a GPU
 # (benchmarks/gpu/run.sh), where sampling, verification and the head run on the GPU too.
@@ -393,20 +393,13 @@ def test_greedy_output_with_a_trimmed_draft_vocabulary_equals_target_greedy():
 
 def make_feature_engine(vocab: int, layers: int, model_seed: int, draft_seed: int,
                         vocab_ids: list[int] | None = None, sessions: int | None = None) -> SpecDecEngine:
-    """A target and a random feature draft on its layers 0 and 1 (its LM head scores `vocab_ids` only:
-    the other ids get q = 0). `sessions`: the draft worker keeps that many, evicting the others."""
-    from specdec.models.feature_draft import FeatureDraft, FeatureDraftConfig, FeatureDraftRuntime, layer_config_of
+    """A target and a random feature draft on it (tests/tiny.py). `sessions`: the draft worker keeps
+    that many, evicting the others."""
+    from specdec.models.feature_draft import FeatureDraftRuntime
     from specdec.sessions import SessionStore
 
     target = tiny_model(vocab, hidden_size=16, layers=layers, seed=model_seed, init_range=0.5)
-    config = FeatureDraftConfig(target_identity="tiny", layers=[0, layers - 1],
-                                layer_config=layer_config_of(target.config, 24), vocab_size=vocab)
-    ids = torch.tensor(vocab_ids if vocab_ids is not None else range(vocab))
-    torch.manual_seed(draft_seed)
-    draft = FeatureDraft(config, target.model.embed_tokens.weight.detach().clone(),
-                         target.lm_head.weight.detach()[ids].clone(), ids)
-    with torch.no_grad():  # the fused input leans on the target's last layer: the draft agrees sometimes
-        draft.reduce.weight.mul_(3.0)
+    draft = tiny_feature_draft(target, vocab_ids, seed=draft_seed)
     engine = SpecDecEngine(FeatureDraftRuntime(draft.to(DEVICE), identity="tiny-feature"),
                            TargetRuntime(target.to(DEVICE), kv="slots"))
     if sessions is not None:

@@ -605,3 +605,88 @@ def test_the_llamacpp_runtime_serves_the_same_rounds(tmp_path):
         assert len(servers.draft.sessions) == len(servers.verifier.sessions) == 0
     finally:
         servers.stop()
+
+
+# ------------------------------------------------------------------------------------------------
+# A feature draft served: the target's states ride with each Verdict and the next Propose
+
+@pytest.fixture(scope="module")
+def feature_engine(tiny_pair):
+    from transformers import AutoModelForCausalLM
+
+    from specdec.models.feature_draft import FeatureDraftRuntime
+    from specdec.models.runtime import TargetRuntime
+    from tiny import tiny_feature_draft
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair[1]).eval()
+    draft = FeatureDraftRuntime(tiny_feature_draft(target, vocab_ids=range(200), echo=True), identity="tiny-feature")
+    return SpecDecEngine(draft, TargetRuntime(target), eos_token_ids=[target.config.eos_token_id])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_served_feature_draft_equals_the_engine(feature_engine, temperature):
+    params = build_params(policy="fixed", k=3, temperature=temperature, seed=21, max_new_tokens=MAX_NEW_TOKENS)
+    servers = Servers(feature_engine)
+    try:
+        [result] = run(RoundLoop(GrpcTransport(*servers.addresses), feature_engine.rules), [(PROMPTS[1], params)])
+    finally:
+        servers.stop()
+    assert (result.completions[0].token_ids, result.completions[0].finish_reason) == \
+        engine_ids(feature_engine, PROMPTS[1], params)
+    assert result.stats.accepted_tokens > 0
+
+
+def test_a_served_feature_draft_survives_lost_sessions(feature_engine):
+    """Both replicas lose the session mid-generation: the draft's rebuilt session has no states, so
+    the next verification recomputes them from position 0 (its cache rolled back) and hands them over;
+    nothing is guessed and the output is the target's."""
+    params = build_params(policy="fixed", k=3, max_new_tokens=MAX_NEW_TOKENS)
+    servers = Servers(feature_engine)
+
+    def evict(verify_calls: int) -> None:
+        if verify_calls in (3, 9):
+            servers.draft.sessions.clear()
+        if verify_calls in (6, 9):
+            servers.verifier.sessions.clear()
+
+    transport = RecordingTransport(*servers.addresses, after_verify=evict)
+    try:
+        [result] = run(RoundLoop(transport, feature_engine.rules), [(PROMPTS[1], params)])
+    finally:
+        servers.stop()
+    plain = build_params(policy="target-only", max_new_tokens=MAX_NEW_TOKENS)
+    assert result.completions[0].token_ids == engine_ids(feature_engine, PROMPTS[1], plain)[0]
+    assert sum(full for role, _, full, _ in transport.sent if role == "draft") == 3
+    assert result.stats.draft_tokens > 0
+
+
+def test_bad_features_are_refused_one_by_one(feature_engine):
+    servers = Servers(feature_engine)
+    try:
+        draft = draft_pb2_grpc.DraftStub(grpc.insecure_channel(servers.addresses[0]))
+        verifier = verifier_pb2_grpc.VerifierStub(grpc.insecure_channel(servers.addresses[1]))
+        hidden, reads = feature_engine.target.hidden_size, 2
+        whole = common_pb2.Features(start=0, tokens=2, reads=reads, hidden=hidden, data=bytes(2 * reads * hidden * 2))
+        truncated = common_pb2.Features(start=0, tokens=2, reads=reads, hidden=hidden, data=whole.data[:-6])
+        wide = common_pb2.Features(start=0, tokens=2, reads=3, hidden=hidden, data=bytes(2 * 3 * hidden * 2))
+        reply = draft.Propose(draft_pb2.ProposeBatch(items=[
+            propose_item(session_id="a", features=truncated), propose_item(session_id="b", features=wide),
+            propose_item(session_id="c", features=common_pb2.Features(start=5, tokens=2, reads=reads, hidden=hidden,
+                                                                       data=whole.data)),
+            propose_item(session_id="good", features=whole)]))
+        for answer, fragment in zip(reply.proposals, ["need", "not [tokens", "past the history", None]):
+            if fragment is None:
+                assert not answer.error and len(answer.candidates) == 3
+            else:
+                assert_refused(answer, fragment)
+        history, greedy = common_pb2.HistoryDelta(history_length=2, tail=[1, 2], full=True), common_pb2.SamplingParams(top_p=1.0)
+        reply = verifier.Verify(verifier_pb2.VerifyBatch(items=[
+            verifier_pb2.VerifyRequest(session_id="v1", history=history, sampling=greedy, features_from=7),
+            verifier_pb2.VerifyRequest(session_id="v2", history=history, sampling=greedy, candidates=[3],
+                                       features_from=0)]))
+        assert_refused(reply.verdicts[0], "past the history")
+        answer = reply.verdicts[1]
+        assert not answer.error and answer.features.tokens == 2 + answer.num_accepted
+        assert len(answer.features.data) == answer.features.tokens * reads * hidden * 2
+    finally:
+        servers.stop()
