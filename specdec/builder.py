@@ -24,8 +24,8 @@ from specdec.models.feature_draft import (FeatureDraftRuntime, is_feature_draft,
                                          target_layers_of)
 from specdec.models.runtime import DraftRole, DraftRuntime, TargetRole, TargetRuntime
 from specdec.models.static import StaticOptions
-from specdec.models.sources import (DEFAULT_DRAFT_QUANT, REQUANT_FTYPES, SHIPPED, model_identity, requantize_gguf,
-                                    resolve_gguf, resolve_model)
+from specdec.models.sources import (DEFAULT_DRAFT_QUANT, REQUANT_FTYPES, SHIPPED, check_source, model_identity,
+                                    requantize_gguf, resolve_gguf, resolve_model)
 from specdec.models.vocab import FULL as FULL_VOCAB
 from specdec.models.vocab import resolve_draft_vocab, trim_lm_head
 from specdec.sequences import RequestRules
@@ -85,6 +85,7 @@ class EngineConfig(BaseModel):
 def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -> SpecDecEngine:
     if config.threads:
         torch.set_num_threads(config.threads)
+    check_sources(config)
     draft, draft_dir = build_draft(config, progress)
     target, target_dir = build_target(config, progress)
     tokenizer = load_tokenizer(target_dir)
@@ -93,6 +94,14 @@ def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -
     return SpecDecEngine(draft, target, tokenizer, head,
                          eos_token_ids=eos_token_ids_of(load_generation_config(target_dir), tokenizer),
                          batch=config.batch)
+
+
+def check_sources(config: EngineConfig) -> None:
+    """Both model sources checked (models/sources.py `check_source`) before either is fetched,
+    converted or loaded: a mistyped --target fails at once, not after minutes of draft loading."""
+    check_source(config.target, "target")
+    if not is_feature_draft(config.draft):  # its directory is checked when it is read, against the target
+        check_source(config.draft, "draft")
 
 
 def resolve_runtime(config: EngineConfig, source: str) -> str:

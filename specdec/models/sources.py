@@ -94,26 +94,43 @@ def cache_dir(override: str | Path | None = None) -> Path:
     return Path(override or os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser()
 
 
-def resolve_model(source: str, role: str, cache: str | Path | None = None, progress: bool = True) -> Path:
-    """A local Hugging Face model directory (config.json, weights, tokenizer) for `source`."""
-    root = cache_dir(cache)
+def check_source(source: str, role: str) -> str:
+    """What kind of source `source` is ("default", "gguf", "dir" or "hub"), checked without fetching,
+    converting or hashing anything: a caller checks every source before it loads any. Raises
+    ModelSourceError with a one-line reason."""
     if not source.strip():
         raise ModelSourceError("empty model source: pass a local directory, a .gguf file, a hub id or 'default'")
     if source == "default":
         if role not in DEFAULTS:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
-        return _resolve_pinned(DEFAULTS[role], root, progress)
+        return "default"
     path = Path(source).expanduser()
     if path.suffix.lower() == ".gguf":
-        return _resolve_gguf_file(path, root, progress)
+        if not path.is_file():
+            raise ModelSourceError(f"{path}: no such .gguf file")
+        return "gguf"
     if path.is_dir():
-        return _check_model_dir(path)
+        _check_model_dir(path)
+        return "dir"
     if path.exists():
         raise ModelSourceError(f"{source}: not a model source (expected a directory, a .gguf file, a hub id or 'default')")
     if HUB_ID.match(source):
-        return _fetch_from_hub(source)
+        return "hub"
     raise ModelSourceError(f"{source!r}: no such directory or file, and not a hub id ('org/name'); "
                            "pass a local directory, a .gguf file or 'default'")
+
+
+def resolve_model(source: str, role: str, cache: str | Path | None = None, progress: bool = True) -> Path:
+    """A local Hugging Face model directory (config.json, weights, tokenizer) for `source`."""
+    kind = check_source(source, role)
+    if kind == "default":
+        return _resolve_pinned(DEFAULTS[role], cache_dir(cache), progress)
+    path = Path(source).expanduser()
+    if kind == "gguf":
+        return _resolve_gguf_file(path, cache_dir(cache), progress)
+    if kind == "dir":
+        return path
+    return _fetch_from_hub(source)
 
 
 # -- default: pinned wheels -> GGUF -> HF directory ------------------------------------------------

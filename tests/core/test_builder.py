@@ -51,3 +51,31 @@ def test_auto_draft_quant_requantizes_only_the_default_draft_on_llamacpp(tiny_pa
     draft, target = tiny_pair  # HF directories: torch, as shipped, with nothing to requantize
     engine = build_engine(EngineConfig(draft=str(draft), target=str(target)), progress=False)
     assert engine.draft.kind == "torch"
+
+
+@pytest.mark.parametrize("target", ["/no/such/target", "/no/such/target.gguf", "not a hub id"])
+def test_a_mistyped_target_fails_before_the_draft_is_loaded(tiny_pair, monkeypatch, target):
+    import specdec.builder
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before every source was checked")
+
+    monkeypatch.setattr(specdec.builder, "load_model", no_load)
+    with pytest.raises(ModelSourceError, match="no such"):
+        build_engine(EngineConfig(draft=str(tiny_pair[0]), target=target), progress=False)
+
+
+def test_a_feature_draft_on_the_llamacpp_runtime_is_a_clear_error(tiny_pair, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from specdec.models.sources import model_identity
+    from tiny import tiny_feature_draft
+
+    draft = tiny_feature_draft(AutoModelForCausalLM.from_pretrained(tiny_pair[1]))
+    draft.config = draft.config.model_copy(update={"target_identity": model_identity(tiny_pair[1])})
+    draft.save(tmp_path / "feature")
+    with pytest.raises(ModelSourceError, match="use --runtime torch"):
+        build_engine(EngineConfig(draft=str(tmp_path / "feature"), target=str(tiny_pair[1]), runtime="llamacpp"),
+                     progress=False)
+    engine = build_engine(EngineConfig(draft=str(tmp_path / "feature"), target=str(tiny_pair[1])), progress=False)
+    assert engine.draft.reads_features and engine.rules.draft_reads_features and engine.head is None
