@@ -16,6 +16,11 @@ CUDA, written as JSON as it goes (a run cut short keeps what it measured).
   between a replay and the eager pass on fresh ids, `static_vs_runtime` the same between the eager
   static pass and the slot runtime at B = 1 (bf16: expect ~1e-2 of the logits' scale). Off CUDA
   nothing is captured: `captured` is measured only in `--smoke`, padded to its bucket and run eagerly.
+- feature: the feature draft's step (models/feature_draft.py: one decoder layer of the target's
+  shape, MLP half the target's, 32,768 output rows) for each target shape, B sessions at a
+  200-token context, one token each: eager on a static cache (`StaticFeatureStep`, fixed shapes)
+  and that step replayed as a CUDA graph (`captured_ms`); what project.py reads in place of its
+  estimate.
 - loop: the engine (one round loop, in process; with the static cache and captured graphs, then
   today's slot cache) with a self-draft (the target's own weights draft,
   so greedy accepts every candidate: the ceiling), random prompts, greedy, at concurrency 1-64 for
@@ -49,7 +54,10 @@ from specdec.loop import BatchConfig
 from specdec.params import GenerationParams
 from specdec.policies import PolicyConfig
 
-PASS_SHAPES = {"qwen2.5-0.5b": (1, 2, 4), "qwen2.5-1.5b": (1, 2, 4, 8, 16), "qwen2.5-7b": (1, 2, 4, 8, 16)}  # -> ks
+PASS_SHAPES = {"qwen2.5-0.5b": (1, 2, 4), "qwen2.5-1.5b": (1, 2, 4, 8, 16), "qwen2.5-7b": (1, 2, 4, 8, 16),
+               "qwen2.5-32b": (1, 2, 4, 8, 16)}  # -> ks; last: the budget skips it first
+FEATURE_SHAPES = ("qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-32b")  # targets whose feature draft's step is timed
+FEATURE_VOCAB = 32768  # the trimmed output rows (docs/feature-draft.md)
 BATCHES = (1, 4, 16, 64)
 CACHE_LENGTH = 256  # positions per row of the static cache: the prompt, k tokens, the captured bucket's length
 LOOP_SHAPE = "qwen2.5-1.5b"
@@ -374,7 +382,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget-s", type=float, default=420, help="stop starting new figures after this long")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and few repeats: checks the script runs")
-    parser.add_argument("--sections", nargs="+", default=["passes", "loop", "transport"])
+    parser.add_argument("--sections", nargs="+", default=["passes", "feature", "loop", "transport"])
     parser.add_argument("--shapes", nargs="+", default=list(PASS_SHAPES), help="the passes section's shapes")
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES), help="the passes section's B")
     parser.add_argument("--loop-kv", nargs="+", default=["static", "slots"], choices=["static", "slots"],
@@ -414,6 +422,14 @@ def main() -> None:
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    if "feature" in args.sections:
+        for name in FEATURE_SHAPES:
+            if report.time_left() < 30:
+                break
+            try:
+                feature_step_costs(report, name, shapes[name], batches, device, dtype, repeats)
+            except Exception as exc:  # recorded: the other sections still run
+                report.put("feature", f"{name}/error", f"{type(exc).__name__}: {exc}"[:500])
     if "loop" in args.sections and report.time_left() > 30:
         model = random_model(shapes[LOOP_SHAPE], device, dtype)
         for kv in args.loop_kv:
@@ -439,6 +455,83 @@ def main() -> None:
     print_summary(report.data)
 
 
+class StaticFeatureStep:
+    """One feature-draft step over B sessions on a cache of fixed shape (a prototype of the CUDA path:
+    what a captured drafting step costs). Each row holds `length` positions; the step writes the key
+    and value of position `length` and attends to 0..length. Replayed, it writes the same position."""
+
+    def __init__(self, draft, batch: int, length: int, capacity: int, device: torch.device):
+        from specdec.models.feature_draft import repeat_kv
+
+        config, dtype = draft.layer_config, draft.norm.weight.dtype
+        self.draft, self.repeat_kv, self.groups = draft, repeat_kv, config.num_attention_heads // config.num_key_value_heads
+        shape = (batch, config.num_key_value_heads, capacity, draft.head_dim)
+        self.keys, self.values = torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
+        self.positions = torch.full((batch, 1), length, device=device, dtype=torch.long)
+        self.mask = (torch.arange(capacity, device=device)[None, :] <= length).expand(batch, -1)[:, None, None, :]
+        self.g = torch.randn(batch, config.hidden_size, device=device, dtype=dtype)
+        self.tokens = torch.randint(0, draft.config.vocab_size, (batch,), device=device)
+
+    def attend(self, q, k, v):
+        import torch.nn.functional as F
+
+        index = self.positions[:, None, :, None].expand(-1, k.shape[1], 1, k.shape[-1])
+        self.keys.scatter_(2, index, k)
+        self.values.scatter_(2, index, v)
+        return F.scaled_dot_product_attention(q, self.repeat_kv(self.keys, self.groups),
+                                              self.repeat_kv(self.values, self.groups), attn_mask=self.mask,
+                                              scale=self.draft.scale)
+
+    def __call__(self) -> torch.Tensor:
+        x = self.draft.fused_input(self.g, self.tokens)[:, None]  # [B, 1, H]
+        state = self.draft.block(x, self.positions, self.attend)[:, 0]  # [B, H]
+        return self.draft.logits(state)  # [B, V_trim]
+
+
+def random_feature_draft(config, device: torch.device, dtype: torch.dtype):
+    """A feature draft of target shape `config` (random weights, MLP half the target's)."""
+    from specdec.models.feature_draft import FeatureDraft, FeatureDraftConfig, layer_config_of
+
+    hidden, rows = config.hidden_size, min(FEATURE_VOCAB, config.vocab_size)
+    draft_config = FeatureDraftConfig(target_identity="random", layers=[1, config.num_hidden_layers // 2,
+                                                                        config.num_hidden_layers - 4],
+                                      layer_config=layer_config_of(config, config.intermediate_size // 2),
+                                      vocab_size=config.vocab_size)
+    with device:
+        draft = FeatureDraft(draft_config, torch.randn(config.vocab_size, hidden, dtype=dtype),
+                             torch.randn(rows, hidden, dtype=dtype), torch.arange(rows))
+    return draft.to(device=device, dtype=dtype).eval()
+
+
+@torch.inference_mode()
+def feature_step_costs(report: Report, name: str, config, batches, device, dtype, repeats: int) -> None:
+    """Fills report["feature"][name] with {"B=..": {eager_ms, captured_ms}} (the module docstring)."""
+    draft = random_feature_draft(config, device, dtype)
+    results = {}
+    for batch in batches:
+        if report.time_left() < 30:
+            results[f"B={batch}"] = {"skipped": "time"}
+            continue
+        step = StaticFeatureStep(draft, batch, PROMPT_TOKENS, CACHE_LENGTH, device)
+        row = results[f"B={batch}"] = {"eager_ms": median_ms(step, device, repeats)}
+        if device.type == "cuda":
+            try:
+                stream = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    for _ in range(3):  # warm-up off the default stream, as torch.cuda.graphs asks
+                        step()
+                torch.cuda.current_stream(device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = step()
+                row["captured_ms"] = median_ms(graph.replay, device, 4 * repeats)
+                row["graph_vs_eager"] = max_difference(out.float(), step().float())
+            except Exception as exc:  # recorded: the eager figure stands
+                row["captured_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        report.put("feature", name, results)
+
+
 def print_summary(data: dict) -> None:
     for name, rows in data["sections"].get("passes", {}).items():
         print(f"\n{name}: ms per pass (runtime / static eager / captured / runtime on its static cache)")
@@ -446,6 +539,10 @@ def print_summary(data: dict) -> None:
             cells = [f"{row[c]:.2f}" if c in row else "-"
                      for c in ("runtime_ms", "static_ms", "captured_ms", "runtime_static_ms")]
             print(f"  {key:12s} " + " / ".join(cells) + (f"  {row['captured_error'][:80]}" if "captured_error" in row else ""))
+    for name, rows in data["sections"].get("feature", {}).items():
+        print(f"\nfeature draft for {name}: ms per step (static eager / captured)")
+        for key, row in (rows.items() if isinstance(rows, dict) else []):
+            print(f"  {key:6s} " + " / ".join(f"{row[c]:.3f}" if c in row else "-" for c in ("eager_ms", "captured_ms")))
     for name, rows in data["sections"].get("loop", {}).items():
         if not isinstance(rows, dict):
             continue

@@ -12,10 +12,11 @@ Drafts:
 - `qwen2.5-0.5b`: S_j from a `specdec bench` run's records of the default pair (a fixed-K run of at
   least K, HumanEval), greedy and T = 1; t_draft its captured step.
 - `feature` (models/feature_draft.py): S_j from `benchmarks/draft_acceptance.py`'s free-running
-  rounds on held-out code (greedy). Until a GPU times its captured step, t_draft is estimated: the
-  target's captured pass at C sessions over its layer count (one decoder layer of the target's
-  shape) plus its own weights past that layer (the trimmed output rows, the fuse and reduce
-  projections) at the bandwidth the 7B pass reached. Every such row says `estimated`.
+  rounds on held-out code (greedy). t_draft is its captured step where bench.py's `feature` section
+  timed it (`measured`); else estimated: the target's captured pass at C sessions over its layer
+  count (one decoder layer of the target's shape) plus its own weights past that layer (the
+  trimmed output rows, the fuse and reduce projections) at the bandwidth the 7B pass reached.
+  Every such row says `estimated`.
 
 Policy: `best-fixed` is the fixed K that is best in hindsight for this acceptance and these costs
 (the adaptive rule chooses K per round and can beat it). Projecting the default policy needs each
@@ -42,7 +43,7 @@ RECORDS = ROOT / "docs" / "results" / "bench-humaneval" / "records.jsonl"
 FEATURE_ACCEPTANCE = ROOT / "docs" / "results" / "feature-draft" / "acceptance.json"
 DRAFT = "qwen2.5-0.5b"
 FEATURE = "feature"
-TARGETS = ("qwen2.5-1.5b", "qwen2.5-7b")
+TARGETS = ("qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-32b")
 BANDWIDTH_SHAPE = "qwen2.5-7b"  # the pass whose weights' bytes over its time give the bandwidth
 FEATURE_VOCAB = 32768  # the trimmed output rows (docs/feature-draft.md)
 BYTES = 2  # bf16
@@ -130,24 +131,28 @@ def host_per_pass(loop: dict, policy: str, concurrency: int) -> float | None:
     return rows[nearest]["host_ms_per_target_pass"]
 
 
-def load_results(folder: Path) -> tuple[dict, dict]:
-    """(passes by shape, loop rows) from every bench.py JSON in `folder`, in name order: a later run
-    fills the pass rows an earlier one lacks, and its loop rows replace the earlier ones."""
-    passes, loop = {}, {}
+def load_results(folder: Path) -> tuple[dict, dict, dict]:
+    """(passes by shape, loop rows, feature-draft steps by target shape) from every bench.py JSON in
+    `folder`, in name order: a later run fills the rows an earlier one lacks, and its loop rows
+    replace the earlier ones."""
+    passes, loop, feature = {}, {}, {}
     for path in sorted(folder.glob("*.json")):
         sections = json.loads(path.read_text()).get("sections", {})
-        for name, rows in sections.get("passes", {}).items():
-            mine = passes.setdefault(name, {})
-            for key, row in rows.items():
-                if "captured_ms" not in mine.get(key, {}):
-                    mine[key] = row
+        for section, into in (("passes", passes), ("feature", feature)):
+            for name, rows in sections.get(section, {}).items():
+                if not isinstance(rows, dict):
+                    continue
+                mine = into.setdefault(name, {})
+                for key, row in rows.items():
+                    if "captured_ms" not in mine.get(key, {}):
+                        mine[key] = row
         loop = sections.get("loop", {}).get("qwen2.5-1.5b", loop)
-    return passes, loop
+    return passes, loop, feature
 
 
-def project(passes: dict, loop: dict, acceptance: dict, mode: str) -> list[dict]:
+def project(passes: dict, loop: dict, feature: dict, acceptance: dict, mode: str) -> list[dict]:
     """One row per (draft, target, temperature, concurrency): the best fixed K and its speedup.
-    `acceptance`: {(draft, temperature): [S_1, ...]}."""
+    `acceptance`: {(draft, temperature): [S_1, ...]}; `feature`: bench.py's feature-draft steps."""
     bandwidth = None
     if BANDWIDTH_SHAPE in passes and 1 in pass_curve(passes[BANDWIDTH_SHAPE], 1, mode):
         bandwidth = weight_bytes(BANDWIDTH_SHAPE) / pass_curve(passes[BANDWIDTH_SHAPE], 1, mode)[1]
@@ -160,9 +165,13 @@ def project(passes: dict, loop: dict, acceptance: dict, mode: str) -> list[dict]
                 if 1 not in target:
                     continue
                 if draft_name == FEATURE:
-                    if bandwidth is None:
+                    measured = feature.get(name, {}).get(f"B={batch}", {}).get("captured_ms")
+                    if measured is not None:
+                        draft, costs = measured, "measured"
+                    elif bandwidth is None:
                         continue
-                    draft, costs = feature_step_ms(name, target[1], bandwidth), "estimated"
+                    else:
+                        draft, costs = feature_step_ms(name, target[1], bandwidth), "estimated"
                 else:
                     draft, costs = pass_curve(passes[draft_name], batch, mode).get(1), "measured"
                     if draft is None:
@@ -194,18 +203,19 @@ def main() -> None:
                              "eager, the runtime on its slot cache, or on its static cache (default pair only)")
     parser.add_argument("--json", action="store_true", help="one JSON object per row instead of the table")
     args = parser.parse_args()
-    passes, loop = load_results(args.results)
+    passes, loop, feature = load_results(args.results)
     acceptance = {(DRAFT, t): survival(args.records, args.spec, t) for t in (0.0, 1.0)}
     if args.feature_acceptance.is_file():
         acceptance[(FEATURE, 0.0)] = feature_survival(args.feature_acceptance)
-    rows = project(passes, loop, acceptance, args.mode)
+    rows = project(passes, loop, feature, acceptance, args.mode)
     if args.json:
         for row in rows:
             print(json.dumps(row))
         return
     print(f"acceptance: 0.5B {args.records.relative_to(args.records.parents[2])} {args.spec}; feature "
           f"{args.feature_acceptance.relative_to(ROOT) if args.feature_acceptance.is_relative_to(ROOT) else args.feature_acceptance}"
-          f" (free-running, code); costs: {args.mode} passes (feature draft: estimated)\n")
+          f" (free-running, code); costs: {args.mode} passes (feature draft: measured where bench.py timed it, "
+          "else estimated)\n")
     print("| draft | target | T | C | draft ms | target ms k=1 | K=1 | K=3 | K=7 | best K | speedup | +host |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:

@@ -1,5 +1,6 @@
 """The model shapes the GPU benchmark builds with random weights: the default pair's configs
-(Qwen2.5-Coder 0.5B drafting for 1.5B) and a 7B target of the same family. Only shapes matter for
+(Qwen2.5-Coder 0.5B drafting for 1.5B), and 7B and 32B targets of the same family (32B: 65 GB in
+bf16, one H200's share of a sharded verifier). Only shapes matter for
 a pass's cost; weights are random because the GPU machine cannot fetch models."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ SHAPES = {
     "qwen2.5-0.5b": (896, 4864, 24, 14, 2, 151936, True),
     "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151936, True),
     "qwen2.5-7b": (3584, 18944, 28, 28, 4, 152064, False),
+    "qwen2.5-32b": (5120, 27648, 64, 40, 8, 152064, False),
 }
 
 

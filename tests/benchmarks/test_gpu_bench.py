@@ -26,5 +26,8 @@ def test_the_gpu_benchmark_smoke_run_writes_every_section(tmp_path):
     assert {"qwen2.5-1.5b", "qwen2.5-1.5b/static"} <= set(loop)
     assert all("error" not in rows and all("tokens_per_s" in row for row in rows.values())
                for name, rows in loop.items() if name != "probe_profile")
+    feature = data["sections"]["feature"]  # the feature draft's step for each target shape, eager off CUDA
+    assert set(feature) == {"qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-32b"}
+    assert all("eager_ms" in row for rows in feature.values() for row in rows.values()), feature
     [transport] = data["sections"]["transport"].values()  # the first cache that ran: static
     assert all("grpc_ms_per_step" in row for row in transport.values()), transport

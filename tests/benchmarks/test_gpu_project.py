@@ -1,0 +1,32 @@
+"""The GPU projection (benchmarks/gpu/project.py) on the committed H200 results: survival rates are
+cumulative, and `--json` prints one object per row with the keys a reader filters on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.gpu.project import expected_tokens, speedup
+
+ROOT = Path(__file__).resolve().parents[2]
+H200 = ROOT / "docs" / "results" / "gpu" / "2026-11-28-h200"
+
+
+def test_expected_tokens_add_cumulative_survival_rates():
+    """S_j is already the chance that positions 1..j all pass: E(K) = 1 + sum S_j, no products."""
+    assert expected_tokens([0.9, 0.8, 0.5]) == 1 + 0.9 + 0.8 + 0.5
+    # a round of K candidates costs K draft steps and a (K + 1)-token pass
+    assert speedup([0.9, 0.8], 2, 1.0, {1: 10.0, 3: 12.0}) == (1 + 0.9 + 0.8) * 10.0 / (2 * 1.0 + 12.0)
+
+
+def test_json_rows_carry_what_a_reader_filters_on():
+    out = subprocess.run([sys.executable, "-m", "benchmarks.gpu.project", str(H200), "--json"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert rows and all({"draft", "target", "temperature", "concurrency", "policy", "speedup"} <= set(r) for r in rows)
+    seven = next(r for r in rows if (r["draft"], r["target"], r["temperature"], r["concurrency"])
+                 == ("qwen2.5-0.5b", "qwen2.5-7b", 0.0, 1))
+    assert 1.55 < seven["speedup"] < 1.7 and seven["k"] >= 4  # not 1.45x at K = 3, as the products said
+    assert {r["draft_cost"] for r in rows if r["draft"] == "feature"} == {"estimated"}
