@@ -5,6 +5,7 @@ and a real HTTP server (uvicorn)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -63,6 +64,34 @@ def free_ports(n: int) -> list[int]:
 
 def free_port() -> int:
     return free_ports(1)[0]
+
+
+@contextmanager
+def local_serve(config, env: dict[str, str] | None = None) -> Iterator[dict]:
+    """The Serve app of `config` (services.config.AppConfig) on a fresh local Ray instance of 2 CPUs,
+    its addresses; Ray's processes inherit `env` (restored after)."""
+    import ray
+    from ray import serve
+
+    from services.launch import start
+
+    env = env or {}
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        try:
+            http_port, grpc_port = free_ports(2)
+            yield start(config, http_port=http_port, grpc_port=grpc_port)
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @contextmanager

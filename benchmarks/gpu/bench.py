@@ -5,8 +5,8 @@ CUDA, written as JSON as it goes (a run cut short keeps what it measured).
     python -m benchmarks.gpu.bench --smoke --out /tmp/gpu-smoke     # tiny shapes, any device (a dry run)
 
 (from the repository root). Sections, in order:
-- passes: for each shape (shapes.py: the default pair's 0.5B and 1.5B, and a 7B target), random bf16
-  weights, B sessions each holding a 200-token prompt and feeding k tokens:
+- passes: for each shape (shapes.py: the default pair's 0.5B and 1.5B, a 7B target, and a 32B one
+  timed after every other section, with what the budget leaves), random bf16 weights, B sessions each holding a 200-token prompt and feeding k tokens:
   `runtime` is the torch runtime on its slot cache (models/runtime.py: one ragged pass, its logits
   left on the device); `static` one pass of the static cache (models/static.py `StaticKV.forward`
   and the LM head over every position, without the runtime's host work) run eagerly; `captured` the
@@ -55,7 +55,8 @@ from specdec.params import GenerationParams
 from specdec.policies import PolicyConfig
 
 PASS_SHAPES = {"qwen2.5-0.5b": (1, 2, 4), "qwen2.5-1.5b": (1, 2, 4, 8, 16), "qwen2.5-7b": (1, 2, 4, 8, 16),
-               "qwen2.5-32b": (1, 2, 4, 8, 16)}  # -> ks; last: the budget skips it first
+               "qwen2.5-32b": (1, 2, 4, 8, 16)}  # -> ks
+LATE_SHAPES = ("qwen2.5-32b",)  # timed after every other section: a 65 GB model takes what the budget leaves
 FEATURE_SHAPES = ("qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-32b")  # targets whose feature draft's step is timed
 FEATURE_VOCAB = 32768  # the trimmed output rows (docs/feature-draft.md)
 BATCHES = (1, 4, 16, 64)
@@ -406,22 +407,23 @@ def main() -> None:
                                num_key_value_heads=2, vocab_size=512))
         batches, repeats, concurrency, new_tokens = (1, 4), 2, (1, 4), 8
     torch.manual_seed(0)
-    if "passes" in args.sections:
-        for name, ks in PASS_SHAPES.items():
-            if name not in args.shapes:
+    def passes(names) -> None:
+        for name in names:
+            if name not in args.shapes or report.time_left() < 30:
                 continue
-            if report.time_left() < 30:
-                break
             start = time.perf_counter()
             model = random_model(shapes[name], device, dtype)
             try:
-                pass_costs(report, name, model, ks, batches, device, repeats, args.smoke)
+                pass_costs(report, name, model, PASS_SHAPES[name], batches, device, repeats, args.smoke)
             except Exception as exc:  # recorded: the other shapes and sections still run
                 report.put("passes", f"{name}/error", f"{type(exc).__name__}: {exc}"[:500])
             print(f"passes {name}: {time.perf_counter() - start:.0f} s", flush=True)
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+
+    if "passes" in args.sections:
+        passes([name for name in PASS_SHAPES if name not in LATE_SHAPES])
     if "feature" in args.sections:
         for name in FEATURE_SHAPES:
             if report.time_left() < 30:
@@ -450,6 +452,8 @@ def main() -> None:
                 break
             except Exception as exc:
                 report.put("transport", f"{LOOP_SHAPE}/{kv}", {"error": f"{type(exc).__name__}: {exc}"[:500]})
+    if "passes" in args.sections:  # the largest shape last: what the budget leaves
+        passes(LATE_SHAPES)
     report.data["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     report.save()
     print_summary(report.data)

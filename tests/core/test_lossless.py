@@ -480,5 +480,5 @@ def test_a_feature_draft_drafts_from_the_targets_states_of_its_whole_history():
     with torch.inference_mode():
         for history, first in firsts:
             states = target_states(engine.target.model, history[:-1], draft.config.layers)[:, :-1]
-            [state] = draft.unroll(states[None].float(), torch.tensor([history[1:]]), steps=1)
+            [state] = draft.unroll(states[None].float().to(DEVICE), torch.tensor([history[1:]], device=DEVICE), steps=1)
             assert int(draft.full_logits(state[0, -1]).argmax()) == first

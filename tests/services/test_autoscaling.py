@@ -4,7 +4,6 @@ app whose Draft deployment scales up under load over the direct transport)."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +11,6 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
-import ray
 from ray import serve
 from ray.serve.config import AutoscalingConfig
 
@@ -21,10 +19,10 @@ from specdec.v1 import draft_pb2, generation_pb2, generation_pb2_grpc
 from services.app import _deployment
 from services.autoscaling import POLICY, ROUND_CALLS, round_calls_policy
 from services.config import AppConfig, ReplicaConfig
-from services.launch import APP_NAME, start
+from services.launch import APP_NAME
 from services.replicas import Draft
 from services.servicers import DraftServicer
-from engine_backend import free_ports
+from engine_backend import local_serve
 
 PUSH_INTERVAL_ENV = "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"
 
@@ -94,19 +92,8 @@ def scaling_app(tiny_pair):
         verifier=ReplicaConfig(**replica),
         coordinator=ReplicaConfig(num_cpus=0.0, max_ongoing_requests=64),
         ingress=ReplicaConfig(num_cpus=0.0, max_ongoing_requests=64))
-    saved = os.environ.get(PUSH_INTERVAL_ENV)
-    os.environ[PUSH_INTERVAL_ENV] = "0.5"  # the replicas inherit it: metrics every 0.5 s, not 10
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    try:
-        http_port, grpc_port = free_ports(2)
-        yield start(config, http_port=http_port, grpc_port=grpc_port)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        if saved is None:
-            os.environ.pop(PUSH_INTERVAL_ENV, None)
-        else:
-            os.environ[PUSH_INTERVAL_ENV] = saved
+    with local_serve(config, {PUSH_INTERVAL_ENV: "0.5"}) as addresses:  # the replicas' metrics every 0.5 s, not 10
+        yield addresses
 
 
 def draft_replicas() -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 
 import grpc
 import httpx
@@ -26,13 +25,13 @@ from clients import ClientError
 from clients.grpc_client import GrpcClient
 from clients.http_client import HttpClient
 from services.config import AppConfig, ReplicaConfig
-from services.launch import APP_NAME, PROXY_MAX_MESSAGE_ENV, start
+from services.launch import APP_NAME, PROXY_MAX_MESSAGE_ENV
 from specdec.builder import EngineConfig
 from specdec.params import build_params
 from specdec.v1 import common_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 from benchmarks.load import RssSampler, run_load, wait_until_idle
-from engine_backend import free_ports
+from engine_backend import local_serve
 
 API_KEY = "test-key-5d1e"
 AUTH = (("authorization", f"Bearer {API_KEY}"),)
@@ -55,21 +54,8 @@ def served(tiny_pair):
         coordinator=ReplicaConfig(num_cpus=0.0, max_ongoing_requests=MAX_ONGOING),
         ingress=ReplicaConfig(num_cpus=0.0, max_ongoing_requests=64),
         max_queued_requests=MAX_QUEUED, api_key=API_KEY, max_request_bytes=MAX_REQUEST_BYTES)
-    previous = os.environ.get(PROXY_MAX_MESSAGE_ENV)
-    os.environ[PROXY_MAX_MESSAGE_ENV] = str(PROXY_MAX_MESSAGE_BYTES)  # Ray's processes inherit it
-    try:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    finally:
-        if previous is None:
-            os.environ.pop(PROXY_MAX_MESSAGE_ENV)
-        else:
-            os.environ[PROXY_MAX_MESSAGE_ENV] = previous
-    http_port, grpc_port = free_ports(2)
-    try:
-        yield start(config, http_port=http_port, grpc_port=grpc_port)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with local_serve(config, {PROXY_MAX_MESSAGE_ENV: str(PROXY_MAX_MESSAGE_BYTES)}) as addresses:  # Ray's processes inherit it
+        yield addresses
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,9 @@ from specdec.builder import EngineConfig
 from specdec.params import build_params
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 from services.config import AppConfig, ReplicaConfig
-from services.launch import APP_NAME, start
+from services.launch import APP_NAME
 from benchmarks.load import wait_until_idle
-from engine_backend import free_ports
+from engine_backend import local_serve
 
 PROMPTS = ["def fibonacci(n):", "Write a haiku about caches.", "SELECT name FROM users WHERE"]
 MIXED = [("svip", None), ("fixed", 3), ("heuristic", 2), ("confidence", None), ("target-only", None),
@@ -42,14 +42,8 @@ def served(tiny_pair):
         draft=ReplicaConfig(**replica), verifier=ReplicaConfig(num_replicas=2, **replica),
         coordinator=ReplicaConfig(num_cpus=0.0, max_ongoing_requests=64),
         ingress=ReplicaConfig(num_cpus=0.0, max_ongoing_requests=64))
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    try:
-        http_port, grpc_port = free_ports(2)
-        addresses = start(config, http_port=http_port, grpc_port=grpc_port)
+    with local_serve(config) as addresses:
         yield addresses
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

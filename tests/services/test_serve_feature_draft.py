@@ -5,14 +5,11 @@ round over the replicas' transport, and replicas killed mid-stream. One Ray inst
 from __future__ import annotations
 
 import pytest
-import ray
-from ray import serve
 from transformers import AutoModelForCausalLM
 
 from clients.grpc_client import GrpcClient
-from engine_backend import free_ports
+from engine_backend import local_serve
 from services.config import AppConfig, ReplicaConfig
-from services.launch import start
 from specdec.builder import EngineConfig, build_engine
 from specdec.models.sources import model_identity
 from specdec.params import build_params
@@ -46,13 +43,8 @@ def served(feature_pair):
     config = AppConfig(models=EngineConfig(draft=draft_dir, target=target_dir),
                        draft=ReplicaConfig(**replica), verifier=ReplicaConfig(**replica),
                        coordinator=ReplicaConfig(num_cpus=0.0), ingress=ReplicaConfig(num_cpus=0.0))
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    try:
-        http_port, grpc_port = free_ports(2)
-        yield start(config, http_port=http_port, grpc_port=grpc_port)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with local_serve(config) as addresses:
+        yield addresses
 
 
 def test_the_engine_builds_a_feature_draft_from_its_directory(feature_engine):
