@@ -180,11 +180,14 @@ class BenchRun:
     # ----------------------------------------------------------------------------------------
 
     def _note_peers(self) -> None:
-        """HF's assisted generation runs the transformers models: only on the torch runtime."""
+        """HF's assisted generation runs the transformers models: only on the torch runtime, with a
+        model draft."""
         skipped = self.notes.setdefault("skipped_specs", {})
         on_torch = self.engine.draft.kind == self.engine.target.kind == "torch"
         for spec in self.specs:
-            if spec.is_peer and not on_torch:
+            if spec.is_peer and self.engine.draft.reads_features:
+                skipped[spec.key] = "HF's assisted generation needs a model draft, not a feature draft"
+            elif spec.is_peer and not on_torch:
                 skipped[spec.key] = "HF's assisted generation runs transformers models: needs --runtime torch"
             elif spec.is_peer:
                 skipped.pop(spec.key, None)
