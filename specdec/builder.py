@@ -24,8 +24,8 @@ from specdec.models.feature_draft import (FeatureDraftRuntime, is_feature_draft,
                                          target_layers_of)
 from specdec.models.runtime import DraftRole, DraftRuntime, TargetRole, TargetRuntime
 from specdec.models.static import StaticOptions
-from specdec.models.sources import (DEFAULT_DRAFT_QUANT, REQUANT_FTYPES, SHIPPED, check_source, model_identity,
-                                    requantize_gguf, resolve_gguf, resolve_model)
+from specdec.models.sources import (DEFAULT_DRAFT_QUANT, REQUANT_FTYPES, SHIPPED, check_gguf_source, check_source,
+                                    model_identity, requantize_gguf, resolve_gguf, resolve_model)
 from specdec.models.vocab import FULL as FULL_VOCAB
 from specdec.models.vocab import resolve_draft_vocab, trim_lm_head
 from specdec.sequences import RequestRules
@@ -99,9 +99,13 @@ def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -
 def check_sources(config: EngineConfig) -> None:
     """Both model sources checked (models/sources.py `check_source`) before either is fetched,
     converted or loaded: a mistyped --target fails at once, not after minutes of draft loading."""
-    check_source(config.target, "target")
-    if not is_feature_draft(config.draft):  # its directory is checked when it is read, against the target
-        check_source(config.draft, "draft")
+    for role, source in (("target", config.target), ("draft", config.draft)):
+        if role == "draft" and is_feature_draft(source):  # its directory is checked when it is read, against the target
+            continue
+        if backend_for(config, role).name == "llamacpp" and source != "default":
+            check_gguf_source(source)
+        else:
+            check_source(source, role)
 
 
 def resolve_runtime(config: EngineConfig, source: str) -> str:

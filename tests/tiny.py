@@ -54,13 +54,10 @@ def save_tiny_pair(root: Path, draft_hidden: int = 16, target_hidden: int = 32) 
     return dirs[0], dirs[1]
 
 
-def tiny_feature_draft(target: Qwen2ForCausalLM, vocab_ids=None, seed: int = 0, lean: float = 3.0,
-                       echo: bool = False):
+def tiny_feature_draft(target: Qwen2ForCausalLM, vocab_ids=None, seed: int = 0, lean: float = 3.0):
     """A random feature draft (models/feature_draft.py) on `target`'s first and last layers, its LM head
     scoring `vocab_ids` only (the other ids get q = 0). `lean` scales the reduced input so that the
-    fused input leans on the target's states: the draft agrees with the target sometimes. `echo`:
-    its layer passes the target's last state through (attention and MLP write nothing), so its
-    first candidate is the target's own next token (on its vocabulary) and later ones rarely are."""
+    fused input leans on the target's states: the draft agrees with the target sometimes."""
     from specdec.models.feature_draft import FeatureDraft, FeatureDraftConfig, layer_config_of
 
     config = FeatureDraftConfig(target_identity="tiny", layers=[0, target.config.num_hidden_layers - 1],
@@ -70,16 +67,8 @@ def tiny_feature_draft(target: Qwen2ForCausalLM, vocab_ids=None, seed: int = 0, 
     torch.manual_seed(seed)
     draft = FeatureDraft(config, target.model.embed_tokens.weight.detach().clone(),
                          target.lm_head.weight.detach()[ids].clone(), ids)
-    hidden = target.config.hidden_size
     with torch.no_grad():
         draft.reduce.weight.mul_(lean)
-        if echo:  # g = rms(h_last); x = norm(g); s = x; q = softmax(U norm(s)): the target's own logits
-            eye = torch.eye(hidden)
-            draft.reduce.weight.copy_(torch.cat([torch.zeros(hidden, hidden), eye], dim=1))
-            draft.fuse.weight.copy_(torch.cat([torch.zeros(hidden, hidden), eye], dim=1))
-            draft.layer.self_attn.o_proj.weight.zero_()
-            draft.layer.mlp.down_proj.weight.zero_()
-            draft.norm.weight.copy_(target.model.norm.weight)
     return draft.eval()
 
 

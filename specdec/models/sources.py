@@ -120,6 +120,18 @@ def check_source(source: str, role: str) -> str:
                            "pass a local directory, a .gguf file or 'default'")
 
 
+def check_gguf_source(source: str) -> Path:
+    """A GGUF file the llamacpp runtime can read (not `default`, which it also takes), checked without
+    reading it. Raises ModelSourceError with a one-line reason."""
+    gguf_path = Path(source).expanduser()
+    if gguf_path.suffix.lower() != ".gguf":
+        raise ModelSourceError(f"{source}: the llamacpp runtime reads GGUF files; pass a .gguf file or 'default' "
+                               "(or use --runtime torch for Hugging Face models)")
+    if not gguf_path.is_file():
+        raise ModelSourceError(f"{gguf_path}: no such .gguf file")
+    return gguf_path
+
+
 def resolve_model(source: str, role: str, cache: str | Path | None = None, progress: bool = True) -> Path:
     """A local Hugging Face model directory (config.json, weights, tokenizer) for `source`."""
     kind = check_source(source, role)
@@ -200,12 +212,7 @@ def resolve_gguf(source: str, role: str, cache: str | Path | None = None, progre
                 _ensure_pinned_gguf(pin, root, progress)
                 (meta_dir / COMPLETE_MARKER).unlink(missing_ok=True)
     else:
-        gguf_path = Path(source).expanduser()
-        if gguf_path.suffix.lower() != ".gguf":
-            raise ModelSourceError(f"{source}: the llamacpp runtime reads GGUF files; pass a .gguf file or 'default' "
-                                   "(or use --runtime torch for Hugging Face models)")
-        if not gguf_path.is_file():
-            raise ModelSourceError(f"{gguf_path}: no such .gguf file")
+        gguf_path = check_gguf_source(source)
         sha256 = sha256_file(gguf_path, progress)
         meta_dir = root / MODELS_SUBDIR / f"{gguf_path.stem}-{sha256[:GGUF_DIR_HASH_CHARS]}{META_SUFFIX}"
     if not _is_complete(meta_dir, sha256):

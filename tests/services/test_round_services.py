@@ -619,7 +619,7 @@ def feature_engine(tiny_pair):
     from tiny import tiny_feature_draft
 
     target = AutoModelForCausalLM.from_pretrained(tiny_pair[1]).eval()
-    draft = FeatureDraftRuntime(tiny_feature_draft(target, vocab_ids=range(200), echo=True), identity="tiny-feature")
+    draft = FeatureDraftRuntime(tiny_feature_draft(target, vocab_ids=range(200), seed=3), identity="tiny-feature")
     return SpecDecEngine(draft, TargetRuntime(target), eos_token_ids=[target.config.eos_token_id])
 
 
@@ -633,7 +633,7 @@ def test_a_served_feature_draft_equals_the_engine(feature_engine, temperature):
         servers.stop()
     assert (result.completions[0].token_ids, result.completions[0].finish_reason) == \
         engine_ids(feature_engine, PROMPTS[1], params)
-    assert result.stats.accepted_tokens > 0
+    assert result.stats.draft_tokens > result.stats.rounds  # the states arrived: it drafted in most rounds
 
 
 def test_a_served_feature_draft_survives_lost_sessions(feature_engine):

@@ -22,10 +22,10 @@ LONG = {"policy": "fixed", "k": 3, "max_new_tokens": 120}
 
 @pytest.fixture(scope="module")
 def feature_pair(tiny_pair, tmp_path_factory) -> tuple[str, str]:
-    """(feature draft directory, target directory): an echo draft on the tiny target, saved as
+    """(feature draft directory, target directory): a random draft on the tiny target, saved as
     `specdec train-draft` saves one (its config names the target's identity)."""
     target_dir = tiny_pair[1]
-    draft = tiny_feature_draft(AutoModelForCausalLM.from_pretrained(target_dir), echo=True)
+    draft = tiny_feature_draft(AutoModelForCausalLM.from_pretrained(target_dir), seed=3)
     draft.config = draft.config.model_copy(update={"target_identity": model_identity(target_dir)})
     return str(draft.save(tmp_path_factory.mktemp("feature") / "draft")), str(target_dir)
 
@@ -33,14 +33,14 @@ def feature_pair(tiny_pair, tmp_path_factory) -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def feature_engine(feature_pair):
     draft_dir, target_dir = feature_pair
-    return build_engine(EngineConfig(draft=draft_dir, target=target_dir), progress=False)
+    return build_engine(EngineConfig(draft=draft_dir, target=target_dir, draft_format="fp32"), progress=False)  # fp32: the replicas' draws equal the engine's
 
 
 @pytest.fixture(scope="module")
 def served(feature_pair):
     draft_dir, target_dir = feature_pair
     replica = dict(num_cpus=0.1, threads=1)
-    config = AppConfig(models=EngineConfig(draft=draft_dir, target=target_dir),
+    config = AppConfig(models=EngineConfig(draft=draft_dir, target=target_dir, draft_format="fp32"),
                        draft=ReplicaConfig(**replica), verifier=ReplicaConfig(**replica),
                        coordinator=ReplicaConfig(num_cpus=0.0), ingress=ReplicaConfig(num_cpus=0.0))
     with local_serve(config) as addresses:
@@ -48,13 +48,14 @@ def served(feature_pair):
 
 
 def test_the_engine_builds_a_feature_draft_from_its_directory(feature_engine):
-    """`--draft DIR` loads the draft on its target, whose passes hand out the states it reads; its
-    first candidates are the target's own (an echo draft), so rounds are accepted."""
+    """`--draft DIR` loads the draft on its target, whose passes hand out the states it reads: it
+    drafts in most rounds (a session drafts only once the states reach its history's end), and the
+    output is the target's."""
     assert feature_engine.draft.reads_features and feature_engine.target.returns_features
     result = feature_engine.generate(PROMPT, build_params(**LONG))
     plain = feature_engine.generate(PROMPT, build_params(policy="target-only", max_new_tokens=LONG["max_new_tokens"]))
     assert result.completions[0].token_ids == plain.completions[0].token_ids
-    assert result.stats.accepted_tokens > result.stats.rounds / 2
+    assert result.stats.draft_tokens > result.stats.rounds
 
 
 def test_served_feature_draft_survives_killed_replicas(feature_engine, served):
@@ -71,6 +72,6 @@ def test_served_feature_draft_survives_killed_replicas(feature_engine, served):
                 kills.append((victims[len(kills)], kill_all(victims[len(kills)])))
         response = client.generate(PROMPT, **LONG)
     assert ids == expected and list(response.completions[0].token_ids) == expected
-    assert response.stats.accepted_tokens > 0 and response.stats.transport_bytes > 0
+    assert response.stats.draft_tokens > response.stats.rounds and response.stats.transport_bytes > 0
     for deployment, before in kills:
         wait_replaced(deployment, before)
