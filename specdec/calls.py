@@ -125,7 +125,7 @@ class RoundCalls:
             wire = self._wire[s.session_id]
             wire.outcomes.append((len(proposals.get(s, NO_PROPOSAL).candidates), verdict.num_accepted))
             wire.unsent += 1
-            if self.rules.draft_reads_features:
+            if self._reads_features(s):
                 wire.features.append(verdict.features)
                 wire.features_at = len(s.sample.history) + verdict.num_accepted
         return verdicts, timings
@@ -136,7 +136,7 @@ class RoundCalls:
 
     def _propose_item(self, s: LoopSample, wire: Wire, probe: str | None = None) -> ProposeItem:
         history, params, full = s.sample.history, s.request.params, wire.synced["draft"] is None
-        features, features_start = wire.features_for_draft(full) if self.rules.draft_reads_features else (None, 0)
+        features, features_start = wire.features_for_draft(full) if self._reads_features(s) else (None, 0)
         return ProposeItem(
             session_id=s.session_id, history=delta_for(history, wire.synced["draft"]),
             policy=params.policy, sampling=params.sampling, max_candidates=self.rules.candidate_budget(s.sample, params),
@@ -151,7 +151,12 @@ class RoundCalls:
             session_id=s.session_id, history=delta_for(s.sample.history, wire.synced["verifier"]),
             candidates=proposal.candidates, draft_probs=proposal.draft_probs, sampling=s.request.params.sampling,
             seed=RoundSeed(s.request.seed, s.index, s.round_index),
-            features_from=wire.features_at if self.rules.draft_reads_features else None)
+            features_from=wire.features_at if self._reads_features(s) else None)
+
+    def _reads_features(self, s: LoopSample) -> bool:
+        """Whether this session's draft reads the target's states: a feature draft's, for a policy that
+        calls the draft (a target-only session is sent none)."""
+        return self.rules.draft_reads_features and s.traits.uses_draft
 
     async def _call(self, role: Role, sessions: list[LoopSample], build: Callable[[LoopSample, Wire], object],
                     send: Callable[[list], object]) -> tuple[dict[LoopSample, object], list[PassTiming]]:

@@ -482,3 +482,29 @@ def test_a_feature_draft_drafts_from_the_targets_states_of_its_whole_history():
             states = target_states(engine.target.model, history[:-1], draft.config.layers)[:, :-1]
             [state] = draft.unroll(states[None].float().to(DEVICE), torch.tensor([history[1:]], device=DEVICE), steps=1)
             assert int(draft.full_logits(state[0, -1]).argmax()) == first
+
+
+def test_a_target_only_session_beside_a_feature_draft_is_sent_no_states():
+    """The engine's draft reads the target's states, but a target-only session never calls it: its
+    verifications ask for none (nothing kept for a draft that will not read it); both outputs equal
+    target-only greedy decoding."""
+    engine = make_feature_engine(GREEDY_VOCAB, layers=2, model_seed=3, draft_seed=1)
+    asked: dict[str, set] = {}
+    verify = engine.verifier_worker.verify
+
+    def recorded(items, *args, **kwargs):
+        for item in items:
+            asked.setdefault(item.session_id, set()).add(item.features_from is not None)
+        return verify(items, *args, **kwargs)
+
+    engine.verifier_worker.verify = recorded
+    policies = [PolicyConfig(name="target-only"), PolicyConfig(name="fixed", k=3)]
+
+    async def run():
+        return await asyncio.gather(*(engine.loop.generate(GREEDY_PROMPTS[0], GenerationParams(
+            max_new_tokens=GREEDY_NEW_TOKENS, policy=policy)) for policy in policies))
+
+    results = asyncio.run(run())
+    expected = target_greedy(engine.target.model, GREEDY_PROMPTS[0], GREEDY_NEW_TOKENS)
+    assert [r.completions[0].token_ids for r in results] == [expected, expected]
+    assert {frozenset(v) for v in asked.values()} == {frozenset({False}), frozenset({True})}
