@@ -3,6 +3,7 @@ same policy, and the transport each round spends (ms, bytes).
 
     python -m benchmarks.serving --limit 5 --max-new-tokens 128 --policy svip          # default pair
     python -m benchmarks.serving --tiny --limit 10 --max-new-tokens 200 --policy fixed --k 4
+    python -m benchmarks.serving --draft FEATURE_DIR --limit 2 --max-new-tokens 48 --policy fixed --k 2
 
 The two modes run one after the other, never together (they would share the cores). Requests are
 sequential (one session at a time), as the in-process engine serves them. Greedy outputs are
@@ -94,6 +95,8 @@ def served(models: EngineConfig, prompts: list[str], flags: dict, threads: int |
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny random models (transport overhead)")
+    parser.add_argument("--draft", default="default", help="the draft: a model source or a feature draft's directory")
+    parser.add_argument("--runtime", default="auto", choices=["auto", "torch", "llamacpp"])
     parser.add_argument("--limit", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--policy", default="svip")
@@ -112,7 +115,7 @@ def main() -> int:
         draft_dir, target_dir = save_tiny_pair(Path(tempfile.mkdtemp()))
         models = EngineConfig(draft=str(draft_dir), target=str(target_dir))
     else:
-        models = EngineConfig()
+        models = EngineConfig(draft=args.draft, runtime=args.runtime)
     prompts = humaneval_prompts(args.limit)
     if args.tiny:  # the tiny models' context is 256 byte tokens
         prompts = [prompt[-48:] for prompt in prompts]
@@ -124,7 +127,7 @@ def main() -> int:
     remote = served(models, prompts, flags, args.threads, args.transport, args.ray_idle_control)
     same = local["outputs"] == remote["outputs"]
     local_tps, remote_tps = local["tokens"] / local["seconds"], remote["tokens"] / remote["seconds"]
-    print(f"\n{'tiny' if args.tiny else 'default'} pair, policy {args.policy}"
+    print(f"\n{'tiny pair' if args.tiny else f'draft {args.draft} on the default target'}, policy {args.policy}"
           f"{'' if args.k is None else f' k={args.k}'}, {len(prompts)} HumanEval prompts x {args.max_new_tokens} "
           f"tokens, temperature {args.temperature}, transport {args.transport}, {cpu_name()}\n")
     print("| mode | tokens | rounds | tok/s | ratio | draft ms/round | target ms/round | transport ms/round | bytes/round |")
