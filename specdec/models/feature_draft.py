@@ -392,12 +392,13 @@ class FeatureDraftRuntime(DraftRole):
         one's state drafts y_1. A cached pair made from the draft's own state is fed again."""
         feeds = []
         for session, history in zip(sessions, histories):
-            if len(history) < 2:
-                raise ValueError("a feature draft drafts after at least two tokens")
-            end = len(history) - 1  # pairs 0..end-1; the last is (g_{end-1}, x_end)
-            keep = min(session.exact, common_prefix_length(session.tokens, history[1:]), end - 1)
+            # pairs 0..end-1: x_1..x_end; a one-token history (only a probe's scratch session has one:
+            # `can_draft`) feeds one pair of its token, a pass of the same size
+            tokens = history[1:] or history[:1]
+            end = len(tokens)
+            keep = min(session.exact, common_prefix_length(session.tokens, tokens), end - 1)
             self.rollback(session, keep)
-            feeds.append(DraftFeed(session, self._target_features(session, keep, end), history[keep + 1:end + 1]))
+            feeds.append(DraftFeed(session, self._target_features(session, keep, end), tokens[keep:]))
         return self._pass(feeds)
 
     def step(self, sessions: list[FeatureSession], tokens: list[int]) -> DraftOutputs:

@@ -120,3 +120,23 @@ def test_saved_draft_loads_on_its_target_only(tiny_pair, tmp_path):
         load_feature_draft(tmp_path / "draft", target_dir, "another")
     with pytest.raises(ModelSourceError, match="no feature draft"):
         read_config(tmp_path / "nothing")
+
+
+def test_the_runtime_times_probes_of_scratch_sessions():
+    """The workers' probes run on scratch sessions without the target's states (zeros stand in), a
+    history of one token included (an off-probe's): every size gets a timing; a real session
+    without states does not draft (`can_draft`)."""
+    from specdec.models.feature_draft import FeatureDraftRuntime
+    from specdec.policies import PolicyConfig, make_policy
+    from specdec.workers import probe_catch_up, probe_drafting
+
+    runtime = FeatureDraftRuntime(tiny_draft())
+    policy = lambda: make_policy(PolicyConfig(name="fixed", k=1))  # noqa: E731
+    for context in (0, 2):
+        timings = probe_drafting(runtime, (1, 2), policy, context=context)
+        assert [t.tokens for t in timings] == [1, 2] and all(t.ms > 0 for t in timings)
+    assert probe_catch_up(runtime, tokens=8)
+    session = runtime.new_session()
+    assert not runtime.can_draft(session, [1, 2, 3])
+    runtime.add_features(session, torch.randn(2, runtime.model.config.reads, HIDDEN), 0)
+    assert runtime.can_draft(session, [1, 2, 3]) and not runtime.can_draft(session, [1, 2, 3, 4])
