@@ -406,7 +406,8 @@ class FeatureDraftRuntime(DraftRole):
 
     def _target_features(self, session: FeatureSession, start: int, end: int) -> torch.Tensor:
         """g of positions start..end-1 from the target's states [end - start, H]; zeros past those held
-        (only a scratch session lacks them: a probe's, a timing's; `can_draft` keeps real ones out)."""
+        (only a scratch session lacks them: a probe's, a timing's; `can_draft` keeps real ones out).
+        The pairs about to be fed from them are exact: `session.exact` moves to the last held."""
         held = 0 if session.features is None else min(len(session.features), end)
         g = session.features[start:held] if held > start else self.model.embed.new_zeros((0, self.hidden_size))
         session.exact = max(held, start)
@@ -414,29 +415,29 @@ class FeatureDraftRuntime(DraftRole):
             g = torch.cat([g, g.new_zeros((end - max(held, start), self.hidden_size))])
         return g
 
-    @torch.inference_mode()
     def _pass(self, feeds: list[DraftFeed]) -> DraftOutputs:
-        states = self.model.forward_feeds(feeds)  # [sum n, H]
-        ends = torch.tensor([len(f.tokens) for f in feeds], device=states.device).cumsum(0) - 1
-        last = states[ends]  # [B, H]
+        last = self._outputs(feeds, [1] * len(feeds))  # [B, H]
         for feed, state in zip(feeds, last):
             feed.session.state = state
         self.fed_tokens += sum(len(f.tokens) for f in feeds)
-        self.forward_passes += 1
         return DraftOutputs(self.model.full_logits(last), last.float())
 
-    @torch.inference_mode()
     def _forward(self, feeds: list[Feed]) -> PassOutputs:
         """A pass of pairs after each session's cache, the tokens with the target's states held for
         their positions (zeros past them): what timing a pass of that size needs (bench/forward.py)."""
         pairs = [DraftFeed(f.session, self._target_features(f.session, len(f.session), len(f.session) + len(f.tokens)),
                            f.tokens) for f in feeds]
-        states = self.model.forward_feeds(pairs)  # [sum n, H]
-        ends = accumulate(len(f.tokens) for f in feeds)
-        rows = [i for f, end in zip(feeds, ends) for i in range(end - f.num_outputs, end)]
-        self.forward_passes += 1
-        out = states[rows]
+        out = self._outputs(pairs, [f.num_outputs for f in feeds])
         return PassOutputs(self.model.full_logits(out), out.float(), PassOutputs.bounds_of(feeds))
+
+    @torch.inference_mode()
+    def _outputs(self, pairs: list[DraftFeed], outputs: list[int]) -> torch.Tensor:
+        """One ragged pass over every feed; the output states [sum outputs, H] of each feed's last
+        `outputs[f]` positions, feed by feed."""
+        states = self.model.forward_feeds(pairs)  # [sum n, H]
+        self.forward_passes += 1
+        ends = accumulate(len(f.tokens) for f in pairs)
+        return states[[i for n, end in zip(outputs, ends) for i in range(end - n, end)]]
 
 
 def is_feature_draft(source: str | Path) -> bool:

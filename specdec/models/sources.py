@@ -106,8 +106,7 @@ def check_source(source: str, role: str) -> str:
         return "default"
     path = Path(source).expanduser()
     if path.suffix.lower() == ".gguf":
-        if not path.is_file():
-            raise ModelSourceError(f"{path}: no such .gguf file")
+        check_gguf_source(source)
         return "gguf"
     if path.is_dir():
         _check_model_dir(path)
