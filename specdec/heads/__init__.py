@@ -16,14 +16,18 @@ SHIPPED = {"default": HEADS_DIR / "default-pair"}  # draft source -> its shipped
 AUTO, NONE = "auto", "none"
 
 
+DRAFT_HEAD = "head"  # a head kept in its draft's directory (a feature draft's: docs/feature-draft.md)
+
+
 def resolve_head(head: str | None, draft: str) -> str | None:
-    """The head directory an engine loads: `auto` is the head shipped for `draft` (None when there
-    is none), `none` or empty means no head, anything else is a path."""
+    """The head directory an engine loads: `auto` is the head shipped for `draft`, else the one in
+    the draft's own directory (`head/`), else None; `none` or empty means no head, anything else is
+    a path."""
     if not head or head == NONE:
         return None
     if head == AUTO:
-        shipped = SHIPPED.get(draft)
-        if shipped is None or not (shipped / CONFIG_FILE).is_file() or not (shipped / WEIGHTS_FILE).is_file():
-            return None
-        return str(shipped)
+        for found in (SHIPPED.get(draft), Path(draft).expanduser() / DRAFT_HEAD):
+            if found is not None and (found / CONFIG_FILE).is_file() and (found / WEIGHTS_FILE).is_file():
+                return str(found)
+        return None
     return head

@@ -44,8 +44,8 @@ class Strict(BaseModel):
         return value
 
 
-def _expand(path: str) -> str:
-    return str(Path(path).expanduser())
+def _expand(path: str | None) -> str | None:
+    return None if path is None else str(Path(path).expanduser())
 
 
 class ModelsSection(Strict):
@@ -227,8 +227,11 @@ class DraftTrainSection(Strict):
     checkpoint_every: int = Field(100, ge=1, description="optimizer steps between checkpoints (the unit of resume)")
     max_tokens: int = Field(1024, ge=8, description="longest prompt + response trained on (longer ones are cut)")
     seed: int = Field(0, ge=0)
+    # A saved feature draft to start from (a longer run on more data without starting over): its
+    # weights and its vocabulary; its target, inputs and shape must be this run's.
+    init: str | None = Field(None, min_length=1, description="a saved feature draft directory to start from")
 
-    _expand_paths = field_validator("storage", "output")(_expand)
+    _expand_paths = field_validator("storage", "output", "init")(_expand)
 
 
 class SweepSection(Strict):

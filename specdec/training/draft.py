@@ -4,7 +4,8 @@
 1. Checks, before Ray starts: the dataset is a features one, made on the configured target (its
    identity), and has sequences in both splits; a run name resumes only the settings it started with.
 2. The trimmed vocabulary: the fewest ids that cover `vocab_coverage` of the train responses'
-   tokens (most frequent first).
+   tokens (most frequent first); or, where `init` names a saved draft to start from, its weights
+   and vocabulary.
 3. `TorchTrainer` with `train_loop`: batches of sequences, `steps` draft steps unrolled on the
    draft's own states (`FeatureDraft.unroll`), the loss at step j and position p the cross-entropy
    KL from the target's distribution of the same token to the draft's q (soft targets: the target's
@@ -261,6 +262,8 @@ def train_loop(loop_config: dict) -> None:
     device = ray.train.torch.get_device()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=draft.lr, weight_decay=draft.weight_decay)
+    if draft.init:  # a checkpoint of this run, if any, replaces it below
+        model.load_own_state(init_state(draft.init))
     step, history = checkpoints.resume(model.load_own_state, optimizer, "model", "step")
     model = ray.train.torch.prepare_model(model)
     core = model.module if hasattr(model, "module") else model
@@ -347,6 +350,28 @@ def check_run_settings(draft: DraftTrainSection, data_settings: dict) -> None:
     path.write_text(json.dumps(wanted, indent=2) + "\n")
 
 
+def init_state(directory: str) -> dict[str, torch.Tensor]:
+    """A saved draft's own weights in float32 (training's master copy)."""
+    from safetensors.torch import load_file
+
+    from specdec.models.feature_draft import WEIGHTS_FILE
+
+    return {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(Path(directory) / WEIGHTS_FILE)).items()}
+
+
+def init_vocabulary(draft: DraftTrainSection, identity: str, layers: list[int], target_config) -> torch.Tensor:
+    """The vocabulary of the draft a run starts from, after checking it is this run's kind of draft."""
+    from specdec.models.feature_draft import read_config
+
+    found = read_config(draft.init)
+    wanted = {"target_identity": identity, "inputs": draft.inputs, "layers": layers if draft.inputs == FUSED else [],
+              "layer_config": json.loads(json.dumps(layer_config_of(target_config, draft.intermediate_size)))}
+    differs = sorted(k for k, v in wanted.items() if getattr(found, k) != v)
+    if differs:
+        raise ConfigError(f"draft.init {draft.init} is another kind of draft ({', '.join(differs)} differ)")
+    return init_state(draft.init)["vocab_ids"]
+
+
 def train_draft(config: PipelineConfig) -> dict:
     """`specdec train-draft`: check, choose the vocabulary, train, save. Returns the report."""
     import ray
@@ -357,7 +382,12 @@ def train_draft(config: PipelineConfig) -> dict:
     manifest, identity, target_dir = check_draft_data(config)
     data_dir = str(Path(config.data.dir).resolve())
     _, examples = load_examples(data_dir, draft.max_tokens, states=False)  # the workers read the states
-    vocab_ids = trimmed_vocabulary(examples, draft.vocab_coverage, draft.vocab_size)
+    if draft.init:
+        from transformers import AutoConfig
+
+        vocab_ids = init_vocabulary(draft, identity, manifest["settings"]["layers"], AutoConfig.from_pretrained(target_dir))
+    else:
+        vocab_ids = trimmed_vocabulary(examples, draft.vocab_coverage, draft.vocab_size)
     data_settings = {**manifest["settings"], "sequences": manifest["counts"]["sequences"]}
     check_run_settings(draft, data_settings)
     if not ray.is_initialized():

@@ -46,7 +46,7 @@ from specdec.sampling import SamplingParams, probs_from_logits
 from specdec.training import checkpoints
 from specdec.training.calibration import calibration_report, cross_fitted_predictions
 from specdec.training.config import SELECT_BY, ConfigError, PipelineConfig, TrainSection
-from specdec.training.data import SPLITS, load_dataset
+from specdec.training.data import SPLITS, load_dataset, read_manifest
 from specdec.training.evaluation import calibration, evaluate_head, feature_aurocs, soft_label_auroc
 from specdec.training.loss import weighted_bce_loss
 from specdec.training.mixing import mix_tokens
@@ -165,10 +165,12 @@ def row_features(draft_model, row: dict, train: TrainSection, samplings: list[Sa
             for i, sampling in enumerate(samplings)]
 
 
-def feature_key(manifest: dict, train: TrainSection) -> str:
+def feature_key(manifest: dict, train: TrainSection, draft_identity: str, labels: dict | None = None) -> str:
+    """The feature cache's key: the data's shards, the draft, what the features read; a feature
+    draft's (`labels`: its label sets and steps, made with the features)."""
     shards = [s["sha256"] for s in manifest["shards"]]
-    blob = json.dumps([manifest["settings"]["draft_identity"], shards, train.mixing_ratio, train.mixing_seed,
-                       train.features, FEATURE_FORMAT])
+    blob = json.dumps([draft_identity, shards, train.mixing_ratio, train.mixing_seed, train.features, FEATURE_FORMAT]
+                      + ([labels] if labels else []))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -187,32 +189,50 @@ def load_features(path: str | Path) -> dict:
     return features
 
 
-def compute_features(config: PipelineConfig, data_dir: str, out_path: str) -> str:
-    """Run the frozen draft over every sequence once and save the features (see module docstring)."""
+def model_draft_features(config: PipelineConfig, data_dir: str) -> tuple[dict[str, list[dict]], int]:
+    """(per split, the parts of every labelled response's features; the draft's hidden size)."""
     from tqdm.auto import tqdm
 
     from specdec.builder import build_draft
 
     train, scaling = config.require_train(), config.scaling
-    if scaling.threads:
-        torch.set_num_threads(scaling.threads)
     manifest, rows = load_dataset(data_dir)
     draft, _ = build_draft(config.models.engine_config(scaling.threads), progress=False)
     model = draft.model
     if scaling.use_gpu and torch.cuda.is_available():
         model = model.to("cuda")
-    empty = {"hidden": torch.empty(0, draft.hidden_size, dtype=FEATURE_DTYPE),
+    parts = {}
+    for split in SPLITS:
+        responses = [row for row in rows if row["split"] == split and row["response_ids"]]
+        parts[split] = [part for row in tqdm(responses, desc=f"features ({split})", unit="response")
+                        for part in row_features(model, row, train, [label_sampling(manifest, t)
+                                                                     for t in row["label_temperatures"]])]
+    return parts, draft.hidden_size
+
+
+def compute_features(config: PipelineConfig, data_dir: str, out_path: str, draft_identity: str) -> str:
+    """Run the frozen draft over every sequence once and save the features (see module docstring; a
+    feature draft's come from its features dataset: feature_labels.py)."""
+    train = config.require_train()
+    if config.scaling.threads:
+        torch.set_num_threads(config.scaling.threads)
+    if config.data.kind == "features":
+        from specdec.training.feature_labels import feature_draft_features
+
+        parts = feature_draft_features(config, data_dir, config.draft.output,
+                                       lambda prompt_id, label_set: mixing_generator(train.mixing_seed, prompt_id, label_set))
+        hidden_size = next(p["hidden"].shape[-1] for split in parts.values() for p in split)
+    else:
+        parts, hidden_size = model_draft_features(config, data_dir)
+    empty = {"hidden": torch.empty(0, hidden_size, dtype=FEATURE_DTYPE),
              "scalars": torch.empty(0, NUM_SCALAR_FEATURES), "labels": torch.empty(0),
              "positions": torch.empty(0, dtype=torch.long), "temperatures": torch.empty(0)}
     features: dict = {"format": FEATURE_FORMAT, "features": train.features}
     for split in SPLITS:
-        responses = [row for row in rows if row["split"] == split and row["response_ids"]]
-        parts = [part for row in tqdm(responses, desc=f"features ({split})", unit="response")
-                 for part in row_features(model, row, train, [label_sampling(manifest, t)
-                                                              for t in row["label_temperatures"]])]
-        features[split] = {k: torch.cat([p[k] for p in parts]) if parts else v for k, v in empty.items()}
-    features["hidden_size"] = draft.hidden_size
-    features["draft_identity"] = manifest["settings"]["draft_identity"]
+        found = parts.get(split, [])
+        features[split] = {k: torch.cat([p[k] for p in found]).to(v.dtype) if found else v for k, v in empty.items()}
+    features["hidden_size"] = hidden_size
+    features["draft_identity"] = draft_identity
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     partial = out_path + ".partial"
     torch.save(features, partial)
@@ -315,9 +335,16 @@ def raw_logits(head: AcceptanceHead, split: dict, train: TrainSection, device="c
 # -- the job -------------------------------------------------------------------------------------
 
 def check_dataset(config: PipelineConfig) -> tuple[dict, str, str]:
-    """(manifest, draft identity, draft name) after checking the data belong to this draft; no Ray."""
+    """(manifest, draft identity, draft name) after checking the data belong to this draft; no Ray.
+    On a features dataset the draft is the feature draft the config trains (feature_labels.py)."""
     from specdec.models.sources import model_identity, resolve_model
 
+    if config.data.kind == "features":
+        from specdec.training.feature_labels import check_feature_head_data
+
+        manifest = read_manifest(Path(config.data.dir))
+        directory, identity = check_feature_head_data(config, manifest)
+        return manifest, identity, directory
     draft_dir = resolve_model(config.models.draft, role="draft", cache=config.models.cache_dir)
     identity = model_identity(draft_dir)
     manifest, rows = load_dataset(config.data.dir, draft_identity=identity)
@@ -328,18 +355,24 @@ def check_dataset(config: PipelineConfig) -> tuple[dict, str, str]:
     return manifest, identity, config.models.draft
 
 
-def ensure_features(config: PipelineConfig, manifest: dict) -> str:
+def ensure_features(config: PipelineConfig, manifest: dict, draft_identity: str) -> str:
     import ray
 
     train = config.require_train()
-    path = Path(train.storage).resolve() / FEATURES_SUBDIR / f"{feature_key(manifest, train)}.pt"
+    labels = None
+    if config.data.kind == "features":
+        from specdec.training.feature_labels import LABEL_STEPS
+
+        labels = {**config.data.labels.model_dump(), "steps": LABEL_STEPS, "max_tokens": config.draft.max_tokens}
+    path = Path(train.storage).resolve() / FEATURES_SUBDIR / f"{feature_key(manifest, train, draft_identity, labels)}.pt"
     if path.is_file():
         return str(path)
+    data_dir = str(Path(config.data.dir).resolve())
     if not config.scaling.use_gpu:  # in this process: a CPU task would only add a worker's start-up
-        return compute_features(config, str(Path(config.data.dir).resolve()), str(path))
+        return compute_features(config, data_dir, str(path), draft_identity)
     task = ray.remote(compute_features).options(num_cpus=config.scaling.cpus_per_worker,
                                                 num_gpus=1 if config.scaling.use_gpu else 0)
-    return ray.get(task.remote(config, str(Path(config.data.dir).resolve()), str(path)))
+    return ray.get(task.remote(config, data_dir, str(path), draft_identity))
 
 
 def check_run_settings(train: TrainSection) -> None:
@@ -426,7 +459,7 @@ def train_head(config: PipelineConfig) -> dict:
     manifest["dir"] = config.data.dir
     if not ray.is_initialized():
         ray.init()
-    features = ensure_features(config, manifest)
+    features = ensure_features(config, manifest, identity)
     return save_result(fit_head(config, train, features), train, identity, name, manifest, features)
 
 
@@ -452,7 +485,7 @@ def sweep_heads(config: PipelineConfig) -> dict:
     manifest["dir"] = config.data.dir
     if not ray.is_initialized():
         ray.init()
-    features = ensure_features(config, manifest)
+    features = ensure_features(config, manifest, identity)
     sweep, runs, metric = config.sweep, [], config.sweep.select_by
     for depth in sweep.depths:
         for w_rej in sweep.w_rej:

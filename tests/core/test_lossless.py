@@ -392,16 +392,17 @@ def test_greedy_output_with_a_trimmed_draft_vocabulary_equals_target_greedy():
 # hands to the next round's draft (specdec/calls.py), and is as lossless as a model draft.
 
 def make_feature_engine(vocab: int, layers: int, model_seed: int, draft_seed: int,
-                        vocab_ids: list[int] | None = None, sessions: int | None = None) -> SpecDecEngine:
-    """A target and a random feature draft on it (tests/tiny.py). `sessions`: the draft worker keeps
-    that many, evicting the others."""
+                        vocab_ids: list[int] | None = None, sessions: int | None = None,
+                        head: AcceptanceHead | None = None) -> SpecDecEngine:
+    """A target and a random feature draft on it (tests/tiny.py), with `head` if given. `sessions`:
+    the draft worker keeps that many, evicting the others."""
     from specdec.models.feature_draft import FeatureDraftRuntime
     from specdec.sessions import SessionStore
 
     target = tiny_model(vocab, hidden_size=16, layers=layers, seed=model_seed, init_range=0.5)
     draft = tiny_feature_draft(target, vocab_ids, seed=draft_seed)
     engine = SpecDecEngine(FeatureDraftRuntime(draft.to(DEVICE), identity="tiny-feature"),
-                           TargetRuntime(target.to(DEVICE), kv="slots"))
+                           TargetRuntime(target.to(DEVICE), kv="slots"), head=head)
     if sessions is not None:
         engine.draft_worker.sessions = SessionStore(max_sessions=sessions)
     return engine
@@ -417,6 +418,23 @@ def test_greedy_output_with_a_feature_draft_equals_target_greedy(policy):
         assert result.completions[0].token_ids == target_greedy(engine.target.model, prompt, GREEDY_NEW_TOKENS)
         total.merge(result.stats)
     assert total.accepted_tokens > 0 and total.discarded_tokens > 0
+
+
+@pytest.mark.parametrize("policy", [PolicyConfig(name="specdec++", threshold=0.5), PolicyConfig(name="specdec++cost")])
+def test_the_specdec_pp_policies_drive_a_feature_draft_losslessly(policy, monkeypatch):
+    """The acceptance head judges the feature draft's candidates from its states and q, as a model
+    draft's; the cost-aware rule prices its rounds (a profile given by hand: a cheap draft step)."""
+    engine = make_feature_engine(GREEDY_VOCAB, layers=2, model_seed=3, draft_seed=1, vocab_ids=[0, 1, 2, 3, 4],
+                                 head=q_reading_head(bias=1.5).to(DEVICE))
+    plan_with(engine, CostProfile(t_draft_ms=0.2, t_draft_rows_ms={1: 0.2, 64: 0.4},
+                                  t_target_ms={1: 10.0, 16: 14.0, 64: 26.0}), monkeypatch)
+    params = GenerationParams(max_new_tokens=GREEDY_NEW_TOKENS, policy=policy)
+    total = RequestStats()
+    for prompt in GREEDY_PROMPTS:
+        result = engine.generate_ids(prompt, params)
+        assert result.completions[0].token_ids == target_greedy(engine.target.model, prompt, GREEDY_NEW_TOKENS)
+        total.merge(result.stats)
+    assert total.accepted_tokens > 0 and total.discarded_tokens > 0 and len(total.k_histogram) > 1
 
 
 def test_greedy_output_with_a_feature_draft_that_loses_its_sessions():

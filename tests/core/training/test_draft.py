@@ -135,6 +135,18 @@ def test_train_resume_and_saved_draft(feature_dataset, tiny_pair, tmp_path):
     with pytest.raises(ConfigError, match="started with other settings \\(steps\\)"):
         train_draft(parse_config(raw))
 
+    # A new run started from the saved draft: its weights and vocabulary (a learning rate too small
+    # to move them keeps them equal); a draft of another shape is refused before Ray starts.
+    warm = {**raw["draft"], "steps": 2, "epochs": 1, "name": "warm", "lr": 1e-12, "init": str(tmp_path / "draft"),
+            "output": str(tmp_path / "warm")}
+    train_draft(parse_config({**raw, "draft": warm}))
+    started = load_feature_draft(tmp_path / "warm", tiny_pair[1], model_identity(tiny_pair[1]))
+    for key, value in loaded.own_state().items():
+        torch.testing.assert_close(started.own_state()[key], value)
+    other = {**warm, "name": "other", "intermediate_size": 8}
+    with pytest.raises(ConfigError, match="draft.init .* another kind of draft \\(layer_config differ\\)"):
+        train_draft(parse_config({**raw, "draft": other}))
+
 
 def test_a_missing_or_other_target_is_one_line(feature_dataset, tmp_path):
     from tiny import byte_tokenizer, tiny_model
@@ -164,3 +176,86 @@ def test_target_states_match_a_plain_forward(tiny_pair):
         hidden = target(torch.tensor([ids]), output_hidden_states=True).hidden_states
     torch.testing.assert_close(states[:, 0].float(), hidden[1][0], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(states[:, 1].float(), hidden[-1][0], atol=2e-2, rtol=2e-2)
+
+
+# -- the acceptance head of a feature draft (training/feature_labels.py) ---------------------------
+
+@pytest.fixture(scope="module")
+def saved_feature_draft(tiny_pair, tmp_path_factory):
+    """A random feature draft on the tiny target's layers 0 and 1, saved as train-draft saves one."""
+    from tiny import tiny_feature_draft
+    from transformers import AutoModelForCausalLM
+
+    draft = tiny_feature_draft(AutoModelForCausalLM.from_pretrained(tiny_pair[1]))
+    draft.config = draft.config.model_copy(update={"target_identity": model_identity(tiny_pair[1])})
+    assert draft.config.layers == LAYERS
+    return draft.save(tmp_path_factory.mktemp("feature-draft") / "draft", dtype=torch.float32)
+
+
+def test_the_heads_data_are_what_the_runtime_hands_the_head(feature_dataset, saved_feature_draft, tiny_pair):
+    """A round drafted by the runtime from the target's states over prompt + x_P: its first and second
+    candidates' states are the head data's rows of steps 1 and 2 at response positions 1 and 2, and
+    a greedy label is 1 exactly where the draft's argmax is the target's."""
+    from specdec.models.feature_draft import FUSED, FeatureDraftRuntime, stored_inputs, target_tensors
+    from specdec.sampling import SamplingParams
+    from specdec.training.feature_labels import sequence_features
+
+    raw, _ = feature_dataset
+    model = load_feature_draft(saved_feature_draft, tiny_pair[1], model_identity(tiny_pair[1]))
+    _, target_head = target_tensors(tiny_pair[1])
+    _, examples = load_examples(raw["data"]["dir"], max_tokens=1024)
+    e = next(e for e in examples if len(e.tokens) - e.prompt_length >= 3)
+    P = e.prompt_length
+    greedy, sampled = sequence_features(model, target_head, e, len(LAYERS),
+                                        [SamplingParams(), SamplingParams(temperature=1.0)],
+                                        torch.Generator().manual_seed(0), steps=2)
+    runtime = FeatureDraftRuntime(model)
+    session = runtime.new_session()
+    runtime.add_features(session, stored_inputs(e.states[:P], FUSED, len(LAYERS)), 0)
+    drafted = [runtime.start([session], [e.tokens[:P + 1].tolist()])]
+    drafted.append(runtime.step([session], [int(e.tokens[P + 1])]))
+    steps = torch.exp(greedy["scalars"][:, 4]).round()
+    assert set(steps.tolist()) == {1.0, 2.0}
+    for step, out in enumerate(drafted, start=1):
+        [row] = ((steps == step) & (greedy["positions"] == step)).nonzero()[:, 0].tolist()
+        torch.testing.assert_close(greedy["hidden"][row], out.hidden[0], atol=1e-4, rtol=1e-4)
+        p = e.states[P + step - 1, -1].float() @ target_head.T  # the target's output state at x_{P+step-1}
+        assert greedy["labels"][row] == float(out.logits[0].argmax() == p.argmax())
+    # every greedy row: exact match against the target's distribution of the token it drafts, from the
+    # target's stored output state at the token before it (response position r: x_{P+r-1})
+    p = e.states[P + greedy["positions"] - 1, -1].float() @ target_head.T
+    with torch.no_grad():
+        q = model.full_logits(greedy["hidden"])
+    assert torch.equal(greedy["labels"], (q.argmax(-1) == p.argmax(-1)).float())
+    y = sampled["draft_ids"][:, None]
+    p_y, q_y = torch.softmax(p, -1).gather(-1, y), torch.softmax(q, -1).gather(-1, y)
+    torch.testing.assert_close(sampled["labels"], (p_y / q_y).clamp(max=1.0)[:, 0])
+    assert sampled["labels"].min() < 1 and sampled["temperatures"].eq(1.0).all()
+    torch.testing.assert_close(sampled["hidden"], greedy["hidden"])
+
+
+def test_train_head_on_a_feature_draft(feature_dataset, saved_feature_draft, tiny_pair, tmp_path):
+    """`specdec train-head` on a features dataset trains the head of the config's feature draft: saved
+    in the draft's directory, it is the head an engine on that draft loads (`auto`), for that draft
+    only; a feature draft of another target is refused before Ray starts."""
+    from specdec.builder import EngineConfig, build_engine
+    from specdec.heads import resolve_head
+    from specdec.training.train import train_head
+
+    raw, _ = feature_dataset
+    raw = {**raw, "draft": {**raw["draft"], "output": str(saved_feature_draft)},
+           "train": {"storage": str(tmp_path / "runs"), "output": str(saved_feature_draft / "head"), "depth": 1,
+                     "epochs": 1, "batch_size": 16, "lr": 1e-2, "features": "hidden+distribution"}}
+    report = train_head(parse_config(raw))
+    assert set(report["by_temperature"]) == {"0", "1"} and report["calibration"]
+    assert resolve_head("auto", str(saved_feature_draft)) == str(saved_feature_draft / "head")
+    engine = build_engine(EngineConfig(draft=str(saved_feature_draft), target=str(tiny_pair[1])), progress=False)
+    assert engine.draft_worker.head is not None and engine.rules.has_head
+    assert engine.draft_worker.head.config.draft_identity == model_identity(saved_feature_draft)
+
+    from tiny import tiny_feature_draft
+    from transformers import AutoModelForCausalLM
+
+    other = tiny_feature_draft(AutoModelForCausalLM.from_pretrained(tiny_pair[1])).save(tmp_path / "other")  # "tiny"
+    with pytest.raises(IncompatibleModelsError, match="reads another target"):
+        train_head(parse_config({**raw, "draft": {**raw["draft"], "output": str(other)}}))

@@ -1,0 +1,111 @@
+"""The acceptance head's data for a feature draft (models/feature_draft.py), from its features dataset.
+
+A model draft's head learns from label sets that gen-data writes (data.py) and from the draft's
+passes over them (train.py). A feature draft reads the target's states, which its features dataset
+already holds at every position of prompt + response (the target's output state among them), so
+`specdec train-head` on that dataset makes the head's data in one go. Per sequence the draft
+unrolls `LABEL_STEPS` draft steps over the stored states (`FeatureDraft.unroll`: step j's state at
+position p is the j-th candidate of a round whose target states end at p - j + 1, the candidates
+before it the response's own tokens, i.e. accepted), and at each response token and step:
+
+- hidden: the draft's output state there, what `FeatureDraftRuntime` hands the head;
+- q: the draft's distribution (its trimmed ids; q = 0 elsewhere); p: the target's, its stored
+  output state through its LM head (every id);
+- per label set of `data.labels`, Y ~ q and P = min(1, p(Y)/q(Y)) (data.label_sets; temperature 0:
+  exact match), drawn with a generator seeded per prompt and set;
+- scalars: q's features at Y (features.py), the step as the candidate's position in its round.
+
+Worked example: prompt [a b], response [c d e] (T = 5, P = 2): step 1's state at p = 0 drafts c
+(from the target's state at a, fed with b); step 2's at p = 1 drafts d from step 1's state at 0,
+fed with c. c's p is the target's output state at b, d's at c.
+
+The result has train.py's feature-cache layout, so training, calibration and the saved head are
+the model draft's; the head records the feature draft's identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from specdec.errors import IncompatibleModelsError
+from specdec.features import distribution_features
+from specdec.models.feature_draft import FeatureDraft, load_feature_draft, read_config, target_tensors
+from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.training.config import ConfigError, PipelineConfig
+from specdec.training.data import label_sets
+from specdec.training.draft import Example, load_examples, make_batch
+
+# Draft steps labelled per position: the rounds the cost-aware rule drafts on this draft's
+# acceptance are short (docs/feature-draft.md); a later step's state is judged as step 5's kind.
+LABEL_STEPS = 5
+
+
+def check_feature_head_data(config: PipelineConfig, manifest: dict) -> tuple[str, str]:
+    """(the feature draft's directory, its identity) for a head trained on a features dataset: the
+    draft this config trains (`draft.output`), made for the target the data were made on."""
+    from specdec.models.sources import model_identity
+
+    if config.draft is None:
+        raise ConfigError("a head for a feature draft needs the config's `draft` section: the head is "
+                          "trained for the draft saved at draft.output")
+    directory = config.draft.output
+    draft_config = read_config(directory)
+    made_on = manifest.get("settings", {}).get("target_identity")
+    if draft_config.target_identity != made_on:
+        raise IncompatibleModelsError(f"the feature draft at {directory} reads another target than the one "
+                                      f"dataset {config.data.dir} was made on")
+    return directory, model_identity(Path(directory))
+
+
+@torch.inference_mode()
+def sequence_features(model: FeatureDraft, target_head: torch.Tensor, example: Example, layers: int,
+                      samplings: Sequence[SamplingParams], generator: torch.Generator,
+                      steps: int = LABEL_STEPS) -> list[dict[str, torch.Tensor]]:
+    """The head's features of one sequence: one dict per label set (train.py's keys: hidden [M, H],
+    scalars [M, S], labels, positions (response positions), temperatures [M]; and Y, draft_ids [M]),
+    M = its response tokens over every step (module docstring). `target_head` [V, H] is the
+    target's LM head."""
+    batch = make_batch([example], model.config.inputs, layers, model.embed.device)
+    outs = model.unroll(batch.states.float(), batch.tokens, steps)  # steps x [1, T, H]
+    T, P = len(example.tokens), example.prompt_length
+    p_logits = batch.outputs[0, P - 1:T - 1].float() @ target_head.T  # [N, V]: x_P .. x_{T-1}
+    hidden, q_logits, responses, rounds = [], [], [], []
+    for j, out in enumerate(outs, start=1):
+        first = max(P - 2, j - 1)  # step j's state at p drafts x_{p+2}, from p >= j - 1
+        states = out[0, first:T - 2]  # [n, H]
+        hidden.append(states)
+        q_logits.append(model.full_logits(states))
+        responses.append(torch.arange(first + 2, T) - P)  # [n] response positions
+        rounds.append(torch.full((len(states),), j))
+    hidden, q_logits = torch.cat(hidden), torch.cat(q_logits)
+    responses, rounds = torch.cat(responses), torch.cat(rounds)
+    out = []
+    for sampling, labelled in zip(samplings, label_sets(q_logits, p_logits[responses], samplings, generator)):
+        y = torch.tensor(labelled.draft_ids)
+        scalars = distribution_features(probs_from_logits(q_logits, sampling), y, rounds, sampling.greedy)
+        out.append({"hidden": hidden, "scalars": scalars, "labels": torch.tensor(labelled.labels), "draft_ids": y,
+                    "positions": responses, "temperatures": torch.full((len(y),), sampling.temperature)})
+    return out
+
+
+def feature_draft_features(config: PipelineConfig, data_dir: str, draft_dir: str, generator_for
+                           ) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """Per split, the parts of every sequence's features (`sequence_features`); `generator_for(prompt_id,
+    label_set)` seeds a sequence's draws (the first label set's generator draws every set)."""
+    from tqdm.auto import tqdm
+
+    from specdec.models.sources import model_identity, resolve_model
+
+    manifest, examples = load_examples(data_dir, config.draft.max_tokens)
+    target_dir = resolve_model(config.models.target, role="target", cache=config.models.cache_dir)
+    model = load_feature_draft(draft_dir, target_dir, model_identity(target_dir))
+    _, target_head = target_tensors(target_dir)
+    layers, samplings = len(manifest["settings"]["layers"]), config.data.labels.sets()
+    parts: dict[str, list[dict[str, torch.Tensor]]] = {}
+    for e in tqdm([e for e in examples if len(e.tokens) > e.prompt_length], desc="features", unit="sequence"):
+        parts.setdefault(e.split, []).extend(
+            sequence_features(model, target_head, e, layers, samplings, generator_for(e.prompt_id, 0)))
+    return parts
