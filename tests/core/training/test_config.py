@@ -23,8 +23,8 @@ def with_change(section: str, key: str, value) -> dict:
 def test_shipped_configs_load(path):
     config = load_config(path)
     assert config.data.prompts.source == ["stdlib-docstrings", "prose"]
-    if config.data.kind == "features":  # the feature draft's: a draft section and nothing of the head's
-        assert config.require_draft() is not None and config.train is None
+    if config.data.kind == "features":  # the feature draft's, and its head's, kept in the draft's directory
+        assert config.train.output == str(Path(config.require_draft().output) / "head")
     else:
         assert config.train is not None
 
