@@ -3,6 +3,8 @@ shipped head and a cost profile, in seconds instead of hours of `specdec bench`.
 
     python -m benchmarks.replay_rules                       # the default pair's feature cache and head
     python -m benchmarks.replay_rules --features ~/.cache/specdec/training/default-pair/features/<key>.pt
+    python -m benchmarks.replay_rules --config cluster/training/default-pair.yaml   # no cache yet: make the
+        # validation split's (the draft's passes over the validation responses; ~/.cache/specdec/replay/)
 
 The feature cache (`specdec train-head` writes it, training/train.py `compute_features`) holds, for
 every validation response X of the target and every label set, the draft's features at each
@@ -14,6 +16,10 @@ follow exactly, except in two places: past the first rejected candidate the repl
 the teacher-forced features rather than those of the draft's own wrong continuation, and the
 abstention backoff of `specdec++cost` is left out. At T = 1 a candidate is accepted with its soft
 label's probability (one draw per candidate, seeded), from the label sets' draws of y_i.
+
+A feature draft's cache (training/feature_labels.py, `label_steps` in the cache) holds each response
+position once per draft step, because its state differs by step: the i-th candidate of a round is
+read from step i's row (the last step's for later ones, with its position feature), its label too.
 
 The rules read the scalar features (the cache keeps no full q): confidence stops after a candidate
 whose top-1 probability is below tau, svip once sqrt(0.15 H(q_i)) > tau, specdec++:h once the
@@ -41,10 +47,11 @@ from specdec.policies.svip import SVIP
 
 HEAD = Path(__file__).resolve().parents[1] / "specdec" / "heads" / "default-pair"
 CACHE = Path("~/.cache/specdec/training/default-pair/features").expanduser()
+REPLAY_CACHE = Path("~/.cache/specdec/replay").expanduser()
 MAX_K = 20
 LOG_TOP1, ENTROPY, LOG_POSITION = 1, 3, 4  # scalar feature columns (specdec/features.py)
 
-# a rule: (acceptance [n, MAX_K] by round position, scalars [n, S], t, n) -> (candidates kept, draft steps)
+# a rule: (acceptance [n, MAX_K] by round position, scalars [n, MAX_K, S], t, n) -> (candidates kept, draft steps)
 Rule = Callable[[torch.Tensor, torch.Tensor, int, int], tuple[int, int]]
 
 
@@ -66,10 +73,10 @@ def rules(head, profile: CostProfile) -> dict[str, Rule]:
         out[f"fixed:{k}"] = lambda acc, sc, t, n, k=k: (min(k, n - t), min(k, n - t))
     for tau in (0.4, 0.6, 0.7, 0.8, 0.9):
         out[f"confidence:{tau}"] = lambda acc, sc, t, n, tau=tau: stop_after(
-            lambda j, i: math.exp(float(sc[j, LOG_TOP1])) < tau)(t, n)
+            lambda j, i: math.exp(float(sc[j, i - 1, LOG_TOP1])) < tau)(t, n)
     for tau in (0.2, 0.3, 0.4):
         out[f"svip:{tau}"] = lambda acc, sc, t, n, tau=tau: stop_after(
-            lambda j, i: math.sqrt(SVIP.DEFAULT_GAMMA * max(0.0, float(sc[j, ENTROPY]))) > tau)(t, n)
+            lambda j, i: math.sqrt(SVIP.DEFAULT_GAMMA * max(0.0, float(sc[j, i - 1, ENTROPY]))) > tau)(t, n)
     for h in (0.3, 0.5, 0.7, 0.9):
         out[f"specdec++:{h}"] = lambda acc, sc, t, n, h=h: specdec_pp(acc, t, n, h)
     out["specdec++cost"] = lambda acc, sc, t, n: specdec_pp_cost(profile, acc, t, n)
@@ -131,18 +138,57 @@ def acceptance_by_position(head, features: dict, a: int, b: int) -> torch.Tensor
     return torch.stack(columns, dim=1)
 
 
-def replay(rule: Rule, spans, tables, features, profile: CostProfile, sampled: bool) -> tuple[float, float]:
-    """-> (tokens per second, drafting steps per token) of `rule` over the spans."""
+@torch.inference_mode()
+def step_tables(head, features: dict, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A feature draft's response (rows [a, b): step 1's positions, then step 2's, ...) -> (acceptance,
+    labels [n, MAX_K], scalars [n, MAX_K, S]): candidate i at position r is step i's row at r (the
+    last step's past it, its position feature set to i); a row the cache lacks is a rejection."""
+    positions, scalars = features["positions"][a:b], features["scalars"][a:b].clone()
+    steps = torch.exp(scalars[:, LOG_POSITION]).round().long()  # [m] 1..label_steps
+    n, last = int(positions.max()) + 1, int(steps.max())
+    acc, labels = torch.zeros(n, MAX_K, dtype=torch.float64), torch.zeros(n, MAX_K)
+    table = torch.zeros(n, MAX_K, scalars.shape[-1])
+    for i in range(1, MAX_K + 1):
+        rows = (steps == min(i, last)).nonzero().flatten()
+        s = scalars[rows].clone()
+        s[:, LOG_POSITION] = math.log(i)
+        r = positions[rows]
+        acc[r, i - 1] = head.acceptance_probability(head.head_inputs(features["hidden"][a:b][rows].float(), s)).double()
+        labels[r, i - 1], table[r, i - 1] = features["labels"][a:b][rows], s
+    return acc, labels, table
+
+
+def tables_of(head, features: dict, temperature: float, label_steps: int | None = None
+              ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(acceptance, labels [n, MAX_K], scalars [n, MAX_K, S]) of every validation response at
+    `temperature`, by round position: a model draft's rows hold every round position at once; a
+    feature draft's cache (`label_steps` set) one block of rows per step."""
+    if label_steps:
+        step, positions = torch.exp(features["scalars"][:, LOG_POSITION]).round(), features["positions"]
+        temperatures = features["temperatures"]
+        starts = [j for j in range(len(step)) if step[j] == 1 and (j == 0 or step[j - 1] != 1
+                                                                  or positions[j] <= positions[j - 1])] + [len(step)]
+        return [step_tables(head, features, a, b) for a, b in zip(starts, starts[1:])
+                if float(temperatures[a]) == temperature]
+    out = []
+    for a, b in responses(features, temperature):
+        scalars = features["scalars"][a:b]
+        out.append((acceptance_by_position(head, features, a, b), features["labels"][a:b, None].expand(-1, MAX_K),
+                    scalars[:, None].expand(-1, MAX_K, -1)))
+    return out
+
+
+def replay(rule: Rule, tables, profile: CostProfile, sampled: bool) -> tuple[float, float]:
+    """-> (tokens per second, drafting steps per token) of `rule` over the responses' tables."""
     generator = torch.Generator().manual_seed(0)
     tokens = ms = steps_total = 0.0
-    for (a, b), acc in zip(spans, tables):
-        n, labels, scalars = b - a, features["labels"][a:b], features["scalars"][a:b]
-        t = 0
+    for acc, labels, scalars in tables:
+        n, t = len(acc), 0
         while t < n:
             k, steps = rule(acc, scalars, t, n)
             accepted = 0
-            for j in range(t, t + k):
-                p = float(labels[j])
+            for i, j in enumerate(range(t, t + k)):
+                p = float(labels[j, i])
                 if not (torch.rand(1, generator=generator).item() < p if sampled else p >= 0.5):
                     break
                 accepted += 1
@@ -153,25 +199,41 @@ def replay(rule: Rule, spans, tables, features, profile: CostProfile, sampled: b
     return tokens / ms * 1000.0, steps_total / tokens
 
 
+def validation_cache(config_path: Path) -> Path:
+    """The feature cache of a training config's validation split alone (training/train.py's layout),
+    made once under ~/.cache/specdec/replay: what a replay reads, without training a head."""
+    from specdec.training.config import load_config
+    from specdec.training.train import check_dataset, compute_features, feature_key
+
+    config = load_config(config_path)
+    manifest, identity, _ = check_dataset(config)
+    out = REPLAY_CACHE / f"{feature_key(manifest, config.require_train(), identity)}-validation.pt"
+    if not out.is_file():
+        compute_features(config, str(Path(config.data.dir).resolve()), str(out), identity, splits=("validation",))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--features", type=Path, help="a feature cache (default: the newest in " + str(CACHE) + ")")
     parser.add_argument("--head", type=Path, default=HEAD)
     parser.add_argument("--profile", type=Path, help="a cost profile JSON (default: the torch runtime's)")
+    parser.add_argument("--config", type=Path, help="a training config: replay its validation split's features, "
+                                                    "made here first if no cache of them exists")
     args = parser.parse_args()
-    path = args.features or newest_cache()
-    features = torch.load(path, weights_only=True)["validation"]
+    path = args.features or (validation_cache(args.config) if args.config else newest_cache())
+    cache = torch.load(path, weights_only=True)
+    features = cache["validation"]
     head = load_head(args.head)
     profile = CostProfile.load(args.profile) if args.profile else DEFAULT_PROFILE
     print(f"features {path.name}, head {args.head}, profile: {profile.source}\n")
     print("| rule | greedy tok/s | steps/token | T=1 tok/s | steps/token |\n|---|---|---|---|---|")
-    spans = {T: responses(features, T) for T in (0.0, 1.0)}
-    tables = {T: [acceptance_by_position(head, features, a, b) for a, b in s] for T, s in spans.items()}
+    tables = {T: tables_of(head, features, T, cache.get("label_steps")) for T in (0.0, 1.0)}
     for name, rule in rules(head, profile).items():
-        greedy = replay(rule, spans[0.0], tables[0.0], features, profile, sampled=False)
-        sampled = replay(rule, spans[1.0], tables[1.0], features, profile, sampled=True)
+        greedy = replay(rule, tables[0.0], profile, sampled=False)
+        sampled = replay(rule, tables[1.0], profile, sampled=True)
         print(f"| {name} | {greedy[0]:.3f} | {greedy[1]:.2f} | {sampled[0]:.3f} | {sampled[1]:.2f} |")
-    print(f"\n{len(spans[0.0])} greedy responses, {len(spans[1.0])} T=1 label sets")
+    print(f"\n{len(tables[0.0])} greedy responses, {len(tables[1.0])} T=1 label sets")
 
 
 if __name__ == "__main__":

@@ -19,12 +19,18 @@ Drafts:
   Every such row says `estimated`.
 
 Policy: `best-fixed` is the fixed K that is best in hindsight for this acceptance and these costs
-(the adaptive rule chooses K per round and can beat it). Projecting the default policy needs each
-round's head estimates recorded on real text, which no run records yet. `+host` adds the host time
-per pass that bench.py's loop section measured to both sides.
+(the adaptive rule chooses K per round and can beat it). `+host` adds the host time per pass that
+bench.py's loop section measured to both sides.
+
+`default` (specdec++cost, C = 1; `--replay DRAFT=CACHE,HEAD`): the round loop replayed over the
+draft's head validation tokens (benchmarks/replay_rules.py: each round's candidates and their
+acceptance along the target's own responses, the head's estimate of each, greedy and T = 1) with
+the GPU's costs as the rule's profile; beside it `replay-fixed`, the best fixed K on the same
+tokens. CACHE is the feature cache `specdec train-head` wrote (its `features/*.pt`), HEAD the head.
 
     python -m benchmarks.gpu.project docs/results/gpu/2026-11-28-h200
     python -m benchmarks.gpu.project DIR --json          # one JSON object per row
+    python -m benchmarks.gpu.project DIR --replay feature=~/.cache/specdec/training/feature-draft/features/<key>.pt,~/.cache/specdec/training/feature-draft/fused-2/head
 
 Caveats: the acceptance is against the 1.5B target (the 7B rows reuse it: a 7B target of the family
 agrees with a 0.5B draft less often), and the costs are random-weight passes with a 200-token context.
@@ -150,12 +156,29 @@ def load_results(folder: Path) -> tuple[dict, dict, dict]:
     return passes, loop, feature
 
 
+def bandwidth_of(passes: dict, mode: str) -> float | None:
+    """Bytes per ms the 7B shape's one-token pass reached (its weights over its time)."""
+    if BANDWIDTH_SHAPE in passes and 1 in pass_curve(passes[BANDWIDTH_SHAPE], 1, mode):
+        return weight_bytes(BANDWIDTH_SHAPE) / pass_curve(passes[BANDWIDTH_SHAPE], 1, mode)[1]
+    return None
+
+
+def draft_step(draft_name: str, name: str, batch: int, passes: dict, feature: dict, target: dict[int, float],
+               bandwidth: float | None, mode: str) -> tuple[float, str] | None:
+    """(a drafting step's ms at `batch` sessions beside target shape `name`, "measured" or "estimated")."""
+    if draft_name == FEATURE:
+        measured = feature.get(name, {}).get(f"B={batch}", {}).get("captured_ms")
+        if measured is not None:
+            return measured, "measured"
+        return None if bandwidth is None else (feature_step_ms(name, target[1], bandwidth), "estimated")
+    draft = pass_curve(passes[draft_name], batch, mode).get(1)
+    return None if draft is None else (draft, "measured")
+
+
 def project(passes: dict, loop: dict, feature: dict, acceptance: dict, mode: str) -> list[dict]:
     """One row per (draft, target, temperature, concurrency): the best fixed K and its speedup.
     `acceptance`: {(draft, temperature): [S_1, ...]}; `feature`: bench.py's feature-draft steps."""
-    bandwidth = None
-    if BANDWIDTH_SHAPE in passes and 1 in pass_curve(passes[BANDWIDTH_SHAPE], 1, mode):
-        bandwidth = weight_bytes(BANDWIDTH_SHAPE) / pass_curve(passes[BANDWIDTH_SHAPE], 1, mode)[1]
+    bandwidth = bandwidth_of(passes, mode)
     batches = sorted({int(key.split(",")[0].split("=")[1]) for key in passes[DRAFT]})
     rows = []
     for (draft_name, temperature), survive in acceptance.items():
@@ -164,18 +187,10 @@ def project(passes: dict, loop: dict, feature: dict, acceptance: dict, mode: str
                 target = pass_curve(passes.get(name, {}), batch, mode)
                 if 1 not in target:
                     continue
-                if draft_name == FEATURE:
-                    measured = feature.get(name, {}).get(f"B={batch}", {}).get("captured_ms")
-                    if measured is not None:
-                        draft, costs = measured, "measured"
-                    elif bandwidth is None:
-                        continue
-                    else:
-                        draft, costs = feature_step_ms(name, target[1], bandwidth), "estimated"
-                else:
-                    draft, costs = pass_curve(passes[draft_name], batch, mode).get(1), "measured"
-                    if draft is None:
-                        continue
+                step = draft_step(draft_name, name, batch, passes, feature, target, bandwidth, mode)
+                if step is None:
+                    continue
+                draft, costs = step
                 by_k = {k: speedup(survive, k, draft, target) for k in range(1, len(survive) + 1)}
                 by_k = {k: s for k, s in by_k.items() if s is not None}
                 best = max(by_k, key=by_k.get)
@@ -191,6 +206,49 @@ def project(passes: dict, loop: dict, feature: dict, acceptance: dict, mode: str
     return rows
 
 
+def replay_rows(passes: dict, feature: dict, replays: dict[str, tuple[Path, Path]], mode: str) -> list[dict]:
+    """The default policy at C = 1 per (draft, target, temperature), and the best fixed K, both
+    replayed over the draft's head validation tokens with the GPU's costs (module docstring)."""
+    import torch
+
+    from benchmarks.replay_rules import replay, rules, tables_of
+    from specdec.cost_profile import CostProfile
+    from specdec.head import load_head
+
+    bandwidth, rows = bandwidth_of(passes, mode), []
+    for draft_name, (cache_path, head_path) in replays.items():
+        cache, head = torch.load(cache_path, weights_only=True), load_head(head_path)
+        tables = {t: tables_of(head, cache["validation"], t, cache.get("label_steps")) for t in (0.0, 1.0)}
+        for name in TARGETS:
+            target = pass_curve(passes.get(name, {}), 1, mode)
+            step = None if 1 not in target else draft_step(draft_name, name, 1, passes, feature, target, bandwidth, mode)
+            if step is None:
+                continue
+            profile = CostProfile(t_draft_ms=step[0], t_draft_rows_ms={1: step[0]}, t_target_ms=target,
+                                  source=f"{mode} passes, {name}")
+            policies = rules(head, profile)
+            for temperature, responses in tables.items():
+                sampled = temperature > 0
+                speed = {spec: replay(policies[spec], responses, profile, sampled)[0] * target[1] / 1000.0
+                         for spec in policies if spec == "specdec++cost" or spec.startswith("fixed:")}
+                fixed = max((s for s in speed if s.startswith("fixed:")), key=speed.get)
+                for policy, spec in (("default", "specdec++cost"), ("replay-fixed", fixed)):
+                    rows.append({"draft": draft_name, "target": name, "temperature": temperature, "concurrency": 1,
+                                 "policy": policy, "k": None if policy == "default" else int(spec.split(":")[1]),
+                                 "speedup": round(speed[spec], 3), "draft_ms": round(step[0], 3),
+                                 "target_ms": round(target[1], 3), "draft_cost": step[1],
+                                 "responses": len(responses)})
+    return rows
+
+
+def parse_replay(value: str) -> tuple[str, tuple[Path, Path]]:
+    draft, _, paths = value.partition("=")
+    cache, _, head = paths.partition(",")
+    if draft not in (DRAFT, FEATURE) or not cache or not head:
+        raise argparse.ArgumentTypeError(f"--replay wants {DRAFT}|{FEATURE}=CACHE,HEAD, not {value!r}")
+    return draft, (Path(cache).expanduser(), Path(head).expanduser())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", type=Path, help="a folder of bench.py results (*.json)")
@@ -202,14 +260,18 @@ def main() -> None:
                         help="which pass costs (bench.py's passes section): the static cache's pass captured or "
                              "eager, the runtime on its slot cache, or on its static cache (default pair only)")
     parser.add_argument("--json", action="store_true", help="one JSON object per row instead of the table")
+    parser.add_argument("--replay", type=parse_replay, action="append", default=[],
+                        help="DRAFT=CACHE,HEAD: project the default policy at C = 1 by replaying the head's "
+                             "validation tokens (module docstring); repeat per draft")
     args = parser.parse_args()
     passes, loop, feature = load_results(args.results)
     acceptance = {(DRAFT, t): survival(args.records, args.spec, t) for t in (0.0, 1.0)}
     if args.feature_acceptance.is_file():
         acceptance[(FEATURE, 0.0)] = feature_survival(args.feature_acceptance)
     rows = project(passes, loop, feature, acceptance, args.mode)
+    replayed = replay_rows(passes, feature, dict(args.replay), args.mode)
     if args.json:
-        for row in rows:
+        for row in rows + replayed:
             print(json.dumps(row))
         return
     print(f"acceptance: 0.5B {args.records.relative_to(args.records.parents[2])} {args.spec}; feature "
@@ -226,6 +288,14 @@ def main() -> None:
               f"{row['target_ms']:.2f} | " + " | ".join(cells) + f" | {row['k']} | {row['speedup']:.2f}x | {host} |")
     for (draft, temperature), survive in acceptance.items():
         print(f"\nS_j {draft} T={temperature:g}:", ", ".join(f"{s:.3f}" for s in survive))
+    if replayed:
+        print(f"\nreplayed over the heads' validation tokens ({', '.join(f'{d}: {c.name}' for d, (c, _) in args.replay)}), "
+              "C = 1:\n\n| draft | target | T | draft ms | target ms | policy | speedup |\n|---|---|---|---|---|---|---|")
+        for row in replayed:
+            policy = row["policy"] + (f" (K={row['k']})" if row["k"] else "")
+            draft_ms = f"{row['draft_ms']:.2f}" + (" (est.)" if row["draft_cost"] == "estimated" else "")
+            print(f"| {row['draft']} | {row['target']} | {row['temperature']:g} | {draft_ms} | {row['target_ms']:.2f} | "
+                  f"{policy} | {row['speedup']:.2f}x |")
 
 
 if __name__ == "__main__":

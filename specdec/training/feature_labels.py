@@ -91,8 +91,8 @@ def sequence_features(model: FeatureDraft, target_head: torch.Tensor, example: E
     return out
 
 
-def feature_draft_features(config: PipelineConfig, data_dir: str, draft_dir: str, generator_for
-                           ) -> dict[str, list[dict[str, torch.Tensor]]]:
+def feature_draft_features(config: PipelineConfig, data_dir: str, draft_dir: str, generator_for,
+                           splits: Sequence[str] = ("train", "validation")) -> dict[str, list[dict[str, torch.Tensor]]]:
     """Per split, the parts of every sequence's features (`sequence_features`); `generator_for(prompt_id,
     label_set)` seeds a sequence's draws (the first label set's generator draws every set)."""
     from tqdm.auto import tqdm
@@ -105,7 +105,8 @@ def feature_draft_features(config: PipelineConfig, data_dir: str, draft_dir: str
     _, target_head = target_tensors(target_dir)
     layers, samplings = len(manifest["settings"]["layers"]), config.data.labels.sets()
     parts: dict[str, list[dict[str, torch.Tensor]]] = {}
-    for e in tqdm([e for e in examples if len(e.tokens) > e.prompt_length], desc="features", unit="sequence"):
+    for e in tqdm([e for e in examples if e.split in splits and len(e.tokens) > e.prompt_length], desc="features",
+                  unit="sequence"):
         parts.setdefault(e.split, []).extend(
             sequence_features(model, target_head, e, layers, samplings, generator_for(e.prompt_id, 0)))
     return parts

@@ -189,7 +189,8 @@ def load_features(path: str | Path) -> dict:
     return features
 
 
-def model_draft_features(config: PipelineConfig, data_dir: str) -> tuple[dict[str, list[dict]], int]:
+def model_draft_features(config: PipelineConfig, data_dir: str, splits: tuple[str, ...] = SPLITS
+                         ) -> tuple[dict[str, list[dict]], int]:
     """(per split, the parts of every labelled response's features; the draft's hidden size)."""
     from tqdm.auto import tqdm
 
@@ -202,7 +203,7 @@ def model_draft_features(config: PipelineConfig, data_dir: str) -> tuple[dict[st
     if scaling.use_gpu and torch.cuda.is_available():
         model = model.to("cuda")
     parts = {}
-    for split in SPLITS:
+    for split in splits:
         responses = [row for row in rows if row["split"] == split and row["response_ids"]]
         parts[split] = [part for row in tqdm(responses, desc=f"features ({split})", unit="response")
                         for part in row_features(model, row, train, [label_sampling(manifest, t)
@@ -210,9 +211,10 @@ def model_draft_features(config: PipelineConfig, data_dir: str) -> tuple[dict[st
     return parts, draft.hidden_size
 
 
-def compute_features(config: PipelineConfig, data_dir: str, out_path: str, draft_identity: str) -> str:
-    """Run the frozen draft over every sequence once and save the features (see module docstring; a
-    feature draft's come from its features dataset: feature_labels.py)."""
+def compute_features(config: PipelineConfig, data_dir: str, out_path: str, draft_identity: str,
+                     splits: tuple[str, ...] = SPLITS) -> str:
+    """Run the frozen draft over every sequence of `splits` once and save the features (see module
+    docstring; a feature draft's come from its features dataset: feature_labels.py)."""
     train = config.require_train()
     if config.scaling.threads:
         torch.set_num_threads(config.scaling.threads)
@@ -220,10 +222,11 @@ def compute_features(config: PipelineConfig, data_dir: str, out_path: str, draft
         from specdec.training.feature_labels import feature_draft_features
 
         parts = feature_draft_features(config, data_dir, config.draft.output,
-                                       lambda prompt_id, label_set: mixing_generator(train.mixing_seed, prompt_id, label_set))
+                                       lambda prompt_id, label_set: mixing_generator(train.mixing_seed, prompt_id, label_set),
+                                       splits)
         hidden_size = next(p["hidden"].shape[-1] for split in parts.values() for p in split)
     else:
-        parts, hidden_size = model_draft_features(config, data_dir)
+        parts, hidden_size = model_draft_features(config, data_dir, splits)
     empty = {"hidden": torch.empty(0, hidden_size, dtype=FEATURE_DTYPE),
              "scalars": torch.empty(0, NUM_SCALAR_FEATURES), "labels": torch.empty(0),
              "positions": torch.empty(0, dtype=torch.long), "temperatures": torch.empty(0)}
@@ -233,6 +236,10 @@ def compute_features(config: PipelineConfig, data_dir: str, out_path: str, draft
         features[split] = {k: torch.cat([p[k] for p in found]).to(v.dtype) if found else v for k, v in empty.items()}
     features["hidden_size"] = hidden_size
     features["draft_identity"] = draft_identity
+    if config.data.kind == "features":  # one row per response position and draft step (feature_labels.py)
+        from specdec.training.feature_labels import LABEL_STEPS
+
+        features["label_steps"] = LABEL_STEPS
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     partial = out_path + ".partial"
     torch.save(features, partial)

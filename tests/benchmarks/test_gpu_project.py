@@ -30,3 +30,30 @@ def test_json_rows_carry_what_a_reader_filters_on():
                  == ("qwen2.5-0.5b", "qwen2.5-7b", 0.0, 1))
     assert 1.55 < seven["speedup"] < 1.7 and seven["k"] >= 4  # not 1.45x at K = 3, as the products said
     assert {r["draft_cost"] for r in rows if r["draft"] == "feature"} == {"estimated"}
+
+
+def test_a_feature_drafts_replay_reads_each_candidate_from_its_steps_rows():
+    """A feature draft's head data hold a position once per draft step (training/feature_labels.py):
+    the replay reads the i-th candidate of a round from step i's row. Here step 1's candidates are
+    always accepted and step 2's never, so every fixed-4 round of an 8-token response keeps one."""
+    import math
+
+    import torch
+
+    from benchmarks.replay_rules import replay, rules, tables_of
+    from specdec.cost_profile import CostProfile
+    from specdec.head import AcceptanceHead, HeadConfig
+
+    n, hidden = 8, 4
+    steps = torch.tensor([1] * n + [2] * (n - 1))
+    scalars = torch.zeros(len(steps), 6)
+    scalars[:, 4] = torch.log(steps.float())
+    features = {"hidden": torch.randn(len(steps), hidden), "scalars": scalars,
+                "labels": (steps == 1).float(), "positions": torch.cat([torch.arange(n), torch.arange(1, n)]),
+                "temperatures": torch.zeros(len(steps))}
+    head = AcceptanceHead(HeadConfig(hidden_size=hidden, depth=0, draft_identity="x", features="hidden+distribution"))
+    tables = tables_of(head.eval(), features, 0.0, label_steps=2)
+    assert len(tables) == 1 and tables[0][1][:, 0].eq(1).all() and tables[0][1][1:, 1:].eq(0).all()
+    profile = CostProfile(t_draft_ms=1.0, t_target_ms={1: 10.0, 8: 12.0})
+    _, steps_per_token = replay(rules(head, profile)["fixed:4"], tables, profile, sampled=False)
+    assert math.isclose(steps_per_token, (4 + 4 + 4 + 2) / n)  # four rounds of 2 tokens
