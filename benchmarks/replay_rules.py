@@ -69,7 +69,7 @@ def stop_after(test: Callable[[int, int], bool]) -> Callable[[int, int], tuple[i
 
 def rules(head, profile: CostProfile) -> dict[str, Rule]:
     out: dict[str, Rule] = {}
-    for k in (4, 6, 8, 10):
+    for k in (1, 2, 3, 4, 6, 8, 10):
         out[f"fixed:{k}"] = lambda acc, sc, t, n, k=k: (min(k, n - t), min(k, n - t))
     for tau in (0.4, 0.6, 0.7, 0.8, 0.9):
         out[f"confidence:{tau}"] = lambda acc, sc, t, n, tau=tau: stop_after(
