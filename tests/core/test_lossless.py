@@ -408,22 +408,12 @@ def make_feature_engine(vocab: int, layers: int, model_seed: int, draft_seed: in
     return engine
 
 
-@pytest.mark.parametrize("policy", [PolicyConfig(name="fixed", k=3), PolicyConfig(name="svip", threshold=0.4)])
-def test_greedy_output_with_a_feature_draft_equals_target_greedy(policy):
-    engine = make_feature_engine(GREEDY_VOCAB, layers=2, model_seed=3, draft_seed=1, vocab_ids=[0, 1, 2, 3, 4])
-    params = GenerationParams(max_new_tokens=GREEDY_NEW_TOKENS, policy=policy)
-    total = RequestStats()
-    for prompt in GREEDY_PROMPTS:
-        result = engine.generate_ids(prompt, params)
-        assert result.completions[0].token_ids == target_greedy(engine.target.model, prompt, GREEDY_NEW_TOKENS)
-        total.merge(result.stats)
-    assert total.accepted_tokens > 0 and total.discarded_tokens > 0
-
-
-@pytest.mark.parametrize("policy", [PolicyConfig(name="specdec++", threshold=0.5), PolicyConfig(name="specdec++cost")])
-def test_the_specdec_pp_policies_drive_a_feature_draft_losslessly(policy, monkeypatch):
-    """The acceptance head judges the feature draft's candidates from its states and q, as a model
-    draft's; the cost-aware rule prices its rounds (a profile given by hand: a cheap draft step)."""
+@pytest.mark.parametrize("policy", [PolicyConfig(name="fixed", k=3), PolicyConfig(name="svip", threshold=0.4),
+                                    PolicyConfig(name="specdec++", threshold=0.5), PolicyConfig(name="specdec++cost")])
+def test_greedy_output_with_a_feature_draft_equals_target_greedy(policy, monkeypatch):
+    """Every policy drives a feature draft losslessly; the acceptance head judges its candidates from
+    its states and q as a model draft's, and the cost-aware rule prices its rounds (a profile given
+    by hand: a cheap draft step)."""
     engine = make_feature_engine(GREEDY_VOCAB, layers=2, model_seed=3, draft_seed=1, vocab_ids=[0, 1, 2, 3, 4],
                                  head=q_reading_head(bias=1.5).to(DEVICE))
     plan_with(engine, CostProfile(t_draft_ms=0.2, t_draft_rows_ms={1: 0.2, 64: 0.4},
@@ -434,7 +424,9 @@ def test_the_specdec_pp_policies_drive_a_feature_draft_losslessly(policy, monkey
         result = engine.generate_ids(prompt, params)
         assert result.completions[0].token_ids == target_greedy(engine.target.model, prompt, GREEDY_NEW_TOKENS)
         total.merge(result.stats)
-    assert total.accepted_tokens > 0 and total.discarded_tokens > 0 and len(total.k_histogram) > 1
+    assert total.accepted_tokens > 0 and total.discarded_tokens > 0
+    if policy.name.startswith("specdec++"):
+        assert len(total.k_histogram) > 1  # the head's rule stops at different K
 
 
 def test_greedy_output_with_a_feature_draft_that_loses_its_sessions():
