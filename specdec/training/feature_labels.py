@@ -11,8 +11,8 @@ before it the response's own tokens, i.e. accepted), and at each response token 
 - hidden: the draft's output state there, what `FeatureDraftRuntime` hands the head;
 - q: the draft's distribution (its trimmed ids; q = 0 elsewhere); p: the target's, its stored
   output state through its LM head (every id);
-- per label set of `data.labels`, Y ~ q and P = min(1, p(Y)/q(Y)) (data.label_sets; temperature 0:
-  exact match), drawn with a generator seeded per prompt and set;
+- per label set of `data.labels`, Y ~ q and P = min(1, p(Y)/q(Y)) (labels.py; temperature 0: exact
+  match), drawn with a generator seeded per prompt;
 - scalars: q's features at Y (features.py), the step as the candidate's position in its round.
 
 Worked example: prompt [a b], response [c d e] (T = 5, P = 2): step 1's state at p = 0 drafts c
@@ -35,8 +35,9 @@ from specdec.features import distribution_features
 from specdec.models.feature_draft import FeatureDraft, load_feature_draft, read_config, target_tensors
 from specdec.sampling import SamplingParams, probs_from_logits
 from specdec.training.config import ConfigError, PipelineConfig
-from specdec.training.data import label_sets
+from specdec.training.data import label_distribution
 from specdec.training.draft import Example, load_examples, make_batch
+from specdec.training.labels import sample_draft_tokens, soft_acceptance_labels_from_logprobs
 
 # Draft steps labelled per position: the rounds the cost-aware rule drafts on this draft's
 # acceptance are short (docs/feature-draft.md); a later step's state is judged as step 5's kind.
@@ -67,26 +68,32 @@ def sequence_features(model: FeatureDraft, target_head: torch.Tensor, example: E
     """The head's features of one sequence: one dict per label set (train.py's keys: hidden [M, H],
     scalars [M, S], labels, positions (response positions), temperatures [M]; and Y, draft_ids [M]),
     M = its response tokens over every step (module docstring). `target_head` [V, H] is the
-    target's LM head."""
+    target's LM head.
+
+    q is 0 off the draft's trimmed ids, so everything of q is computed on those (a fifth of the
+    vocabulary: the same numbers, a fifth of the work) and P from the two log-probabilities of Y
+    (labels.py); p once per position, not per step."""
     batch = make_batch([example], model.config.inputs, layers, model.embed.device)
     outs = model.unroll(batch.states.float(), batch.tokens, steps)  # steps x [1, T, H]
     T, P = len(example.tokens), example.prompt_length
     p_logits = batch.outputs[0, P - 1:T - 1].float() @ target_head.T  # [N, V]: x_P .. x_{T-1}
-    hidden, q_logits, responses, rounds = [], [], [], []
+    hidden, responses, rounds = [], [], []
     for j, out in enumerate(outs, start=1):
         first = max(P - 2, j - 1)  # step j's state at p drafts x_{p+2}, from p >= j - 1
-        states = out[0, first:T - 2]  # [n, H]
-        hidden.append(states)
-        q_logits.append(model.full_logits(states))
+        hidden.append(out[0, first:T - 2])  # [n, H]
         responses.append(torch.arange(first + 2, T) - P)  # [n] response positions
-        rounds.append(torch.full((len(states),), j))
-    hidden, q_logits = torch.cat(hidden), torch.cat(q_logits)
-    responses, rounds = torch.cat(responses), torch.cat(rounds)
+        rounds.append(torch.full((T - 2 - first,), j))
+    hidden, responses, rounds = torch.cat(hidden), torch.cat(responses), torch.cat(rounds)
+    q_logits = model.logits(hidden).float()  # [M, V_trim]
     out = []
-    for sampling, labelled in zip(samplings, label_sets(q_logits, p_logits[responses], samplings, generator)):
-        y = torch.tensor(labelled.draft_ids)
-        scalars = distribution_features(probs_from_logits(q_logits, sampling), y, rounds, sampling.greedy)
-        out.append({"hidden": hidden, "scalars": scalars, "labels": torch.tensor(labelled.labels), "draft_ids": y,
+    for sampling in samplings:
+        q, p = label_distribution(q_logits, sampling), label_distribution(p_logits, sampling)
+        picked = sample_draft_tokens(q, generator)  # [M] trimmed ids
+        y = model.vocab_ids[picked]  # [M] the target's ids
+        log_p = torch.log(p[responses, y])
+        labels = soft_acceptance_labels_from_logprobs(log_p, torch.log(q.gather(-1, picked[:, None])[:, 0]))
+        scalars = distribution_features(probs_from_logits(q_logits, sampling), picked, rounds, sampling.greedy)
+        out.append({"hidden": hidden, "scalars": scalars, "labels": labels, "draft_ids": y,
                     "positions": responses, "temperatures": torch.full((len(y),), sampling.temperature)})
     return out
 
