@@ -8,13 +8,14 @@
 # head. Resumable: each bench skips the records its --out holds.
 #   FEATURE=~/.cache/specdec/training/feature-draft/fused-2 bash benchmarks/feature_draft_runs.sh
 #   DRAFTS=feature OUT=docs/results/feature-draft/fused-2 FEATURE=... bash ...   # the feature draft alone
+#   POLICIES="target-only fixed:2 svip" ...   # the feature draft's policies besides its head's
 # Say which CPU: the report records it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-docs/results/feature-draft}
 FEATURE=${FEATURE:?the feature draft directory (specdec train-draft output)}
 DRAFTS=${DRAFTS:-feature 0.5b}
-policies=(target-only fixed:1 fixed:2 fixed:3 svip)
+read -r -a policies <<< "${POLICIES:-target-only fixed:1 fixed:2 fixed:3 svip}"
 chosen=fixed:2
 if [[ -f "$FEATURE/head/head.json" ]]; then
   policies+=(specdec++cost)
