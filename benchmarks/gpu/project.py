@@ -46,7 +46,7 @@ from benchmarks.gpu.shapes import SHAPES
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDS = ROOT / "docs" / "results" / "bench-humaneval" / "records.jsonl"
-FEATURE_ACCEPTANCE = ROOT / "docs" / "results" / "feature-draft" / "acceptance.json"
+FEATURE_ACCEPTANCE = ROOT / "docs" / "results" / "feature-draft" / "fused-2" / "acceptance.json"
 DRAFT = "qwen2.5-0.5b"
 FEATURE = "feature"
 TARGETS = ("qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-32b")
