@@ -195,15 +195,20 @@ def step_weights(batch: Batch, step: int, draft: DraftTrainSection) -> torch.Ten
 
 # -- the Ray Train loop --------------------------------------------------------------------------
 
+def draft_config(draft: DraftTrainSection, identity: str, name: str, layers: list[int], target_config
+                 ) -> FeatureDraftConfig:
+    """The config of the draft a run trains on the target (`target_config`, its transformers config)."""
+    return FeatureDraftConfig(target_identity=identity, target_name=name, inputs=draft.inputs,
+                              layers=layers if draft.inputs == FUSED else [],
+                              layer_config=layer_config_of(target_config, draft.intermediate_size),
+                              vocab_size=target_config.vocab_size)
+
+
 def build_draft(settings: dict, target_dir: str, vocab_ids: torch.Tensor) -> FeatureDraft:
     from transformers import AutoConfig
 
-    draft = DraftTrainSection(**settings["draft"])
-    target_config = AutoConfig.from_pretrained(target_dir)
-    config = FeatureDraftConfig(target_identity=settings["target_identity"], target_name=settings["target_name"],
-                                inputs=draft.inputs, layers=settings["layers"] if draft.inputs == FUSED else [],
-                                layer_config=layer_config_of(target_config, draft.intermediate_size),
-                                vocab_size=target_config.vocab_size)
+    config = draft_config(DraftTrainSection(**settings["draft"]), settings["target_identity"], settings["target_name"],
+                          settings["layers"], AutoConfig.from_pretrained(target_dir))
     embed, head = target_tensors(target_dir, vocab_ids, torch.bfloat16)
     return FeatureDraft(config, embed, head, vocab_ids)
 
@@ -364,9 +369,10 @@ def init_vocabulary(draft: DraftTrainSection, identity: str, layers: list[int], 
     from specdec.models.feature_draft import read_config
 
     found = read_config(draft.init)
-    wanted = {"target_identity": identity, "inputs": draft.inputs, "layers": layers if draft.inputs == FUSED else [],
-              "layer_config": json.loads(json.dumps(layer_config_of(target_config, draft.intermediate_size)))}
-    differs = sorted(k for k, v in wanted.items() if getattr(found, k) != v)
+    made = draft_config(draft, identity, "", layers, target_config)
+    wanted = type(made).model_validate_json(made.model_dump_json())  # as read back from a config.json
+    differs = sorted(k for k in ("target_identity", "inputs", "layers", "layer_config")
+                     if getattr(found, k) != getattr(wanted, k))
     if differs:
         raise ConfigError(f"draft.init {draft.init} is another kind of draft ({', '.join(differs)} differ)")
     return init_state(draft.init)["vocab_ids"]

@@ -34,7 +34,7 @@ from specdec.errors import IncompatibleModelsError
 from specdec.features import distribution_features
 from specdec.models.feature_draft import FeatureDraft, load_feature_draft, read_config, target_tensors
 from specdec.sampling import SamplingParams, probs_from_logits
-from specdec.training.config import ConfigError, PipelineConfig
+from specdec.training.config import PipelineConfig
 from specdec.training.data import label_distribution
 from specdec.training.draft import Example, load_examples, make_batch
 from specdec.training.labels import sample_draft_tokens, soft_acceptance_labels_from_logprobs
@@ -49,10 +49,7 @@ def check_feature_head_data(config: PipelineConfig, manifest: dict) -> tuple[str
     draft this config trains (`draft.output`), made for the target the data were made on."""
     from specdec.models.sources import model_identity
 
-    if config.draft is None:
-        raise ConfigError("a head for a feature draft needs the config's `draft` section: the head is "
-                          "trained for the draft saved at draft.output")
-    directory = config.draft.output
+    directory = config.require_draft().output
     draft_config = read_config(directory)
     made_on = manifest.get("settings", {}).get("target_identity")
     if draft_config.target_identity != made_on:
@@ -98,22 +95,30 @@ def sequence_features(model: FeatureDraft, target_head: torch.Tensor, example: E
     return out
 
 
-def feature_draft_features(config: PipelineConfig, data_dir: str, draft_dir: str, generator_for,
-                           splits: Sequence[str] = ("train", "validation")) -> dict[str, list[dict[str, torch.Tensor]]]:
-    """Per split, the parts of every sequence's features (`sequence_features`); `generator_for(prompt_id,
-    label_set)` seeds a sequence's draws (the first label set's generator draws every set)."""
+def cache_settings(config: PipelineConfig) -> dict:
+    """What a feature draft's head features depend on besides the data and the draft (part of the
+    feature cache's key: training/train.py `feature_key`)."""
+    return {**config.data.labels.model_dump(), "steps": LABEL_STEPS, "max_tokens": config.require_draft().max_tokens}
+
+
+def feature_draft_features(config: PipelineConfig, data_dir: str, splits: Sequence[str] = ("train", "validation")
+                           ) -> tuple[dict[str, list[dict[str, torch.Tensor]]], int]:
+    """(per split, the parts of every sequence's features (`sequence_features`); the draft's hidden
+    size) for the draft the config trains. A sequence's draws are seeded by its prompt and
+    `train.mixing_seed`."""
     from tqdm.auto import tqdm
 
     from specdec.models.sources import model_identity, resolve_model
+    from specdec.training.train import mixing_generator
 
-    manifest, examples = load_examples(data_dir, config.draft.max_tokens)
+    manifest, examples = load_examples(data_dir, config.require_draft().max_tokens)
     target_dir = resolve_model(config.models.target, role="target", cache=config.models.cache_dir)
-    model = load_feature_draft(draft_dir, target_dir, model_identity(target_dir))
+    model = load_feature_draft(config.draft.output, target_dir, model_identity(target_dir))
     _, target_head = target_tensors(target_dir)
-    layers, samplings = len(manifest["settings"]["layers"]), config.data.labels.sets()
+    layers, samplings, seed = len(manifest["settings"]["layers"]), config.data.labels.sets(), config.require_train().mixing_seed
     parts: dict[str, list[dict[str, torch.Tensor]]] = {}
     for e in tqdm([e for e in examples if e.split in splits and len(e.tokens) > e.prompt_length], desc="features",
                   unit="sequence"):
         parts.setdefault(e.split, []).extend(
-            sequence_features(model, target_head, e, layers, samplings, generator_for(e.prompt_id, 0)))
-    return parts
+            sequence_features(model, target_head, e, layers, samplings, mixing_generator(seed, e.prompt_id)))
+    return parts, model.layer_config.hidden_size

@@ -218,28 +218,22 @@ def compute_features(config: PipelineConfig, data_dir: str, out_path: str, draft
     train = config.require_train()
     if config.scaling.threads:
         torch.set_num_threads(config.scaling.threads)
+    features: dict = {"format": FEATURE_FORMAT, "features": train.features}
     if config.data.kind == "features":
-        from specdec.training.feature_labels import feature_draft_features
+        from specdec.training.feature_labels import LABEL_STEPS, feature_draft_features
 
-        parts = feature_draft_features(config, data_dir, config.draft.output,
-                                       lambda prompt_id, label_set: mixing_generator(train.mixing_seed, prompt_id, label_set),
-                                       splits)
-        hidden_size = next(p["hidden"].shape[-1] for split in parts.values() for p in split)
+        parts, hidden_size = feature_draft_features(config, data_dir, splits)
+        features["label_steps"] = LABEL_STEPS  # one row per response position and draft step
     else:
         parts, hidden_size = model_draft_features(config, data_dir, splits)
     empty = {"hidden": torch.empty(0, hidden_size, dtype=FEATURE_DTYPE),
              "scalars": torch.empty(0, NUM_SCALAR_FEATURES), "labels": torch.empty(0),
              "positions": torch.empty(0, dtype=torch.long), "temperatures": torch.empty(0)}
-    features: dict = {"format": FEATURE_FORMAT, "features": train.features}
     for split in SPLITS:
         found = parts.get(split, [])
         features[split] = {k: torch.cat([p[k] for p in found]).to(v.dtype) if found else v for k, v in empty.items()}
     features["hidden_size"] = hidden_size
     features["draft_identity"] = draft_identity
-    if config.data.kind == "features":  # one row per response position and draft step (feature_labels.py)
-        from specdec.training.feature_labels import LABEL_STEPS
-
-        features["label_steps"] = LABEL_STEPS
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     partial = out_path + ".partial"
     torch.save(features, partial)
@@ -368,9 +362,9 @@ def ensure_features(config: PipelineConfig, manifest: dict, draft_identity: str)
     train = config.require_train()
     labels = None
     if config.data.kind == "features":
-        from specdec.training.feature_labels import LABEL_STEPS
+        from specdec.training.feature_labels import cache_settings
 
-        labels = {**config.data.labels.model_dump(), "steps": LABEL_STEPS, "max_tokens": config.draft.max_tokens}
+        labels = cache_settings(config)
     path = Path(train.storage).resolve() / FEATURES_SUBDIR / f"{feature_key(manifest, train, draft_identity, labels)}.pt"
     if path.is_file():
         return str(path)
