@@ -92,6 +92,10 @@ class ResponseSection(Strict):
     max_new_tokens: int = Field(256, ge=1)
     policy: str = "fixed"
     k: int | None = Field(8, ge=1)
+    # Features data only: a train prompt with a reference answer (the stdlib prompts' own code) takes
+    # it as its response, one teacher-forced pass instead of a decode; validation prompts and prompts
+    # without one keep the target's response (training/data.py, "Reference answers").
+    reference: bool = False
 
     @field_validator("policy")
     @classmethod
@@ -161,6 +165,13 @@ class DataSection(Strict):
     shard_size: int = Field(8, ge=1, description="prompts per shard (the unit of resume)")
 
     _expand_dir = field_validator("dir")(_expand)
+
+    @model_validator(mode="after")
+    def _reference_for_features(self) -> DataSection:
+        if self.response.reference and self.kind != "features":
+            raise ValueError("response.reference applies to features data only: the head's labels are of the "
+                             "target's own responses")
+        return self
 
 
 class ScalingSection(Strict):

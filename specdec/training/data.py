@@ -37,6 +37,16 @@ decoder layers `data.features.layers` and its output state (the final norm's), b
 
 A features dataset depends on the target alone (no draft identity, no labels in its settings).
 
+Reference answers (`data.response.reference`, features data only): a train prompt whose source has
+a reference answer (the stdlib prompts: the function's own code, one fenced block) takes it as its
+response, cut at `max_new_tokens` (ending with the end-of-turn token where it fits), with
+finish_reason "reference". Such a row costs one teacher-forced pass instead of a decode of the
+target (on the 2-core CPU a few seconds against half a minute), and the feature draft's loss reads
+the target's own distribution at every position of whatever text it is fed (training/draft.py), so
+the text need not be the target's. Validation prompts, prompts without a reference and reused
+responses keep the target's own response: held-out figures stay on the target's text. A dataset
+made without references continues with them (each of its rows is one a reference run could make).
+
 Resume: a shard is written to a temporary name and renamed, so a shard on disk is complete; a
 rerun reads the prompt ids of every shard, skips those prompts, and rebuilds the manifest from the
 shards on disk. A rerun with other models or settings into the same directory is refused.
@@ -44,6 +54,7 @@ shards on disk. A rerun with other models or settings into the same directory is
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -77,6 +88,7 @@ ENTRY_COLUMNS = {"labels": ("prompt_id", "split", "response_ids", "labels"),
                  "features": ("prompt_id", "split", "prompt_ids", "response_ids")}
 SEED_BITS = 63
 FINISH_TOO_LONG = "prompt_too_long"  # a row with no response: over max_prompt_tokens or the models' context
+FINISH_REFERENCE = "reference"  # a row whose response is the prompt's reference answer, not the target's
 
 
 class DatasetError(SpecDecError):
@@ -97,6 +109,17 @@ class Reused:
     prompt_ids: list[int]
     response_ids: list[int]
     finish_reason: str
+
+
+def takes_reference(response, prompt: Prompt) -> bool:
+    """Whether `prompt`'s response is its reference answer (see "Reference answers" above)."""
+    return response.reference and prompt.split == "train" and prompt.reference is not None
+
+
+def response_settings(response) -> dict:
+    """The response settings a dataset records; `reference` only when on, so that a dataset made
+    before the key existed records what one made without it does."""
+    return response.model_dump(exclude=set() if response.reference else {"reference"})
 
 
 # -- the math of one example ---------------------------------------------------------------------
@@ -220,6 +243,8 @@ class ExampleWriter:
                 continue
             if old is not None and old.prompt_ids == prompt_ids:
                 rows[-1].update(response_ids=old.response_ids, finish_reason=old.finish_reason)
+            elif takes_reference(response, prompt):
+                rows[-1].update(response_ids=self.reference_ids(prompt.reference), finish_reason=FINISH_REFERENCE)
             else:
                 to_generate.append(rows[-1])
         self.target.calls.clear()
@@ -236,6 +261,23 @@ class ExampleWriter:
                 self.annotate(row, generated=id(row) in generated)
         self.target.calls.clear()
         return rows
+
+    def reference_ids(self, text: str) -> list[int]:
+        """A reference answer as response tokens: cut at max_new_tokens, closed with the end-of-turn
+        token where it fits (as a finished response of the target is)."""
+        limit = self.data.response.max_new_tokens
+        ids = self.engine.tokenizer.encode(text, add_special_tokens=False)[:limit]
+        return ids + [self.end_of_turn] if len(ids) < limit else ids
+
+    @functools.cached_property
+    def end_of_turn(self) -> int:
+        """The stop token that closes an answer in the chat template (Qwen's <|im_end|>), else the first."""
+        tokenizer, stops = self.engine.tokenizer, sorted(self.engine.eos_token_ids)
+        if getattr(tokenizer, "chat_template", None):
+            turn = tokenizer.apply_chat_template([{"role": "user", "content": "?"}, {"role": "assistant", "content": "."}],
+                                                 tokenize=True, return_dict=False)
+            return next((i for i in turn if i in stops), stops[0])
+        return stops[0]
 
     def annotate(self, row: dict, generated: bool) -> None:
         """Label sets of a row with a response (its target logits recorded when it was just generated)."""
@@ -355,12 +397,12 @@ def settings_of(config: PipelineConfig, draft: dict | None, target: dict) -> dic
     if data.kind == "features":
         return {"format_version": FORMAT_VERSION, "kind": data.kind, "target_identity": target["identity"],
                 "prompt_source": data.prompts.source, "validation_fraction": data.prompts.validation_fraction,
-                "max_prompt_tokens": data.prompts.max_prompt_tokens, "response": data.response.model_dump(),
+                "max_prompt_tokens": data.prompts.max_prompt_tokens, "response": response_settings(data.response),
                 "seed": data.seed, "layers": data.features.layers, "states_dtype": "bfloat16"}
     return {"format_version": FORMAT_VERSION, "draft_identity": draft["identity"], "target_identity": target["identity"],
             "prompt_source": data.prompts.source, "validation_fraction": data.prompts.validation_fraction,
             "max_prompt_tokens": data.prompts.max_prompt_tokens,
-            "response": data.response.model_dump(), "labels": data.labels.model_dump(), "seed": data.seed,
+            "response": response_settings(data.response), "labels": data.labels.model_dump(), "seed": data.seed,
             "draft_format": config.models.draft_format,
             "draft_vocab": vocab_setting(config.models.draft_vocab)}
 
@@ -419,16 +461,21 @@ def select_prompts(config: DataSection, sources: dict[str, Sequence[Prompt]]) ->
 def reusable_responses(directory: str | Path, settings: dict) -> dict[str, Reused]:
     """The responses of the dataset at `directory` (any format), when it was made for the same target,
     response settings, seed and prompt limit as `settings` (a response does not depend on labels or
-    on the draft: the engine is lossless); DatasetError otherwise."""
+    on the draft: the engine is lossless; whether references were taken does not matter, they are
+    not reused); DatasetError otherwise."""
     directory = Path(directory)
     found = read_manifest(directory).get("settings", {})
     for key in ("target_identity", "response", "seed", "max_prompt_tokens"):
-        if found.get(key) != settings[key]:
+        a, b = found.get(key), settings[key]
+        if key == "response" and isinstance(a, dict):
+            a, b = {k: v for k, v in a.items() if k != "reference"}, {k: v for k, v in b.items() if k != "reference"}
+        if a != b:
             raise DatasetError(f"cannot reuse the responses of {directory}: made with another {key}")
     reused = {}
     for path in shard_paths(directory):
         for row in read_shard(path, columns=("prompt_id", "prompt_ids", "response_ids", "finish_reason")).to_pylist():
-            reused[row["prompt_id"]] = Reused(row["prompt_ids"], row["response_ids"], row["finish_reason"])
+            if row["finish_reason"] != FINISH_REFERENCE:  # the target's responses only
+                reused[row["prompt_id"]] = Reused(row["prompt_ids"], row["response_ids"], row["finish_reason"])
     return reused
 
 
@@ -466,8 +513,9 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
     tables = {path: read_shard(path, columns=ENTRY_COLUMNS[data.kind]) for path in shard_paths(out)}
     shards = [shard_entry(path, table) for path, table in tables.items()]
     done = {pid for table in tables.values() for pid in table.column("prompt_id").to_pylist()}
-    # reused responses first: each costs one teacher-forced pass, so the dataset grows fastest
-    pending = sorted((p for p in selected if p.id not in done), key=lambda p: p.id not in reused)
+    # reused responses and references first: each costs one teacher-forced pass, so the dataset grows fastest
+    pending = sorted((p for p in selected if p.id not in done),
+                     key=lambda p: p.id not in reused and not takes_reference(data.response, p))
     manifest = {"settings": settings, "kind": data.kind, "draft": draft, "target": target, "prompt_source": source,
                 "python": sys.version.split()[0],
                 "prompts_selected": {s: sum(p.split == s for p in selected) for s in SPLITS},
@@ -509,6 +557,9 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
 
 def _check_same_settings(directory: Path, found: dict, wanted: dict) -> None:
     found = {**SETTINGS_BEFORE_DRAFT_VOCAB, **found}
+    if wanted.get("response", {}).get("reference") and isinstance(found.get("response"), dict):
+        # a dataset of the target's responses continues with references: its rows are ones such a run makes
+        found["response"] = {**found["response"], "reference": True}
     for key in wanted:
         if found.get(key) != wanted[key]:
             raise DatasetError(f"{directory} holds data made with other settings ({key} differs); "

@@ -24,6 +24,7 @@ import hashlib
 import os
 import sys
 import sysconfig
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,9 @@ class Prompt:
     id: str  # "module:qualname", e.g. "textwrap:dedent"
     text: str
     split: str  # "train" or "validation"
+    # A reference answer, where the source has one (the stdlib function's own code): a features
+    # dataset may take it as a train prompt's response instead of the target's (training/data.py).
+    reference: str | None = None
 
 
 def stdlib_root() -> Path:
@@ -58,19 +62,24 @@ def stdlib_prompts(validation_fraction: float, root: Path | None = None) -> list
     """All prompts, in hash order, each tagged with its split."""
     check_fraction(validation_fraction)  # before the scan: a bad config fails at once
     found: dict[str, str] = {}
+    references: dict[str, str] = {}
     for module, path in _module_files(root or stdlib_root()):
-        for prompt_id, text in _file_prompts(module, path):
-            found.setdefault(prompt_id, text)
-    return hash_split(found, validation_fraction)
+        for prompt_id, text, reference in _file_prompts(module, path):
+            if prompt_id not in found:
+                found[prompt_id], references[prompt_id] = text, reference
+    return hash_split(found, validation_fraction, references)
 
 
-def hash_split(texts: dict[str, str], validation_fraction: float) -> list[Prompt]:
+def hash_split(texts: dict[str, str], validation_fraction: float,
+               references: dict[str, str] | None = None) -> list[Prompt]:
     """Prompts sorted by the hash of their id; an id whose hash falls in the first
     `validation_fraction` of the range is validation, so a prompt's split depends on its id alone."""
     check_fraction(validation_fraction)
     cut = int(validation_fraction * HASH_BUCKETS)
     ordered = sorted(texts, key=prompt_hash)
-    return [Prompt(pid, texts[pid], "validation" if prompt_hash(pid) < cut else "train") for pid in ordered]
+    references = references or {}
+    return [Prompt(pid, texts[pid], "validation" if prompt_hash(pid) < cut else "train", references.get(pid))
+            for pid in ordered]
 
 
 def check_fraction(validation_fraction: float) -> None:
@@ -103,22 +112,31 @@ def _module_files(root: Path):
 
 
 def _file_prompts(module: str, path: Path):
+    """(id, instruction, reference answer) of each documented public function and method."""
     try:
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source, filename=str(path))
     except (SyntaxError, UnicodeDecodeError, ValueError):  # a few stdlib files are templates or bytes
         return
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
-            yield from _function_prompt(module, None, node)
+            yield from _function_prompt(module, None, node, source)
         elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
             for item in node.body:
                 if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and not item.name.startswith("_"):
-                    yield from _function_prompt(module, node.name, item)
+                    yield from _function_prompt(module, node.name, item, source)
 
 
-def _function_prompt(module: str, owner: str | None, node: ast.FunctionDef | ast.AsyncFunctionDef):
+def _function_prompt(module: str, owner: str | None, node: ast.FunctionDef | ast.AsyncFunctionDef, source: str):
     docstring = ast.get_docstring(node, clean=True)
     if not docstring or not MIN_DOCSTRING_CHARS <= len(docstring) <= MAX_DOCSTRING_CHARS:
         return
     qualname = f"{owner}.{node.name}" if owner else node.name
-    yield f"{module}:{qualname}", instruction(f"{node.name}({ast.unparse(node.args)})", docstring, owner)
+    yield (f"{module}:{qualname}", instruction(f"{node.name}({ast.unparse(node.args)})", docstring, owner),
+           reference_answer(source, node))
+
+
+def reference_answer(source: str, node: ast.AST) -> str:
+    """The function's own code as a chat answer writes it: one fenced Python block."""
+    code = textwrap.dedent(ast.get_source_segment(source, node, padded=True) or ast.unparse(node))
+    return f"```python\n{code.strip()}\n```"

@@ -30,10 +30,13 @@ def test_shipped_configs_load(path):
 
 
 def test_the_feature_draft_config_reuses_the_heads_responses():
-    """`--reuse-responses data/default-pair` needs the same response settings, seed and prompt limit."""
+    """`--reuse-responses data/default-pair` needs the same response settings (references aside), seed
+    and prompt limit; the feature draft's prompts are the head's and more train prompts of each source."""
     draft, head = (load_config(SHIPPED[0].parent / name) for name in ("feature-draft.yaml", "default-pair.yaml"))
-    assert draft.data.response == head.data.response and draft.data.seed == head.data.seed
-    assert draft.data.prompts == head.data.prompts
+    assert draft.data.response.model_copy(update={"reference": False}) == head.data.response
+    assert draft.data.seed == head.data.seed
+    assert draft.data.prompts.model_copy(update={"train": head.data.prompts.train}) == head.data.prompts
+    assert draft.data.prompts.train >= head.data.prompts.train
 
 
 def test_a_draft_section_needs_features_data():

@@ -72,6 +72,49 @@ def test_a_rerun_generates_nothing_and_other_layers_are_refused(feature_dataset)
         generate_dataset(parse_config(other), prompts=TINY_PROMPTS, progress=False)
 
 
+def test_train_prompts_take_their_reference_answers(feature_dataset, tiny_pair, tmp_path):
+    """With response.reference a dataset of the target's responses continues: a new train prompt with
+    a reference takes it (cut at max_new_tokens, else closed by the end-of-turn token), a validation
+    prompt or one without a reference gets the target's; the old rows stay. Once it holds references
+    a run without them is refused, and labels data refuses the key."""
+    import shutil
+
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from specdec.training.data import shard_paths
+    from specdec.training.stdlib_prompts import Prompt
+
+    raw, manifest = feature_dataset
+    directory = tmp_path / "data"
+    shutil.copytree(raw["data"]["dir"], directory)
+    short, long = "f = 1", "```python\n" + "x = 1\n" * 20 + "```"  # byte tokens: 5 and 131 of them
+    extra = [Prompt("ref:short", "Write f.", "train", short), Prompt("ref:long", "Write x.", "train", long),
+             Prompt("ref:held-out", "Write g.", "validation", short), Prompt("ref:none", "Write h.", "train")]
+    with_reference = {**raw, "data": {**raw["data"], "dir": str(directory),
+                                      "response": {**raw["data"]["response"], "reference": True}}}
+    grown = generate_dataset(parse_config(with_reference), prompts=TINY_PROMPTS + extra, progress=False)
+    assert grown["complete"] and grown["counts"]["sequences"] == len(TINY_PROMPTS) + len(extra)
+    assert grown["settings"]["response"]["reference"] and "reference" not in manifest["settings"]["response"]
+    assert [s["sha256"] for s in grown["shards"][:len(manifest["shards"])]] == [s["sha256"] for s in manifest["shards"]]
+    rows = {r["prompt_id"]: r for path in shard_paths(directory)
+            for r in pq.read_table(path, columns=["prompt_id", "response_ids", "finish_reason"]).to_pylist()}
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair[1])
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert rows["ref:short"]["response_ids"] == tokenizer.encode(short, add_special_tokens=False) + [im_end]
+    assert rows["ref:long"]["response_ids"] == tokenizer.encode(long, add_special_tokens=False)[:12]
+    assert rows["ref:short"]["finish_reason"] == rows["ref:long"]["finish_reason"] == "reference"
+    assert rows["ref:held-out"]["finish_reason"] != "reference" and rows["ref:none"]["finish_reason"] != "reference"
+    assert all(rows[p.id]["finish_reason"] != "reference" for p in TINY_PROMPTS)
+    with pytest.raises(DatasetError, match="other settings \\(response differs\\)"):
+        generate_dataset(parse_config({**with_reference, "data": {**with_reference["data"], "response": raw["data"]["response"]}}),
+                         prompts=TINY_PROMPTS + extra, progress=False)
+    labels = tiny_config(tiny_pair, tmp_path)
+    labels["data"]["response"] = {**labels["data"]["response"], "reference": True}
+    with pytest.raises(ConfigError, match="response.reference applies to features data only"):
+        parse_config(labels)
+
+
 def test_layers_past_the_targets_are_refused_before_any_work(tiny_pair, tmp_path):
     raw = feature_config(tiny_pair, tmp_path)
     raw["data"]["features"] = {"layers": [0, 5]}

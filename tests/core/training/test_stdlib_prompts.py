@@ -29,6 +29,9 @@ def test_prompts_from_docstrings(fake_stdlib):
     assert set(prompts) == {"widgets:count", "widgets:Box.add", "pkg:helper"}
     assert prompts["widgets:count"].text == f"Write a Python function `count(box, nested=True)`.\n\n{DOC}"
     assert prompts["widgets:Box.add"].text.startswith("Write the method `add(self, item)` of a class `Box`.")
+    # the reference answer: the function's own code, dedented, in one fenced block
+    assert prompts["widgets:count"].reference == f'```python\ndef count(box, nested=True):\n    """{DOC}"""\n```'
+    assert prompts["widgets:Box.add"].reference == f'```python\ndef add(self, item):\n    """{DOC}"""\n```'
 
 
 def test_order_and_split_are_fixed(fake_stdlib):
