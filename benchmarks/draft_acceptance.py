@@ -156,7 +156,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
 
-    manifest, examples = load_examples(Path(args.data).expanduser(), max_tokens=4096)
+    manifest, examples = load_examples(Path(args.data).expanduser(), max_tokens=4096, states="lazy")
     held_out = [e for e in examples if e.split == "validation"]
     if args.limit:
         held_out = [e for kind in KINDS for e in [x for x in held_out if x.kind == kind][:args.limit]]

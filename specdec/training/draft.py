@@ -26,6 +26,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -42,6 +43,25 @@ PROSE_PREFIX = "prose:"  # prompt ids of the prose source (training/prose_prompt
 RESUMABLE_CHANGES = ("epochs", "checkpoint_every")
 
 
+@dataclass(frozen=True)
+class StoredStates:
+    """Where a sequence's states lie in its shard: read when a batch needs them, so that a dataset
+    larger than memory trains (the default target's: ~7 MB a sequence). A read decodes the shard's
+    states column (8 sequences), a fraction of a second against a training step's seconds."""
+
+    path: Path
+    row: int
+    positions: int  # stored: prompt + response
+    hidden: int
+    keep: int  # the first `keep` positions (max_tokens)
+
+    def read(self) -> torch.Tensor:
+        import pyarrow.parquet as pq
+
+        data = pq.read_table(self.path, columns=["states"]).column("states")[self.row].as_py()
+        return unpack_states(data, self.positions, self.hidden)[:self.keep]
+
+
 @dataclass
 class Example:
     """One sequence of a features dataset."""
@@ -50,16 +70,24 @@ class Example:
     split: str
     tokens: torch.Tensor  # [T] prompt + response ids
     prompt_length: int
-    states: torch.Tensor | None  # [T, layers + 1, H] bfloat16, the output state last (None: tokens only)
+    stored: torch.Tensor | StoredStates | None  # the states in memory, where to read them, or None (tokens only)
+
+    @property
+    def states(self) -> torch.Tensor | None:
+        """[T, layers + 1, H] bfloat16, the output state last."""
+        return self.stored.read() if isinstance(self.stored, StoredStates) else self.stored
 
     @property
     def kind(self) -> str:
         return "prose" if self.prompt_id.startswith(PROSE_PREFIX) else "code"
 
 
-def load_examples(directory: str | Path, max_tokens: int, states: bool = True) -> tuple[dict, list[Example]]:
-    """(manifest, examples) of every shard, each checked against the manifest's sha256; without the
-    states (a gigabyte on the default target's data) when `states` is False."""
+StatesMode = Literal["load", "lazy", "skip"]
+
+
+def load_examples(directory: str | Path, max_tokens: int, states: StatesMode = "load") -> tuple[dict, list[Example]]:
+    """(manifest, examples) of every shard, each checked against the manifest's sha256, with the
+    states loaded, read from the shard when used (`lazy`: `StoredStates`), or none (`skip`)."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     if manifest.get("kind") != "features":
@@ -72,14 +100,18 @@ def load_examples(directory: str | Path, max_tokens: int, states: bool = True) -
         path = directory / entry["file"]
         if not path.is_file():
             raise DatasetError(f"shard {path} listed in the manifest is missing")
-        columns = FEATURE_COLUMNS if states else tuple(c for c in FEATURE_COLUMNS if c != "states")
-        for row in read_shard(path, entry.get("sha256"), columns=columns).to_pylist():
+        columns = FEATURE_COLUMNS if states == "load" else tuple(c for c in FEATURE_COLUMNS if c != "states")
+        for index, row in enumerate(read_shard(path, entry.get("sha256"), columns=columns).to_pylist()):
             if not row["response_ids"]:
                 continue
             ids = row["prompt_ids"] + row["response_ids"]
-            kept = unpack_states(row["states"], len(ids), hidden)[:max_tokens] if states else None
+            stored = None
+            if states == "load":
+                stored = unpack_states(row["states"], len(ids), hidden)[:max_tokens]
+            elif states == "lazy":
+                stored = StoredStates(path, index, len(ids), hidden, max_tokens)
             examples.append(Example(row["prompt_id"], row["split"], torch.tensor(ids[:max_tokens]),
-                                    len(row["prompt_ids"]), kept))
+                                    len(row["prompt_ids"]), stored))
     return manifest, examples
 
 
@@ -124,16 +156,17 @@ class Batch:
 
 def make_batch(examples: list[Example], inputs: str, layers: int, device) -> Batch:
     T = max(len(e.tokens) for e in examples)
-    hidden = examples[0].states.shape[-1]
+    stored = [e.states for e in examples]  # read once each (a lazy example reads its shard)
+    hidden = stored[0].shape[-1]
     reads = layers if inputs == FUSED else 1
     states = torch.zeros(len(examples), T, reads, hidden, dtype=torch.bfloat16)
     outputs = torch.zeros(len(examples), T, hidden, dtype=torch.bfloat16)
     tokens = torch.zeros(len(examples), T, dtype=torch.long)
     next_ids = torch.full((len(examples), T), -1, dtype=torch.long)
-    for b, e in enumerate(examples):
+    for b, (e, e_states) in enumerate(zip(examples, stored)):
         n = len(e.tokens)
-        states[b, :n] = stored_inputs(e.states, inputs, layers)
-        outputs[b, :n] = e.states[:, -1]
+        states[b, :n] = stored_inputs(e_states, inputs, layers)
+        outputs[b, :n] = e_states[:, -1]
         tokens[b, :n - 1] = e.tokens[1:]
         next_ids[b, :n - 1] = e.tokens[1:]
     return Batch(states.to(device), outputs.to(device), tokens.to(device), next_ids.to(device),
@@ -256,7 +289,7 @@ def train_loop(loop_config: dict) -> None:
     if loop_config.get("threads"):  # Ray sets one OpenMP thread per CPU it reserved; the config may say more
         torch.set_num_threads(loop_config["threads"])
     vocab_ids = torch.tensor(loop_config["vocab_ids"], dtype=torch.long)
-    _, examples = load_examples(loop_config["data_dir"], draft.max_tokens)
+    _, examples = load_examples(loop_config["data_dir"], draft.max_tokens, states="lazy")
     layers = len(loop_config["layers"])
     train_set = [e for e in examples if e.split == "train"]
     val_set = [e for e in examples if e.split == "validation"]
@@ -387,7 +420,7 @@ def train_draft(config: PipelineConfig) -> dict:
     draft = config.require_draft()
     manifest, identity, target_dir = check_draft_data(config)
     data_dir = str(Path(config.data.dir).resolve())
-    _, examples = load_examples(data_dir, draft.max_tokens, states=False)  # the workers read the states
+    _, examples = load_examples(data_dir, draft.max_tokens, states="skip")  # the workers read the states
     if draft.init:
         from transformers import AutoConfig
 

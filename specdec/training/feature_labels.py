@@ -111,7 +111,7 @@ def feature_draft_features(config: PipelineConfig, data_dir: str, splits: Sequen
     from specdec.models.sources import model_identity, resolve_model
     from specdec.training.train import mixing_generator
 
-    manifest, examples = load_examples(data_dir, config.require_draft().max_tokens)
+    manifest, examples = load_examples(data_dir, config.require_draft().max_tokens, states="lazy")
     target_dir = resolve_model(config.models.target, role="target", cache=config.models.cache_dir)
     model = load_feature_draft(config.draft.output, target_dir, model_identity(target_dir))
     _, target_head = target_tensors(target_dir)

@@ -63,6 +63,21 @@ def test_shards_hold_the_targets_states_over_prompt_and_response(feature_dataset
     torch.testing.assert_close(example.states[:, -1].float(), hidden[-1][0], atol=2e-2, rtol=2e-2)
 
 
+def test_lazy_examples_read_the_same_states_from_their_shards(feature_dataset):
+    """`lazy` holds where each sequence's states lie, not the states, and reads the same tensors."""
+    from specdec.training.draft import StoredStates
+
+    raw, _ = feature_dataset
+    _, loaded = load_examples(raw["data"]["dir"], max_tokens=20)
+    _, lazy = load_examples(raw["data"]["dir"], max_tokens=20, states="lazy")
+    _, skipped = load_examples(raw["data"]["dir"], max_tokens=20, states="skip")
+    assert all(isinstance(e.stored, StoredStates) for e in lazy) and all(e.states is None for e in skipped)
+    assert [e.prompt_id for e in lazy] == [e.prompt_id for e in loaded]
+    for a, b in zip(loaded, lazy):
+        assert len(b.states) == len(b.tokens) <= 20
+        assert torch.equal(a.states, b.states) and torch.equal(a.tokens, b.tokens)
+
+
 def test_a_rerun_generates_nothing_and_other_layers_are_refused(feature_dataset):
     raw, manifest = feature_dataset
     again = generate_dataset(parse_config(raw), prompts=TINY_PROMPTS, progress=False)
