@@ -88,6 +88,7 @@ ENTRY_COLUMNS = {"labels": ("prompt_id", "split", "response_ids", "labels"),
                  "features": ("prompt_id", "split", "prompt_ids", "response_ids")}
 SEED_BITS = 63
 FINISH_TOO_LONG = "prompt_too_long"  # a row with no response: over max_prompt_tokens or the models' context
+WORKER_RESTARTS = 3  # per gen-data worker, then the run stops (rerun it: it resumes from the shards)
 FINISH_REFERENCE = "reference"  # a row whose response is the prompt's reference answer, not the target's
 
 
@@ -527,8 +528,11 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
     chunks = [pending[i:i + data.shard_size] for i in range(0, len(pending), data.shard_size)]
     if not ray.is_initialized():
         ray.init()
-    worker = ray.remote(FeatureWriter if data.kind == "features" else ExampleWriter).options(num_cpus=scaling.cpus_per_worker,
-                                               num_gpus=1 if scaling.use_gpu else 0)
+    # A worker that dies (killed, out of memory, a node lost) is restarted and its chunk sent again:
+    # rows are written here, by the driver, so a chunk done twice is written once.
+    worker = ray.remote(FeatureWriter if data.kind == "features" else ExampleWriter).options(
+        num_cpus=scaling.cpus_per_worker, num_gpus=1 if scaling.use_gpu else 0,
+        max_restarts=WORKER_RESTARTS, max_task_retries=WORKER_RESTARTS)
     actors = [worker.remote(config.models, data, scaling.threads) for _ in range(min(scaling.num_workers, len(chunks)))]
     pool = ActorPool(actors)
     next_index = max((int(p.name[len(SHARD_PREFIX):-len(SHARD_SUFFIX)]) for p in tables), default=-1) + 1

@@ -174,6 +174,37 @@ def test_resume_generates_only_missing_prompts(tiny_dataset, tmp_path):
     assert again["counts"] == manifest["counts"] and len(shard_paths(directory)) == 3
 
 
+def test_a_worker_killed_mid_run_is_restarted_and_nothing_is_lost(tiny_dataset, tmp_path):
+    """A gen-data worker killed once its first shard is written is restarted, its chunk sent again:
+    the run completes with the rows an undisturbed run writes (the seeds are per prompt)."""
+    import threading
+    import time
+
+    import psutil
+
+    raw, _ = tiny_dataset
+    raw = {**raw, "data": {**raw["data"], "dir": str(tmp_path / "data"), "shard_size": 1},
+           "scaling": {**raw["scaling"], "num_workers": 1}}
+    done: dict = {}
+    run = threading.Thread(target=lambda: done.update(manifest=generate_dataset(
+        parse_config(raw), prompts=TINY_PROMPTS, progress=False)))
+    run.start()
+    deadline = time.monotonic() + 120
+    while not shard_paths(tmp_path / "data") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = [p for p in psutil.process_iter(["cmdline"]) if "ExampleWriter" in " ".join(p.info["cmdline"] or [])]
+    assert len(workers) == 1, "the one gen-data worker was not found"
+    workers[0].kill()
+    run.join(timeout=300)
+    manifest = done["manifest"]
+    assert manifest["complete"] and manifest["counts"]["sequences"] == len(TINY_PROMPTS)
+    _, rows = load_dataset(tmp_path / "data")
+    _, undisturbed = load_dataset(tiny_dataset[0]["data"]["dir"])
+    responses = {r["prompt_id"]: r["response_ids"] for r in undisturbed}
+    assert sorted(r["prompt_id"] for r in rows) == sorted(responses)
+    assert all(r["response_ids"] == responses[r["prompt_id"]] for r in rows)
+
+
 def test_other_settings_in_the_same_directory_are_refused(tiny_dataset):
     raw, _ = tiny_dataset
     changed = {**raw, "data": {**raw["data"], "labels": {"temperatures": [0.5]}}}
