@@ -23,7 +23,8 @@ read from step i's row (the last step's for later ones, with its position featur
 
 The rules read the scalar features (the cache keeps no full q): confidence stops after a candidate
 whose top-1 probability is below tau, svip once sqrt(0.15 H(q_i)) > tau, specdec++:h once the
-head's 1 - prod a_j > h; specdec++cost spends the step's budget (specdec/budget.py) for one session.
+head's 1 - prod a_j > h; specdec++cost spends the step's budget (specdec/budget.py) over the step's
+sessions.
 
 `bound:lam` is no rule the loop could run: it sees the head's a_j of every candidate ahead before
 drafting any (along X) and drafts the k maximising E[tokens](k) - lam * cost(k), with E[tokens](k)
@@ -34,6 +35,7 @@ best is an upper bound on what any stopping rule reading this head's probabiliti
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +44,7 @@ import torch
 
 from specdec.cost_profile import DEFAULT_PROFILE, CostProfile
 from specdec.head import load_head
-from specdec.budget import replay_round
+from specdec.budget import drafting_pays, replay_step
 from specdec.policies.svip import SVIP
 
 HEAD = Path(__file__).resolve().parents[1] / "specdec" / "heads" / "default-pair"
@@ -51,8 +53,15 @@ REPLAY_CACHE = Path("~/.cache/specdec/replay").expanduser()
 MAX_K = 20
 LOG_TOP1, ENTROPY, LOG_POSITION = 1, 3, 4  # scalar feature columns (specdec/features.py)
 
-# a rule: (acceptance [n, MAX_K] by round position, scalars [n, MAX_K, S], t, n) -> (candidates kept, draft steps)
-Rule = Callable[[torch.Tensor, torch.Tensor, int, int], tuple[int, int]]
+# a session's round: (acceptance [n, MAX_K] by round position, scalars [n, MAX_K, S], t, n)
+Round = tuple[torch.Tensor, torch.Tensor, int, int]
+# a rule: a step's rounds -> (candidates kept, draft steps) each; all but specdec++cost decide each
+# session's round alone (`each`), specdec++cost spends one budget over the step's sessions
+Rule = Callable[[list[Round]], list[tuple[int, int]]]
+
+
+def each(rule: Callable[[torch.Tensor, torch.Tensor, int, int], tuple[int, int]]) -> Rule:
+    return lambda rounds: [rule(*r) for r in rounds]
 
 
 def stop_after(test: Callable[[int, int], bool]) -> Callable[[int, int], tuple[int, int]]:
@@ -70,19 +79,19 @@ def stop_after(test: Callable[[int, int], bool]) -> Callable[[int, int], tuple[i
 def rules(head, profile: CostProfile) -> dict[str, Rule]:
     out: dict[str, Rule] = {}
     for k in (1, 2, 3, 4, 6, 8, 10):
-        out[f"fixed:{k}"] = lambda acc, sc, t, n, k=k: (min(k, n - t), min(k, n - t))
+        out[f"fixed:{k}"] = each(lambda acc, sc, t, n, k=k: (min(k, n - t), min(k, n - t)))
     for tau in (0.4, 0.6, 0.7, 0.8, 0.9):
-        out[f"confidence:{tau}"] = lambda acc, sc, t, n, tau=tau: stop_after(
-            lambda j, i: math.exp(float(sc[j, i - 1, LOG_TOP1])) < tau)(t, n)
+        out[f"confidence:{tau}"] = each(lambda acc, sc, t, n, tau=tau: stop_after(
+            lambda j, i: math.exp(float(sc[j, i - 1, LOG_TOP1])) < tau)(t, n))
     for tau in (0.2, 0.3, 0.4):
-        out[f"svip:{tau}"] = lambda acc, sc, t, n, tau=tau: stop_after(
-            lambda j, i: math.sqrt(SVIP.DEFAULT_GAMMA * max(0.0, float(sc[j, i - 1, ENTROPY]))) > tau)(t, n)
+        out[f"svip:{tau}"] = each(lambda acc, sc, t, n, tau=tau: stop_after(
+            lambda j, i: math.sqrt(SVIP.DEFAULT_GAMMA * max(0.0, float(sc[j, i - 1, ENTROPY]))) > tau)(t, n))
     for h in (0.3, 0.5, 0.7, 0.9):
-        out[f"specdec++:{h}"] = lambda acc, sc, t, n, h=h: specdec_pp(acc, t, n, h)
-    out["specdec++cost"] = lambda acc, sc, t, n: specdec_pp_cost(profile, acc, t, n)
+        out[f"specdec++:{h}"] = each(lambda acc, sc, t, n, h=h: specdec_pp(acc, t, n, h))
+    out["specdec++cost"] = lambda rounds: specdec_pp_cost(profile, rounds)
     costs = [k * profile.t_draft_ms + profile.t_target(k) for k in range(MAX_K + 1)]
     for lam in (0.003, 0.004, 0.005, 0.006, 0.008):
-        out[f"bound:{lam}"] = lambda acc, sc, t, n, lam=lam: lookahead_bound(acc, t, n, lam, costs)
+        out[f"bound:{lam}"] = each(lambda acc, sc, t, n, lam=lam: lookahead_bound(acc, t, n, lam, costs))
     return out
 
 
@@ -95,9 +104,15 @@ def specdec_pp(acc: torch.Tensor, t: int, n: int, h: float) -> tuple[int, int]:
     return last, last
 
 
-def specdec_pp_cost(profile: CostProfile, acc: torch.Tensor, t: int, n: int) -> tuple[int, int]:
-    limit = min(MAX_K, n - t)
-    return replay_round(profile, [float(acc[t + i, i]) for i in range(limit)], limit)
+def specdec_pp_cost(profile: CostProfile, rounds: list[Round]) -> list[tuple[int, int]]:
+    """The step's rounds as one budget spends them (specdec/budget.py `replay_step`), none where no
+    round would pay even if every candidate were accepted (the planner keeps the draft off; its
+    further choice of who drafts, for sessions whose drafts lag, does not arise in a replay)."""
+    if not drafting_pays(profile, len(rounds), MAX_K):
+        return [(0, 0)] * len(rounds)
+    limits = [min(MAX_K, n - t) for _, _, t, n in rounds]
+    return replay_step(profile, [[float(acc[t + i, i]) for i in range(limit)]
+                                 for (acc, _, t, _), limit in zip(rounds, limits)], limits)
 
 
 def lookahead_bound(acc: torch.Tensor, t: int, n: int, lam: float, costs: list[float]) -> tuple[int, int]:
@@ -178,24 +193,44 @@ def tables_of(head, features: dict, temperature: float, label_steps: int | None 
     return out
 
 
-def replay(rule: Rule, tables, profile: CostProfile, sampled: bool) -> tuple[float, float]:
-    """-> (tokens per second, drafting steps per token) of `rule` over the responses' tables."""
+def replay(rule: Rule, tables, profile: CostProfile, sampled: bool, sessions: int = 1) -> tuple[float, float]:
+    """-> (tokens per second, drafting steps per token) of `rule` over the responses' tables.
+
+    `sessions` > 1: that many sessions decode in lock-step (continuous batching: a session that
+    finishes takes the next response, the responses cycled so that three batches' worth follow the
+    first) and the replay stops when a slot finds none left, so every step counted is a full batch.
+    A step costs its drafting steps (each at `profile.draft_ms` of the sessions still drafting) and
+    one verification pass over every session's round (`profile.pass_ms` of the tokens it feeds)."""
     generator = torch.Generator().manual_seed(0)
+    repeats = 1 if sessions == 1 else math.ceil(4 * sessions / len(tables))  # >= 3 batches queued after the first
+    queue = iter([i for _ in range(repeats) for i in range(len(tables))])
+    slots = [[i, 0] for i in itertools.islice(queue, sessions)]  # [response, committed position]
     tokens = ms = steps_total = 0.0
-    for acc, labels, scalars in tables:
-        n, t = len(acc), 0
-        while t < n:
-            k, steps = rule(acc, scalars, t, n)
-            accepted = 0
-            for i, j in enumerate(range(t, t + k)):
-                p = float(labels[j, i])
+    while slots:
+        rounds = rule([(tables[i][0], tables[i][2], t, len(tables[i][0])) for i, t in slots])
+        drafting = max(steps for _, steps in rounds)
+        ms += sum(profile.draft_ms(sum(steps >= i for _, steps in rounds)) for i in range(1, drafting + 1))
+        ms += profile.pass_ms(sum(k + 1 for k, _ in rounds))
+        steps_total += drafting
+        finished = []
+        for slot, (k, _) in zip(slots, rounds):
+            (i, t), (acc, labels, _) = slot, tables[slot[0]]
+            n, accepted = len(acc), 0
+            for m, j in enumerate(range(t, t + k)):
+                p = float(labels[j, m])
                 if not (torch.rand(1, generator=generator).item() < p if sampled else p >= 0.5):
                     break
                 accepted += 1
-            ms += steps * profile.t_draft_ms + profile.t_target(k)
             tokens += min(accepted + 1, n - t)
-            steps_total += steps
-            t += accepted + 1
+            slot[1] = t + accepted + 1
+            if slot[1] >= n:
+                following = next(queue, None)
+                if following is None:
+                    finished.append(slot)
+                else:
+                    slot[:] = [following, 0]
+        # one session runs through the responses; a batch stops before it would shrink (steady state)
+        slots = [] if finished and sessions > 1 else [s for s in slots if all(s is not f for f in finished)]
     return tokens / ms * 1000.0, steps_total / tokens
 
 

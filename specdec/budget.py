@@ -290,16 +290,33 @@ def replay_round(profile: CostProfile, acceptance: list[float], limit: int) -> t
     """One session's round as rounds.propose spends the budget, for candidates whose acceptance
     (blind and known alike: greedy) is given in advance -> (K, drafting steps). The offline replay
     (benchmarks/replay_rules.py) and the tests use it."""
-    budget, survive = StepBudget(profile, expected=1.0, tokens=1), 1.0
-    for i, a in enumerate(acceptance[:limit], start=1):
-        budget.spent_ms += profile.draft_ms(1)
-        if not budget.keep([survive * a])[0]:
-            return i - 1, i  # y_i dropped
-        survive *= a
-        budget.add(survive)
-        if not budget.draft_on([survive], [a], [limit - i])[0]:
-            return i, i
-    return min(limit, len(acceptance)), min(limit, len(acceptance))
+    return replay_step(profile, [acceptance], [limit])[0]
+
+
+def replay_step(profile: CostProfile, acceptance: list[list[float]], limits: list[int]) -> list[tuple[int, int]]:
+    """A step's rounds for several sessions as rounds.propose spends the step's one budget (every
+    session budgeted), each session's acceptance given in advance -> per session (K, the drafting
+    steps it took part in)."""
+    sessions = len(acceptance)
+    budget = StepBudget(profile, expected=float(sessions), tokens=sessions)
+    survive, rounds = [1.0] * sessions, [(0, 0)] * sessions
+    active = [s for s in range(sessions) if min(limits[s], len(acceptance[s])) > 0]
+    i = 0
+    while active:
+        i += 1
+        budget.spent_ms += profile.draft_ms(len(active))
+        gains = [survive[s] * acceptance[s][i - 1] for s in active]
+        kept = [s for s, keep in zip(active, budget.keep(gains)) if keep]
+        for s in active:
+            rounds[s] = (i - 1, i)  # y_i drafted; dropped unless kept
+        for s in kept:
+            survive[s] *= acceptance[s][i - 1]
+            budget.add(survive[s])
+            rounds[s] = (i, i)
+        left = [min(limits[s], len(acceptance[s])) - i for s in kept]
+        on = budget.draft_on([survive[s] for s in kept], [acceptance[s][i - 1] for s in kept], left)
+        active = [s for s, go in zip(kept, on) if go]
+    return rounds
 
 
 @dataclass

@@ -22,15 +22,20 @@ Policy: `best-fixed` is the fixed K that is best in hindsight for this acceptanc
 (the adaptive rule chooses K per round and can beat it). `+host` adds the host time per pass that
 bench.py's loop section measured to both sides.
 
-`default` (specdec++cost, C = 1; `--replay DRAFT=CACHE,HEAD`): the round loop replayed over the
-draft's head validation tokens (benchmarks/replay_rules.py: each round's candidates and their
-acceptance along the target's own responses, the head's estimate of each, greedy and T = 1) with
-the GPU's costs as the rule's profile; beside it `replay-fixed`, the best fixed K on the same
-tokens. CACHE is the feature cache `specdec train-head` wrote (its `features/*.pt`), HEAD the head.
+`default` (specdec++cost; `--replay DRAFT=CACHE,HEAD`): the round loop replayed over the draft's
+head validation tokens (benchmarks/replay_rules.py: each round's candidates and their acceptance
+along the target's own responses, the head's estimate of each, greedy and T = 1) with the GPU's
+costs as the rule's profile; beside it `replay-fixed`, the best fixed K on the same tokens. At C
+sessions (`--replay-concurrency`) C responses decode in lock-step and one budget spends each step
+over all of them (specdec/budget.py `replay_step`, as rounds.propose does), priced as the loop
+learns the costs: a drafting step by the sessions it advances (the measured batch sizes), a pass by
+the tokens it feeds (this batch's passes of k tokens each). CACHE is the feature cache
+`specdec train-head` wrote (its `features/*.pt`), HEAD the head.
 
     python -m benchmarks.gpu.project docs/results/gpu/2026-11-28-h200
     python -m benchmarks.gpu.project DIR --json          # one JSON object per row
-    python -m benchmarks.gpu.project DIR --replay feature=~/.cache/specdec/training/feature-draft/features/<key>.pt,~/.cache/specdec/training/feature-draft/fused-2/head
+    python -m benchmarks.gpu.project DIR --replay feature=~/.cache/specdec/training/feature-draft/features/<key>.pt,~/.cache/specdec/training/feature-draft/fused-2/head \
+        --replay-concurrency 1 4 16 64
 
 Caveats: the acceptance is against the 1.5B target (the 7B rows reuse it: a 7B target of the family
 agrees with a 0.5B draft less often), and the costs are random-weight passes with a 200-token context.
@@ -206,34 +211,51 @@ def project(passes: dict, loop: dict, feature: dict, acceptance: dict, mode: str
     return rows
 
 
-def replay_rows(passes: dict, feature: dict, replays: dict[str, tuple[Path, Path]], mode: str) -> list[dict]:
-    """The default policy at C = 1 per (draft, target, temperature), and the best fixed K, both
+def step_costs(draft_name: str, name: str, batch: int, passes: dict, feature: dict, bandwidth: float | None,
+               mode: str):
+    """A step's costs at `batch` sessions as the loop learns them: a drafting step by the sessions it
+    advances (the measured batch sizes up to `batch`), a pass by the tokens it feeds (this batch's
+    passes of k tokens each: batch * k tokens)."""
+    from specdec.cost_profile import CostProfile
+
+    rows = {}
+    for b in sorted({int(key.split(",")[0].split("=")[1]) for key in passes[DRAFT]}):
+        curve = pass_curve(passes.get(name, {}), b, mode)
+        step = draft_step(draft_name, name, b, passes, feature, curve, bandwidth, mode) if 1 in curve else None
+        if b <= batch and step is not None:
+            rows[b] = step[0]
+    target = pass_curve(passes.get(name, {}), batch, mode)
+    return CostProfile(t_draft_ms=rows[min(rows)], t_draft_rows_ms=rows, t_target_ms={batch * k: ms for k, ms in target.items()},
+                       source=f"{mode} passes, {name}, {batch} sessions")
+
+
+def replay_rows(passes: dict, feature: dict, replays: dict[str, tuple[Path, Path]], mode: str,
+                concurrency: tuple[int, ...] = (1,)) -> list[dict]:
+    """The default policy per (draft, target, temperature, concurrency), and the best fixed K, both
     replayed over the draft's head validation tokens with the GPU's costs (module docstring)."""
     import torch
 
     from benchmarks.replay_rules import replay, rules, tables_of
-    from specdec.cost_profile import CostProfile
     from specdec.head import load_head
 
     bandwidth, rows = bandwidth_of(passes, mode), []
     for draft_name, (cache_path, head_path) in replays.items():
         cache, head = torch.load(cache_path, weights_only=True), load_head(head_path)
         tables = {t: tables_of(head, cache["validation"], t, cache.get("label_steps")) for t in (0.0, 1.0)}
-        for name in TARGETS:
-            target = pass_curve(passes.get(name, {}), 1, mode)
-            step = None if 1 not in target else draft_step(draft_name, name, 1, passes, feature, target, bandwidth, mode)
+        for name, batch in ((name, batch) for name in TARGETS for batch in concurrency):
+            target = pass_curve(passes.get(name, {}), batch, mode)
+            step = None if 1 not in target else draft_step(draft_name, name, batch, passes, feature, target, bandwidth, mode)
             if step is None:
                 continue
-            profile = CostProfile(t_draft_ms=step[0], t_draft_rows_ms={1: step[0]}, t_target_ms=target,
-                                  source=f"{mode} passes, {name}")
-            policies = rules(head, profile)
+            costs = step_costs(draft_name, name, batch, passes, feature, bandwidth, mode)
+            policies = rules(head, costs)
             for temperature, responses in tables.items():
-                sampled = temperature > 0
-                speed = {spec: replay(policies[spec], responses, profile, sampled)[0] * target[1] / 1000.0
+                plain = batch / target[1] * 1000.0  # tokens per second of plain decoding at this batch
+                speed = {spec: replay(policies[spec], responses, costs, temperature > 0, batch)[0] / plain
                          for spec in policies if spec == "specdec++cost" or spec.startswith("fixed:")}
                 fixed = max((s for s in speed if s.startswith("fixed:")), key=speed.get)
                 for policy, spec in (("default", "specdec++cost"), ("replay-fixed", fixed)):
-                    rows.append({"draft": draft_name, "target": name, "temperature": temperature, "concurrency": 1,
+                    rows.append({"draft": draft_name, "target": name, "temperature": temperature, "concurrency": batch,
                                  "policy": policy, "k": None if policy == "default" else int(spec.split(":")[1]),
                                  "speedup": round(speed[spec], 3), "draft_ms": round(step[0], 3),
                                  "target_ms": round(target[1], 3), "draft_cost": step[1],
@@ -261,15 +283,17 @@ def main() -> None:
                              "eager, the runtime on its slot cache, or on its static cache (default pair only)")
     parser.add_argument("--json", action="store_true", help="one JSON object per row instead of the table")
     parser.add_argument("--replay", type=parse_replay, action="append", default=[],
-                        help="DRAFT=CACHE,HEAD: project the default policy at C = 1 by replaying the head's "
+                        help="DRAFT=CACHE,HEAD: project the default policy by replaying the head's "
                              "validation tokens (module docstring); repeat per draft")
+    parser.add_argument("--replay-concurrency", type=int, nargs="+", default=[1],
+                        help="sessions decoding in lock-step in the replay (each a row)")
     args = parser.parse_args()
     passes, loop, feature = load_results(args.results)
     acceptance = {(DRAFT, t): survival(args.records, args.spec, t) for t in (0.0, 1.0)}
     if args.feature_acceptance.is_file():
         acceptance[(FEATURE, 0.0)] = feature_survival(args.feature_acceptance)
     rows = project(passes, loop, feature, acceptance, args.mode)
-    replayed = replay_rows(passes, feature, dict(args.replay), args.mode)
+    replayed = replay_rows(passes, feature, dict(args.replay), args.mode, tuple(args.replay_concurrency))
     if args.json:
         for row in rows + replayed:
             print(json.dumps(row))
@@ -289,13 +313,13 @@ def main() -> None:
     for (draft, temperature), survive in acceptance.items():
         print(f"\nS_j {draft} T={temperature:g}:", ", ".join(f"{s:.3f}" for s in survive))
     if replayed:
-        print(f"\nreplayed over the heads' validation tokens ({', '.join(f'{d}: {c.name}' for d, (c, _) in args.replay)}), "
-              "C = 1:\n\n| draft | target | T | draft ms | target ms | policy | speedup |\n|---|---|---|---|---|---|---|")
+        print(f"\nreplayed over the heads' validation tokens ({', '.join(f'{d}: {c.name}' for d, (c, _) in args.replay)})"
+              ":\n\n| draft | target | T | C | draft ms | target ms | policy | speedup |\n|---|---|---|---|---|---|---|---|")
         for row in replayed:
             policy = row["policy"] + (f" (K={row['k']})" if row["k"] else "")
             draft_ms = f"{row['draft_ms']:.2f}" + (" (est.)" if row["draft_cost"] == "estimated" else "")
-            print(f"| {row['draft']} | {row['target']} | {row['temperature']:g} | {draft_ms} | {row['target_ms']:.2f} | "
-                  f"{policy} | {row['speedup']:.2f}x |")
+            print(f"| {row['draft']} | {row['target']} | {row['temperature']:g} | {row['concurrency']} | {draft_ms} | "
+                  f"{row['target_ms']:.2f} | {policy} | {row['speedup']:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks.gpu.project import expected_tokens, speedup
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,3 +59,24 @@ def test_a_feature_drafts_replay_reads_each_candidate_from_its_steps_rows():
     profile = CostProfile(t_draft_ms=1.0, t_target_ms={1: 10.0, 8: 12.0})
     _, steps_per_token = replay(rules(head, profile)["fixed:4"], tables, profile, sampled=False)
     assert math.isclose(steps_per_token, (4 + 4 + 4 + 2) / n)  # four rounds of 2 tokens
+
+
+def test_a_replayed_batch_pays_each_drafting_step_by_its_rows_and_one_pass_for_all():
+    """Two sessions in lock-step, every candidate accepted, fixed:2 on 4-token responses: a step of
+    two 2-candidate rounds (two drafting steps of 2 rows, a 6-token pass: 3 + 12 ms) commits 3 tokens
+    each, the next of two 1-candidate rounds (one step, a 4-token pass: 1.5 + 11 ms) 1 each; the
+    batch stops before it would shrink, so every step counted is a full one."""
+    import torch
+
+    from benchmarks.replay_rules import each, replay
+    from specdec.cost_profile import CostProfile
+
+    n = 4
+    table = (torch.ones(n, 20), torch.ones(n, 20), torch.zeros(n, 20, 6))
+    profile = CostProfile(t_draft_ms=1.0, t_draft_rows_ms={1: 1.0, 2: 1.5}, t_target_ms={2: 10.0, 6: 12.0})
+    fixed2 = each(lambda acc, sc, t, n: (min(2, n - t), min(2, n - t)))
+    tokens_per_s, steps_per_token = replay(fixed2, [table, table], profile, sampled=False, sessions=2)
+    assert tokens_per_s == pytest.approx(8 / (3 + 12 + 1.5 + 11) * 1000)
+    assert steps_per_token == pytest.approx(3 / 8)
+    alone, _ = replay(fixed2, [table], profile, sampled=False)  # one session: 2 steps + a 3-token pass, then 1 + 2
+    assert alone == pytest.approx(4 / (2 * 1.0 + 10.5 + 1.0 + 10.0) * 1000)

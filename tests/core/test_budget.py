@@ -8,7 +8,8 @@ import torch
 
 from specdec.budget import (StepBudget, best_allocation, curve_probe, decide_step, draining_allocation, draining_batch,
                             drafting_pays, drafting_saving, expected_remaining, expected_tokens, geometric,
-                            hopeful_acceptance, replay_round, who_drafts, worth_catching_up)
+                            hopeful_acceptance, replay_round, replay_step, who_drafts,
+                            worth_catching_up)
 from specdec.cost_profile import CostProfile, LiveCosts, PassTiming
 from specdec.features import FEATURES_DISTRIBUTION
 from specdec.head import AcceptanceHead, HeadConfig
@@ -49,6 +50,16 @@ def test_stops_where_the_next_candidate_stops_paying():
     """Flat 100 ms verification, 10 ms a draft step, a = 0.9 throughout: E(k) / (10 k + 100) peaks
     at k = 10 (6.862 / 200 = 0.03431; k = 11: 0.03417)."""
     assert replay_round(FLAT, [0.9] * 20, 20) == (10, 10)
+
+
+def test_one_budget_over_a_steps_sessions_drafts_longer_where_acceptance_is_higher():
+    """replay_step: two sessions share a step's budget and its pass. The likely session keeps two
+    candidates (alone it keeps three: the other's token makes every pass longer), the unlikely one's
+    first is drafted and dropped; one session is replay_round."""
+    assert replay_step(CHEAP_DRAFT, [[0.95] * 20, [0.1] * 20], [20, 20]) == [(2, 3), (0, 1)]
+    assert replay_round(CHEAP_DRAFT, [0.95] * 20, 20) == (3, 3)
+    assert replay_step(FLAT, [[0.9] * 20], [20]) == [replay_round(FLAT, [0.9] * 20, 20)]
+    assert replay_step(FLAT, [[0.9] * 20, [0.9] * 20], [3, 20])[0] == (3, 3)  # a limit ends its round
 
 
 def test_free_drafting_on_a_flat_curve_continues_to_the_cap():
