@@ -338,7 +338,8 @@ class FeatureDraftRuntime(DraftRole):
     reads_features = True
 
     def __init__(self, model: FeatureDraft, identity: str = "", name: str = ""):
-        self.model, self.identity, self.name = model.eval(), identity, name
+        # serving never trains it: no autograd graph behind its scores (the policies read them as numbers)
+        self.model, self.identity, self.name = model.eval().requires_grad_(False), identity, name
         self.layer_config = model.layer_config
         self.forward_passes = 0
 

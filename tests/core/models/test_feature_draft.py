@@ -140,3 +140,16 @@ def test_the_runtime_times_probes_of_scratch_sessions():
     assert not runtime.can_draft(session, [1, 2, 3])
     runtime.add_features(session, torch.randn(2, runtime.model.config.reads, HIDDEN), 0)
     assert runtime.can_draft(session, [1, 2, 3]) and not runtime.can_draft(session, [1, 2, 3, 4])
+
+
+def test_the_runtimes_scores_carry_no_autograd_graph():
+    """A drafting step's scores and states are plain numbers to the policies: serving builds no
+    graph behind them (the trainable norms would otherwise record one every step)."""
+    from specdec.models.feature_draft import FeatureDraftRuntime
+
+    runtime = FeatureDraftRuntime(tiny_draft())
+    session = runtime.new_session()
+    runtime.add_features(session, torch.randn(3, runtime.model.config.reads, HIDDEN), 0)
+    outputs = runtime.start([session], [[1, 2, 3, 4]])
+    assert not outputs.logits.requires_grad and not outputs.hidden.requires_grad
+    assert not runtime.step([session], [5]).logits.requires_grad
