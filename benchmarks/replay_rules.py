@@ -214,7 +214,7 @@ def replay(rule: Rule, tables, profile: CostProfile, sampled: bool, sessions: in
         steps_total += drafting
         finished = []
         for slot, (k, _) in zip(slots, rounds):
-            (i, t), (acc, labels, _) = slot, tables[slot[0]]
+            t, (acc, labels, _) = slot[1], tables[slot[0]]
             n, accepted = len(acc), 0
             for m, j in enumerate(range(t, t + k)):
                 p = float(labels[j, m])
