@@ -87,6 +87,11 @@ def expected_tokens(survive: list[float]) -> float:
     return 1.0 + sum(survive)
 
 
+def batch_sizes(passes: dict) -> list[int]:
+    """The session counts bench.py's passes section measured (its keys: `B=4,k=2`)."""
+    return sorted({int(key.split(",")[0].split("=")[1]) for key in passes[DRAFT]})
+
+
 def pass_curve(passes: dict, batch: int, mode: str) -> dict[int, float]:
     """{k: ms} for one batch size from bench.py's passes rows."""
     curve = {}
@@ -184,7 +189,7 @@ def project(passes: dict, loop: dict, feature: dict, acceptance: dict, mode: str
     """One row per (draft, target, temperature, concurrency): the best fixed K and its speedup.
     `acceptance`: {(draft, temperature): [S_1, ...]}; `feature`: bench.py's feature-draft steps."""
     bandwidth = bandwidth_of(passes, mode)
-    batches = sorted({int(key.split(",")[0].split("=")[1]) for key in passes[DRAFT]})
+    batches = batch_sizes(passes)
     rows = []
     for (draft_name, temperature), survive in acceptance.items():
         for name in TARGETS:
@@ -219,7 +224,7 @@ def step_costs(draft_name: str, name: str, batch: int, passes: dict, feature: di
     from specdec.cost_profile import CostProfile
 
     rows = {}
-    for b in sorted({int(key.split(",")[0].split("=")[1]) for key in passes[DRAFT]}):
+    for b in batch_sizes(passes):
         curve = pass_curve(passes.get(name, {}), b, mode)
         step = draft_step(draft_name, name, b, passes, feature, curve, bandwidth, mode) if 1 in curve else None
         if b <= batch and step is not None:

@@ -56,9 +56,7 @@ class StoredStates:
     keep: int  # the first `keep` positions (max_tokens)
 
     def read(self) -> torch.Tensor:
-        import pyarrow.parquet as pq
-
-        data = pq.read_table(self.path, columns=["states"]).column("states")[self.row].as_py()
+        data = read_shard(self.path, columns=("states",)).column("states")[self.row].as_py()
         return unpack_states(data, self.positions, self.hidden)[:self.keep]
 
 
