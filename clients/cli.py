@@ -66,7 +66,8 @@ def grpc_options(args: argparse.Namespace) -> dict[str, Any]:
     """The generation flags as GrpcClient parameters (same names); unset ones left out."""
     options = {"policy": args.policy, "k": args.k, "threshold": args.threshold, "temperature": args.temperature,
                "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
-               "n": args.n, "stop": args.stop, "chat_template": False if args.no_chat_template else None}
+               "n": args.n, "stop": args.stop, "chat_template": False if args.no_chat_template else None,
+               "draft": args.use_draft}
     return {key: value for key, value in options.items() if value is not None}
 
 

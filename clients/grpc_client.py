@@ -45,6 +45,7 @@ class GenerationOptions(TypedDict, total=False):
     n: int
     stop: str | Sequence[str]
     chat_template: bool
+    draft: str  # which of the server's drafts proposes the rounds (unset: its first)
     request_id: str
     # Sent as gRPC metadata: Ray Serve routes requests with one session id to one replica.
     session_id: str

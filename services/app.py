@@ -3,6 +3,7 @@
     Ingress (gRPC proxy: specdec.v1.Generation; HTTP: OpenAI routes)
       -> Coordinator (the round loop over every session: one batched call per step per role)
            --Propose batch-->  Draft (draft model + head + policies)       services/replicas.py
+                               (one deployment per draft: Draft, Draft-<name> for `models.drafts`)
            --Verify batch--->  Verifier (target, sharded)
 
 Round calls carry our protobuf messages (protos/specdec/v1), split per replica by the consistent
@@ -16,7 +17,9 @@ from __future__ import annotations
 from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
+from specdec.builder import draft_configs
 from specdec.errors import Overloaded
+from specdec.params import DEFAULT_DRAFT
 from services.autoscaling import POLICY as ROUND_CALLS_POLICY
 from services.config import CONSISTENT_HASH_ROUTER, AppConfig, ReplicaConfig
 from services.errors import RETRY_AFTER_S, TABLE
@@ -58,10 +61,16 @@ def _deployment(cls: type, name: str, replicas: ReplicaConfig, round_service: bo
                             **options)
 
 
+def draft_deployment_name(name: str) -> str:
+    """"Draft" for the default draft, "Draft-<name>" for the others."""
+    return "Draft" if name == DEFAULT_DRAFT else f"Draft-{name}"
+
+
 def build_app(args: dict | AppConfig | None = None) -> serve.Application:
     """`serve run services.app:build_app [key=value ...]` or a config file's `args:`."""
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
-    draft = _deployment(Draft, "Draft", config.draft, round_service=True).bind(config)
+    drafts = {name: _deployment(Draft, draft_deployment_name(name), config.draft, round_service=True).bind(config, name)
+              for name in draft_configs(config.models)}
     verifier = _deployment(Verifier, "Verifier", config.verifier, round_service=True).bind(config)
     # At capacity a request is refused at once (HTTP 429 + Retry-After, gRPC RESOURCE_EXHAUSTED),
     # whether the proxies' queue for the ingress or the ingress's queue for a coordinator is full.
@@ -69,5 +78,5 @@ def build_app(args: dict | AppConfig | None = None) -> serve.Application:
                "backpressure_config": BackpressureConfig(status_code=TABLE[Overloaded].http,
                                                          retry_after_s=RETRY_AFTER_S[Overloaded])}
     coordinator = _deployment(CoordinatorDeployment, "Coordinator", config.coordinator,
-                              **bounded).bind(draft, verifier, config)
+                              **bounded).bind(drafts, verifier, config)
     return _deployment(ingress_class(config), "Ingress", config.ingress, **bounded).bind(coordinator, config)

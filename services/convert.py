@@ -305,7 +305,7 @@ def params_from_request(request: generation_pb2.GenerateRequest, default_policy:
             default_policy.threshold if same_policy else None),
         temperature=request.temperature, top_p=given("top_p"), top_k=request.top_k, seed=given("seed"),
         max_new_tokens=given("max_new_tokens"), n=given("n"), stop=tuple(request.stop) or None,
-        chat_template=given("chat_template"))
+        chat_template=given("chat_template"), draft=given("draft"))
 
 
 def prompt_ids_from_request(request: generation_pb2.GenerateRequest, rules: RequestRules,

@@ -6,7 +6,8 @@ this app on the Serve ingress, the tests mount it on the in-process engine.
 
 Where this differs from OpenAI's API, on purpose:
 - temperature unset = 0 (greedy), as `specdec generate` (OpenAI's default is 1); max_tokens unset = 128;
-- extension fields in the body, as vLLM's `extra_body`: policy, k, threshold, top_k (-1 or 0 = off);
+- extension fields in the body, as vLLM's `extra_body`: policy, k, threshold, top_k (-1 or 0 = off),
+  draft (which of the server's drafts: GenerateRequest.draft);
 - fields that would change the output and that we cannot honour (echo, logprobs, suffix, logit_bias,
   presence/frequency penalties, best_of != n), and unknown fields, are refused with 400, never ignored;
 - every result carries "specdec": the request's Stats (protos/specdec/v1/generation.proto), on the
@@ -118,6 +119,7 @@ class GenerationFields(BaseModel):
     policy: str | None = None
     k: int | None = Field(None, ge=-INT32_MAX - 1, le=INT32_MAX)
     threshold: float | None = None
+    draft: str | None = None
 
 
 class CompletionRequest(GenerationFields):
@@ -156,7 +158,7 @@ def generate_request(body: GenerationFields, max_tokens: int | None, request_id:
     check_supported(body)
     fields = {"max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "n": body.n,
               "seed": body.seed, "top_k": None if body.top_k is None else max(body.top_k, 0),
-              "policy": body.policy, "k": body.k, "threshold": body.threshold}
+              "policy": body.policy, "k": body.k, "threshold": body.threshold, "draft": body.draft}
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     return generation_pb2.GenerateRequest(stop=stop, request_id=request_id,
                                           **{key: value for key, value in fields.items() if value is not None})

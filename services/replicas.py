@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 import torch
 
-from specdec.builder import build_draft, build_head, build_rules, build_target, resolve_dtype
+from specdec.builder import build_draft, build_head, build_rules, build_target, draft_configs, resolve_dtype
+from specdec.params import DEFAULT_DRAFT
 from specdec.sessions import SessionStore
 from specdec.v1 import common_pb2, draft_pb2, generation_pb2, verifier_pb2
 from specdec.workers import DraftWorker, VerifierWorker
@@ -98,13 +99,20 @@ class RoundReplica:
 
 
 class Draft(RoundReplica):
+    """One of the drafts (`name`: DEFAULT_DRAFT, or a name of `models.drafts`)."""
+
     role = "draft"
+
+    def __init__(self, config: AppConfig, name: str = DEFAULT_DRAFT):
+        self.name = name
+        super().__init__(config)
 
     def _load(self, config: AppConfig) -> DraftServicer:
         set_threads(config.draft.threads)
-        draft, _ = build_draft(config.models.model_copy(update={"threads": config.draft.threads}), progress=False)
+        models = draft_configs(config.models)[self.name].model_copy(update={"threads": config.draft.threads})
+        draft, _ = build_draft(models, progress=False)
         sessions = SessionStore(config.sessions.max_sessions, config.sessions.ttl_s)
-        worker = DraftWorker(draft, build_head(config.models, draft), sessions, sparsifier(config.sparsify_below))
+        worker = DraftWorker(draft, build_head(models, draft), sessions, sparsifier(config.sparsify_below))
         worker.probe_at_first_batch()  # its timings seed the coordinator's live costs with the first reply
         return DraftServicer(worker, self._executor)
 
@@ -138,9 +146,10 @@ class Verifier(RoundReplica):
 class CoordinatorDeployment:
     """A Serve replica is an async Ray actor: this one runs the round loop for every session routed to it."""
 
-    def __init__(self, draft, verifier, config: AppConfig):
+    def __init__(self, drafts: dict, verifier, config: AppConfig):
+        """`drafts`: each draft's deployment handle by name."""
         rules = build_rules(config.models, progress=False)
-        transport = round_transport(config.round_transport, draft, verifier, config.key)
+        transport = round_transport(config.round_transport, drafts, verifier, config.key)
         self.coordinator = Coordinator(transport, rules, config.policy, observer=RayRoundMetrics(),
                                        batch=config.models.batch)
 

@@ -2,12 +2,13 @@
 (specdec/calls.py's RoundTransport; the in-process one is specdec.calls.LocalTransport).
 
 A batch is split by the replica that owns each session, and the groups go out at once, one call
-each. A group whose replica does not answer (gone, restarting, unreachable, hung past the call
+each. Each draft (by name, `EngineConfig.drafts`) is a service of its own: its replicas hold only
+its sessions, and a Propose goes to the draft it names. A group whose replica does not answer (gone, restarting, unreachable, hung past the call
 timeout) comes back `Unreachable` and its sessions forget their replica: the loop retries them, in
 full, wherever Serve's router sends them next. Any other failure of a call comes back `Failed`:
 that call's sessions fail, the other replicas' go on.
 
-    GrpcTransport     our gRPC services at fixed addresses (one draft, one verifier: tests, benchmarks)
+    GrpcTransport     our gRPC services at fixed addresses (a draft each, one verifier: tests, benchmarks)
     DirectTransport   our gRPC services on each replica's own server; Serve's consistent-hash
                       router names a session's replica once (its first round), then calls go there
     HandleTransport   every call through a Serve deployment handle ("serve-grpc": Serve's
@@ -28,6 +29,7 @@ import grpc
 from google.protobuf.message import Message
 
 from specdec.metrics import MS_PER_S
+from specdec.params import DEFAULT_DRAFT
 from specdec.protocol import BatchReply, CallTiming, Failed, ProposeItem, Role, StepPlan, Unreachable, VerifyItem
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from services.auth import call_metadata
@@ -54,6 +56,15 @@ class ReplicaGone(Exception):
     """A round call found no replica where it went (the loop retries its sessions)."""
 
 
+def service(role: Role, draft: str = DEFAULT_DRAFT) -> str:
+    """Which deployment serves a role's calls: the verifier, or the named draft's."""
+    return role if role == "verifier" or draft == DEFAULT_DRAFT else f"{role}/{draft}"
+
+
+def role_of(served_by: str) -> Role:
+    return "verifier" if served_by == "verifier" else "draft"
+
+
 class GrpcTransport:
     """Batched round calls over grpc.aio to the replica that owns each session; here one fixed
     address per role."""
@@ -61,18 +72,22 @@ class GrpcTransport:
     # Raised by `_send` or `_owner` when the replica is gone: its sessions come back Unreachable.
     retryable: tuple[type[BaseException], ...] = (ReplicaGone,)
 
-    def __init__(self, draft_address: str | None = None, verifier_address: str | None = None,
+    def __init__(self, draft_address: str | dict[str, str] | None = None, verifier_address: str | None = None,
                  api_key: str | None = None, timeout_s: float = CALL_TIMEOUT_S):
-        self._fixed = {"draft": draft_address, "verifier": verifier_address}
+        """`draft_address`: the default draft's, or each draft's by name."""
+        drafts = draft_address if isinstance(draft_address, dict) else {DEFAULT_DRAFT: draft_address}
+        self._fixed = {service("draft", name): address for name, address in drafts.items()}
+        self._fixed["verifier"] = verifier_address
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._metadata, self.timeout_s = call_metadata(api_key), timeout_s
 
     # ----------------------------------------------------------------------------------------
     # The calls
 
-    async def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan()) -> BatchReply:
+    async def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan(),
+                      draft: str = DEFAULT_DRAFT) -> BatchReply:
         return await self._batched(
-            "draft", items, lambda group: plan_to_proto(  # the other replicas' sessions share the step too
+            service("draft", draft), items, lambda group: plan_to_proto(  # the other replicas' sessions share the step too
                 replace(plan, other_sessions=plan.other_sessions + len(items) - len(group)),
                 [propose_item_to_proto(i) for i in group]),
             lambda reply: ([proposal_from_proto(p) for p in reply.proposals], reply.draft_ms))
@@ -91,26 +106,28 @@ class GrpcTransport:
                 items=[verify_item_to_proto(i) for i in group], probe_tokens=probe_tokens if group[0] is items[0] else 0),
             lambda reply: ([verdict_from_proto(v) for v in reply.verdicts], reply.target_ms))
 
-    async def release(self, role: Role, session_ids: list[str]) -> None:
+    async def release(self, role: Role, session_ids: list[str], draft: str = DEFAULT_DRAFT) -> None:
         """Best effort, per replica: a session whose replica is unknown has nothing to free there."""
-        groups: dict[str, list[str]] = {}
+        served_by, groups = service(role, draft), {}
         for session_id in session_ids:
-            owner = self._known_owner(role, session_id)
+            owner = self._known_owner(served_by, session_id)
             if owner is not None:
                 groups.setdefault(owner, []).append(session_id)
-            self._forget(role, session_id)
+            self._forget(served_by, session_id)
         results = await asyncio.gather(
-            *(self._send(role, owner, "Release", common_pb2.SessionRefs(session_ids=ids), ids[0])
+            *(self._send(served_by, owner, "Release", common_pb2.SessionRefs(session_ids=ids), ids[0])
               for owner, ids in groups.items()), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
-                logger.debug("release on the %s failed: %s", role, result)
+                logger.debug("release on the %s failed: %s", served_by, result)
 
-    async def _batched(self, role: Role, items: list, to_request: Callable[[list], Message],
+    async def _batched(self, served_by: str, items: list, to_request: Callable[[list], Message],
                        from_reply: Callable[[Message], tuple[list, float]]) -> BatchReply:
+        """One call per replica of the `served_by` deployment (`service`) that owns some of the items."""
+        role = role_of(served_by)
         answers: list = [None] * len(items)
         groups: dict[str | None, list[int]] = {}
-        for i, owner in enumerate(await asyncio.gather(*(self._owner_or_none(role, it.session_id) for it in items))):
+        for i, owner in enumerate(await asyncio.gather(*(self._owner_or_none(served_by, it.session_id) for it in items))):
             groups.setdefault(owner, []).append(i)
         calls, passes = [], []
 
@@ -118,19 +135,19 @@ class GrpcTransport:
             group = [items[i] for i in indices]
             if owner is None:  # no replica to be found now
                 for i in indices:
-                    answers[i] = Unreachable(f"no {role} replica")
+                    answers[i] = Unreachable(f"no {served_by} replica")
                 return
             request = to_request(group)
             start = time.perf_counter()
             try:
-                reply = await self._send(role, owner, "Propose" if role == "draft" else "Verify", request,
+                reply = await self._send(served_by, owner, "Propose" if role == "draft" else "Verify", request,
                                          group[0].session_id)
                 group_answers, compute_ms = from_reply(reply)
                 if len(group_answers) != len(indices):
                     raise RuntimeError(f"the {role} at {owner} answered {len(group_answers)} of {len(indices)} items")
             except self.retryable as exc:
                 for i, item in zip(indices, group):
-                    self._forget(role, item.session_id)
+                    self._forget(served_by, item.session_id)
                     answers[i] = Unreachable(str(exc) or type(exc).__name__)
                 return
             except Exception as exc:  # noqa: BLE001 - this replica's call failed for good: its sessions only
@@ -150,19 +167,19 @@ class GrpcTransport:
     # ----------------------------------------------------------------------------------------
     # Replicas
 
-    async def _owner(self, role: Role, session_id: str) -> str:
-        """The address of the replica that holds (or will hold) the session."""
-        return self._fixed[role]
+    async def _owner(self, served_by: str, session_id: str) -> str:
+        """The address of the replica of `served_by` (`service`) that holds (or will hold) the session."""
+        return self._fixed[served_by]
 
-    def _known_owner(self, role: Role, session_id: str) -> str | None:
-        return self._fixed[role]
+    def _known_owner(self, served_by: str, session_id: str) -> str | None:
+        return self._fixed[served_by]
 
-    def _forget(self, role: Role, session_id: str) -> None:
+    def _forget(self, served_by: str, session_id: str) -> None:
         """The session's replica is gone or it left: look it up again next time."""
 
-    async def _owner_or_none(self, role: Role, session_id: str) -> str | None:
+    async def _owner_or_none(self, served_by: str, session_id: str) -> str | None:
         try:
-            return await self._owner(role, session_id)
+            return await self._owner(served_by, session_id)
         except self.retryable:
             return None
 
@@ -173,14 +190,14 @@ class GrpcTransport:
                                   ("grpc.max_receive_message_length", MAX_ROUND_MESSAGE_BYTES)])
         return self._channels[address]
 
-    async def _send(self, role: Role, owner: str, method: str, request: Message, routing_key: str) -> Any:
-        stub = STUBS[role](self._channel(owner))
+    async def _send(self, served_by: str, owner: str, method: str, request: Message, routing_key: str) -> Any:
+        stub = STUBS[role_of(served_by)](self._channel(owner))
         try:
             return await getattr(stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:  # the channel stays: grpc reconnects, and other calls share it
             if exc.code() in FINAL_CODES:
                 raise from_grpc(exc.code(), exc.details()) from None
-            raise ReplicaGone(f"{role} at {owner}: {exc.code().name}") from None
+            raise ReplicaGone(f"{served_by} at {owner}: {exc.code().name}") from None
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -209,23 +226,26 @@ class DirectTransport(GrpcTransport):
     replica that owns the session; later rounds go straight there."""
 
     def __init__(self, draft, verifier, api_key: str | None = None, timeout_s: float = CALL_TIMEOUT_S):
+        """`draft`: the default draft's deployment handle, or each draft's by name."""
         super().__init__(api_key=api_key, timeout_s=timeout_s)
         self.retryable = _serve_retryable()
-        self._handles = {"draft": draft, "verifier": verifier}
-        self._owners: dict[tuple[Role, str], str] = {}
+        drafts = draft if isinstance(draft, dict) else {DEFAULT_DRAFT: draft}
+        self._handles = {service("draft", name): handle for name, handle in drafts.items()}
+        self._handles["verifier"] = verifier
+        self._owners: dict[tuple[str, str], str] = {}
 
-    async def _owner(self, role: Role, session_id: str) -> str:
-        key = (role, session_id)
+    async def _owner(self, served_by: str, session_id: str) -> str:
+        key = (served_by, session_id)
         if key not in self._owners:
-            handle = self._handles[role].options(session_id=session_id)
+            handle = self._handles[served_by].options(session_id=session_id)
             self._owners[key] = await own_request(lambda: handle.address.remote())
         return self._owners[key]
 
-    def _known_owner(self, role: Role, session_id: str) -> str | None:
-        return self._owners.get((role, session_id))
+    def _known_owner(self, served_by: str, session_id: str) -> str | None:
+        return self._owners.get((served_by, session_id))
 
-    def _forget(self, role: Role, session_id: str) -> None:
-        self._owners.pop((role, session_id), None)
+    def _forget(self, served_by: str, session_id: str) -> None:
+        self._owners.pop((served_by, session_id), None)
 
 
 class HandleTransport(DirectTransport):
@@ -234,17 +254,18 @@ class HandleTransport(DirectTransport):
     protobuf bytes over Serve's gRPC transport (`grpc_transport`) or as Ray actor calls."""
 
     def __init__(self, draft, verifier, grpc_transport: bool = True):
-        super().__init__(draft.options(_by_reference=not grpc_transport),
+        drafts = draft if isinstance(draft, dict) else {DEFAULT_DRAFT: draft}
+        super().__init__({name: handle.options(_by_reference=not grpc_transport) for name, handle in drafts.items()},
                          verifier.options(_by_reference=not grpc_transport))
 
-    async def _send(self, role: Role, owner: str, method: str, request: Message, routing_key: str) -> Any:
-        handle = self._handles[role].options(session_id=routing_key)  # affinity is per hop: set it every call
+    async def _send(self, served_by: str, owner: str, method: str, request: Message, routing_key: str) -> Any:
+        handle = self._handles[served_by].options(session_id=routing_key)  # affinity is per hop: set it every call
         try:
             payload = await asyncio.wait_for(
                 own_request(lambda: getattr(handle, method.lower()).remote(request.SerializeToString())),
                 self.timeout_s)
         except TimeoutError:
-            raise ReplicaGone(f"{role}: no answer in {self.timeout_s:g} s") from None
+            raise ReplicaGone(f"{served_by}: no answer in {self.timeout_s:g} s") from None
         return REPLIES[method].FromString(payload)
 
 

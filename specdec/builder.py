@@ -28,7 +28,8 @@ from specdec.models.sources import (DEFAULT_DRAFT_QUANT, REQUANT_FTYPES, SHIPPED
                                     model_identity, requantize_gguf, resolve_gguf, resolve_model)
 from specdec.models.vocab import FULL as FULL_VOCAB
 from specdec.models.vocab import resolve_draft_vocab, trim_lm_head
-from specdec.sequences import RequestRules
+from specdec.params import DEFAULT_DRAFT
+from specdec.sequences import DraftTraits, RequestRules
 
 Role = Literal["draft", "target"]
 RuntimeName = Literal["auto", "torch", "llamacpp"]
@@ -41,8 +42,14 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # A model source, or a feature draft's directory (`specdec train-draft`; it runs on a torch target).
+    # A model source, or a feature draft's directory (`specdec train-draft`; it runs on a torch target):
+    # the engine's first draft, named "default" in requests.
     draft: str = "default"
+    # More drafts beside it, by the name a request picks one with (`draft` in a request), each a
+    # source as `draft` with its shipped head (`head: auto`) and the same kernels and formats:
+    # e.g. {"feature": "~/.cache/specdec/training/feature-draft/fused-3"}. Their sessions share the
+    # steps with the first draft's (specdec/loop.py).
+    drafts: dict[str, str] = {}
     target: str = "default"
     # Acceptance head: "auto" = the head shipped for the draft (specdec/heads/), if any; "none"; a path.
     head: str | None = "auto"
@@ -86,26 +93,47 @@ def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -
     if config.threads:
         torch.set_num_threads(config.threads)
     check_sources(config)
-    draft, draft_dir = build_draft(config, progress)
+    drafts = {}
+    for name, each in draft_configs(config).items():
+        draft, draft_dir = build_draft(each, progress)
+        drafts[name] = (draft, draft_dir)
     target, target_dir = build_target(config, progress)
     tokenizer = load_tokenizer(target_dir)
-    check_same_tokenizer(draft_dir, tokenizer)
-    head = build_head(config, draft)
+    heads = {}
+    for (name, (draft, draft_dir)), each in zip(drafts.items(), draft_configs(config).values()):
+        check_same_tokenizer(draft_dir, tokenizer)
+        heads[name] = build_head(each, draft)
+    (draft, _), head = drafts.pop(DEFAULT_DRAFT), heads.pop(DEFAULT_DRAFT)
     return SpecDecEngine(draft, target, tokenizer, head,
                          eos_token_ids=eos_token_ids_of(load_generation_config(target_dir), tokenizer),
-                         batch=config.batch)
+                         batch=config.batch, more_drafts={name: (d, heads[name]) for name, (d, _) in drafts.items()})
+
+
+def draft_configs(config: EngineConfig) -> dict[str, EngineConfig]:
+    """Each draft's config by name, the first as DEFAULT_DRAFT: the others are the first's with
+    their own source and shipped head."""
+    if DEFAULT_DRAFT in config.drafts:
+        raise ModelSourceError(f"drafts: {DEFAULT_DRAFT!r} names the first draft (--draft): give the others other names")
+    return {DEFAULT_DRAFT: config, **{name: config.model_copy(update={"draft": source, "head": "auto", "drafts": {}})
+                                      for name, source in config.drafts.items()}}
 
 
 def check_sources(config: EngineConfig) -> None:
-    """Both model sources checked (models/sources.py `check_source`) before either is fetched,
+    """Every model source checked (models/sources.py `check_source`) before any is fetched,
     converted or loaded: a mistyped --target fails at once, not after minutes of draft loading."""
-    for role, source in (("target", config.target), ("draft", config.draft)):
-        if role == "draft" and is_feature_draft(source):  # its directory is checked when it is read, against the target
-            continue
-        if backend_for(config, role).name == "llamacpp" and source != "default":
-            check_gguf_source(source)
-        else:
-            check_source(source, role)
+    check_source_of(config, "target")
+    for each in draft_configs(config).values():
+        check_source_of(each, "draft")
+
+
+def check_source_of(config: EngineConfig, role: Role) -> None:
+    source = config.draft if role == "draft" else config.target
+    if role == "draft" and is_feature_draft(source):  # its directory is checked when it is read, against the target
+        return
+    if backend_for(config, role).name == "llamacpp" and source != "default":
+        check_gguf_source(source)
+    else:
+        check_source(source, role)
 
 
 def resolve_runtime(config: EngineConfig, source: str) -> str:
@@ -240,7 +268,9 @@ RUNTIMES: dict[str, RuntimeBackend] = {backend.name: backend
 
 
 def backend_for(config: EngineConfig, role: Role) -> RuntimeBackend:
-    if is_feature_draft(config.draft):  # its target runs on torch: its passes hand over the states the draft reads
+    """A feature draft runs beside a torch target: its passes hand over the states the draft reads."""
+    feature = [is_feature_draft(each.draft) for each in draft_configs(config).values()]
+    if feature[0] if role == "draft" else any(feature):
         if config.runtime == "llamacpp":
             raise ModelSourceError("a feature draft reads the target's hidden states, which the llamacpp runtime "
                                    "does not hand out: use --runtime torch (or auto)")
@@ -278,8 +308,9 @@ def build_target(config: EngineConfig, progress: bool = True, load=None) -> tupl
     For a feature draft its passes also return the states the draft reads."""
     backend = RUNTIMES["torch"] if load is not None else backend_for(config, "target")
     target, target_dir = backend.target(config, progress, load)
-    if is_feature_draft(config.draft):
-        target.read_features(target_layers_of(read_config(Path(config.draft).expanduser())))
+    for each in draft_configs(config).values():
+        if is_feature_draft(each.draft):
+            target.read_features(target_layers_of(read_config(Path(each.draft).expanduser())))
     return target, target_dir
 
 
@@ -309,22 +340,25 @@ def build_head(config: EngineConfig, draft: DraftRole) -> AcceptanceHead | None:
 
 
 def build_rules(config: EngineConfig, progress: bool = True) -> RequestRules:
-    """A request's rules without loading weights (the coordinator): tokenizer, EOS, context, vocabulary."""
-    draft_dir, target_dir = model_dir(config, "draft", progress), model_dir(config, "target", progress)
-    draft_config, target_config = AutoConfig.from_pretrained(draft_dir), AutoConfig.from_pretrained(target_dir)
-    if draft_config.vocab_size != target_config.vocab_size:
-        raise IncompatibleModelsError(
-            f"draft and target vocabularies differ ({draft_config.vocab_size} vs {target_config.vocab_size} tokens); "
-            "speculative decoding needs one shared vocabulary")
+    """A request's rules without loading weights (the coordinator): tokenizer, EOS, context,
+    vocabulary, and each draft's traits."""
+    target_dir = model_dir(config, "target", progress)
+    target_config = AutoConfig.from_pretrained(target_dir)
     tokenizer = load_tokenizer(target_dir)
-    check_same_tokenizer(draft_dir, tokenizer)
-    generation_config = load_generation_config(target_dir)
-    limits = [backend_for(config, role).context_limit(config) for role in ("draft", "target")]
-    max_context = min(draft_config.max_position_embeddings, target_config.max_position_embeddings,
-                      *(limit for limit in limits if limit is not None))
-    return RequestRules(tokenizer, eos_token_ids_of(generation_config, tokenizer), max_context,
-                        target_config.vocab_size, has_head=head_path(config) is not None,
-                        draft_reads_features=is_feature_draft(config.draft))
+    limits = [backend_for(config, "target").context_limit(config), target_config.max_position_embeddings]
+    drafts = {}
+    for name, each in draft_configs(config).items():
+        draft_dir = model_dir(each, "draft", progress)
+        draft_config = AutoConfig.from_pretrained(draft_dir)
+        if draft_config.vocab_size != target_config.vocab_size:
+            raise IncompatibleModelsError(
+                f"draft and target vocabularies differ ({draft_config.vocab_size} vs {target_config.vocab_size} "
+                "tokens); speculative decoding needs one shared vocabulary")
+        check_same_tokenizer(draft_dir, tokenizer)
+        limits += [backend_for(each, "draft").context_limit(each), draft_config.max_position_embeddings]
+        drafts[name] = DraftTraits(has_head=head_path(each) is not None, reads_features=is_feature_draft(each.draft))
+    return RequestRules(tokenizer, eos_token_ids_of(load_generation_config(target_dir), tokenizer),
+                        min(limit for limit in limits if limit is not None), target_config.vocab_size, drafts)
 
 
 def resolve_device(device: str = "auto") -> torch.device:

@@ -31,7 +31,8 @@ import torch
 from specdec.cost_profile import PassTiming
 from specdec.errors import InvalidRequestError, Unavailable
 from specdec.metrics import MS_PER_S
-from specdec.protocol import (ROLES, BatchReply, CallTiming, Failed, Proposal, ProposeItem, ProposeReply, Refused,
+from specdec.params import DEFAULT_DRAFT
+from specdec.protocol import (BatchReply, CallTiming, Failed, Proposal, ProposeItem, ProposeReply, Refused,
                               Role, RoundSeed, SessionMissing, StepPlan, Unreachable, VerifyItem, VerifyReply,
                               delta_for)
 from specdec.sequences import LoopSample, RequestRules, RoundObserver
@@ -51,13 +52,15 @@ class RoundTransport(Protocol):
     A replica that is gone makes its items `Unreachable` (the loop retries them), a call that
     failed otherwise makes them `Failed`; anything raised fails every session of the call."""
 
-    async def propose(self, items: list[ProposeItem], plan: StepPlan) -> ProposeReply: ...
+    async def propose(self, items: list[ProposeItem], plan: StepPlan, draft: str = DEFAULT_DRAFT) -> ProposeReply:
+        """`draft`: which of the drafts (by name) drafts these sessions' rounds."""
 
     async def verify(self, items: list[VerifyItem], probe_tokens: int = 0) -> VerifyReply:
         """`probe_tokens` > 0: the verifier also times a scratch pass of that many tokens (with no
         items, only that)."""
 
-    async def release(self, role: Role, session_ids: list[str]) -> None: ...
+    async def release(self, role: Role, session_ids: list[str], draft: str = DEFAULT_DRAFT) -> None:
+        """`draft`: the sessions' draft, for role "draft"."""
 
 
 @dataclass
@@ -105,11 +108,12 @@ class RoundCalls:
         self.transport, self.rules, self.retry, self.observer = transport, rules, retry, observer
         self._wire: dict[str, Wire] = {}
 
-    async def propose(self, sessions: list[LoopSample], plan: StepPlan
+    async def propose(self, sessions: list[LoopSample], plan: StepPlan, draft: str = DEFAULT_DRAFT
                       ) -> tuple[dict[LoopSample, Proposal], list[PassTiming]]:
-        """Every session's round drafted (the one that carries the plan's off-probe drafts nothing)."""
+        """Every session's round drafted by `draft`, theirs (the one that carries the plan's
+        off-probe drafts nothing)."""
         proposals, timings = await self._call("draft", sessions, partial(self._propose_item, probe=plan.probe),
-                                              lambda items: self.transport.propose(items, plan))
+                                              lambda items: self.transport.propose(items, plan, draft))
         for s in proposals:
             wire = self._wire[s.session_id]
             wire.unsent = 0
@@ -156,7 +160,7 @@ class RoundCalls:
     def _reads_features(self, s: LoopSample) -> bool:
         """Whether this session's draft reads the target's states: a feature draft's, for a policy that
         calls the draft (a target-only session is sent none)."""
-        return self.rules.draft_reads_features and s.traits.uses_draft
+        return self.rules.drafts[s.draft].reads_features and s.traits.uses_draft
 
     async def _call(self, role: Role, sessions: list[LoopSample], build: Callable[[LoopSample, Wire], object],
                     send: Callable[[list], object]) -> tuple[dict[LoopSample, object], list[PassTiming]]:
@@ -232,27 +236,35 @@ class RoundCalls:
         """Free the sessions' caches wherever they may be held. Best effort: a replica that lost the
         session (or is gone) has nothing to free."""
         contacted = [wire.contacted if (wire := self._wire.pop(s.session_id, None)) else () for s in leaving]
-        calls = [asyncio.wait_for(self.transport.release(role, ids), RELEASE_TIMEOUT_S) for role in ROLES
-                 if (ids := [s.session_id for s, roles in zip(leaving, contacted) if role in roles])]
+        held = {(role, s.draft if role == "draft" else DEFAULT_DRAFT) for s, roles in zip(leaving, contacted)
+                for role in roles}
+        calls = [asyncio.wait_for(self.transport.release(role, ids, draft), RELEASE_TIMEOUT_S)
+                 for role, draft in sorted(held)
+                 if (ids := [s.session_id for s, roles in zip(leaving, contacted)
+                             if role in roles and (role != "draft" or s.draft == draft)])]
         for outcome in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(outcome, Exception):  # the request's result does not depend on it
                 logger.debug("a release failed: %s", outcome)
 
 
 class LocalTransport:
-    """The in-process carrier: the workers called directly on this thread, nothing serialized."""
+    """The in-process carrier: the workers called directly on this thread, nothing serialized.
+    `draft`: one draft's worker, or each draft's by name (the first is the default)."""
 
-    def __init__(self, draft: DraftWorker, verifier: VerifierWorker):
-        self.draft, self.verifier = draft, verifier
+    def __init__(self, draft: DraftWorker | dict[str, DraftWorker], verifier: VerifierWorker):
+        self.drafts = dict(draft) if isinstance(draft, dict) else {DEFAULT_DRAFT: draft}
+        self.draft, self.verifier = next(iter(self.drafts.values())), verifier
 
-    async def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan()) -> ProposeReply:
-        return self._timed(partial(self.draft.propose, plan=plan), items, self.draft)
+    async def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan(),
+                      draft: str = DEFAULT_DRAFT) -> ProposeReply:
+        worker = self.drafts[draft]
+        return self._timed(partial(worker.propose, plan=plan), items, worker)
 
     async def verify(self, items: list[VerifyItem], probe_tokens: int = 0) -> VerifyReply:
         return self._timed(partial(self.verifier.verify, probe_tokens=probe_tokens), items, self.verifier)
 
-    async def release(self, role: Role, session_ids: list[str]) -> None:
-        (self.draft if role == "draft" else self.verifier).release(session_ids)
+    async def release(self, role: Role, session_ids: list[str], draft: str = DEFAULT_DRAFT) -> None:
+        (self.drafts[draft] if role == "draft" else self.verifier).release(session_ids)
 
     @staticmethod
     def _timed(call: Callable[[list], list], items: list, worker: DraftWorker | VerifierWorker) -> BatchReply:

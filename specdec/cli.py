@@ -19,6 +19,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft", default="default",
                        help="draft model: 'default', a HF directory, a .gguf file, a hub id, or a feature draft's "
                             "directory (specdec train-draft; it runs on a torch target)")
+    group.add_argument("--also-draft", action="append", default=None, metavar="NAME=SOURCE",
+                       help="another draft beside --draft (repeatable), same forms, with its shipped head; a "
+                            "request picks it with --use-draft NAME, and the drafts' sessions share the "
+                            "target's passes")
     group.add_argument("--target", default="default", help="target model: same forms as --draft")
     group.add_argument("--head", default="auto",
                        help="acceptance head for specdec++: a directory, 'auto' (the head shipped for the default "
@@ -70,6 +74,9 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--n", type=int, default=None, help="independent samples (default 1)")
     group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     group.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+    group.add_argument("--use-draft", default=None, metavar="NAME",
+                       help="which draft proposes the rounds: 'default' (--draft) or a name of --also-draft "
+                            "(served: of the server's models.drafts)")
 
 
 def generation_params(args: argparse.Namespace):
@@ -79,7 +86,7 @@ def generation_params(args: argparse.Namespace):
         policy=args.policy, k=args.k, threshold=args.threshold, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_new_tokens=args.max_new_tokens,
         n=args.n, stop=tuple(args.stop) if args.stop else None,
-        chat_template=False if args.no_chat_template else None)
+        chat_template=False if args.no_chat_template else None, draft=args.use_draft)
 
 
 def engine_config(args: argparse.Namespace):
@@ -92,7 +99,10 @@ def engine_config(args: argparse.Namespace):
     batch = BatchConfig.from_flags(max_sessions_per_step=args.max_batch_sessions,
                                    max_tokens_per_pass=args.max_pass_tokens)
     llamacpp = LlamaCppOptions(**({"context": args.llamacpp_context} if args.llamacpp_context else {}))
-    return EngineConfig(draft=args.draft, target=args.target, head=args.head, cache_dir=args.cache_dir,
+    drafts = dict(named.split("=", 1) for named in args.also_draft or [] if "=" in named)
+    if len(drafts) != len(args.also_draft or []):
+        raise InvalidRequestError("--also-draft takes NAME=SOURCE")
+    return EngineConfig(draft=args.draft, drafts=drafts, target=args.target, head=args.head, cache_dir=args.cache_dir,
                         draft_format=args.draft_format, target_format=args.target_format,
                         draft_vocab=args.draft_vocab, draft_quant=args.draft_quant, threads=args.threads,
                         device=args.device, dtype=args.dtype, batch=batch, kv_cache=args.kv_cache, cuda_graphs=args.cuda_graphs, runtime=args.runtime,
@@ -100,9 +110,15 @@ def engine_config(args: argparse.Namespace):
 
 
 def has_head(args: argparse.Namespace) -> bool:
-    from specdec.builder import head_path
+    """Whether the draft the request names (--use-draft) has an acceptance head."""
+    from specdec.builder import draft_configs, head_path
+    from specdec.params import DEFAULT_DRAFT
 
-    return head_path(engine_config(args)) is not None
+    drafts = draft_configs(engine_config(args))
+    name = getattr(args, "use_draft", None) or DEFAULT_DRAFT
+    if name not in drafts:
+        raise InvalidRequestError(f"unknown draft {name!r}; --also-draft names {', '.join(map(repr, drafts))}")
+    return head_path(drafts[name]) is not None
 
 
 def prompt_texts(args: argparse.Namespace) -> list[str]:

@@ -12,7 +12,7 @@ One round is the paper's MDP step:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from specdec.cost_profile import CostProfile
 from specdec.errors import IncompatibleModelsError
@@ -20,14 +20,31 @@ from specdec.head import AcceptanceHead
 from specdec.calls import LocalTransport
 from specdec.loop import BatchConfig, Completion, GenerationResult, RoundLoop
 from specdec.models.runtime import DraftRole, TargetRole
-from specdec.params import GenerationParams
-from specdec.sequences import RequestRules, UpdateCallback
+from specdec.params import DEFAULT_DRAFT, GenerationParams
+from specdec.sequences import DraftTraits, RequestRules, UpdateCallback
 from specdec.workers import DraftWorker, VerifierWorker
 
 __all__ = ["Completion", "GenerationResult", "SpecDecEngine", "UpdateCallback"]
 
 
+def check_pair(draft: DraftRole, target: TargetRole) -> None:
+    """One vocabulary; a feature draft's states as wide as the target's, whose every verification
+    then also returns the states it reads."""
+    if draft.vocab_size != target.vocab_size:
+        raise IncompatibleModelsError(
+            f"draft and target vocabularies differ ({draft.vocab_size} vs {target.vocab_size} tokens); "
+            "speculative decoding needs one shared vocabulary")
+    if draft.reads_features:
+        if draft.hidden_size != target.hidden_size:
+            raise IncompatibleModelsError(f"the feature draft reads states of width {draft.hidden_size}, the "
+                                          f"target's are {target.hidden_size}")
+        target.read_features(draft.target_layers)
+
+
 class SpecDecEngine:
+    """`draft` and `head` are the default draft (DEFAULT_DRAFT); `more_drafts` names others, each
+    with its head (None: none), that requests pick by name (`GenerationParams.draft`)."""
+
     def __init__(
         self,
         draft: DraftRole,
@@ -36,31 +53,32 @@ class SpecDecEngine:
         head: AcceptanceHead | None = None,
         eos_token_ids: Sequence[int] = (),
         batch: BatchConfig = BatchConfig(),
+        more_drafts: Mapping[str, tuple[DraftRole, AcceptanceHead | None]] = {},
     ):
-        if draft.vocab_size != target.vocab_size:
-            raise IncompatibleModelsError(
-                f"draft and target vocabularies differ ({draft.vocab_size} vs {target.vocab_size} tokens); "
-                "speculative decoding needs one shared vocabulary")
-        if draft.reads_features:  # a feature draft: every verification also returns the states it reads
-            if draft.hidden_size != target.hidden_size:
-                raise IncompatibleModelsError(f"the feature draft reads states of width {draft.hidden_size}, the "
-                                              f"target's are {target.hidden_size}")
-            target.read_features(draft.target_layers)
+        if DEFAULT_DRAFT in more_drafts:
+            raise IncompatibleModelsError(f"{DEFAULT_DRAFT!r} names the first draft: give the others other names")
+        drafts = {DEFAULT_DRAFT: (draft, head), **more_drafts}
+        for each, _ in drafts.values():
+            check_pair(each, target)
         self.draft, self.target, self.tokenizer, self.head = draft, target, tokenizer, head
-        self.rules = RequestRules(tokenizer, eos_token_ids, min(draft.max_context, target.max_context),
-                                  target.vocab_size, has_head=head is not None,
-                                  draft_reads_features=draft.reads_features)
+        self.rules = RequestRules(tokenizer, eos_token_ids, min(*(d.max_context for d, _ in drafts.values()),
+                                                                target.max_context),
+                                  target.vocab_size, {name: DraftTraits(h is not None, d.reads_features)
+                                                      for name, (d, h) in drafts.items()})
         self.max_context = self.rules.max_context
-        self.draft_worker, self.verifier_worker = DraftWorker(draft, head), VerifierWorker(target)
-        self.loop = RoundLoop(LocalTransport(self.draft_worker, self.verifier_worker), self.rules, batch)
-        # Costs measured here: a short probe of both models seeds the loop's live profile.
-        for worker in (self.draft_worker, self.verifier_worker):
+        self.draft_workers = {name: DraftWorker(d, h) for name, (d, h) in drafts.items()}
+        self.draft_worker, self.verifier_worker = self.draft_workers[DEFAULT_DRAFT], VerifierWorker(target)
+        self.loop = RoundLoop(LocalTransport(self.draft_workers, self.verifier_worker), self.rules, batch)
+        # Costs measured here: a short probe of every model seeds each draft's live profile.
+        self.verifier_worker.probe()
+        verifier_timings = self.verifier_worker.take_timings()
+        for name, worker in self.draft_workers.items():
             worker.probe()
-            self.loop.costs.observe(worker.take_timings())
+            self.loop.costs[name].observe(worker.take_timings() + verifier_timings)
 
     def cost_profile(self) -> CostProfile | None:
         """The costs the default policy plans with now (measured here unless given by hand)."""
-        return self.loop.planners[0].profile()
+        return self.loop.planners[0].profile()  # the default draft's, lane 0
 
     @property
     def drafting(self) -> bool:

@@ -3,7 +3,7 @@
     while sessions:
         admit(waiting)                          # requests join between steps; their prefill joins this step
         plan = planner.plan(batch)              # who calls the draft (planner.py: the costs measured here)
-        proposals = calls.propose(plan)         # one batched call: the drafting sessions' rounds
+        proposals = calls.propose(plan)         # one batched call per draft: its sessions' rounds
         verdicts = calls.verify(proposals)      # one batched call: a ragged target pass, rollback per session
         for s in batch: commit(s); decide(s)    # history, stream, stop conditions; finished sessions leave
         planner.observe(outcomes, timings)      # the rounds' acceptance, the passes' costs
@@ -16,8 +16,10 @@ retries, replicas that come back), the loop commits what the target verified. do
 Sessions join and leave between steps (continuous batching): a request's samples join the lane with
 the fewest sessions; a finished, failed or cancelled session leaves at once and its workers' caches
 are freed. A step takes at most `max_sessions_per_step` sessions, the others wait their turn
-(round robin). With `lanes` > 1 each lane is a loop of its own over its own sessions, with a
-planner of its own, so the draft can draft one lane's batch while the verifier checks another's.
+(round robin). With `lanes` > 1 each lane is a loop of its own over its own sessions, with
+planners of its own, so the draft can draft one lane's batch while the verifier checks another's.
+Sessions of different drafts (`GenerationParams.draft`) share a step: each draft's planner plans
+its sessions and each draft drafts them (concurrently where served), then one Verify checks all.
 What shares a pass changes only rounding (fp32), and the output is the target's whatever the draft
 proposes; the one visible effect is the int8 draft's (models/formats.py): it scales activations per
 pass, so a seeded sampled request's draws may depend on what shares its draft steps, while greedy
@@ -31,7 +33,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -98,11 +100,17 @@ class RoundLoop:
                  probe_share: float = PROBE_SHARE):
         self.rules, self.batch, self.observer = rules, batch, observer
         self.calls = RoundCalls(transport, rules, retry, observer)
-        self.planners = lane_planners(batch.lanes, self.calls.time_target, observer, probe_share)
-        self.costs = self.planners[0].costs  # the live profile the lanes share (the workers' probes seed it)
+        self._planners = lane_planners(batch.lanes, list(rules.drafts), self.calls.time_target, observer, probe_share)
+        # each draft's live profile, shared by the lanes (the workers' probes seed it)
+        self.costs = {draft: planner.costs for draft, planner in self._planners[0].items()}
         self._lanes: list[list[LoopSample]] = [[] for _ in range(batch.lanes)]
         self._tasks: list[asyncio.Task | None] = [None] * batch.lanes
         self._releasing: dict[asyncio.Task, list[LoopSample]] = {}  # retired samples' releases, off the step path
+
+    @property
+    def planners(self) -> list[StepPlanner]:
+        """Every lane's planners, lane by lane (the default draft's first)."""
+        return [planner for lane in self._planners for planner in lane.values()]
 
     @property
     def live_sessions(self) -> int:
@@ -171,17 +179,17 @@ class RoundLoop:
     # The loop
 
     async def _run(self, lane: int) -> None:
-        running, planner = self._lanes[lane], self.planners[lane]
+        running, planners = self._lanes[lane], self._planners[lane]
         try:
             while True:
                 await asyncio.sleep(0)  # requests join, cancellations land
-                self._retire([s for s in running if s.over], running, planner)
+                self._retire([s for s in running if s.over], running, planners.values())
                 if not running:
                     return
                 batch = running[:self.batch.max_sessions_per_step]
                 if len(running) > len(batch):  # round robin: the others go first next step
                     running[:] = running[len(batch):] + batch
-                await self._step(planner, batch)
+                await self._step(planners, batch)
         except BaseException as exc:  # a bug in the loop: every sample fails rather than hangs
             for s in running:
                 if not s.done.done():
@@ -189,14 +197,18 @@ class RoundLoop:
             running.clear()
             raise
 
-    async def _step(self, planner: StepPlanner, batch: list[LoopSample]) -> None:
-        plan = await planner.plan(batch)
-        proposals, drafted = await self.calls.propose([s for s in batch if s.session_id in plan.drafting], plan)
-        verifying = [s for s in batch if not s.over and (s in proposals or s.session_id not in plan.drafting)]
-        verdicts, verified = await self.calls.verify(verifying, proposals, plan.probe_tokens)
-        outcomes = [self._commit(s, proposals.get(s, NO_PROPOSAL), verdict, plan)
+    async def _step(self, planners: dict[str, StepPlanner], batch: list[LoopSample]) -> None:
+        plans = {draft: await planner.plan(batch) for draft, planner in planners.items()}
+        drafting = [s for s in batch if s.session_id in plans[s.draft].drafting]
+        proposed = await asyncio.gather(*(self.calls.propose([s for s in drafting if s.draft == draft], plan, draft)
+                                          for draft, plan in plans.items()))
+        proposals = {s: p for answered, _ in proposed for s, p in answered.items()}
+        verifying = [s for s in batch if not s.over and (s in proposals or s not in drafting)]
+        verdicts, verified = await self.calls.verify(verifying, proposals, max(p.probe_tokens for p in plans.values()))
+        outcomes = [self._commit(s, proposals.get(s, NO_PROPOSAL), verdict, plans[s.draft])
                     for s, verdict in verdicts.items() if not s.over]
-        planner.observe([o for o in outcomes if o is not None], drafted + verified, len(batch))
+        for planner, (_, drafted) in zip(planners.values(), proposed):
+            planner.observe([o for o in outcomes if o is not None], drafted + verified, len(batch))
 
     def _commit(self, s: LoopSample, proposal: Proposal, verdict: Verdict, plan: StepPlan) -> RoundOutcome | None:
         """The round's tokens join the sample's history (streamed, stop conditions checked); None
@@ -224,14 +236,15 @@ class RoundLoop:
             return None
         return RoundOutcome(s, drafted_after, k, n, proposal.forward_passes)
 
-    def _retire(self, leaving: list[LoopSample], running: list[LoopSample], planner: StepPlanner) -> None:
+    def _retire(self, leaving: list[LoopSample], running: list[LoopSample], planners: Iterable[StepPlanner]) -> None:
         """Samples that are over leave the lane at once; their workers' caches are freed in the
         background (the next step does not wait for it), then their outcome is set."""
         if not leaving:
             return
         for s in leaving:
             running.remove(s)
-        planner.forget(leaving)
+        for planner in planners:
+            planner.forget(leaving)
         task = asyncio.get_running_loop().create_task(self._release(leaving))
         self._releasing[task] = leaving
         task.add_done_callback(self._releasing.pop)

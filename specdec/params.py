@@ -9,6 +9,9 @@ from specdec.policies import PolicyConfig
 from specdec.sampling import MAX_SAMPLES_PER_REQUEST, SamplingParams
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"  # OpenAI's finish reasons
+# The name of an engine's first draft (`--draft`); the others are named where they are given
+# (`EngineConfig.drafts`), and a request picks one by name (`GenerationParams.draft`).
+DEFAULT_DRAFT = "default"
 
 
 class GenerationParams(BaseModel):
@@ -22,6 +25,10 @@ class GenerationParams(BaseModel):
     chat_template: bool = True
     sampling: SamplingParams = SamplingParams()
     policy: PolicyConfig = PolicyConfig()
+    # Which of the engine's drafts proposes this request's rounds (None: its first, DEFAULT_DRAFT).
+    # Requests with different drafts share the steps: each draft drafts its own sessions, one
+    # target pass verifies them all.
+    draft: str | None = Field(None, min_length=1)
 
 
 POLICY_FLAGS = {"policy": "name", "k": "k", "threshold": "threshold"}  # flag -> PolicyConfig field

@@ -1,9 +1,12 @@
 """The step planner: who calls the draft this step, decided before it from the costs measured where
 the loop runs (docs/architecture.md, "The step"; docs/planner.md tells why each rule is what it is).
 
-One planner per lane of the loop. It holds all that deciding needs across steps: the live costs
-(one `LiveCosts` shared by the lanes: they run on the same replicas), the acceptance and stop-rate
-estimates, the reprice cache, the probe schedule and each session's planning state. `plan(batch)`
+One planner per lane of the loop and draft (a step's sessions may use different drafts, each
+planned apart: its own step costs and acceptance, one target pass for them all). It holds all that
+deciding needs across steps: the live costs (one `LiveCosts` per draft shared by the lanes: they
+run on the same replicas), the acceptance and stop-rate estimates, the reprice cache, the probe
+schedule and each session's planning state. It plans and observes its draft's sessions; the
+step's others share the target pass as plain sessions. `plan(batch)`
 answers before the step (a `StepPlan`), `observe(outcomes, timings)` takes what the step measured.
 The arithmetic is `budget.decide_step`, called once per priced step; the draft side then spends a
 drafting session's round with the profile the plan carries (`budget.StepBudget`) and decides
@@ -34,7 +37,7 @@ from specdec.budget import (CURVE_PROBE_SHARE, MAX_CANDIDATES, PRIOR_ACCEPTANCE,
                             STOP_RATE_DECAY, StepDecision, decide_step, hopeful_acceptance, rest_after)
 from specdec.cost_profile import CostProfile, LiveCosts, PassTiming, given_profile
 from specdec.metrics import CATCH_UP, NO_ROUND_PAYS, NOT_MEASURED, RESTING
-from specdec.params import FINISH_LENGTH
+from specdec.params import DEFAULT_DRAFT, FINISH_LENGTH
 from specdec.protocol import StepPlan
 from specdec.sequences import LoopSample, RoundObserver
 
@@ -82,6 +85,7 @@ class _Idle:
 @dataclass
 class StepPlanner:
     costs: LiveCosts
+    draft: str = DEFAULT_DRAFT  # the draft whose sessions it plans
     time_target: TimeTarget | None = None  # the curve probe's call (None: no curve probes)
     given: CostProfile | None = None  # a profile given by hand: planned with instead of the live one
     observer: RoundObserver | None = None
@@ -129,7 +133,7 @@ class StepPlanner:
         """Who of `batch` calls the draft, which session carries an off-probe, and the costs the
         drafting sessions' rounds are spent with. Sessions whose policy is not budgeted draft as
         their policy says; budgeted ones as the costs say."""
-        drafting = [s for s in batch if s.traits.uses_draft]
+        drafting = [s for s in batch if s.traits.uses_draft and s.draft == self.draft]
         budgeted = [s for s in drafting if s.traits.budgeted]
         if not budgeted:
             return StepPlan(frozenset(s.session_id for s in drafting), other_sessions=len(batch) - len(drafting))
@@ -219,9 +223,10 @@ class StepPlanner:
         return budgeted[0] if due else None
 
     def observe(self, outcomes: Sequence[RoundOutcome], timings: Sequence[PassTiming], sessions: int) -> None:
-        """A step of `sessions` sessions: its passes' timings, and each committed round's outcome."""
+        """A step of `sessions` sessions: its passes' timings (its draft's and the target's), and
+        each committed round's outcome (its draft's sessions' only)."""
         self.costs.observe(timings, sessions=sessions)
-        for o in outcomes:
+        for o in (o for o in outcomes if o.session.draft == self.draft):
             if o.draft_passes:  # the draft caught up with the history and fed y_1 .. y_{K-1}
                 state = self._state(o.session)
                 state.drafted_at = o.drafted_after + max(o.candidates - 1, 0)
@@ -250,9 +255,11 @@ class StepPlanner:
         return state
 
 
-def lane_planners(lanes: int, time_target: TimeTarget | None = None, observer: RoundObserver | None = None,
-                  probe_share: float = PROBE_SHARE) -> list[StepPlanner]:
-    """A planner for each of a loop's lanes, over one live profile (the lanes' calls go to the same
-    replicas), with the profile given by hand (`SPECDEC_COST_PROFILE`) read once, here."""
-    costs, given = LiveCosts(), given_profile()
-    return [StepPlanner(costs, time_target, given, observer, probe_share) for _ in range(lanes)]
+def lane_planners(lanes: int, drafts: Sequence[str] = (DEFAULT_DRAFT,), time_target: TimeTarget | None = None,
+                  observer: RoundObserver | None = None, probe_share: float = PROBE_SHARE
+                  ) -> list[dict[str, StepPlanner]]:
+    """Each lane's planner for each draft, over one live profile per draft (the lanes' calls go to
+    the same replicas), with the profile given by hand (`SPECDEC_COST_PROFILE`) read once, here."""
+    costs, given = {draft: LiveCosts() for draft in drafts}, given_profile()
+    return [{draft: StepPlanner(costs[draft], draft, time_target, given, observer, probe_share) for draft in drafts}
+            for _ in range(lanes)]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from specdec.errors import InvalidRequestError
 from specdec.metrics import RequestStats
-from specdec.params import FINISH_LENGTH, FINISH_STOP, GenerationParams
+from specdec.params import DEFAULT_DRAFT, FINISH_LENGTH, FINISH_STOP, GenerationParams
 from specdec.policies import PolicyTraits, policy_traits, resolve_policy, validate_policy
 
 if TYPE_CHECKING:
@@ -46,9 +46,18 @@ class SampleState:
 UpdateCallback = Callable[[int, list[int], str, str | None], None]
 
 
+@dataclass(frozen=True)
+class DraftTraits:
+    """What the rules need to know of one of the engine's drafts."""
+
+    has_head: bool = False  # an acceptance head is loaded for it: the default policy depends on it
+    reads_features: bool = False  # a feature draft: each verification hands it the target's states (calls.py)
+
+
 @dataclass(eq=False)
 class Request:
-    """What a request's samples share; its params hold the resolved policy (a name, never the default)."""
+    """What a request's samples share; its params hold the resolved policy (a name, never the
+    default) and the draft's name."""
 
     params: GenerationParams
     seed: int
@@ -79,6 +88,11 @@ class LoopSample:
         return self.request.traits
 
     @property
+    def draft(self) -> str:
+        """The name of the draft that proposes this sample's rounds."""
+        return self.request.params.draft
+
+    @property
     def over(self) -> bool:
         """Finished, failed or cancelled: it leaves the loop at the next step boundary."""
         return self.sample.finish_reason is not None or self.error is not None or self.done.done()
@@ -103,16 +117,15 @@ class RoundObserver(Protocol):
 
 
 class RequestRules:
-    """The rules of a request for one model pair: its tokenizer (may be None: token ids only), EOS
-    ids, shared context length and vocabulary, whether a head is loaded (the default policy
-    depends on it) and whether the draft reads the target's features (a feature draft: each
-    verification hands them to the next round's draft, specdec/calls.py)."""
+    """The rules of a request for one target and its drafts: the tokenizer (may be None: token ids
+    only), EOS ids, the context all the models hold and the shared vocabulary, and each draft's
+    traits by name (the first is the default: a request that names none gets it)."""
 
     def __init__(self, tokenizer, eos_token_ids: Sequence[int], max_context: int, vocab_size: int,
-                 has_head: bool, draft_reads_features: bool = False):
+                 drafts: dict[str, DraftTraits] | None = None):
         self.tokenizer, self.eos_token_ids = tokenizer, frozenset(eos_token_ids)
-        self.max_context, self.vocab_size, self.has_head = max_context, vocab_size, has_head
-        self.draft_reads_features = draft_reads_features
+        self.max_context, self.vocab_size = max_context, vocab_size
+        self.drafts = dict(drafts) if drafts else {DEFAULT_DRAFT: DraftTraits()}
 
     # ----------------------------------------------------------------------------------------
     # Prompts
@@ -148,17 +161,26 @@ class RequestRules:
             raise InvalidRequestError("this engine has no tokenizer: pass token ids")
         return self.tokenizer
 
+    def draft(self, params: GenerationParams) -> DraftTraits:
+        """The traits of the draft the request names (the first where it names none)."""
+        name = params.draft or next(iter(self.drafts))
+        if name not in self.drafts:
+            raise InvalidRequestError(f"unknown draft {name!r}; this engine has {', '.join(map(repr, self.drafts))}")
+        return self.drafts[name]
+
     def resolved(self, params: GenerationParams) -> GenerationParams:
-        """The params with the request's policy named (the default where it names none): resolved
-        once, this is what travels with its rounds."""
-        if params.policy.name:
+        """The params with the request's draft and policy named (the defaults where it names none):
+        resolved once, this is what travels with its rounds."""
+        if params.policy.name and params.draft:
             return params
-        return params.model_copy(update={"policy": resolve_policy(params.policy, self.has_head)})
+        draft = self.draft(params)
+        return params.model_copy(update={"draft": params.draft or next(iter(self.drafts)),
+                                         "policy": resolve_policy(params.policy, draft.has_head)})
 
     def validate(self, prompt_ids: Sequence[int], params: GenerationParams) -> GenerationParams:
         """Reject a request before any model work; else its params, `resolved`."""
         params = self.resolved(params)
-        validate_policy(params.policy, has_head=self.has_head)
+        validate_policy(params.policy, has_head=self.draft(params).has_head)
         name = params.policy.name
         if policy_traits(name).greedy_only and not params.sampling.greedy:
             raise InvalidRequestError(f"policy {name!r} is defined for greedy decoding (temperature 0) only")

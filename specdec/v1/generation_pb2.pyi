@@ -29,7 +29,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "messages", "chat_template", "policy", "k", "threshold", "temperature", "top_p", "top_k", "seed", "max_new_tokens", "n", "stop", "request_id")
+    __slots__ = ("text", "token_ids", "messages", "chat_template", "policy", "k", "threshold", "temperature", "top_p", "top_k", "seed", "max_new_tokens", "n", "stop", "request_id", "draft")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class GenerateRequest(_message.Message):
     N_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     messages: ChatMessages
@@ -60,7 +61,8 @@ class GenerateRequest(_message.Message):
     n: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     request_id: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., chat_template: _Optional[bool] = ..., policy: _Optional[str] = ..., k: _Optional[int] = ..., threshold: _Optional[float] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., n: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    draft: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., chat_template: _Optional[bool] = ..., policy: _Optional[str] = ..., k: _Optional[int] = ..., threshold: _Optional[float] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., n: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., draft: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "index")

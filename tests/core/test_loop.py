@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from specdec.sequences import DraftTraits
 from specdec.errors import Unavailable
 from specdec.features import FEATURES_DISTRIBUTION
 from specdec.calls import LocalTransport, RetryPolicy
@@ -17,6 +18,8 @@ from specdec.loop import BatchConfig, RoundLoop
 from specdec.params import build_params
 from specdec.protocol import BatchReply, SessionMissing, Unreachable
 from specdec.workers import DraftWorker, VerifierWorker
+
+HEADED = {"default": DraftTraits(has_head=True)}  # the rules of a pair with a head
 
 PROMPTS = [[5, 72, 101, 108], list(range(40, 61)), [257, 100, 101, 102], list(range(120, 135)), [7, 8, 9]]
 PARAMS = build_params(policy="fixed", k=3, max_new_tokens=24)
@@ -31,8 +34,8 @@ class CountingTransport(LocalTransport):
         self.calls: list[tuple[str, list[str]]] = []
         self.answer = answer  # (role, call number, item) -> an answer instead of the worker's, or None
 
-    async def propose(self, items, plan):
-        return await self._forward("draft", items, lambda items: super(CountingTransport, self).propose(items, plan))
+    async def propose(self, items, plan, draft="default"):
+        return await self._forward("draft", items, lambda items: super(CountingTransport, self).propose(items, plan, draft))
 
     async def verify(self, items, probe_tokens=0):
         return await self._forward("verifier", items, partial(super().verify, probe_tokens=probe_tokens))
@@ -173,10 +176,10 @@ class FakeClock(LocalTransport):
         reply.passes = [replace(t, ms=self.cost(t.role, t.tokens)) for t in reply.passes]
         return reply
 
-    async def propose(self, items, plan):
+    async def propose(self, items, plan, draft="default"):
         self.probes += sum(item.probe for item in items)
         self.events.append(("propose", sum(not item.probe for item in items)))
-        reply = self.timed(await super().propose(items, plan))
+        reply = self.timed(await super().propose(items, plan, draft))
         self.candidates += sum(len(a.candidates) for a in reply.answers)
         return reply
 
@@ -216,11 +219,11 @@ def budgeted_loop(engine, cost, head_bias: float | None = None) -> tuple[FakeClo
             head.out.weight.zero_()
             head.out.bias.fill_(head_bias)
     transport = FakeClock(engine, head, cost, self_draft)
-    rules = RequestRules(None, engine.eos_token_ids, engine.max_context, engine.target.vocab_size, has_head=True)
+    rules = RequestRules(None, engine.eos_token_ids, engine.max_context, engine.target.vocab_size, HEADED)
     loop = RoundLoop(transport, rules, probe_share=0.5)
     for worker in (transport.draft, transport.verifier):
         worker.probe()
-        loop.costs.observe(transport.timed(BatchReply([], [], worker.take_timings())).passes)
+        loop.costs["default"].observe(transport.timed(BatchReply([], [], worker.take_timings())).passes)
     return transport, loop
 
 
@@ -285,12 +288,11 @@ def test_each_lane_plans_its_own_steps(tiny_engine):
     from specdec.sequences import RequestRules
 
     transport, _ = budgeted_loop(tiny_engine, costly)
-    rules = RequestRules(None, tiny_engine.eos_token_ids, tiny_engine.max_context, tiny_engine.target.vocab_size,
-                         has_head=True)
+    rules = RequestRules(None, tiny_engine.eos_token_ids, tiny_engine.max_context, tiny_engine.target.vocab_size, HEADED)
     loop = RoundLoop(transport, rules, BatchConfig(lanes=2), probe_share=0.06)
     for worker in (transport.draft, transport.verifier):
         worker.probe()
-        loop.costs.observe(transport.timed(BatchReply([], [], worker.take_timings())).passes)
+        loop.costs["default"].observe(transport.timed(BatchReply([], [], worker.take_timings())).passes)
     params = build_params(policy="specdec++cost", k=4, max_new_tokens=100)
     results = run(loop, [(PROMPTS[0], params), (PROMPTS[1], params)])
     plain = build_params(policy="target-only", max_new_tokens=100)
@@ -379,7 +381,7 @@ def test_the_loop_times_the_longer_passes_the_budget_would_choose_before_ruling_
         # timed before the step's decision: the sessions draft in the step the 16-token pass was timed for
         after = transport.events[transport.events.index(("probe", 16)) + 1]
         assert after[0] == "propose" and after[1] > 0, transport.events
-        assert {16, 32} <= set(loop.costs.curve("verifier")), loop.costs.curve("verifier")  # measured, not extrapolated
+        assert {16, 32} <= set(loop.costs["default"].curve("verifier")), loop.costs["default"].curve("verifier")  # measured, not extrapolated
         assert transport.candidates > 100 and loop.planners[0].drafting, (transport.pass_probes, transport.candidates)
     else:
         assert not curve and transport.candidates == 0
@@ -403,7 +405,7 @@ def test_a_probe_that_fails_fails_no_session(tiny_engine):
     params = build_params(policy="specdec++cost", k=4, max_new_tokens=40)
     prompts = [PROMPTS[i % len(PROMPTS)] + [i] for i in range(8)]
     results = run(loop, [(prompt, params) for prompt in prompts])
-    assert 16 not in loop.costs.curve("verifier")  # nothing measured, nothing failed
+    assert 16 not in loop.costs["default"].curve("verifier")  # nothing measured, nothing failed
     plain = build_params(policy="target-only", max_new_tokens=40)
     for prompt, result in zip(prompts, results):
         assert result.completions[0].token_ids == expected(tiny_engine, prompt, plain)
@@ -467,7 +469,7 @@ def test_the_stop_rate_follows_how_the_finished_samples_ended(tiny_engine):
     [full] = run(loop, [(PROMPTS[0], plain)])
     assert loop.planners[0].stop_rate == 0.0 and full.completions[0].finish_reason == "length"
     eos = full.completions[0].token_ids[20]  # the same prompt again, with that token as its EOS
-    loop.rules = RequestRules(None, [eos], tiny_engine.max_context, tiny_engine.target.vocab_size, has_head=True)
+    loop.rules = RequestRules(None, [eos], tiny_engine.max_context, tiny_engine.target.vocab_size, HEADED)
     [stopped] = run(loop, [(PROMPTS[0], plain)])
     assert stopped.completions[0].finish_reason == "stop"
     generated = len(full.completions[0].token_ids) + len(stopped.completions[0].token_ids)

@@ -518,3 +518,108 @@ def test_a_target_only_session_beside_a_feature_draft_is_sent_no_states():
     expected = target_greedy(engine.target.model, GREEDY_PROMPTS[0], GREEDY_NEW_TOKENS)
     assert [r.completions[0].token_ids for r in results] == [expected, expected]
     assert {frozenset(v) for v in asked.values()} == {frozenset({False}), frozenset({True})}
+
+
+# ------------------------------------------------------------------------------------------------
+# Feature and model drafts in one batch (GenerationParams.draft): each draft drafts its own
+# sessions, one target pass verifies them all.
+
+def make_mixed_engine(vocab: int, layers: int, model_seed: int, noise: float, noise_seed: int, draft_seed: int,
+                      vocab_ids: list[int] | None = None) -> SpecDecEngine:
+    """A target with two drafts: a noisy copy of it (the default) and a feature draft ("feature")."""
+    from specdec.models.feature_draft import FeatureDraftRuntime
+
+    target = tiny_model(vocab, hidden_size=16, layers=layers, seed=model_seed, init_range=0.5)
+    model_draft = noisy_copy(target, noise, noise_seed)
+    feature = FeatureDraftRuntime(tiny_feature_draft(target, vocab_ids, seed=draft_seed).to(DEVICE),
+                                  identity="tiny-feature")
+    return SpecDecEngine(DraftRuntime(model_draft.to(DEVICE), kv="slots"), TargetRuntime(target.to(DEVICE), kv="slots"),
+                         head=random_head(16, seed=11), more_drafts={"feature": (feature, None)})
+
+
+class VerifyBatches:
+    """Records, per Verify call, which of its items read features (a feature draft's sessions)."""
+
+    def __init__(self, engine: SpecDecEngine):
+        self.calls: list[list[bool]] = []
+        verify = engine.verifier_worker.verify
+
+        def recorded(items, *args, **kwargs):
+            self.calls.append([item.features_from is not None for item in items])
+            return verify(items, *args, **kwargs)
+
+        engine.verifier_worker.verify = recorded
+
+    @property
+    def mixed(self) -> int:
+        return sum(any(call) and not all(call) for call in self.calls)
+
+
+def test_greedy_outputs_with_feature_and_model_drafts_in_one_batch_equal_target_greedy():
+    """Requests of both drafts (and a target-only one) decode together: every step's Verify carries
+    both kinds, each draft drafts only its own sessions, and every output is the target's."""
+    engine = make_mixed_engine(GREEDY_VOCAB, layers=2, model_seed=3, noise=0.05, noise_seed=7, draft_seed=1)
+    verifies, proposed = VerifyBatches(engine), {}
+    for name, worker in engine.draft_workers.items():
+        def recorded(items, *args, propose=worker.propose, name=name, **kwargs):
+            proposed.setdefault(name, set()).update(item.session_id for item in items)
+            return propose(items, *args, **kwargs)
+
+        worker.propose = recorded
+    requests = [(prompt, GenerationParams(max_new_tokens=GREEDY_NEW_TOKENS, draft=draft, policy=policy))
+                for prompt in GREEDY_PROMPTS
+                for draft, policy in ((None, PolicyConfig(name="fixed", k=3)), ("feature", PolicyConfig(name="fixed", k=2)),
+                                      ("feature", PolicyConfig(name="svip", threshold=0.4)),
+                                      ("default", PolicyConfig(name="specdec++", threshold=0.5)),
+                                      ("feature", PolicyConfig(name="target-only")))]
+
+    async def run():
+        return await asyncio.gather(*(engine.loop.generate(prompt, params) for prompt, params in requests))
+
+    results = asyncio.run(run())
+    for (prompt, params), result in zip(requests, results):
+        assert result.completions[0].token_ids == target_greedy(engine.target.model, prompt, GREEDY_NEW_TOKENS)
+        if params.policy.name != "target-only":
+            assert result.stats.draft_tokens > 0, params
+    assert verifies.mixed >= GREEDY_NEW_TOKENS // 4, verifies.calls  # the kinds shared the target's passes
+    assert {name: len(ids) for name, ids in proposed.items()} == {"default": 4, "feature": 4}  # each its own sessions
+    planners = {p.draft: p for p in engine.loop.planners}
+    assert set(planners) == {"default", "feature"}
+    assert all(p.acceptance != pytest.approx(0.8) for p in planners.values())  # each observed its own rounds
+
+
+def test_sampled_outputs_with_feature_and_model_drafts_in_one_batch_follow_the_target_distribution():
+    engine = make_mixed_engine(SAMPLED_VOCAB, layers=1, model_seed=0, noise=0.1, noise_seed=100, draft_seed=2,
+                               vocab_ids=[0, 1, 2, 3])
+    verifies = VerifyBatches(engine)
+    sampling = SAMPLINGS["temperature-1"]
+    requests = [GenerationParams(max_new_tokens=SAMPLED_NEW_TOKENS, n=MAX_SAMPLES_PER_REQUEST, draft=draft,
+                                 policy=PolicyConfig(name="fixed", k=3),
+                                 sampling=sampling.model_copy(update={"seed": 4000 + i}))
+                for i in range(SAMPLES_PER_CASE // MAX_SAMPLES_PER_REQUEST) for draft in ("default", "feature")]
+    results = run_together(engine, requests)
+    assert verifies.mixed > 0
+    for draft in ("default", "feature"):
+        mine = [r for params, r in zip(requests, results) if params.draft == draft]
+        completions = [c.token_ids for r in mine for c in r.completions]
+        stats = RequestStats()
+        for r in mine:
+            stats.merge(r.stats)
+        assert stats.accepted_tokens > 0 and stats.discarded_tokens > 0, draft
+        for length in (1, 2, 3):
+            expected = target_joint(engine.target.model, SAMPLED_PROMPT, sampling, length)
+            assert chi2_pvalue(prefix_counts(completions, length, SAMPLED_VOCAB), expected) > SIGNIFICANCE, draft
+
+
+def test_a_request_for_an_unknown_draft_is_refused_in_one_line():
+    from specdec.errors import InvalidRequestError
+
+    engine = make_mixed_engine(GREEDY_VOCAB, layers=1, model_seed=3, noise=0.05, noise_seed=7, draft_seed=1)
+    with pytest.raises(InvalidRequestError, match="unknown draft 'eagle'; this engine has 'default', 'feature'"):
+        engine.generate_ids(GREEDY_PROMPTS[0], GenerationParams(max_new_tokens=4, draft="eagle"))
+    # a head's policy for a draft without one: refused before any model work
+    with pytest.raises(InvalidRequestError, match="needs an acceptance head"):
+        engine.generate_ids(GREEDY_PROMPTS[0], GenerationParams(max_new_tokens=4, draft="feature",
+                                                                policy=PolicyConfig(name="specdec++")))
+    assert engine.rules.resolved(GenerationParams(draft="feature")).policy.name == "svip"  # its default: no head
+    assert engine.rules.resolved(GenerationParams()).policy.name == "specdec++cost"

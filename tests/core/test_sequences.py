@@ -5,7 +5,7 @@ from specdec.sequences import RequestRules, SampleState
 from tiny import byte_tokenizer
 
 TOKENIZER = byte_tokenizer()
-RULES = RequestRules(TOKENIZER, eos_token_ids=(), max_context=256, vocab_size=len(TOKENIZER), has_head=False)
+RULES = RequestRules(TOKENIZER, eos_token_ids=(), max_context=256, vocab_size=len(TOKENIZER))
 
 
 def ids(text: str) -> list[int]:

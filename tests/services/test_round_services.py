@@ -15,6 +15,7 @@ from services.convert import dense_to_sparse, sparse_to_dense, sparsifier, spars
 from services.server import start_server
 from services.servicers import DraftServicer, VerifierServicer
 from services.transports import GrpcTransport
+from specdec.sequences import DraftTraits
 from specdec.engine import SpecDecEngine
 from specdec.errors import InvalidRequestError
 from specdec.calls import RetryPolicy
@@ -25,6 +26,8 @@ from specdec.sampling import SamplingParams
 from specdec.sessions import SessionStore
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specdec.workers import DraftWorker, VerifierWorker
+
+HEADED = {"default": DraftTraits(has_head=True)}  # the rules of a pair with a head
 
 torch.set_num_threads(1)
 
@@ -59,10 +62,10 @@ class RecordingTransport(GrpcTransport):
         super().__init__(*args, **kwargs)
         self.sent, self.calls, self.after_verify = [], {"draft": 0, "verifier": 0}, after_verify
 
-    async def propose(self, items, plan):
+    async def propose(self, items, plan, draft="default"):
         self.calls["draft"] += 1
         self.sent += [("draft", i.session_id, i.history.full, len(i.history.tail)) for i in items]
-        return await super().propose(items, plan)
+        return await super().propose(items, plan, draft)
 
     async def verify(self, items, probe_tokens=0):
         self.calls["verifier"] += 1
@@ -136,10 +139,10 @@ class PlanRecordingTransport(GrpcTransport):
         super().__init__(*args)
         self.plans, self.items = [], []
 
-    async def propose(self, items, plan):
+    async def propose(self, items, plan, draft="default"):
         self.plans.append(plan)
         self.items.append(items)
-        return await super().propose(items, plan)
+        return await super().propose(items, plan, draft)
 
 
 def test_the_costs_travel_with_the_calls(tiny_engine):
@@ -158,7 +161,7 @@ def test_the_costs_travel_with_the_calls(tiny_engine):
     try:
         transport = PlanRecordingTransport(servers[0][1], servers[1][1])
         rules = tiny_engine.rules.__class__(None, tiny_engine.eos_token_ids, tiny_engine.max_context,
-                                            tiny_engine.target.vocab_size, has_head=True)
+                                            tiny_engine.target.vocab_size, HEADED)
         # Every step that keeps the draft off carries an off-probe, so a Propose follows the first
         # measurement whether or not this machine's timings make drafting pay.
         loop = RoundLoop(transport, rules, probe_share=1e9)
@@ -168,7 +171,7 @@ def test_the_costs_travel_with_the_calls(tiny_engine):
         assert result.stats.held["not_measured"] == 1
         measured = [plan.costs for plan in transport.plans[1:] if plan.costs is not None]
         assert measured and measured[-1].source.startswith("measured in the loop")
-        assert loop.costs.curve("draft") and loop.costs.curve("verifier")
+        assert loop.costs["default"].curve("draft") and loop.costs["default"].curve("verifier")
         plain = build_params(policy="target-only", max_new_tokens=MAX_NEW_TOKENS)
         assert result.completions[0].token_ids == engine_ids(tiny_engine, PROMPTS[0], plain)[0]
     finally:

@@ -1,6 +1,8 @@
-"""A feature draft served end to end on the tiny target: real Ray Serve deployments built from a
-feature draft's directory (the builder's `feature` backend), the target's states riding with each
-round over the replicas' transport, and replicas killed mid-stream. One Ray instance per module."""
+"""A feature draft served end to end on the tiny target, beside a model draft: real Ray Serve
+deployments built from a feature draft's directory (the builder's `feature` backend) and the tiny
+pair's draft (`models.drafts`: a Draft deployment each), the target's states riding with each
+feature-draft round over the replicas' transport, requests of both drafts sharing the steps, and
+replicas killed mid-stream. One Ray instance per module."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from test_serve_app import kill_all, wait_replaced
 from tiny import tiny_feature_draft
 
 PROMPT = "Write a haiku about caches."
-LONG = {"policy": "fixed", "k": 3, "max_new_tokens": 120}
+LONG = {"policy": "fixed", "k": 3, "max_new_tokens": 120, "draft": "feature"}
 
 
 @pytest.fixture(scope="module")
@@ -31,16 +33,22 @@ def feature_pair(tiny_pair, tmp_path_factory) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def feature_engine(feature_pair):
+def models(tiny_pair, feature_pair) -> EngineConfig:
+    """The tiny pair's draft (the default) and the feature draft ("feature") on the tiny target; fp32:
+    the replicas' draws equal the engine's."""
     draft_dir, target_dir = feature_pair
-    return build_engine(EngineConfig(draft=draft_dir, target=target_dir, draft_format="fp32"), progress=False)  # fp32: the replicas' draws equal the engine's
+    return EngineConfig(draft=str(tiny_pair[0]), drafts={"feature": draft_dir}, target=target_dir, draft_format="fp32")
 
 
 @pytest.fixture(scope="module")
-def served(feature_pair):
-    draft_dir, target_dir = feature_pair
+def feature_engine(models):
+    return build_engine(models, progress=False)
+
+
+@pytest.fixture(scope="module")
+def served(models):
     replica = dict(num_cpus=0.1, threads=1)
-    config = AppConfig(models=EngineConfig(draft=draft_dir, target=target_dir, draft_format="fp32"),
+    config = AppConfig(models=models,
                        draft=ReplicaConfig(**replica), verifier=ReplicaConfig(**replica),
                        coordinator=ReplicaConfig(num_cpus=0.0), ingress=ReplicaConfig(num_cpus=0.0))
     with local_serve(config) as addresses:
@@ -51,7 +59,8 @@ def test_the_engine_builds_a_feature_draft_from_its_directory(feature_engine):
     """`--draft DIR` loads the draft on its target, whose passes hand out the states it reads: it
     drafts in most rounds (a session drafts only once the states reach its history's end), and the
     output is the target's."""
-    assert feature_engine.draft.reads_features and feature_engine.target.returns_features
+    assert feature_engine.draft_workers["feature"].draft.reads_features and feature_engine.target.returns_features
+    assert not feature_engine.draft.reads_features
     result = feature_engine.generate(PROMPT, build_params(**LONG))
     plain = feature_engine.generate(PROMPT, build_params(policy="target-only", max_new_tokens=LONG["max_new_tokens"]))
     assert result.completions[0].token_ids == plain.completions[0].token_ids
@@ -63,7 +72,7 @@ def test_served_feature_draft_survives_killed_replicas(feature_engine, served):
     a verification recomputes them; the stream equals the in-process engine's, nothing lost."""
     expected = feature_engine.generate(PROMPT, build_params(**LONG)).completions[0].token_ids
     assert len(expected) > 80
-    points, victims = [15, 50], ["Draft", "Verifier"]
+    points, victims = [15, 50], ["Draft-feature", "Verifier"]
     ids, kills = [], []
     with GrpcClient(served["grpc"], timeout_s=300, retries=0) as client:
         for chunk in client.generate_stream(PROMPT, **LONG):
@@ -75,3 +84,28 @@ def test_served_feature_draft_survives_killed_replicas(feature_engine, served):
     assert response.stats.draft_tokens > response.stats.rounds and response.stats.transport_bytes > 0
     for deployment, before in kills:
         wait_replaced(deployment, before)
+
+
+def test_served_requests_of_both_drafts_share_the_steps(feature_engine, served):
+    """Requests of the model draft and of the feature draft at once, greedy and sampled: each is
+    drafted by its own Draft deployment, one Verify carries them, and each output equals the
+    in-process engine's (greedy: the target's)."""
+    import asyncio
+
+    from clients.grpc_client import AsyncGrpcClient
+
+    requests = [{"policy": "fixed", "k": 3, "max_new_tokens": 60, "draft": draft, "temperature": temperature,
+                 "seed": 7} for draft in ("default", "feature") for temperature in (0.0, 1.0)]
+    expected = [feature_engine.generate(PROMPT, build_params(**r)).completions[0].token_ids for r in requests]
+
+    async def run():
+        async with AsyncGrpcClient(served["grpc"], timeout_s=300, retries=0) as client:
+            return await asyncio.gather(*(client.generate(PROMPT, **r) for r in requests))
+
+    responses = asyncio.run(run())
+    for r, response, ids in zip(requests, responses, expected):
+        assert list(response.completions[0].token_ids) == ids, r
+        assert response.stats.draft_tokens > 0, r
+    with pytest.raises(Exception, match="unknown draft 'eagle'"):
+        with GrpcClient(served["grpc"], timeout_s=60, retries=0) as client:
+            client.generate(PROMPT, max_new_tokens=4, draft="eagle")
