@@ -22,7 +22,7 @@ import timeit
 
 from specdec.budget import StepBudget
 from specdec.cost_profile import DEFAULT_PROFILES, CostProfile, LiveCosts
-from specdec.params import build_params
+from specdec.params import DEFAULT_DRAFT, build_params
 from specdec.planner import RoundOutcome, StepPlanner
 from specdec.sequences import LoopSample, Request, SampleState
 
@@ -44,7 +44,7 @@ def finished(coroutine):
 def batch_of(sessions: int, cap: int, planner: StepPlanner, name: str = "s") -> list[LoopSample]:
     """B budgeted sessions 100 tokens into a 128-token generation, each draft in step but the last's
     (which lags by its prompt)."""
-    params = build_params(policy="specdec++cost", k=cap, max_new_tokens=128)
+    params = build_params(policy="specdec++cost", k=cap, max_new_tokens=128, draft=DEFAULT_DRAFT)  # as resolved
     future = asyncio.new_event_loop().create_future()
     batch = [LoopSample(f"{name}/{i}", 0, Request(params, seed=i), SampleState(list(range(140)), list(range(100))),
                         future) for i in range(sessions)]

@@ -55,6 +55,19 @@ def test_streams_text_then_summary(tiny_pair, capsys):
     assert captured.out.endswith("\n")
 
 
+def test_a_second_draft_by_name(tiny_pair, capsys):
+    """--also-draft loads another draft beside --draft and --use-draft picks it: the same output
+    (the target's, greedy), drafted by it."""
+    outputs = []
+    for use in ("default", "second"):
+        assert main(["generate", "hello", *tiny_flags(tiny_pair), "--also-draft", f"second={tiny_pair[0]}",
+                     "--use-draft", use, "--policy", "fixed", "--k", "3", "--max-new-tokens", "8", "--json"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["stats"]["draft_tokens"] > 0
+        outputs.append(result["completions"][0]["token_ids"])
+    assert outputs[0] == outputs[1]
+
+
 def test_n_samples_json(tiny_pair, capsys):
     code = main(["generate", "hello", *tiny_flags(tiny_pair), "--n", "3", "--temperature", "1", "--seed", "1",
                  "--max-new-tokens", "5", "--no-chat-template", "--json"])
@@ -91,6 +104,9 @@ def test_several_prompts_run_together(tiny_pair, tmp_path, capsys):
     (["--max-new-tokens", "0"], "max-new-tokens"),
     (["--head", "/nonexistent/head"], "no acceptance head"),
     (["--device", "tpu7"], "unknown device 'tpu7'"),
+    (["--use-draft", "eagle"], "unknown draft 'eagle'"),
+    (["--also-draft", "feature"], "--also-draft takes NAME=SOURCE"),
+    (["--also-draft", "default=x"], "'default' names the first draft"),
 ])
 def test_bad_flags_exit_with_one_line(tiny_pair, capsys, flags, reason):
     code = main(["generate", "hello", *tiny_flags(tiny_pair), *flags])

@@ -55,7 +55,7 @@ def test_greedy_equals_target_only(default_engine, target_greedy, flags, monkeyp
     """Budgeted policies (the default) plan with DRAFTING_PAYS given by hand: with the costs this
     CPU measures they may rightly keep the draft off (test_budgeted_policy_on_measured_costs)."""
     params = build_params(max_new_tokens=NEW_TOKENS, **flags)
-    if policy_traits(resolve_policy(params.policy, default_engine.rules.has_head).name).budgeted:
+    if policy_traits(resolve_policy(params.policy, default_engine.rules.drafts["default"].has_head).name).budgeted:
         for planner in default_engine.loop.planners:
             monkeypatch.setattr(planner, "given", DRAFTING_PAYS)
     for prompt, expected in zip(humaneval_prompts(NUM_PROMPTS), target_greedy):
@@ -82,7 +82,7 @@ def test_budgeted_policy_on_measured_costs(default_engine, target_greedy, monkey
 def test_default_engine_loads_the_shipped_head_and_defaults_to_specdecpp_cost(default_engine):
     head = default_engine.head
     assert head is not None and head.config.threshold is not None  # --head auto: specdec/heads/default-pair
-    assert resolve_policy(build_params(max_new_tokens=1).policy, default_engine.rules.has_head).name == "specdec++cost"
+    assert resolve_policy(build_params(max_new_tokens=1).policy, default_engine.rules.drafts["default"].has_head).name == "specdec++cost"
     if default_engine.draft.kind == "llamacpp":  # the draft requantized for the fast kernels, which the head serves
         assert default_engine.draft.identity.endswith(f"+{DEFAULT_DRAFT_QUANT}")
         assert default_engine.draft.identity != head.config.draft_identity and head.config.serves(default_engine.draft.identity)

@@ -74,7 +74,7 @@ def full_request(**prompt) -> generation_pb2.GenerateRequest:
     """A GenerateRequest with every field set (prompt: text=..., token_ids=... or messages=...)."""
     return generation_pb2.GenerateRequest(
         **prompt, chat_template=False, policy="fixed", k=5, threshold=0.3, temperature=0.7, top_p=0.9,
-        top_k=40, seed=0, max_new_tokens=64, n=2, stop=STOP, request_id="req-1")
+        top_k=40, seed=0, max_new_tokens=64, n=2, stop=STOP, request_id="req-1", draft="feature")
 
 
 PROMPT_FIELDS = {"text", "token_ids", "messages"}
@@ -101,8 +101,8 @@ def test_unset_differs_from_zero_where_the_default_is_not_zero():
         generation_pb2.GenerateRequest(text="hi").SerializeToString())
     zeros = generation_pb2.GenerateRequest.FromString(generation_pb2.GenerateRequest(
         text="hi", chat_template=False, k=0, threshold=0.0, top_p=0.0, seed=0, max_new_tokens=0,
-        n=0, policy="").SerializeToString())
-    for name in ("chat_template", "policy", "k", "threshold", "top_p", "seed", "max_new_tokens", "n"):
+        n=0, policy="", draft="").SerializeToString())
+    for name in ("chat_template", "policy", "k", "threshold", "top_p", "seed", "max_new_tokens", "n", "draft"):
         assert not empty.HasField(name) and zeros.HasField(name), name
 
 
@@ -127,6 +127,7 @@ def test_request_fields_are_the_command_lines_parameters():
     assert build_params(**request_flags(generation_pb2.GenerateRequest(text="hi"))) == GenerationParams()
     params = build_params(**request_flags(full_request(text="hi")))
     assert (params.chat_template, params.max_new_tokens, params.n, params.stop) == (False, 64, 2, STOP)
+    assert params.draft == "feature"
     assert (params.policy.name, params.policy.k, params.policy.threshold) == ("fixed", 5, 0.3)
     sampling = params.sampling
     assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed) == (0.7, 0.9, 40, 0)

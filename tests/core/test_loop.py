@@ -227,6 +227,46 @@ def budgeted_loop(engine, cost, head_bias: float | None = None) -> tuple[FakeClo
     return transport, loop
 
 
+def test_each_draft_is_planned_on_its_own_costs_in_the_same_steps(tiny_engine):
+    """Two drafts whose sessions share the steps, on a fake clock: the default's steps are cheap, the
+    other's ("slow") costly. Each draft's planner prices its own sessions with its own live costs:
+    the cheap draft's drafts, the slow one's stays off (only off-probes reach it), and both outputs
+    are target-only's."""
+    from collections import Counter
+
+    from specdec.sequences import RequestRules
+
+    transport, _ = budgeted_loop(tiny_engine, cheap)
+    transport.drafts["slow"] = slow = DraftWorker(transport.draft.draft, transport.draft.head)
+    drafted, propose = Counter(), transport.propose
+
+    async def priced_per_draft(items, plan, draft="default"):
+        transport.cost = costly if draft == "slow" else cheap  # the workers run synchronously: no other call meanwhile
+        reply = await propose(items, plan, draft)
+        transport.cost = cheap
+        drafted[draft] += sum(len(a.candidates) for a in reply.answers)
+        return reply
+
+    transport.propose = priced_per_draft
+    rules = RequestRules(None, tiny_engine.eos_token_ids, tiny_engine.max_context, tiny_engine.target.vocab_size,
+                         {"default": DraftTraits(has_head=True), "slow": DraftTraits(has_head=True)})
+    loop = RoundLoop(transport, rules, probe_share=0.5)
+    transport.verifier.probe()
+    target = transport.timed(BatchReply([], [], transport.verifier.take_timings())).passes
+    for name, worker, cost in (("default", transport.draft, cheap), ("slow", slow, costly)):
+        worker.probe()
+        loop.costs[name].observe([replace(t, ms=cost(t.role, t.tokens)) for t in worker.take_timings()] + target)
+    requests = [(PROMPTS[0], build_params(policy="specdec++cost", k=4, max_new_tokens=100, draft=draft))
+                for draft in ("default", "slow")]
+    results = run(loop, requests)
+    plain = expected(tiny_engine, PROMPTS[0], build_params(policy="target-only", max_new_tokens=100))
+    assert [r.completions[0].token_ids for r in results] == [plain, plain]
+    planners = {p.draft: p for p in loop.planners}
+    assert planners["default"].drafting and not planners["slow"].drafting
+    assert drafted["default"] > 20 and drafted["slow"] == 0, drafted
+    assert results[1].stats.held.get("no_round_pays", 0) > 50, results[1].stats.held
+
+
 def test_the_budget_turns_drafting_off_when_the_costs_say_so_and_back_on(tiny_engine):
     """A fake clock: while drafting pays the default policy drafts; once the measured costs say no
     round can pay (the draft got slow), the draft stops within a few rounds (only rare probes reach

@@ -54,7 +54,7 @@ def sse_events(response) -> list:
 def test_completion_equals_engine(client, tiny_engine):
     expected = expected_completion(tiny_engine, PROMPTS[0], policy="fixed", k=3, max_new_tokens=32)
     response = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 32,
-                                                    "policy": "fixed", "k": 3})
+                                                    "policy": "fixed", "k": 3, "draft": "default"})
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == MODEL
@@ -150,6 +150,7 @@ def test_stream_without_usage_and_n2(client):
     ("completions", {"n": 0}, "n: Input should be greater than or equal to 1", "n"),
     ("completions", {"policy": "nope"}, "unknown policy 'nope'", None),
     ("completions", {"policy": "nope", "stream": True}, "unknown policy 'nope'", None),
+    ("completions", {"draft": "eagle"}, "unknown draft 'eagle'; this engine has 'default'", None),
     ("completions", {"echo": True}, "echo is not supported", "echo"),
     ("completions", {"logprobs": 2}, "logprobs is not supported", "logprobs"),
     ("completions", {"best_of": 3}, "best_of is not supported", "best_of"),

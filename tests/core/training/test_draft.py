@@ -308,7 +308,7 @@ def test_train_head_on_a_feature_draft(feature_dataset, saved_feature_draft, tin
     assert set(report["by_temperature"]) == {"0", "1"} and report["calibration"]
     assert resolve_head("auto", str(saved_feature_draft)) == str(saved_feature_draft / "head")
     engine = build_engine(EngineConfig(draft=str(saved_feature_draft), target=str(tiny_pair[1])), progress=False)
-    assert engine.draft_worker.head is not None and engine.rules.has_head
+    assert engine.draft_worker.head is not None and engine.rules.drafts["default"].has_head
     assert engine.draft_worker.head.config.draft_identity == model_identity(saved_feature_draft)
 
     from tiny import tiny_feature_draft
