@@ -69,12 +69,17 @@ class SpecDecEngine:
         self.draft_workers = {name: DraftWorker(d, h) for name, (d, h) in drafts.items()}
         self.draft_worker, self.verifier_worker = self.draft_workers[DEFAULT_DRAFT], VerifierWorker(target)
         self.loop = RoundLoop(LocalTransport(self.draft_workers, self.verifier_worker), self.rules, batch)
-        # Costs measured here: a short probe of every model seeds each draft's live profile.
-        self.verifier_worker.probe()
-        verifier_timings = self.verifier_worker.take_timings()
+        # Costs measured here: a short probe of every model (the drafts', then the target's) seeds
+        # each draft's live profile.
+        drafted = {}
         for name, worker in self.draft_workers.items():
             worker.probe()
-            self.loop.costs[name].observe(worker.take_timings() + verifier_timings)
+            drafted[name] = worker.take_timings()
+        self.verifier_worker.probe()
+        verified = self.verifier_worker.take_timings()
+        for name, timings in drafted.items():
+            self.loop.costs[name].observe(timings)
+            self.loop.costs[name].observe(verified)
 
     def cost_profile(self) -> CostProfile | None:
         """The costs the default policy plans with now (measured here unless given by hand)."""
