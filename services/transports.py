@@ -3,10 +3,10 @@
 
 A batch is split by the replica that owns each session, and the groups go out at once, one call
 each. Each draft (by name, `EngineConfig.drafts`) is a service of its own: its replicas hold only
-its sessions, and a Propose goes to the draft it names. A group whose replica does not answer (gone, restarting, unreachable, hung past the call
-timeout) comes back `Unreachable` and its sessions forget their replica: the loop retries them, in
-full, wherever Serve's router sends them next. Any other failure of a call comes back `Failed`:
-that call's sessions fail, the other replicas' go on.
+its sessions, and a Propose goes to the draft it names. A group whose replica does not answer (gone,
+restarting, unreachable, hung past the call timeout) comes back `Unreachable` and its sessions
+forget their replica: the loop retries them, in full, wherever Serve's router sends them next. Any
+other failure of a call comes back `Failed`: that call's sessions fail, the other replicas' go on.
 
     GrpcTransport     our gRPC services at fixed addresses (a draft each, one verifier: tests, benchmarks)
     DirectTransport   our gRPC services on each replica's own server; Serve's consistent-hash

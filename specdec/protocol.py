@@ -30,7 +30,6 @@ from specdec.sampling import SamplingParams
 from specdec.verification import Verdict
 
 Role = Literal["draft", "verifier"]
-ROLES: tuple[Role, Role] = ("draft", "verifier")
 
 
 @dataclass(frozen=True)
