@@ -203,7 +203,7 @@ class RoundLoop:
         proposed = await asyncio.gather(*(self.calls.propose([s for s in drafting if s.draft == draft], plan, draft)
                                           for draft, plan in plans.items()))
         proposals = {s: p for answered, _ in proposed for s, p in answered.items()}
-        verifying = [s for s in batch if not s.over and (s in proposals or s not in drafting)]
+        verifying = [s for s in batch if not s.over and (s in proposals or s.session_id not in plans[s.draft].drafting)]
         verdicts, verified = await self.calls.verify(verifying, proposals, max(p.probe_tokens for p in plans.values()))
         outcomes = [self._commit(s, proposals.get(s, NO_PROPOSAL), verdict, plans[s.draft])
                     for s, verdict in verdicts.items() if not s.over]
