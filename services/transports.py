@@ -23,7 +23,7 @@ import logging
 import time
 from dataclasses import replace
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf.message import Message
@@ -56,13 +56,19 @@ class ReplicaGone(Exception):
     """A round call found no replica where it went (the loop retries its sessions)."""
 
 
-def service(role: Role, draft: str = DEFAULT_DRAFT) -> str:
-    """Which deployment serves a role's calls: the verifier, or the named draft's."""
-    return role if role == "verifier" or draft == DEFAULT_DRAFT else f"{role}/{draft}"
+class Service(NamedTuple):
+    """A deployment that serves round calls: the verifier, or one of the drafts by name."""
+
+    role: Role
+    draft: str = DEFAULT_DRAFT
+
+    def __str__(self) -> str:
+        return self.role if self.draft == DEFAULT_DRAFT else f"{self.role} {self.draft!r}"
 
 
-def role_of(served_by: str) -> Role:
-    return "verifier" if served_by == "verifier" else "draft"
+def service(role: Role, draft: str = DEFAULT_DRAFT) -> Service:
+    """Which deployment serves a role's calls (there is one verifier)."""
+    return Service(role, DEFAULT_DRAFT if role == "verifier" else draft)
 
 
 class GrpcTransport:
@@ -77,7 +83,7 @@ class GrpcTransport:
         """`draft_address`: the default draft's, or each draft's by name."""
         drafts = draft_address if isinstance(draft_address, dict) else {DEFAULT_DRAFT: draft_address}
         self._fixed = {service("draft", name): address for name, address in drafts.items()}
-        self._fixed["verifier"] = verifier_address
+        self._fixed[service("verifier")] = verifier_address
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._metadata, self.timeout_s = call_metadata(api_key), timeout_s
 
@@ -95,14 +101,14 @@ class GrpcTransport:
     async def verify(self, items: list[VerifyItem], probe_tokens: int = 0) -> BatchReply:
         """A probe goes with the first item's group, or alone (routed as PROBE_ROUTING_KEY)."""
         if not items and probe_tokens:
-            owner = await self._owner_or_none("verifier", PROBE_ROUTING_KEY)
+            owner = await self._owner_or_none(service("verifier"), PROBE_ROUTING_KEY)
             if owner is None:
                 return BatchReply([], [], [])
             request = verifier_pb2.VerifyBatch(probe_tokens=probe_tokens)
-            reply = await self._send("verifier", owner, "Verify", request, PROBE_ROUTING_KEY)
+            reply = await self._send(service("verifier"), owner, "Verify", request, PROBE_ROUTING_KEY)
             return BatchReply([], [], timings_from_proto(reply.passes))
         return await self._batched(
-            "verifier", items, lambda group: verifier_pb2.VerifyBatch(
+            service("verifier"), items, lambda group: verifier_pb2.VerifyBatch(
                 items=[verify_item_to_proto(i) for i in group], probe_tokens=probe_tokens if group[0] is items[0] else 0),
             lambda reply: ([verdict_from_proto(v) for v in reply.verdicts], reply.target_ms))
 
@@ -121,10 +127,10 @@ class GrpcTransport:
             if isinstance(result, BaseException):
                 logger.debug("release on the %s failed: %s", served_by, result)
 
-    async def _batched(self, served_by: str, items: list, to_request: Callable[[list], Message],
+    async def _batched(self, served_by: Service, items: list, to_request: Callable[[list], Message],
                        from_reply: Callable[[Message], tuple[list, float]]) -> BatchReply:
         """One call per replica of the `served_by` deployment (`service`) that owns some of the items."""
-        role = role_of(served_by)
+        role = served_by.role
         answers: list = [None] * len(items)
         groups: dict[str | None, list[int]] = {}
         for i, owner in enumerate(await asyncio.gather(*(self._owner_or_none(served_by, it.session_id) for it in items))):
@@ -167,17 +173,17 @@ class GrpcTransport:
     # ----------------------------------------------------------------------------------------
     # Replicas
 
-    async def _owner(self, served_by: str, session_id: str) -> str:
+    async def _owner(self, served_by: Service, session_id: str) -> str:
         """The address of the replica of `served_by` (`service`) that holds (or will hold) the session."""
         return self._fixed[served_by]
 
-    def _known_owner(self, served_by: str, session_id: str) -> str | None:
+    def _known_owner(self, served_by: Service, session_id: str) -> str | None:
         return self._fixed[served_by]
 
-    def _forget(self, served_by: str, session_id: str) -> None:
+    def _forget(self, served_by: Service, session_id: str) -> None:
         """The session's replica is gone or it left: look it up again next time."""
 
-    async def _owner_or_none(self, served_by: str, session_id: str) -> str | None:
+    async def _owner_or_none(self, served_by: Service, session_id: str) -> str | None:
         try:
             return await self._owner(served_by, session_id)
         except self.retryable:
@@ -190,8 +196,8 @@ class GrpcTransport:
                                   ("grpc.max_receive_message_length", MAX_ROUND_MESSAGE_BYTES)])
         return self._channels[address]
 
-    async def _send(self, served_by: str, owner: str, method: str, request: Message, routing_key: str) -> Any:
-        stub = STUBS[role_of(served_by)](self._channel(owner))
+    async def _send(self, served_by: Service, owner: str, method: str, request: Message, routing_key: str) -> Any:
+        stub = STUBS[served_by.role](self._channel(owner))
         try:
             return await getattr(stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:  # the channel stays: grpc reconnects, and other calls share it
@@ -231,20 +237,20 @@ class DirectTransport(GrpcTransport):
         self.retryable = _serve_retryable()
         drafts = draft if isinstance(draft, dict) else {DEFAULT_DRAFT: draft}
         self._handles = {service("draft", name): handle for name, handle in drafts.items()}
-        self._handles["verifier"] = verifier
-        self._owners: dict[tuple[str, str], str] = {}
+        self._handles[service("verifier")] = verifier
+        self._owners: dict[tuple[Service, str], str] = {}
 
-    async def _owner(self, served_by: str, session_id: str) -> str:
+    async def _owner(self, served_by: Service, session_id: str) -> str:
         key = (served_by, session_id)
         if key not in self._owners:
             handle = self._handles[served_by].options(session_id=session_id)
             self._owners[key] = await own_request(lambda: handle.address.remote())
         return self._owners[key]
 
-    def _known_owner(self, served_by: str, session_id: str) -> str | None:
+    def _known_owner(self, served_by: Service, session_id: str) -> str | None:
         return self._owners.get((served_by, session_id))
 
-    def _forget(self, served_by: str, session_id: str) -> None:
+    def _forget(self, served_by: Service, session_id: str) -> None:
         self._owners.pop((served_by, session_id), None)
 
 
@@ -258,7 +264,7 @@ class HandleTransport(DirectTransport):
         super().__init__({name: handle.options(_by_reference=not grpc_transport) for name, handle in drafts.items()},
                          verifier.options(_by_reference=not grpc_transport))
 
-    async def _send(self, served_by: str, owner: str, method: str, request: Message, routing_key: str) -> Any:
+    async def _send(self, served_by: Service, owner: str, method: str, request: Message, routing_key: str) -> Any:
         handle = self._handles[served_by].options(session_id=routing_key)  # affinity is per hop: set it every call
         try:
             payload = await asyncio.wait_for(

@@ -28,7 +28,7 @@ from specdec.models.sources import (DEFAULT_DRAFT_QUANT, REQUANT_FTYPES, SHIPPED
                                     model_identity, requantize_gguf, resolve_gguf, resolve_model)
 from specdec.models.vocab import FULL as FULL_VOCAB
 from specdec.models.vocab import resolve_draft_vocab, trim_lm_head
-from specdec.params import DEFAULT_DRAFT
+from specdec.params import DEFAULT_DRAFT, named_drafts
 from specdec.sequences import DraftTraits, RequestRules
 
 Role = Literal["draft", "target"]
@@ -112,10 +112,8 @@ def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -
 def draft_configs(config: EngineConfig) -> dict[str, EngineConfig]:
     """Each draft's config by name, the first as DEFAULT_DRAFT: the others are the first's with
     their own source and shipped head."""
-    if DEFAULT_DRAFT in config.drafts:
-        raise ModelSourceError(f"drafts: {DEFAULT_DRAFT!r} names the first draft (--draft): give the others other names")
-    return {DEFAULT_DRAFT: config, **{name: config.model_copy(update={"draft": source, "head": "auto", "drafts": {}})
-                                      for name, source in config.drafts.items()}}
+    return named_drafts(config, {name: config.model_copy(update={"draft": source, "head": "auto", "drafts": {}})
+                                 for name, source in config.drafts.items()})
 
 
 def check_sources(config: EngineConfig) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -235,13 +235,13 @@ class RoundCalls:
     async def release(self, leaving: Sequence[LoopSample]) -> None:
         """Free the sessions' caches wherever they may be held. Best effort: a replica that lost the
         session (or is gone) has nothing to free."""
-        contacted = [wire.contacted if (wire := self._wire.pop(s.session_id, None)) else () for s in leaving]
-        held = {(role, s.draft if role == "draft" else DEFAULT_DRAFT) for s, roles in zip(leaving, contacted)
-                for role in roles}
+        held: dict[tuple[Role, str], list[str]] = defaultdict(list)  # (role, draft) -> the sessions it may hold
+        for s in leaving:
+            wire = self._wire.pop(s.session_id, None)
+            for role in wire.contacted if wire else ():
+                held[role, s.draft if role == "draft" else DEFAULT_DRAFT].append(s.session_id)
         calls = [asyncio.wait_for(self.transport.release(role, ids, draft), RELEASE_TIMEOUT_S)
-                 for role, draft in sorted(held)
-                 if (ids := [s.session_id for s, roles in zip(leaving, contacted)
-                             if role in roles and (role != "draft" or s.draft == draft)])]
+                 for (role, draft), ids in held.items()]
         for outcome in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(outcome, Exception):  # the request's result does not depend on it
                 logger.debug("a release failed: %s", outcome)

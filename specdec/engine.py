@@ -20,7 +20,7 @@ from specdec.head import AcceptanceHead
 from specdec.calls import LocalTransport
 from specdec.loop import BatchConfig, Completion, GenerationResult, RoundLoop
 from specdec.models.runtime import DraftRole, TargetRole
-from specdec.params import DEFAULT_DRAFT, GenerationParams
+from specdec.params import DEFAULT_DRAFT, GenerationParams, named_drafts
 from specdec.sequences import DraftTraits, RequestRules, UpdateCallback
 from specdec.workers import DraftWorker, VerifierWorker
 
@@ -55,9 +55,7 @@ class SpecDecEngine:
         batch: BatchConfig = BatchConfig(),
         more_drafts: Mapping[str, tuple[DraftRole, AcceptanceHead | None]] = {},
     ):
-        if DEFAULT_DRAFT in more_drafts:
-            raise IncompatibleModelsError(f"{DEFAULT_DRAFT!r} names the first draft: give the others other names")
-        drafts = {DEFAULT_DRAFT: (draft, head), **more_drafts}
+        drafts = named_drafts((draft, head), more_drafts)
         for each, _ in drafts.values():
             check_pair(each, target)
         self.draft, self.target, self.tokenizer, self.head = draft, target, tokenizer, head

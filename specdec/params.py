@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TypeVar
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specdec.errors import InvalidRequestError
+from specdec.errors import InvalidRequestError, ModelSourceError
 from specdec.policies import PolicyConfig
 from specdec.sampling import MAX_SAMPLES_PER_REQUEST, SamplingParams
 
@@ -12,6 +15,14 @@ FINISH_STOP, FINISH_LENGTH = "stop", "length"  # OpenAI's finish reasons
 # The name of an engine's first draft (`--draft`); the others are named where they are given
 # (`EngineConfig.drafts`), and a request picks one by name (`GenerationParams.draft`).
 DEFAULT_DRAFT = "default"
+T = TypeVar("T")
+
+
+def named_drafts(first: T, more: Mapping[str, T]) -> dict[str, T]:
+    """Each of an engine's drafts (or its config) by name, the first as DEFAULT_DRAFT."""
+    if DEFAULT_DRAFT in more:
+        raise ModelSourceError(f"{DEFAULT_DRAFT!r} names the first draft (--draft): give the others other names")
+    return {DEFAULT_DRAFT: first, **more}
 
 
 class GenerationParams(BaseModel):

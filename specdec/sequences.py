@@ -161,26 +161,26 @@ class RequestRules:
             raise InvalidRequestError("this engine has no tokenizer: pass token ids")
         return self.tokenizer
 
-    def draft(self, params: GenerationParams) -> DraftTraits:
-        """The traits of the draft the request names (the first where it names none)."""
+    def draft_name(self, params: GenerationParams) -> str:
+        """The draft the request names (the first where it names none)."""
         name = params.draft or next(iter(self.drafts))
         if name not in self.drafts:
             raise InvalidRequestError(f"unknown draft {name!r}; this engine has {', '.join(map(repr, self.drafts))}")
-        return self.drafts[name]
+        return name
 
     def resolved(self, params: GenerationParams) -> GenerationParams:
         """The params with the request's draft and policy named (the defaults where it names none):
         resolved once, this is what travels with its rounds."""
         if params.policy.name and params.draft:
             return params
-        draft = self.draft(params)
-        return params.model_copy(update={"draft": params.draft or next(iter(self.drafts)),
-                                         "policy": resolve_policy(params.policy, draft.has_head)})
+        name = self.draft_name(params)
+        return params.model_copy(update={"draft": name,
+                                         "policy": resolve_policy(params.policy, self.drafts[name].has_head)})
 
     def validate(self, prompt_ids: Sequence[int], params: GenerationParams) -> GenerationParams:
         """Reject a request before any model work; else its params, `resolved`."""
         params = self.resolved(params)
-        validate_policy(params.policy, has_head=self.draft(params).has_head)
+        validate_policy(params.policy, has_head=self.drafts[self.draft_name(params)].has_head)
         name = params.policy.name
         if policy_traits(name).greedy_only and not params.sampling.greedy:
             raise InvalidRequestError(f"policy {name!r} is defined for greedy decoding (temperature 0) only")

@@ -583,6 +583,7 @@ def test_greedy_outputs_with_feature_and_model_drafts_in_one_batch_equal_target_
             assert result.stats.draft_tokens > 0, params
     assert verifies.mixed >= GREEDY_NEW_TOKENS // 4, verifies.calls  # the kinds shared the target's passes
     assert {name: len(ids) for name, ids in proposed.items()} == {"default": 4, "feature": 4}  # each its own sessions
+    assert [len(w.sessions) for w in (*engine.draft_workers.values(), engine.verifier_worker)] == [0, 0, 0]  # released
     planners = {p.draft: p for p in engine.loop.planners}
     assert set(planners) == {"default", "feature"}
     assert all(p.acceptance != pytest.approx(0.8) for p in planners.values())  # each observed its own rounds

@@ -14,7 +14,7 @@ import torch
 from services.convert import dense_to_sparse, sparse_to_dense, sparsifier, sparsify_logits
 from services.server import start_server
 from services.servicers import DraftServicer, VerifierServicer
-from services.transports import GrpcTransport
+from services.transports import GrpcTransport, service
 from specdec.sequences import DraftTraits
 from specdec.engine import SpecDecEngine
 from specdec.errors import InvalidRequestError
@@ -257,9 +257,9 @@ class FailoverTransport(GrpcTransport):
         super().__init__(drafts[0], verifier)
         self.drafts, self.moved = drafts, False
 
-    def _forget(self, role, session_id):
-        if role == "draft":
-            self._fixed["draft"], self.moved = self.drafts[1], True
+    def _forget(self, served_by, session_id):
+        if served_by.role == "draft":
+            self._fixed[service("draft")], self.moved = self.drafts[1], True
 
 
 def test_a_lost_draft_replica_mid_batch_costs_a_retry_not_tokens(tiny_engine):
@@ -295,12 +295,12 @@ class TwoVerifiers(GrpcTransport):
         super().__init__(draft, verifiers[0])
         self.verifiers, self.owners = verifiers, {}
 
-    async def _owner(self, role, session_id):
-        return self._known_owner(role, session_id)
+    async def _owner(self, served_by, session_id):
+        return self._known_owner(served_by, session_id)
 
-    def _known_owner(self, role, session_id):
-        if role == "draft":
-            return self._fixed["draft"]
+    def _known_owner(self, served_by, session_id):
+        if served_by.role == "draft":
+            return self._fixed[served_by]
         return self.owners.setdefault(session_id, self.verifiers[len(self.owners) % 2])
 
 
