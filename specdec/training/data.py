@@ -36,6 +36,9 @@ decoder layers `data.features.layers` and its output state (the final norm's), b
     ...                    finish_reason, seed, states (bytes of [T, layers + 1, H] bfloat16)
 
 A features dataset depends on the target alone (no draft identity, no labels in its settings).
+The states' pass runs on the target as the engine runs it, or on a bfloat16 copy of it
+(`data.features.compute`: half the time on a CPU with AVX-512 BF16, within bfloat16's rounding of
+the float32 states they are stored as anyway); each shard records which in its metadata.
 
 Reference answers (`data.response.reference`, features data only): a train prompt whose source has
 a reference answer (the stdlib prompts: the function's own code, one fenced block) takes it as its
@@ -90,6 +93,7 @@ SEED_BITS = 63
 FINISH_TOO_LONG = "prompt_too_long"  # a row with no response: over max_prompt_tokens or the models' context
 WORKER_RESTARTS = 3  # per gen-data worker, then the run stops (rerun it: it resumes from the shards)
 FINISH_REFERENCE = "reference"  # a row whose response is the prompt's reference answer, not the target's
+STATES_COMPUTE = "states_compute"  # a features shard's metadata key and manifest entry (FeaturesSection.compute)
 
 
 class DatasetError(SpecDecError):
@@ -221,7 +225,7 @@ class ExampleWriter:
 
         if threads:
             torch.set_num_threads(threads)
-        self.data = data
+        self.models, self.data = models, data
         self.engine = build_engine(models.engine_config(threads), progress=False)
         self.target = self.engine.verifier_worker.target = RecordingTarget(self.engine.target)
 
@@ -311,7 +315,20 @@ class FeatureWriter(ExampleWriter):
 
     def annotate(self, row: dict, generated: bool) -> None:
         ids = list(row["prompt_ids"]) + list(row["response_ids"])
-        row["states"] = pack_states(target_states(self.target.model, ids, self.data.features.layers))
+        row["states"] = pack_states(target_states(self.states_model, ids, self.data.features.layers))
+
+    @functools.cached_property
+    def states_model(self):
+        """The model of the states' pass: the target's, or a bfloat16 copy (`data.features.compute`)."""
+        model = self.target.model
+        if self.data.features.compute == "target" or next(model.parameters()).dtype == torch.bfloat16:
+            return model
+        from transformers import AutoModelForCausalLM
+
+        from specdec.models.sources import resolve_model
+
+        target_dir = resolve_model(self.models.target, role="target", cache=self.models.cache_dir, progress=False)
+        return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).to(model.device).eval()
 
 
 # -- shards and the manifest ---------------------------------------------------------------------
@@ -328,15 +345,18 @@ def shard_schema(kind: str = "labels"):
                                ("finish_reason", pa.string()), ("seed", pa.int64())])
 
 
-def write_shard(directory: Path, index: int, rows: list[dict], kind: str = "labels") -> Path:
-    """Write rows as shard `index`, atomically (temporary name, then rename)."""
+def write_shard(directory: Path, index: int, rows: list[dict], kind: str = "labels",
+                states_compute: str | None = None) -> Path:
+    """Write rows as shard `index`, atomically (temporary name, then rename). `states_compute`: how a
+    features shard's states were computed (`FeaturesSection.compute`), kept in the file's metadata."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     path = directory / f"{SHARD_PREFIX}{index:05d}{SHARD_SUFFIX}"
     partial = path.with_name(path.name + ".partial")
     rows = [{name: row.get(name) for name in KIND_COLUMNS[kind]} for row in rows]
-    pq.write_table(pa.Table.from_pylist(rows, schema=shard_schema(kind)), partial)
+    schema = shard_schema(kind).with_metadata({STATES_COMPUTE: states_compute} if states_compute else None)
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), partial)
     os.replace(partial, path)
     return path
 
@@ -375,8 +395,12 @@ def shard_entry(path: Path, table) -> dict:
     per_split = {s: {"sequences": sum(1 for x in splits if x == s),
                      "positions": sum(n for x, n in zip(splits, positions) if x == s),
                      "tokens": sum(t for x, t in zip(splits, tokens) if x == s)} for s in SPLITS}
-    return {"file": path.name, "sha256": sha256_file(path), "rows": table.num_rows, "tokens": sum(tokens),
-            "positions": sum(positions), "splits": per_split}
+    entry = {"file": path.name, "sha256": sha256_file(path), "rows": table.num_rows, "tokens": sum(tokens),
+             "positions": sum(positions), "splits": per_split}
+    computed = (table.schema.metadata or {}).get(STATES_COMPUTE.encode())
+    if computed is not None:  # (a features shard without it: computed by the target as the engine ran it)
+        entry[STATES_COMPUTE] = computed.decode()
+    return entry
 
 
 def model_entry(source: str, role: str, cache_dir: str | None) -> dict:
@@ -543,7 +567,8 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
             return actor.rows.remote(chunk, {p.id: reused[p.id] for p in chunk if p.id in reused})
 
         for rows in pool.map_unordered(submit, chunks):
-            path = write_shard(out, next_index, rows, data.kind)
+            path = write_shard(out, next_index, rows, data.kind,
+                               data.features.compute if data.kind == "features" else None)
             next_index += 1
             shards.append(shard_entry(path, read_shard(path, columns=ENTRY_COLUMNS[data.kind])))
             manifest["shards"], manifest["counts"] = shards, summarise(shards)

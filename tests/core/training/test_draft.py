@@ -130,6 +130,43 @@ def test_train_prompts_take_their_reference_answers(feature_dataset, tiny_pair, 
         parse_config(labels)
 
 
+def test_states_computed_in_bfloat16_continue_a_dataset_and_each_shard_says_how(feature_dataset, tiny_pair, tmp_path):
+    """`features.compute: bfloat16` runs the states' pass on a bfloat16 copy of the float32 target: a
+    dataset made by the target itself continues (the old shards untouched), each new shard records it,
+    and its states are the float32 pass's within bfloat16's rounding."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from specdec.training.stdlib_prompts import Prompt
+
+    raw, manifest = feature_dataset
+    directory = tmp_path / "data"
+    shutil.copytree(raw["data"]["dir"], directory)
+    extra = [Prompt(f"bf16:{i}", f"Write function number {i}.", "train") for i in range(3)]
+    in_bf16 = {**raw, "data": {**raw["data"], "dir": str(directory),
+                               "features": {**raw["data"]["features"], "compute": "bfloat16"}}}
+    grown = generate_dataset(parse_config(in_bf16), prompts=TINY_PROMPTS + extra, progress=False)
+    old, new = grown["shards"][:len(manifest["shards"])], grown["shards"][len(manifest["shards"]):]
+    assert [s["sha256"] for s in old] == [s["sha256"] for s in manifest["shards"]]
+    assert new and all(s["states_compute"] == "bfloat16" for s in new)
+    assert all(s["states_compute"] == "target" for s in old) and grown["settings"] == manifest["settings"]
+    _, examples = load_examples(str(directory), max_tokens=1024)
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair[1]).eval()
+    copy = AutoModelForCausalLM.from_pretrained(tiny_pair[1], dtype=torch.bfloat16).eval()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(raw["scaling"]["threads"])  # as the worker ran it: the same sums in the same order
+    try:
+        for example in (e for e in examples if e.prompt_id.startswith("bf16:")):
+            exact = target_states(target, example.tokens.tolist(), LAYERS).float()
+            torch.testing.assert_close(example.states.float(), target_states(copy, example.tokens.tolist(), LAYERS).float(),
+                                       atol=0, rtol=0)  # the bfloat16 copy's pass ...
+            assert not torch.equal(example.states.float(), exact)  # ... not the float32 one's, ...
+            torch.testing.assert_close(example.states.float(), exact, atol=0.15, rtol=0.05)  # ... within its rounding
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_layers_past_the_targets_are_refused_before_any_work(tiny_pair, tmp_path):
     raw = feature_config(tiny_pair, tmp_path)
     raw["data"]["features"] = {"layers": [0, 5]}
