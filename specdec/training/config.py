@@ -145,7 +145,7 @@ class FeaturesSection(Strict):
     layers: list[int] = Field(default_factory=lambda: [1, 13, 24])
     # The states' teacher-forced pass: `target`, the target as the engine runs it (float32 on the
     # CPU, bfloat16 on a GPU); `bfloat16`, a bfloat16 copy of it where the engine runs float32. On a
-    # CPU with AVX-512 BF16 that pass takes half the time and its states are within cosine 0.9998
+    # CPU with AVX-512 BF16 that pass takes half the time and its states are within cosine 0.9996
     # of float32's (docs/training.md, "Computing the states in bfloat16"). The states are stored in
     # bfloat16 either way; each shard records how its states were computed.
     compute: Literal["target", "bfloat16"] = "target"
