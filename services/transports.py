@@ -71,6 +71,9 @@ def service(role: Role, draft: str = DEFAULT_DRAFT) -> Service:
     return Service(role, DEFAULT_DRAFT if role == "verifier" else draft)
 
 
+VERIFIER = service("verifier")  # the one verifier deployment
+
+
 class GrpcTransport:
     """Batched round calls over grpc.aio to the replica that owns each session; here one fixed
     address per role."""
@@ -83,7 +86,7 @@ class GrpcTransport:
         """`draft_address`: the default draft's, or each draft's by name."""
         drafts = draft_address if isinstance(draft_address, dict) else {DEFAULT_DRAFT: draft_address}
         self._fixed = {service("draft", name): address for name, address in drafts.items()}
-        self._fixed[service("verifier")] = verifier_address
+        self._fixed[VERIFIER] = verifier_address
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._metadata, self.timeout_s = call_metadata(api_key), timeout_s
 
@@ -101,14 +104,14 @@ class GrpcTransport:
     async def verify(self, items: list[VerifyItem], probe_tokens: int = 0) -> BatchReply:
         """A probe goes with the first item's group, or alone (routed as PROBE_ROUTING_KEY)."""
         if not items and probe_tokens:
-            owner = await self._owner_or_none(service("verifier"), PROBE_ROUTING_KEY)
+            owner = await self._owner_or_none(VERIFIER, PROBE_ROUTING_KEY)
             if owner is None:
                 return BatchReply([], [], [])
             request = verifier_pb2.VerifyBatch(probe_tokens=probe_tokens)
-            reply = await self._send(service("verifier"), owner, "Verify", request, PROBE_ROUTING_KEY)
+            reply = await self._send(VERIFIER, owner, "Verify", request, PROBE_ROUTING_KEY)
             return BatchReply([], [], timings_from_proto(reply.passes))
         return await self._batched(
-            service("verifier"), items, lambda group: verifier_pb2.VerifyBatch(
+            VERIFIER, items, lambda group: verifier_pb2.VerifyBatch(
                 items=[verify_item_to_proto(i) for i in group], probe_tokens=probe_tokens if group[0] is items[0] else 0),
             lambda reply: ([verdict_from_proto(v) for v in reply.verdicts], reply.target_ms))
 
@@ -237,7 +240,7 @@ class DirectTransport(GrpcTransport):
         self.retryable = _serve_retryable()
         drafts = draft if isinstance(draft, dict) else {DEFAULT_DRAFT: draft}
         self._handles = {service("draft", name): handle for name, handle in drafts.items()}
-        self._handles[service("verifier")] = verifier
+        self._handles[VERIFIER] = verifier
         self._owners: dict[tuple[Service, str], str] = {}
 
     async def _owner(self, served_by: Service, session_id: str) -> str:

@@ -76,8 +76,7 @@ class SpecDecEngine:
         self.verifier_worker.probe()
         verified = self.verifier_worker.take_timings()
         for name, timings in drafted.items():
-            self.loop.costs[name].observe(timings)
-            self.loop.costs[name].observe(verified)
+            self.loop.costs[name].observe(timings + verified)
 
     def cost_profile(self) -> CostProfile | None:
         """The costs the default policy plans with now (measured here unless given by hand)."""
