@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import socket
 import threading
 import time
@@ -53,13 +54,40 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports. Every socket stays bound until all n are drawn: ports drawn one
-    at a time can repeat, since the OS may hand a just-released port out again."""
+    """n distinct free ports for servers a test starts, drawn below the OS's ephemeral range (and above
+    Ray's worker ports, 10002-19999). A port drawn by binding port 0 comes from the ephemeral range,
+    where Ray's own processes and every outgoing connection also take ports: between the draw and
+    Serve's bind, one of them can take it ("Failed to bind to address", seen in CI). Every drawn
+    socket stays bound until all n are drawn, so none repeats."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0]) if os.path.exists(
+        "/proc/sys/net/ipv4/ip_local_port_range") else 32768
+    candidates = random.sample(range(20000, low), min(low - 20000, 64 * n))
+    family, anywhere = _any_address()
     with ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
+        ports = []
+        for port in candidates:
+            if len(ports) == n:
+                break
+            s = stack.enter_context(socket.socket(family))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+            try:
+                s.bind((anywhere, port))  # every address, as Serve's gRPC proxy binds
+            except OSError:
+                continue
+            ports.append(port)
+        if len(ports) < n:
+            raise RuntimeError(f"found only {len(ports)} of {n} free ports in 20000-{low - 1}")
+        return ports
+
+
+def _any_address() -> tuple[socket.AddressFamily, str]:
+    """IPv6's any-address where the kernel has IPv6 (it covers IPv4 too), else IPv4's."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::", 0))
+        return socket.AF_INET6, "::"
+    except OSError:
+        return socket.AF_INET, "0.0.0.0"
 
 
 def free_port() -> int:
