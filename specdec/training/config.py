@@ -25,7 +25,7 @@ from specdec.policies import POLICY_NAMES, PolicyConfig, policy_traits
 from specdec.sampling import SamplingParams
 from specdec.training.mixing import OFFICIAL_TARGET_TOKEN_RATIO
 
-PromptSource = Literal["stdlib-docstrings", "prose"]
+PromptSource = Literal["stdlib-docstrings", "prose", "package-docstrings"]
 SELECT_BY = {"kl": "min", "auroc": "max", "ece": "min", "loss": "min"}  # validation metric -> better
 
 

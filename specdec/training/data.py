@@ -1,6 +1,7 @@
 """Training data for the acceptance head (paper §3.3), generated on Ray workers, resumable.
 
-For every prompt (`data.prompts.source`: stdlib_prompts, prose_prompts; never HumanEval):
+For every prompt (`data.prompts.source`: stdlib_prompts, prose_prompts, package_prompts; never
+HumanEval):
 
 1. the target's response X_1..X_N, written by the project's lossless engine (its output follows
    the target's distribution exactly, and it is faster than the target alone); a shard's prompts
@@ -41,14 +42,15 @@ The states' pass runs on the target as the engine runs it, or on a bfloat16 copy
 the float32 states they are stored as anyway); each shard records which in its metadata.
 
 Reference answers (`data.response.reference`, features data only): a train prompt whose source has
-a reference answer (the stdlib prompts: the function's own code, one fenced block) takes it as its
+a reference answer (the stdlib and package prompts: the function's own code, one fenced block) takes it as its
 response, cut at `max_new_tokens` (ending with the end-of-turn token where it fits), with
 finish_reason "reference". Such a row costs one teacher-forced pass instead of a decode of the
 target (on the 2-core CPU a few seconds against half a minute), and the feature draft's loss reads
 the target's own distribution at every position of whatever text it is fed (training/draft.py), so
 the text need not be the target's. Validation prompts, prompts without a reference and reused
 responses keep the target's own response: held-out figures stay on the target's text. A dataset
-made without references continues with them (each of its rows is one a reference run could make).
+made without references continues with them (each of its rows is one a reference run could make),
+and a dataset continues with sources added to its list (each source splits its prompts on its own).
 
 Resume: a shard is written to a temporary name and renamed, so a shard on disk is complete; a
 rerun reads the prompt ids of every shard, skips those prompts, and rebuilds the manifest from the
@@ -462,11 +464,13 @@ def summarise(shards: list[dict]) -> dict:
 
 def source_prompts(config: PromptsSection) -> tuple[dict[str, list[Prompt]], str]:
     """({source: its prompts in hash order}, the description the manifest records)."""
+    from specdec.training import package_prompts as packages
     from specdec.training import prose_prompts as prose
     from specdec.training import stdlib_prompts as stdlib
 
     loaders = {stdlib.SOURCE_NAME: (stdlib.stdlib_prompts, stdlib.source_description),
-               prose.SOURCE_NAME: (prose.prose_prompts, prose.source_description)}
+               prose.SOURCE_NAME: (prose.prose_prompts, prose.source_description),
+               packages.SOURCE_NAME: (packages.package_prompts, packages.source_description)}
     names = [config.source] if isinstance(config.source, str) else list(config.source)
     prompts = {name: loaders[name][0](config.validation_fraction) for name in names}
     return prompts, "; ".join(loaders[name][1](len(prompts[name])) for name in names)
@@ -589,10 +593,17 @@ def _check_same_settings(directory: Path, found: dict, wanted: dict) -> None:
     if wanted.get("response", {}).get("reference") and isinstance(found.get("response"), dict):
         # a dataset of the target's responses continues with references: its rows are ones such a run makes
         found["response"] = {**found["response"], "reference": True}
+    if set(_sources(found.get("prompt_source"))) < set(_sources(wanted["prompt_source"])):
+        # a dataset continues with more sources: each source splits and orders its prompts on its own
+        found["prompt_source"] = wanted["prompt_source"]
     for key in wanted:
         if found.get(key) != wanted[key]:
             raise DatasetError(f"{directory} holds data made with other settings ({key} differs); "
                                "use another data.dir or the config that made it")
+
+
+def _sources(source: str | list[str] | None) -> list[str]:
+    return [] if source is None else [source] if isinstance(source, str) else list(source)
 
 
 # -- reading a dataset for training --------------------------------------------------------------

@@ -63,11 +63,21 @@ def stdlib_prompts(validation_fraction: float, root: Path | None = None) -> list
     check_fraction(validation_fraction)  # before the scan: a bad config fails at once
     found: dict[str, str] = {}
     references: dict[str, str] = {}
-    for module, path in _module_files(root or stdlib_root()):
-        for prompt_id, text, reference in _file_prompts(module, path):
-            if prompt_id not in found:
-                found[prompt_id], references[prompt_id] = text, reference
+    for prompt_id, text, reference in documented_functions(root or stdlib_root()):
+        if prompt_id not in found:
+            found[prompt_id], references[prompt_id] = text, reference
     return hash_split(found, validation_fraction, references)
+
+
+def documented_functions(root: Path, package: str | None = None, docstring_in_reference: bool = True):
+    """(id, instruction, reference answer) of every documented public function and method in the
+    source files under `root` (module names relative to it, under `package` when given), in module
+    order. Without `docstring_in_reference` a reference is the code alone (the instruction already
+    holds the docstring), and a function with no code past its docstring (abstract, `pass`) has none."""
+    for module, path in _module_files(root):
+        if package is not None:
+            module = f"{package}.{module}" if module else package
+        yield from _file_prompts(module, path, docstring_in_reference)
 
 
 def hash_split(texts: dict[str, str], validation_fraction: float,
@@ -111,7 +121,7 @@ def _module_files(root: Path):
     return sorted(found)
 
 
-def _file_prompts(module: str, path: Path):
+def _file_prompts(module: str, path: Path, docstring_in_reference: bool = True):
     """(id, instruction, reference answer) of each documented public function and method."""
     try:
         source = path.read_text(encoding="utf-8")
@@ -120,23 +130,43 @@ def _file_prompts(module: str, path: Path):
         return
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
-            yield from _function_prompt(module, None, node, source)
+            yield from _function_prompt(module, None, node, source, docstring_in_reference)
         elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
             for item in node.body:
                 if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and not item.name.startswith("_"):
-                    yield from _function_prompt(module, node.name, item, source)
+                    yield from _function_prompt(module, node.name, item, source, docstring_in_reference)
 
 
-def _function_prompt(module: str, owner: str | None, node: ast.FunctionDef | ast.AsyncFunctionDef, source: str):
+def _function_prompt(module: str, owner: str | None, node: ast.FunctionDef | ast.AsyncFunctionDef, source: str,
+                     docstring_in_reference: bool = True):
     docstring = ast.get_docstring(node, clean=True)
     if not docstring or not MIN_DOCSTRING_CHARS <= len(docstring) <= MAX_DOCSTRING_CHARS:
         return
+    if not docstring_in_reference and not _has_code(node):
+        return
     qualname = f"{owner}.{node.name}" if owner else node.name
     yield (f"{module}:{qualname}", instruction(f"{node.name}({ast.unparse(node.args)})", docstring, owner),
-           reference_answer(source, node))
+           reference_answer(source, node, docstring_in_reference))
 
 
-def reference_answer(source: str, node: ast.AST) -> str:
-    """The function's own code as a chat answer writes it: one fenced Python block."""
-    code = textwrap.dedent(ast.get_source_segment(source, node, padded=True) or ast.unparse(node))
-    return f"```python\n{code.strip()}\n```"
+def _has_code(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Whether the body holds more than its docstring and a placeholder (`pass`, `...`, raise NotImplementedError)."""
+    body = node.body[1:]
+    placeholder = len(body) == 1 and (isinstance(body[0], ast.Pass) or (
+        isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and body[0].value.value is Ellipsis)
+        or (isinstance(body[0], ast.Raise) and "NotImplementedError" in ast.unparse(body[0])))
+    return bool(body) and not placeholder
+
+
+def reference_answer(source: str, node: ast.FunctionDef | ast.AsyncFunctionDef, docstring: bool = True) -> str:
+    """The function's own code as a chat answer writes it: one fenced Python block; without its
+    docstring's lines when `docstring` is off."""
+    code = ast.get_source_segment(source, node, padded=True) or ast.unparse(node)
+    doc = node.body[0]
+    if not docstring and doc.lineno > node.lineno:  # (a docstring on the `def` line stays)
+        lines = code.splitlines()
+        after = lines[doc.end_lineno - node.lineno + 1:]
+        while after and not after[0].strip():  # the blank line that followed the docstring
+            after = after[1:]
+        code = "\n".join(lines[:doc.lineno - node.lineno] + after)
+    return f"```python\n{textwrap.dedent(code).strip()}\n```"

@@ -277,3 +277,13 @@ def test_sources_take_turns_and_validation_comes_first():
     data = DataSection(dir="d", prompts={"train": 2, "validation": 1})
     chosen = select_prompts(data, {"code": source("code", 9), "prose": source("prose", 4)})
     assert [p.id for p in chosen] == ["code:0", "prose:0", "code:1", "prose:1", "code:2", "prose:2"]
+
+
+def test_a_dataset_continues_with_added_sources_only(tmp_path):
+    from specdec.training.data import _check_same_settings
+
+    found = {"prompt_source": ["stdlib-docstrings", "prose"], "seed": 0}
+    _check_same_settings(tmp_path, dict(found), {**found, "prompt_source": [*found["prompt_source"], "package-docstrings"]})
+    for fewer in ("stdlib-docstrings", ["stdlib-docstrings", "package-docstrings"]):
+        with pytest.raises(DatasetError, match="prompt_source differs"):
+            _check_same_settings(tmp_path, dict(found), {**found, "prompt_source": fewer})
