@@ -3,7 +3,7 @@
 The stdlib prompts (specdec/training/stdlib_prompts.py) hold 2,778 train prompts, all written into
 the feature draft's data; the draft's acceptance on code grows with code text (docs/training.md), and
 a reference answer costs one teacher-forced pass (~2 s here) where a response of the target's costs
-a decode (~15 s). The packages this project installs (and theirs) hold ten times as many documented
+a decode (~15 s). The packages this project installs (and theirs) hold eight times as many documented
 functions. Their prompts are made by the stdlib prompts' rule (`documented_functions`, the same
 instruction and the function's own code as its reference), ids `package.module:qualname`.
 
