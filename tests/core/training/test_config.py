@@ -22,7 +22,7 @@ def with_change(section: str, key: str, value) -> dict:
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     config = load_config(path)
-    assert config.data.prompts.source == ["stdlib-docstrings", "prose"]
+    assert config.data.prompts.source[:2] == ["stdlib-docstrings", "prose"]  # (the feature draft's adds packages)
     if config.data.kind == "features":  # the feature draft's, and its head's, kept in the draft's directory
         assert config.train.output == str(Path(config.require_draft().output) / "head")
     else:
@@ -31,12 +31,15 @@ def test_shipped_configs_load(path):
 
 def test_the_feature_draft_config_reuses_the_heads_responses():
     """`--reuse-responses data/default-pair` needs the same response settings (references aside), seed
-    and prompt limit; the feature draft's prompts are the head's and more train prompts of each source."""
+    and prompt limit; the feature draft's prompts are the head's and more: train prompts of each source
+    and a source of its own after the head's."""
     draft, head = (load_config(SHIPPED[0].parent / name) for name in ("feature-draft.yaml", "default-pair.yaml"))
     assert draft.data.response.model_copy(update={"reference": False}) == head.data.response
     assert draft.data.seed == head.data.seed
-    assert draft.data.prompts.model_copy(update={"train": head.data.prompts.train}) == head.data.prompts
-    assert draft.data.prompts.train >= head.data.prompts.train
+    same = {"train": head.data.prompts.train, "source": head.data.prompts.source}
+    assert draft.data.prompts.model_copy(update=same) == head.data.prompts
+    assert draft.data.prompts.source[:len(head.data.prompts.source)] == head.data.prompts.source
+    assert draft.data.prompts.train is None or draft.data.prompts.train >= head.data.prompts.train
 
 
 def test_a_draft_section_needs_features_data():
