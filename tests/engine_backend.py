@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 import grpc
 import uvicorn
@@ -53,14 +54,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(*grpc_status(exc))
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")  # Linux: "low high"
+
+
 def free_ports(n: int) -> list[int]:
     """n distinct free ports for servers a test starts, drawn below the OS's ephemeral range (and above
     Ray's worker ports, 10002-19999). A port drawn by binding port 0 comes from the ephemeral range,
     where Ray's own processes and every outgoing connection also take ports: between the draw and
     Serve's bind, one of them can take it ("Failed to bind to address", seen in CI). Every drawn
     socket stays bound until all n are drawn, so none repeats."""
-    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0]) if os.path.exists(
-        "/proc/sys/net/ipv4/ip_local_port_range") else 32768
+    low = int(EPHEMERAL_RANGE.read_text().split()[0]) if EPHEMERAL_RANGE.exists() else 32768
     candidates = random.sample(range(20000, low), min(low - 20000, 64 * n))
     family, anywhere = _any_address()
     with ExitStack() as stack:
