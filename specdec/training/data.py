@@ -471,7 +471,7 @@ def source_prompts(config: PromptsSection) -> tuple[dict[str, list[Prompt]], str
     loaders = {stdlib.SOURCE_NAME: (stdlib.stdlib_prompts, stdlib.source_description),
                prose.SOURCE_NAME: (prose.prose_prompts, prose.source_description),
                packages.SOURCE_NAME: (packages.package_prompts, packages.source_description)}
-    names = [config.source] if isinstance(config.source, str) else list(config.source)
+    names = _sources(config.source)
     prompts = {name: loaders[name][0](config.validation_fraction) for name in names}
     return prompts, "; ".join(loaders[name][1](len(prompts[name])) for name in names)
 

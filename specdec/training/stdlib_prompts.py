@@ -150,12 +150,16 @@ def _function_prompt(module: str, owner: str | None, node: ast.FunctionDef | ast
 
 
 def _has_code(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
-    """Whether the body holds more than its docstring and a placeholder (`pass`, `...`, raise NotImplementedError)."""
+    """Whether the body holds more than its docstring and one placeholder statement."""
     body = node.body[1:]
-    placeholder = len(body) == 1 and (isinstance(body[0], ast.Pass) or (
-        isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and body[0].value.value is Ellipsis)
-        or (isinstance(body[0], ast.Raise) and "NotImplementedError" in ast.unparse(body[0])))
-    return bool(body) and not placeholder
+    return bool(body) and not (len(body) == 1 and _is_placeholder(body[0]))
+
+
+def _is_placeholder(stmt: ast.stmt) -> bool:
+    """`pass`, `...` or `raise NotImplementedError`: a statement that says the code is elsewhere."""
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+        return stmt.value.value is Ellipsis
+    return isinstance(stmt, ast.Pass) or (isinstance(stmt, ast.Raise) and "NotImplementedError" in ast.unparse(stmt))
 
 
 def reference_answer(source: str, node: ast.FunctionDef | ast.AsyncFunctionDef, docstring: bool = True) -> str:
