@@ -238,6 +238,9 @@ class DraftTrainSection(Strict):
     prompt_weight: float = Field(0.5, ge=0.0, le=1.0, description="loss weight of positions that predict prompt tokens")
     epochs: int = Field(4, ge=1)
     batch_size: int = Field(8, ge=1, description="sequences per optimizer step")
+    # Batches of sequences of like length (transformers' group_by_length): a batch is padded to its
+    # longest sequence, and the layer's work is paid on the padding too.
+    group_by_length: bool = True
     lr: float = Field(5e-4, gt=0.0)
     warmup_steps: int = Field(50, ge=0)
     weight_decay: float = Field(0.01, ge=0.0)

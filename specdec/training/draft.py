@@ -277,6 +277,19 @@ def validate(model: FeatureDraft, examples: list[Example], draft: DraftTrainSect
     return metrics
 
 
+def epoch_order(lengths: list[int], draft: DraftTrainSection, epoch: int) -> list[int]:
+    """The train sequences' order in an epoch (a permutation, the same for a seed and epoch, so that a
+    resumed run continues it): shuffled, or with `group_by_length` shuffled in groups of 50 batches,
+    each group sorted by length (transformers' `get_length_grouped_indices`, as its Trainer's
+    `group_by_length`), so that each batch holds sequences of like length."""
+    generator = torch.Generator().manual_seed(draft.seed + epoch)
+    if not draft.group_by_length:
+        return torch.randperm(len(lengths), generator=generator).tolist()
+    from transformers.trainer_pt_utils import get_length_grouped_indices
+
+    return [int(i) for i in get_length_grouped_indices(lengths, draft.batch_size, generator=generator)]
+
+
 def train_loop(loop_config: dict) -> None:
     """Runs on every Ray Train worker: data parallel over sequences, a checkpoint every
     `checkpoint_every` optimizer steps and at the end of each epoch."""
@@ -319,7 +332,7 @@ def train_loop(loop_config: dict) -> None:
 
     while step < total:
         epoch, within = divmod(step, per_epoch)
-        order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(draft.seed + epoch)).tolist()
+        order = epoch_order([len(e.tokens) for e in train_set], draft, epoch)
         mine = order[rank * per_epoch * draft.batch_size:(rank + 1) * per_epoch * draft.batch_size]
         for index in range(within, per_epoch):
             chunk = [train_set[i] for i in mine[index * draft.batch_size:(index + 1) * draft.batch_size]]

@@ -1,0 +1,73 @@
+"""The feature draft's training step with batches of like length against shuffled batches.
+
+    python -m benchmarks.draft_batching --config cluster/training/feature-draft.yaml --batches 6 --repeats 2
+
+Takes the config's features dataset and draft settings, an untrained draft (the work of a step does not
+depend on its weights), and the first `--batches` batches of epoch 0 in each order (`epoch_order` with
+`group_by_length` on and off); times `batch_loss` plus its backward pass (what a training step runs
+besides the optimizer) over each order's batches, the two orders interleaved `--repeats` times. Prints
+the padded positions a pass computes over the whole epoch in each order and the milliseconds a
+sequence of the timed batches (median and range over the repeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from specdec.training.config import load_config
+from specdec.training.draft import (batch_loss, build_draft, check_draft_data, epoch_order, load_examples, make_batch,
+                                    trimmed_vocabulary)
+
+
+def padded_positions(lengths: list[int], order: list[int], batch_size: int) -> int:
+    """Positions a pass computes over `order`'s batches, each padded to its longest sequence."""
+    return sum(max(lengths[i] for i in order[b:b + batch_size]) * len(order[b:b + batch_size])
+               for b in range(0, len(order), batch_size))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--batches", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    config = load_config(args.config)
+    draft = config.require_draft()
+    manifest, identity, target_dir = check_draft_data(config)
+    _, examples = load_examples(config.data.dir, draft.max_tokens, states="lazy")
+    train = [e for e in examples if e.split == "train"]
+    lengths = [len(e.tokens) for e in train]
+    vocab_ids = trimmed_vocabulary(examples, draft.vocab_coverage, draft.vocab_size)
+    settings = {"draft": draft.model_dump(), "layers": manifest["settings"]["layers"], "target_identity": identity,
+                "target_name": config.models.target}
+    model = build_draft(settings, target_dir, vocab_ids)
+    orders = {name: epoch_order(lengths, draft.model_copy(update={"group_by_length": grouped}), 0)
+              for name, grouped in (("grouped", True), ("shuffled", False))}
+    size, layers = draft.batch_size, len(manifest["settings"]["layers"])
+    print(f"{len(train)} train sequences, {sum(lengths)} positions, batches of {size}")
+    batches, timed = {}, {name: [] for name in orders}
+    for name, order in orders.items():
+        print(f"{name}: {padded_positions(lengths, order, size)} positions computed over the epoch "
+              f"({padded_positions(lengths, order, size) / sum(lengths):.2f}x the sequences')")
+        batches[name] = [make_batch([train[i] for i in order[b * size:(b + 1) * size]], draft.inputs, layers, "cpu")
+                         for b in range(args.batches)]
+    for _ in range(args.repeats):
+        for name, chosen in batches.items():
+            start = time.perf_counter()
+            for batch in chosen:
+                loss, _ = batch_loss(model, batch, draft)
+                model.zero_grad()
+                loss.backward()
+            timed[name].append(1000 * (time.perf_counter() - start) / (len(chosen) * size))
+    for name, values in timed.items():
+        print(f"{name}: {statistics.median(values):.0f} ms a sequence (range {min(values):.0f}-{max(values):.0f})")
+
+
+if __name__ == "__main__":
+    main()
