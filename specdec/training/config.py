@@ -211,6 +211,10 @@ class TrainSection(Strict):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     # Fit Platt scaling on the validation tokens after training and save it with the head (calibration.py).
     calibrate: bool = True
+    # The head's data from the dataset's first N train sequences (its order: reused responses, the
+    # target's own text, first); the validation split whole. None: every train sequence. The draft's
+    # passes over the data are most of train-head's time (a feature draft's: seconds a sequence here).
+    max_sequences: int | None = Field(None, ge=1)
 
     _expand_paths = field_validator("storage", "output")(_expand)
 

@@ -109,7 +109,7 @@ def feature_draft_features(config: PipelineConfig, data_dir: str, splits: Sequen
     from tqdm.auto import tqdm
 
     from specdec.models.sources import model_identity, resolve_model
-    from specdec.training.train import mixing_generator
+    from specdec.training.train import head_sequences, mixing_generator
 
     manifest, examples = load_examples(data_dir, config.require_draft().max_tokens, states="lazy")
     target_dir = resolve_model(config.models.target, role="target", cache=config.models.cache_dir)
@@ -117,8 +117,9 @@ def feature_draft_features(config: PipelineConfig, data_dir: str, splits: Sequen
     _, target_head = target_tensors(target_dir)
     layers, samplings, seed = len(manifest["settings"]["layers"]), config.data.labels.sets(), config.require_train().mixing_seed
     parts: dict[str, list[dict[str, torch.Tensor]]] = {}
-    for e in tqdm([e for e in examples if e.split in splits and len(e.tokens) > e.prompt_length], desc="features",
-                  unit="sequence"):
+    chosen = [e for split in splits for e in head_sequences(
+        [e for e in examples if e.split == split and len(e.tokens) > e.prompt_length], split, config.require_train())]
+    for e in tqdm(chosen, desc="features", unit="sequence"):
         parts.setdefault(e.split, []).extend(
             sequence_features(model, target_head, e, layers, samplings, mixing_generator(seed, e.prompt_id)))
     return parts, model.layer_config.hidden_size

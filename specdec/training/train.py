@@ -170,7 +170,7 @@ def feature_key(manifest: dict, train: TrainSection, draft_identity: str, labels
     draft's (`labels`: its label sets and steps, made with the features)."""
     shards = [s["sha256"] for s in manifest["shards"]]
     blob = json.dumps([draft_identity, shards, train.mixing_ratio, train.mixing_seed, train.features, FEATURE_FORMAT]
-                      + ([labels] if labels else []))
+                      + ([labels] if labels else []) + ([train.max_sequences] if train.max_sequences else []))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -204,11 +204,17 @@ def model_draft_features(config: PipelineConfig, data_dir: str, splits: tuple[st
         model = model.to("cuda")
     parts = {}
     for split in splits:
-        responses = [row for row in rows if row["split"] == split and row["response_ids"]]
+        responses = head_sequences([row for row in rows if row["split"] == split and row["response_ids"]], split, train)
         parts[split] = [part for row in tqdm(responses, desc=f"features ({split})", unit="response")
                         for part in row_features(model, row, train, [label_sampling(manifest, t)
                                                                      for t in row["label_temperatures"]])]
     return parts, draft.hidden_size
+
+
+def head_sequences(items: list, split: str, train: TrainSection) -> list:
+    """The sequences of one split (in the dataset's order) the head's data come from: all, or the
+    train split's first `train.max_sequences`."""
+    return items[:train.max_sequences] if split == "train" and train.max_sequences else items
 
 
 def compute_features(config: PipelineConfig, data_dir: str, out_path: str, draft_identity: str,

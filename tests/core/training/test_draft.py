@@ -368,3 +368,25 @@ def test_train_head_on_a_feature_draft(feature_dataset, saved_feature_draft, tin
     other = tiny_feature_draft(AutoModelForCausalLM.from_pretrained(tiny_pair[1])).save(tmp_path / "other")  # "tiny"
     with pytest.raises(IncompatibleModelsError, match="reads another target"):
         train_head(parse_config({**raw, "draft": {**raw["draft"], "output": str(other)}}))
+
+
+def test_a_heads_data_from_the_first_train_sequences(feature_dataset, saved_feature_draft):
+    """`train.max_sequences`: the head's data come from the dataset's first N train sequences, the
+    validation split whole, and the feature cache is keyed by it."""
+    from specdec.training.feature_labels import feature_draft_features
+    from specdec.training.train import feature_key
+
+    raw, manifest = feature_dataset
+    raw = {**raw, "draft": {**raw["draft"], "output": str(saved_feature_draft)},
+           "train": {"storage": "s", "output": "o"}}
+    whole, _ = feature_draft_features(parse_config(raw), raw["data"]["dir"])
+    first, _ = feature_draft_features(parse_config({**raw, "train": {**raw["train"], "max_sequences": 1}}),
+                                      raw["data"]["dir"])
+    per_sequence = len(parse_config(raw).data.labels.sets())  # one part per label set
+    assert len(whole["train"]) > per_sequence and len(first["train"]) == per_sequence
+    for a, b in zip(first["train"] + first["validation"], whole["train"][:per_sequence] + whole["validation"]):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert len(first["validation"]) == len(whole["validation"])
+    keys = {feature_key(manifest, parse_config({**raw, "train": {**raw["train"], **more}}).require_train(), "d")
+            for more in ({}, {"max_sequences": 1}, {"max_sequences": 2})}
+    assert len(keys) == 3
