@@ -3,11 +3,13 @@
     python -m benchmarks.draft_batching --config cluster/training/feature-draft.yaml --batches 6 --repeats 2
 
 Takes the config's features dataset and draft settings, an untrained draft (the work of a step does not
-depend on its weights), and the first `--batches` batches of epoch 0 in each order (`epoch_order` with
-`group_by_length` on and off); times `batch_loss` plus its backward pass (what a training step runs
-besides the optimizer) over each order's batches, the two orders interleaved `--repeats` times. Prints
-the padded positions a pass computes over the whole epoch in each order and the milliseconds a
-sequence of the timed batches (median and range over the repeats).
+depend on its weights), and `--batches` batches drawn at random (seeded) from epoch 0 in each order
+(`epoch_order` with `group_by_length` on and off: in the grouped order a batch's length depends on where
+it falls, so a fixed pick would not be typical); times `batch_loss` plus its backward pass (what a training
+step runs besides the optimizer) over each order's batches, the two orders interleaved `--repeats` times.
+Prints the positions a pass computes over the whole epoch in each order (each batch padded to its
+longest sequence), the milliseconds a computed position of the timed batches (median and range over the
+repeats) and, from both, the epoch's seconds in each order.
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ def main() -> None:
     for name, order in orders.items():
         print(f"{name}: {padded_positions(lengths, order, size)} positions computed over the epoch "
               f"({padded_positions(lengths, order, size) / sum(lengths):.2f}x the sequences')")
+        picked = torch.randperm(len(order) // size, generator=torch.Generator().manual_seed(0))[:args.batches]
         batches[name] = [make_batch([train[i] for i in order[b * size:(b + 1) * size]], draft.inputs, layers, "cpu")
-                         for b in range(args.batches)]
+                         for b in picked.tolist()]
     for _ in range(args.repeats):
         for name, chosen in batches.items():
             start = time.perf_counter()
@@ -64,9 +67,12 @@ def main() -> None:
                 loss, _ = batch_loss(model, batch, draft)
                 model.zero_grad()
                 loss.backward()
-            timed[name].append(1000 * (time.perf_counter() - start) / (len(chosen) * size))
+            computed = sum(batch.tokens.numel() for batch in chosen)
+            timed[name].append(1000 * (time.perf_counter() - start) / computed)
     for name, values in timed.items():
-        print(f"{name}: {statistics.median(values):.0f} ms a sequence (range {min(values):.0f}-{max(values):.0f})")
+        epoch = statistics.median(values) * padded_positions(lengths, orders[name], size) / 1000
+        print(f"{name}: {statistics.median(values):.3f} ms a computed position (range {min(values):.3f}-"
+              f"{max(values):.3f}); the epoch ~{epoch:.0f} s")
 
 
 if __name__ == "__main__":
