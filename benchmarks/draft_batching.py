@@ -1,6 +1,6 @@
 """The feature draft's training step with batches of like length against shuffled batches.
 
-    python -m benchmarks.draft_batching --config cluster/training/feature-draft.yaml --batches 6 --repeats 2
+    python -m benchmarks.draft_batching --config cluster/training/feature-draft.yaml --batches 4 --repeats 2
 
 Takes the config's features dataset and draft settings, an untrained draft (the work of a step does not
 depend on its weights), and `--batches` batches drawn at random (seeded) from epoch 0 in each order
@@ -55,8 +55,8 @@ def main() -> None:
     print(f"{len(train)} train sequences, {sum(lengths)} positions, batches of {size}")
     batches, timed = {}, {name: [] for name in orders}
     for name, order in orders.items():
-        print(f"{name}: {padded_positions(lengths, order, size)} positions computed over the epoch "
-              f"({padded_positions(lengths, order, size) / sum(lengths):.2f}x the sequences')")
+        computed = padded_positions(lengths, order, size)
+        print(f"{name}: {computed} positions computed over the epoch ({computed / sum(lengths):.2f}x the sequences')")
         picked = torch.randperm(len(order) // size, generator=torch.Generator().manual_seed(0))[:args.batches]
         batches[name] = [make_batch([train[i] for i in order[b * size:(b + 1) * size]], draft.inputs, layers, "cpu")
                          for b in picked.tolist()]
