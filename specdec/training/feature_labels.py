@@ -115,10 +115,11 @@ def feature_draft_features(config: PipelineConfig, data_dir: str, splits: Sequen
     target_dir = resolve_model(config.models.target, role="target", cache=config.models.cache_dir)
     model = load_feature_draft(config.draft.output, target_dir, model_identity(target_dir))
     _, target_head = target_tensors(target_dir)
-    layers, samplings, seed = len(manifest["settings"]["layers"]), config.data.labels.sets(), config.require_train().mixing_seed
+    train = config.require_train()
+    layers, samplings, seed = len(manifest["settings"]["layers"]), config.data.labels.sets(), train.mixing_seed
     parts: dict[str, list[dict[str, torch.Tensor]]] = {}
     chosen = [e for split in splits for e in head_sequences(
-        [e for e in examples if e.split == split and len(e.tokens) > e.prompt_length], split, config.require_train())]
+        [e for e in examples if e.split == split and len(e.tokens) > e.prompt_length], split, train)]
     for e in tqdm(chosen, desc="features", unit="sequence"):
         parts.setdefault(e.split, []).extend(
             sequence_features(model, target_head, e, layers, samplings, mixing_generator(seed, e.prompt_id)))
