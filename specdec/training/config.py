@@ -245,6 +245,9 @@ class DraftTrainSection(Strict):
     # Batches of sequences of like length (transformers' group_by_length): a batch is padded to its
     # longest sequence, and the layer's work is paid on the padding too.
     group_by_length: bool = True
+    # The target's own responses (not reference answers) repeated in each epoch: what the draft
+    # drafts after in serving, and what its validation measures, are the target's own text.
+    own_repeats: int = Field(1, ge=1, description="times each of the target's own responses appears in an epoch")
     lr: float = Field(5e-4, gt=0.0)
     warmup_steps: int = Field(50, ge=0)
     weight_decay: float = Field(0.01, ge=0.0)

@@ -35,7 +35,7 @@ from specdec.models.feature_draft import (FUSED, REPORT_FILE, FeatureDraft, Feat
                                           stored_inputs, target_tensors, unpack_states)
 from specdec.training import checkpoints
 from specdec.training.config import ConfigError, DraftTrainSection, PipelineConfig
-from specdec.training.data import FEATURE_COLUMNS, SPLITS, DatasetError, read_manifest, read_shard
+from specdec.training.data import FEATURE_COLUMNS, FINISH_REFERENCE, SPLITS, DatasetError, read_manifest, read_shard
 
 CHECKPOINTS_TO_KEEP = 2
 PROSE_PREFIX = "prose:"  # prompt ids of the prose source (training/prose_prompts.py); the rest is code
@@ -69,6 +69,7 @@ class Example:
     tokens: torch.Tensor  # [T] prompt + response ids
     prompt_length: int
     stored: torch.Tensor | StoredStates | None  # the states in memory, where to read them, or None (tokens only)
+    own: bool = True  # the response is the target's own (not a reference answer: data.FINISH_REFERENCE)
 
     @property
     def states(self) -> torch.Tensor | None:
@@ -109,7 +110,7 @@ def load_examples(directory: str | Path, max_tokens: int, states: StatesMode = "
             elif states == "lazy":
                 stored = StoredStates(path, index, len(ids), hidden, max_tokens)
             examples.append(Example(row["prompt_id"], row["split"], torch.tensor(ids[:max_tokens]),
-                                    len(row["prompt_ids"]), stored))
+                                    len(row["prompt_ids"]), stored, row["finish_reason"] != FINISH_REFERENCE))
     return manifest, examples
 
 
@@ -277,6 +278,11 @@ def validate(model: FeatureDraft, examples: list[Example], draft: DraftTrainSect
     return metrics
 
 
+def epoch_examples(examples: list[Example], draft: DraftTrainSection) -> list[Example]:
+    """An epoch's train sequences: each of the target's own responses `own_repeats` times."""
+    return [e for e in examples if e.split == "train" for _ in range(draft.own_repeats if e.own else 1)]
+
+
 def epoch_order(lengths: list[int], draft: DraftTrainSection, epoch: int) -> list[int]:
     """The train sequences' order in an epoch (a permutation, the same for a seed and epoch, so that a
     resumed run continues it): shuffled, or with `group_by_length` shuffled in groups of 50 batches,
@@ -302,7 +308,7 @@ def train_loop(loop_config: dict) -> None:
     vocab_ids = torch.tensor(loop_config["vocab_ids"], dtype=torch.long)
     _, examples = load_examples(loop_config["data_dir"], draft.max_tokens, states="lazy")
     layers = len(loop_config["layers"])
-    train_set = [e for e in examples if e.split == "train"]
+    train_set = epoch_examples(examples, draft)
     val_set = [e for e in examples if e.split == "validation"]
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
@@ -389,7 +395,9 @@ def check_run_settings(draft: DraftTrainSection, data_settings: dict) -> None:
     wanted = {"draft": draft.model_dump(exclude=set(RESUMABLE_CHANGES)), "data": data_settings}
     if path.is_file():
         found = json.loads(path.read_text())
-        changed = sorted(k for k in wanted["draft"] if found.get("draft", {}).get(k) != wanted["draft"][k])
+        # a setting newer than the run reads as its default there
+        was = {k: DraftTrainSection.model_fields[k].default for k in wanted["draft"]} | found.get("draft", {})
+        changed = sorted(k for k in wanted["draft"] if was[k] != wanted["draft"][k])
         if found.get("data") != data_settings:
             changed.append("data")
         if changed:

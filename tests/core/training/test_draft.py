@@ -14,8 +14,8 @@ from specdec.models.feature_draft import REPORT_FILE, load_feature_draft
 from specdec.models.sources import model_identity
 from specdec.training.config import ConfigError, DraftTrainSection, parse_config
 from specdec.training.data import DatasetError, generate_dataset, read_manifest, target_states
-from specdec.training.draft import (Example, batch_loss, build_draft, check_draft_data, epoch_order, load_examples,
-                                    make_batch, train_draft, trimmed_vocabulary)
+from specdec.training.draft import (Example, batch_loss, build_draft, check_draft_data, epoch_examples, epoch_order,
+                                    load_examples, make_batch, train_draft, trimmed_vocabulary)
 
 LAYERS = [0, 1]
 
@@ -198,6 +198,17 @@ def test_an_epoch_batches_sequences_of_like_length():
     assert padded_positions(lengths, grouped, 8) < 0.75 * padded_positions(lengths, shuffled, 8)
 
 
+def test_an_epoch_repeats_the_targets_own_responses():
+    """own_repeats: the target's own responses come that many times an epoch, reference answers and
+    the validation split once and never."""
+    examples = [Example(f"p{i}", split, torch.tensor([1, 2]), 1, None, own)
+                for i, (split, own) in enumerate([("train", True), ("train", False), ("validation", True)])]
+    draft = DraftTrainSection(storage="s", output="o")
+    assert [e.prompt_id for e in epoch_examples(examples, draft)] == ["p0", "p1"]
+    repeated = epoch_examples(examples, draft.model_copy(update={"own_repeats": 3}))
+    assert [e.prompt_id for e in repeated] == ["p0", "p0", "p0", "p1"]
+
+
 def test_training_steps_lower_the_loss(feature_dataset):
     """Thirty optimizer steps on one batch fit it: the loss falls and step-1 acceptance rises."""
     raw, manifest = feature_dataset
@@ -230,6 +241,10 @@ def test_train_resume_and_saved_draft(feature_dataset, tiny_pair, tmp_path):
     assert steps_first == list(range(1, steps_first[-1] + 1))
     assert {"val_acc_code_step1", "val_acc_code_step2", "val_loss"} <= set(first["final"])
 
+    settings = tmp_path / "runs" / f"{parse_config(raw).draft.name}.settings.json"
+    older = json.loads(settings.read_text())
+    del older["draft"]["own_repeats"]  # a run started before a setting existed resumes with its default
+    settings.write_text(json.dumps(older))
     raw["draft"]["epochs"] = 2
     second = train_draft(parse_config(raw))
     assert second["history"][:len(steps_first)] == first["history"]  # epoch 1 came from the checkpoint
