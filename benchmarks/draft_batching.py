@@ -21,8 +21,8 @@ import time
 import torch
 
 from specdec.training.config import load_config
-from specdec.training.draft import (batch_loss, build_draft, check_draft_data, epoch_order, load_examples, make_batch,
-                                    trimmed_vocabulary)
+from specdec.training.draft import (batch_loss, build_draft, check_draft_data, epoch_examples, epoch_order, load_examples,
+                                    make_batch, trimmed_vocabulary)
 
 
 def padded_positions(lengths: list[int], order: list[int], batch_size: int) -> int:
@@ -43,7 +43,7 @@ def main() -> None:
     draft = config.require_draft()
     manifest, identity, target_dir = check_draft_data(config)
     _, examples = load_examples(config.data.dir, draft.max_tokens, states="lazy")
-    train = [e for e in examples if e.split == "train"]
+    train = epoch_examples(examples, draft)  # what an epoch of train-draft runs (own_repeats included)
     lengths = [len(e.tokens) for e in train]
     vocab_ids = trimmed_vocabulary(examples, draft.vocab_coverage, draft.vocab_size)
     settings = {"draft": draft.model_dump(), "layers": manifest["settings"]["layers"], "target_identity": identity,
