@@ -254,8 +254,11 @@ class FeatureDraftBackend(RuntimeBackend):
         if progress:
             print(f"loaded feature draft {Path(config.draft).name} on {device} in {time.perf_counter() - start:.1f}s",
                   file=sys.stderr)
-        return FeatureDraftRuntime(model, identity=model_identity(Path(config.draft).expanduser()),
-                                   name=config.draft), target_dir
+        # On CUDA its cache is static whatever the target's (which hands out its states from the slot
+        # cache's passes): its greedy steps run as one chain, captured (models/feature_chain.py)
+        kv = "static" if device.type == "cuda" else "slots"
+        return FeatureDraftRuntime(model, identity=model_identity(Path(config.draft).expanduser()), name=config.draft,
+                                   kv=kv, static=StaticOptions(graphs=config.cuda_graphs)), target_dir
 
     def target(self, config: EngineConfig, progress: bool, load=None) -> tuple[TargetRole, Path]:
         raise ModelSourceError("a feature draft is a draft: --target names its target")

@@ -2,7 +2,8 @@
 and the services.
 
 `propose` runs on the draft's side: every drafting step is one forward pass over the sessions still
-drafting (Algorithm 2). A budgeted session (the default policy) is decided with the whole step by
+drafting (Algorithm 2), or, where the draft chains greedy steps (a feature draft on a static cache),
+one step of a chain drafted ahead (`_Ahead`). A budgeted session (the default policy) is decided with the whole step by
 its verification budget (specdec/budget.py: who drafts on, which candidates are verified); any other
 session's policy decides its own stop. A session that stops leaves the next step. Who calls the
 draft at all was decided by the caller's step plan (specdec/planner.py). `verify` runs on the
@@ -136,6 +137,43 @@ def by_policy(active: list[_Drafting], steps: list[DraftStep], ask: str) -> list
     return answers
 
 
+class _Ahead:
+    """Greedy drafting steps drafted ahead as one chain (`DraftRole.chain`: a draft that runs them on
+    the device with no host work between) and handed to `propose` one step at a time, each step's
+    rows those still drafting. Only greedy rows: their tokens are the chain's argmax, what `draw`
+    takes. Each step is priced at the chain's time over its steps (drafted past a stop, the rest is
+    waste the chain trades for its launches)."""
+
+    def __init__(self, draft: DraftRole, active: list[_Drafting], steps: int):
+        start = time.perf_counter()
+        self.outputs = draft.chain([d.row.session for d in active], [d.proposal.candidates[-1] for d in active], steps)
+        self.ms = (time.perf_counter() - start) * MS_PER_S
+        self.row = {id(d): b for b, d in enumerate(active)}
+        self.taken = 0
+
+    @classmethod
+    def of(cls, draft: DraftRole, active: list[_Drafting]) -> _Ahead | None:
+        """A chain for these rows where the draft chains and every one is greedy; None: step by step."""
+        if not draft.chain_steps or not all(d.row.sampling.greedy for d in active):
+            return None
+        return cls(draft, active, min(draft.chain_steps, max(d.left for d in active)))
+
+    @property
+    def done(self) -> bool:
+        return self.taken == len(self.outputs)
+
+    @property
+    def unpriced_ms(self) -> float:
+        """The part of the chain's time the step just taken does not pay (its step's share stays)."""
+        return self.ms * (1 - 1 / len(self.outputs)) if self.taken == 1 else -self.ms / len(self.outputs)
+
+    def step(self, active: list[_Drafting]) -> DraftOutputs:
+        out = self.outputs[self.taken]
+        self.taken += 1
+        rows = torch.tensor([self.row[id(d)] for d in active], device=out.logits.device)
+        return DraftOutputs(out.logits[rows], out.hidden[rows])
+
+
 def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = None, other_sessions: int = 0,
             timings: list[PassTiming] | None = None, logits_filter: LogitsFilterFactory | None = None) -> list[Proposal]:
     """Draft up to each row's limit after its history. A budgeted row's round is decided by the
@@ -151,7 +189,7 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
         budget = StepBudget(costs, expected=float(sessions), tokens=sessions)
     for d in active:
         d.row.policy.start_round()
-    fed = draft.fed_tokens
+    fed, ahead = draft.fed_tokens, None
     start = time.perf_counter()
     outputs = draft.start([d.row.session for d in active], [d.row.history for d in active]) if active else None
     while active:
@@ -196,7 +234,13 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
         active = still
         if active:
             fed, start = draft.fed_tokens, time.perf_counter()
-            outputs = draft.step([d.row.session for d in active], [d.proposal.candidates[-1] for d in active])
+            if ahead is None or ahead.done:
+                ahead = _Ahead.of(draft, active)
+            if ahead is not None:  # one step of the chain: its tokens and its share of the chain's time
+                outputs = ahead.step(active)
+                fed, start = draft.fed_tokens - len(active), start - ahead.unpriced_ms / MS_PER_S
+            else:
+                outputs = draft.step([d.row.session for d in active], [d.proposal.candidates[-1] for d in active])
             for b, d in enumerate(active):
                 d.prev_hidden = outputs.hidden[b]  # e_i, read by the policy at step i + 1
     return [d.proposal for d in drafting]

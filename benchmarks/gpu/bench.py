@@ -16,11 +16,13 @@ CUDA, written as JSON as it goes (a run cut short keeps what it measured).
   between a replay and the eager pass on fresh ids, `static_vs_runtime` the same between the eager
   static pass and the slot runtime at B = 1 (bf16: expect ~1e-2 of the logits' scale). Off CUDA
   nothing is captured: `captured` is measured only in `--smoke`, padded to its bucket and run eagerly.
-- feature: the feature draft's step (models/feature_draft.py: one decoder layer of the target's
-  shape, MLP half the target's, 32,768 output rows) for each target shape, B sessions at a
-  200-token context, one token each: eager on a static cache (`StaticFeatureStep`, fixed shapes)
-  and that step replayed as a CUDA graph (`captured_ms`); what project.py reads in place of its
-  estimate.
+- feature: the feature draft's runtime (models/feature_draft.py: one decoder layer of the target's
+  shape, MLP half the target's, 32,768 output rows, random weights) on its static cache for each
+  target shape, B sessions at a 200-token context: `eager_ms` one drafting step (`step`, one token
+  each), `chain_ms` a chain of its 8 greedy steps (`chain`, models/feature_chain.py) replayed as the
+  bucket's CUDA graph, `captured_ms` that over 8 (a step's share; both with the runtime's host work),
+  `graph_vs_eager` the largest logit difference between the replayed chain and the eager one. What
+  project.py reads in place of its estimate. Off CUDA (`--smoke`) the chain is padded and run eagerly.
 - loop: the engine (one round loop, in process; with the static cache and captured graphs, then
   today's slot cache) with a self-draft (the target's own weights draft,
   so greedy accepts every candidate: the ceiling), random prompts, greedy, at concurrency 1-64 for
@@ -429,7 +431,7 @@ def main() -> None:
             if report.time_left() < 30:
                 break
             try:
-                feature_step_costs(report, name, shapes[name], batches, device, dtype, repeats)
+                feature_step_costs(report, name, shapes[name], batches, device, dtype, repeats, args.smoke)
             except Exception as exc:  # recorded: the other sections still run
                 report.put("feature", f"{name}/error", f"{type(exc).__name__}: {exc}"[:500])
     if "loop" in args.sections and report.time_left() > 30:
@@ -459,39 +461,6 @@ def main() -> None:
     print_summary(report.data)
 
 
-class StaticFeatureStep:
-    """One feature-draft step over B sessions on a cache of fixed shape (a prototype of the CUDA path:
-    what a captured drafting step costs). Each row holds `length` positions; the step writes the key
-    and value of position `length` and attends to 0..length. Replayed, it writes the same position."""
-
-    def __init__(self, draft, batch: int, length: int, capacity: int, device: torch.device):
-        from specdec.models.feature_draft import repeat_kv
-
-        config, dtype = draft.layer_config, draft.norm.weight.dtype
-        self.draft, self.repeat_kv, self.groups = draft, repeat_kv, config.num_attention_heads // config.num_key_value_heads
-        shape = (batch, config.num_key_value_heads, capacity, draft.head_dim)
-        self.keys, self.values = torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
-        self.positions = torch.full((batch, 1), length, device=device, dtype=torch.long)
-        self.mask = (torch.arange(capacity, device=device)[None, :] <= length).expand(batch, -1)[:, None, None, :]
-        self.g = torch.randn(batch, config.hidden_size, device=device, dtype=dtype)
-        self.tokens = torch.randint(0, draft.config.vocab_size, (batch,), device=device)
-
-    def attend(self, q, k, v):
-        import torch.nn.functional as F
-
-        index = self.positions[:, None, :, None].expand(-1, k.shape[1], 1, k.shape[-1])
-        self.keys.scatter_(2, index, k)
-        self.values.scatter_(2, index, v)
-        return F.scaled_dot_product_attention(q, self.repeat_kv(self.keys, self.groups),
-                                              self.repeat_kv(self.values, self.groups), attn_mask=self.mask,
-                                              scale=self.draft.scale)
-
-    def __call__(self) -> torch.Tensor:
-        x = self.draft.fused_input(self.g, self.tokens)[:, None]  # [B, 1, H]
-        state = self.draft.block(x, self.positions, self.attend)[:, 0]  # [B, H]
-        return self.draft.logits(state)  # [B, V_trim]
-
-
 def random_feature_draft(config, device: torch.device, dtype: torch.dtype):
     """A feature draft of target shape `config` (random weights, MLP half the target's)."""
     from specdec.models.feature_draft import FeatureDraft, FeatureDraftConfig, layer_config_of
@@ -508,31 +477,46 @@ def random_feature_draft(config, device: torch.device, dtype: torch.dtype):
 
 
 @torch.inference_mode()
-def feature_step_costs(report: Report, name: str, config, batches, device, dtype, repeats: int) -> None:
-    """Fills report["feature"][name] with {"B=..": {eager_ms, captured_ms}} (the module docstring)."""
-    draft = random_feature_draft(config, device, dtype)
+def feature_step_costs(report: Report, name: str, config, batches, device, dtype, repeats: int,
+                       smoke: bool = False) -> None:
+    """Fills report["feature"][name] with {"B=..": {eager_ms, captured_ms, chain_ms, graph_vs_eager}}
+    (the module docstring): B sessions after a PROMPT_TOKENS-token history on the static cache."""
+    from specdec.models.feature_draft import CHAIN_STEPS, FeatureDraftRuntime
+
+    model = random_feature_draft(config, device, dtype)
+    options = StaticOptions(slots=max(batches), capacity=CACHE_LENGTH)
+    eager = FeatureDraftRuntime(model, kv="static", static=options)
+    captured = FeatureDraftRuntime(model, kv="static", static=StaticOptions(
+        slots=max(batches), capacity=CACHE_LENGTH, graphs=True, pad_off_cuda=smoke))
+    history = synthetic_tokens(PROMPT_TOKENS, config.vocab_size)
     results = {}
     for batch in batches:
         if report.time_left() < 30:
             results[f"B={batch}"] = {"skipped": "time"}
             continue
-        step = StaticFeatureStep(draft, batch, PROMPT_TOKENS, CACHE_LENGTH, device)
-        row = results[f"B={batch}"] = {"eager_ms": median_ms(step, device, repeats)}
-        if device.type == "cuda":
-            try:
-                stream = torch.cuda.Stream(device)
-                stream.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(stream):
-                    for _ in range(3):  # warm-up off the default stream, as torch.cuda.graphs asks
-                        step()
-                torch.cuda.current_stream(device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    out = step()
-                row["captured_ms"] = median_ms(graph.replay, device, 4 * repeats)
-                row["graph_vs_eager"] = max_difference(out.float(), step().float())
-            except Exception as exc:  # recorded: the eager figure stands
-                row["captured_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        row = results[f"B={batch}"] = {}
+        sessions = {}
+        for runtime in (eager, captured):  # the same start: a scratch history (zero target states)
+            sessions[runtime] = [runtime.new_session() for _ in range(batch)]
+            first = runtime.start(sessions[runtime], [history] * batch).logits.argmax(-1).tolist()
+
+        def from_start(runtime, run):
+            def call():
+                for session in sessions[runtime]:
+                    runtime.rollback(session, PROMPT_TOKENS - 1)  # the pairs of the history: x_1..x_199
+                return run(sessions[runtime])
+            return call
+
+        try:
+            chained = from_start(captured, lambda s: captured.chain(s, first, CHAIN_STEPS))
+            reference = from_start(eager, lambda s: eager.chain(s, first, CHAIN_STEPS))
+            a, b = chained(), reference()  # the bucket's graph is captured in the first call (on CUDA)
+            row["graph_vs_eager"] = max_difference(torch.stack([o.logits for o in a]), torch.stack([o.logits for o in b]))
+            row["eager_ms"] = median_ms(from_start(eager, lambda s: eager.step(s, first)), device, repeats)
+            row["chain_ms"] = median_ms(chained, device, repeats)
+            row["captured_ms"] = row["chain_ms"] / CHAIN_STEPS
+        except Exception as exc:  # recorded: what was measured stands
+            row["captured_error"] = f"{type(exc).__name__}: {exc}"[:300]
         report.put("feature", name, results)
 
 

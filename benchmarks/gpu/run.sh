@@ -6,7 +6,7 @@
 #   3. benchmarks/gpu/bench.py: per-pass costs eager and captured, the loop at concurrency 1-64, and the
 #      gRPC round transport's ms per step against in process on this host.
 # Everything lands in $OUT (default docs/results/gpu/latest): results.json, pytest.log (slot cache),
-# pytest-static.log (static cache, captured passes), bench.log, gpu.txt.
+# pytest-static.log (static cache, captured passes), pytest-gpu.log (`-m gpu`), bench.log, gpu.txt.
 # On one H100 (2026-11-27): the tests ~100 s with the install, the passes ~210 s, the loop ~130 s; with
 # the defaults (TEST_TIMEOUT=150, BENCH_BUDGET=330) the whole command stays near 8 minutes, and a
 # figure the budget leaves out is marked "skipped" in results.json.
@@ -26,5 +26,8 @@ SPECDEC_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p 
 # the same on the static cache with captured passes (models/static.py)
 SPECDEC_TEST_DEVICE=cuda SPECDEC_TEST_KV=static timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider \
   tests/core/test_lossless.py 2>&1 | tee "$OUT/pytest-static.log" | tail -5
+# the captured paths against eager (`-m gpu`: static passes, the feature draft's chain)
+SPECDEC_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+  tests/core 2>&1 | tee "$OUT/pytest-gpu.log" | tail -5
 echo "correctness: $(( $(date +%s) - start )) s"
 python3 -m benchmarks.gpu.bench --out "$OUT" --budget-s "${BENCH_BUDGET:-330}" 2>&1 | tee "$OUT/bench.log"

@@ -36,6 +36,7 @@ from torch import nn
 from specdec.errors import IncompatibleModelsError, InvalidRequestError, ModelSourceError, one_line
 from specdec.models.cache import Feed, KVSession, RaggedBatch, SlotBuffers, SlotCache, ragged_attention
 from specdec.models.runtime import DraftOutputs, DraftRole, PassOutputs, common_prefix_length
+from specdec.models.static import StaticKV, StaticOptions, static_attention
 
 CONFIG_FILE, WEIGHTS_FILE, REPORT_FILE = "config.json", "model.safetensors", "report.json"
 FORMAT_VERSION = 1
@@ -43,6 +44,7 @@ FORMAT_VERSION = 1
 # it (their transformers classes are built from the target's config with one layer).
 SUPPORTED_TYPES = ("qwen2", "llama", "mistral")
 OUTPUT_STATE = "output"  # `inputs`: the target's output state alone (the one-layer variant)
+CHAIN_STEPS = 8  # most greedy drafting steps one chain runs (FeatureDraftRuntime with a static cache)
 FUSED = "fused"  # `inputs`: the target's low, middle and high layers, reduced to one width
 
 
@@ -290,6 +292,31 @@ class FeatureDraft(nn.Module):
             f.session.tokens.extend(f.tokens)
         return states
 
+    def forward_static(self, feeds: list[DraftFeed], kv: StaticKV) -> torch.Tensor:
+        """`forward_feeds` on a static cache (models/static.py): the short feeds padded into one
+        [B, k] pass, each long one (a catch-up) in a pass of its own; the output states [sum n, H]."""
+        kv.attach(feeds)
+        states = kv.in_passes(feeds, lambda group: self._static_pass(group, kv), [len(f.tokens) for f in feeds])
+        for f in feeds:
+            f.session.tokens.extend(f.tokens)
+        return states
+
+    def _static_pass(self, feeds: list[DraftFeed], kv: StaticKV) -> torch.Tensor:
+        device = self.embed.device
+        tokens, batch = kv.layout(feeds, device)  # [B, k]; pads: token 0 at the scratch position
+        width, dtype = tokens.shape[1], self.norm.weight.dtype
+        g = torch.stack([F.pad(f.features.to(device, dtype), (0, 0, 0, width - len(f.tokens))) for f in feeds])  # [B, k, H]
+
+        def attend(q, k, v):
+            out, _ = static_attention(self.layer.self_attn, q, k, v, None, scaling=self.scale, static=batch,
+                                      static_kv=kv)
+            return out.transpose(1, 2)  # static_attention returns [B, k, heads, D]
+
+        states = self.block(self.fused_input(g, tokens), batch.positions.clamp(max=kv.capacity - 1), attend)
+        index_b = torch.tensor([b for b, f in enumerate(feeds) for _ in f.tokens], device=device)
+        index_i = torch.tensor([i for f in feeds for i in range(len(f.tokens))], device=device)
+        return states[index_b, index_i]  # [sum n, H]
+
     # -- files ------------------------------------------------------------------------------------
 
     def own_state(self) -> dict[str, torch.Tensor]:
@@ -337,11 +364,20 @@ class FeatureDraftRuntime(DraftRole):
     kind = "torch"
     reads_features = True
 
-    def __init__(self, model: FeatureDraft, identity: str = "", name: str = ""):
+    def __init__(self, model: FeatureDraft, identity: str = "", name: str = "", kv: str = "slots",
+                 static: StaticOptions = StaticOptions(), chain_steps: int = CHAIN_STEPS):
+        """`kv`: "slots" (a ragged pass over slots that grow: the CPU's) or "static" (rows of one cache
+        allocated at start; greedy drafting steps run as one chain, captured on CUDA with `graphs`:
+        models/feature_chain.py), the chain at most `chain_steps` long."""
         # serving never trains it: no autograd graph behind its scores (the policies read them as numbers)
         self.model, self.identity, self.name = model.eval().requires_grad_(False), identity, name
         self.layer_config = model.layer_config
         self.forward_passes = 0
+        self.kv = StaticKV.of_layers(model.layer_config, model.norm.weight.dtype, self.device,
+                                     static) if kv == "static" else None
+        self.max_pass_sessions = None if self.kv is None else self.kv.max_pass_sessions  # the workers group by it
+        self.chain_steps = chain_steps if self.kv is not None else 0
+        self._chains: dict = {}  # bucket -> CapturedChain (models/feature_chain.py)
 
     @property
     def target_layers(self) -> list[int] | None:
@@ -364,7 +400,7 @@ class FeatureDraftRuntime(DraftRole):
         return self.layer_config.max_position_embeddings
 
     def new_session(self) -> FeatureSession:
-        return FeatureSession(handle=SlotBuffers())
+        return FeatureSession(handle=None if self.kv is not None else SlotBuffers())  # a row at its first pass
 
     def rollback(self, session: FeatureSession, length: int) -> None:
         self.model.rollback(session, length)
@@ -405,6 +441,28 @@ class FeatureDraftRuntime(DraftRole):
     def step(self, sessions: list[FeatureSession], tokens: list[int]) -> DraftOutputs:
         return self._pass([DraftFeed(s, s.state[None], [t]) for s, t in zip(sessions, tokens)])
 
+    @torch.inference_mode()
+    def chain(self, sessions: list[FeatureSession], tokens: list[int], steps: int) -> list[DraftOutputs]:
+        """`steps` greedy drafting steps at once (models/feature_chain.py): the outputs of `step` for
+        y_1 = `tokens`, then for each step's argmax in turn, one per step."""
+        from specdec.models.feature_chain import ChainInputs, chain
+
+        self.kv.attach([DraftFeed(s, s.state[None], [t]) for s, t in zip(sessions, tokens)], steps=steps - 1)
+        device = self.device
+        inputs = ChainInputs(torch.tensor([s.handle for s in sessions], device=device),
+                             torch.tensor([len(s) for s in sessions], device=device),
+                             torch.ones(len(sessions), dtype=torch.bool, device=device),
+                             torch.stack([s.state for s in sessions]),
+                             torch.tensor(tokens, dtype=torch.long, device=device))
+        out = chain(self.model, self.kv, self._chains, inputs, steps, max(len(s) for s in sessions))
+        drafted = out.tokens[:-1].T.tolist() if steps > 1 else [[] for _ in sessions]  # [B, steps - 1]: y_2..y_steps
+        for b, (session, token) in enumerate(zip(sessions, tokens)):
+            session.tokens.extend([token] + drafted[b])
+            session.state = out.states[-1, b]
+        self.forward_passes += 1
+        self.fed_tokens += len(sessions) * steps
+        return [DraftOutputs(out.logits[j], out.states[j].float()) for j in range(steps)]
+
     def _target_features(self, session: FeatureSession, start: int, end: int) -> torch.Tensor:
         """g of positions start..end-1 from the target's states [end - start, H]; zeros past those held
         (only a scratch session lacks them: a probe's, a timing's; `can_draft` keeps real ones out).
@@ -435,7 +493,7 @@ class FeatureDraftRuntime(DraftRole):
     def _outputs(self, pairs: list[DraftFeed], outputs: list[int]) -> torch.Tensor:
         """One ragged pass over every feed; the output states [sum outputs, H] of each feed's last
         `outputs[f]` positions, feed by feed."""
-        states = self.model.forward_feeds(pairs)  # [sum n, H]
+        states = self.model.forward_feeds(pairs) if self.kv is None else self.model.forward_static(pairs, self.kv)  # [sum n, H]
         self.forward_passes += 1
         ends = accumulate(len(f.tokens) for f in pairs)
         return states[[i for n, end in zip(outputs, ends) for i in range(end - n, end)]]

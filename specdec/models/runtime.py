@@ -344,6 +344,13 @@ class DraftRole(Runtime):
     # them over (`add_features`) and a session drafts only once they reach its history's end.
     reads_features = False
 
+    # A draft that runs greedy drafting steps as one chain (`chain`): up to this many (0: none).
+    chain_steps = 0
+
+    def chain(self, sessions: list[KVSession], tokens: list[int], steps: int) -> list[DraftOutputs]:
+        """`steps` greedy steps at once: what `step` returns for y_1 = `tokens`, then for each step's argmax."""
+        raise NotImplementedError("this draft runs its steps one at a time")
+
     def add_features(self, session: KVSession, states: torch.Tensor, start: int) -> None:
         """The target's states [m, reads, H] at positions start.. of the session's history."""
         raise InvalidRequestError("this draft reads no target features")

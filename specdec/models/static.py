@@ -81,24 +81,33 @@ class StaticKV:
     """Every session in a row of one preallocated cache (the module docstring)."""
 
     def __init__(self, model, options: StaticOptions = StaticOptions()):
-        config = model.config
         model.set_attn_implementation(STATIC_ATTENTION)
+        # a sharded target's layers sit on several GPUs (models/sharding.py)
+        self._allocate(model.config, next(model.parameters()).dtype, layer_devices(model), options)
+
+    @classmethod
+    def of_layers(cls, config, dtype: torch.dtype, device: torch.device, options: StaticOptions) -> StaticKV:
+        """A cache for decoder layers run by hand (the feature draft's one: models/feature_draft.py),
+        `config` their transformers config; they call `static_attention` themselves."""
+        kv = cls.__new__(cls)
+        kv._allocate(config, dtype, [torch.device(device)] * config.num_hidden_layers, options)
+        return kv
+
+    def _allocate(self, config, dtype: torch.dtype, devices: list[torch.device], options: StaticOptions) -> None:
         self.options, slots = options, options.slots
         self.capacity = min(options.capacity, config.max_position_embeddings)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # + 1 row and position: the padding sessions' and tokens' scratch
         shape = (slots + 1, self.capacity + 1, config.num_key_value_heads, head_dim)
-        dtype = next(model.parameters()).dtype
-        devices = layer_devices(model)  # a sharded target's layers sit on several GPUs (models/sharding.py)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for device in devices]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for device in devices]
         self.pool = SlotPool(slots)
         self.max_pass_sessions = slots
         # CUDA on one device only: padding buys nothing without a graph (`pad_off_cuda` pads on the
         # CPU to check the buckets' padding, replayed eagerly), and a sharded model runs eagerly
-        on_cuda = model.device.type == "cuda"
+        on_cuda = devices[0].type == "cuda"
         self.graphs = options.graphs and (len(set(devices)) == 1 if on_cuda else options.pad_off_cuda)
-        self._captured: dict[tuple[int, int, int], CapturedPass] = {}
+        self._captured: dict[tuple, CapturedPass] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs and on_cuda else None  # shared by every capture
 
     def new_session(self) -> KVSession:
@@ -111,23 +120,32 @@ class StaticKV:
         """One pass over every feed (at most `max_pass_sessions`); returns the final hidden states
         [sum num_outputs, H] of each feed's last num_outputs positions, feed by feed. A row is taken
         from the least recently used session outside `feeds` and `protected` (the call's later passes)."""
+        self.attach(feeds, protected)
+        return self.in_passes(feeds, lambda group: self._pass(model, group), [f.num_outputs for f in feeds])
+
+    def in_passes(self, feeds: list, run, counts: list[int]) -> torch.Tensor:
+        """`run(group)` -> rows [sum of the group's counts] over the short feeds padded together and
+        each long one (a prefill, a catch-up) in a pass of its own; the rows put back feed by feed."""
+        most = self.options.graph_tokens[-1]
+        short = [i for i, f in enumerate(feeds) if len(f.tokens) <= most]
+        groups = ([short] if short else []) + [[i] for i, f in enumerate(feeds) if len(f.tokens) > most]
+        if len(groups) == 1:
+            return run(feeds)
+        parts = {i: part for group in groups
+                 for i, part in zip(group, run([feeds[i] for i in group]).split([counts[i] for i in group]))}
+        return torch.cat([parts[i] for i in range(len(feeds))])
+
+    def attach(self, feeds: list[Feed], protected: list[Feed] = (), steps: int = 0) -> None:
+        """A row for each feed's session (taken from the least recently used session outside `feeds`
+        and `protected`), checked to hold the feed and `steps` positions more."""
         self.pool.reclaim()
         keep = [f.session for f in feeds] + [f.session for f in protected]
         for feed in feeds:
             if not self.pool.attach(feed.session, keep):
                 raise ValueError(f"a pass of {len(feeds)} sessions exceeds the static cache's {self.pool.size} rows")
-            if len(feed.session) + len(feed.tokens) > self.capacity:
-                raise ValueError(f"a session of {len(feed.session) + len(feed.tokens)} positions does not fit the "
-                                 f"static cache's {self.capacity} (raise its capacity)")
-        # every feed is padded to the longest: a long one (a prefill, a catch-up) runs in a pass of its own
-        most = self.options.graph_tokens[-1]
-        short = [f for f in feeds if len(f.tokens) <= most]
-        groups = ([short] if short else []) + [[f] for f in feeds if len(f.tokens) > most]
-        if len(groups) == 1:
-            return self._pass(model, feeds)
-        rows = {id(f): part for group in groups
-                for f, part in zip(group, self._pass(model, group).split([f.num_outputs for f in group]))}
-        return torch.cat([rows[id(f)] for f in feeds])
+            if (length := len(feed.session) + len(feed.tokens) + steps) > self.capacity:
+                raise ValueError(f"a session of {length} positions does not fit the static cache's "
+                                 f"{self.capacity} (raise its capacity)")
 
     def _pass(self, model, feeds: list[Feed]) -> torch.Tensor:
         """One [B, k] pass over feeds whose sessions hold rows: hidden states [sum num_outputs, H]."""

@@ -79,3 +79,4 @@ def test_a_feature_draft_on_the_llamacpp_runtime_is_a_clear_error(tiny_pair, tmp
                      progress=False)
     engine = build_engine(EngineConfig(draft=str(tmp_path / "feature"), target=str(tiny_pair[1])), progress=False)
     assert engine.draft.reads_features and engine.rules.drafts["default"].reads_features and engine.head is None
+    assert engine.draft.kv is None and not engine.draft.chain_steps  # the CPU's slots, step by step

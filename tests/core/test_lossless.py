@@ -393,15 +393,17 @@ def test_greedy_output_with_a_trimmed_draft_vocabulary_equals_target_greedy():
 
 def make_feature_engine(vocab: int, layers: int, model_seed: int, draft_seed: int,
                         vocab_ids: list[int] | None = None, sessions: int | None = None,
-                        head: AcceptanceHead | None = None) -> SpecDecEngine:
+                        head: AcceptanceHead | None = None, kv: str = "slots") -> SpecDecEngine:
     """A target and a random feature draft on it (tests/tiny.py), with `head` if given. `sessions`:
-    the draft worker keeps that many, evicting the others."""
+    the draft worker keeps that many, evicting the others. `kv`: the draft's cache ("static": its
+    greedy steps chained, padded to their buckets off CUDA and captured on it)."""
     from specdec.models.feature_draft import FeatureDraftRuntime
     from specdec.sessions import SessionStore
 
     target = tiny_model(vocab, hidden_size=16, layers=layers, seed=model_seed, init_range=0.5)
     draft = tiny_feature_draft(target, vocab_ids, seed=draft_seed)
-    engine = SpecDecEngine(FeatureDraftRuntime(draft.to(DEVICE), identity="tiny-feature"),
+    static = StaticOptions(slots=8, capacity=256, graphs=True, pad_off_cuda=True, min_graph_length=64)
+    engine = SpecDecEngine(FeatureDraftRuntime(draft.to(DEVICE), identity="tiny-feature", kv=kv, static=static),
                            TargetRuntime(target.to(DEVICE), kv="slots"), head=head)
     if sessions is not None:
         engine.draft_worker.sessions = SessionStore(max_sessions=sessions)
@@ -427,6 +429,34 @@ def test_greedy_output_with_a_feature_draft_equals_target_greedy(policy, monkeyp
     assert total.accepted_tokens > 0 and total.discarded_tokens > 0
     if policy.name.startswith("specdec++"):
         assert len(total.k_histogram) > 1  # the head's rule stops at different K
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", [PolicyConfig(name="fixed", k=5), PolicyConfig(name="specdec++cost")])
+def test_greedy_output_with_a_feature_draft_chaining_its_steps_equals_target_greedy(policy, monkeypatch):
+    """On a static cache the feature draft drafts a greedy round's steps after the first as one chain
+    (models/feature_chain.py) that the round reads step by step: the outputs stay the target's, and
+    every round drafts and accepts what it does step by step on the slot cache."""
+    totals = {}
+    for kv in ("static", "slots"):
+        engine = make_feature_engine(GREEDY_VOCAB, layers=2, model_seed=3, draft_seed=1, vocab_ids=[0, 1, 2, 3, 4],
+                                     head=q_reading_head(bias=1.5).to(DEVICE), kv=kv)
+        plan_with(engine, CostProfile(t_draft_ms=0.2, t_draft_rows_ms={1: 0.2, 64: 0.4},
+                                      t_target_ms={1: 10.0, 16: 14.0, 64: 26.0}), monkeypatch)
+        draft, chained = engine.draft, []
+        chain = draft.chain
+        monkeypatch.setattr(draft, "chain", lambda sessions, tokens, steps: chained.append(steps) or chain(
+            sessions, tokens, steps))
+        params = GenerationParams(max_new_tokens=GREEDY_NEW_TOKENS, policy=policy)
+        total = totals[kv] = RequestStats()
+        for prompt in GREEDY_PROMPTS:
+            result = engine.generate_ids(prompt, params)
+            assert result.completions[0].token_ids == target_greedy(engine.target.model, prompt, GREEDY_NEW_TOKENS)
+            total.merge(result.stats)
+        assert bool(chained) == (kv == "static")
+    assert totals["static"].accepted_tokens > 0 and totals["static"].discarded_tokens > 0
+    assert [(t.draft_tokens, t.accepted_tokens, dict(t.k_histogram)) for t in totals.values()] == \
+        [(t.draft_tokens, t.accepted_tokens, dict(t.k_histogram)) for t in reversed(list(totals.values()))]
 
 
 def test_greedy_output_with_a_feature_draft_that_loses_its_sessions():

@@ -2,6 +2,7 @@
 on it (many sessions per pass: tests/core/models/test_runtime.py runs it beside the slot cache)."""
 
 import gc
+import os
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from specdec.models.runtime import DraftRuntime, TargetRuntime
 from specdec.models.static import StaticOptions
 from specdec.params import build_params
 from tiny import tiny_model
+
+DEVICE = torch.device(os.environ.get("SPECDEC_TEST_DEVICE", "cpu"))  # cuda: the captured graphs (benchmarks/gpu/run.sh)
 
 VOCAB = 40
 PROMPTS = [[3, 17, 5, 9, 22, 1], [1, 2, 3], list(range(10, 30))]
@@ -81,12 +84,13 @@ def test_the_engine_on_static_caches_decodes_greedily_as_target_only_on_slots():
     assert [r.completions[0].token_ids for r in got] == [r.completions[0].token_ids for r in want]
 
 
+@pytest.mark.gpu
 def test_passes_padded_to_their_graph_bucket_give_the_eager_outputs():
     """What a CUDA graph replays: the pass padded to a bucket of sessions, tokens and length, the
     padding on the scratch row (on the CPU nothing is captured; `pad_off_cuda` runs the padded pass
-    eagerly). Round after round (3 sessions -> bucket 4, K = 0..2 -> k bucket 4, lengths past 32 ->
+    eagerly; with `SPECDEC_TEST_DEVICE=cuda` the buckets are captured and replayed). Round after round (3 sessions -> bucket 4, K = 0..2 -> k bucket 4, lengths past 32 ->
     64), every row equals an unpadded eager pass's."""
-    padded_model, eager_model = (tiny_model(VOCAB, hidden_size=32, layers=2, seed=7) for _ in range(2))
+    padded_model, eager_model = (tiny_model(VOCAB, hidden_size=32, layers=2, seed=7).to(DEVICE) for _ in range(2))
     padded = small_static(padded_model, slots=4, capacity=128, graphs=True, pad_off_cuda=True, min_graph_length=32)
     eager = small_static(eager_model, slots=4, capacity=128)
     assert padded.kv.graphs and not eager.kv.graphs

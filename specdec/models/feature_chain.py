@@ -1,0 +1,132 @@
+"""A feature draft's greedy drafting steps as one chain on its static cache (docs/feature-draft.md,
+"On a GPU"): K steps over B sessions, each feeding the draft's own state with the token the step
+before chose, with no host work between them. On CUDA the chain is captured as one graph per bucket
+(sessions, steps, gathered positions) and replayed: one launch for a drafting phase where step by
+step costs K launches of a few dozen kernels each and a host sync per step.
+
+    from `start` (the round's first step): s_0 and y_1; then for j = 1..K
+        s_j     = Layer(W_fuse [norm_e(E y_j); norm_g(s_{j-1})])   at position p + j - 1
+        y_{j+1} = argmax full_logits(s_j)                           (the first index of the maximum)
+
+Step j's logits and state are what `FeatureDraftRuntime.step` returns for the token y_j: the round
+loop reads them in its place while every row drafting is greedy (rounds.propose), so a greedy row
+draws the same tokens either way. A row whose policy stops before the chain's end leaves positions
+past its stop in its cache, as any drafted candidate that is not accepted: scratch, rolled back by
+the next round's `start`. The chain's K is a bucket's: steps past what the rows wanted are drafted
+and never read (on a GPU a fraction of a millisecond each: docs/performance.md, "On a GPU").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.models.static import StaticBatch, StaticKV, bucket, static_attention
+
+
+@dataclass
+class ChainInputs:
+    """Where a chain of B sessions starts; a captured chain's copy is padded to its bucket."""
+
+    rows: torch.Tensor  # [B] long: each session's row of the static cache (pads: the scratch row)
+    starts: torch.Tensor  # [B] long: the position y_1 is fed at (the session's length)
+    real: torch.Tensor  # [B] bool: False for a pad, whose keys go to the scratch position
+    state: torch.Tensor  # [B, H] s_0: the draft's output state at the session's last position
+    tokens: torch.Tensor  # [B] long: y_1
+
+
+@dataclass
+class ChainOutputs:
+    """K steps over B sessions."""
+
+    logits: torch.Tensor  # [K, B, V] float: each step's scores over the target's vocabulary (-inf outside the draft's)
+    states: torch.Tensor  # [K, B, H] s_1..s_K in the draft's dtype
+    tokens: torch.Tensor  # [K, B] long: y_2..y_{K+1}, each step's argmax
+
+
+def run_chain(draft, kv: StaticKV, inputs: ChainInputs, steps: int, length: int) -> ChainOutputs:
+    """The module docstring's K = `steps` steps, eagerly; every step gathers `length` positions a row
+    (at least the longest start + steps)."""
+    state, tokens, logits, states, chosen = inputs.state, inputs.tokens, [], [], []
+    keys = torch.arange(length, device=state.device)
+    for j in range(steps):
+        positions = torch.where(inputs.real, inputs.starts + j, kv.capacity)[:, None]  # [B, 1]
+        seen = torch.where(inputs.real, inputs.starts + j, 0)  # a pad's query attends key 0 alone
+        batch = StaticBatch(inputs.rows, positions, (keys[None, :] <= seen[:, None])[:, None, None, :], length)
+
+        def attend(q, k, v, batch=batch):
+            out, _ = static_attention(draft.layer.self_attn, q, k, v, None, scaling=draft.scale, static=batch,
+                                      static_kv=kv)
+            return out.transpose(1, 2)  # static_attention returns [B, 1, heads, D]
+
+        x = draft.fused_input(state, tokens)[:, None]  # [B, 1, H]
+        state = draft.block(x, positions.clamp(max=kv.capacity - 1), attend)[:, 0]  # [B, H]
+        full = draft.full_logits(state)  # [B, V]
+        tokens = full.argmax(dim=-1)
+        logits.append(full)
+        states.append(state)
+        chosen.append(tokens)
+    return ChainOutputs(torch.stack(logits), torch.stack(states), torch.stack(chosen))
+
+
+def chain_bucket(kv: StaticKV, sessions: int, steps: int, longest: int) -> tuple[int, int, int] | None:
+    """The bucket (sessions, steps, gathered length) a chain of `steps` steps from starts up to
+    `longest` is padded to and replayed as; None where it is larger than every bucket, or where the
+    bucket's steps would run past the cache's capacity (it runs eagerly)."""
+    options = kv.options
+    sessions, steps = bucket(sessions, options.graph_sessions), bucket(steps, options.graph_tokens)
+    if sessions is None or steps is None or longest + steps > kv.capacity:
+        return None
+    length = bucket(longest + steps, [options.min_graph_length << i for i in range(32)])
+    return None if length > kv.capacity + 1 else (sessions, steps, length)
+
+
+class CapturedChain:
+    """`run_chain` for one bucket (B sessions, K steps, L gathered positions) captured as a CUDA graph
+    over fixed inputs; `run` copies a smaller chain into them (the rest: pads on the scratch row) and
+    replays. Off CUDA nothing is captured and `run` runs the padded chain eagerly (the tests' check
+    of the padding)."""
+
+    def __init__(self, draft, kv: StaticKV, sessions: int, steps: int, length: int, warmup: int = 2):
+        device, hidden = draft.embed.device, draft.layer_config.hidden_size
+        self.draft, self.kv, self.steps, self.length, self.graph = draft, kv, steps, length, None
+        self.inputs = ChainInputs(torch.full((sessions,), kv.pool.size, device=device),
+                                  torch.zeros(sessions, dtype=torch.long, device=device),
+                                  torch.zeros(sessions, dtype=torch.bool, device=device),
+                                  torch.zeros((sessions, hidden), dtype=draft.norm.weight.dtype, device=device),
+                                  torch.zeros(sessions, dtype=torch.long, device=device))
+        if device.type != "cuda":
+            return
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):  # cuBLAS and the allocator set up outside the capture
+            for _ in range(warmup):
+                run_chain(draft, kv, self.inputs, steps, length)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=kv._graph_pool):
+            self.outputs = run_chain(draft, kv, self.inputs, steps, length)
+
+    def run(self, inputs: ChainInputs, steps: int) -> ChainOutputs:
+        """A chain of b <= B sessions and `steps` <= K -> its outputs [steps, b, ...]."""
+        b, fixed = len(inputs.rows), self.inputs
+        fixed.rows.fill_(self.kv.pool.size)
+        fixed.real.zero_()
+        for name in ("rows", "starts", "real", "state", "tokens"):
+            getattr(fixed, name)[:b] = getattr(inputs, name)
+        out = run_chain(self.draft, self.kv, fixed, self.steps, self.length) if self.graph is None else self.outputs
+        if self.graph is not None:
+            self.graph.replay()
+        return ChainOutputs(out.logits[:steps, :b], out.states[:steps, :b], out.tokens[:steps, :b])
+
+
+def chain(draft, kv: StaticKV, captured: dict, inputs: ChainInputs, steps: int, longest: int) -> ChainOutputs:
+    """`steps` steps from `inputs` (starts up to `longest`): replayed from the bucket's graph where the
+    cache has graphs (captured at the bucket's first use, kept in `captured`), else eagerly."""
+    key = chain_bucket(kv, len(inputs.rows), steps, longest) if kv.graphs else None
+    if key is None:
+        return run_chain(draft, kv, inputs, steps, longest + steps)
+    if key not in captured:
+        captured[key] = CapturedChain(draft, kv, *key)
+    return captured[key].run(inputs, steps)

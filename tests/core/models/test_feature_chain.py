@@ -1,0 +1,92 @@
+"""The feature draft on a static cache (models/feature_draft.py, models/static.py) and its greedy
+steps as one chain (models/feature_chain.py): the same outputs as its slot cache and as steps one at
+a time. `SPECDEC_TEST_DEVICE=cuda` runs them on a GPU, where the chains are captured as CUDA graphs
+and replayed (benchmarks/gpu/run.sh); on the CPU a chain padded to its bucket runs eagerly."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from tiny import tiny_feature_draft, tiny_model
+
+from specdec.models.feature_chain import chain_bucket
+from specdec.models.feature_draft import FeatureDraftRuntime
+from specdec.models.static import StaticOptions
+
+DEVICE = torch.device(os.environ.get("SPECDEC_TEST_DEVICE", "cpu"))
+VOCAB = 40
+# three sessions: one a long catch-up (a pass of its own on the static cache), two short
+HISTORIES = [list(range(3, 30)), [5, 9, 2, 7], [1, 4, 4, 8, 2, 6, 3]]
+
+
+def runtime(kv: str = "slots", seed: int = 1, **options) -> FeatureDraftRuntime:
+    target = tiny_model(VOCAB, hidden_size=16, layers=2, seed=3, init_range=0.5)
+    draft = tiny_feature_draft(target, vocab_ids=list(range(0, VOCAB, 2)) + [1, 3], seed=seed).to(DEVICE)
+    static = StaticOptions(slots=4, capacity=96, min_graph_length=32, **options)
+    return FeatureDraftRuntime(draft, identity="tiny", kv=kv, static=static)
+
+
+def started(draft: FeatureDraftRuntime):
+    """Sessions holding random target states over their histories, after `start`."""
+    generator = torch.Generator().manual_seed(0)
+    sessions = [draft.new_session() for _ in HISTORIES]
+    for session, history in zip(sessions, HISTORIES):
+        states = torch.randn(len(history), draft.model.config.reads, draft.hidden_size, generator=generator)
+        draft.add_features(session, states, 0)
+    return sessions, draft.start(sessions, HISTORIES)
+
+
+def stepped(draft: FeatureDraftRuntime, sessions, first, steps: int):
+    """`steps` greedy steps one at a time from the tokens `first`: each step's outputs."""
+    outputs, tokens = [], first
+    for _ in range(steps):
+        out = draft.step(sessions, tokens)
+        outputs.append(out)
+        tokens = out.logits.argmax(dim=-1).tolist()
+    return outputs
+
+
+def assert_same_steps(got, expected) -> None:
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert a.logits.argmax(-1).tolist() == b.logits.argmax(-1).tolist()
+        finite = torch.isfinite(b.logits)
+        assert torch.equal(torch.isfinite(a.logits), finite)
+        torch.testing.assert_close(a.logits[finite], b.logits[finite], atol=1e-3, rtol=1e-3)  # float32: sums over other gathered lengths
+        torch.testing.assert_close(a.hidden, b.hidden, atol=1e-3, rtol=1e-3)  # float32: sums over other gathered lengths
+
+
+@pytest.mark.gpu
+def test_the_static_cache_serves_a_feature_draft_as_its_slots_do():
+    slots, static = runtime("slots"), runtime("static")
+    (slot_sessions, slot_first), (static_sessions, static_first) = started(slots), started(static)
+    assert_same_steps([static_first], [slot_first])
+    first = slot_first.logits.argmax(-1).tolist()
+    assert_same_steps(stepped(static, static_sessions, first, 3), stepped(slots, slot_sessions, first, 3))
+    assert [s.tokens for s in static_sessions] == [s.tokens for s in slot_sessions]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_chain_gives_the_outputs_of_its_steps_one_at_a_time(graphs):
+    """With `graphs` the chain is padded to its bucket (4 sessions, 8 steps, 64 positions) and, on CUDA,
+    captured and replayed; the cache then serves the steps after it as before."""
+    options = {"graphs": True, "pad_off_cuda": True} if graphs else {}
+    chained, reference = runtime("static", **options), runtime("static")
+    (sessions, first), (ref_sessions, _) = started(chained), started(reference)
+    tokens = first.logits.argmax(-1).tolist()
+    assert chained.kv.graphs == graphs
+    got = chained.chain(sessions, tokens, 5)
+    assert_same_steps(got, stepped(reference, ref_sessions, tokens, 5))
+    assert [s.tokens for s in sessions] == [s.tokens for s in ref_sessions]
+    assert len(chained._chains) == graphs
+    after = got[-1].logits.argmax(-1).tolist()
+    assert_same_steps(stepped(chained, sessions, after, 2), stepped(reference, ref_sessions, after, 2))
+
+
+def test_a_chain_runs_eagerly_where_its_bucket_would_pass_the_capacity():
+    kv = runtime("static", graphs=True, pad_off_cuda=True).kv
+    assert chain_bucket(kv, 3, 5, 40) == (4, 8, 64)
+    assert chain_bucket(kv, 3, 5, 90) is None  # 90 + 8 steps > 96 positions
