@@ -528,7 +528,7 @@ def print_summary(data: dict) -> None:
                      for c in ("runtime_ms", "static_ms", "captured_ms", "runtime_static_ms")]
             print(f"  {key:12s} " + " / ".join(cells) + (f"  {row['captured_error'][:80]}" if "captured_error" in row else ""))
     for name, rows in data["sections"].get("feature", {}).items():
-        print(f"\nfeature draft for {name}: ms per step (static eager / captured)")
+        print(f"\nfeature draft for {name}: ms per step (one step eager / a step of the captured chain)")
         for key, row in (rows.items() if isinstance(rows, dict) else []):
             print(f"  {key:6s} " + " / ".join(f"{row[c]:.3f}" if c in row else "-" for c in ("eager_ms", "captured_ms")))
     for name, rows in data["sections"].get("loop", {}).items():

@@ -6,7 +6,7 @@ step costs K launches of a few dozen kernels each and a host sync per step.
 
     from `start` (the round's first step): s_0 and y_1; then for j = 1..K
         s_j     = Layer(W_fuse [norm_e(E y_j); norm_g(s_{j-1})])   at position p + j - 1
-        y_{j+1} = argmax full_logits(s_j)                           (the first index of the maximum)
+        y_{j+1} = argmax full_logits(s_j)        (the first index of the maximum: the smallest id)
 
 Step j's logits and state are what `FeatureDraftRuntime.step` returns for the token y_j: the round
 loop reads them in its place while every row drafting is greedy (rounds.propose), so a greedy row
@@ -40,15 +40,15 @@ class ChainInputs:
 class ChainOutputs:
     """K steps over B sessions."""
 
-    logits: torch.Tensor  # [K, B, V] float: each step's scores over the target's vocabulary (-inf outside the draft's)
+    scores: torch.Tensor  # [K, B, V_trim] each step's scores of the draft's trimmed vocabulary (its dtype)
     states: torch.Tensor  # [K, B, H] s_1..s_K in the draft's dtype
-    tokens: torch.Tensor  # [K, B] long: y_2..y_{K+1}, each step's argmax
+    tokens: torch.Tensor  # [K, B] long: y_2..y_{K+1}, each step's argmax over the target's vocabulary
 
 
 def run_chain(draft, kv: StaticKV, inputs: ChainInputs, steps: int, length: int) -> ChainOutputs:
     """The module docstring's K = `steps` steps, eagerly; every step gathers `length` positions a row
     (at least the longest start + steps)."""
-    state, tokens, logits, states, chosen = inputs.state, inputs.tokens, [], [], []
+    state, tokens, scores, states, chosen = inputs.state, inputs.tokens, [], [], []
     keys = torch.arange(length, device=state.device)
     for j in range(steps):
         positions = torch.where(inputs.real, inputs.starts + j, kv.capacity)[:, None]  # [B, 1]
@@ -62,12 +62,12 @@ def run_chain(draft, kv: StaticKV, inputs: ChainInputs, steps: int, length: int)
 
         x = draft.fused_input(state, tokens)[:, None]  # [B, 1, H]
         state = draft.block(x, positions.clamp(max=kv.capacity - 1), attend)[:, 0]  # [B, H]
-        full = draft.full_logits(state)  # [B, V]
-        tokens = full.argmax(dim=-1)
-        logits.append(full)
+        trimmed = draft.logits(state)  # [B, V_trim]: what a captured chain keeps (V: 5x more, in float)
+        tokens = draft.argmax(trimmed)
+        scores.append(trimmed)
         states.append(state)
         chosen.append(tokens)
-    return ChainOutputs(torch.stack(logits), torch.stack(states), torch.stack(chosen))
+    return ChainOutputs(torch.stack(scores), torch.stack(states), torch.stack(chosen))
 
 
 def chain_bucket(kv: StaticKV, sessions: int, steps: int, longest: int) -> tuple[int, int, int] | None:
@@ -118,7 +118,7 @@ class CapturedChain:
         out = run_chain(self.draft, self.kv, fixed, self.steps, self.length) if self.graph is None else self.outputs
         if self.graph is not None:
             self.graph.replay()
-        return ChainOutputs(out.logits[:steps, :b], out.states[:steps, :b], out.tokens[:steps, :b])
+        return ChainOutputs(out.scores[:steps, :b], out.states[:steps, :b], out.tokens[:steps, :b])
 
 
 def chain(draft, kv: StaticKV, captured: dict, inputs: ChainInputs, steps: int, longest: int) -> ChainOutputs:

@@ -234,9 +234,18 @@ class FeatureDraft(nn.Module):
 
     def full_logits(self, state: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V]: the trimmed scores scattered into the target's vocabulary, -inf elsewhere (q = 0)."""
-        trimmed = self.logits(state).float()
+        return self.scatter(self.logits(state))
+
+    def scatter(self, trimmed: torch.Tensor) -> torch.Tensor:
+        """Scores [..., V_trim] -> [..., V] float, -inf outside the trimmed vocabulary."""
+        trimmed = trimmed.float()
         out = trimmed.new_full((*trimmed.shape[:-1], self.config.vocab_size), float("-inf"))
         return out.index_copy_(-1, self.vocab_ids, trimmed)
+
+    def argmax(self, trimmed: torch.Tensor) -> torch.Tensor:
+        """The argmax of `scatter(trimmed)` [..., V] without it: the smallest id among the best scores."""
+        best = trimmed == trimmed.amax(dim=-1, keepdim=True)
+        return torch.where(best, self.vocab_ids, self.config.vocab_size).amin(dim=-1)
 
     # -- training: several draft steps over whole sequences ---------------------------------------
 
@@ -461,7 +470,8 @@ class FeatureDraftRuntime(DraftRole):
             session.state = out.states[-1, b]
         self.forward_passes += 1
         self.fed_tokens += len(sessions) * steps
-        return [DraftOutputs(out.logits[j], out.states[j].float()) for j in range(steps)]
+        logits = self.model.scatter(out.scores)  # [steps, B, V]: one call for the chain
+        return [DraftOutputs(logits[j], out.states[j].float()) for j in range(steps)]
 
     def _target_features(self, session: FeatureSession, start: int, end: int) -> torch.Tensor:
         """g of positions start..end-1 from the target's states [end - start, H]; zeros past those held

@@ -90,3 +90,15 @@ def test_a_chain_runs_eagerly_where_its_bucket_would_pass_the_capacity():
     kv = runtime("static", graphs=True, pad_off_cuda=True).kv
     assert chain_bucket(kv, 3, 5, 40) == (4, 8, 64)
     assert chain_bucket(kv, 3, 5, 90) is None  # 90 + 8 steps > 96 positions
+
+
+def test_the_chains_argmax_is_the_first_best_of_the_full_vocabulary():
+    """A chain chooses from the trimmed scores what `draw` takes from the scattered logits: with ties,
+    the smallest id (the draft's vocabulary is not sorted: ids 1 and 3 come last)."""
+    from specdec.sampling import argmax
+
+    draft = runtime().model
+    trimmed = torch.zeros(2, len(draft.vocab_ids))
+    trimmed[0, [1, -1]] = 5.0  # ids 2 and 3 tie
+    trimmed[1, -2] = 1.0  # id 1
+    assert draft.argmax(trimmed).tolist() == argmax(draft.scatter(trimmed)).tolist() == [2, 1]
