@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.models.static import StaticBatch, StaticKV, bucket, static_attention
+from specdec.models.static import StaticBatch, StaticKV, bucket, capture, static_attention
 
 
 @dataclass
@@ -96,17 +96,9 @@ class CapturedChain:
                                   torch.zeros(sessions, dtype=torch.bool, device=device),
                                   torch.zeros((sessions, hidden), dtype=draft.norm.weight.dtype, device=device),
                                   torch.zeros(sessions, dtype=torch.long, device=device))
-        if device.type != "cuda":
-            return
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):  # cuBLAS and the allocator set up outside the capture
-            for _ in range(warmup):
-                run_chain(draft, kv, self.inputs, steps, length)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=kv._graph_pool):
-            self.outputs = run_chain(draft, kv, self.inputs, steps, length)
+        if device.type == "cuda":
+            self.graph, self.outputs = capture(lambda: run_chain(draft, kv, self.inputs, steps, length), device,
+                                               kv._graph_pool, warmup)
 
     def run(self, inputs: ChainInputs, steps: int) -> ChainOutputs:
         """A chain of b <= B sessions and `steps` <= K -> its outputs [steps, b, ...]."""

@@ -225,17 +225,9 @@ class CapturedPass:
                                  torch.full((sessions, tokens), scratch_position, device=device),
                                  torch.zeros((sessions, 1, tokens, length), dtype=torch.bool, device=device), length)
         self.batch.mask[..., 0] = True
-        if device.type != "cuda":
-            return
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):  # cuBLAS and the allocator set up outside the capture
-            for _ in range(warmup):
-                kv.forward(model, self.input_ids, self.batch)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=kv._graph_pool):
-            self.hidden = kv.forward(model, self.input_ids, self.batch)  # [B, k, H]
+        if device.type == "cuda":
+            self.graph, self.hidden = capture(lambda: kv.forward(model, self.input_ids, self.batch), device,
+                                              kv._graph_pool, warmup)  # hidden [B, k, H]
 
     def run(self, input_ids: torch.Tensor, batch: StaticBatch) -> torch.Tensor:
         """input_ids [b, t] and its batch (b <= B, t <= k, its length <= L) -> hidden [b, t, H]."""
@@ -253,6 +245,21 @@ class CapturedPass:
             return self.kv.forward(self.model, self.input_ids, self.batch)[:b, :t]
         self.graph.replay()
         return self.hidden[:b, :t]
+
+
+def capture(run, device: torch.device, pool, warmup: int = 2):
+    """(the CUDA graph of `run()`, its outputs), captured into the memory pool `pool` after `warmup`
+    runs on a side stream (cuBLAS and the allocator set up outside the capture, as torch.cuda.graphs asks)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = run()
+    return graph, outputs
 
 
 def static_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
