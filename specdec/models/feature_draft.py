@@ -406,7 +406,7 @@ class FeatureDraftRuntime(DraftRole):
 
     @property
     def max_context(self) -> int:
-        return self.layer_config.max_position_embeddings
+        return min(self.layer_config.max_position_embeddings, self.kv.capacity if self.kv is not None else float("inf"))
 
     def new_session(self) -> FeatureSession:
         return FeatureSession(handle=None if self.kv is not None else SlotBuffers())  # a row at its first pass
@@ -452,10 +452,12 @@ class FeatureDraftRuntime(DraftRole):
 
     @torch.inference_mode()
     def chain(self, sessions: list[FeatureSession], tokens: list[int], steps: int) -> list[DraftOutputs]:
-        """`steps` greedy drafting steps at once (models/feature_chain.py): the outputs of `step` for
-        y_1 = `tokens`, then for each step's argmax in turn, one per step."""
+        """Up to `steps` greedy drafting steps at once (models/feature_chain.py): the outputs of `step`
+        for y_1 = `tokens`, then for each step's argmax in turn, one per step; fewer where a session
+        would pass the cache's capacity (each still takes the steps its context allows)."""
         from specdec.models.feature_chain import ChainInputs, chain
 
+        steps = max(1, min(steps, self.kv.capacity - max(len(s) for s in sessions)))
         self.kv.attach([DraftFeed(s, s.state[None], [t]) for s, t in zip(sessions, tokens)], steps=steps - 1)
         device = self.device
         inputs = ChainInputs(torch.tensor([s.handle for s in sessions], device=device),

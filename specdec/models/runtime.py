@@ -348,7 +348,7 @@ class DraftRole(Runtime):
     chain_steps = 0
 
     def chain(self, sessions: list[KVSession], tokens: list[int], steps: int) -> list[DraftOutputs]:
-        """`steps` greedy steps at once: what `step` returns for y_1 = `tokens`, then for each step's argmax."""
+        """Up to `steps` greedy steps at once: what `step` returns for y_1 = `tokens`, then for each step's argmax."""
         raise NotImplementedError("this draft runs its steps one at a time")
 
     def add_features(self, session: KVSession, states: torch.Tensor, start: int) -> None:

@@ -102,3 +102,14 @@ def test_the_chains_argmax_is_the_first_best_of_the_full_vocabulary():
     trimmed[0, [1, -1]] = 5.0  # ids 2 and 3 tie
     trimmed[1, -2] = 1.0  # id 1
     assert draft.argmax(trimmed).tolist() == argmax(draft.scatter(trimmed)).tolist() == [2, 1]
+
+
+def test_a_chain_stops_where_a_session_would_pass_the_capacity():
+    """A chain asked for 8 steps beside a session with room for 4 more positions runs 4: no key lands
+    past a row (the other sessions draft on step by step)."""
+    draft = runtime("static")
+    sessions, first = started(draft)
+    lengths = [len(s) for s in sessions]
+    draft.kv.capacity = lengths[0] + 4  # the long session holds 26 pairs
+    assert len(draft.chain(sessions, first.logits.argmax(-1).tolist(), 8)) == 4
+    assert [len(s) for s in sessions] == [n + 4 for n in lengths]
