@@ -240,6 +240,8 @@ class DraftWorker(Worker):
         self.sessions: SessionStore[DraftSession] = sessions if sessions is not None else SessionStore()
 
     def _probe(self, sizes: Sequence[int], context: int) -> list[PassTiming]:
+        if context:  # the start-up probe: graphs are captured now, never inside a timed round
+            self.draft.capture_graphs()
         policy = PolicyConfig(name="specdec++") if self.head is not None else PolicyConfig(name="fixed", k=1)
         timings = probe_drafting(self.draft, sizes, lambda: make_policy(policy, head=self.head), context)
         if context:  # the start-up probe

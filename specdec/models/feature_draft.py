@@ -451,6 +451,23 @@ class FeatureDraftRuntime(DraftRole):
         return self._pass([DraftFeed(s, s.state[None], [t]) for s, t in zip(sessions, tokens)])
 
     @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Every chain bucket this runtime can replay (sessions up to its rows, steps up to its chains',
+        every gathered length), captured now (models/feature_chain.py)."""
+        from specdec.models.feature_chain import CapturedChain, chain_bucket
+
+        kv = self.kv
+        if kv is None or not kv.graphs:
+            return
+        lengths = [kv.options.min_graph_length << i for i in range(32) if kv.options.min_graph_length << i <= kv.capacity + 1]
+        for sessions in (n for n in kv.options.graph_sessions if n <= kv.max_pass_sessions):
+            for steps in (k for k in kv.options.graph_tokens if k <= self.chain_steps):
+                for length in lengths:
+                    key = chain_bucket(kv, sessions, steps, length - steps)
+                    if key is not None and key not in self._chains:
+                        self._chains[key] = CapturedChain(self.model, kv, *key)
+
+    @torch.inference_mode()
     def chain(self, sessions: list[FeatureSession], tokens: list[int], steps: int) -> list[DraftOutputs]:
         """Up to `steps` greedy drafting steps at once (models/feature_chain.py): the outputs of `step`
         for y_1 = `tokens`, then for each step's argmax in turn, one per step; fewer where a session

@@ -347,6 +347,10 @@ class DraftRole(Runtime):
     # A draft that runs greedy drafting steps as one chain (`chain`): up to this many (0: none).
     chain_steps = 0
 
+    def capture_graphs(self) -> None:
+        """Capture what the runtime replays (CUDA graphs) before anything is timed: a replica's start
+        (the draft worker's start-up probe). Nothing by default: the rest capture at first use."""
+
     def chain(self, sessions: list[KVSession], tokens: list[int], steps: int) -> list[DraftOutputs]:
         """Up to `steps` greedy steps at once: what `step` returns for y_1 = `tokens`, then for each step's argmax."""
         raise NotImplementedError("this draft runs its steps one at a time")

@@ -113,3 +113,14 @@ def test_a_chain_stops_where_a_session_would_pass_the_capacity():
     draft.kv.capacity = lengths[0] + 4  # the long session holds 26 pairs
     assert len(draft.chain(sessions, first.logits.argmax(-1).tolist(), 8)) == 4
     assert [len(s) for s in sessions] == [n + 4 for n in lengths]
+
+
+def test_every_chain_bucket_is_captured_at_start():
+    """A replica's start-up probe captures every bucket (sessions up to the cache's 4 rows, steps up
+    to 8, lengths 32 to 64 of 96 positions and the row's 97); a chain then finds its own."""
+    draft = runtime("static", graphs=True, pad_off_cuda=True)
+    draft.capture_graphs()
+    assert sorted(draft._chains) == [(b, k, n) for b in (1, 2, 4) for k in (1, 2, 4, 8) for n in (32, 64)]
+    sessions, first = started(draft)
+    draft.chain(sessions, first.logits.argmax(-1).tolist(), 5)
+    assert len(draft._chains) == 24
