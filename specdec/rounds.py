@@ -2,12 +2,12 @@
 and the services.
 
 `propose` runs on the draft's side: every drafting step is one forward pass over the sessions still
-drafting (Algorithm 2), or, where the draft chains greedy steps (a feature draft on a static cache),
-one step of a chain drafted ahead (`_Ahead`). A budgeted session (the default policy) is decided with the whole step by
-its verification budget (specdec/budget.py: who drafts on, which candidates are verified); any other
-session's policy decides its own stop. A session that stops leaves the next step. Who calls the
-draft at all was decided by the caller's step plan (specdec/planner.py). `verify` runs on the
-target's side: one pass over every session's unseen committed tokens plus its candidates (a
+drafting (Algorithm 2), or, where the draft chains greedy steps (a feature draft on CUDA), one step
+of a chain drafted ahead (`_Ahead`). A budgeted session (the default policy) is decided with the
+whole step by its verification budget (specdec/budget.py: who drafts on, which candidates are
+verified); any other session's policy decides its own stop. A session that stops leaves the next
+step. Who calls the draft at all was decided by the caller's step plan (specdec/planner.py).
+`verify` runs on the target's side: one pass over every session's unseen committed tokens plus its candidates (a
 different K each), Algorithm 1 per session, then a rollback per session. Each row names its
 session's full committed history: the runtimes sync their caches to it. Randomness comes from
 `protocol.round_generator`, derived from (request seed, sample, round, role), so a round draws the
