@@ -29,6 +29,8 @@ CUDA, written as JSON as it goes (a run cut short keeps what it measured).
   target-only, fixed K and the default policy (a random head: its stops mean nothing, its costs
   do). tokens/s, and host time per verification pass: wall minus every forward pass's time; at
   the lowest and highest concurrency, where that time goes (`host_profile`: cProfile's top rows).
+  Between the two, `feature`: a random feature draft with its chains captured, beside the target on
+  slots (it accepts next to nothing: the path and its host work per pass, not a speed-up).
 - transport: the same loop (fixed K, greedy, self-draft) in process and over our gRPC round services
   on loopback, served from a process of their own as a replica's are (services/: GrpcTransport, the
   calls the `direct` transport makes once Serve has named a session's replica): the extra ms per step.
@@ -222,14 +224,24 @@ def max_difference(a: torch.Tensor, b: torch.Tensor) -> dict:
 def loop_throughput(report: Report, name: str, model, concurrency, policies, new_tokens: int,
                     kv: str = "slots") -> None:
     """`kv`: the runtimes' cache: `slots` (eager, per-session buffers) or `static` (one preallocated
-    cache, drafting steps and verifications replayed as CUDA graphs: models/static.py)."""
+    cache, drafting steps and verifications replayed as CUDA graphs: models/static.py); `feature`: a
+    random feature draft in place of the self-draft (its greedy steps chained on its static cache,
+    captured: models/feature_chain.py) beside the target on slots, which hands out its states. It
+    accepts next to nothing: its rows measure the path and its host work, not a speed-up."""
     config = model.config
-    # the self-draft: the target's own weights (one cache each: a static cache is per runtime)
-    draft, target = DraftRuntime(model, kv=kv, static=GRAPHS), TargetRuntime(model, kv=kv, static=GRAPHS)
+    if kv == "feature":
+        from specdec.models.feature_draft import FeatureDraftRuntime
+
+        feature = random_feature_draft(config, model.device, model.dtype)
+        draft, target = FeatureDraftRuntime(feature, kv="static", static=GRAPHS), TargetRuntime(model, kv="slots")
+    else:  # the self-draft: the target's own weights (one cache each: a static cache is per runtime)
+        draft, target = DraftRuntime(model, kv=kv, static=GRAPHS), TargetRuntime(model, kv=kv, static=GRAPHS)
     torch.manual_seed(0)
     head = AcceptanceHead(HeadConfig(hidden_size=config.hidden_size, depth=1, draft_identity="gpu-bench")).eval()
     engine = SpecDecEngine(draft, target, head=head, batch=BatchConfig(max_sessions_per_step=max(concurrency)))
-    timers = TimedForward(draft), TimedForward(target)
+    # the draft's passes, then the target's (a feature draft's run through `_outputs` and `chain`)
+    timers = ([TimedForward(draft, "_outputs"), TimedForward(draft, "chain")] if kv == "feature"
+              else [TimedForward(draft)]) + [TimedForward(target)]
     report.put("loop", "probe_profile", str(engine.cost_profile()))
     results = {}
     for policy, k in policies:
@@ -249,13 +261,13 @@ def loop_throughput(report: Report, name: str, model, concurrency, policies, new
             wall = time.perf_counter() - start
             tokens = sum(r.stats.generated_tokens for r in outcomes)
             forward = sum(t.seconds for t in timers)
-            verify_passes = timers[1].calls
+            verify_passes = timers[-1].calls
             accepted = sum(r.stats.accepted_tokens for r in outcomes)
             drafted = sum(r.stats.draft_tokens for r in outcomes)
             results[f"{policy}@{c}"] = {
                 "concurrency": c, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-                "draft_passes": timers[0].calls, "target_passes": verify_passes,
-                "draft_forward_s": timers[0].seconds, "target_forward_s": timers[1].seconds,
+                "draft_passes": sum(t.calls for t in timers[:-1]), "target_passes": verify_passes,
+                "draft_forward_s": sum(t.seconds for t in timers[:-1]), "target_forward_s": timers[-1].seconds,
                 "host_ms_per_target_pass": 1e3 * (wall - forward) / max(1, verify_passes),
                 "acceptance": accepted / drafted if drafted else None}
             if c in (min(concurrency), max(concurrency)) and report.time_left() > 40:
@@ -388,8 +400,10 @@ def main() -> None:
     parser.add_argument("--sections", nargs="+", default=["passes", "feature", "loop", "transport"])
     parser.add_argument("--shapes", nargs="+", default=list(PASS_SHAPES), help="the passes section's shapes")
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES), help="the passes section's B")
-    parser.add_argument("--loop-kv", nargs="+", default=["static", "slots"], choices=["static", "slots"],
-                        help="the loop section's caches (static: captured graphs on CUDA)")
+    parser.add_argument("--loop-kv", nargs="+", default=["static", "feature", "slots"],
+                        choices=["static", "feature", "slots"],
+                        help="the loop section's caches (static: captured graphs on CUDA; feature: a random "
+                             "feature draft, its chains captured, beside the target on slots)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -447,7 +461,7 @@ def main() -> None:
             print(f"loop {LOOP_SHAPE} ({kv}): {time.perf_counter() - start:.0f} s", flush=True)
     if "transport" in args.sections and report.time_left() > 30:
         model = random_model(shapes[LOOP_SHAPE], device, dtype)
-        for kv in args.loop_kv:  # the first cache that runs
+        for kv in (k for k in args.loop_kv if k != "feature"):  # the first cache that runs
             try:
                 transport_overhead(report, shapes[LOOP_SHAPE], model,
                                    *(((1, 2), new_tokens) if args.smoke else (TRANSPORT_CONCURRENCY, TRANSPORT_NEW_TOKENS)), kv)
@@ -534,7 +548,8 @@ def print_summary(data: dict) -> None:
     for name, rows in data["sections"].get("loop", {}).items():
         if not isinstance(rows, dict):
             continue
-        print(f"\nloop {name} (self-draft, greedy): tok/s, host ms per verification pass")
+        draft = "a random feature draft" if name.endswith("/feature") else "self-draft"
+        print(f"\nloop {name} ({draft}, greedy): tok/s, host ms per verification pass")
         for key, row in rows.items():
             if "tokens_per_s" in row:
                 print(f"  {key:20s} {row['tokens_per_s']:8.1f} tok/s  host {row['host_ms_per_target_pass']:.2f} ms"

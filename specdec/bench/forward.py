@@ -20,17 +20,18 @@ def synthetic_tokens(count: int, vocab_size: int, offset: int = 0) -> list[int]:
 
 
 class TimedForward:
-    """Wraps a runtime's `_forward` to add up its wall time and count its passes (a pass returns
-    once its outputs are ready): the loop's time outside them is its host work."""
+    """Wraps a runtime's `_forward` (or another method that runs its passes: a feature draft's
+    `_outputs` and `chain`) to add up its wall time and count its passes (a pass returns once its
+    outputs are ready): the loop's time outside them is its host work."""
 
-    def __init__(self, runtime: Runtime):
-        self.inner, self.seconds, self.calls = runtime._forward, 0.0, 0
-        runtime._forward = self
+    def __init__(self, runtime: Runtime, method: str = "_forward"):
+        self.inner, self.seconds, self.calls = getattr(runtime, method), 0.0, 0
+        setattr(runtime, method, self)
 
-    def __call__(self, feeds):
+    def __call__(self, *args, **kwargs):
         start = time.perf_counter()
         try:
-            return self.inner(feeds)
+            return self.inner(*args, **kwargs)
         finally:
             self.seconds += time.perf_counter() - start
             self.calls += 1

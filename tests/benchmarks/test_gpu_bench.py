@@ -23,11 +23,13 @@ def test_the_gpu_benchmark_smoke_run_writes_every_section(tmp_path):
     assert all(row["static_vs_runtime"]["argmax_agree"] == 1.0 for rows in passes.values()
                for key, row in rows.items() if key.startswith("B=1,"))
     assert all("runtime_static_ms" in row for name in ("qwen2.5-0.5b", "qwen2.5-1.5b") for row in passes[name].values())
-    assert {"qwen2.5-1.5b", "qwen2.5-1.5b/static"} <= set(loop)
+    assert {"qwen2.5-1.5b", "qwen2.5-1.5b/static", "qwen2.5-1.5b/feature"} <= set(loop)
+    assert loop["qwen2.5-1.5b/feature"]["fixed@1"]["draft_passes"] > 0  # its chains timed as the draft's
     assert all("error" not in rows and all("tokens_per_s" in row for row in rows.values())
                for name, rows in loop.items() if name != "probe_profile")
     feature = data["sections"]["feature"]  # the feature draft's step for each target shape, eager off CUDA
     assert set(feature) == {"qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-32b"}
-    assert all("eager_ms" in row for rows in feature.values() for row in rows.values()), feature
+    assert all({"eager_ms", "chain_ms", "captured_ms"} <= set(row) and row["graph_vs_eager"]["argmax_agree"] == 1.0
+               for rows in feature.values() for row in rows.values()), feature
     [transport] = data["sections"]["transport"].values()  # the first cache that ran: static
     assert all("grpc_ms_per_step" in row for row in transport.values()), transport
