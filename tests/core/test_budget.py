@@ -139,7 +139,7 @@ class ScriptedDraft:
     """A draft whose session s proposes token 0 with q(0) = script[s] at every step (vocabulary 2):
     under `q_head` its candidates' acceptance is script[s]. Counts the rows of every pass."""
 
-    vocab_size, kind = 2, "fake"
+    vocab_size, kind, chain_steps = 2, "fake", 0  # steps one at a time (`DraftRole.chain_steps`)
 
     def __init__(self, script: dict[int, float]):
         self.script, self.passes, self.fed_tokens = script, [], 0
