@@ -165,7 +165,7 @@ def main() -> None:
     if args.feature_draft:
         from specdec.models.formats import apply_weight_format
 
-        drafts["feature"] = apply_weight_format(load_feature_draft(Path(args.feature_draft).expanduser(), target_dir,
+        drafts["feature"] = apply_weight_format(load_feature_draft(args.feature_draft, target_dir,
                                                                    model_identity(target_dir)), "draft", args.feature_format)
     if args.model_draft:
         from specdec.builder import load_model

@@ -17,6 +17,7 @@ from specdec.engine import SpecDecEngine
 from specdec.loop import BatchConfig
 from specdec.errors import IncompatibleModelsError, ModelSourceError, one_line
 from specdec.head import AcceptanceHead, load_head
+from specdec.drafts import draft_dir
 from specdec.heads import resolve_head
 from specdec.models.formats import WeightFormat, apply_weight_format
 from specdec.models.llamacpp import LlamaCppDraftRuntime, LlamaCppOptions, LlamaCppTargetRuntime, llamacpp_available
@@ -247,18 +248,19 @@ class FeatureDraftBackend(RuntimeBackend):
         start = time.perf_counter()
         target_dir = self.meta_dir(config, config.target, "target", progress)
         device = resolve_device(config.device)
-        model = load_feature_draft(Path(config.draft).expanduser(), target_dir, model_identity(target_dir),
+        directory = draft_dir(config.draft)
+        model = load_feature_draft(directory, target_dir, model_identity(target_dir),
                                    resolve_dtype(config.dtype, device), device)
         if device.type == "cpu":
             model = apply_weight_format(model, "draft", config.draft_format)
         if progress:
-            print(f"loaded feature draft {Path(config.draft).name} on {device} in {time.perf_counter() - start:.1f}s",
+            print(f"loaded feature draft {directory.name} on {device} in {time.perf_counter() - start:.1f}s",
                   file=sys.stderr)
         # On CUDA its cache is static whatever the target's (which hands out its states from the slot
         # cache's passes): its greedy steps run as one chain, captured (models/feature_chain.py)
         kv = "static" if device.type == "cuda" else "slots"
-        return FeatureDraftRuntime(model, identity=model_identity(Path(config.draft).expanduser()), name=config.draft,
-                                   kv=kv, static=StaticOptions(graphs=config.cuda_graphs)), target_dir
+        return FeatureDraftRuntime(model, identity=model_identity(directory), name=config.draft, kv=kv,
+                                   static=StaticOptions(graphs=config.cuda_graphs)), target_dir
 
     def target(self, config: EngineConfig, progress: bool, load=None) -> tuple[TargetRole, Path]:
         raise ModelSourceError("a feature draft is a draft: --target names its target")
@@ -311,7 +313,7 @@ def build_target(config: EngineConfig, progress: bool = True, load=None) -> tupl
     target, target_dir = backend.target(config, progress, load)
     for each in draft_configs(config).values():
         if is_feature_draft(each.draft):
-            target.read_features(target_layers_of(read_config(Path(each.draft).expanduser())))
+            target.read_features(target_layers_of(read_config(each.draft)))
     return target, target_dir
 
 

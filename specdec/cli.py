@@ -17,8 +17,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
     group = parser.add_argument_group("models")
     group.add_argument("--draft", default="default",
-                       help="draft model: 'default', a HF directory, a .gguf file, a hub id, or a feature draft's "
-                            "directory (specdec train-draft; it runs on a torch target)")
+                       help="draft model: 'default', a HF directory, a .gguf file, a hub id, or a feature draft: "
+                            "'default-feature' (shipped) or its directory (specdec train-draft; it runs on a torch target)")
     group.add_argument("--also-draft", action="append", default=None, metavar="NAME=SOURCE",
                        help="another draft beside --draft (repeatable), same forms, with its shipped head; a "
                             "request picks it with --use-draft NAME, and the drafts' sessions share the "
@@ -26,7 +26,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--target", default="default", help="target model: same forms as --draft")
     group.add_argument("--head", default="auto",
                        help="acceptance head for specdec++: a directory, 'auto' (the head shipped for the default "
-                            "pair; none for other drafts) or 'none'")
+                            "pair, or a feature draft's own; none for other drafts) or 'none'")
     group.add_argument("--cache-dir", default=None, help="where models are fetched and converted (default $SPECDEC_CACHE or ~/.cache/specdec)")
     group.add_argument("--draft-format", default="auto", choices=["auto", "fp32", "onednn", "int8"], help="draft weight format and kernels")
     group.add_argument("--target-format", default="auto", choices=["auto", "fp32", "onednn", "int8"], help="target weight format and kernels")

@@ -107,3 +107,30 @@ def test_batched_sessions_equal_target_only_whatever_shares_the_batch(default_en
     for i, result in enumerate(results):
         assert_equals_target_only(default_engine, requests[i][0], result.completions[0].token_ids,
                                   target_greedy[i % NUM_PROMPTS], str(requests[i][1].policy))
+
+
+@pytest.fixture(scope="module")
+def feature_engine():
+    """The feature draft shipped in the package (specdec/drafts/default-feature) on the default target."""
+    from specdec.builder import EngineConfig, build_engine
+
+    return build_engine(EngineConfig(draft="default-feature"), progress=False)
+
+
+@pytest.mark.parametrize("flags", [{"policy": "fixed", "k": 4}, {"policy": "svip"}, {}],
+                         ids=lambda f: f.get("policy", "default"))
+def test_the_shipped_feature_draft_equals_target_only(feature_engine, flags, monkeypatch):
+    """The shipped feature draft reads the torch target's states and drafts what it predicts: greedy
+    output equal to target-only's, with candidates accepted (the default policy plans with
+    DRAFTING_PAYS, as above)."""
+    assert feature_engine.draft.reads_features and feature_engine.target.kind == "torch"
+    params = build_params(max_new_tokens=NEW_TOKENS, **flags)
+    if policy_traits(resolve_policy(params.policy, feature_engine.rules.drafts["default"].has_head).name).budgeted:
+        for planner in feature_engine.loop.planners:
+            monkeypatch.setattr(planner, "given", DRAFTING_PAYS)
+    target_only = build_params(policy="target-only", max_new_tokens=NEW_TOKENS)
+    for prompt in humaneval_prompts(NUM_PROMPTS):
+        expected = feature_engine.generate(prompt, target_only).completions[0].token_ids
+        result = feature_engine.generate(prompt, params)
+        assert result.completions[0].token_ids == expected, str(flags)
+        assert result.stats.accepted_tokens > 0

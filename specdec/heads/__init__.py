@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from specdec.drafts import draft_dir
 from specdec.head import CONFIG_FILE, WEIGHTS_FILE
 
 HEADS_DIR = Path(__file__).resolve().parent
@@ -26,7 +27,7 @@ def resolve_head(head: str | None, draft: str) -> str | None:
     if not head or head == NONE:
         return None
     if head == AUTO:
-        for found in (SHIPPED.get(draft), Path(draft).expanduser() / DRAFT_HEAD):
+        for found in (SHIPPED.get(draft), draft_dir(draft) / DRAFT_HEAD):
             if found is not None and (found / CONFIG_FILE).is_file() and (found / WEIGHTS_FILE).is_file():
                 return str(found)
         return None

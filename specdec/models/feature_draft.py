@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from specdec.drafts import draft_dir
 from specdec.errors import IncompatibleModelsError, InvalidRequestError, ModelSourceError, one_line
 from specdec.models.cache import Feed, KVSession, RaggedBatch, SlotBuffers, SlotCache, ragged_attention
 from specdec.models.runtime import DraftOutputs, DraftRole, PassOutputs, common_prefix_length
@@ -529,8 +530,8 @@ class FeatureDraftRuntime(DraftRole):
 
 
 def is_feature_draft(source: str | Path) -> bool:
-    """Whether `source` is a feature draft's directory (its config names the target it reads)."""
-    path = Path(source).expanduser() / CONFIG_FILE
+    """Whether `source` names a feature draft's directory (its config names the target it reads)."""
+    path = draft_dir(source) / CONFIG_FILE
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -539,7 +540,7 @@ def is_feature_draft(source: str | Path) -> bool:
 
 
 def read_config(directory: str | Path) -> FeatureDraftConfig:
-    path = Path(directory) / CONFIG_FILE
+    path = draft_dir(directory) / CONFIG_FILE
     try:
         return FeatureDraftConfig.model_validate_json(path.read_text())
     except OSError as exc:
@@ -576,15 +577,16 @@ def target_tensors(target_dir: str | Path, vocab_ids: torch.Tensor | None = None
 
 def load_feature_draft(directory: str | Path, target_dir: str | Path, target_identity: str,
                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> FeatureDraft:
-    """The draft at `directory` on the target at `target_dir` (whose identity must be the one it was
-    trained on: its features mean nothing to another model)."""
+    """The draft at `directory` (or the shipped one it names) on the target at `target_dir`, whose
+    identity must be the one it was trained on: its features mean nothing to another model."""
     from safetensors.torch import load_file
 
+    directory = draft_dir(directory)
     config = read_config(directory)
     if config.target_identity != target_identity:
         raise IncompatibleModelsError(f"the feature draft at {directory} was trained on another target "
                                       f"({config.target_identity[:24]}), not {target_identity[:24]}")
-    weights = load_file(str(Path(directory) / WEIGHTS_FILE))
+    weights = load_file(str(directory / WEIGHTS_FILE))
     vocab_ids = weights["vocab_ids"]
     embed, head = target_tensors(target_dir, vocab_ids, dtype)
     model = FeatureDraft(config, embed, head, vocab_ids)

@@ -80,3 +80,27 @@ def test_a_feature_draft_on_the_llamacpp_runtime_is_a_clear_error(tiny_pair, tmp
     engine = build_engine(EngineConfig(draft=str(tmp_path / "feature"), target=str(tiny_pair[1])), progress=False)
     assert engine.draft.reads_features and engine.rules.drafts["default"].reads_features and engine.head is None
     assert engine.draft.kv is None and not engine.draft.chain_steps  # the CPU's slots, step by step
+
+
+def test_a_shipped_feature_draft_is_named_and_its_own_head_found(tiny_pair, tmp_path, monkeypatch):
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    import specdec.drafts
+    import specdec.heads
+    from specdec.drafts import draft_dir
+    from specdec.heads import resolve_head
+    from specdec.models.sources import model_identity
+    from tiny import tiny_feature_draft
+
+    assert draft_dir("default-feature") == specdec.drafts.DRAFTS_DIR / "default-feature"
+    assert draft_dir("~/runs/fused") == draft_dir("~").joinpath("runs", "fused")
+    draft = tiny_feature_draft(AutoModelForCausalLM.from_pretrained(tiny_pair[1]))
+    draft.config = draft.config.model_copy(update={"target_identity": model_identity(tiny_pair[1])})
+    draft.save(tmp_path / "shipped")
+    monkeypatch.setitem(specdec.drafts.SHIPPED_FEATURE_DRAFTS, "default-feature", tmp_path / "shipped")
+    engine = build_engine(EngineConfig(draft="default-feature", target=str(tiny_pair[1])), progress=False)
+    assert engine.draft.reads_features and engine.draft.name == "default-feature" and engine.head is None
+    shutil.copytree(specdec.heads.SHIPPED["default"], tmp_path / "shipped" / "head")  # any head: the name finds it
+    assert resolve_head("auto", "default-feature") == str(tmp_path / "shipped" / "head")
