@@ -19,10 +19,14 @@ and never read (on a GPU a fraction of a millisecond each: docs/performance.md, 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.models.static import StaticBatch, StaticKV, bucket, capture, static_attention
+
+if TYPE_CHECKING:  # models/feature_draft.py imports this module
+    from specdec.models.feature_draft import FeatureDraft
 
 
 @dataclass
@@ -45,7 +49,7 @@ class ChainOutputs:
     tokens: torch.Tensor  # [K, B] long: y_2..y_{K+1}, each step's argmax over the target's vocabulary
 
 
-def run_chain(draft, kv: StaticKV, inputs: ChainInputs, steps: int, length: int) -> ChainOutputs:
+def run_chain(draft: FeatureDraft, kv: StaticKV, inputs: ChainInputs, steps: int, length: int) -> ChainOutputs:
     """The module docstring's K = `steps` steps, eagerly; every step gathers `length` positions a row
     (at least the longest start + steps)."""
     state, tokens, scores, states, chosen = inputs.state, inputs.tokens, [], [], []
@@ -88,7 +92,7 @@ class CapturedChain:
     replays. Off CUDA nothing is captured and `run` runs the padded chain eagerly (the tests' check
     of the padding)."""
 
-    def __init__(self, draft, kv: StaticKV, sessions: int, steps: int, length: int, warmup: int = 2):
+    def __init__(self, draft: FeatureDraft, kv: StaticKV, sessions: int, steps: int, length: int, warmup: int = 2):
         device, hidden = draft.embed.device, draft.layer_config.hidden_size
         self.draft, self.kv, self.steps, self.length, self.graph = draft, kv, steps, length, None
         self.inputs = ChainInputs(torch.full((sessions,), kv.pool.size, device=device),
@@ -113,7 +117,8 @@ class CapturedChain:
         return ChainOutputs(out.scores[:steps, :b], out.states[:steps, :b], out.tokens[:steps, :b])
 
 
-def chain(draft, kv: StaticKV, captured: dict, inputs: ChainInputs, steps: int, longest: int) -> ChainOutputs:
+def chain(draft: FeatureDraft, kv: StaticKV, captured: dict[tuple[int, int, int], CapturedChain], inputs: ChainInputs,
+          steps: int, longest: int) -> ChainOutputs:
     """`steps` steps from `inputs` (starts up to `longest`): replayed from the bucket's graph where the
     cache has graphs (captured at the bucket's first use, kept in `captured`), else eagerly."""
     key = chain_bucket(kv, len(inputs.rows), steps, longest) if kv.graphs else None

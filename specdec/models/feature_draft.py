@@ -36,6 +36,7 @@ from torch import nn
 from specdec.drafts import draft_dir
 from specdec.errors import IncompatibleModelsError, InvalidRequestError, ModelSourceError, one_line
 from specdec.models.cache import Feed, KVSession, RaggedBatch, SlotBuffers, SlotCache, ragged_attention
+from specdec.models.feature_chain import CapturedChain, ChainInputs, chain, chain_bucket
 from specdec.models.runtime import DraftOutputs, DraftRole, PassOutputs, common_prefix_length
 from specdec.models.static import StaticKV, StaticOptions, static_attention
 
@@ -45,8 +46,8 @@ FORMAT_VERSION = 1
 # it (their transformers classes are built from the target's config with one layer).
 SUPPORTED_TYPES = ("qwen2", "llama", "mistral")
 OUTPUT_STATE = "output"  # `inputs`: the target's output state alone (the one-layer variant)
-CHAIN_STEPS = 8  # most greedy drafting steps one chain runs (FeatureDraftRuntime with a static cache)
 FUSED = "fused"  # `inputs`: the target's low, middle and high layers, reduced to one width
+CHAIN_STEPS = 8  # most greedy drafting steps one chain runs (FeatureDraftRuntime with a static cache)
 
 
 class FeatureDraftConfig(BaseModel):
@@ -387,7 +388,7 @@ class FeatureDraftRuntime(DraftRole):
                                      static) if kv == "static" else None
         self.max_pass_sessions = None if self.kv is None else self.kv.max_pass_sessions  # the workers group by it
         self.chain_steps = chain_steps if self.kv is not None else 0
-        self._chains: dict = {}  # bucket -> CapturedChain (models/feature_chain.py)
+        self._chains: dict[tuple[int, int, int], CapturedChain] = {}  # by bucket (models/feature_chain.py)
 
     @property
     def target_layers(self) -> list[int] | None:
@@ -455,12 +456,10 @@ class FeatureDraftRuntime(DraftRole):
     def capture_graphs(self) -> None:
         """Every chain bucket this runtime can replay (sessions up to its rows, steps up to its chains',
         every gathered length), captured now (models/feature_chain.py)."""
-        from specdec.models.feature_chain import CapturedChain, chain_bucket
-
         kv = self.kv
         if kv is None or not kv.graphs:
             return
-        lengths = [kv.options.min_graph_length << i for i in range(32) if kv.options.min_graph_length << i <= kv.capacity + 1]
+        lengths = [n for n in (kv.options.min_graph_length << i for i in range(32)) if n <= kv.capacity + 1]
         for sessions in (n for n in kv.options.graph_sessions if n <= kv.max_pass_sessions):
             for steps in (k for k in kv.options.graph_tokens if k <= self.chain_steps):
                 for length in lengths:
@@ -473,8 +472,6 @@ class FeatureDraftRuntime(DraftRole):
         """Up to `steps` greedy drafting steps at once (models/feature_chain.py): the outputs of `step`
         for y_1 = `tokens`, then for each step's argmax in turn, one per step; fewer where a session
         would pass the cache's capacity (each still takes the steps its context allows)."""
-        from specdec.models.feature_chain import ChainInputs, chain
-
         steps = max(1, min(steps, self.kv.capacity - max(len(s) for s in sessions)))
         self.kv.attach([DraftFeed(s, s.state[None], [t]) for s, t in zip(sessions, tokens)], steps=steps - 1)
         device = self.device
