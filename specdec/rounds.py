@@ -163,9 +163,9 @@ class _Ahead:
         return self.taken == len(self.outputs)
 
     @property
-    def unpriced_ms(self) -> float:
-        """The part of the chain's time the step just taken does not pay (its step's share stays)."""
-        return self.ms * (1 - 1 / len(self.outputs)) if self.taken == 1 else -self.ms / len(self.outputs)
+    def share_ms(self) -> float:
+        """What each of its steps pays of the chain's time."""
+        return self.ms / len(self.outputs)
 
     def step(self, active: list[_Drafting]) -> DraftOutputs:
         out = self.outputs[self.taken]
@@ -238,7 +238,7 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
                 ahead = _Ahead.of(draft, active)
             if ahead is not None:  # one step of the chain: its tokens and its share of the chain's time
                 outputs = ahead.step(active)
-                fed, start = draft.fed_tokens - len(active), start - ahead.unpriced_ms / MS_PER_S
+                fed, start = draft.fed_tokens - len(active), time.perf_counter() - ahead.share_ms / MS_PER_S
             else:
                 outputs = draft.step([d.row.session for d in active], [d.proposal.candidates[-1] for d in active])
             for b, d in enumerate(active):

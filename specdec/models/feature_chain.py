@@ -78,13 +78,10 @@ def chain_bucket(kv: StaticKV, sessions: int, steps: int, longest: int) -> tuple
     """The bucket (sessions, steps, gathered length) a chain of `steps` steps from starts up to
     `longest` is padded to and replayed as; None where it is larger than every bucket, or where the
     bucket's steps would run past the cache's capacity (it runs eagerly)."""
-    options = kv.options
-    sessions, steps = bucket(sessions, options.graph_sessions), bucket(steps, options.graph_tokens)
-    if sessions is None or steps is None or longest + steps > kv.capacity:
+    steps = bucket(steps, kv.options.graph_tokens)
+    if steps is None or longest + steps > kv.capacity:
         return None
-    length = bucket(longest + steps, [options.min_graph_length << i for i in range(32)])
-    return None if length > kv.capacity + 1 else (sessions, steps, length)
-
+    return kv.graph_bucket(sessions, steps, longest + steps)
 
 class CapturedChain:
     """`run_chain` for one bucket (B sessions, K steps, L gathered positions) captured as a CUDA graph

@@ -459,10 +459,9 @@ class FeatureDraftRuntime(DraftRole):
         kv = self.kv
         if kv is None or not kv.graphs:
             return
-        lengths = [n for n in (kv.options.min_graph_length << i for i in range(32)) if n <= kv.capacity + 1]
         for sessions in (n for n in kv.options.graph_sessions if n <= kv.max_pass_sessions):
             for steps in (k for k in kv.options.graph_tokens if k <= self.chain_steps):
-                for length in lengths:
+                for length in kv.graph_lengths:
                     key = chain_bucket(kv, sessions, steps, length - steps)
                     if key is not None and key not in self._chains:
                         self._chains[key] = CapturedChain(self.model, kv, *key)
@@ -472,7 +471,8 @@ class FeatureDraftRuntime(DraftRole):
         """Up to `steps` greedy drafting steps at once (models/feature_chain.py): the outputs of `step`
         for y_1 = `tokens`, then for each step's argmax in turn, one per step; fewer where a session
         would pass the cache's capacity (each still takes the steps its context allows)."""
-        steps = max(1, min(steps, self.kv.capacity - max(len(s) for s in sessions)))
+        longest = max(len(s) for s in sessions)
+        steps = max(1, min(steps, self.kv.capacity - longest))
         self.kv.attach([DraftFeed(s, s.state[None], [t]) for s, t in zip(sessions, tokens)], steps=steps - 1)
         device = self.device
         inputs = ChainInputs(torch.tensor([s.handle for s in sessions], device=device),
@@ -480,7 +480,7 @@ class FeatureDraftRuntime(DraftRole):
                              torch.ones(len(sessions), dtype=torch.bool, device=device),
                              torch.stack([s.state for s in sessions]),
                              torch.tensor(tokens, dtype=torch.long, device=device))
-        out = chain(self.model, self.kv, self._chains, inputs, steps, max(len(s) for s in sessions))
+        out = chain(self.model, self.kv, self._chains, inputs, steps, longest)
         drafted = out.tokens[:-1].T.tolist() if steps > 1 else [[] for _ in sessions]  # [B, steps - 1]: y_2..y_steps
         for b, (session, token) in enumerate(zip(sessions, tokens)):
             session.tokens.extend([token] + drafted[b])

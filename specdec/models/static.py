@@ -107,7 +107,7 @@ class StaticKV:
         # CPU to check the buckets' padding, replayed eagerly), and a sharded model runs eagerly
         on_cuda = devices[0].type == "cuda"
         self.graphs = options.graphs and (len(set(devices)) == 1 if on_cuda else options.pad_off_cuda)
-        self._captured: dict[tuple, CapturedPass] = {}
+        self._captured: dict[tuple[int, int, int], CapturedPass] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs and on_cuda else None  # shared by every capture
 
     def new_session(self) -> KVSession:
@@ -188,10 +188,14 @@ class StaticKV:
     def graph_bucket(self, sessions: int, tokens: int, length: int) -> tuple[int, int, int] | None:
         """The bucket (sessions, tokens, gathered length) a pass of this size is padded to and
         replayed as; None where the pass is larger than every bucket (a prefill: eager)."""
-        options = self.options
-        key = (bucket(sessions, options.graph_sessions), bucket(tokens, options.graph_tokens),
-               bucket(length, [options.min_graph_length << i for i in range(32)]))
-        return None if None in key or key[2] > self.capacity + 1 else key
+        key = (bucket(sessions, self.options.graph_sessions), bucket(tokens, self.options.graph_tokens),
+               bucket(length, self.graph_lengths))
+        return None if None in key else key
+
+    @property
+    def graph_lengths(self) -> list[int]:
+        """The buckets' gathered positions a row: powers of two from `min_graph_length`, up to the row's."""
+        return [n for n in (self.options.min_graph_length << i for i in range(32)) if n <= self.capacity + 1]
 
     def captured_pass(self, model, sessions: int, tokens: int, length: int) -> CapturedPass | None:
         """The graph for this pass's bucket, captured at its first use (None: `graph_bucket`'s)."""
