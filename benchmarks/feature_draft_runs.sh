@@ -1,37 +1,28 @@
 #!/usr/bin/env bash
-# The feature draft against the 0.5B model draft end to end on the torch runtime (default target,
-# greedy): each draft's own `specdec bench` with target-only interleaved prompt by prompt, so each
-# draft's speedup is over target-only in its own run (compare speeds within one --out only; the
-# two runs' target-only rows tell how far the machine drifted between them). The feature draft runs
-# fixed K and svip, and the default policy (specdec++cost) where its directory holds a head
-# (`specdec train-head` saves it in DIR/head); the 0.5B runs the default policy with its shipped
-# head. Resumable: each bench skips the records its --out holds.
-#   FEATURE=~/.cache/specdec/training/feature-draft/fused-2 bash benchmarks/feature_draft_runs.sh
-#   DRAFTS=feature OUT=docs/results/feature-draft/fused-2 FEATURE=... bash ...   # the feature draft alone
-#   POLICIES="target-only fixed:2 svip" ...   # the feature draft's policies besides its head's
-# Say which CPU: the report records it.
+# The feature draft against the 0.5B model draft end to end on the torch runtime (default target):
+# one `specdec bench` per test set with both drafts in one engine (`--also-draft feature=...`), so
+# target-only, the 0.5B's default policy and the feature draft's policies (`POLICY@feature`) run
+# interleaved prompt by prompt on the same target passes and machine state. The feature draft
+# runs its default policy (specdec++cost, on the head saved in its directory) and whatever
+# FEATURE_POLICIES adds; the 0.5B runs its default with its shipped head. Greedy outputs are
+# checked against target-only's. Resumable: each bench skips the records its --out holds.
+#   bash benchmarks/feature_draft_runs.sh                                   # default-feature, T = 0 and 1
+#   FEATURE=~/.cache/specdec/training/feature-draft/fused-8 OUT=... bash benchmarks/feature_draft_runs.sh
+#   TEMPS=0 LIMIT_CODE=10 ONLY=humaneval FEATURE_POLICIES="fixed:2 svip" bash benchmarks/feature_draft_runs.sh
+# Say which CPU: the report records it. Run it with nothing else on the machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-docs/results/feature-draft}
-FEATURE=${FEATURE:?the feature draft directory (specdec train-draft output)}
-DRAFTS=${DRAFTS:-feature 0.5b}
-read -r -a policies <<< "${POLICIES:-target-only fixed:1 fixed:2 fixed:3 svip}"
-chosen=fixed:2
-if [[ -f "$FEATURE/head/head.json" ]]; then
-  policies+=(specdec++cost)
-  chosen=specdec++cost
-fi
-for set in "humaneval ${LIMIT_CODE:-10}" "prose ${LIMIT_PROSE:-5}"; do
+OUT=${OUT:-docs/results/feature-draft/side-by-side}
+FEATURE=${FEATURE:-default-feature}
+read -r -a temps <<< "${TEMPS:-0 1}"
+policies=(target-only specdec++cost specdec++cost@feature)
+for policy in ${FEATURE_POLICIES:-}; do
+  policies+=("$policy@feature")
+done
+for set in "humaneval ${LIMIT_CODE:-40}" "prose ${LIMIT_PROSE:-20}"; do
   read -r name limit <<< "$set"
   [[ -n "${ONLY:-}" && "$name" != "$ONLY" ]] && continue
-  if [[ " $DRAFTS " == *" feature "* ]]; then
-    specdec bench --runtime torch --draft "$FEATURE" --prompts "$name" --limit "$limit" --temperatures 0 \
-      --policies "${policies[@]}" --chosen "$chosen" --max-new-tokens 128 \
-      --forward-ks 1 2 4 --no-progress --out "$OUT/bench-$name-feature"
-  fi
-  if [[ " $DRAFTS " == *" 0.5b "* ]]; then
-    specdec bench --runtime torch --prompts "$name" --limit "$limit" --temperatures 0 \
-      --policies target-only specdec++cost fixed:3 --chosen specdec++cost --max-new-tokens 128 \
-      --forward-ks 1 2 4 --no-progress --out "$OUT/bench-$name-0.5b"
-  fi
+  specdec bench --runtime torch --draft default --also-draft "feature=$FEATURE" --prompts "$name" --limit "$limit" \
+    --temperatures "${temps[@]}" --policies "${policies[@]}" --chosen specdec++cost --max-new-tokens 128 \
+    --forward-ks 1 2 4 --no-progress --out "$OUT/$name"
 done

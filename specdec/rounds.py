@@ -28,8 +28,9 @@ from specdec.cost_profile import CostProfile, PassTiming
 from specdec.metrics import MS_PER_S
 from specdec.models.runtime import DraftOutputs, DraftRole, KVSession, Scores, TargetRole
 from specdec.policies import Decision, DraftStep, StoppingPolicy
+from specdec.policies.specdec_pp import head_acceptances
 from specdec.protocol import Proposal
-from specdec.sampling import (SamplingParams, choose_tokens, probs_by_params, probs_in_place, rows_by,
+from specdec.sampling import (SamplingParams, argmax, choose_tokens, probs_by_params, probs_in_place, rows_by,
                               transform_of)
 from specdec.verification import (RoundBatch, Verdict, final_distributions, verify_greedy_batch,
                                   verify_sampled_batch)
@@ -102,12 +103,13 @@ class _Drafting:
         return decision is not Decision.STOP and self.left > 0
 
 
-def draw(active: list[_Drafting], outputs: DraftOutputs,
-         logits_filter: LogitsFilterFactory | None = None) -> list[DraftStep]:
+def draw(active: list[_Drafting], outputs: DraftOutputs, logits_filter: LogitsFilterFactory | None = None,
+         ahead: AheadStep | None = None) -> list[DraftStep]:
     """Sample y_i for every drafting row at once from the step's logits [A, V]: the steps their
     policies (or the budget) judge, q_i in each (None where nothing reads it: a greedy row whose
     policy does not). One softmax per distinct sampling, one argmax, one inverse-CDF draw per
-    sampled row from its own generator (sampling.choose_tokens)."""
+    sampled row from its own generator (sampling.choose_tokens). A step of a chain comes with its
+    tokens and the head's judgements read already (`ahead`): nothing is read back here."""
     logits = outputs.logits  # [A, V]
     params = [d.row.sampling for d in active]
     if logits_filter is not None:
@@ -120,10 +122,13 @@ def draw(active: list[_Drafting], outputs: DraftOutputs,
         logits = filtered
     reads = any(not p.greedy or d.row.policy.traits.reads_distribution for d, p in zip(active, params))
     probs = probs_by_params(logits, params) if reads else None  # [A, V]
-    tokens = choose_tokens(logits, probs, params, [d.row.generator for d in active])
+    if ahead is None:
+        tokens, judged = choose_tokens(logits, probs, params, [d.row.generator for d in active]), [None] * len(active)
+    else:
+        tokens, judged = ahead.tokens, ahead.judged
     return [DraftStep(len(d.proposal.candidates) + 1, y, probs[b] if probs is not None else None, d.prev_hidden,
-                      d.row.num_generated, d.hidden, d.row.sampling.greedy)
-            for b, (d, y) in enumerate(zip(active, tokens))]
+                      d.row.num_generated, d.hidden, d.row.sampling.greedy, a)
+            for b, (d, y, a) in enumerate(zip(active, tokens, judged))]
 
 
 def by_policy(active: list[_Drafting], steps: list[DraftStep], ask: str) -> list:
@@ -137,16 +142,56 @@ def by_policy(active: list[_Drafting], steps: list[DraftStep], ask: str) -> list
     return answers
 
 
+@dataclass
+class AheadStep:
+    """One step of a chain as `propose` takes it: the rows still drafting, in their order."""
+
+    outputs: DraftOutputs  # logits [A, V], hidden [A, H]
+    tokens: list[int]  # y_i: the argmax of each row's logits
+    judged: list[float | None]  # the head's judged acceptance (None: the row's policy has no head)
+
+
+def read_ahead(outputs: list[DraftOutputs], active: list[_Drafting]) -> tuple[list[list[int]], list[list[float | None]]]:
+    """A chain's tokens [N][A] (each step's argmax: only greedy rows chain) and, for the rows whose
+    policy has an acceptance head, the head's judgement of every step's candidate [N][A], computed
+    for all the chain's steps in one head call per head and read back in one copy: the drafting
+    phase's one host sync. A row at chain step k drafts candidate len(candidates) + 1 + k."""
+    steps, rows = len(outputs), len(active)
+    logits = torch.stack([o.logits for o in outputs])  # [N, A, V]
+    tokens = argmax(logits.flatten(0, 1)).view(steps, rows)  # [N, A]
+    judged = torch.full((steps, rows), math.nan, dtype=torch.float64, device=logits.device)  # [N, A]
+    for head, group in rows_by([d.row.policy.head for d in active]).items():
+        if head is None:
+            continue
+        index = torch.tensor(group, device=logits.device)
+        first = torch.tensor([len(active[b].proposal.candidates) + 1 for b in group], device=logits.device)  # [R]
+        positions = first + torch.arange(steps, device=logits.device)[:, None]  # [N, R]
+        chosen = logits[:, index].flatten(0, 1)  # [N*R, V]
+        probs = probs_by_params(chosen, [active[b].row.sampling for b in group] * steps)
+        hidden = torch.stack([o.hidden[index] for o in outputs]).flatten(0, 1)  # [N*R, H]
+        values = head_acceptances(head, hidden, probs, tokens[:, index].flatten(), positions.flatten(), True)
+        judged[:, index] = values.view(steps, len(group)).double()
+    read = torch.cat([tokens.double().flatten(), judged.flatten()]).tolist()  # exact: ids < 2^53
+    cut = steps * rows
+    token_rows = [[int(t) for t in read[k * rows:(k + 1) * rows]] for k in range(steps)]
+    judged_rows = [[None if math.isnan(a) else a for a in read[cut + k * rows:cut + (k + 1) * rows]]
+                   for k in range(steps)]
+    return token_rows, judged_rows
+
+
 class _Ahead:
     """Greedy drafting steps drafted ahead as one chain (`DraftRole.chain`: a draft that runs them on
     the device with no host work between) and handed to `propose` one step at a time, each step's
     rows those still drafting. Only greedy rows: their tokens are the chain's argmax, what `draw`
-    takes. Each step is priced at the chain's time over its steps (drafted past a stop, the rest is
-    waste the chain trades for its launches)."""
+    takes; the head judges every step's candidate at once (`read_ahead`), so the policies and the
+    budget decide each step on numbers already on the host. Each step is priced at the chain's time
+    over its steps (drafted past a stop, the rest is waste the chain trades for its launches and
+    syncs)."""
 
     def __init__(self, draft: DraftRole, active: list[_Drafting], steps: int):
         start = time.perf_counter()
         self.outputs = draft.chain([d.row.session for d in active], [d.proposal.candidates[-1] for d in active], steps)
+        self.tokens, self.judged = read_ahead(self.outputs, active)
         self.ms = (time.perf_counter() - start) * MS_PER_S
         self.row = {id(d): b for b, d in enumerate(active)}
         self.taken = 0
@@ -167,11 +212,15 @@ class _Ahead:
         """What each of its steps pays of the chain's time."""
         return self.ms / len(self.outputs)
 
-    def step(self, active: list[_Drafting]) -> DraftOutputs:
-        out = self.outputs[self.taken]
+    def step(self, active: list[_Drafting]) -> AheadStep:
+        k, out = self.taken, self.outputs[self.taken]
         self.taken += 1
-        rows = torch.tensor([self.row[id(d)] for d in active], device=out.logits.device)
-        return DraftOutputs(out.logits[rows], out.hidden[rows])
+        rows = [self.row[id(d)] for d in active]
+        tokens, judged = [self.tokens[k][b] for b in rows], [self.judged[k][b] for b in rows]
+        if rows == list(range(len(self.row))):  # every row, in the chain's order: no gather
+            return AheadStep(out, tokens, judged)
+        index = torch.tensor(rows, device=out.logits.device)
+        return AheadStep(DraftOutputs(out.logits[index], out.hidden[index]), tokens, judged)
 
 
 def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = None, other_sessions: int = 0,
@@ -189,7 +238,7 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
         budget = StepBudget(costs, expected=float(sessions), tokens=sessions)
     for d in active:
         d.row.policy.start_round()
-    fed, ahead = draft.fed_tokens, None
+    fed, ahead, chained = draft.fed_tokens, None, None
     start = time.perf_counter()
     outputs = draft.start([d.row.session for d in active], [d.row.history for d in active]) if active else None
     while active:
@@ -198,7 +247,7 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
         for b, d in enumerate(active):
             d.proposal.forward_passes += 1
             d.hidden = outputs.hidden[b]  # the state q_i comes from (e_0 after `start`)
-        steps = draw(active, outputs, logits_filter)
+        steps = draw(active, outputs, logits_filter, chained)
         alone = [b for b, d in enumerate(active) if not d.budgeted]
         judged_rows = [b for b, d in enumerate(active) if d.budgeted]
         still = []
@@ -236,10 +285,12 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
             fed, start = draft.fed_tokens, time.perf_counter()
             if ahead is None or ahead.done:
                 ahead = _Ahead.of(draft, active)
-            if ahead is not None:  # one step of the chain: its tokens and its share of the chain's time
-                outputs = ahead.step(active)
+            if ahead is not None:  # one step of the chain: what it read and its share of the chain's time
+                chained = ahead.step(active)
+                outputs = chained.outputs
                 fed, start = draft.fed_tokens - len(active), time.perf_counter() - ahead.share_ms / MS_PER_S
             else:
+                chained = None
                 outputs = draft.step([d.row.session for d in active], [d.proposal.candidates[-1] for d in active])
             for b, d in enumerate(active):
                 d.prev_hidden = outputs.hidden[b]  # e_i, read by the policy at step i + 1

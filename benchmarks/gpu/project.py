@@ -34,7 +34,7 @@ the tokens it feeds (this batch's passes of k tokens each). CACHE is the feature
 
     python -m benchmarks.gpu.project docs/results/gpu/2026-11-28-h200
     python -m benchmarks.gpu.project DIR --json          # one JSON object per row
-    python -m benchmarks.gpu.project DIR --replay feature=~/.cache/specdec/training/feature-draft/features/<key>.pt,~/.cache/specdec/training/feature-draft/fused-2/head \
+    python -m benchmarks.gpu.project DIR --replay feature=~/.cache/specdec/replay/<key>-validation.pt,specdec/drafts/default-feature/head \
         --replay-concurrency 1 4 16 64
 
 Caveats: the acceptance is against the 1.5B target (the 7B rows reuse it: a 7B target of the family
@@ -51,7 +51,7 @@ from benchmarks.gpu.shapes import SHAPES
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDS = ROOT / "docs" / "results" / "bench-humaneval" / "records.jsonl"
-FEATURE_ACCEPTANCE = ROOT / "docs" / "results" / "feature-draft" / "fused-2" / "acceptance.json"
+FEATURE_ACCEPTANCE = ROOT / "docs" / "results" / "feature-draft" / "fused-8" / "acceptance.json"  # the shipped draft
 DRAFT = "qwen2.5-0.5b"
 FEATURE = "feature"
 TARGETS = ("qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-32b")

@@ -34,7 +34,7 @@ from specdec.errors import InvalidRequestError
 from specdec.models.runtime import common_prefix_length
 from specdec.models.sources import SHIPPED
 from specdec.models.vocab import SETTINGS_BEFORE_DRAFT_VOCAB, vocab_setting
-from specdec.params import GenerationParams
+from specdec.params import DEFAULT_DRAFT, GenerationParams
 from specdec.policies import HEAD_POLICIES, PolicyConfig
 from specdec.sampling import SamplingParams
 
@@ -68,7 +68,8 @@ class BenchConfig(BaseModel):
         """What every record depends on: a resumed run must match these. (The head only matters to
         specdec++ records, which carry its fingerprint: a new head redoes them and keeps the rest.)"""
         engine = self.engine
-        return {"runtime": resolve_runtime(engine, engine.draft), "draft": engine.draft, "target": engine.target, "draft_format": engine.draft_format,
+        return {"runtime": resolve_runtime(engine, engine.draft), "draft": engine.draft, "drafts": engine.drafts,
+                "target": engine.target, "draft_format": engine.draft_format,
                 "target_format": engine.target_format, "draft_vocab": vocab_setting(engine.draft_vocab),
                 "draft_quant": resolve_draft_quant(engine), "device": engine.device, "threads": engine.threads,
                 "prompts": self.prompts,
@@ -85,8 +86,16 @@ def write_notes(out: Path, notes: dict) -> None:
     (out / NOTES_FILE).write_text(json.dumps(notes, indent=1, sort_keys=True) + "\n")
 
 
+def head_fingerprints(engine: EngineConfig) -> dict[str, str | None]:
+    """Each draft's head fingerprint, by draft name."""
+    from specdec.builder import draft_configs
+
+    return {name: head_fingerprint(each) for name, each in draft_configs(engine).items()}
+
+
 def head_fingerprint(engine: EngineConfig) -> str | None:
-    """`path#sha256-prefix` of the head an engine with this config loads; None without one."""
+    """`path#sha256-prefix` of the head an engine with this config loads (its first draft's); None
+    without one."""
     from specdec.head import WEIGHTS_FILE
     from specdec.heads import resolve_head
 
@@ -123,7 +132,7 @@ class BenchRun:
         self.config, self.specs, self.prompts, self.store, self.progress = config, specs, prompts, store, progress
         self.notes = read_notes(config.out)
         self.engine = self.peer = None
-        self.head_id = head_fingerprint(config.engine)
+        self.head_ids = head_fingerprints(config.engine)  # by draft name
         self.cpu = cpu_name()  # in every record: a run resumed on another machine says so in its report
 
     def execute(self) -> dict:
@@ -138,7 +147,9 @@ class BenchRun:
         if todo:
             self._warm_up(prompt_ids)
         self._forward_times()
-        self.notes["machine"], self.notes["head"] = machine(), self.head_id
+        self.notes["machine"], self.notes["head"] = machine(), self.head_ids[DEFAULT_DRAFT]
+        if self.config.engine.drafts:
+            self.notes["heads"] = self.head_ids
         self.notes["runtime"] = {"draft": type(self.engine.draft).__name__, "target": type(self.engine.target).__name__}
         write_notes(self.config.out, self.notes)
         bar = tqdm(total=len(todo), desc="bench", unit="gen", disable=not self.progress, file=sys.stderr,
@@ -197,14 +208,16 @@ class BenchRun:
         that h specdec++'s chosen operating point (and adds it to the sweep when missing)."""
         skipped = self.notes.setdefault("skipped_specs", {})
         wants_head = [s for s in self.specs if s.name in HEAD_POLICIES]
-        if self.engine.head is None:
-            for spec in wants_head:
-                skipped[spec.key] = "no acceptance head for this draft: pass --head DIR"
-            return
         for spec in wants_head:
-            skipped.pop(spec.key, None)
+            if self.engine.draft_workers[spec.draft or DEFAULT_DRAFT].head is None:
+                skipped[spec.key] = ("no acceptance head for this draft: pass --head DIR" if spec.draft is None
+                                     else f"no acceptance head for draft {spec.draft!r}: save one in its directory")
+            else:
+                skipped.pop(spec.key, None)
+        if self.engine.head is None:
+            return
         threshold = getattr(self.engine.head.config, "threshold", None)
-        if any(s.name == "specdec++" for s in wants_head) and threshold is not None:
+        if any(s.name == "specdec++" and s.draft is None for s in wants_head) and threshold is not None:
             spec = PolicySpec("specdec++", float(threshold))
             if spec.key not in {s.key for s in self.specs}:
                 self.specs.append(spec)
@@ -246,7 +259,7 @@ class BenchRun:
                     if spec.key in skipped or (spec.greedy_only and temperature > 0):
                         continue
                     done = self.store.get(record_key(spec.key, temperature, index))
-                    if done is None or (spec.name in HEAD_POLICIES and done.get("head") != self.head_id):
+                    if done is None or (spec.name in HEAD_POLICIES and done.get("head") != self._head_id(spec)):
                         todo.append((temperature, index, spec))
         return todo
 
@@ -336,11 +349,15 @@ class BenchRun:
 
     def _params(self, spec: PolicySpec, temperature: float, index: int) -> GenerationParams:
         return GenerationParams(max_new_tokens=self.config.max_new_tokens, policy=spec.policy_config(),
-                                sampling=SamplingParams(temperature=temperature, seed=self.config.seed + index))
+                                sampling=SamplingParams(temperature=temperature, seed=self.config.seed + index),
+                                draft=spec.draft)
+
+    def _head_id(self, spec: PolicySpec) -> str | None:
+        return self.head_ids[spec.draft or DEFAULT_DRAFT]
 
     def _record(self, record: dict, spec: PolicySpec, result) -> dict:
         if spec.name in HEAD_POLICIES:
-            record["head"] = self.head_id
+            record["head"] = self._head_id(spec)
         completion = result.completions[0]
         return {**record, "token_ids": completion.token_ids, "finish_reason": completion.finish_reason,
                 "stats": result.stats.to_dict()}
@@ -396,12 +413,16 @@ def run_bench(config: BenchConfig, progress: bool = True, report_only: bool = Fa
 
     chosen = parse_specs(config.chosen)
     specs = parse_specs([*config.policies, *config.chosen])  # a chosen point is measured even off the sweep
+    for spec in specs:
+        if spec.draft is not None and spec.draft not in config.engine.drafts:
+            raise InvalidRequestError(f"policy spec {spec.key!r}: no draft named {spec.draft!r} "
+                                      f"(name it with --also-draft {spec.draft}=SOURCE)")
     if config.concurrency > 1:
         specs = with_baseline(specs)  # the baseline at the same load
     store = RecordStore(config.out)
     if report_only and not len(store):
         raise InvalidRequestError(f"--report-only: no records in {config.out}")
-    store.check_settings(config.settings(), added={**SETTINGS_BEFORE_DRAFT_VOCAB, "concurrency": 1,
+    store.check_settings(config.settings(), added={**SETTINGS_BEFORE_DRAFT_VOCAB, "concurrency": 1, "drafts": {},
                                                     "runtime": "torch",  # the only runtime before llama.cpp's
                                                     "draft_quant": SHIPPED})
     prompts = load_prompts(config.prompts, config.limit)

@@ -10,9 +10,11 @@
     oracle                 the greedy hindsight oracle (the limit; greedy only)
     hf-heuristic[:K]       the peer: HF `generate(assistant_model=...)`, heuristic schedule, initial K
     hf-dynamic[:T]         the peer: HF's dynamic default, confidence threshold T, at most 20 tokens
+    specdec++cost@feature  any of ours on the engine's draft named `feature` (`--also-draft
+                           feature=SRC`): drafts side by side in one run, interleaved prompt by prompt
 
-A spec's canonical form (`fixed:4`, `svip:0.5`, `hf-dynamic`) keys its records, so `svip:0.50`
-and `svip:0.5` are the same operating point.
+A spec's canonical form (`fixed:4`, `svip:0.5`, `hf-dynamic`, `fixed:2@feature`) keys its records,
+so `svip:0.50` and `svip:0.5` are the same operating point.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.errors import InvalidRequestError
+from specdec.params import DEFAULT_DRAFT
 from specdec.policies import POLICY_NAMES, PolicyConfig
 
 BASELINE = "target-only"  # plain decoding: what every speedup divides by
@@ -50,15 +53,19 @@ DEFAULT_POLICIES = (
 class PolicySpec:
     name: str  # a policy of specdec.policies, or a peer in PEER_NAMES
     value: float | int | None = None  # K or threshold; None: the policy's default
+    draft: str | None = None  # the engine's draft by name (`--also-draft NAME=SRC`); None: its first
 
     @property
     def key(self) -> str:
-        """Canonical form: `fixed:4`, `svip:0.5`, `oracle`."""
-        return self.name if self.value is None else f"{self.name}:{self.value:g}"
+        """Canonical form: `fixed:4`, `svip:0.5`, `oracle`, `fixed:2@feature`."""
+        point = self.name if self.value is None else f"{self.name}:{self.value:g}"
+        return point if self.draft is None else f"{point}@{self.draft}"
 
     @property
     def family(self) -> str:
-        return "hf" if self.is_peer else self.name
+        """Which frontier a point belongs to: another draft's points are a family of their own."""
+        family = "hf" if self.is_peer else self.name
+        return family if self.draft is None else f"{family}@{self.draft}"
 
     @property
     def is_peer(self) -> bool:
@@ -81,8 +88,21 @@ class PolicySpec:
 
 
 def parse_spec(text: str) -> PolicySpec:
-    """`fixed:4` -> PolicySpec("fixed", 4); raises InvalidRequestError with a one-line reason."""
-    name, sep, raw = text.strip().partition(":")
+    """`fixed:4` -> PolicySpec("fixed", 4), `fixed:4@feature` -> PolicySpec("fixed", 4, "feature");
+    raises InvalidRequestError with a one-line reason."""
+    point, at, draft = text.strip().partition("@")
+    if at:
+        if not draft:
+            raise InvalidRequestError(f"policy spec {text!r}: name a draft after '@'")
+        if draft == DEFAULT_DRAFT:  # the first draft's points keep their plain keys
+            return parse_spec(point)
+        spec = parse_spec(point)
+        if spec.name == BASELINE:
+            raise InvalidRequestError(f"policy spec {text!r}: target-only drafts nothing: drop '@{draft}'")
+        if spec.is_peer:
+            raise InvalidRequestError(f"policy spec {text!r}: HF's assisted generation runs the first draft (--draft) only")
+        return PolicySpec(spec.name, spec.value, draft)
+    name, sep, raw = point.partition(":")
     if name not in POLICY_NAMES and name not in PEER_NAMES:
         raise InvalidRequestError(
             f"unknown policy spec {text!r}; use one of {', '.join(POLICY_NAMES + PEER_NAMES)}, "

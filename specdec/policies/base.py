@@ -25,11 +25,14 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from specdec.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from specdec.head import AcceptanceHead
 
 
 class Decision(enum.Enum):
@@ -51,6 +54,10 @@ class DraftStep:
     # token (the `hidden+distribution` head reads it; specdec/features.py). None where not known.
     hidden: torch.Tensor | None = None
     greedy: bool = False  # y_i is the argmax of q_i (a greedy request), not a draw from it
+    # The head's judged acceptance at this step (`specdec_pp.judged_acceptances`: of y_i, or of y_{i-1}
+    # for the paper's head), where it was computed ahead: a chain's steps are judged all at once.
+    # None: the policy's head judges the step itself.
+    judged: float | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,7 @@ class StoppingPolicy(ABC):
     name: ClassVar[str]
     traits: ClassVar[PolicyTraits] = PolicyTraits()
     max_candidates: int
+    head: AcceptanceHead | None = None  # the acceptance head it reads (`traits.needs_head`)
 
     @property
     def uses_draft(self) -> bool:

@@ -12,28 +12,42 @@ def rejection_probability(acceptance_probs: torch.Tensor) -> float:
     return 1.0 - float(torch.prod(acceptance_probs))
 
 
+def head_acceptances(head: AcceptanceHead, hidden: torch.Tensor, probs: torch.Tensor | None, tokens: torch.Tensor,
+                     positions: torch.Tensor, greedy: torch.Tensor | bool) -> torch.Tensor:
+    """The head's acceptance probability of B candidates at once, [B] on the head's device. A
+    `hidden+distribution` head reads the state q_i came from, hidden [B, H], and q_i at y_i (probs
+    [B, V], tokens [B], positions [B], greedy [B] or one flag): it judges y_i. The paper's `hidden`
+    head reads hidden alone, as e_{i-1}: it judges y_{i-1}."""
+    if not head.config.judges_current:
+        return head.acceptance_probability(hidden)
+    scalars = distribution_features(probs, tokens, positions, greedy)  # [B, S]
+    return head.acceptance_probability(head.head_inputs(hidden.float(), scalars))
+
+
 def judged_acceptances(head: AcceptanceHead, steps: list[DraftStep]) -> list[float | None]:
     """The head's acceptance probability for the candidate it can judge at each step, every
-    session's in one head call.
+    session's in one head call (a step drafted in a chain carries it already: `DraftStep.judged`).
 
     The paper's `hidden` head reads e_j, the state after the draft has read y_j, which only the
     next draft pass produces: at step i it judges y_{i-1} from `prev_hidden` (None at i = 1). A
     `hidden+distribution` head reads the state q_i came from and q_i at y_i, all known as soon as
     y_i is sampled: it judges y_i itself, before the next draft pass is paid for (features.py)."""
+    judged: list[float | None] = [s.judged for s in steps]
+    rows = [b for b, s in enumerate(steps) if s.judged is None
+            and (head.config.judges_current or s.prev_hidden is not None)]
+    if not rows:
+        return judged
     if head.config.judges_current:
-        if any(s.hidden is None or s.probs is None for s in steps):
+        if any(steps[b].hidden is None or steps[b].probs is None for b in rows):
             raise ValueError("a hidden+distribution head needs DraftStep.hidden and DraftStep.probs")
-        probs = torch.stack([s.probs for s in steps])  # [B, V], on the draft's device
-        scalars = distribution_features(probs, *torch.tensor([[s.token, s.index, s.greedy] for s in steps],
-                                                             device=probs.device).T)  # [B, S]
-        hidden = torch.stack([s.hidden for s in steps]).float()  # [B, H]
-        return head.acceptance_probability(head.head_inputs(hidden, scalars)).tolist()
-    judged: list[float | None] = [None] * len(steps)
-    rows = [b for b, s in enumerate(steps) if s.prev_hidden is not None]
-    if rows:
-        values = head.acceptance_probability(torch.stack([steps[b].prev_hidden for b in rows]))  # [R]
-        for b, value in zip(rows, values.tolist()):
-            judged[b] = value
+        probs = torch.stack([steps[b].probs for b in rows])  # [R, V], on the draft's device
+        tokens, positions, greedy = torch.tensor([[steps[b].token, steps[b].index, steps[b].greedy] for b in rows],
+                                                 device=probs.device).T
+        values = head_acceptances(head, torch.stack([steps[b].hidden for b in rows]), probs, tokens, positions, greedy)
+    else:
+        values = head_acceptances(head, torch.stack([steps[b].prev_hidden for b in rows]), None, None, None, False)
+    for b, value in zip(rows, values.tolist()):
+        judged[b] = value
     return judged
 
 

@@ -137,6 +137,39 @@ def test_bench_with_a_head_measures_the_goals(tiny_pair, prompt_file, tmp_path, 
     assert record_lines(out) == before + 8
 
 
+def test_several_drafts_run_side_by_side_in_one_bench(tiny_pair, prompt_file, tmp_path, capsys, one_thread):
+    """`POLICY@NAME` runs on the draft `--also-draft NAME=SRC` loads, with that draft's own head,
+    interleaved with the first draft's points and one target-only per prompt."""
+    import shutil
+
+    second = tmp_path / "second"
+    shutil.copytree(tiny_pair[0], second)
+    torch.manual_seed(0)
+    AcceptanceHead(HeadConfig(hidden_size=16, depth=1, draft_identity=model_identity(second))).save(second / "head")
+    out = tmp_path / "run"
+    policies = ["target-only", "fixed:2", "fixed:2@second", "specdec++cost", "specdec++cost@second"]
+    args = bench_args(tiny_pair, prompt_file, out, policies, "--head", "none", "--also-draft", f"second={second}",
+                      "--forward-ks")
+    assert main(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    # The first draft has no head: its specdec++cost is skipped; the second's runs on its own head.
+    assert "no acceptance head" in results["skipped_specs"]["specdec++cost"]
+    greedy = results["by_temperature"]["0"]["policies"]
+    assert set(greedy) == {"target-only", "fixed:2", "fixed:2@second", "specdec++cost@second"}
+    assert all(p["lossless"]["equal"] and p["lossless"]["compared"] == 2 for p in greedy.values())
+    assert greedy["fixed:2@second"]["family"] == "fixed@second"  # its own family: not in the first's frontier
+    assert greedy["specdec++cost@second"]["rounds"] > 0
+    heads = {r["head"] for r in results["records"] if r["spec"] == "specdec++cost@second"}
+    assert len(heads) == 1 and heads.pop().startswith(str(second / "head"))
+    assert len(results["records"]) == record_lines(out) == 2 * 2 * 4  # prompts x temperatures x specs
+    capsys.readouterr()
+
+    # A spec naming a draft the engine does not load fails in one line, before any model loads.
+    assert main(bench_args(tiny_pair, prompt_file, tmp_path / "x", ["fixed:2@third"])) == 2
+    assert "no draft named 'third'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_bench_rejects_bad_flags_before_loading(tiny_pair, prompt_file, tmp_path, capsys):
     assert main(bench_args(tiny_pair, prompt_file, tmp_path / "x", ["fixed:zero"])) == 2
     assert "is not an integer K" in capsys.readouterr().err

@@ -22,11 +22,17 @@ def test_specs_parse_to_canonical_keys_and_policy_flags():
     assert parse_spec("oracle").greedy_only and parse_spec("hf-dynamic").is_peer
     assert parse_spec("hf-heuristic:5").family == "hf"
     assert [s.key for s in parse_specs(["fixed:4", "fixed:04", "svip"])] == ["fixed:4", "svip"]
+    on_feature = parse_spec("fixed:4@feature")  # another of the engine's drafts
+    assert on_feature == PolicySpec("fixed", 4, "feature") and on_feature.key == "fixed:4@feature"
+    assert on_feature.family == "fixed@feature" and on_feature.policy_config().k == 4
+    assert parse_spec("specdec++cost@feature").key == "specdec++cost@feature"
+    assert parse_spec("fixed:4@default") == PolicySpec("fixed", 4)  # the first draft keeps its plain key
 
 
 @pytest.mark.parametrize("text, reason", [
     ("bogus", "unknown policy spec"), ("fixed:x", "is not an integer K"), ("svip:1.5", "must be in (0, 1)"),
-    ("fixed:0", "at least 1"), ("oracle:3", "takes no value"),
+    ("fixed:0", "at least 1"), ("oracle:3", "takes no value"), ("fixed:2@", "name a draft after '@'"),
+    ("target-only@feature", "target-only drafts nothing"), ("hf-dynamic@feature", "runs the first draft"),
 ])
 def test_bad_specs_fail_in_one_line(text, reason):
     with pytest.raises(InvalidRequestError, match=reason.replace("(", r"\(").replace(")", r"\)")):

@@ -124,3 +124,42 @@ def test_every_chain_bucket_is_captured_at_start():
     sessions, first = started(draft)
     draft.chain(sessions, first.logits.argmax(-1).tolist(), 5)
     assert len(draft._chains) == 24
+
+
+@pytest.mark.gpu
+def test_a_chain_is_judged_at_once_as_its_steps_are_one_at_a_time():
+    """`rounds.read_ahead`: every step's token is its argmax, and the head judges every step's
+    candidate in one call, as `judged_acceptances` judges each step alone; a row whose policy has
+    no head gets no judgement. Rows at other candidate counts judge other positions."""
+    from specdec.head import AcceptanceHead, HeadConfig
+    from specdec.policies import FixedK
+    from specdec.policies.base import DraftStep
+    from specdec.policies.specdec_pp import judged_acceptances
+    from specdec.policies.specdec_pp_cost import SpecDecPPCost
+    from specdec.rounds import DraftRow, _Ahead, _Drafting
+    from specdec.sampling import SamplingParams
+
+    draft = runtime("static", graphs=True, pad_off_cuda=True)
+    sessions, first = started(draft)
+    torch.manual_seed(0)
+    head = AcceptanceHead(HeadConfig(hidden_size=draft.hidden_size, depth=1, draft_identity="tiny",
+                                     features="hidden+distribution")).to(DEVICE).eval()
+    policies = [SpecDecPPCost(head), FixedK(k=8), SpecDecPPCost(head)]
+    rows = [_Drafting(DraftRow(s, h, p, 12, 0, SamplingParams(), None)) for s, h, p in zip(sessions, HISTORIES, policies)]
+    for d, token in zip(rows, first.logits.argmax(-1).tolist()):
+        d.proposal.candidates.append(token)
+    rows[2].proposal.candidates.insert(0, 7)  # two candidates already: its chain drafts y_3, y_4, ...
+    calls = []
+    forward = head.acceptance_probability
+    head.acceptance_probability = lambda inputs: calls.append(inputs.shape) or forward(inputs)
+    ahead = _Ahead(draft, rows, 5)
+    assert len(calls) == 1 and calls[0][0] == 5 * 2  # one call: 5 steps of the 2 rows with a head
+    for k, out in enumerate(ahead.outputs):
+        assert ahead.tokens[k] == out.logits.argmax(-1).tolist()
+        probs = torch.softmax(out.logits.float(), dim=-1)
+        steps = [DraftStep(len(rows[b].proposal.candidates) + 1 + k, ahead.tokens[k][b], probs[b], out.hidden[b], 0,
+                           out.hidden[b], True) for b in (0, 2)]
+        expected = judged_acceptances(head, steps)
+        assert ahead.judged[k][1] is None
+        assert [ahead.judged[k][0], ahead.judged[k][2]] == pytest.approx(expected, abs=1e-5)
+    assert ahead.judged[0][0] != pytest.approx(ahead.judged[0][2], abs=1e-6)  # the rows differ
