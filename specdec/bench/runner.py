@@ -292,8 +292,9 @@ class BenchRun:
         ids = next((p for p in prompt_ids if p is not None), None)
         if ids is None:
             return
-        warm_up = GenerationParams(max_new_tokens=WARMUP_TOKENS, policy=PolicyConfig(name="fixed", k=2))
-        self.engine.generate_ids(ids, warm_up)
+        for draft in dict.fromkeys(spec.draft for spec in self.specs if not spec.is_peer):  # each draft in use
+            warm_up = GenerationParams(max_new_tokens=WARMUP_TOKENS, policy=PolicyConfig(name="fixed", k=2), draft=draft)
+            self.engine.generate_ids(ids, warm_up)
         if any(spec.is_peer for spec in self.specs):
             from specdec.bench.peer import peer_mode
 
