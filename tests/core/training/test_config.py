@@ -19,11 +19,22 @@ def with_change(section: str, key: str, value) -> dict:
     return raw
 
 
+REPLAY_CONFIG = "default-feature-replay.yaml"
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     config = load_config(path)
     assert config.data.prompts.source[:2] == ["stdlib-docstrings", "prose"]  # (the feature draft's adds packages)
-    if config.data.kind == "features":  # the feature draft's, and its head's, kept in the draft's directory
+    if path.name == REPLAY_CONFIG:  # the feature draft's validation split alone, for the replay: it trains nothing
+        draft = load_config(path.parent / "feature-draft.yaml")
+        same = {"train": draft.data.prompts.train, "source": draft.data.prompts.source}
+        assert config.data.prompts.model_copy(update=same) == draft.data.prompts  # each source splits alone
+        assert (config.data.response, config.data.seed) == (draft.data.response, draft.data.seed)
+        assert config.data.features.layers == draft.data.features.layers
+        assert Path(config.require_draft().output) == Path("specdec/drafts/default-feature")
+        assert not config.train.output.startswith("specdec/")  # never the shipped head
+    elif config.data.kind == "features":  # the feature draft's, and its head's, kept in the draft's directory
         assert config.train.output == str(Path(config.require_draft().output) / "head")
     else:
         assert config.train is not None
