@@ -37,6 +37,11 @@ the tokens it feeds (this batch's passes of k tokens each). CACHE is the feature
     python -m benchmarks.gpu.project DIR --replay feature=~/.cache/specdec/replay/<key>-validation.pt,specdec/drafts/default-feature/head \
         --replay-concurrency 1 4 16 64
 
+A target shape no GPU run has timed (bench.py times the 32B one last, `LATE_SHAPES`) is estimated
+from the 7B shape's passes scaled by the weights' bytes (a pass of the family at these sizes reads
+its weights once and does FLOPs in proportion to them), and every such row says `target_cost:
+estimated`; a measured pass replaces the estimate.
+
 Caveats: the acceptance is against the 1.5B target (the 7B rows reuse it: a 7B target of the family
 agrees with a 0.5B draft less often), and the costs are random-weight passes with a 200-token context.
 """
@@ -166,6 +171,26 @@ def load_results(folder: Path) -> tuple[dict, dict, dict]:
     return passes, loop, feature
 
 
+def with_estimated_targets(passes: dict) -> dict:
+    """`passes` plus, for each of TARGETS no run timed, the BANDWIDTH_SHAPE's rows scaled by the
+    weights' bytes, each row marked `estimated` (module docstring)."""
+    if BANDWIDTH_SHAPE not in passes:
+        return passes
+    filled = dict(passes)
+    for name in TARGETS:
+        if name in passes:
+            continue
+        scale = weight_bytes(name) / weight_bytes(BANDWIDTH_SHAPE)
+        filled[name] = {key: {**{m: ms * scale for m, ms in row.items() if m.endswith("_ms")}, "estimated": True}
+                        for key, row in passes[BANDWIDTH_SHAPE].items()}
+    return filled
+
+
+def target_cost(passes: dict, name: str) -> str:
+    """"estimated" for a target shape with_estimated_targets filled in, else "measured"."""
+    return "estimated" if any(row.get("estimated") for row in passes.get(name, {}).values()) else "measured"
+
+
 def bandwidth_of(passes: dict, mode: str) -> float | None:
     """Bytes per ms the 7B shape's one-token pass reached (its weights over its time)."""
     if BANDWIDTH_SHAPE in passes and 1 in pass_curve(passes[BANDWIDTH_SHAPE], 1, mode):
@@ -212,7 +237,7 @@ def project(passes: dict, loop: dict, feature: dict, acceptance: dict, mode: str
                              "policy": "best-fixed", "k": best, "speedup": round(by_k[best], 3),
                              "speedup_with_host": None if with_host is None else round(with_host, 3),
                              "draft_ms": round(draft, 3), "target_ms": round(target[1], 3),
-                             "draft_cost": costs, "by_k": {k: round(by_k[k], 3) for k in (1, 3, 7) if k in by_k}})
+                             "draft_cost": costs, "target_cost": target_cost(passes, name), "by_k": {k: round(by_k[k], 3) for k in (1, 3, 7) if k in by_k}})
     return rows
 
 
@@ -264,7 +289,7 @@ def replay_rows(passes: dict, feature: dict, replays: dict[str, tuple[Path, Path
                                  "policy": policy, "k": None if policy == "default" else int(spec.split(":")[1]),
                                  "speedup": round(speed[spec], 3), "draft_ms": round(step[0], 3),
                                  "target_ms": round(target[1], 3), "draft_cost": step[1],
-                                 "responses": len(responses)})
+                                 "target_cost": target_cost(passes, name), "responses": len(responses)})
     return rows
 
 
@@ -274,6 +299,11 @@ def parse_replay(value: str) -> tuple[str, tuple[Path, Path]]:
     if draft not in (DRAFT, FEATURE) or not cache or not head:
         raise argparse.ArgumentTypeError(f"--replay wants {DRAFT}|{FEATURE}=CACHE,HEAD, not {value!r}")
     return draft, (Path(cache).expanduser(), Path(head).expanduser())
+
+
+def ms(row: dict, role: str) -> str:
+    """A row's draft or target ms for the table, `(est.)` where it is estimated."""
+    return f"{row[role + '_ms']:.2f}" + (" (est.)" if row[role + "_cost"] == "estimated" else "")
 
 
 def main() -> None:
@@ -294,6 +324,7 @@ def main() -> None:
                         help="sessions decoding in lock-step in the replay (each a row)")
     args = parser.parse_args()
     passes, loop, feature = load_results(args.results)
+    passes = with_estimated_targets(passes)
     acceptance = {(DRAFT, t): survival(args.records, args.spec, t) for t in (0.0, 1.0)}
     if args.feature_acceptance.is_file():
         acceptance[(FEATURE, 0.0)] = feature_survival(args.feature_acceptance)
@@ -306,15 +337,14 @@ def main() -> None:
     print(f"acceptance: 0.5B {args.records.relative_to(args.records.parents[2])} {args.spec}; feature "
           f"{args.feature_acceptance.relative_to(ROOT) if args.feature_acceptance.is_relative_to(ROOT) else args.feature_acceptance}"
           f" (free-running, code); costs: {args.mode} passes (feature draft: measured where bench.py timed it, "
-          "else estimated)\n")
+          f"else estimated; a target shape no run timed: the {BANDWIDTH_SHAPE} passes scaled by weight bytes, est.)\n")
     print("| draft | target | T | C | draft ms | target ms k=1 | K=1 | K=3 | K=7 | best K | speedup | +host |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         cells = [f"{row['by_k'][k]:.2f}x" if k in row["by_k"] else "-" for k in (1, 3, 7)]
         host = f"{row['speedup_with_host']:.2f}x" if row["speedup_with_host"] is not None else "-"
-        draft_ms = f"{row['draft_ms']:.2f}" + (" (est.)" if row["draft_cost"] == "estimated" else "")
-        print(f"| {row['draft']} | {row['target']} | {row['temperature']:g} | {row['concurrency']} | {draft_ms} | "
-              f"{row['target_ms']:.2f} | " + " | ".join(cells) + f" | {row['k']} | {row['speedup']:.2f}x | {host} |")
+        print(f"| {row['draft']} | {row['target']} | {row['temperature']:g} | {row['concurrency']} | "
+              f"{ms(row, 'draft')} | {ms(row, 'target')} | " + " | ".join(cells) + f" | {row['k']} | {row['speedup']:.2f}x | {host} |")
     for (draft, temperature), survive in acceptance.items():
         print(f"\nS_j {draft} T={temperature:g}:", ", ".join(f"{s:.3f}" for s in survive))
     if replayed:
@@ -322,9 +352,8 @@ def main() -> None:
               ":\n\n| draft | target | T | C | draft ms | target ms | policy | speedup |\n|---|---|---|---|---|---|---|---|")
         for row in replayed:
             policy = row["policy"] + (f" (K={row['k']})" if row["k"] else "")
-            draft_ms = f"{row['draft_ms']:.2f}" + (" (est.)" if row["draft_cost"] == "estimated" else "")
-            print(f"| {row['draft']} | {row['target']} | {row['temperature']:g} | {row['concurrency']} | {draft_ms} | "
-                  f"{row['target_ms']:.2f} | {policy} | {row['speedup']:.2f}x |")
+            print(f"| {row['draft']} | {row['target']} | {row['temperature']:g} | {row['concurrency']} | "
+                  f"{ms(row, 'draft')} | {ms(row, 'target')} | {policy} | {row['speedup']:.2f}x |")
 
 
 if __name__ == "__main__":

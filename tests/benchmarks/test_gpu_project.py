@@ -34,6 +34,25 @@ def test_json_rows_carry_what_a_reader_filters_on():
     assert {r["draft_cost"] for r in rows if r["draft"] == "feature"} == {"estimated"}
 
 
+def test_a_target_shape_no_run_timed_is_estimated_from_the_7b_passes_by_weight_bytes():
+    """The H200 run timed no 32B pass: its rows scale the 7B's by the weights' bytes and say so;
+    the shapes it timed say `measured`."""
+    from benchmarks.gpu.project import load_results, pass_curve, weight_bytes, with_estimated_targets
+
+    passes, _, _ = load_results(H200)
+    assert "qwen2.5-32b" not in passes
+    filled = with_estimated_targets(passes)
+    seven, big = pass_curve(filled["qwen2.5-7b"], 1, "captured"), pass_curve(filled["qwen2.5-32b"], 1, "captured")
+    ratio = weight_bytes("qwen2.5-32b") / weight_bytes("qwen2.5-7b")
+    assert 4.0 < ratio < 4.6 and big.keys() == seven.keys()
+    assert all(big[k] == pytest.approx(seven[k] * ratio) for k in seven)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.gpu.project", str(H200), "--json"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert {r["target_cost"] for r in rows if r["target"] == "qwen2.5-32b"} == {"estimated"}
+    assert {r["target_cost"] for r in rows if r["target"] != "qwen2.5-32b"} == {"measured"}
+
+
 def test_a_feature_drafts_replay_reads_each_candidate_from_its_steps_rows():
     """A feature draft's head data hold a position once per draft step (training/feature_labels.py):
     the replay reads the i-th candidate of a round from step i's row. Here step 1's candidates are
