@@ -107,6 +107,13 @@ def head_fingerprint(engine: EngineConfig) -> str | None:
     return f"{path}#{digest}"
 
 
+def same_head(recorded: str | None, current: str | None) -> bool:
+    """Whether a record was made with the current head: the same weights (the digest after `#`),
+    wherever the checkout that holds them lies (a run resumed from a clone or a worktree keeps its
+    records)."""
+    return (recorded and recorded.rpartition("#")[2]) == (current and current.rpartition("#")[2])
+
+
 def cpu_name() -> str:
     """The CPU's model name (platform.processor() says only "x86_64" on Linux)."""
     cpuinfo = Path("/proc/cpuinfo")
@@ -259,7 +266,7 @@ class BenchRun:
                     if spec.key in skipped or (spec.greedy_only and temperature > 0):
                         continue
                     done = self.store.get(record_key(spec.key, temperature, index))
-                    if done is None or (spec.name in HEAD_POLICIES and done.get("head") != self._head_id(spec)):
+                    if done is None or (spec.name in HEAD_POLICIES and not same_head(done.get("head"), self._head_id(spec))):
                         todo.append((temperature, index, spec))
         return todo
 

@@ -129,8 +129,16 @@ def test_bench_with_a_head_measures_the_goals(tiny_pair, prompt_file, tmp_path, 
     assert results["forward_times"] is None and not (out / "forward-times.png").exists()
     assert "specdec++" in results["by_temperature"]["1"]["frontiers"]
 
-    # A new head redoes the specdec++ records (2 specs x 2 prompts x 2 temperatures) and keeps the rest.
+    # The same head's weights at another path (a run resumed from a clone) keep every record.
+    import shutil
+
     before = record_lines(out)
+    moved = tmp_path / "moved-head"
+    shutil.copytree(head_dir, moved)
+    assert main(bench_args(tiny_pair, prompt_file, out, policies, "--head", str(moved), "--forward-ks")) == 0
+    assert record_lines(out) == before
+
+    # A new head redoes the specdec++ records (2 specs x 2 prompts x 2 temperatures) and keeps the rest.
     AcceptanceHead(HeadConfig(hidden_size=16, depth=1, draft_identity=model_identity(tiny_pair[0]),
                               threshold=0.4)).save(head_dir)
     assert main(bench_args(tiny_pair, prompt_file, out, policies, "--head", str(head_dir), "--forward-ks")) == 0
