@@ -19,7 +19,11 @@ reference runtime (one pass per session, today's path before batching) at concur
 Target-only (plain decoding) runs in every mode at every level even when `--policies` leaves it out,
 and `vs target-only` divides each row's aggregate tokens/s by target-only's at the same mode and level.
 Greedy outputs are compared across every mode and level: a prompt's tokens must not depend on what
-shares its batch (any difference is counted and printed). Prints a markdown table; --out writes JSON.
+shares its batch (any difference is counted and printed). In process each row also says where its
+wall time went: the target's passes (how many, the tokens they fed, their time), the draft's, the
+probes' scratch passes, and the rest (planning, committing, streaming): a policy that drafts nothing
+runs the same passes as target-only, and its rest says what it pays beside them, a figure the
+machine's drift between runs does not blur. Prints a markdown table; --out writes JSON.
 """
 
 from __future__ import annotations
@@ -40,9 +44,12 @@ from typing import Callable
 from specdec.bench.runner import cpu_name
 from specdec.bench.specs import BASELINE, parse_specs, with_baseline
 from specdec.builder import EngineConfig, build_engine
+from specdec.calls import RoundTransport
+from specdec.cost_profile import PassTiming
 from specdec.loop import BatchConfig
-from specdec.params import GenerationParams
+from specdec.params import DEFAULT_DRAFT, GenerationParams
 from specdec.prompts import humaneval_prompts
+from specdec.protocol import BatchReply, ProposeItem, ProposeReply, Role, StepPlan, VerifyItem, VerifyReply
 
 
 @dataclass
@@ -61,6 +68,7 @@ class Run:
     # served: the coordinator's live profile after the run (its /metrics; what the next run starts with)
     live_profile: dict[str, float] = field(default_factory=dict)
     per_round: list[float] = field(default_factory=list)  # --rounds: each round's tok/s, in order
+    passes: Passes | None = None  # in process: the passes the workers timed during the run
 
     def __post_init__(self):
         self.per_round = self.per_round or ([self.tokens_per_s] if self.wall_s else [])
@@ -80,6 +88,8 @@ class Run:
         self.per_round = (self.per_round or [self.tokens_per_s]) + (other.per_round or [other.tokens_per_s])
         for index, tokens in other.outputs.items():
             self.outputs.setdefault(index, tokens)
+        if self.passes is not None and other.passes is not None:
+            self.passes.add(other.passes)
         return self
 
     def row(self) -> dict:
@@ -91,7 +101,60 @@ class Run:
                 "latency_p50_s": pct(self.latency_s, 50), "latency_p99_s": pct(self.latency_s, 99),
                 "ttft_p50_s": pct(self.first_token_s, 50), "ttft_p99_s": pct(self.first_token_s, 99),
                 "drafted": self.drafted, "accepted": self.accepted, "per_round_tokens_per_s": self.per_round,
-                **({"live_profile": self.live_profile} if self.live_profile else {})}
+                **({"live_profile": self.live_profile} if self.live_profile else {}),
+                **(self.passes.row(self.wall_s) if self.passes is not None else {})}
+
+
+@dataclass
+class Passes:
+    """The passes a run's workers timed (each pass once, however many sessions it carried)."""
+
+    target: int = 0  # the target's passes (verifications, prefills)
+    target_tokens: int = 0  # the tokens they fed
+    target_s: float = 0.0
+    draft_s: float = 0.0  # the draft's steps
+    probe_s: float = 0.0  # both roles' scratch passes (workers.py: the off- and curve probes)
+
+    def observe(self, timings: list[PassTiming]) -> None:
+        for t in timings:
+            if t.probe:
+                self.probe_s += t.ms / 1000
+            elif t.role == "verifier":
+                self.target, self.target_tokens, self.target_s = \
+                    self.target + 1, self.target_tokens + t.tokens, self.target_s + t.ms / 1000
+            else:
+                self.draft_s += t.ms / 1000
+
+    def add(self, other: Passes) -> None:
+        self.target, self.target_tokens = self.target + other.target, self.target_tokens + other.target_tokens
+        self.target_s, self.draft_s, self.probe_s = \
+            self.target_s + other.target_s, self.draft_s + other.draft_s, self.probe_s + other.probe_s
+
+    def row(self, wall_s: float) -> dict:
+        return {"target_passes": self.target, "target_tokens": self.target_tokens, "target_s": self.target_s,
+                "draft_s": self.draft_s, "probe_s": self.probe_s,
+                "rest_s": wall_s - self.target_s - self.draft_s - self.probe_s}
+
+
+class CountingTransport:
+    """The in-process transport with every reply's timed passes counted in `passes` (the planner
+    still gets them): the seam the loop's calls go through, probes included."""
+
+    def __init__(self, inner: RoundTransport):
+        self.inner, self.passes = inner, Passes()
+
+    async def propose(self, items: list[ProposeItem], plan: StepPlan, draft: str = DEFAULT_DRAFT) -> ProposeReply:
+        return self._counted(await self.inner.propose(items, plan, draft))
+
+    async def verify(self, items: list[VerifyItem], probe_tokens: int = 0) -> VerifyReply:
+        return self._counted(await self.inner.verify(items, probe_tokens))
+
+    async def release(self, role: Role, session_ids: list[str], draft: str = DEFAULT_DRAFT) -> None:
+        await self.inner.release(role, session_ids, draft)
+
+    def _counted(self, reply: BatchReply) -> BatchReply:
+        self.passes.observe(reply.passes)
+        return reply
 
 
 def client_prompts(client: int, concurrency: int, per_client: int, pool: int) -> list[int]:
@@ -126,6 +189,7 @@ def in_process(models: EngineConfig, prompts: list[str], specs, levels: list[int
     turn (A B B A ...), and a policy's runs count as one: a machine whose speed drifts over the run
     favours neither the first policy nor the last."""
     engine = build_engine(models, progress=False)
+    counting = engine.loop.calls.transport = CountingTransport(engine.loop.calls.transport)
     ids = [engine.encode_prompt(p) for p in prompts]
     runs = []
     for level in levels:  # the policies of a level one after the other: a drift of the machine spares the ratios
@@ -144,7 +208,9 @@ def in_process(models: EngineConfig, prompts: list[str], specs, levels: list[int
                 result = await engine.loop.generate(ids[index], params, on_update)
                 return result.completions[0].token_ids, first[0] if first else 0.0, result.stats
 
+            counting.passes = Passes()
             run = asyncio.run(closed_loop(send, level, per_client(level), len(ids), Run(mode, spec.key, level)))
+            run.passes, counting.passes = counting.passes, Passes()  # the next warm-up's passes are not the run's
             print(f"  {mode} {spec.key} C={level}: {run.tokens_per_s:.2f} tok/s", file=sys.stderr, flush=True)
             merged[spec.key] = merged[spec.key].merge(run) if spec.key in merged else run
         runs += merged.values()
@@ -254,8 +320,9 @@ def table(rows: list[dict]) -> str:
     in_process = {(r["policy"], r["concurrency"]): r["tokens_per_s"] for r in rows if r["mode"] == "in-process"}
     lines = ["| mode | policy | C | requests | tokens | tok/s (aggregate) | vs C=1 | vs target-only | "
              "vs target-only by round: median (range) | served / in process "
-             "| latency p50 / p99 (s) | first token p50 / p99 (s) | drafted / accepted |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| latency p50 / p99 (s) | first token p50 / p99 (s) | drafted / accepted "
+             "| target passes / tokens fed | time in target / draft / probes / rest (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = alone.get((r["mode"], r["policy"]))
         baseline = plain.get((r["mode"], r["concurrency"]))
@@ -267,8 +334,17 @@ def table(rows: list[dict]) -> str:
                      f"{r['tokens_per_s']:.2f} | {scaling} | {speedup} | "
                      f"{by_round(r, plain_rows.get((r['mode'], r['concurrency'])))} | {ratio} | "
                      f"{r['latency_p50_s']:.1f} / {r['latency_p99_s']:.1f} | "
-                     f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {r['drafted']} / {r['accepted']} |")
+                     f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {r['drafted']} / {r['accepted']} | "
+                     f"{where_time_went(r)} |")
     return "\n".join(lines)
+
+
+def where_time_went(row: dict) -> str:
+    """In process: the target's passes and tokens fed, and the wall split among the passes and the rest."""
+    if "target_passes" not in row:
+        return "- | -"
+    return (f"{row['target_passes']} / {row['target_tokens']} | {row['target_s']:.1f} / {row['draft_s']:.1f} / "
+            f"{row['probe_s']:.2f} / {row['rest_s']:.2f}")
 
 
 def main() -> int:

@@ -59,3 +59,13 @@ def test_tiny_run_adds_target_only_at_every_level(monkeypatch, tmp_path, capsys)
     drafted = {(r["policy"], r["concurrency"]): (r["drafted"], r["accepted"]) for r in rows}
     assert drafted[("target-only", 2)] == (0, 0) and drafted[("fixed:2", 2)][0] > 0  # fixed K drafts
     assert table[("in-process", "fixed:2", "2")]["drafted / accepted"] == "{} / {}".format(*drafted[("fixed:2", 2)])
+    # where the time went, in process: target-only alone runs one target pass a token (the prefill's gives
+    # the first), nothing of the warm-ups counted; at C = 2 the sessions share passes; the draft's time
+    # only where it drafts; the rest is the wall's
+    for r in rows:
+        assert r["rest_s"] == pytest.approx(r["wall_s"] - r["target_s"] - r["draft_s"] - r["probe_s"])
+        assert r["target_s"] > 0 and r["target_tokens"] > r["target_passes"]
+    plain = {r["concurrency"]: r for r in rows if r["policy"] == "target-only"}
+    assert plain[1]["target_passes"] == plain[1]["tokens"] and plain[2]["target_passes"] < plain[2]["tokens"]
+    assert plain[1]["draft_s"] == plain[2]["draft_s"] == 0
+    assert all(r["draft_s"] > 0 for r in rows if r["policy"] == "fixed:2")
