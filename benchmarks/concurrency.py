@@ -80,12 +80,12 @@ class Run:
     def merge(self, other: Run) -> Run:
         """This run and another of the same policy and level as one (their requests, tokens and walls
         added): `--rounds`."""
+        self.per_round = (self.per_round or [self.tokens_per_s]) + (other.per_round or [other.tokens_per_s])
         self.requests, self.tokens, self.wall_s = self.requests + other.requests, self.tokens + other.tokens, \
             self.wall_s + other.wall_s
         self.latency_s += other.latency_s
         self.first_token_s += other.first_token_s
         self.drafted, self.accepted = self.drafted + other.drafted, self.accepted + other.accepted
-        self.per_round = (self.per_round or [self.tokens_per_s]) + (other.per_round or [other.tokens_per_s])
         for index, tokens in other.outputs.items():
             self.outputs.setdefault(index, tokens)
         if self.passes is not None and other.passes is not None:

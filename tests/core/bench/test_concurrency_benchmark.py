@@ -69,3 +69,14 @@ def test_tiny_run_adds_target_only_at_every_level(monkeypatch, tmp_path, capsys)
     assert plain[1]["target_passes"] == plain[1]["tokens"] and plain[2]["target_passes"] < plain[2]["tokens"]
     assert plain[1]["draft_s"] == plain[2]["draft_s"] == 0
     assert all(r["draft_s"] > 0 for r in rows if r["policy"] == "fixed:2")
+
+
+def test_merged_rounds_keep_each_runs_own_figure():
+    runs = []
+    for wall in (10, 20, 25):  # as closed_loop fills a run in
+        run = concurrency.Run("in-process", "target-only", 1)
+        run.requests, run.tokens, run.wall_s = 2, 100, wall
+        runs.append(run)
+    merged = runs[0].merge(runs[1]).merge(runs[2])
+    assert merged.per_round == pytest.approx([10.0, 5.0, 4.0])
+    assert merged.tokens_per_s == pytest.approx(300 / 55)
