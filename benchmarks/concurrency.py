@@ -47,6 +47,7 @@ from specdec.builder import EngineConfig, build_engine
 from specdec.calls import RoundTransport
 from specdec.cost_profile import PassTiming
 from specdec.loop import BatchConfig
+from specdec.metrics import MS_PER_S
 from specdec.params import DEFAULT_DRAFT, GenerationParams
 from specdec.prompts import humaneval_prompts
 from specdec.protocol import BatchReply, ProposeItem, ProposeReply, Role, StepPlan, VerifyItem, VerifyReply
@@ -118,12 +119,12 @@ class Passes:
     def observe(self, timings: list[PassTiming]) -> None:
         for t in timings:
             if t.probe:
-                self.probe_s += t.ms / 1000
+                self.probe_s += t.ms / MS_PER_S
             elif t.role == "verifier":
                 self.target, self.target_tokens, self.target_s = \
-                    self.target + 1, self.target_tokens + t.tokens, self.target_s + t.ms / 1000
+                    self.target + 1, self.target_tokens + t.tokens, self.target_s + t.ms / MS_PER_S
             else:
-                self.draft_s += t.ms / 1000
+                self.draft_s += t.ms / MS_PER_S
 
     def add(self, other: Passes) -> None:
         self.target, self.target_tokens = self.target + other.target, self.target_tokens + other.target_tokens
