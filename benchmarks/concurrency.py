@@ -69,7 +69,7 @@ class Run:
     # served: the coordinator's live profile after the run (its /metrics; what the next run starts with)
     live_profile: dict[str, float] = field(default_factory=dict)
     per_round: list[float] = field(default_factory=list)  # --rounds: each round's tok/s, in order
-    passes: Passes | None = None  # in process: the passes the workers timed during the run
+    passes: list[PassTiming] | None = None  # in process: the passes the workers timed during the run
 
     def __post_init__(self):
         self.per_round = self.per_round or ([self.tokens_per_s] if self.wall_s else [])
@@ -90,7 +90,7 @@ class Run:
         for index, tokens in other.outputs.items():
             self.outputs.setdefault(index, tokens)
         if self.passes is not None and other.passes is not None:
-            self.passes.add(other.passes)
+            self.passes += other.passes
         return self
 
     def row(self) -> dict:
@@ -103,46 +103,33 @@ class Run:
                 "ttft_p50_s": pct(self.first_token_s, 50), "ttft_p99_s": pct(self.first_token_s, 99),
                 "drafted": self.drafted, "accepted": self.accepted, "per_round_tokens_per_s": self.per_round,
                 **({"live_profile": self.live_profile} if self.live_profile else {}),
-                **(self.passes.row(self.wall_s) if self.passes is not None else {})}
+                **(pass_split(self.passes, self.wall_s) if self.passes is not None else {})}
 
 
-@dataclass
-class Passes:
-    """The passes a run's workers timed (each pass once, however many sessions it carried)."""
+def pass_split(timings: list[PassTiming], wall_s: float) -> dict:
+    """A run's timed passes (each once, however many sessions it carried): the target's passes and
+    the tokens they fed, and the wall split among the target's, the draft's, the probes' scratch
+    passes (workers.py: the off- and curve probes) and the rest."""
+    def seconds(passes) -> float:
+        return sum(t.ms for t in passes) / MS_PER_S
 
-    target: int = 0  # the target's passes (verifications, prefills)
-    target_tokens: int = 0  # the tokens they fed
-    target_s: float = 0.0
-    draft_s: float = 0.0  # the draft's steps
-    probe_s: float = 0.0  # both roles' scratch passes (workers.py: the off- and curve probes)
-
-    def observe(self, timings: list[PassTiming]) -> None:
-        for t in timings:
-            if t.probe:
-                self.probe_s += t.ms / MS_PER_S
-            elif t.role == "verifier":
-                self.target, self.target_tokens, self.target_s = \
-                    self.target + 1, self.target_tokens + t.tokens, self.target_s + t.ms / MS_PER_S
-            else:
-                self.draft_s += t.ms / MS_PER_S
-
-    def add(self, other: Passes) -> None:
-        self.target, self.target_tokens = self.target + other.target, self.target_tokens + other.target_tokens
-        self.target_s, self.draft_s, self.probe_s = \
-            self.target_s + other.target_s, self.draft_s + other.draft_s, self.probe_s + other.probe_s
-
-    def row(self, wall_s: float) -> dict:
-        return {"target_passes": self.target, "target_tokens": self.target_tokens, "target_s": self.target_s,
-                "draft_s": self.draft_s, "probe_s": self.probe_s,
-                "rest_s": wall_s - self.target_s - self.draft_s - self.probe_s}
+    target = [t for t in timings if t.role == "verifier" and not t.probe]
+    split = {"target_passes": len(target), "target_tokens": sum(t.tokens for t in target),
+             "target_s": seconds(target), "draft_s": seconds(t for t in timings if t.role == "draft" and not t.probe),
+             "probe_s": seconds(t for t in timings if t.probe)}
+    return {**split, "rest_s": wall_s - split["target_s"] - split["draft_s"] - split["probe_s"]}
 
 
 class CountingTransport:
-    """The in-process transport with every reply's timed passes counted in `passes` (the planner
+    """The in-process transport with every reply's timed passes kept until `take` (the planner
     still gets them): the seam the loop's calls go through, probes included."""
 
     def __init__(self, inner: RoundTransport):
-        self.inner, self.passes = inner, Passes()
+        self.inner, self.timings = inner, []
+
+    def take(self) -> list[PassTiming]:
+        taken, self.timings = self.timings, []
+        return taken
 
     async def propose(self, items: list[ProposeItem], plan: StepPlan, draft: str = DEFAULT_DRAFT) -> ProposeReply:
         return self._counted(await self.inner.propose(items, plan, draft))
@@ -154,7 +141,7 @@ class CountingTransport:
         await self.inner.release(role, session_ids, draft)
 
     def _counted(self, reply: BatchReply) -> BatchReply:
-        self.passes.observe(reply.passes)
+        self.timings += reply.passes
         return reply
 
 
@@ -209,9 +196,9 @@ def in_process(models: EngineConfig, prompts: list[str], specs, levels: list[int
                 result = await engine.loop.generate(ids[index], params, on_update)
                 return result.completions[0].token_ids, first[0] if first else 0.0, result.stats
 
-            counting.passes = Passes()
+            counting.take()  # the warm-up's passes are not the run's
             run = asyncio.run(closed_loop(send, level, per_client(level), len(ids), Run(mode, spec.key, level)))
-            run.passes, counting.passes = counting.passes, Passes()  # the next warm-up's passes are not the run's
+            run.passes = counting.take()
             print(f"  {mode} {spec.key} C={level}: {run.tokens_per_s:.2f} tok/s", file=sys.stderr, flush=True)
             merged[spec.key] = merged[spec.key].merge(run) if spec.key in merged else run
         runs += merged.values()

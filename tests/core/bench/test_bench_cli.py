@@ -4,6 +4,7 @@ PNGs, the greedy lossless check, the HF peer, skips, resume and --report-only.""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -130,8 +131,6 @@ def test_bench_with_a_head_measures_the_goals(tiny_pair, prompt_file, tmp_path, 
     assert "specdec++" in results["by_temperature"]["1"]["frontiers"]
 
     # The same head's weights at another path (a run resumed from a clone) keep every record.
-    import shutil
-
     before = record_lines(out)
     moved = tmp_path / "moved-head"
     shutil.copytree(head_dir, moved)
