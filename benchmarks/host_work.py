@@ -52,7 +52,7 @@ def measure(engine: SpecDecEngine, timers, concurrency: int, params: GenerationP
     for r in range(repeats):
         prompts = [synthetic_tokens(PROMPT_TOKENS, engine.target.vocab_size, offset=97 * i + r) for i in range(concurrency)]
         for timer in timers:
-            timer.seconds, timer.calls = 0.0, 0
+            timer.reset()
         start = time.perf_counter()
         results = engine.generate_many(prompts, params)
         wall = time.perf_counter() - start

@@ -72,8 +72,10 @@ class EngineConfig(BaseModel):
     batch: BatchConfig = BatchConfig()
     # "slots": many sessions per pass, each in buffers that grow (models/cache.py); "static": many
     # sessions per pass in one cache allocated once with fixed shapes, the GPU's layout
-    # (models/static.py); "reference": the batch-1 path, one pass per session (kept to compare against).
-    kv_cache: Literal["slots", "static", "reference"] = "slots"
+    # (models/static.py); "reference": the batch-1 path, one pass per session (kept to compare against);
+    # "auto": static on a GPU (its passes replay CUDA graphs), slots on the CPU (a padded pass
+    # computes its padding there).
+    kv_cache: Literal["auto", "slots", "static", "reference"] = "auto"
     # With the static cache on CUDA: drafting steps and verifications replay CUDA graphs captured per
     # bucket of sessions, tokens and length; off: eager (the reference).
     cuda_graphs: bool = True
@@ -180,7 +182,7 @@ class TorchBackend(RuntimeBackend):
         return resolve_model(source, role=role, cache=config.cache_dir, progress=progress)
 
     def context_limit(self, config: EngineConfig) -> int | None:
-        return StaticOptions().capacity if config.kv_cache == "static" else None
+        return StaticOptions().capacity if resolve_kv_cache(config) == "static" else None
 
     def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]:
         if quant != SHIPPED:
@@ -256,8 +258,8 @@ class FeatureDraftBackend(RuntimeBackend):
         if progress:
             print(f"loaded feature draft {directory.name} on {device} in {time.perf_counter() - start:.1f}s",
                   file=sys.stderr)
-        # On CUDA its cache is static whatever the target's (which hands out its states from the slot
-        # cache's passes): its greedy steps run as one chain, captured (models/feature_chain.py)
+        # On CUDA its cache is static whatever the target's: its greedy steps run as one chain,
+        # captured (models/feature_chain.py)
         kv = "static" if device.type == "cuda" else "slots"
         return FeatureDraftRuntime(model, identity=model_identity(directory), name=config.draft, kv=kv,
                                    static=StaticOptions(graphs=config.cuda_graphs)), target_dir
@@ -327,8 +329,15 @@ def llamacpp_options(config: EngineConfig) -> LlamaCppOptions:
 
 
 def runtime_options(config: EngineConfig) -> dict:
-    return {"kv": config.kv_cache, "max_tokens_per_pass": config.batch.max_tokens_per_pass,
+    return {"kv": resolve_kv_cache(config), "max_tokens_per_pass": config.batch.max_tokens_per_pass,
             "static": StaticOptions(graphs=config.cuda_graphs)}
+
+
+def resolve_kv_cache(config: EngineConfig) -> str:
+    """EngineConfig.kv_cache on the models' device: "auto" is static on a GPU, slots elsewhere."""
+    if config.kv_cache != "auto":
+        return config.kv_cache
+    return "static" if resolve_device(config.device).type == "cuda" else "slots"
 
 
 def head_path(config: EngineConfig) -> str | None:

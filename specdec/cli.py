@@ -50,11 +50,12 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                        help="sessions one step advances at most (default 16; the others wait their turn)")
     group.add_argument("--max-pass-tokens", type=int, default=None,
                        help="tokens one forward pass feeds at most; more run as several passes (default: no limit)")
-    group.add_argument("--kv-cache", default="slots", choices=["slots", "static", "reference"],
+    group.add_argument("--kv-cache", default="auto", choices=["auto", "slots", "static", "reference"],
                        help="slots: many sessions per pass; static: the same in one preallocated cache (the GPU's "
-                            "layout); reference: the batch-1 path, one pass per session")
+                            "layout); reference: the batch-1 path, one pass per session; auto: static on a GPU, "
+                            "slots on the CPU")
     group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                       help="with --kv-cache static on CUDA: run every pass eagerly instead of replaying captured graphs")
+                       help="with the static cache on CUDA: run every pass eagerly instead of replaying captured graphs")
 
 
 def add_generation_flags(parser: argparse.ArgumentParser) -> None:

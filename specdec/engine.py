@@ -78,6 +78,12 @@ class SpecDecEngine:
         for name, timings in drafted.items():
             self.loop.costs[name].observe(timings + verified)
 
+    def close(self) -> None:
+        """Release the models' captured graphs now (models/static.py `capture`); the engine is not used after."""
+        for worker in self.draft_workers.values():
+            worker.draft.close()
+        self.target.close()
+
     def cost_profile(self) -> CostProfile | None:
         """The costs the default policy plans with now (measured here unless given by hand)."""
         return self.loop.planners[0].profile()  # the default draft's, lane 0

@@ -49,10 +49,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu.shapes import SHAPES, shape_config
-from specdec.bench.forward import PROMPT_TOKENS, TimedForward, synthetic_tokens, time_pass
+from specdec.bench.forward import PROMPT_TOKENS, TimedForward, longest_feed, synthetic_tokens, time_pass
 from specdec.head import AcceptanceHead, HeadConfig
 from specdec.models.runtime import DraftRuntime, Feed, TargetRuntime
-from specdec.models.static import StaticOptions
+from specdec.models.static import GRAPH_TOKENS, StaticOptions
 from specdec.engine import SpecDecEngine
 from specdec.loop import BatchConfig
 from specdec.params import GenerationParams
@@ -68,7 +68,7 @@ CACHE_LENGTH = 256  # positions per row of the static cache: the prompt, k token
 LOOP_SHAPE = "qwen2.5-1.5b"
 LOOP_CONCURRENCY = (1, 8, 32, 64)
 LOOP_POLICIES = (("target-only", None), ("fixed", 4), ("specdec++cost", None))
-LOOP_PROMPT_TOKENS, LOOP_NEW_TOKENS = 64, 32
+LOOP_PROMPT_TOKENS, LOOP_NEW_TOKENS = 64, 128  # decoding measured over at least 128 new tokens
 TRANSPORT_CONCURRENCY, TRANSPORT_K, TRANSPORT_NEW_TOKENS = (1, 8), 4, 128
 RUNTIME_STATIC_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b")
 GRAPHS = StaticOptions(graphs=True)  # the loop's and the transport's static cache: the builder's default
@@ -163,8 +163,8 @@ def pass_costs(report: Report, name: str, model, ks, batches, device, repeats: i
                                                                      graphs=True, pad_off_cuda=smoke))
     kv = static.kv
 
-    def logits(hidden: torch.Tensor) -> torch.Tensor:
-        return model.lm_head(hidden).float()  # [B, k, V]
+    def logits(outputs) -> torch.Tensor:  # a static pass's (hidden [B, k, H], states) -> [B, k, V]
+        return model.lm_head(outputs[0]).float()
 
     for batch in batches:
         if report.time_left() < 30:
@@ -226,14 +226,24 @@ def loop_throughput(report: Report, name: str, model, concurrency, policies, new
     """`kv`: the runtimes' cache: `slots` (eager, per-session buffers) or `static` (one preallocated
     cache, drafting steps and verifications replayed as CUDA graphs: models/static.py); `feature`: a
     random feature draft in place of the self-draft (its greedy steps chained on its static cache,
-    captured: models/feature_chain.py) beside the target on slots, which hands out its states. It
-    accepts next to nothing: its rows measure the path and its host work, not a speed-up."""
+    captured: models/feature_chain.py) beside the target on the static cache too, whose captured
+    passes hand out its states (the builder's pairing on a GPU). It accepts next to nothing: its
+    rows measure the path and its host work, not a speed-up.
+
+    Per policy and concurrency C (C prompts of LOOP_PROMPT_TOKENS joining at once): a run of one new
+    token (the prefill: every prompt in the step's passes) and a run of `new_tokens`; what the second
+    adds over the first is decoding (`decode_*`: tokens/s, the target's passes, host ms a pass), the
+    first alone the prefill (`prefill_tokens_per_s`). `loop_pass_ms` is the median decoding pass of
+    the target as the loop calls it (its runtime's `_forward`, the step's host work around it left
+    out), `runtime_pass_ms` the same runtime's pass over C fresh sessions feeding the loop's most
+    common k (bench/forward.py `time_pass`), and `loop_vs_runtime` their ratio."""
     config = model.config
     if kv == "feature":
         from specdec.models.feature_draft import FeatureDraftRuntime
 
         feature = random_feature_draft(config, model.device, model.dtype)
-        draft, target = FeatureDraftRuntime(feature, kv="static", static=GRAPHS), TargetRuntime(model, kv="slots")
+        draft, target = FeatureDraftRuntime(feature, kv="static", static=GRAPHS), TargetRuntime(model, kv="static",
+                                                                                                static=GRAPHS)
     else:  # the self-draft: the target's own weights (one cache each: a static cache is per runtime)
         draft, target = DraftRuntime(model, kv=kv, static=GRAPHS), TargetRuntime(model, kv=kv, static=GRAPHS)
     torch.manual_seed(0)
@@ -241,7 +251,7 @@ def loop_throughput(report: Report, name: str, model, concurrency, policies, new
     engine = SpecDecEngine(draft, target, head=head, batch=BatchConfig(max_sessions_per_step=max(concurrency)))
     # the draft's passes, then the target's (a feature draft's run through `_outputs` and `chain`)
     timers = ([TimedForward(draft, "_outputs"), TimedForward(draft, "chain")] if kv == "feature"
-              else [TimedForward(draft)]) + [TimedForward(target)]
+              else [TimedForward(draft)]) + [TimedForward(target, describe=longest_feed)]
     report.put("loop", "probe_profile", str(engine.cost_profile()))
     results = {}
     for policy, k in policies:
@@ -253,26 +263,47 @@ def loop_throughput(report: Report, name: str, model, concurrency, policies, new
             # untimed, the same batch: its graphs (sessions, tokens, lengths) are captured here, not in the run
             warm = [synthetic_tokens(LOOP_PROMPT_TOKENS, config.vocab_size, offset=999 + i) for i in range(c)]
             engine.generate_many(warm, params.model_copy(update={"max_new_tokens": 8}))
-            prompts = [synthetic_tokens(LOOP_PROMPT_TOKENS, config.vocab_size, offset=17 * i) for i in range(c)]
-            for timer in timers:
-                timer.seconds, timer.calls = 0.0, 0
-            start = time.perf_counter()
-            outcomes = engine.generate_many(prompts, params)
-            wall = time.perf_counter() - start
-            tokens = sum(r.stats.generated_tokens for r in outcomes)
-            forward = sum(t.seconds for t in timers)
-            verify_passes = timers[-1].calls
-            accepted = sum(r.stats.accepted_tokens for r in outcomes)
-            drafted = sum(r.stats.draft_tokens for r in outcomes)
-            results[f"{policy}@{c}"] = {
-                "concurrency": c, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-                "draft_passes": sum(t.calls for t in timers[:-1]), "target_passes": verify_passes,
-                "draft_forward_s": sum(t.seconds for t in timers[:-1]), "target_forward_s": timers[-1].seconds,
-                "host_ms_per_target_pass": 1e3 * (wall - forward) / max(1, verify_passes),
-                "acceptance": accepted / drafted if drafted else None}
+            runs = {}
+            for label, tokens in (("prefill", 1), ("full", new_tokens)):
+                prompts = [synthetic_tokens(LOOP_PROMPT_TOKENS, config.vocab_size, offset=17 * i + tokens)
+                           for i in range(c)]
+                for timer in timers:
+                    timer.reset()
+                start = time.perf_counter()
+                outcomes = engine.generate_many(prompts, params.model_copy(update={"max_new_tokens": tokens}))
+                wall = time.perf_counter() - start
+                runs[label] = {"wall": wall, "tokens": sum(r.stats.generated_tokens for r in outcomes),
+                               "forward": sum(t.seconds for t in timers), "passes": timers[-1].calls,
+                               "decoding": [(s, fed) for s, fed in timers[-1].log if fed <= GRAPH_TOKENS[-1]],
+                               "accepted": sum(r.stats.accepted_tokens for r in outcomes),
+                               "drafted": sum(r.stats.draft_tokens for r in outcomes),
+                               "draft_passes": sum(t.calls for t in timers[:-1]),
+                               "draft_forward_s": sum(t.seconds for t in timers[:-1]),
+                               "target_forward_s": timers[-1].seconds}
+            one, full = runs["prefill"], runs["full"]
+            decode_s, decode_passes = full["wall"] - one["wall"], full["passes"] - one["passes"]
+            row = results[f"{policy}@{c}"] = {
+                "concurrency": c, "tokens": full["tokens"], "wall_s": full["wall"],
+                "tokens_per_s": full["tokens"] / full["wall"],
+                "prefill_tokens_per_s": c * LOOP_PROMPT_TOKENS / one["wall"],
+                "decode_tokens_per_s": (full["tokens"] - one["tokens"]) / decode_s,
+                "draft_passes": full["draft_passes"], "target_passes": full["passes"],
+                "draft_forward_s": full["draft_forward_s"], "target_forward_s": full["target_forward_s"],
+                "host_ms_per_target_pass": 1e3 * (full["wall"] - full["forward"]) / max(1, full["passes"]),
+                "decode_host_ms_per_target_pass": 1e3 * (decode_s - full["forward"] + one["forward"]) / max(
+                    1, decode_passes),
+                "acceptance": full["accepted"] / full["drafted"] if full["drafted"] else None}
+            if full["decoding"]:
+                fed = statistics.mode(f for _, f in full["decoding"])
+                row["loop_pass_ms"] = 1e3 * statistics.median(s for s, _ in full["decoding"])
+                row["loop_pass_k"] = fed
+                row["runtime_pass_ms"] = 1e3 * time_pass(target, fed, repeats=5, prompt_tokens=LOOP_PROMPT_TOKENS,
+                                                         sessions=c)
+                row["loop_vs_runtime"] = row["loop_pass_ms"] / row["runtime_pass_ms"]
             if c in (min(concurrency), max(concurrency)) and report.time_left() > 40:
-                results[f"{policy}@{c}"]["host_profile"] = host_profile(engine, prompts, params, verify_passes)
+                row["host_profile"] = host_profile(engine, prompts, params, full["passes"])
             report.put("loop", f"{name}/{kv}" if kv != "slots" else name, results)
+    engine.close()
 
 
 def host_profile(engine: SpecDecEngine, prompts, params: GenerationParams, steps: int, rows: int = 25) -> list:
@@ -421,7 +452,7 @@ def main() -> None:
         for config in shapes.values():
             config.update(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, vocab_size=512))
-        batches, repeats, concurrency, new_tokens = (1, 4), 2, (1, 4), 8
+        batches, repeats, concurrency, new_tokens = (1, 4), 2, (1, 8), 16
     torch.manual_seed(0)
     def passes(names) -> None:
         for name in names:
@@ -549,10 +580,14 @@ def print_summary(data: dict) -> None:
         if not isinstance(rows, dict):
             continue
         draft = "a random feature draft" if name.endswith("/feature") else "self-draft"
-        print(f"\nloop {name} ({draft}, greedy): tok/s, host ms per verification pass")
+        print(f"\nloop {name} ({draft}, greedy): decoding tok/s, host ms a verification pass, the loop's pass "
+              f"against its runtime's (ms, k), prefill tok/s")
         for key, row in rows.items():
             if "tokens_per_s" in row:
-                print(f"  {key:20s} {row['tokens_per_s']:8.1f} tok/s  host {row['host_ms_per_target_pass']:.2f} ms"
+                ratio = (f"{row['loop_pass_ms']:.2f} / {row['runtime_pass_ms']:.2f} ms (k={row['loop_pass_k']}) "
+                         f"{row['loop_vs_runtime']:.2f}x" if "loop_vs_runtime" in row else "-")
+                print(f"  {key:20s} {row['decode_tokens_per_s']:8.1f} tok/s  host {row['decode_host_ms_per_target_pass']:.2f} ms"
+                      f"  pass {ratio}  prefill {row['prefill_tokens_per_s']:.0f} tok/s"
                       f"  passes {row['draft_passes']}/{row['target_passes']}")
                 for function, calls, ms in row.get("host_profile", [])[:5]:
                     print(f"      {ms:7.3f} ms  {calls:6.2f} calls  {function}")

@@ -22,10 +22,13 @@ def synthetic_tokens(count: int, vocab_size: int, offset: int = 0) -> list[int]:
 class TimedForward:
     """Wraps a runtime's `_forward` (or another method that runs its passes: a feature draft's
     `_outputs` and `chain`) to add up its wall time and count its passes (a pass returns once its
-    outputs are ready): the loop's time outside them is its host work."""
+    outputs are ready): the loop's time outside them is its host work. With `describe(*args)`, each
+    call's (seconds, description) is also kept in `log`, e.g. the longest feed of a `_forward`
+    (`longest_feed`), to tell a prefill from a decoding step."""
 
-    def __init__(self, runtime: Runtime, method: str = "_forward"):
+    def __init__(self, runtime: Runtime, method: str = "_forward", describe=None):
         self.inner, self.seconds, self.calls = getattr(runtime, method), 0.0, 0
+        self.describe, self.log = describe, []
         setattr(runtime, method, self)
 
     def __call__(self, *args, **kwargs):
@@ -33,8 +36,19 @@ class TimedForward:
         try:
             return self.inner(*args, **kwargs)
         finally:
-            self.seconds += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.seconds += seconds
             self.calls += 1
+            if self.describe is not None:
+                self.log.append((seconds, self.describe(*args, **kwargs)))
+
+    def reset(self) -> None:
+        self.seconds, self.calls, self.log = 0.0, 0, []
+
+
+def longest_feed(feeds: list[Feed]) -> int:
+    """`TimedForward`'s description of a `_forward`: the most tokens one session fed."""
+    return max((len(f.tokens) for f in feeds), default=0)
 
 
 def time_pass(runtime: Runtime, k: int, repeats: int = DEFAULT_REPEATS,

@@ -23,6 +23,7 @@ and on a CPU a pass grows with its rows (docs/performance.md).
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -193,8 +194,56 @@ class KVSession:
         return len(self.tokens)
 
 
+class StateReader:
+    """The outputs of some of a model's modules (decoder layers, the final norm) at every position a
+    pass feeds: what a feature draft reads from its target (models/feature_draft.py). Forward hooks
+    keep each module's output while `reading`, so transformers' layers stay as they are, a pass that
+    reads nothing pays nothing, and a forward of the model outside the runtime's passes (teacher
+    forcing) is not caught. Every KV cache below runs its passes inside `reading(kv.reader)` and
+    hands the caught states back with its hidden states."""
+
+    def __init__(self, modules):
+        self._caught: list[list[torch.Tensor]] = [[] for _ in modules]
+        self._on = False
+        for i, module in enumerate(modules):
+            module.register_forward_hook(lambda _module, _args, out, i=i: self._catch(i, out))
+
+    def _catch(self, i: int, out) -> None:
+        if self._on:
+            self._caught[i].append(out[0] if isinstance(out, tuple) else out)
+
+    @contextmanager
+    def on(self):
+        self._on = True
+        try:
+            yield
+        finally:
+            self._on = False
+
+    def take(self) -> torch.Tensor:
+        """The modules' outputs since the last `take`, joined along the tokens and stacked:
+        [..., T, reads, H] (a ragged pass's [1, T, ...], a static pass's [B, k, ...])."""
+        states = torch.stack([torch.cat(outs, dim=-2) for outs in self._caught], dim=-2)
+        for outs in self._caught:
+            outs.clear()
+        return states
+
+
+def reading(reader: StateReader | None):
+    """`reader.on()`, or nothing where nothing is read."""
+    return nullcontext() if reader is None else reader.on()
+
+
+# What every KV cache's `hidden_states` returns: the final hidden states [sum num_outputs, H] of each
+# feed's last num_outputs positions, feed by feed, and, where the cache has a reader, each feed's read
+# states [len(feed.tokens), reads, H] at every position it fed (None without one).
+PassRows = tuple[torch.Tensor, "list[torch.Tensor] | None"]
+
+
 class SlotKV:
     """Every session in slots of one `SlotCache`: one ragged pass for any number of sessions."""
+
+    reader: StateReader | None = None  # set by the runtime (`read_features`)
 
     def __init__(self, model):
         model.set_attn_implementation(RAGGED_ATTENTION)
@@ -206,24 +255,27 @@ class SlotKV:
     def rollback(self, session: KVSession, length: int) -> None:
         del session.tokens[length:]  # the slot's positions past `length` become scratch
 
-    def hidden_states(self, model, feeds: list[Feed], protected: list[Feed] = ()) -> torch.Tensor:
-        """One pass over every feed; returns the final hidden states [sum num_outputs, H] of each
-        feed's last num_outputs positions, feed by feed. (`protected`: the sessions a pooled cache
-        must not evict; none here.)"""
-        batch = RaggedBatch([f.session.handle for f in feeds], [len(f.session) for f in feeds],
-                            [len(f.tokens) for f in feeds])
+    def hidden_states(self, model, feeds: list[Feed], protected: list[Feed] = ()) -> PassRows:
+        """One pass over every feed (`PassRows`). (`protected`: the sessions a pooled cache must not
+        evict; none here.)"""
+        counts = [len(f.tokens) for f in feeds]
+        batch = RaggedBatch([f.session.handle for f in feeds], [len(f.session) for f in feeds], counts)
         device = model.device
         input_ids = torch.tensor([[t for f in feeds for t in f.tokens]], dtype=torch.long, device=device)  # [1, T]
         positions = torch.tensor([batch.positions], dtype=torch.long, device=device)  # [1, T]
-        out = model.model(input_ids=input_ids, position_ids=positions, cache=self.cache, use_cache=True,
-                          attention_mask={"full_attention": None}, ragged=batch)
+        with reading(self.reader):
+            out = model.model(input_ids=input_ids, position_ids=positions, cache=self.cache, use_cache=True,
+                              attention_mask={"full_attention": None}, ragged=batch)
         rows = [i for b, f in enumerate(feeds) for i in range(batch.bounds[b + 1] - f.num_outputs, batch.bounds[b + 1])]
-        return out.last_hidden_state[0, rows]  # [sum num_outputs, H]
+        read = None if self.reader is None else list(self.reader.take()[0].split(counts))
+        return out.last_hidden_state[0, rows], read  # [sum num_outputs, H]
 
 
 class ReferenceKV:
     """Today's batch-1 path, kept as the reference the tests compare against: a DynamicCache per
     session and one forward pass per session."""
+
+    reader: StateReader | None = None
 
     def __init__(self, model):  # as SlotKV's; a DynamicCache needs nothing from the model
         pass
@@ -236,11 +288,13 @@ class ReferenceKV:
             session.handle.crop(length - len(session.tokens))  # a negative count removes that many positions
             del session.tokens[length:]
 
-    def hidden_states(self, model, feeds: list[Feed], protected: list[Feed] = ()) -> torch.Tensor:
+    def hidden_states(self, model, feeds: list[Feed], protected: list[Feed] = ()) -> PassRows:
         rows = []
-        for f in feeds:
-            input_ids = torch.tensor([f.tokens], dtype=torch.long, device=model.device)
-            out = model.model(input_ids=input_ids, cache=f.session.handle, use_cache=True)
-            rows.append(out.last_hidden_state[0, len(f.tokens) - f.num_outputs:])
-        return torch.cat(rows)
+        with reading(self.reader):
+            for f in feeds:
+                input_ids = torch.tensor([f.tokens], dtype=torch.long, device=model.device)
+                out = model.model(input_ids=input_ids, cache=f.session.handle, use_cache=True)
+                rows.append(out.last_hidden_state[0, len(f.tokens) - f.num_outputs:])
+        read = None if self.reader is None else list(self.reader.take()[0].split([len(f.tokens) for f in feeds]))
+        return torch.cat(rows), read
 

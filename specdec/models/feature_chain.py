@@ -95,11 +95,16 @@ class CapturedChain:
         self.inputs = ChainInputs(torch.full((sessions,), kv.pool.size, device=device),
                                   torch.zeros(sessions, dtype=torch.long, device=device),
                                   torch.zeros(sessions, dtype=torch.bool, device=device),
-                                  torch.zeros((sessions, hidden), dtype=draft.norm.weight.dtype, device=device),
+                                  torch.zeros((sessions, hidden), dtype=draft.dtype, device=device),
                                   torch.zeros(sessions, dtype=torch.long, device=device))
         if device.type == "cuda":
             self.graph, self.outputs = capture(lambda: run_chain(draft, kv, self.inputs, steps, length), device,
                                                kv._graph_pool, warmup)
+
+    def close(self) -> None:
+        if self.graph is not None:
+            self.graph.reset()
+            self.graph = None
 
     def run(self, inputs: ChainInputs, steps: int) -> ChainOutputs:
         """A chain of b <= B sessions and `steps` <= K -> its outputs [steps, b, ...]."""

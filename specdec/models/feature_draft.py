@@ -200,6 +200,11 @@ class FeatureDraft(nn.Module):
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=True)  # [V_trim]
         self._cache = SlotCache(1)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype its layer computes in (bfloat16 on a GPU; float32 on the CPU, an int8 format's too)."""
+        return self.norm.weight.dtype
+
     # -- the equations of the module docstring --------------------------------------------------
 
     def feature(self, states: torch.Tensor) -> torch.Tensor:
@@ -289,7 +294,7 @@ class FeatureDraft(nn.Module):
                             [len(f.tokens) for f in feeds])
         device = self.embed.device
         tokens = torch.tensor([t for f in feeds for t in f.tokens], dtype=torch.long, device=device)
-        g = torch.cat([f.features for f in feeds]).to(self.norm.weight.dtype)
+        g = torch.cat([f.features for f in feeds]).to(self.dtype)
         positions = torch.tensor([batch.positions], dtype=torch.long, device=device)
         layer = self._cache.layers[0]
 
@@ -307,7 +312,7 @@ class FeatureDraft(nn.Module):
         """`forward_feeds` on a static cache (models/static.py): the short feeds padded into one
         [B, k] pass, each long one (a catch-up) in a pass of its own; the output states [sum n, H]."""
         kv.attach(feeds)
-        states = kv.in_passes(feeds, lambda group: self._static_pass(group, kv), [len(f.tokens) for f in feeds])
+        states, _ = kv.in_passes(feeds, lambda group: (self._static_pass(group, kv), None), [len(f.tokens) for f in feeds])
         for f in feeds:
             f.session.tokens.extend(f.tokens)
         return states
@@ -315,7 +320,7 @@ class FeatureDraft(nn.Module):
     def _static_pass(self, feeds: list[DraftFeed], kv: StaticKV) -> torch.Tensor:
         device = self.embed.device
         tokens, batch = kv.layout(feeds, device)  # [B, k]; pads: token 0 at the scratch position
-        width, dtype = tokens.shape[1], self.norm.weight.dtype
+        width, dtype = tokens.shape[1], self.dtype
         g = torch.stack([F.pad(f.features.to(device, dtype), (0, 0, 0, width - len(f.tokens))) for f in feeds])  # [B, k, H]
 
         def attend(q, k, v):
@@ -384,7 +389,7 @@ class FeatureDraftRuntime(DraftRole):
         self.model, self.identity, self.name = model.eval().requires_grad_(False), identity, name
         self.layer_config = model.layer_config
         self.forward_passes = 0
-        self.kv = StaticKV.of_layers(model.layer_config, model.norm.weight.dtype, self.device,
+        self.kv = StaticKV.of_layers(model.layer_config, model.dtype, self.device,
                                      static) if kv == "static" else None
         self.max_pass_sessions = None if self.kv is None else self.kv.max_pass_sessions  # the workers group by it
         self.chain_steps = chain_steps if self.kv is not None else 0
@@ -417,6 +422,11 @@ class FeatureDraftRuntime(DraftRole):
         self.model.rollback(session, length)
         session.exact = min(session.exact, length)
 
+    def close(self) -> None:
+        for captured in self._chains.values():
+            captured.close()
+        self._chains.clear()
+
     @torch.inference_mode()
     def add_features(self, session: FeatureSession, states: torch.Tensor, start: int) -> None:
         held = 0 if session.features is None else len(session.features)
@@ -425,7 +435,7 @@ class FeatureDraftRuntime(DraftRole):
         if states.ndim != 3 or states.shape[1:] != (self.model.config.reads, self.hidden_size):
             raise InvalidRequestError(f"features of shape {list(states.shape)}, not [tokens, "
                                       f"{self.model.config.reads}, {self.hidden_size}]")
-        g = self.model.feature(states.to(self.device, torch.float32))  # [m, H]
+        g = self.model.feature(states.to(self.device, self.model.dtype))  # [m, H]: the target's states, in the draft's dtype
         session.features = g if not start else torch.cat([session.features[:start], g])
         session.exact = min(session.exact, start)
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from specdec.errors import IncompatibleModelsError, InvalidRequestError, ModelSourceError
-from specdec.models.cache import Feed, KVSession, ReferenceKV, SlotKV, supports_slots
+from specdec.errors import IncompatibleModelsError, InvalidRequestError
+from specdec.models.cache import Feed, KVSession, ReferenceKV, SlotKV, StateReader, supports_slots
 from specdec.models.static import StaticKV, StaticOptions
 from specdec.models.formats import scales_activations_per_pass
 
@@ -109,11 +109,22 @@ class Scores:
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share. A cache and the history it is synced to differ, if
+    at all, in their last few tokens (a rejected candidate), so the head is compared as slices (at C
+    speed) and only the tail token by token: every session pays this every step."""
     n = min(len(a), len(b))
-    for i in range(n):
+    if a[:n] == b[:n]:
+        return n
+    start = max(0, n - TAIL)
+    if a[:start] != b[:start]:
+        start = 0
+    for i in range(start, n):
         if a[i] != b[i]:
             return i
     return n
+
+
+TAIL = 32  # `common_prefix_length`'s tail compared token by token
 
 
 # The torch runtime's KV caches by name (`--kv-cache`): one ragged pass over per-session slots that
@@ -159,6 +170,10 @@ class Runtime(ABC):
     @abstractmethod
     def new_session(self) -> KVSession: ...
 
+    def close(self) -> None:
+        """Release now what the runtime holds beyond Python's memory (captured CUDA graphs), rather
+        than whenever the collector gets to it. The runtime is not used after."""
+
     @abstractmethod
     def rollback(self, session: KVSession, length: int) -> None:
         """Keep only the first `length` cached positions."""
@@ -190,40 +205,30 @@ class CausalLMRuntime(Runtime):
         drafting steps and verifications replay captured CUDA graphs: models/static.py)."""
         self.model = model.eval()
         self.identity, self.name = identity, name
+        config = model.config  # read once: every session asks for these every step
+        self._vocab_size, self._hidden_size = config.vocab_size, config.hidden_size
         if kv != "reference" and not supports_slots(self.model):
             kv = "reference"  # sliding-window layers: one session per pass
         self.kv = StaticKV(self.model, static) if kv == "static" else KV_KINDS[kv](self.model)
         self.max_pass_sessions = getattr(self.kv, "max_pass_sessions", None)  # the static cache's rows
+        self._max_context = min(config.max_position_embeddings, getattr(self.kv, "capacity", float("inf")))
         self.max_tokens_per_pass = max_tokens_per_pass
         self.first_token_alone = scales_activations_per_pass(self.model)
         self.forward_passes = 0
-        self._caught: dict[int, list[torch.Tensor]] | None = None  # read_features: each read module's outputs
-        self._reading = False  # inside this runtime's pass
 
     def read_features(self, layers: list[int] | None) -> None:
         """From now on every pass also returns the states after these decoder layers (0-based; None:
         the output state, after the final norm) at every fed position (`PassOutputs.features`): what
-        a feature draft reads (models/feature_draft.py). Forward hooks: transformers' layers stay as
-        they are, and a pass that reads nothing pays nothing. Asking again for the same is a no-op."""
-        if self._caught is not None:
+        a feature draft reads (models/feature_draft.py), on every KV cache, a static cache's captured
+        passes included (models/cache.py `StateReader`). Asking again for the same is a no-op."""
+        if self.returns_features:
             if layers != self._read_layers:
                 raise IncompatibleModelsError(f"this target already hands out the states of layers "
                                               f"{self._read_layers}, not {layers}")
             return
-        if isinstance(self.kv, StaticKV):  # its passes are padded to [B, k] and replayed as graphs
-            raise ModelSourceError("a feature draft reads the target's states from the slot cache's passes: "
-                                   "run it with --kv-cache slots")
         body = self.model.model
-        modules = [body.norm] if layers is None else [body.layers[i] for i in layers]
-        self._caught = {i: [] for i in range(len(modules))}
+        self.kv.reader = StateReader([body.norm] if layers is None else [body.layers[i] for i in layers])
         self._read_layers, self.returns_features = layers, True
-
-        def catch(i: int, out) -> None:
-            if self._reading:  # not a forward of the model outside this runtime's passes
-                self._caught[i].append(out[0] if isinstance(out, tuple) else out)
-
-        for i, module in enumerate(modules):
-            module.register_forward_hook(lambda _module, _args, out, i=i: catch(i, out))
 
     @property
     def sets_up_per_shape(self) -> bool:
@@ -235,15 +240,15 @@ class CausalLMRuntime(Runtime):
 
     @property
     def vocab_size(self) -> int:
-        return self.model.config.vocab_size
+        return self._vocab_size
 
     @property
     def hidden_size(self) -> int:
-        return self.model.config.hidden_size
+        return self._hidden_size
 
     @property
     def max_context(self) -> int:
-        return min(self.model.config.max_position_embeddings, getattr(self.kv, "capacity", float("inf")))
+        return self._max_context
 
     def new_session(self) -> KVSession:
         return self.kv.new_session()
@@ -251,24 +256,22 @@ class CausalLMRuntime(Runtime):
     def rollback(self, session: KVSession, length: int) -> None:
         self.kv.rollback(session, length)
 
+    def close(self) -> None:
+        if isinstance(self.kv, StaticKV):
+            self.kv.close()
+
     @torch.inference_mode()
     def _forward(self, feeds: list[Feed]) -> PassOutputs:
         """The LM head runs only on the positions asked for."""
-        fed: dict[int, list[torch.Tensor]] | None = {id(f.session): [] for f in feeds} if self._caught else None
-        self._reading = fed is not None
-        try:
-            return self._forward_reading(feeds, fed)
-        finally:
-            self._reading = False
-
-    def _forward_reading(self, feeds: list[Feed], fed: dict[int, list[torch.Tensor]] | None) -> PassOutputs:
+        # with `read_features`: each feed's read states, pass by pass
+        fed: dict[int, list[torch.Tensor]] | None = {id(f.session): [] for f in feeds} if self.returns_features else None
         if self.first_token_alone:
             feeds = self._feed_first_tokens(feeds, fed)
         logits, hidden = [], []
         done = 0
         for part in self._passes(feeds):
-            states = self.kv.hidden_states(self.model, part, protected=feeds[done:])  # [sum num_outputs, H]
-            self._take_features(part, fed)
+            states, read = self.kv.hidden_states(self.model, part, protected=feeds[done:])  # [sum num_outputs, H]
+            keep_features(part, read, fed)
             done += len(part)
             logits.append(self.model.lm_head(states).float())  # [sum num_outputs, V]
             hidden.append(states.float())
@@ -282,18 +285,6 @@ class CausalLMRuntime(Runtime):
             torch.cuda.synchronize(logits[0].device)
         features = [torch.cat(fed[id(f.session)]) for f in feeds] if fed is not None else None
         return PassOutputs(logits[0], hidden[0], PassOutputs.bounds_of(feeds), features)
-
-    def _take_features(self, part: list[Feed], fed: dict[int, list[torch.Tensor]] | None) -> None:
-        """The read modules' outputs of the pass over `part` ([1, T, H] each, or one per feed on the
-        reference path), split by feed into `fed` as [n, reads, H] bfloat16."""
-        if fed is None:
-            return
-        layers = [torch.cat([o.reshape(-1, o.shape[-1]) for o in outs]) for outs in self._caught.values()]
-        for outs in self._caught.values():
-            outs.clear()
-        states = torch.stack(layers, dim=1).to(torch.bfloat16)  # [T, reads, H]
-        for feed, rows in zip(part, states.split([len(f.tokens) for f in part])):
-            fed[id(feed.session)].append(rows)
 
     def _feed_first_tokens(self, feeds: list[Feed], fed: dict | None = None) -> list[Feed]:
         """Feed the first token of every session that starts in this call in a pass of its own; returns
@@ -311,8 +302,8 @@ class CausalLMRuntime(Runtime):
             return feeds
         sinks = [Feed(feeds[i].session, feeds[i].tokens[:1], 0) for i in starting]
         for part in self._passes(sinks):
-            self.kv.hidden_states(self.model, part, protected=feeds)
-            self._take_features(part, fed)
+            _, read = self.kv.hidden_states(self.model, part, protected=feeds)
+            keep_features(part, read, fed)
             for feed in part:
                 feed.session.tokens.extend(feed.tokens)
             self.forward_passes += 1
@@ -335,6 +326,15 @@ class CausalLMRuntime(Runtime):
             passes[-1].append(feed)
             tokens += len(feed.tokens)
         return passes
+
+
+def keep_features(part: list[Feed], read: list[torch.Tensor] | None, fed: dict[int, list[torch.Tensor]] | None) -> None:
+    """A pass's read states of each feed of `part` ([n, reads, H]) into `fed`, by session, in
+    bfloat16: the layout the wire and the training shards carry (models/feature_draft.py `pack_states`)."""
+    if fed is None:
+        return
+    for feed, rows in zip(part, read):
+        fed[id(feed.session)].append(rows.to(torch.bfloat16))
 
 
 class DraftRole(Runtime):

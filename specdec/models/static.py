@@ -28,6 +28,8 @@ tests compare against. The cache's settings (rows, capacity, graphs, buckets) ar
 
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +38,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from specdec.models.cache import Feed, KVSession
+from specdec.models.cache import Feed, KVSession, PassRows, StateReader, reading
 from specdec.models.pool import SlotPool
 
 STATIC_ATTENTION = "specdec_static"
@@ -45,6 +47,21 @@ DEFAULT_CAPACITY = 4096  # positions per row
 GRAPH_SESSIONS = (1, 2, 4, 8, 16, 32, 64)  # captured batch sizes (a pass is padded up to one)
 GRAPH_TOKENS = (1, 2, 4, 8, 16)  # captured tokens per session
 MIN_GRAPH_LENGTH = 256  # gathered positions per row, captured in powers of two from here
+PREFILL_TOKENS = 8192  # padded tokens one pass of long feeds computes at most
+
+
+def prefill_groups(indices: list[int], lengths: list[int], most_tokens: int) -> list[list[int]]:
+    """The long feeds `indices` (their lengths by index) in as few padded passes as `most_tokens`
+    allows: longest first, a pass taking the next feed while its sessions x its longest feed fit
+    (a feed longer than that alone is a pass of its own). Worked example, most_tokens 100: lengths
+    90, 40, 30, 20 -> [90], [40, 30] (2 x 40 = 80; a third would make 120), [20]."""
+    groups: list[list[int]] = []
+    for i in sorted(indices, key=lambda i: -lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= most_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def bucket(value: int, sizes) -> int | None:
@@ -65,6 +82,9 @@ class StaticOptions:
     graph_sessions: tuple[int, ...] = GRAPH_SESSIONS  # the buckets' sessions per pass
     graph_tokens: tuple[int, ...] = GRAPH_TOKENS  # the buckets' tokens per session (a longer feed: a pass of its own)
     min_graph_length: int = MIN_GRAPH_LENGTH  # the buckets' gathered positions: powers of two from here
+    # the most tokens one eager pass over long feeds (prefills, catch-ups) computes, padding included
+    # (sessions x the longest feed): sessions joining at once share a pass up to it
+    prefill_tokens: int = PREFILL_TOKENS
 
 
 @dataclass
@@ -108,6 +128,7 @@ class StaticKV:
         on_cuda = devices[0].type == "cuda"
         self.graphs = options.graphs and (len(set(devices)) == 1 if on_cuda else options.pad_off_cuda)
         self._captured: dict[tuple[int, int, int], CapturedPass] = {}
+        self._reader: StateReader | None = None
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs and on_cuda else None  # shared by every capture
 
     def new_session(self) -> KVSession:
@@ -116,24 +137,33 @@ class StaticKV:
     def rollback(self, session: KVSession, length: int) -> None:
         del session.tokens[length:]  # the row's positions past `length` become scratch
 
-    def hidden_states(self, model, feeds: list[Feed], protected: list[Feed] = ()) -> torch.Tensor:
-        """One pass over every feed (at most `max_pass_sessions`); returns the final hidden states
-        [sum num_outputs, H] of each feed's last num_outputs positions, feed by feed. A row is taken
-        from the least recently used session outside `feeds` and `protected` (the call's later passes)."""
+    def hidden_states(self, model, feeds: list[Feed], protected: list[Feed] = ()) -> PassRows:
+        """Every feed (at most `max_pass_sessions`) in the passes `in_passes` groups them into
+        (`PassRows`). A row is taken from the least recently used session outside `feeds` and
+        `protected` (the call's later passes)."""
         self.attach(feeds, protected)
         return self.in_passes(feeds, lambda group: self._pass(model, group), [f.num_outputs for f in feeds])
 
-    def in_passes(self, feeds: list, run, counts: list[int]) -> torch.Tensor:
-        """`run(group)` -> rows [sum of the group's counts] over the short feeds padded together and
-        each long one (a prefill, a catch-up) in a pass of its own; the rows put back feed by feed."""
+    def in_passes(self, feeds: list, run, counts: list[int]) -> PassRows:
+        """`run(group)` -> `PassRows` of the group ([sum of its counts] rows, its feeds' read states or
+        None) over the short feeds padded together into one pass (what a graph replays) and the long
+        ones (prefills, catch-ups) padded together into as few eager passes as `prefill_tokens`
+        allows, longest first: sessions joining at once are one prefill pass, not one each, and a
+        prefill never pads a step's one-token feeds to its length. The rows put back feed by feed."""
         most = self.options.graph_tokens[-1]
         short = [i for i, f in enumerate(feeds) if len(f.tokens) <= most]
-        groups = ([short] if short else []) + [[i] for i, f in enumerate(feeds) if len(f.tokens) > most]
+        groups = ([short] if short else []) + prefill_groups(
+            [i for i, f in enumerate(feeds) if len(f.tokens) > most], [len(f.tokens) for f in feeds],
+            self.options.prefill_tokens)
         if len(groups) == 1:
             return run(feeds)
-        parts = {i: part for group in groups
-                 for i, part in zip(group, run([feeds[i] for i in group]).split([counts[i] for i in group]))}
-        return torch.cat([parts[i] for i in range(len(feeds))])
+        rows, read = {}, {}
+        for group in groups:
+            hidden, states = run([feeds[i] for i in group])
+            rows.update(zip(group, hidden.split([counts[i] for i in group])))
+            read.update(zip(group, states or ()))
+        return (torch.cat([rows[i] for i in range(len(feeds))]),
+                [read[i] for i in range(len(feeds))] if read else None)
 
     def attach(self, feeds: list[Feed], protected: list[Feed] = (), steps: int = 0) -> None:
         """A row for each feed's session (taken from the least recently used session outside `feeds`
@@ -147,19 +177,24 @@ class StaticKV:
                 raise ValueError(f"a session of {length} positions does not fit the static cache's "
                                  f"{self.capacity} (raise its capacity)")
 
-    def _pass(self, model, feeds: list[Feed]) -> torch.Tensor:
-        """One [B, k] pass over feeds whose sessions hold rows: hidden states [sum num_outputs, H]."""
+    def _pass(self, model, feeds: list[Feed]) -> PassRows:
+        """One [B, k] pass over feeds whose sessions hold rows (`PassRows`)."""
         input_ids, batch = self.layout(feeds, model.device)
         captured = self.captured_pass(model, *input_ids.shape, batch.length) if self.graphs else None
-        if captured is not None:
-            last_hidden = captured.run(input_ids, batch)  # [B, k, H]
-        else:
-            last_hidden = self.forward(model, input_ids, batch)
+        # [B, k, H] and [B, k, reads, H]: a replay's are the graph's own tensors, overwritten by the
+        # next replay, so what is kept is gathered (a copy) here
+        last_hidden, states = captured.run(input_ids, batch) if captured is not None else self.forward(
+            model, input_ids, batch)
         device = model.device
         rows = [(b, i) for b, f in enumerate(feeds) for i in range(len(f.tokens) - f.num_outputs, len(f.tokens))]
         index_b = torch.tensor([b for b, _ in rows], dtype=torch.long, device=device)  # empty where nothing is read
         index_i = torch.tensor([i for _, i in rows], dtype=torch.long, device=device)
-        return last_hidden[index_b, index_i]  # [sum num_outputs, H]
+        if states is None:
+            return last_hidden[index_b, index_i], None  # [sum num_outputs, H]
+        fed_b = torch.tensor([b for b, f in enumerate(feeds) for _ in f.tokens], dtype=torch.long, device=device)
+        fed_i = torch.tensor([i for f in feeds for i in range(len(f.tokens))], dtype=torch.long, device=device)
+        read = states[fed_b, fed_i].split([len(f.tokens) for f in feeds])  # each [len(tokens), reads, H]
+        return last_hidden[index_b, index_i], list(read)
 
     def layout(self, feeds: list[Feed], device: torch.device) -> tuple[torch.Tensor, StaticBatch]:
         """(input_ids [B, k], their batch) for one pass over feeds whose sessions hold rows (the module
@@ -179,11 +214,26 @@ class StaticKV:
                                  device=device)  # [B, k]
         return input_ids, batch
 
-    def forward(self, model, input_ids: torch.Tensor, batch: StaticBatch) -> torch.Tensor:
-        """input_ids [B, k] -> the final hidden states [B, k, H], writing the tokens' keys and values."""
-        return model.model(input_ids=input_ids, position_ids=batch.positions.clamp(max=self.capacity - 1),
-                           attention_mask={"full_attention": None}, use_cache=False, static=batch,
-                           static_kv=self).last_hidden_state
+    def forward(self, model, input_ids: torch.Tensor, batch: StaticBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids [B, k] -> (the final hidden states [B, k, H], the reader's states [B, k, reads, H]
+        or None), writing the tokens' keys and values. Captured, both are the graph's outputs: the
+        reader's hooks run while the graph is captured and the stack of what they caught is one of
+        its kernels, so a replay hands out the states without running Python."""
+        with reading(self.reader):
+            hidden = model.model(input_ids=input_ids, position_ids=batch.positions.clamp(max=self.capacity - 1),
+                                 attention_mask={"full_attention": None}, use_cache=False, static=batch,
+                                 static_kv=self).last_hidden_state
+        return hidden, None if self.reader is None else self.reader.take()
+
+    @property
+    def reader(self) -> StateReader | None:
+        return self._reader
+
+    @reader.setter
+    def reader(self, reader: StateReader | None) -> None:
+        """Set by the runtime (`read_features`); a graph captured before returns no states: dropped."""
+        self.close()
+        self._reader = reader
 
     def graph_bucket(self, sessions: int, tokens: int, length: int) -> tuple[int, int, int] | None:
         """The bucket (sessions, tokens, gathered length) a pass of this size is padded to and
@@ -196,6 +246,12 @@ class StaticKV:
     def graph_lengths(self) -> list[int]:
         """The buckets' gathered positions a row: powers of two from `min_graph_length`, up to the row's."""
         return [n for n in (self.options.min_graph_length << i for i in range(32)) if n <= self.capacity + 1]
+
+    def close(self) -> None:
+        """Destroy the captured graphs now (their memory stays in the pool until the cache goes)."""
+        for captured in self._captured.values():
+            captured.close()
+        self._captured.clear()
 
     def captured_pass(self, model, sessions: int, tokens: int, length: int) -> CapturedPass | None:
         """The graph for this pass's bucket, captured at its first use (None: `graph_bucket`'s)."""
@@ -229,12 +285,18 @@ class CapturedPass:
                                  torch.full((sessions, tokens), scratch_position, device=device),
                                  torch.zeros((sessions, 1, tokens, length), dtype=torch.bool, device=device), length)
         self.batch.mask[..., 0] = True
-        if device.type == "cuda":
-            self.graph, self.hidden = capture(lambda: kv.forward(model, self.input_ids, self.batch), device,
-                                              kv._graph_pool, warmup)  # hidden [B, k, H]
+        if device.type == "cuda":  # the outputs: hidden [B, k, H], the reader's states [B, k, reads, H] or None
+            self.graph, self.outputs = capture(lambda: kv.forward(model, self.input_ids, self.batch), device,
+                                               kv._graph_pool, warmup)
 
-    def run(self, input_ids: torch.Tensor, batch: StaticBatch) -> torch.Tensor:
-        """input_ids [b, t] and its batch (b <= B, t <= k, its length <= L) -> hidden [b, t, H]."""
+    def close(self) -> None:
+        if self.graph is not None:
+            self.graph.reset()
+            self.graph = None
+
+    def run(self, input_ids: torch.Tensor, batch: StaticBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids [b, t] and its batch (b <= B, t <= k, its length <= L) -> `StaticKV.forward`'s
+        outputs for them ([b, t, ...]; replayed: views of the graph's outputs, valid until the next replay)."""
         b, t = input_ids.shape
         self.input_ids.zero_()
         self.input_ids[:b, :t] = input_ids
@@ -245,15 +307,25 @@ class CapturedPass:
         self.batch.mask.zero_()
         self.batch.mask[..., 0] = True
         self.batch.mask[:b, :, :t, :batch.length] = batch.mask
-        if self.graph is None:
-            return self.kv.forward(self.model, self.input_ids, self.batch)[:b, :t]
+        hidden, states = self.kv.forward(self.model, self.input_ids, self.batch) if self.graph is None else (
+            self.replay())
+        return hidden[:b, :t], None if states is None else states[:b, :t]
+
+    def replay(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.graph.replay()
-        return self.hidden[:b, :t]
+        return self.outputs
 
 
 def capture(run, device: torch.device, pool, warmup: int = 2):
     """(the CUDA graph of `run()`, its outputs), captured into the memory pool `pool` after `warmup`
-    runs on a side stream (cuBLAS and the allocator set up outside the capture, as torch.cuda.graphs asks)."""
+    runs on a side stream (cuBLAS and the allocator set up outside the capture, as torch.cuda.graphs asks).
+
+    Nothing may destroy a graph while a stream captures: CUDA refuses the call and invalidates the
+    capture. A graph left in a reference cycle (another runtime's, dropped but not yet collected) is
+    destroyed whenever Python's collector runs, and it runs at any allocation inside `run()`; so
+    the garbage is collected before the capture and the collector paused during it (torch's
+    `graph` collects before a capture only when `force_cudagraph_gc` is set). The capture is
+    thread-local: CUDA calls of other threads (a server's, the event loop's) cannot invalidate it."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -261,9 +333,22 @@ def capture(run, device: torch.device, pool, warmup: int = 2):
             run()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with collector_paused(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         outputs = run()
     return graph, outputs
+
+
+@contextmanager
+def collector_paused():
+    """The garbage collected now, and Python's collector paused until the block ends (`capture`)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def static_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -163,3 +163,23 @@ def test_a_chain_is_judged_at_once_as_its_steps_are_one_at_a_time():
         assert ahead.judged[k][1] is None
         assert [ahead.judged[k][0], ahead.judged[k][2]] == pytest.approx(expected, abs=1e-5)
     assert ahead.judged[0][0] != pytest.approx(ahead.judged[0][2], abs=1e-6)  # the rows differ
+
+
+@pytest.mark.gpu
+def test_a_runtime_captures_while_another_one_lies_in_a_reference_cycle():
+    """Two engines in one process (an H200 run: the second one's capture was invalidated when the
+    first one's chain graphs, dropped in a reference cycle, were collected mid-capture). On the CPU
+    nothing is captured and this passes whatever `capture` does: it is a GPU test
+    (`SPECDEC_TEST_DEVICE=cuda`, benchmarks/gpu/run.sh); tests/core/models/test_static.py checks the
+    collector's pause on the CPU."""
+    first = runtime("static", graphs=True, pad_off_cuda=True)
+    first.capture_graphs()
+    first.cycle = first  # garbage once dropped, freed only by the collector
+    del first
+    second, reference = runtime("static", graphs=True, pad_off_cuda=True), runtime("static")
+    second.capture_graphs()
+    (sessions, first_out), (ref_sessions, _) = started(second), started(reference)
+    tokens = first_out.logits.argmax(-1).tolist()
+    assert_same_steps(second.chain(sessions, tokens, 5), stepped(reference, ref_sessions, tokens, 5))
+    second.close()
+    assert not second._chains

@@ -153,3 +153,22 @@ def test_the_runtimes_scores_carry_no_autograd_graph():
     outputs = runtime.start([session], [[1, 2, 3, 4]])
     assert not outputs.logits.requires_grad and not outputs.hidden.requires_grad
     assert not runtime.step([session], [5]).logits.requires_grad
+
+
+def test_a_bfloat16_draft_takes_the_targets_states_in_its_own_dtype():
+    """On a GPU both models run in bfloat16 (`--dtype auto`): the states every verification hands the
+    draft are taken in the draft's dtype, and its rounds draft (cast to float32 instead, every
+    Propose that carried states failed there: 'expected mat1 and mat2 to have the same dtype')."""
+    from specdec.engine import SpecDecEngine
+    from specdec.models.feature_draft import FeatureDraftRuntime
+    from specdec.models.runtime import TargetRuntime
+    from specdec.params import GenerationParams
+    from specdec.policies import PolicyConfig
+    from tiny import tiny_feature_draft, tiny_model
+
+    target = tiny_model(8, hidden_size=16, layers=2, seed=3, init_range=0.5).to(torch.bfloat16)
+    draft = tiny_feature_draft(target, seed=1).to(torch.bfloat16)
+    engine = SpecDecEngine(FeatureDraftRuntime(draft), TargetRuntime(target))
+    params = GenerationParams(max_new_tokens=12, chat_template=False, policy=PolicyConfig(name="fixed", k=3))
+    result = engine.generate_ids([1, 2, 3, 4], params)
+    assert result.completions[0].finish_reason == "length" and result.stats.draft_tokens > 0

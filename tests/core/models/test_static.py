@@ -134,7 +134,7 @@ def test_a_pass_that_reads_no_output_runs():
     """A session's first token fed alone (int8 weights, models/runtime.py `_feed_first_tokens`)."""
     target = small_static(tiny_model(VOCAB, hidden_size=32, layers=2, seed=7), slots=2)
     session = target.new_session()
-    assert target.kv.hidden_states(target.model, [Feed(session, [3], 0)]).shape == (0, 32)
+    assert target.kv.hidden_states(target.model, [Feed(session, [3], 0)])[0].shape == (0, 32)
 
 
 
@@ -151,3 +151,80 @@ def test_a_step_of_more_sessions_than_rows_drafts_in_groups_that_fit():
     want = plain.generate_many(prompts, build_params(policy="target-only", max_new_tokens=12, chat_template=False))
     assert [r.completions[0].token_ids for r in got] == [r.completions[0].token_ids for r in want]
     assert sum(r.stats.accepted_tokens for r in got) > 0
+
+
+def test_no_garbage_is_collected_while_a_graph_is_captured():
+    """A CUDA graph destroyed while a stream captures invalidates the capture (an H200 run: a dropped
+    engine's chain graphs, held in a reference cycle, were collected during another engine's
+    capture). `capture` collects before and pauses the collector during: garbage made before is
+    gone when the block starts, and garbage made inside, however much allocation follows, waits."""
+    from specdec.models.static import collector_paused
+
+    collected = []
+
+    class Graph:  # stands in for a captured graph: its destructor is what must not run mid-capture
+        def __init__(self, name):
+            self.name, self.cycle = name, self
+
+        def __del__(self):
+            collected.append((self.name, inside))
+
+    inside = False
+    Graph("before")
+    with collector_paused():
+        inside = True
+        Graph("during")
+        _ = [[object()] for _ in range(100_000)]  # enough allocation to trigger the collector
+        inside = False
+    gc.collect()
+    assert collected == [("before", False), ("during", False)]
+
+
+@pytest.mark.parametrize("policy", ["target-only", "fixed"])
+def test_a_step_makes_one_target_pass_whatever_the_sessions(policy):
+    """Sessions joining at once prefill in one padded pass, and every later step is one pass of all
+    of them (padded to its bucket as a graph replays it): the passes a run makes do not grow with
+    its sessions (an H200 run: 64 sessions joining made 64 eager prefill passes of ~20 ms, and the
+    loop's pass per step grew from 6 to 77 ms)."""
+    options = dict(slots=8, capacity=128, graphs=True, pad_off_cuda=True, min_graph_length=32)
+
+    def passes(sessions: int) -> list[int]:
+        """The static passes of each of the target's calls (`_forward`) while `sessions` decode."""
+        target = small_static(tiny_model(VOCAB, hidden_size=32, layers=2, seed=7), **options)
+        draft = DraftRuntime(tiny_model(VOCAB, hidden_size=32, layers=2, seed=7), kv="static",
+                             static=StaticOptions(**options))  # a self-draft: greedy accepts every candidate
+        engine = SpecDecEngine(draft, target)
+        counts, kv_pass, forward = [], target.kv._pass, target._forward
+        target.kv._pass = lambda model, feeds: counts.__setitem__(-1, counts[-1] + 1) or kv_pass(model, feeds)
+        target._forward = lambda feeds: counts.append(0) or forward(feeds)
+        prompts = [[(5 * i + j) % VOCAB for j in range(19 + 3 * i)] for i in range(sessions)]  # 19-40 tokens: past the buckets' 16
+        engine.generate_many(prompts, build_params(policy=policy, k=3, max_new_tokens=12, chat_template=False))
+        return counts
+
+    one, eight = passes(1), passes(8)
+    assert one == eight and set(one) == {1}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layers", [[0, 1], None])  # two decoder layers' outputs; the output state
+def test_a_static_pass_hands_out_the_states_a_slot_pass_does(layers):
+    """A feature draft's target on the static cache: every pass, the prefill of sessions joining
+    together, the padded (on CUDA: captured and replayed) verifications, returns the read layers'
+    states at every position it fed, as the slot cache's pass does (bfloat16 both)."""
+    options = dict(slots=4, capacity=128, graphs=True, pad_off_cuda=True, min_graph_length=32)
+    static = small_static(tiny_model(VOCAB, hidden_size=32, layers=2, seed=7).to(DEVICE), **options)
+    slots = TargetRuntime(tiny_model(VOCAB, hidden_size=32, layers=2, seed=7).to(DEVICE))
+    for runtime in (static, slots):
+        runtime.read_features(layers)
+    histories = [list(range(1, 25)), [5, 6, 7], [9] * 30]
+    sessions = {runtime: [runtime.new_session() for _ in histories] for runtime in (static, slots)}
+    for round_index in range(3):
+        candidates = [[(3 * b + round_index) % VOCAB] * ((b + round_index) % 3) for b in range(len(histories))]
+        got, want = (runtime.score(sessions[runtime], histories, candidates) for runtime in (static, slots))
+        assert got.starts == want.starts
+        for g, w in zip(got.features, want.features):
+            assert g.dtype == w.dtype == torch.bfloat16 and g.shape == w.shape
+            torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
+        for b in range(len(histories)):
+            histories[b] = histories[b] + candidates[b] + [int(want[b][-1].argmax())]
+    assert static.kv._captured  # the verifications replayed (off CUDA: padded to) their buckets
