@@ -87,6 +87,7 @@ class Wire:
     # the verifications since the last Propose wait in `features` (they end at features_at).
     features_at: int = 0
     features: list = field(default_factory=list)
+    reads_features: bool = False  # its draft reads the target's states (RoundCalls._reads_features), decided once
 
     def features_for_draft(self, full: bool) -> tuple[object, int]:
         """(states [m, reads, H] or None, their first position) for the next Propose. A draft that
@@ -129,9 +130,9 @@ class RoundCalls:
             wire = self._wire[s.session_id]
             wire.outcomes.append((len(proposals.get(s, NO_PROPOSAL).candidates), verdict.num_accepted))
             wire.unsent += 1
-            if self._reads_features(s):
+            if wire.reads_features:
                 wire.features.append(verdict.features)
-                wire.features_at = len(s.sample.history) + verdict.num_accepted
+                wire.features_at = s.sample.length + verdict.num_accepted
         return verdicts, timings
 
     async def time_target(self, tokens: int) -> list[PassTiming]:
@@ -139,10 +140,10 @@ class RoundCalls:
         return (await self.transport.verify([], probe_tokens=tokens)).passes
 
     def _propose_item(self, s: LoopSample, wire: Wire, probe: str | None = None) -> ProposeItem:
-        history, params, full = s.sample.history, s.request.params, wire.synced["draft"] is None
-        features, features_start = wire.features_for_draft(full) if self._reads_features(s) else (None, 0)
+        params, full = s.request.params, wire.synced["draft"] is None
+        features, features_start = wire.features_for_draft(full) if wire.reads_features else (None, 0)
         return ProposeItem(
-            session_id=s.session_id, history=delta_for(history, wire.synced["draft"]),
+            session_id=s.session_id, history=delta_for(s.sample, wire.synced["draft"]),
             policy=params.policy, sampling=params.sampling, max_candidates=self.rules.candidate_budget(s.sample, params),
             num_generated=len(s.sample.generated),
             rounds=list(wire.outcomes if full else wire.outcomes[len(wire.outcomes) - wire.unsent:]),
@@ -152,10 +153,10 @@ class RoundCalls:
     def _verify_item(self, s: LoopSample, wire: Wire, proposals: dict[LoopSample, Proposal]) -> VerifyItem:
         proposal = proposals.get(s, NO_PROPOSAL)
         return VerifyItem(
-            session_id=s.session_id, history=delta_for(s.sample.history, wire.synced["verifier"]),
+            session_id=s.session_id, history=delta_for(s.sample, wire.synced["verifier"]),
             candidates=proposal.candidates, draft_probs=proposal.draft_probs, sampling=s.request.params.sampling,
             seed=RoundSeed(s.request.seed, s.index, s.round_index),
-            features_from=wire.features_at if self._reads_features(s) else None)
+            features_from=wire.features_at if wire.reads_features else None)
 
     def _reads_features(self, s: LoopSample) -> bool:
         """Whether this session's draft reads the target's states: a feature draft's, for a policy that
@@ -172,7 +173,8 @@ class RoundCalls:
         for attempt in range(self.retry.attempts):
             if not pending:
                 return results, timings
-            wires = [self._wire.get(s.session_id) or self._wire.setdefault(s.session_id, Wire()) for s in pending]
+            wires = [self._wire.get(s.session_id) or self._wire.setdefault(s.session_id, Wire(
+                reads_features=self._reads_features(s))) for s in pending]
             items = [build(s, wire) for s, wire in zip(pending, wires)]
             for wire in wires:
                 wire.contacted.add(role)

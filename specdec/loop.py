@@ -214,7 +214,7 @@ class RoundLoop:
         """The round's tokens join the sample's history (streamed, stop conditions checked); None
         where the verdict is impossible or committing fails: that sample fails, no other."""
         request, k, n = s.request, len(proposal.candidates), verdict.num_accepted
-        drafted_after = len(s.sample.history)
+        drafted_after = s.sample.length
         try:
             if not 0 <= n <= k or not 0 <= verdict.next_token < self.rules.vocab_size:
                 raise RuntimeError(f"the verifier answered an impossible verdict ({n} of {k} accepted, "

@@ -123,7 +123,7 @@ class StepPlanner:
 
     def lag(self, s: LoopSample) -> int:
         """Committed tokens the session's draft has not seen (its prompt, before it first drafts)."""
-        return len(s.sample.history) - self._state(s).drafted_at
+        return s.sample.length - self._state(s).drafted_at
 
     def profile(self, sessions: int | None = None) -> CostProfile | None:
         """What a step of `sessions` sessions is priced with (None: nothing measured yet)."""
@@ -137,7 +137,7 @@ class StepPlanner:
         budgeted = [s for s in drafting if s.traits.budgeted]
         if not budgeted:
             return StepPlan(frozenset(s.session_id for s in drafting), other_sessions=len(batch) - len(drafting))
-        ready = [s for s in budgeted if len(s.sample.history) >= self._state(s).rests_until]
+        ready = [s for s in budgeted if s.sample.length >= self._state(s).rests_until]
         key = (tuple(s.session_id for s in batch), tuple(s.session_id for s in ready),
                max(s.request.params.policy.k or MAX_CANDIDATES for s in budgeted))
         if self._idle is not None and self._idle.key == key and self._idle.age < REPRICE_STEPS:
@@ -234,7 +234,7 @@ class StepPlanner:
                     state.empty_rounds = 0
                 elif o.session.traits.budgeted:  # a draft pass spent for an empty round
                     state.empty_rounds += 1
-                    state.rests_until = len(o.session.sample.history) + 1 + rest_after(state.empty_rounds)
+                    state.rests_until = o.session.sample.length + 1 + rest_after(state.empty_rounds)
             if o.candidates:  # n accepted, then one rejected unless all K were
                 self._accepted = self._accepted * ACCEPTANCE_DECAY + o.accepted
                 self._verified = self._verified * ACCEPTANCE_DECAY + o.accepted + (o.accepted < o.candidates)

@@ -46,11 +46,17 @@ class HistoryDelta:
     full: bool  # the tail is the whole history: create or replace the session
 
 
-def delta_for(history: Sequence[int], synced_length: int | None) -> HistoryDelta:
-    """What a worker that last saw the first `synced_length` tokens needs (None: it saw nothing)."""
+def delta_for(sample, synced_length: int | None) -> HistoryDelta:
+    """What a worker that last saw the first `synced_length` tokens of a sample's history needs (None:
+    it saw nothing); `sample` a sequences.SampleState (its `length` and `since` build no history)."""
     if synced_length is None:
-        return HistoryDelta(len(history), list(history), full=True)
-    return HistoryDelta(len(history), list(history[synced_length:]), full=False)
+        return HistoryDelta(sample.length, sample.history, full=True)
+    return HistoryDelta(sample.length, sample.since(synced_length), full=False)
+
+
+def ids_in_range(ids: Sequence[int], vocab_size: int) -> bool:
+    """Every id in [0, vocab_size) (min and max at C speed: every session's ids, every step)."""
+    return not ids or (min(ids) >= 0 and max(ids) < vocab_size)
 
 
 def history_from_delta(held: list[int] | None, delta: HistoryDelta, vocab_size: int) -> list[int] | None:
@@ -63,7 +69,7 @@ def history_from_delta(held: list[int] | None, delta: HistoryDelta, vocab_size: 
     """
     if delta.length < 1:
         raise InvalidRequestError(f"history-length must be at least 1, got {delta.length}")
-    if any(not 0 <= t < vocab_size for t in delta.tail):
+    if not ids_in_range(delta.tail, vocab_size):
         raise InvalidRequestError(f"history token ids must be in [0, {vocab_size})")
     if delta.full:
         if len(delta.tail) != delta.length:

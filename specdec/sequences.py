@@ -40,6 +40,16 @@ class SampleState:
     def history(self) -> list[int]:
         return self.prompt + self.generated
 
+    @property
+    def length(self) -> int:
+        """len(history), without building it (every session asks every step)."""
+        return len(self.prompt) + len(self.generated)
+
+    def since(self, position: int) -> list[int]:
+        """history[position:], without building the whole history."""
+        cut = position - len(self.prompt)
+        return self.generated[cut:] if cut >= 0 else self.prompt[position:] + self.generated
+
 
 # on_update(sample_index, new_token_ids, new_text, finish_reason): after every round that committed
 # something, and once with the finish reason (which may come with the last tokens).
@@ -199,7 +209,7 @@ class RequestRules:
     def candidate_budget(self, seq: SampleState, params: GenerationParams) -> int:
         """Most candidates worth drafting: a round commits K + 1 tokens, so never draft past the
         token budget or the context."""
-        left = min(params.max_new_tokens - len(seq.generated), self.max_context - len(seq.history))
+        left = min(params.max_new_tokens - len(seq.generated), self.max_context - seq.length)
         return max(left - 1, 0)
 
     def commit(self, seq: SampleState, tokens: list[int], params: GenerationParams) -> tuple[list[int], str]:
@@ -212,7 +222,7 @@ class RequestRules:
             if token in self.eos_token_ids:
                 seq.finish_reason = FINISH_STOP
                 break
-            if len(seq.generated) >= params.max_new_tokens or len(seq.history) >= self.max_context:
+            if len(seq.generated) >= params.max_new_tokens or seq.length >= self.max_context:
                 seq.finish_reason = FINISH_LENGTH
                 break
         if self.tokenizer is None:

@@ -18,6 +18,7 @@ T = TypeVar("T")
 
 DEFAULT_MAX_SESSIONS = 256  # KV caches of short chats on one replica; the config may change it
 DEFAULT_TTL_S = 600.0  # a session idle for 10 minutes is abandoned (its client went away)
+SWEEP_INTERVAL_S = 1.0  # how often get and put drop the expired entries
 
 
 class SessionStore(Generic[T]):
@@ -36,14 +37,15 @@ class SessionStore(Generic[T]):
         self.max_sessions, self.ttl_s, self._clock = max_sessions, ttl_s, clock
         self._entries: OrderedDict[str, tuple[T, float]] = OrderedDict()  # id -> (state, last used)
         self._lock = threading.Lock()
+        self._swept = float("-inf")  # when the expired entries were last dropped
 
     def get(self, session_id: str) -> T | None:
         """The session's state (and mark it used), or None when absent or expired."""
         with self._lock:
             now = self._clock()
-            self._evict_expired(now)
+            self._sweep(now)
             found = self._entries.get(session_id)
-            if found is None:
+            if found is None or now - found[1] >= self.ttl_s:
                 return None
             self._entries[session_id] = (found[0], now)
             self._entries.move_to_end(session_id)
@@ -53,7 +55,7 @@ class SessionStore(Generic[T]):
         """Insert or replace; evicts expired entries, then the least recently used beyond the cap."""
         with self._lock:
             now = self._clock()
-            self._evict_expired(now)
+            self._sweep(now)
             self._entries[session_id] = (state, now)
             self._entries.move_to_end(session_id)
             while len(self._entries) > self.max_sessions:
@@ -81,6 +83,13 @@ class SessionStore(Generic[T]):
     def __contains__(self, session_id: str) -> bool:
         with self._lock:
             return session_id in self._entries
+
+    def _sweep(self, now: float) -> None:
+        """`_evict_expired` at most once a second of the clock: every session of a step gets and puts
+        its entry, and an entry's own expiry is checked where it is read."""
+        if now - self._swept >= SWEEP_INTERVAL_S:
+            self._swept = now
+            self._evict_expired(now)
 
     def _evict_expired(self, now: float) -> int:
         # Entries are ordered by last use, so the expired ones are a prefix.

@@ -27,7 +27,7 @@ from specdec.metrics import MS_PER_S
 from specdec.models.runtime import DraftRole, KVSession, TargetRole
 from specdec.policies import PolicyConfig, StoppingPolicy, make_policy
 from specdec.protocol import (Proposal, ProposeItem, Refused, SessionMissing, StepPlan, VerifyItem,
-                              history_from_delta)
+                              history_from_delta, ids_in_range)
 from specdec.rounds import DraftRow, LogitsFilterFactory, TargetRow, propose, verify
 from specdec.sampling import SamplingParams
 from specdec.sessions import SessionStore
@@ -319,7 +319,7 @@ class VerifierWorker(Worker):
         history = history_from_delta(entry.history if entry else None, item.history, vocab)
         if history is None:
             return None
-        if any(not 0 <= t < vocab for t in item.candidates):
+        if not ids_in_range(item.candidates, vocab):
             raise InvalidRequestError(f"candidate token ids must be in [0, {vocab})")
         if len(history) + len(item.candidates) >= self.target.max_context:
             raise InvalidRequestError(
