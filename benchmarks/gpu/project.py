@@ -20,7 +20,9 @@ Drafts:
 
 Policy: `best-fixed` is the fixed K that is best in hindsight for this acceptance and these costs
 (the adaptive rule chooses K per round and can beat it). `+host` adds the host time per pass that
-bench.py's loop section measured to both sides.
+bench.py's loop section measured (the static cache's loop where the run has it, while decoding
+where it tells decoding apart) to both sides; `served` adds to the speculative side the ms per step
+the transport section measured the gRPC round services adding (against plain decoding in process).
 
 `default` (specdec++cost; `--replay DRAFT=CACHE,HEAD`): the round loop replayed over the draft's
 head validation tokens (benchmarks/replay_rules.py: each round's candidates and their acceptance
@@ -143,20 +145,33 @@ def feature_step_ms(name: str, target_ms: float, bandwidth: float) -> float:
 
 
 def host_per_pass(loop: dict, policy: str, concurrency: int) -> float | None:
-    """Host ms per verification pass the loop measured at the nearest concurrency."""
+    """Host ms per verification pass the loop measured at the nearest concurrency: while decoding
+    where the run tells it apart from the prefill (`decode_host_ms_per_target_pass`), else over the run."""
     rows = {row["concurrency"]: row for key, row in loop.items()
             if isinstance(row, dict) and key.startswith(policy + "@") and "host_ms_per_target_pass" in row}
     if not rows:
         return None
-    nearest = min(rows, key=lambda c: abs(c - concurrency))
-    return rows[nearest]["host_ms_per_target_pass"]
+    row = rows[min(rows, key=lambda c: abs(c - concurrency))]
+    return row.get("decode_host_ms_per_target_pass", row["host_ms_per_target_pass"])
 
 
-def load_results(folder: Path) -> tuple[dict, dict, dict]:
-    """(passes by shape, loop rows, feature-draft steps by target shape) from every bench.py JSON in
-    `folder`, in name order: a later run fills the rows an earlier one lacks, and its loop rows
-    replace the earlier ones."""
-    passes, loop, feature = {}, {}, {}
+def transport_per_step(transport: dict, concurrency: int) -> float | None:
+    """The ms per step bench.py's transport section measured the gRPC round services adding, at the
+    nearest concurrency (None: not measured)."""
+    rows = {int(key.split("=")[1]): row["grpc_ms_per_step"] for key, row in transport.items()
+            if isinstance(row, dict) and "grpc_ms_per_step" in row}
+    return rows[min(rows, key=lambda c: abs(c - concurrency))] if rows else None
+
+
+LOOPS = ("qwen2.5-1.5b/static", "qwen2.5-1.5b")  # the loop whose host work prices a step: the captured one first
+
+
+def load_results(folder: Path) -> tuple[dict, dict, dict, dict]:
+    """(passes by shape, loop rows, feature-draft steps by target shape, transport rows) from every
+    bench.py JSON in `folder`, in name order: a later run fills the rows an earlier one lacks (a
+    second run may hold only the 32B passes), and its loop and transport rows replace the earlier
+    ones. The loop is the static cache's (what a GPU runs) where the run has it."""
+    passes, loop, feature, transport = {}, {}, {}, {}
     for path in sorted(folder.glob("*.json")):
         sections = json.loads(path.read_text()).get("sections", {})
         for section, into in (("passes", passes), ("feature", feature)):
@@ -167,8 +182,11 @@ def load_results(folder: Path) -> tuple[dict, dict, dict]:
                 for key, row in rows.items():
                     if "captured_ms" not in mine.get(key, {}):
                         mine[key] = row
-        loop = sections.get("loop", {}).get("qwen2.5-1.5b", loop)
-    return passes, loop, feature
+        loops = sections.get("loop", {})
+        loop = next((loops[name] for name in LOOPS if isinstance(loops.get(name), dict) and "error" not in loops[name]),
+                    loop)
+        transport = next(iter(sections.get("transport", {}).values()), transport)
+    return passes, loop, feature, transport
 
 
 def with_estimated_targets(passes: dict) -> dict:
@@ -210,8 +228,10 @@ def draft_step(draft_name: str, name: str, batch: int, passes: dict, feature: di
     return None if draft is None else (draft, "measured")
 
 
-def project(passes: dict, loop: dict, feature: dict, acceptance: dict, mode: str) -> list[dict]:
-    """One row per (draft, target, temperature, concurrency): the best fixed K and its speedup.
+def project(passes: dict, loop: dict, feature: dict, acceptance: dict, mode: str, transport: dict = {}) -> list[dict]:
+    """One row per (draft, target, temperature, concurrency): the best fixed K and its speedup, with
+    the loop's host work on both sides (`speedup_with_host`) and, served, the round transport's ms
+    per step on the speculative side (`speedup_served`: against plain decoding in process).
     `acceptance`: {(draft, temperature): [S_1, ...]}; `feature`: bench.py's feature-draft steps."""
     bandwidth = bandwidth_of(passes, mode)
     batches = batch_sizes(passes)
@@ -230,12 +250,16 @@ def project(passes: dict, loop: dict, feature: dict, acceptance: dict, mode: str
                 by_k = {k: s for k, s in by_k.items() if s is not None}
                 best = max(by_k, key=by_k.get)
                 host_plain, host_spec = host_per_pass(loop, "target-only", batch), host_per_pass(loop, "fixed", batch)
-                with_host = None
+                with_host = served = None
                 if host_plain is not None and host_spec is not None:
                     with_host = speedup(survive, best, draft, target, host_plain, host_spec)
+                    wire = transport_per_step(transport, batch)
+                    if wire is not None:
+                        served = speedup(survive, best, draft, target, host_plain, host_spec + wire)
                 rows.append({"draft": draft_name, "target": name, "temperature": temperature, "concurrency": batch,
                              "policy": "best-fixed", "k": best, "speedup": round(by_k[best], 3),
                              "speedup_with_host": None if with_host is None else round(with_host, 3),
+                             "speedup_served": None if served is None else round(served, 3),
                              "draft_ms": round(draft, 3), "target_ms": round(target[1], 3),
                              "draft_cost": costs, "target_cost": target_cost(passes, name), "by_k": {k: round(by_k[k], 3) for k in (1, 3, 7) if k in by_k}})
     return rows
@@ -323,12 +347,12 @@ def main() -> None:
     parser.add_argument("--replay-concurrency", type=int, nargs="+", default=[1],
                         help="sessions decoding in lock-step in the replay (each a row)")
     args = parser.parse_args()
-    passes, loop, feature = load_results(args.results)
+    passes, loop, feature, transport = load_results(args.results)
     passes = with_estimated_targets(passes)
     acceptance = {(DRAFT, t): survival(args.records, args.spec, t) for t in (0.0, 1.0)}
     if args.feature_acceptance.is_file():
         acceptance[(FEATURE, 0.0)] = feature_survival(args.feature_acceptance)
-    rows = project(passes, loop, feature, acceptance, args.mode)
+    rows = project(passes, loop, feature, acceptance, args.mode, transport)
     replayed = replay_rows(passes, feature, dict(args.replay), args.mode, tuple(args.replay_concurrency))
     if args.json:
         for row in rows + replayed:
@@ -338,13 +362,13 @@ def main() -> None:
           f"{args.feature_acceptance.relative_to(ROOT) if args.feature_acceptance.is_relative_to(ROOT) else args.feature_acceptance}"
           f" (free-running, code); costs: {args.mode} passes (feature draft: measured where bench.py timed it, "
           f"else estimated; a target shape no run timed: the {BANDWIDTH_SHAPE} passes scaled by weight bytes, est.)\n")
-    print("| draft | target | T | C | draft ms | target ms k=1 | K=1 | K=3 | K=7 | best K | speedup | +host |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| draft | target | T | C | draft ms | target ms k=1 | K=1 | K=3 | K=7 | best K | speedup | +host | served |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         cells = [f"{row['by_k'][k]:.2f}x" if k in row["by_k"] else "-" for k in (1, 3, 7)]
-        host = f"{row['speedup_with_host']:.2f}x" if row["speedup_with_host"] is not None else "-"
+        host, served = (f"{row[key]:.2f}x" if row[key] is not None else "-" for key in ("speedup_with_host", "speedup_served"))
         print(f"| {row['draft']} | {row['target']} | {row['temperature']:g} | {row['concurrency']} | "
-              f"{ms(row, 'draft')} | {ms(row, 'target')} | " + " | ".join(cells) + f" | {row['k']} | {row['speedup']:.2f}x | {host} |")
+              f"{ms(row, 'draft')} | {ms(row, 'target')} | " + " | ".join(cells) + f" | {row['k']} | {row['speedup']:.2f}x | {host} | {served} |")
     for (draft, temperature), survive in acceptance.items():
         print(f"\nS_j {draft} T={temperature:g}:", ", ".join(f"{s:.3f}" for s in survive))
     if replayed:

@@ -39,7 +39,7 @@ def test_a_target_shape_no_run_timed_is_estimated_from_the_7b_passes_by_weight_b
     the shapes it timed say `measured`."""
     from benchmarks.gpu.project import load_results, pass_curve, weight_bytes, with_estimated_targets
 
-    passes, _, _ = load_results(H200)
+    passes, *_ = load_results(H200)
     assert "qwen2.5-32b" not in passes
     filled = with_estimated_targets(passes)
     seven, big = pass_curve(filled["qwen2.5-7b"], 1, "captured"), pass_curve(filled["qwen2.5-32b"], 1, "captured")
@@ -51,6 +51,21 @@ def test_a_target_shape_no_run_timed_is_estimated_from_the_7b_passes_by_weight_b
     rows = [json.loads(line) for line in out.splitlines()]
     assert {r["target_cost"] for r in rows if r["target"] == "qwen2.5-32b"} == {"estimated"}
     assert {r["target_cost"] for r in rows if r["target"] != "qwen2.5-32b"} == {"measured"}
+
+
+def test_a_later_run_of_the_day_fills_in_the_32b_passes_and_the_static_loop_prices_the_host():
+    """2026-12-04's H200 run: results.json and a second, short run (results-32b-transport.json) with
+    only the 32B passes and the transport. The 32B rows are measured; the host work is the static
+    cache's loop's; a served row pays the transport's ms per step on the speculative side."""
+    from benchmarks.gpu.project import load_results, project, transport_per_step
+
+    passes, loop, feature, transport = load_results(H200.parent / "2026-12-04-h200")
+    assert "B=1,k=1" in passes["qwen2.5-32b"] and "estimated" not in passes["qwen2.5-32b"]["B=1,k=1"]
+    assert loop["target-only@1"]["host_ms_per_target_pass"] == pytest.approx(1.15, abs=0.01)  # the static loop's
+    assert transport_per_step(transport, 1) == pytest.approx(5.84, abs=0.01)
+    rows = project(passes, loop, feature, {("feature", 0.0): [0.6, 0.4, 0.3]}, "captured", transport)
+    one = next(r for r in rows if (r["target"], r["concurrency"]) == ("qwen2.5-7b", 1))
+    assert one["speedup_served"] < one["speedup_with_host"] < one["speedup"]
 
 
 def test_a_feature_drafts_replay_reads_each_candidate_from_its_steps_rows():
