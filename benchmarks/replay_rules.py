@@ -193,14 +193,16 @@ def tables_of(head, features: dict, temperature: float, label_steps: int | None 
     return out
 
 
-def replay(rule: Rule, tables, profile: CostProfile, sampled: bool, sessions: int = 1) -> tuple[float, float]:
+def replay(rule: Rule, tables, profile: CostProfile, sampled: bool, sessions: int = 1,
+           host_ms: float = 0.0) -> tuple[float, float]:
     """-> (tokens per second, drafting steps per token) of `rule` over the responses' tables.
 
     `sessions` > 1: that many sessions decode in lock-step (continuous batching: a session that
     finishes takes the next response, the responses cycled so that three batches' worth follow the
     first) and the replay stops when a slot finds none left, so every step counted is a full batch.
-    A step costs its drafting steps (each at `profile.draft_ms` of the sessions still drafting) and
-    one verification pass over every session's round (`profile.pass_ms` of the tokens it feeds)."""
+    A step costs its drafting steps (each at `profile.draft_ms` of the sessions still drafting),
+    one verification pass over every session's round (`profile.pass_ms` of the tokens it feeds) and
+    `host_ms` (the loop's own work a step, measured apart)."""
     generator = torch.Generator().manual_seed(0)
     repeats = 1 if sessions == 1 else math.ceil(4 * sessions / len(tables))  # >= 3 batches queued after the first
     queue = iter([i for _ in range(repeats) for i in range(len(tables))])
@@ -210,7 +212,7 @@ def replay(rule: Rule, tables, profile: CostProfile, sampled: bool, sessions: in
         rounds = rule([(tables[i][0], tables[i][2], t, len(tables[i][0])) for i, t in slots])
         drafting = max(steps for _, steps in rounds)
         ms += sum(profile.draft_ms(sum(steps >= i for _, steps in rounds)) for i in range(1, drafting + 1))
-        ms += profile.pass_ms(sum(k + 1 for k, _ in rounds))
+        ms += profile.pass_ms(sum(k + 1 for k, _ in rounds)) + host_ms
         steps_total += drafting
         finished = []
         for slot, (k, _) in zip(slots, rounds):

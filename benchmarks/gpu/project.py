@@ -284,9 +284,11 @@ def step_costs(draft_name: str, name: str, batch: int, passes: dict, feature: di
 
 
 def replay_rows(passes: dict, feature: dict, replays: dict[str, tuple[Path, Path]], mode: str,
-                concurrency: tuple[int, ...] = (1,)) -> list[dict]:
+                concurrency: tuple[int, ...] = (1,), loop: dict = {}) -> list[dict]:
     """The default policy per (draft, target, temperature, concurrency), and the best fixed K, both
-    replayed over the draft's head validation tokens with the GPU's costs (module docstring)."""
+    replayed over the draft's head validation tokens with the GPU's costs (module docstring); with
+    the loop's host work where the run measured it (`speedup_with_host`: target-only's a plain step,
+    fixed K's a drafting one, the nearest concurrency)."""
     import torch
 
     from benchmarks.replay_rules import replay, rules, tables_of
@@ -303,15 +305,23 @@ def replay_rows(passes: dict, feature: dict, replays: dict[str, tuple[Path, Path
                 continue
             costs = step_costs(draft_name, name, batch, passes, feature, bandwidth, mode)
             policies = rules(head, costs)
+            host_plain, host_spec = host_per_pass(loop, "target-only", batch), host_per_pass(loop, "fixed", batch)
             for temperature, responses in tables.items():
                 plain = batch / target[1] * 1000.0  # tokens per second of plain decoding at this batch
                 speed = {spec: replay(policies[spec], responses, costs, temperature > 0, batch)[0] / plain
                          for spec in policies if spec == "specdec++cost" or spec.startswith("fixed:")}
                 fixed = max((s for s in speed if s.startswith("fixed:")), key=speed.get)
+                hosted = {}
+                if host_plain is not None and host_spec is not None:
+                    plain_hosted = batch / (target[1] + host_plain) * 1000.0
+                    hosted = {spec: replay(policies[spec], responses, costs, temperature > 0, batch, host_spec)[0]
+                              / plain_hosted for spec in ("specdec++cost", fixed)}
                 for policy, spec in (("default", "specdec++cost"), ("replay-fixed", fixed)):
                     rows.append({"draft": draft_name, "target": name, "temperature": temperature, "concurrency": batch,
                                  "policy": policy, "k": None if policy == "default" else int(spec.split(":")[1]),
-                                 "speedup": round(speed[spec], 3), "draft_ms": round(step[0], 3),
+                                 "speedup": round(speed[spec], 3),
+                                 "speedup_with_host": round(hosted[spec], 3) if spec in hosted else None,
+                                 "draft_ms": round(step[0], 3),
                                  "target_ms": round(target[1], 3), "draft_cost": step[1],
                                  "target_cost": target_cost(passes, name), "responses": len(responses)})
     return rows
@@ -353,7 +363,7 @@ def main() -> None:
     if args.feature_acceptance.is_file():
         acceptance[(FEATURE, 0.0)] = feature_survival(args.feature_acceptance)
     rows = project(passes, loop, feature, acceptance, args.mode, transport)
-    replayed = replay_rows(passes, feature, dict(args.replay), args.mode, tuple(args.replay_concurrency))
+    replayed = replay_rows(passes, feature, dict(args.replay), args.mode, tuple(args.replay_concurrency), loop)
     if args.json:
         for row in rows + replayed:
             print(json.dumps(row))
@@ -373,11 +383,13 @@ def main() -> None:
         print(f"\nS_j {draft} T={temperature:g}:", ", ".join(f"{s:.3f}" for s in survive))
     if replayed:
         print(f"\nreplayed over the heads' validation tokens ({', '.join(f'{d}: {c.name}' for d, (c, _) in args.replay)})"
-              ":\n\n| draft | target | T | C | draft ms | target ms | policy | speedup |\n|---|---|---|---|---|---|---|---|")
+              ":\n\n| draft | target | T | C | draft ms | target ms | policy | speedup | +host |\n"
+              "|---|---|---|---|---|---|---|---|---|")
         for row in replayed:
             policy = row["policy"] + (f" (K={row['k']})" if row["k"] else "")
+            host = f"{row['speedup_with_host']:.2f}x" if row["speedup_with_host"] is not None else "-"
             print(f"| {row['draft']} | {row['target']} | {row['temperature']:g} | {row['concurrency']} | "
-                  f"{ms(row, 'draft')} | {ms(row, 'target')} | {policy} | {row['speedup']:.2f}x |")
+                  f"{ms(row, 'draft')} | {ms(row, 'target')} | {policy} | {row['speedup']:.2f}x | {host} |")
 
 
 if __name__ == "__main__":

@@ -114,3 +114,5 @@ def test_a_replayed_batch_pays_each_drafting_step_by_its_rows_and_one_pass_for_a
     assert steps_per_token == pytest.approx(3 / 8)
     alone, _ = replay(fixed2, [table], profile, sampled=False)  # one session: 2 steps + a 3-token pass, then 1 + 2
     assert alone == pytest.approx(4 / (2 * 1.0 + 10.5 + 1.0 + 10.0) * 1000)
+    hosted, _ = replay(fixed2, [table], profile, sampled=False, host_ms=0.5)  # the loop's own work, once a step
+    assert hosted == pytest.approx(4 / (2 * 1.0 + 10.5 + 1.0 + 10.0 + 2 * 0.5) * 1000)
