@@ -1,7 +1,7 @@
 """Host work per step: what the round loop costs besides the forward passes, by concurrency.
 
     python -m benchmarks.host_work [--concurrency 1 2 4 8 16 32 64] [--policy fixed:4] [--temperatures 0 1]
-                                   [--self-draft] [--vocab 151936] [--out docs/results/host-work/NAME.json]
+                                   [--self-draft | --feature-draft] [--vocab 151936] [--out docs/results/host-work/NAME.json]
 
 Tiny random Qwen2 models (a 1-layer draft and a 2-layer target, hidden 16 and 32) with the default
 pair's real vocabulary (151,936 tokens) and its tokenizer, so every per-row cost of the step
@@ -56,7 +56,7 @@ def measure(engine: SpecDecEngine, timers, concurrency: int, params: GenerationP
         start = time.perf_counter()
         results = engine.generate_many(prompts, params)
         wall = time.perf_counter() - start
-        steps = timers[1].calls
+        steps = timers[-1].calls
         forward = sum(t.seconds for t in timers)
         runs.append({"wall_s": wall, "steps": steps, "forward_s": forward,
                      "host_ms_per_step": 1e3 * (wall - forward) / max(steps, 1),
@@ -78,19 +78,28 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=VOCAB,
                         help="the models' vocabulary (a small one leaves the step's Python: what a GPU host "
                              "still pays when the per-row work runs as device kernels)")
+    parser.add_argument("--feature-draft", action="store_true",
+                        help="a random feature draft on the target's states (models/feature_draft.py) in place of "
+                             "the model draft: the path's own host work (the states handed over every step)")
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tokenizer = load_tokenizer(model_dir(EngineConfig(), "target"))
     target_model = tiny_model(32, 2, seed=2, vocab=args.vocab)
-    draft_model = target_model if args.self_draft else tiny_model(16, 1, seed=1, vocab=args.vocab)
-    draft, target = DraftRuntime(draft_model), TargetRuntime(target_model)
+    if args.feature_draft:
+        from benchmarks.gpu.bench import random_feature_draft
+        from specdec.models.feature_draft import FeatureDraftRuntime
+
+        draft = FeatureDraftRuntime(random_feature_draft(target_model.config, torch.device("cpu"), torch.float32))
+    else:
+        draft = DraftRuntime(target_model if args.self_draft else tiny_model(16, 1, seed=1, vocab=args.vocab))
+    target = TargetRuntime(target_model)
     torch.manual_seed(0)  # a random acceptance head for the policies that read one: its stops mean nothing, its costs do
-    head = AcceptanceHead(HeadConfig(hidden_size=draft_model.config.hidden_size, depth=1,
-                                     draft_identity="host-work")).eval()
+    head = AcceptanceHead(HeadConfig(hidden_size=draft.hidden_size, depth=1, draft_identity="host-work")).eval()
     engine = SpecDecEngine(draft, target, tokenizer, head=head,
                            batch=BatchConfig(max_sessions_per_step=max(args.concurrency)))
-    timers = TimedForward(draft), TimedForward(target)
+    # the draft's passes (a feature draft's run through `_outputs`), then the target's: timers[-1] counts the steps
+    timers = (TimedForward(draft, "_outputs") if args.feature_draft else TimedForward(draft)), TimedForward(target)
     policy = parse_spec(args.policy).policy_config()
     rows = {}
     print(f"host ms per step ({args.policy}, {NEW_TOKENS} new tokens, least of {args.repeats} runs)")
@@ -113,6 +122,7 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"policy": args.policy, "self_draft": args.self_draft,
+                                        "feature_draft": args.feature_draft,
                                         "cost_profile": os.environ.get(PROFILE_ENV), "prompt_tokens": PROMPT_TOKENS,
                                         "new_tokens": NEW_TOKENS, "vocab": args.vocab, "torch_threads": torch.get_num_threads(),
                                         "rows": rows}, indent=1))

@@ -54,8 +54,9 @@ class RequestStats:
         self.accepted_tokens += num_accepted
         self.discarded_tokens += num_candidates - num_accepted
         self.k_histogram[num_candidates] += 1
-        _add_prefix_counts(self.drafted_per_position, num_candidates)
-        _add_prefix_counts(self.accepted_per_position, num_accepted)
+        if num_candidates:
+            _add_prefix_counts(self.drafted_per_position, num_candidates)
+            _add_prefix_counts(self.accepted_per_position, num_accepted)
 
     def merge(self, other: RequestStats) -> None:
         for name in ("generated_tokens", "draft_forward_passes", "target_forward_passes", "rounds",

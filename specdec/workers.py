@@ -283,7 +283,8 @@ class DraftWorker(Worker):
         for num_candidates, num_accepted in item.rounds:  # oldest first: the policy reaches the caller's state
             entry.policy.end_round(num_candidates, num_accepted)
         entry.history = history
-        self.sessions.put(item.session_id, entry)
+        if item.history.full:  # a new entry (one held already was marked used by `get`)
+            self.sessions.put(item.session_id, entry)
         # A probe item drafts nothing (its cache catches up later), nor does a feature draft's session
         # before the target's states reach its history's end (its first round: the prompt's prefill).
         limit = 0 if item.probe or not self.draft.can_draft(entry.kv, history) else item.max_candidates
@@ -333,8 +334,9 @@ class VerifierWorker(Worker):
             raise InvalidRequestError("this verifier reads no features for a feature draft")
         if item.features_from is not None and not 0 <= item.features_from <= len(history):
             raise InvalidRequestError(f"features-from {item.features_from} is past the history's {len(history)} tokens")
-        entry = entry or VerifierSession(self.target.new_session())
+        if entry is None:  # a session held already was marked used by `get`
+            entry = VerifierSession(self.target.new_session())
+            self.sessions.put(item.session_id, entry)
         entry.history = history
-        self.sessions.put(item.session_id, entry)
         return TargetRow(entry.kv, history, item.candidates, item.draft_probs if not item.sampling.greedy else [],
                          item.sampling, item.seed.generator("target", item.sampling), item.features_from)

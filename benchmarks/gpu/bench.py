@@ -510,9 +510,9 @@ def random_feature_draft(config, device: torch.device, dtype: torch.dtype):
     """A feature draft of target shape `config` (random weights, MLP half the target's)."""
     from specdec.models.feature_draft import FeatureDraft, FeatureDraftConfig, layer_config_of
 
-    hidden, rows = config.hidden_size, min(FEATURE_VOCAB, config.vocab_size)
-    draft_config = FeatureDraftConfig(target_identity="random", layers=[1, config.num_hidden_layers // 2,
-                                                                        config.num_hidden_layers - 4],
+    hidden, rows, depth = config.hidden_size, min(FEATURE_VOCAB, config.vocab_size), config.num_hidden_layers
+    draft_config = FeatureDraftConfig(target_identity="random",
+                                      layers=sorted({min(1, depth - 1), depth // 2, max(0, depth - 4)}),
                                       layer_config=layer_config_of(config, config.intermediate_size // 2),
                                       vocab_size=config.vocab_size)
     with device:
