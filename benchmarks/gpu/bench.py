@@ -12,7 +12,8 @@ CUDA, written as JSON as it goes (a run cut short keeps what it measured).
   and the LM head over every position, without the runtime's host work) run eagerly; `captured` the
   same pass replayed as the static cache's CUDA graph for its bucket (`StaticKV.captured_pass`);
   `runtime_static` the runtime on that static cache with graphs, its host work included (the
-  default pair's shapes only); each a median in ms. `graph_vs_eager` is the largest logit difference
+  default pair's shapes only); each a median in ms; `runtime_static_ops` the torch ops that pass
+  runs outside its graph (launches and copies the host pays). `graph_vs_eager` is the largest logit difference
   between a replay and the eager pass on fresh ids, `static_vs_runtime` the same between the eager
   static pass and the slot runtime at B = 1 (bf16: expect ~1e-2 of the logits' scale). Off CUDA
   nothing is captured: `captured` is measured only in `--smoke`, padded to its bucket and run eagerly.
@@ -189,9 +190,15 @@ def pass_costs(report: Report, name: str, model, ks, batches, device, repeats: i
             elif graphed:
                 try:
                     captured = kv.captured_pass(model, batch, k, layout.length)
-                    row["captured_ms"] = median_ms(lambda: logits(captured.run(ids, layout)), device, 4 * repeats)
+
+                    def packed(tokens: torch.Tensor) -> torch.Tensor:  # [B, k] ids at the bucket's shape
+                        feeds = [Feed(session, ids_b, k) for session, ids_b in zip(sessions, tokens.tolist())]
+                        return kv.pack(feeds, captured.sessions, captured.tokens)
+
+                    inputs = packed(ids)
+                    row["captured_ms"] = median_ms(lambda: logits(captured.run(inputs)), device, 4 * repeats)
                     fresh = torch.randint(0, vocab, (batch, k), device=device)
-                    replayed = logits(captured.run(fresh, layout))
+                    replayed = logits(captured.run(packed(fresh)))[:batch, :k]
                     row["graph_vs_eager"] = max_difference(replayed, logits(kv.forward(model, fresh, layout)))
                 except Exception as exc:  # recorded, not fatal: eager figures still count
                     row["captured_error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -209,10 +216,51 @@ def pass_costs(report: Report, name: str, model, ks, batches, device, repeats: i
                     continue
                 try:
                     row["runtime_static_ms"] = 1e3 * time_pass(static, k, repeats=repeats, sessions=batch)
+                    row["runtime_static_ops"] = ops_outside_graph(static, k, batch)
                 except Exception as exc:  # a first run on a GPU: recorded, the other figures stand
                     row["runtime_static_error"] = f"{type(exc).__name__}: {exc}"[:300]
                     break
                 report.put("passes", name, results)
+
+
+def ops_outside_graph(runtime: TargetRuntime, k: int, sessions: int) -> int:
+    """The torch ops one pass of `runtime` on its static cache runs outside its captured graph (each
+    a launch or a copy the host pays; its LM head included): B sessions after a prompt each feed k
+    tokens. Counted at torch's dispatcher, so the same on the CPU, where the bucket's pass runs eagerly
+    in its place (those ops not counted)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from specdec.models.static import CapturedPass
+
+    class Count(TorchDispatchMode):
+        count, paused = 0, False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += not self.paused
+            return func(*args, **(kwargs or {}))
+
+    mode, graph = Count(), CapturedPass._forward
+
+    def in_graph(captured):
+        mode.paused = True
+        try:
+            return graph(captured)
+        finally:
+            mode.paused = False
+
+    held = [runtime.new_session() for _ in range(sessions)]
+    prompt = synthetic_tokens(min(PROMPT_TOKENS, runtime.max_context - k - 1), runtime.vocab_size)
+    runtime._forward([Feed(session, prompt, 1) for session in held])
+    runtime._forward([Feed(session, [1] * k, k) for session in held])  # the bucket captured, untimed
+    for session in held:
+        runtime.rollback(session, len(prompt))
+    CapturedPass._forward = in_graph
+    try:
+        with mode:
+            runtime._forward([Feed(session, [1] * k, k) for session in held])
+    finally:
+        CapturedPass._forward = graph
+    return mode.count
 
 
 def max_difference(a: torch.Tensor, b: torch.Tensor) -> dict:

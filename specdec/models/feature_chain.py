@@ -53,11 +53,9 @@ def run_chain(draft: FeatureDraft, kv: StaticKV, inputs: ChainInputs, steps: int
     """The module docstring's K = `steps` steps, eagerly; every step gathers `length` positions a row
     (at least the longest start + steps)."""
     state, tokens, scores, states, chosen = inputs.state, inputs.tokens, [], [], []
-    keys = torch.arange(length, device=state.device)
     for j in range(steps):
         positions = torch.where(inputs.real, inputs.starts + j, kv.capacity)[:, None]  # [B, 1]
-        seen = torch.where(inputs.real, inputs.starts + j, 0)  # a pad's query attends key 0 alone
-        batch = StaticBatch(inputs.rows, positions, (keys[None, :] <= seen[:, None])[:, None, None, :], length)
+        batch = StaticBatch.of(inputs.rows, positions, length, kv.capacity)
 
         def attend(q, k, v, batch=batch):
             out, _ = static_attention(draft.layer.self_attn, q, k, v, None, scaling=draft.scale, static=batch,

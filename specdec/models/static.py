@@ -96,6 +96,15 @@ class StaticBatch:
     mask: torch.Tensor  # [B, 1, k, L] bool: query i of session b may attend key j (j <= its position)
     length: int  # L: the positions gathered per row
 
+    @classmethod
+    def of(cls, rows: torch.Tensor, positions: torch.Tensor, length: int, capacity: int) -> StaticBatch:
+        """The batch of these rows and positions (a pad's at `capacity`): each query attends its row's
+        keys up to its own position, a pad's key 0 alone (its output is never read). On the device,
+        from the positions: inside a captured pass, part of its graph."""
+        keys = torch.arange(length, device=positions.device)
+        seen = torch.where(positions < capacity, positions, 0)
+        return cls(rows, positions, (keys[None, None, :] <= seen[:, :, None])[:, None], length)
+
 
 class StaticKV:
     """Every session in a row of one preallocated cache (the module docstring)."""
@@ -178,41 +187,51 @@ class StaticKV:
                                  f"{self.capacity} (raise its capacity)")
 
     def _pass(self, model, feeds: list[Feed]) -> PassRows:
-        """One [B, k] pass over feeds whose sessions hold rows (`PassRows`)."""
-        input_ids, batch = self.layout(feeds, model.device)
-        captured = self.captured_pass(model, *input_ids.shape, batch.length) if self.graphs else None
-        # [B, k, H] and [B, k, reads, H]: a replay's are the graph's own tensors, overwritten by the
-        # next replay, so what is kept is gathered (a copy) here
-        last_hidden, states = captured.run(input_ids, batch) if captured is not None else self.forward(
-            model, input_ids, batch)
-        device = model.device
-        rows = [(b, i) for b, f in enumerate(feeds) for i in range(len(f.tokens) - f.num_outputs, len(f.tokens))]
-        index_b = torch.tensor([b for b, _ in rows], dtype=torch.long, device=device)  # empty where nothing is read
-        index_i = torch.tensor([i for _, i in rows], dtype=torch.long, device=device)
+        """One [B, k] pass over feeds whose sessions hold rows (`PassRows`): what crosses to the device
+        is one copy of the pass's inputs and one of the rows to keep."""
+        device, width = model.device, max(len(f.tokens) for f in feeds)
+        length = max(len(f.session) + len(f.tokens) for f in feeds)  # from the host: no device sync
+        captured = self.captured_pass(model, len(feeds), width, length) if self.graphs else None
+        sessions, tokens = (captured.sessions, captured.tokens) if captured is not None else (len(feeds), width)
+        packed = self.pack(feeds, sessions, tokens)
+        if captured is not None:
+            # [B, k, H] and [B, k, reads, H]: a replay's are the graph's own tensors, overwritten by the
+            # next replay, so what is kept is gathered (a copy) below
+            last_hidden, states = captured.run(packed)
+        else:
+            input_ids, rows, positions = unpack(packed.to(device), sessions, tokens)
+            last_hidden, states = self.forward(model, input_ids, StaticBatch.of(rows, positions, length, self.capacity))
+        # the rows kept, flat over [sessions * tokens]: each feed's outputs, then (read) every position it fed
+        outputs = [b * tokens + i for b, f in enumerate(feeds) for i in range(len(f.tokens) - f.num_outputs, len(f.tokens))]
+        fed = [b * tokens + i for b, f in enumerate(feeds) for i in range(len(f.tokens))] if states is not None else []
+        index = torch.tensor(outputs + fed, dtype=torch.long, device=device)
+        hidden = last_hidden.reshape(sessions * tokens, -1)[index[:len(outputs)]]  # [sum num_outputs, H]
         if states is None:
-            return last_hidden[index_b, index_i], None  # [sum num_outputs, H]
-        fed_b = torch.tensor([b for b, f in enumerate(feeds) for _ in f.tokens], dtype=torch.long, device=device)
-        fed_i = torch.tensor([i for f in feeds for i in range(len(f.tokens))], dtype=torch.long, device=device)
-        read = states[fed_b, fed_i].split([len(f.tokens) for f in feeds])  # each [len(tokens), reads, H]
-        return last_hidden[index_b, index_i], list(read)
+            return hidden, None
+        read = states.reshape(sessions * tokens, *states.shape[2:])[index[len(outputs):]]  # [sum fed, reads, H]
+        return hidden, list(read.split([len(f.tokens) for f in feeds]))
+
+    def pack(self, feeds: list[Feed], sessions: int, tokens: int) -> torch.Tensor:
+        """The inputs of a [sessions, tokens] pass over `feeds` (sessions whose rows are attached), in
+        one host tensor [2 * sessions * tokens + sessions] long that one copy carries to the device
+        (`unpack`): the token ids, their positions, each session's row; padding after each feed and
+        after the feeds (token 0 at the scratch position of the scratch row)."""
+        ids, positions = [0] * (sessions * tokens), [self.capacity] * (sessions * tokens)
+        rows = [self.pool.size] * sessions
+        for b, feed in enumerate(feeds):
+            at, start, n = b * tokens, len(feed.session), len(feed.tokens)
+            ids[at:at + n] = feed.tokens
+            positions[at:at + n] = range(start, start + n)
+            rows[b] = feed.session.handle
+        return torch.tensor(ids + positions + rows, dtype=torch.long)
 
     def layout(self, feeds: list[Feed], device: torch.device) -> tuple[torch.Tensor, StaticBatch]:
-        """(input_ids [B, k], their batch) for one pass over feeds whose sessions hold rows (the module
-        docstring's example); nothing is written until `forward` or a captured pass runs them."""
+        """(input_ids [B, k], their batch) for one eager pass over feeds whose sessions hold rows (the
+        module docstring's example); nothing is written until `forward` runs them."""
         width = max(len(f.tokens) for f in feeds)
-        starts = torch.tensor([len(f.session) for f in feeds], device=device)  # [B]
-        counts = torch.tensor([len(f.tokens) for f in feeds], device=device)  # [B]
-        steps = torch.arange(width, device=device)
-        real = steps[None, :] < counts[:, None]  # [B, k]
-        positions = torch.where(real, starts[:, None] + steps[None, :], self.capacity)  # [B, k]
-        length = max(len(f.session) + len(f.tokens) for f in feeds)  # from the host: no device sync
-        keys = torch.arange(length, device=device)
-        seen = torch.where(real, positions, 0)  # a pad's query attends key 0 alone (its output is never read)
-        mask = (keys[None, None, :] <= seen[:, :, None])[:, None]  # [B, 1, k, L]
-        batch = StaticBatch(torch.tensor([f.session.handle for f in feeds], device=device), positions, mask, length)
-        input_ids = torch.tensor([f.tokens + [0] * (width - len(f.tokens)) for f in feeds], dtype=torch.long,
-                                 device=device)  # [B, k]
-        return input_ids, batch
+        input_ids, rows, positions = unpack(self.pack(feeds, len(feeds), width).to(device), len(feeds), width)
+        length = max(len(f.session) + len(f.tokens) for f in feeds)
+        return input_ids, StaticBatch.of(rows, positions, length, self.capacity)
 
     def forward(self, model, input_ids: torch.Tensor, batch: StaticBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids [B, k] -> (the final hidden states [B, k, H], the reader's states [B, k, reads, H]
@@ -263,6 +282,12 @@ class StaticKV:
         return self._captured[key]
 
 
+def unpack(packed: torch.Tensor, sessions: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`StaticKV.pack`'s tensor -> (input_ids [sessions, tokens], rows [sessions], positions [sessions, tokens]), views."""
+    n = sessions * tokens
+    return packed[:n].view(sessions, tokens), packed[2 * n:], packed[n:2 * n].view(sessions, tokens)
+
+
 def layer_devices(model) -> list[torch.device]:
     """The device of each decoder layer's weights (one for a model on one device)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -273,45 +298,33 @@ def layer_devices(model) -> list[torch.device]:
 
 class CapturedPass:
     """`StaticKV.forward` for one bucket (B sessions, k tokens, L gathered positions) captured as a
-    CUDA graph over fixed input tensors; `run` copies a smaller pass into them (the rest: padding on
-    the scratch row) and replays. Off CUDA nothing is captured and `run` runs the padded pass eagerly."""
+    CUDA graph over one fixed input tensor (`StaticKV.pack`'s layout; the attention mask is computed
+    from it inside the graph); `run` copies a pass padded to the bucket into it and replays. Off CUDA
+    nothing is captured and `run` runs the padded pass eagerly."""
 
     def __init__(self, kv: StaticKV, model, sessions: int, tokens: int, length: int, warmup: int = 2):
         device = model.device
-        self.kv, self.model, self.length, self.graph = kv, model, length, None
-        self.input_ids = torch.zeros((sessions, tokens), dtype=torch.long, device=device)
-        scratch_row, scratch_position = kv.pool.size, kv.capacity
-        self.batch = StaticBatch(torch.full((sessions,), scratch_row, device=device),
-                                 torch.full((sessions, tokens), scratch_position, device=device),
-                                 torch.zeros((sessions, 1, tokens, length), dtype=torch.bool, device=device), length)
-        self.batch.mask[..., 0] = True
+        self.kv, self.model, self.sessions, self.tokens, self.length, self.graph = kv, model, sessions, tokens, length, None
+        self.packed = kv.pack([], sessions, tokens).to(device)  # all padding until a pass is copied in
         if device.type == "cuda":  # the outputs: hidden [B, k, H], the reader's states [B, k, reads, H] or None
-            self.graph, self.outputs = capture(lambda: kv.forward(model, self.input_ids, self.batch), device,
-                                               kv._graph_pool, warmup)
+            self.graph, self.outputs = capture(self._forward, device, kv._graph_pool, warmup)
+
+    def _forward(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_ids, rows, positions = unpack(self.packed, self.sessions, self.tokens)
+        return self.kv.forward(self.model, input_ids, StaticBatch.of(rows, positions, self.length, self.kv.capacity))
 
     def close(self) -> None:
         if self.graph is not None:
             self.graph.reset()
             self.graph = None
 
-    def run(self, input_ids: torch.Tensor, batch: StaticBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """input_ids [b, t] and its batch (b <= B, t <= k, its length <= L) -> `StaticKV.forward`'s
-        outputs for them ([b, t, ...]; replayed: views of the graph's outputs, valid until the next replay)."""
-        b, t = input_ids.shape
-        self.input_ids.zero_()
-        self.input_ids[:b, :t] = input_ids
-        self.batch.rows.fill_(self.kv.pool.size)
-        self.batch.rows[:b] = batch.rows
-        self.batch.positions.fill_(self.kv.capacity)
-        self.batch.positions[:b, :t] = batch.positions
-        self.batch.mask.zero_()
-        self.batch.mask[..., 0] = True
-        self.batch.mask[:b, :, :t, :batch.length] = batch.mask
-        hidden, states = self.kv.forward(self.model, self.input_ids, self.batch) if self.graph is None else (
-            self.replay())
-        return hidden[:b, :t], None if states is None else states[:b, :t]
-
-    def replay(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A pass packed at the bucket's shape (`StaticKV.pack(feeds, B, k)`, on the host: one copy)
+        -> `StaticKV.forward`'s outputs [B, k, ...] (replayed: the graph's own tensors, valid until
+        the next replay)."""
+        self.packed.copy_(packed)
+        if self.graph is None:
+            return self._forward()
         self.graph.replay()
         return self.outputs
 
