@@ -189,18 +189,18 @@ class StaticKV:
     def _pass(self, model, feeds: list[Feed]) -> PassRows:
         """One [B, k] pass over feeds whose sessions hold rows (`PassRows`): what crosses to the device
         is one copy of the pass's inputs and one of the rows to keep."""
-        device, width = model.device, max(len(f.tokens) for f in feeds)
-        length = max(len(f.session) + len(f.tokens) for f in feeds)  # from the host: no device sync
-        captured = self.captured_pass(model, len(feeds), width, length) if self.graphs else None
-        sessions, tokens = (captured.sessions, captured.tokens) if captured is not None else (len(feeds), width)
-        packed = self.pack(feeds, sessions, tokens)
+        device = model.device
+        captured = self.captured_pass(model, len(feeds), max(len(f.tokens) for f in feeds),
+                                      max(len(f.session) + len(f.tokens) for f in feeds)) if self.graphs else None
         if captured is not None:
+            sessions, tokens = captured.sessions, captured.tokens
             # [B, k, H] and [B, k, reads, H]: a replay's are the graph's own tensors, overwritten by the
             # next replay, so what is kept is gathered (a copy) below
-            last_hidden, states = captured.run(packed)
+            last_hidden, states = captured.run(self.pack(feeds, sessions, tokens))
         else:
-            input_ids, rows, positions = unpack(packed.to(device), sessions, tokens)
-            last_hidden, states = self.forward(model, input_ids, StaticBatch.of(rows, positions, length, self.capacity))
+            input_ids, batch = self.layout(feeds, device)
+            sessions, tokens = input_ids.shape
+            last_hidden, states = self.forward(model, input_ids, batch)
         # the rows kept, flat over [sessions * tokens]: each feed's outputs, then (read) every position it fed
         outputs = [b * tokens + i for b, f in enumerate(feeds) for i in range(len(f.tokens) - f.num_outputs, len(f.tokens))]
         fed = [b * tokens + i for b, f in enumerate(feeds) for i in range(len(f.tokens))] if states is not None else []
@@ -230,7 +230,7 @@ class StaticKV:
         module docstring's example); nothing is written until `forward` runs them."""
         width = max(len(f.tokens) for f in feeds)
         input_ids, rows, positions = unpack(self.pack(feeds, len(feeds), width).to(device), len(feeds), width)
-        length = max(len(f.session) + len(f.tokens) for f in feeds)
+        length = max(len(f.session) + len(f.tokens) for f in feeds)  # from the host: no device sync
         return input_ids, StaticBatch.of(rows, positions, length, self.capacity)
 
     def forward(self, model, input_ids: torch.Tensor, batch: StaticBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
