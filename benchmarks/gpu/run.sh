@@ -9,7 +9,8 @@
 # pytest-static.log (static cache, captured passes), pytest-gpu.log (`-m gpu`), bench.log, gpu.txt.
 # On one H100 (2026-11-27): the tests ~100 s with the install, the passes ~210 s, the loop ~130 s; with
 # the defaults (TEST_TIMEOUT=150, BENCH_BUDGET=330) the whole command stays near 8 minutes, and a
-# figure the budget leaves out is marked "skipped" in results.json.
+# figure the budget leaves out is marked "skipped" in results.json. BENCH_ARGS passes more arguments to
+# bench.py (e.g. `--sections loop transport` to spend the budget on the loop).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-docs/results/gpu/latest}
@@ -30,4 +31,4 @@ SPECDEC_TEST_DEVICE=cuda SPECDEC_TEST_KV=static timeout "${TEST_TIMEOUT:-150}" p
 SPECDEC_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu \
   tests/core 2>&1 | tee "$OUT/pytest-gpu.log" | tail -5
 echo "correctness: $(( $(date +%s) - start )) s"
-python3 -m benchmarks.gpu.bench --out "$OUT" --budget-s "${BENCH_BUDGET:-330}" 2>&1 | tee "$OUT/bench.log"
+python3 -m benchmarks.gpu.bench --out "$OUT" --budget-s "${BENCH_BUDGET:-330}" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
