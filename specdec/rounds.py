@@ -27,6 +27,7 @@ from specdec.budget import IN_STEP_LAG, StepBudget, expected_tokens
 from specdec.cost_profile import CostProfile, PassTiming
 from specdec.metrics import MS_PER_S
 from specdec.models.runtime import DraftOutputs, DraftRole, KVSession, Scores, TargetRole
+from specdec.models.static import graphs_captured
 from specdec.policies import Decision, DraftStep, StoppingPolicy
 from specdec.policies.specdec_pp import head_acceptances
 from specdec.protocol import Proposal
@@ -189,7 +190,7 @@ class _Ahead:
     syncs)."""
 
     def __init__(self, draft: DraftRole, active: list[_Drafting], steps: int):
-        start = time.perf_counter()
+        start, self.since = time.perf_counter(), graphs_captured()  # its steps go untimed if the chain captured
         self.outputs = draft.chain([d.row.session for d in active], [d.proposal.candidates[-1] for d in active], steps)
         self.tokens, self.judged = read_ahead(self.outputs, active)
         self.ms = (time.perf_counter() - start) * MS_PER_S
@@ -229,7 +230,7 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
     step's budget (budget.py) over `costs`, beside `other_sessions` sessions of the step that verify
     plainly elsewhere (without costs a budgeted row drafts nothing: nothing priced the step); any
     other row asks its policy after every token. Each drafting step's time (its host work included)
-    is appended to `timings`."""
+    is appended to `timings`, but for a step that captured a graph (models/static.py `graphs_captured`)."""
     drafting = [_Drafting(row) for row in rows]
     active = [d for d in drafting if d.row.policy.uses_draft and d.limit > 0 and (costs or not d.budgeted)]
     budget = None
@@ -239,7 +240,7 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
     for d in active:
         d.row.policy.start_round()
     fed, ahead, chained = draft.fed_tokens, None, None
-    start = time.perf_counter()
+    start, since = time.perf_counter(), graphs_captured()
     outputs = draft.start([d.row.session for d in active], [d.row.history for d in active]) if active else None
     while active:
         if budget is not None:  # a catch-up beyond a round's unseen tokens is the loop's investment
@@ -278,17 +279,18 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
             on = budget.draft_on([d.survive for d, *_ in judged], [e.known for *_, e in judged],
                                  [d.left for d, *_ in judged], beside=len(still))
             still += [d for (d, *_), go in zip(judged, on) if go]
-        if timings is not None:
+        if timings is not None and graphs_captured() == since:  # a step that captured a graph prices nothing
             timings.append(PassTiming("draft", draft.fed_tokens - fed, (time.perf_counter() - start) * MS_PER_S))
         active = still
         if active:
-            fed, start = draft.fed_tokens, time.perf_counter()
+            fed, start, since = draft.fed_tokens, time.perf_counter(), graphs_captured()
             if ahead is None or ahead.done:
                 ahead = _Ahead.of(draft, active)
             if ahead is not None:  # one step of the chain: what it read and its share of the chain's time
                 chained = ahead.step(active)
                 outputs = chained.outputs
-                fed, start = draft.fed_tokens - len(active), time.perf_counter() - ahead.share_ms / MS_PER_S
+                fed, start, since = (draft.fed_tokens - len(active), time.perf_counter() - ahead.share_ms / MS_PER_S,
+                                     ahead.since)
             else:
                 chained = None
                 outputs = draft.step([d.row.session for d in active], [d.proposal.candidates[-1] for d in active])
@@ -302,10 +304,10 @@ def verify(target: TargetRole, rows: list[TargetRow], timings: list[PassTiming] 
     """One target pass over every row's unseen history plus its candidates, Algorithm 1 for all
     rows at once (greedy rows by exact match, sampled ones by rejection sampling), and each cache
     rolled back to its history + the accepted candidates. The whole of it is timed into `timings`
-    by the tokens the pass fed."""
+    by the tokens the pass fed, unless it captured a graph (models/static.py `graphs_captured`)."""
     if not rows:
         return []
-    fed, start = target.fed_tokens, time.perf_counter()
+    fed, start, since = target.fed_tokens, time.perf_counter(), graphs_captured()
     for r in rows:
         if r.features_from is not None and r.features_from < len(r.session):
             target.rollback(r.session, r.features_from)
@@ -322,7 +324,7 @@ def verify(target: TargetRole, rows: list[TargetRow], timings: list[PassTiming] 
         if row.features_from is not None:  # what the pass fed from features_from to the last accepted candidate
             features = scores.features[b][row.features_from - scores.starts[b]:len(row.history) + n - scores.starts[b]]
         verdicts.append(Verdict(n, token, features))
-    if timings is not None:
+    if timings is not None and graphs_captured() == since:  # a pass that captured a graph prices nothing
         timings.append(PassTiming("verifier", target.fed_tokens - fed, (time.perf_counter() - start) * MS_PER_S))
     return verdicts
 

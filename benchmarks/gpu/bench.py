@@ -31,7 +31,8 @@ CUDA, written as JSON as it goes (a run cut short keeps what it measured).
   do). tokens/s, and host time per verification pass: wall minus every forward pass's time; at
   the lowest and highest concurrency, where that time goes (`host_profile`: cProfile's top rows).
   Between the two, `feature`: a random feature draft with its chains captured, beside the target on
-  slots (it accepts next to nothing: the path and its host work per pass, not a speed-up).
+  the static cache (it accepts next to nothing: the path and its host work per pass, not a speed-up;
+  `draft_ms_per_call` its catch-up pass `_outputs` and its `chain` apart).
 - transport: the same loop (fixed K, greedy, self-draft) in process and over our gRPC round services
   on loopback, served from a process of their own as a replica's are (services/: GrpcTransport, the
   calls the `direct` transport makes once Serve has named a session's replica): the extra ms per step.
@@ -327,6 +328,9 @@ def loop_throughput(report: Report, name: str, model, concurrency, policies, new
                                "drafted": sum(r.stats.draft_tokens for r in outcomes),
                                "draft_passes": sum(t.calls for t in timers[:-1]),
                                "draft_forward_s": sum(t.seconds for t in timers[:-1]),
+                               # per method (a feature draft's catch-up pass and its chain apart)
+                               "draft_ms_per_call": {t.inner.__name__: 1e3 * t.seconds / t.calls
+                                                     for t in timers[:-1] if t.calls},
                                "target_forward_s": timers[-1].seconds}
             one, full = runs["prefill"], runs["full"]
             decode_s, decode_passes = full["wall"] - one["wall"], full["passes"] - one["passes"]
@@ -337,6 +341,7 @@ def loop_throughput(report: Report, name: str, model, concurrency, policies, new
                 "decode_tokens_per_s": (full["tokens"] - one["tokens"]) / decode_s,
                 "draft_passes": full["draft_passes"], "target_passes": full["passes"],
                 "draft_forward_s": full["draft_forward_s"], "target_forward_s": full["target_forward_s"],
+                "draft_ms_per_call": full["draft_ms_per_call"],
                 "host_ms_per_target_pass": 1e3 * (full["wall"] - full["forward"]) / max(1, full["passes"]),
                 "decode_host_ms_per_target_pass": 1e3 * (decode_s - full["forward"] + one["forward"]) / max(
                     1, decode_passes),
@@ -482,7 +487,7 @@ def main() -> None:
     parser.add_argument("--loop-kv", nargs="+", default=["static", "feature", "slots"],
                         choices=["static", "feature", "slots"],
                         help="the loop section's caches (static: captured graphs on CUDA; feature: a random "
-                             "feature draft, its chains captured, beside the target on slots)")
+                             "feature draft, its chains captured, beside the target on the static cache too)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -636,7 +641,8 @@ def print_summary(data: dict) -> None:
                          f"{row['loop_vs_runtime']:.2f}x" if "loop_vs_runtime" in row else "-")
                 print(f"  {key:20s} {row['decode_tokens_per_s']:8.1f} tok/s  host {row['decode_host_ms_per_target_pass']:.2f} ms"
                       f"  pass {ratio}  prefill {row['prefill_tokens_per_s']:.0f} tok/s"
-                      f"  passes {row['draft_passes']}/{row['target_passes']}")
+                      f"  passes {row['draft_passes']}/{row['target_passes']}"
+                      + "".join(f"  {method} {ms:.2f} ms" for method, ms in row.get("draft_ms_per_call", {}).items()))
                 for function, calls, ms in row.get("host_profile", [])[:5]:
                     print(f"      {ms:7.3f} ms  {calls:6.2f} calls  {function}")
     for name, rows in data["sections"].get("transport", {}).items():

@@ -36,6 +36,7 @@ the tokens it feeds (this batch's passes of k tokens each). CACHE is the feature
 
     python -m benchmarks.gpu.project docs/results/gpu/2026-11-28-h200
     python -m benchmarks.gpu.project DIR --json          # one JSON object per row
+    python -m benchmarks.gpu.project DIR1 DIR2           # one day's runs merged: DIR2's loop and transport
     python -m benchmarks.gpu.project DIR --replay feature=~/.cache/specdec/replay/<key>-validation.pt,specdec/drafts/default-feature/head \
         --replay-concurrency 1 4 16 64
 
@@ -166,13 +167,13 @@ def transport_per_step(transport: dict, concurrency: int) -> float | None:
 LOOPS = ("qwen2.5-1.5b/static", "qwen2.5-1.5b")  # the loop whose host work prices a step: the captured one first
 
 
-def load_results(folder: Path) -> tuple[dict, dict, dict, dict]:
+def load_results(*folders: Path) -> tuple[dict, dict, dict, dict]:
     """(passes by shape, loop rows, feature-draft steps by target shape, transport rows) from every
-    bench.py JSON in `folder`, in name order: a later run fills the rows an earlier one lacks (a
-    second run may hold only the 32B passes), and its loop and transport rows replace the earlier
-    ones. The loop is the static cache's (what a GPU runs) where the run has it."""
+    bench.py JSON in `folders`, folder by folder, each in name order: a later run fills the rows an
+    earlier one lacks (a second run may hold only the 32B passes), and its loop and transport rows
+    replace the earlier ones. The loop is the static cache's (what a GPU runs) where the run has it."""
     passes, loop, feature, transport = {}, {}, {}, {}
-    for path in sorted(folder.glob("*.json")):
+    for path in (path for folder in folders for path in sorted(folder.glob("*.json"))):
         sections = json.loads(path.read_text()).get("sections", {})
         for section, into in (("passes", passes), ("feature", feature)):
             for name, rows in sections.get(section, {}).items():
@@ -342,7 +343,9 @@ def ms(row: dict, role: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", type=Path, help="a folder of bench.py results (*.json)")
+    parser.add_argument("results", type=Path, nargs="+",
+                        help="folders of bench.py results (*.json), merged in order (a later run's loop and "
+                             "transport replace an earlier one's)")
     parser.add_argument("--records", type=Path, default=RECORDS)
     parser.add_argument("--spec", default="fixed:14", help="the run whose rounds give the 0.5B draft's acceptance")
     parser.add_argument("--feature-acceptance", type=Path, default=FEATURE_ACCEPTANCE,
@@ -357,7 +360,7 @@ def main() -> None:
     parser.add_argument("--replay-concurrency", type=int, nargs="+", default=[1],
                         help="sessions decoding in lock-step in the replay (each a row)")
     args = parser.parse_args()
-    passes, loop, feature, transport = load_results(args.results)
+    passes, loop, feature, transport = load_results(*args.results)
     passes = with_estimated_targets(passes)
     acceptance = {(DRAFT, t): survival(args.records, args.spec, t) for t in (0.0, 1.0)}
     if args.feature_acceptance.is_file():

@@ -329,6 +329,15 @@ class CapturedPass:
         return self.outputs
 
 
+_captured = 0  # graphs captured in this process (`graphs_captured`)
+
+
+def graphs_captured() -> int:
+    """How many graphs this process has captured: a pass timed across a change of it paid for a
+    capture (its warm-up runs and the capture itself, tens of ms), not what a pass of its size costs."""
+    return _captured
+
+
 def capture(run, device: torch.device, pool, warmup: int = 2):
     """(the CUDA graph of `run()`, its outputs), captured into the memory pool `pool` after `warmup`
     runs on a side stream (cuBLAS and the allocator set up outside the capture, as torch.cuda.graphs asks).
@@ -348,6 +357,8 @@ def capture(run, device: torch.device, pool, warmup: int = 2):
     graph = torch.cuda.CUDAGraph()
     with collector_paused(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         outputs = run()
+    global _captured
+    _captured += 1
     return graph, outputs
 
 

@@ -68,6 +68,19 @@ def test_a_later_run_of_the_day_fills_in_the_32b_passes_and_the_static_loop_pric
     assert one["speedup_served"] < one["speedup_with_host"] < one["speedup"]
 
 
+def test_a_second_folder_of_the_day_brings_its_loop_and_keeps_the_first_ones_passes():
+    """2026-12-04's second H200 run (2026-12-04-h200-b) timed only the 1.5B passes, the loop and the
+    transport: merged after the first, its loop prices the host and the first run's 7B and 32B
+    passes stay."""
+    from benchmarks.gpu.project import load_results
+
+    first = H200.parent / "2026-12-04-h200"
+    passes, loop, _, transport = load_results(first, H200.parent / "2026-12-04-h200-b")
+    assert {"qwen2.5-7b", "qwen2.5-32b"} <= set(passes)
+    assert loop["target-only@1"]["host_ms_per_target_pass"] == pytest.approx(0.64, abs=0.01)  # the second run's
+    assert transport != load_results(first)[3]
+
+
 def test_a_feature_drafts_replay_reads_each_candidate_from_its_steps_rows():
     """A feature draft's head data hold a position once per draft step (training/feature_labels.py):
     the replay reads the i-th candidate of a round from step i's row. Here step 1's candidates are

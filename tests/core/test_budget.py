@@ -175,6 +175,25 @@ def test_propose_gives_each_session_of_the_batch_its_own_k():
     assert all(t.role == "draft" and t.ms > 0 for t in timings)
 
 
+def test_a_step_that_captured_a_graph_is_not_timed(monkeypatch):
+    """On CUDA a pass of a new size captures its graph first (tens of ms of warm-up and capture): a
+    step across a capture would price every later step of its size at that, so it goes untimed."""
+    from specdec.models import static
+
+    draft = ScriptedDraft({0: 0.9})
+    outputs = draft._outputs
+
+    def capturing(sessions):  # the second pass captures
+        if len(draft.passes) == 1:
+            monkeypatch.setattr(static, "_captured", static.graphs_captured() + 1)
+        return outputs(sessions)
+
+    draft._outputs = capturing
+    timings = []
+    propose(draft, [row(0, FixedK(3))], FLAT, timings=timings)
+    assert len(draft.passes) == 3 and len(timings) == 2  # the second step's timing is left out
+
+
 def test_the_step_decision_turns_the_draft_off_when_no_round_can_pay():
     """At AMD's costs no round pays even if every candidate is accepted: nobody drafts, and while the
     draft is off an off-probe comes every few hundred steps; at FLAT's the sessions in step draft."""
