@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.models.feature_draft import DraftFeed, load_feature_draft, stored_inputs
+from specdec.models.feature_draft import DraftFeed, stored_inputs
+from specdec.models.feature_files import load_feature_draft
 from specdec.models.sources import model_identity, resolve_model
 from specdec.training.draft import Example, load_examples, make_batch
 

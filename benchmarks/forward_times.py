@@ -91,7 +91,7 @@ def main() -> None:
 def feature_draft_times(args) -> None:
     from pathlib import Path
 
-    from specdec.models.feature_draft import load_feature_draft
+    from specdec.models.feature_files import load_feature_draft
     from specdec.models.formats import apply_weight_format
     from specdec.models.sources import model_identity
 

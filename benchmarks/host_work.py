@@ -88,7 +88,7 @@ def main() -> None:
     target_model = tiny_model(32, 2, seed=2, vocab=args.vocab)
     if args.feature_draft:
         from benchmarks.gpu.bench import random_feature_draft
-        from specdec.models.feature_draft import FeatureDraftRuntime
+        from specdec.models.feature_runtime import FeatureDraftRuntime
 
         draft = FeatureDraftRuntime(random_feature_draft(target_model.config, torch.device("cpu"), torch.float32))
     else:

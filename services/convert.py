@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from specdec.cost_profile import CostProfile, PassTiming
 from specdec.errors import InvalidRequestError, one_line
 from specdec.metrics import RequestStats
-from specdec.models.feature_draft import pack_states, unpack_states
+from specdec.models.feature_files import pack_states, unpack_states
 from specdec.params import GenerationParams, build_params, validation_message
 from specdec.policies import PolicyConfig
 from specdec.protocol import (HistoryDelta, Proposal, ProposeItem, Refused, RoundSeed, SessionMissing, StepPlan,

@@ -21,8 +21,9 @@ from specdec.drafts import draft_dir
 from specdec.heads import resolve_head
 from specdec.models.formats import WeightFormat, apply_weight_format
 from specdec.models.llamacpp import LlamaCppDraftRuntime, LlamaCppOptions, LlamaCppTargetRuntime, llamacpp_available
-from specdec.models.feature_draft import (FeatureDraftRuntime, is_feature_draft, load_feature_draft, read_config,
-                                         target_layers_of)
+from specdec.models.feature_draft import target_layers_of
+from specdec.models.feature_files import is_feature_draft, load_feature_draft, read_config
+from specdec.models.feature_runtime import FeatureDraftRuntime
 from specdec.models.runtime import DraftRole, DraftRuntime, TargetRole, TargetRuntime
 from specdec.models.static import StaticOptions
 from specdec.models.sources import (DEFAULT_DRAFT_QUANT, REQUANT_FTYPES, SHIPPED, check_gguf_source, check_source,

@@ -17,7 +17,7 @@ CUDA, written as JSON as it goes (a run cut short keeps what it measured).
   between a replay and the eager pass on fresh ids, `static_vs_runtime` the same between the eager
   static pass and the slot runtime at B = 1 (bf16: expect ~1e-2 of the logits' scale). Off CUDA
   nothing is captured: `captured` is measured only in `--smoke`, padded to its bucket and run eagerly.
-- feature: the feature draft's runtime (models/feature_draft.py: one decoder layer of the target's
+- feature: the feature draft's runtime (models/feature_runtime.py: one decoder layer of the target's
   shape, MLP half the target's, 32,768 output rows, random weights) on its static cache for each
   target shape, B sessions at a 200-token context: `eager_ms` one drafting step (`step`, one token
   each), `chain_ms` a chain of its 8 greedy steps (`chain`, models/feature_chain.py) replayed as the
@@ -288,7 +288,7 @@ def loop_throughput(report: Report, name: str, model, concurrency, policies, new
     common k (bench/forward.py `time_pass`), and `loop_vs_runtime` their ratio."""
     config = model.config
     if kv == "feature":
-        from specdec.models.feature_draft import FeatureDraftRuntime
+        from specdec.models.feature_runtime import FeatureDraftRuntime
 
         feature = random_feature_draft(config, model.device, model.dtype)
         draft, target = FeatureDraftRuntime(feature, kv="static", static=GRAPHS), TargetRuntime(model, kv="static",
@@ -579,7 +579,7 @@ def feature_step_costs(report: Report, name: str, config, batches, device, dtype
                        smoke: bool = False) -> None:
     """Fills report["feature"][name] with {"B=..": {eager_ms, captured_ms, chain_ms, graph_vs_eager}}
     (the module docstring): B sessions after a PROMPT_TOKENS-token history on the static cache."""
-    from specdec.models.feature_draft import CHAIN_STEPS, FeatureDraftRuntime
+    from specdec.models.feature_runtime import CHAIN_STEPS, FeatureDraftRuntime
 
     model = random_feature_draft(config, device, dtype)
     options = StaticOptions(slots=max(batches), capacity=CACHE_LENGTH)

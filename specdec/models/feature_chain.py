@@ -19,14 +19,11 @@ and never read (on a GPU a fraction of a millisecond each: docs/performance.md, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from specdec.models.feature_draft import FeatureDraft
 from specdec.models.static import StaticBatch, StaticKV, bucket, capture, static_attention
-
-if TYPE_CHECKING:  # models/feature_draft.py imports this module
-    from specdec.models.feature_draft import FeatureDraft
 
 
 @dataclass

@@ -18,36 +18,30 @@ any draft that never proposes them (lossless either way).
 Training unrolls several draft steps (`unroll`, "training-time test"): step j at position p sees
 the step-1 keys of positions <= p - j + 1 (those made from the target's features) and the keys of
 its own chain (steps 2..j at p - j + 2 .. p), exactly what a session's cache holds when it drafts
-(`chain_attention`). Serving keeps one cache per session in the slot layout of models/cache.py.
+(`chain_attention`). Serving keeps one cache per session in the slot layout of models/cache.py, or a
+row of a static cache (models/static.py). Its runtime in the round loop is models/feature_runtime.py,
+its files models/feature_files.py.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from itertools import accumulate
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from specdec.drafts import draft_dir
-from specdec.errors import IncompatibleModelsError, InvalidRequestError, ModelSourceError, one_line
+from specdec.errors import IncompatibleModelsError, ModelSourceError
 from specdec.models.cache import Feed, KVSession, RaggedBatch, SlotBuffers, SlotCache, ragged_attention
-from specdec.models.feature_chain import CapturedChain, ChainInputs, chain, chain_bucket
-from specdec.models.runtime import DraftOutputs, DraftRole, PassOutputs, common_prefix_length
-from specdec.models.static import StaticKV, StaticOptions, static_attention
+from specdec.models.static import StaticKV, static_attention
 
-CONFIG_FILE, WEIGHTS_FILE, REPORT_FILE = "config.json", "model.safetensors", "report.json"
 FORMAT_VERSION = 1
 # Decoder layers whose attention is q/k/v/o projections with rotary positions and an MLP beside
 # it (their transformers classes are built from the target's config with one layer).
 SUPPORTED_TYPES = ("qwen2", "llama", "mistral")
 OUTPUT_STATE = "output"  # `inputs`: the target's output state alone (the one-layer variant)
 FUSED = "fused"  # `inputs`: the target's low, middle and high layers, reduced to one width
-CHAIN_STEPS = 8  # most greedy drafting steps one chain runs (FeatureDraftRuntime with a static cache)
 
 
 class FeatureDraftConfig(BaseModel):
@@ -95,19 +89,6 @@ def stored_inputs(states: torch.Tensor, inputs: str, layers: int) -> torch.Tenso
 def target_layers_of(config: FeatureDraftConfig) -> list[int] | None:
     """The target's decoder layers whose states the draft reads (None: the target's output state)."""
     return list(config.layers) if config.inputs == FUSED else None
-
-
-def pack_states(states: torch.Tensor) -> bytes:
-    """bfloat16 states [...] -> their bytes, row-major (the training shards' and the wire's layout)."""
-    return states.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().tobytes()
-
-
-def unpack_states(data: bytes, tokens: int, hidden_size: int) -> torch.Tensor:
-    """The inverse of `pack_states`: [tokens, reads, H] bfloat16 (reads from the length)."""
-    import numpy as np
-
-    flat = torch.from_numpy(np.frombuffer(data, dtype=np.int16).copy()).view(torch.bfloat16)
-    return flat.view(tokens, -1, hidden_size)
 
 
 def rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -344,258 +325,3 @@ class FeatureDraft(nn.Module):
         if unexpected or set(missing) - set(self.FROZEN):
             raise ModelSourceError(f"feature draft weights do not fit its config (missing "
                                    f"{sorted(set(missing) - set(self.FROZEN))}, unexpected {sorted(unexpected)})")
-
-    def save(self, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-        from safetensors.torch import save_file
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.own_state().items()}
-        save_file(state, str(directory / WEIGHTS_FILE))
-        config = self.config.model_copy(update={"dtype": str(dtype).removeprefix("torch.")})
-        (directory / CONFIG_FILE).write_text(json.dumps(config.model_dump(), indent=2) + "\n")
-        return directory
-
-
-@dataclass
-class FeatureSession(KVSession):
-    """A feature draft's session in the round loop. Cache position t holds the pair (g_t, x_{t+1}), so
-    `tokens` are x_1..x_n: a history of n + 1 tokens. Pairs made from the target's states are exact;
-    a round's later pairs are made from the draft's own states and are replaced once the target's
-    arrive (`exact` marks where they start)."""
-
-    features: torch.Tensor | None = None  # [m, H] g_t for positions 0..m-1, from the target's states
-    exact: int = 0  # cache positions made from the target's states
-    state: torch.Tensor | None = None  # [H] s at the last position fed: the next step's g
-
-
-class FeatureDraftRuntime(DraftRole):
-    """The feature draft as a draft of the round loop (models/runtime.py `DraftRole`): a round's first
-    pass catches the session up on the pairs of its committed history (the target's states with the
-    next token) and drafts y_1 from the last; each later step feeds the draft's own state with the
-    token it just drafted. The verifications hand the target's states over (`add_features`); a
-    session whose states do not reach its history's end does not draft (`can_draft`): they are
-    recomputed by the target, never guessed. Only a probe's scratch session runs on zeros."""
-
-    kind = "torch"
-    reads_features = True
-
-    def __init__(self, model: FeatureDraft, identity: str = "", name: str = "", kv: str = "slots",
-                 static: StaticOptions = StaticOptions(), chain_steps: int = CHAIN_STEPS):
-        """`kv`: "slots" (a ragged pass over slots that grow: the CPU's) or "static" (rows of one cache
-        allocated at start; greedy drafting steps run as one chain, captured on CUDA with `graphs`:
-        models/feature_chain.py), the chain at most `chain_steps` long."""
-        # serving never trains it: no autograd graph behind its scores (the policies read them as numbers)
-        self.model, self.identity, self.name = model.eval().requires_grad_(False), identity, name
-        self.layer_config = model.layer_config
-        self.forward_passes = 0
-        self.kv = StaticKV.of_layers(model.layer_config, model.dtype, self.device,
-                                     static) if kv == "static" else None
-        self.max_pass_sessions = None if self.kv is None else self.kv.max_pass_sessions  # the workers group by it
-        self.chain_steps = chain_steps if self.kv is not None else 0
-        self._chains: dict[tuple[int, int, int], CapturedChain] = {}  # by bucket (models/feature_chain.py)
-
-    @property
-    def target_layers(self) -> list[int] | None:
-        return target_layers_of(self.model.config)
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.embed.device
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model.config.vocab_size
-
-    @property
-    def hidden_size(self) -> int:
-        return self.layer_config.hidden_size
-
-    @property
-    def max_context(self) -> int:
-        return min(self.layer_config.max_position_embeddings, self.kv.capacity if self.kv is not None else float("inf"))
-
-    def new_session(self) -> FeatureSession:
-        return FeatureSession(handle=None if self.kv is not None else SlotBuffers())  # a row at its first pass
-
-    def rollback(self, session: FeatureSession, length: int) -> None:
-        self.model.rollback(session, length)
-        session.exact = min(session.exact, length)
-
-    def close(self) -> None:
-        for captured in self._chains.values():
-            captured.close()
-        self._chains.clear()
-
-    @torch.inference_mode()
-    def add_features(self, session: FeatureSession, states: torch.Tensor, start: int) -> None:
-        held = 0 if session.features is None else len(session.features)
-        if start > held:
-            raise InvalidRequestError(f"features start at position {start}, but the draft holds {held}")
-        if states.ndim != 3 or states.shape[1:] != (self.model.config.reads, self.hidden_size):
-            raise InvalidRequestError(f"features of shape {list(states.shape)}, not [tokens, "
-                                      f"{self.model.config.reads}, {self.hidden_size}]")
-        g = self.model.feature(states.to(self.device, self.model.dtype))  # [m, H]: the target's states, in the draft's dtype
-        session.features = g if not start else torch.cat([session.features[:start], g])
-        session.exact = min(session.exact, start)
-
-    def clear_features(self, session: FeatureSession) -> None:
-        session.features, session.exact = None, 0
-
-    def can_draft(self, session: FeatureSession, history: list[int]) -> bool:
-        return len(history) >= 2 and session.features is not None and len(session.features) >= len(history) - 1
-
-    def start(self, sessions: list[FeatureSession], histories: list[list[int]]) -> DraftOutputs:
-        """Feed each session the pairs (g_t, x_{t+1}) its cache lacks up to the history's end; the last
-        one's state drafts y_1. A cached pair made from the draft's own state is fed again."""
-        feeds = []
-        for session, history in zip(sessions, histories):
-            # pairs 0..end-1: x_1..x_end; a one-token history (only a probe's scratch session has one:
-            # `can_draft`) feeds one pair of its token, a pass of the same size
-            tokens = history[1:] or history[:1]
-            end = len(tokens)
-            keep = min(session.exact, common_prefix_length(session.tokens, tokens), end - 1)
-            self.rollback(session, keep)
-            feeds.append(DraftFeed(session, self._target_features(session, keep, end), tokens[keep:]))
-        return self._pass(feeds)
-
-    def step(self, sessions: list[FeatureSession], tokens: list[int]) -> DraftOutputs:
-        return self._pass([DraftFeed(s, s.state[None], [t]) for s, t in zip(sessions, tokens)])
-
-    @torch.inference_mode()
-    def capture_graphs(self) -> None:
-        """Every chain bucket this runtime can replay (sessions up to its rows, steps up to its chains',
-        every gathered length), captured now (models/feature_chain.py)."""
-        kv = self.kv
-        if kv is None or not kv.graphs:
-            return
-        for sessions in (n for n in kv.options.graph_sessions if n <= kv.max_pass_sessions):
-            for steps in (k for k in kv.options.graph_tokens if k <= self.chain_steps):
-                for length in kv.graph_lengths:
-                    key = chain_bucket(kv, sessions, steps, length - steps)
-                    if key is not None and key not in self._chains:
-                        self._chains[key] = CapturedChain(self.model, kv, *key)
-
-    @torch.inference_mode()
-    def chain(self, sessions: list[FeatureSession], tokens: list[int], steps: int) -> list[DraftOutputs]:
-        """Up to `steps` greedy drafting steps at once (models/feature_chain.py): the outputs of `step`
-        for y_1 = `tokens`, then for each step's argmax in turn, one per step; fewer where a session
-        would pass the cache's capacity (each still takes the steps its context allows)."""
-        longest = max(len(s) for s in sessions)
-        steps = max(1, min(steps, self.kv.capacity - longest))
-        self.kv.attach([DraftFeed(s, s.state[None], [t]) for s, t in zip(sessions, tokens)], steps=steps - 1)
-        device = self.device
-        inputs = ChainInputs(torch.tensor([s.handle for s in sessions], device=device),
-                             torch.tensor([len(s) for s in sessions], device=device),
-                             torch.ones(len(sessions), dtype=torch.bool, device=device),
-                             torch.stack([s.state for s in sessions]),
-                             torch.tensor(tokens, dtype=torch.long, device=device))
-        out = chain(self.model, self.kv, self._chains, inputs, steps, longest)
-        drafted = out.tokens[:-1].T.tolist() if steps > 1 else [[] for _ in sessions]  # [B, steps - 1]: y_2..y_steps
-        for b, (session, token) in enumerate(zip(sessions, tokens)):
-            session.tokens.extend([token] + drafted[b])
-            session.state = out.states[-1, b]
-        self.forward_passes += 1
-        self.fed_tokens += len(sessions) * steps
-        logits = self.model.scatter(out.scores)  # [steps, B, V]: one call for the chain
-        return [DraftOutputs(logits[j], out.states[j].float()) for j in range(steps)]
-
-    def _target_features(self, session: FeatureSession, start: int, end: int) -> torch.Tensor:
-        """g of positions start..end-1 from the target's states [end - start, H]; zeros past those held
-        (only a scratch session lacks them: a probe's, a timing's; `can_draft` keeps real ones out).
-        The pairs about to be fed from them are exact: `session.exact` moves to the last held."""
-        held = 0 if session.features is None else min(len(session.features), end)
-        g = session.features[start:held] if held > start else self.model.embed.new_zeros((0, self.hidden_size))
-        session.exact = max(held, start)
-        if held < end:
-            g = torch.cat([g, g.new_zeros((end - max(held, start), self.hidden_size))])
-        return g
-
-    def _pass(self, feeds: list[DraftFeed]) -> DraftOutputs:
-        last = self._outputs(feeds, [1] * len(feeds))  # [B, H]
-        for feed, state in zip(feeds, last):
-            feed.session.state = state
-        self.fed_tokens += sum(len(f.tokens) for f in feeds)
-        return DraftOutputs(self.model.full_logits(last), last.float())
-
-    def _forward(self, feeds: list[Feed]) -> PassOutputs:
-        """A pass of pairs after each session's cache, the tokens with the target's states held for
-        their positions (zeros past them): what timing a pass of that size needs (bench/forward.py)."""
-        pairs = [DraftFeed(f.session, self._target_features(f.session, len(f.session), len(f.session) + len(f.tokens)),
-                           f.tokens) for f in feeds]
-        out = self._outputs(pairs, [f.num_outputs for f in feeds])
-        return PassOutputs(self.model.full_logits(out), out.float(), PassOutputs.bounds_of(feeds))
-
-    @torch.inference_mode()
-    def _outputs(self, pairs: list[DraftFeed], outputs: list[int]) -> torch.Tensor:
-        """One ragged pass over every feed; the output states [sum outputs, H] of each feed's last
-        `outputs[f]` positions, feed by feed."""
-        states = self.model.forward_feeds(pairs) if self.kv is None else self.model.forward_static(pairs, self.kv)  # [sum n, H]
-        self.forward_passes += 1
-        ends = accumulate(len(f.tokens) for f in pairs)
-        return states[[i for n, end in zip(outputs, ends) for i in range(end - n, end)]]
-
-
-def is_feature_draft(source: str | Path) -> bool:
-    """Whether `source` names a feature draft's directory (its config names the target it reads)."""
-    path = draft_dir(source) / CONFIG_FILE
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and "target_identity" in config and "layer_config" in config
-
-
-def read_config(directory: str | Path) -> FeatureDraftConfig:
-    path = draft_dir(directory) / CONFIG_FILE
-    try:
-        return FeatureDraftConfig.model_validate_json(path.read_text())
-    except OSError as exc:
-        raise ModelSourceError(f"no feature draft at {directory}: {exc.strerror or exc}") from None
-    except ValueError as exc:
-        raise ModelSourceError(f"{path} is not a feature draft's config: {one_line(exc)}") from None
-
-
-def target_tensors(target_dir: str | Path, vocab_ids: torch.Tensor | None = None,
-                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embeddings [V, H], LM head rows [V_trim, H]) read from the target's safetensors files, nothing
-    else loaded; `vocab_ids` None keeps every row of the head."""
-    from safetensors import safe_open
-
-    target_dir = Path(target_dir)
-    wanted = {"embed": ("model.embed_tokens.weight", "embed_tokens.weight"), "head": ("lm_head.weight",)}
-    found: dict[str, torch.Tensor] = {}
-    for path in sorted(target_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            names = set(f.keys())
-            for role, candidates in wanted.items():
-                name = next((n for n in candidates if n in names), None)
-                if role in found or name is None:
-                    continue
-                found[role] = f.get_tensor(name)
-                if role == "head" and vocab_ids is not None:
-                    found[role] = found[role][vocab_ids]
-    if "embed" not in found:
-        raise ModelSourceError(f"no embeddings in the target's files at {target_dir}")
-    if "head" not in found:  # tied: the LM head is the embedding matrix
-        found["head"] = found["embed"] if vocab_ids is None else found["embed"][vocab_ids]
-    return found["embed"].to(dtype), found["head"].to(dtype)
-
-
-def load_feature_draft(directory: str | Path, target_dir: str | Path, target_identity: str,
-                       dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> FeatureDraft:
-    """The draft at `directory` (or the shipped one it names) on the target at `target_dir`, whose
-    identity must be the one it was trained on: its features mean nothing to another model."""
-    from safetensors.torch import load_file
-
-    directory = draft_dir(directory)
-    config = read_config(directory)
-    if config.target_identity != target_identity:
-        raise IncompatibleModelsError(f"the feature draft at {directory} was trained on another target "
-                                      f"({config.target_identity[:24]}), not {target_identity[:24]}")
-    weights = load_file(str(directory / WEIGHTS_FILE))
-    vocab_ids = weights["vocab_ids"]
-    embed, head = target_tensors(target_dir, vocab_ids, dtype)
-    model = FeatureDraft(config, embed, head, vocab_ids)
-    model.load_own_state({k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()})
-    return model.to(device=device, dtype=dtype).eval()

@@ -330,7 +330,7 @@ class CausalLMRuntime(Runtime):
 
 def keep_features(part: list[Feed], read: list[torch.Tensor] | None, fed: dict[int, list[torch.Tensor]] | None) -> None:
     """A pass's read states of each feed of `part` ([n, reads, H]) into `fed`, by session, in
-    bfloat16: the layout the wire and the training shards carry (models/feature_draft.py `pack_states`)."""
+    bfloat16: the layout the wire and the training shards carry (models/feature_files.py `pack_states`)."""
     if fed is None:
         return
     for feed, rows in zip(part, read):

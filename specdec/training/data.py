@@ -72,10 +72,10 @@ from pathlib import Path
 import torch
 
 from specdec.errors import IncompatibleModelsError, SpecDecError, one_line
-from specdec.models.feature_draft import pack_states
+from specdec.models.feature_files import pack_states
 from specdec.models.vocab import SETTINGS_BEFORE_DRAFT_VOCAB, vocab_setting
 from specdec.sampling import SamplingParams, probs_from_logits
-from specdec.training.config import DataSection, ModelsSection, PipelineConfig, PromptsSection
+from specdec.training.config import DataSection, ModelsSection, PipelineConfig, PromptsSection, TrainSection
 from specdec.training.labels import sample_draft_tokens, soft_acceptance_labels
 from specdec.training.stdlib_prompts import Prompt
 
@@ -432,6 +432,12 @@ def settings_of(config: PipelineConfig, draft: dict | None, target: dict) -> dic
             "response": response_settings(data.response), "labels": data.labels.model_dump(), "seed": data.seed,
             "draft_format": config.models.draft_format,
             "draft_vocab": vocab_setting(config.models.draft_vocab)}
+
+
+def head_sequences(items: list, split: str, train: TrainSection) -> list:
+    """The sequences of one split (in the dataset's order) the head's data come from: all, or the
+    train split's first `train.max_sequences`."""
+    return items[:train.max_sequences] if split == "train" and train.max_sequences else items
 
 
 def read_manifest(directory: Path) -> dict:

@@ -31,8 +31,9 @@ from typing import Literal
 import torch
 
 from specdec.errors import IncompatibleModelsError, SpecDecError
-from specdec.models.feature_draft import (FUSED, REPORT_FILE, FeatureDraft, FeatureDraftConfig, layer_config_of,
-                                          stored_inputs, target_tensors, unpack_states)
+from specdec.models.feature_draft import FUSED, FeatureDraft, FeatureDraftConfig, layer_config_of, stored_inputs
+from specdec.models.feature_files import (REPORT_FILE, WEIGHTS_FILE, read_config, save_feature_draft, target_tensors,
+                                          unpack_states)
 from specdec.training import checkpoints
 from specdec.training.config import ConfigError, DraftTrainSection, PipelineConfig
 from specdec.training.data import FEATURE_COLUMNS, FINISH_REFERENCE, SPLITS, DatasetError, read_manifest, read_shard
@@ -411,15 +412,11 @@ def init_state(directory: str) -> dict[str, torch.Tensor]:
     """A saved draft's own weights in float32 (training's master copy)."""
     from safetensors.torch import load_file
 
-    from specdec.models.feature_draft import WEIGHTS_FILE
-
     return {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(Path(directory) / WEIGHTS_FILE)).items()}
 
 
 def init_vocabulary(draft: DraftTrainSection, identity: str, layers: list[int], target_config) -> torch.Tensor:
     """The vocabulary of the draft a run starts from, after checking it is this run's kind of draft."""
-    from specdec.models.feature_draft import read_config
-
     found = read_config(draft.init)
     made = draft_config(draft, identity, "", layers, target_config)
     wanted = type(made).model_validate_json(made.model_dump_json())  # as read back from a config.json
@@ -464,7 +461,7 @@ def train_draft(config: PipelineConfig) -> dict:
     state, history, _ = checkpoints.read_final(result, draft.name)
     model = build_draft(loop_config, target_dir, vocab_ids)
     model.load_own_state(state["model"])
-    model.save(draft.output)
+    save_feature_draft(model, draft.output)
     report = {"draft": draft.model_dump(), "data": {"dir": config.data.dir, "counts": manifest["counts"],
                                                     "layers": manifest["settings"]["layers"],
                                                     "prompt_source": manifest.get("prompt_source")},

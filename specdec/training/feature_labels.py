@@ -32,12 +32,14 @@ import torch
 
 from specdec.errors import IncompatibleModelsError
 from specdec.features import distribution_features
-from specdec.models.feature_draft import FeatureDraft, load_feature_draft, read_config, target_tensors
+from specdec.models.feature_draft import FeatureDraft
+from specdec.models.feature_files import load_feature_draft, read_config, target_tensors
 from specdec.sampling import SamplingParams, probs_from_logits
 from specdec.training.config import PipelineConfig
-from specdec.training.data import label_distribution
+from specdec.training.data import head_sequences, label_distribution
 from specdec.training.draft import Example, load_examples, make_batch
 from specdec.training.labels import sample_draft_tokens, soft_acceptance_labels_from_logprobs
+from specdec.training.mixing import mixing_generator
 
 # Draft steps labelled per position: the rounds the cost-aware rule drafts on this draft's
 # acceptance are short (docs/feature-draft.md); a later step's state is judged as step 5's kind.
@@ -109,7 +111,6 @@ def feature_draft_features(config: PipelineConfig, data_dir: str, splits: Sequen
     from tqdm.auto import tqdm
 
     from specdec.models.sources import model_identity, resolve_model
-    from specdec.training.train import head_sequences, mixing_generator
 
     manifest, examples = load_examples(data_dir, config.require_draft().max_tokens, states="lazy")
     target_dir = resolve_model(config.models.target, role="target", cache=config.models.cache_dir)

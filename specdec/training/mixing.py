@@ -29,6 +29,8 @@ the head towards acceptance: the over-confidence the paper already warns about. 
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 # Fraction of tokens taken from the target's response X in the official recipe (mixing_ratio).
@@ -55,3 +57,10 @@ def mix_tokens(
     is_draft = (coins >= target_ratio).to(target_tokens.device)  # P(take X) = P(u < r) = r
     mixed = torch.where(is_draft, draft_tokens, target_tokens).long()
     return mixed, is_draft
+
+
+def mixing_generator(seed: int, prompt_id: str, label_set: int = 0) -> torch.Generator:
+    """The coins of one response and label set: the same for a run's seed wherever they are drawn
+    (the head's features and a feature draft's labels mix alike)."""
+    digest = hashlib.sha256(f"mix\0{seed}\0{prompt_id}\0{label_set}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") >> 1)

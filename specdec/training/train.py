@@ -46,10 +46,12 @@ from specdec.sampling import SamplingParams, probs_from_logits
 from specdec.training import checkpoints
 from specdec.training.calibration import calibration_report, cross_fitted_predictions
 from specdec.training.config import SELECT_BY, ConfigError, PipelineConfig, TrainSection
-from specdec.training.data import SPLITS, load_dataset, read_manifest
+from specdec.training.data import SPLITS, head_sequences, load_dataset, read_manifest
 from specdec.training.evaluation import calibration, evaluate_head, feature_aurocs, soft_label_auroc
 from specdec.training.loss import weighted_bce_loss
-from specdec.training.mixing import mix_tokens
+from specdec.training.feature_labels import (LABEL_STEPS, cache_settings, check_feature_head_data,
+                                             feature_draft_features)
+from specdec.training.mixing import mix_tokens, mixing_generator
 
 FEATURES_SUBDIR = "features"
 METRICS_FILE = "metrics.json"
@@ -67,11 +69,6 @@ RESUMABLE_CHANGES = ("epochs", "output")
 
 
 # -- features ------------------------------------------------------------------------------------
-
-def mixing_generator(seed: int, prompt_id: str, label_set: int = 0) -> torch.Generator:
-    digest = hashlib.sha256(f"mix\0{seed}\0{prompt_id}\0{label_set}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") >> 1)
-
 
 @torch.inference_mode()
 def mixed_sequence_features(draft_model, row: dict, label_set: int, ratio: float, seed: int,
@@ -211,12 +208,6 @@ def model_draft_features(config: PipelineConfig, data_dir: str, splits: tuple[st
     return parts, draft.hidden_size
 
 
-def head_sequences(items: list, split: str, train: TrainSection) -> list:
-    """The sequences of one split (in the dataset's order) the head's data come from: all, or the
-    train split's first `train.max_sequences`."""
-    return items[:train.max_sequences] if split == "train" and train.max_sequences else items
-
-
 def compute_features(config: PipelineConfig, data_dir: str, out_path: str, draft_identity: str,
                      splits: tuple[str, ...] = SPLITS) -> str:
     """Run the frozen draft over every sequence of `splits` once and save the features (see module
@@ -226,8 +217,6 @@ def compute_features(config: PipelineConfig, data_dir: str, out_path: str, draft
         torch.set_num_threads(config.scaling.threads)
     features: dict = {"format": FEATURE_FORMAT, "features": train.features}
     if config.data.kind == "features":
-        from specdec.training.feature_labels import LABEL_STEPS, feature_draft_features
-
         parts, hidden_size = feature_draft_features(config, data_dir, splits)
         features["label_steps"] = LABEL_STEPS  # one row per response position and draft step
     else:
@@ -347,8 +336,6 @@ def check_dataset(config: PipelineConfig) -> tuple[dict, str, str]:
     from specdec.models.sources import model_identity, resolve_model
 
     if config.data.kind == "features":
-        from specdec.training.feature_labels import check_feature_head_data
-
         manifest = read_manifest(Path(config.data.dir))
         directory, identity = check_feature_head_data(config, manifest)
         return manifest, identity, directory
@@ -368,8 +355,6 @@ def ensure_features(config: PipelineConfig, manifest: dict, draft_identity: str)
     train = config.require_train()
     labels = None
     if config.data.kind == "features":
-        from specdec.training.feature_labels import cache_settings
-
         labels = cache_settings(config)
     path = Path(train.storage).resolve() / FEATURES_SUBDIR / f"{feature_key(manifest, train, draft_identity, labels)}.pt"
     if path.is_file():

@@ -68,12 +68,13 @@ def test_a_mistyped_target_fails_before_the_draft_is_loaded(tiny_pair, monkeypat
 def test_a_feature_draft_on_the_llamacpp_runtime_is_a_clear_error(tiny_pair, tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from specdec.models.feature_files import save_feature_draft
     from specdec.models.sources import model_identity
     from tiny import tiny_feature_draft
 
     draft = tiny_feature_draft(AutoModelForCausalLM.from_pretrained(tiny_pair[1]))
     draft.config = draft.config.model_copy(update={"target_identity": model_identity(tiny_pair[1])})
-    draft.save(tmp_path / "feature")
+    save_feature_draft(draft, tmp_path / "feature")
     with pytest.raises(ModelSourceError, match="use --runtime torch"):
         build_engine(EngineConfig(draft=str(tmp_path / "feature"), target=str(tiny_pair[1]), runtime="llamacpp"),
                      progress=False)
@@ -91,6 +92,7 @@ def test_a_shipped_feature_draft_is_named_and_its_own_head_found(tiny_pair, tmp_
     import specdec.heads
     from specdec.drafts import draft_dir
     from specdec.heads import resolve_head
+    from specdec.models.feature_files import save_feature_draft
     from specdec.models.sources import model_identity
     from tiny import tiny_feature_draft
 
@@ -98,7 +100,7 @@ def test_a_shipped_feature_draft_is_named_and_its_own_head_found(tiny_pair, tmp_
     assert draft_dir("~/runs/fused") == draft_dir("~").joinpath("runs", "fused")
     draft = tiny_feature_draft(AutoModelForCausalLM.from_pretrained(tiny_pair[1]))
     draft.config = draft.config.model_copy(update={"target_identity": model_identity(tiny_pair[1])})
-    draft.save(tmp_path / "shipped")
+    save_feature_draft(draft, tmp_path / "shipped")
     monkeypatch.setitem(specdec.drafts.SHIPPED_FEATURE_DRAFTS, "default-feature", tmp_path / "shipped")
     engine = build_engine(EngineConfig(draft="default-feature", target=str(tiny_pair[1])), progress=False)
     assert engine.draft.reads_features and engine.draft.name == "default-feature" and engine.head is None

@@ -400,7 +400,7 @@ def make_feature_engine(vocab: int, layers: int, model_seed: int, draft_seed: in
     greedy steps chained, padded to their buckets off CUDA and captured on it); `target_kv` the
     target's ("static": its passes padded off CUDA and captured on it hand out the states the draft
     reads, as the builder pairs them on a GPU)."""
-    from specdec.models.feature_draft import FeatureDraftRuntime
+    from specdec.models.feature_runtime import FeatureDraftRuntime
     from specdec.sessions import SessionStore
 
     target = tiny_model(vocab, hidden_size=16, layers=layers, seed=model_seed, init_range=0.5)
@@ -567,7 +567,7 @@ def test_a_target_only_session_beside_a_feature_draft_is_sent_no_states():
 def make_mixed_engine(vocab: int, layers: int, model_seed: int, noise: float, noise_seed: int, draft_seed: int,
                       vocab_ids: list[int] | None = None) -> SpecDecEngine:
     """A target with two drafts: a noisy copy of it (the default) and a feature draft ("feature")."""
-    from specdec.models.feature_draft import FeatureDraftRuntime
+    from specdec.models.feature_runtime import FeatureDraftRuntime
 
     target = tiny_model(vocab, hidden_size=16, layers=layers, seed=model_seed, init_range=0.5)
     model_draft = noisy_copy(target, noise, noise_seed)

@@ -619,7 +619,7 @@ def test_the_llamacpp_runtime_serves_the_same_rounds(tmp_path):
 def feature_engine(tiny_pair):
     from transformers import AutoModelForCausalLM
 
-    from specdec.models.feature_draft import FeatureDraftRuntime
+    from specdec.models.feature_runtime import FeatureDraftRuntime
     from specdec.models.runtime import TargetRuntime
     from tiny import tiny_feature_draft
 

@@ -13,6 +13,7 @@ from clients.grpc_client import GrpcClient
 from engine_backend import local_serve
 from services.config import AppConfig, ReplicaConfig
 from specdec.builder import EngineConfig, build_engine
+from specdec.models.feature_files import save_feature_draft
 from specdec.models.sources import model_identity
 from specdec.params import build_params
 from test_serve_app import kill_all, wait_replaced
@@ -29,7 +30,7 @@ def feature_pair(tiny_pair, tmp_path_factory) -> tuple[str, str]:
     target_dir = tiny_pair[1]
     draft = tiny_feature_draft(AutoModelForCausalLM.from_pretrained(target_dir), seed=3)
     draft.config = draft.config.model_copy(update={"target_identity": model_identity(target_dir)})
-    return str(draft.save(tmp_path_factory.mktemp("feature") / "draft")), str(target_dir)
+    return str(save_feature_draft(draft, tmp_path_factory.mktemp("feature") / "draft")), str(target_dir)
 
 
 @pytest.fixture(scope="module")

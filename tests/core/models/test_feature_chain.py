@@ -12,7 +12,7 @@ import torch
 from tiny import tiny_feature_draft, tiny_model
 
 from specdec.models.feature_chain import chain_bucket
-from specdec.models.feature_draft import FeatureDraftRuntime
+from specdec.models.feature_runtime import FeatureDraftRuntime
 from specdec.models.static import StaticOptions
 
 DEVICE = torch.device(os.environ.get("SPECDEC_TEST_DEVICE", "cpu"))

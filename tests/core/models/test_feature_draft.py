@@ -9,8 +9,8 @@ from transformers import Qwen2Config
 
 from specdec.errors import IncompatibleModelsError, ModelSourceError
 from specdec.models.feature_draft import (FUSED, OUTPUT_STATE, DraftFeed, FeatureDraft, FeatureDraftConfig,
-                                          chain_attention, layer_config_of, load_feature_draft, read_config,
-                                          target_tensors)
+                                          chain_attention, layer_config_of)
+from specdec.models.feature_files import load_feature_draft, read_config, save_feature_draft, target_tensors
 
 HIDDEN, VOCAB = 32, 50
 
@@ -108,7 +108,7 @@ def test_saved_draft_loads_on_its_target_only(tiny_pair, tmp_path):
     config = FeatureDraftConfig(target_identity="tiny-target", layers=[0, 1], vocab_size=target.vocab_size,
                                 layer_config=layer_config_of(target))
     model = FeatureDraft(config, embed, head, vocab_ids).eval()
-    model.save(tmp_path / "draft", dtype=torch.float32)
+    save_feature_draft(model, tmp_path / "draft", dtype=torch.float32)
     saved = set(__import__("safetensors").safe_open(str(tmp_path / "draft" / "model.safetensors"), "pt").keys())
     assert "vocab_ids" in saved and "lm_head.weight" not in saved and "embed" not in saved
     loaded = load_feature_draft(tmp_path / "draft", target_dir, "tiny-target")
@@ -126,7 +126,7 @@ def test_the_runtime_times_probes_of_scratch_sessions():
     """The workers' probes run on scratch sessions without the target's states (zeros stand in), a
     history of one token included (an off-probe's): every size gets a timing; a real session
     without states does not draft (`can_draft`)."""
-    from specdec.models.feature_draft import FeatureDraftRuntime
+    from specdec.models.feature_runtime import FeatureDraftRuntime
     from specdec.policies import PolicyConfig, make_policy
     from specdec.workers import probe_catch_up, probe_drafting
 
@@ -145,7 +145,7 @@ def test_the_runtime_times_probes_of_scratch_sessions():
 def test_the_runtimes_scores_carry_no_autograd_graph():
     """A drafting step's scores and states are plain numbers to the policies: serving builds no
     graph behind them (the trainable norms would otherwise record one every step)."""
-    from specdec.models.feature_draft import FeatureDraftRuntime
+    from specdec.models.feature_runtime import FeatureDraftRuntime
 
     runtime = FeatureDraftRuntime(tiny_draft())
     session = runtime.new_session()
@@ -160,7 +160,7 @@ def test_a_bfloat16_draft_takes_the_targets_states_in_its_own_dtype():
     draft are taken in the draft's dtype, and its rounds draft (cast to float32 instead, every
     Propose that carried states failed there: 'expected mat1 and mat2 to have the same dtype')."""
     from specdec.engine import SpecDecEngine
-    from specdec.models.feature_draft import FeatureDraftRuntime
+    from specdec.models.feature_runtime import FeatureDraftRuntime
     from specdec.models.runtime import TargetRuntime
     from specdec.params import GenerationParams
     from specdec.policies import PolicyConfig

@@ -10,7 +10,7 @@ from conftest import TINY_PROMPTS, start_local_ray, tiny_config
 
 from benchmarks.draft_batching import padded_positions
 from specdec.errors import IncompatibleModelsError, ModelSourceError
-from specdec.models.feature_draft import REPORT_FILE, load_feature_draft
+from specdec.models.feature_files import REPORT_FILE, load_feature_draft, save_feature_draft
 from specdec.models.sources import model_identity
 from specdec.training.config import ConfigError, DraftTrainSection, parse_config
 from specdec.training.data import DatasetError, generate_dataset, read_manifest, target_states
@@ -313,14 +313,16 @@ def saved_feature_draft(tiny_pair, tmp_path_factory):
     draft = tiny_feature_draft(AutoModelForCausalLM.from_pretrained(tiny_pair[1]))
     draft.config = draft.config.model_copy(update={"target_identity": model_identity(tiny_pair[1])})
     assert draft.config.layers == LAYERS
-    return draft.save(tmp_path_factory.mktemp("feature-draft") / "draft", dtype=torch.float32)
+    return save_feature_draft(draft, tmp_path_factory.mktemp("feature-draft") / "draft", dtype=torch.float32)
 
 
 def test_the_heads_data_are_what_the_runtime_hands_the_head(feature_dataset, saved_feature_draft, tiny_pair):
     """A round drafted by the runtime from the target's states over prompt + x_P: its first and second
     candidates' states are the head data's rows of steps 1 and 2 at response positions 1 and 2, and
     a greedy label is 1 exactly where the draft's argmax is the target's."""
-    from specdec.models.feature_draft import FUSED, FeatureDraftRuntime, stored_inputs, target_tensors
+    from specdec.models.feature_draft import FUSED, stored_inputs
+    from specdec.models.feature_files import target_tensors
+    from specdec.models.feature_runtime import FeatureDraftRuntime
     from specdec.sampling import SamplingParams
     from specdec.training.feature_labels import sequence_features
 
@@ -380,7 +382,7 @@ def test_train_head_on_a_feature_draft(feature_dataset, saved_feature_draft, tin
     from tiny import tiny_feature_draft
     from transformers import AutoModelForCausalLM
 
-    other = tiny_feature_draft(AutoModelForCausalLM.from_pretrained(tiny_pair[1])).save(tmp_path / "other")  # "tiny"
+    other = save_feature_draft(tiny_feature_draft(AutoModelForCausalLM.from_pretrained(tiny_pair[1])), tmp_path / "other")  # "tiny"
     with pytest.raises(IncompatibleModelsError, match="reads another target"):
         train_head(parse_config({**raw, "draft": {**raw["draft"], "output": str(other)}}))
 

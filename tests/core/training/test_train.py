@@ -21,6 +21,7 @@ from specdec.rounds import DraftRow, propose
 from specdec.sampling import SamplingParams
 from specdec.training.config import ConfigError, TrainSection, parse_config
 from specdec.training.mixing import mix_tokens
+from specdec.training.mixing import mixing_generator
 from specdec.training.train import (
     FEATURE_FORMAT,
     REPORT_FILE,
@@ -28,7 +29,6 @@ from specdec.training.train import (
     head_inputs,
     load_features,
     new_head,
-    mixing_generator,
     select_run,
     mixed_sequence_features,
     response_features,
