@@ -15,7 +15,7 @@ time from the first request to the last answer. Latency: request to last token; 
 token: request to the first committed token (the prefill and a first round). In process the
 requests go to the engine's loop; served, through Serve's gRPC proxy as streams. The modes run one
 after the other, never together (they would share the cores). `--baseline` adds the batch-1
-reference runtime (one pass per session, today's path before batching) at concurrency 1.
+reference runtime (one pass per session, the unbatched path) at concurrency 1.
 Target-only (plain decoding) runs in every mode at every level even when `--policies` leaves it out,
 and `vs target-only` divides each row's aggregate tokens/s by target-only's at the same mode and level.
 Greedy outputs are compared across every mode and level: a prompt's tokens must not depend on what

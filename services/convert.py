@@ -24,7 +24,7 @@ from specdec.models.feature_files import pack_states, unpack_states
 from specdec.params import GenerationParams, build_params, validation_message
 from specdec.policies import PolicyConfig
 from specdec.protocol import (HistoryDelta, Proposal, ProposeItem, Refused, RoundSeed, SessionMissing, StepPlan,
-                              VerifyItem)
+                              VerifyItem, q_travels)
 from specdec.sampling import SamplingParams, probs_from_logits
 from specdec.sequences import RequestRules
 from specdec.v1 import common_pb2, draft_pb2, generation_pb2, verifier_pb2
@@ -190,7 +190,7 @@ def verify_item_from_proto(msg: verifier_pb2.VerifyRequest, vocab_size: int) -> 
     sampling = sampling_from_proto(msg.sampling)
     return VerifyItem(
         session_id=msg.session_id, history=delta_from_proto(msg.history), candidates=list(msg.candidates),
-        draft_probs=[] if sampling.greedy else [sparse_to_dense(q, vocab_size) for q in msg.draft_probs],
+        draft_probs=[sparse_to_dense(q, vocab_size) for q in msg.draft_probs] if q_travels(sampling) else [],
         sampling=sampling, seed=seed_from_proto(msg.seed),
         features_from=msg.features_from if msg.HasField("features_from") else None)
 
@@ -269,7 +269,7 @@ def sparsifier(min_prob: float):
     """The draft worker's logits filter for `min_prob` (None when 0: q travels exactly)."""
     if min_prob <= 0:
         return None
-    return lambda sampling: (None if sampling.greedy else lambda logits: sparsify_logits(logits, sampling, min_prob))
+    return lambda sampling: (lambda logits: sparsify_logits(logits, sampling, min_prob)) if q_travels(sampling) else None
 
 
 def sparsify_logits(logits: torch.Tensor, sampling: SamplingParams, min_prob: float = SPARSE_MIN_PROB) -> torch.Tensor:
@@ -279,7 +279,7 @@ def sparsify_logits(logits: torch.Tensor, sampling: SamplingParams, min_prob: fl
     from the truncated, renormalised q and that q is what the draft sends (exactness, see
     common.proto). The argmax is always kept. Greedy requests send no q: they are left alone.
     """
-    if sampling.greedy or min_prob <= 0:
+    if not q_travels(sampling) or min_prob <= 0:
         return logits
     q = probs_from_logits(logits, sampling)  # [..., V]
     drop = (q <= min_prob).scatter(-1, torch.argmax(q, dim=-1, keepdim=True), False)

@@ -54,8 +54,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from specdec.cost_profile import CostProfile
+from specdec.policies.specdec_pp_cost import SpecDecPPCost
 
-MAX_CANDIDATES = 20  # the paper's cap on a round, for a budgeted policy given no --k
+MAX_CANDIDATES = SpecDecPPCost.DEFAULT_MAX_K  # a budgeted round's cap where the request gives no --k
+
 # P(a candidate is accepted | the ones before were) before any is verified, and its weight in
 # candidates: the planner's estimate starts here and follows the rounds' outcomes.
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.8, 10.0

@@ -106,6 +106,12 @@ class RoundSeed:
         return round_generator(self.request_seed, self.sample_index, self.round_index, role)
 
 
+def q_travels(sampling: SamplingParams) -> bool:
+    """Whether a round's draft distributions q go to the verifier: only sampled verification reads
+    them (greedy verification is an exact match against the target's argmax)."""
+    return not sampling.greedy
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """One step's plan (specdec/planner.py): who calls the draft, and what the draft side spends a

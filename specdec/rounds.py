@@ -30,7 +30,7 @@ from specdec.models.runtime import DraftOutputs, DraftRole, KVSession, Scores, T
 from specdec.models.static import graphs_captured
 from specdec.policies import Decision, DraftStep, StoppingPolicy
 from specdec.policies.specdec_pp import head_acceptances
-from specdec.protocol import Proposal
+from specdec.protocol import Proposal, q_travels
 from specdec.sampling import (SamplingParams, argmax, choose_tokens, probs_by_params, probs_in_place, rows_by,
                               transform_of)
 from specdec.verification import (RoundBatch, Verdict, final_distributions, verify_greedy_batch,
@@ -93,7 +93,7 @@ class _Drafting:
 
     def append(self, step: DraftStep) -> None:
         self.proposal.candidates.append(step.token)
-        if not self.row.sampling.greedy:  # greedy verification is exact match: q stays here
+        if q_travels(self.row.sampling):
             self.proposal.draft_probs.append(step.probs)
 
     def decided(self, step: DraftStep, decision: Decision) -> bool:

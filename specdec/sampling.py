@@ -109,8 +109,9 @@ def rows_by(keys: list) -> dict:
 
 def probs_in_place(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """`probs_by_params`, written over logits [N, V] (and returned) where every row has one sampling
-    without top-k or top-p: no new [N, V] tensor. At 160 rows of 151,936 a new one cost 25 ms of
-    page faults on 2 cores (a softmax 36 ms, in place 8); under 32 MB the allocator reuses memory."""
+    without top-k or top-p: no new [N, V] tensor. A batch's rows over a full vocabulary are larger
+    than the allocator keeps for reuse, so a new tensor is fresh memory whose page faults cost about
+    as much as the softmax (docs/performance.md, "Host work per step")."""
     param = params[0]
     if len({transform_of(p) for p in params}) > 1 or param.top_k or param.top_p < 1.0:
         return probs_by_params(logits, params)

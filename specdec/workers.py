@@ -27,7 +27,7 @@ from specdec.metrics import MS_PER_S
 from specdec.models.runtime import DraftRole, KVSession, TargetRole
 from specdec.policies import PolicyConfig, StoppingPolicy, make_policy
 from specdec.protocol import (Proposal, ProposeItem, Refused, SessionMissing, StepPlan, VerifyItem,
-                              history_from_delta, ids_in_range)
+                              history_from_delta, ids_in_range, q_travels)
 from specdec.rounds import DraftRow, LogitsFilterFactory, TargetRow, propose, verify
 from specdec.sampling import SamplingParams
 from specdec.sessions import SessionStore
@@ -326,7 +326,7 @@ class VerifierWorker(Worker):
             raise InvalidRequestError(
                 f"{len(item.candidates)} candidates after {len(history)} tokens exceed the target's "
                 f"context of {self.target.max_context}")
-        if not item.sampling.greedy and len(item.draft_probs) != len(item.candidates):
+        if q_travels(item.sampling) and len(item.draft_probs) != len(item.candidates):
             raise InvalidRequestError(
                 f"sampled verification needs one draft distribution per candidate: "
                 f"{len(item.candidates)} candidates, {len(item.draft_probs)} distributions")
@@ -338,5 +338,5 @@ class VerifierWorker(Worker):
             entry = VerifierSession(self.target.new_session())
             self.sessions.put(item.session_id, entry)
         entry.history = history
-        return TargetRow(entry.kv, history, item.candidates, item.draft_probs if not item.sampling.greedy else [],
+        return TargetRow(entry.kv, history, item.candidates, item.draft_probs if q_travels(item.sampling) else [],
                          item.sampling, item.seed.generator("target", item.sampling), item.features_from)

@@ -40,9 +40,9 @@ from specdec.sampling import SamplingParams
 
 # The largest |logit| difference a runtime showed between passes of different sizes over the same
 # tokens, rounded up: llama.cpp's quantized kernels up to ~0.9 on the default target (activations
-# are quantized per pass; docs/benchmarks.md, benchmarks/llamacpp_numerics.py); torch ~1e-5 in fp32
-# on CPU, up to 0.18 in bf16 on an H100 (docs/performance.md). A greedy token chosen against a gap
-# below it is a near-tie that the pass size can flip.
+# are quantized per pass; docs/benchmarks.md, benchmarks/llamacpp_numerics.py); torch in fp32 far
+# less, in bf16 on a GPU a fraction of a logit (docs/performance.md, "On a GPU"). A greedy token chosen
+# against a gap below it is a near-tie that the pass size can flip.
 NEAR_TIE_LOGIT_GAP = {"llamacpp": 1.0, "torch": 0.25}
 NOTES_FILE = "notes.json"  # what a --report-only run cannot recompute: skips, forward times, machine
 WARMUP_TOKENS = 4

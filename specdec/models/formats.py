@@ -30,8 +30,9 @@ with warnings.catch_warnings():  # MkldnnLinear is a ScriptModule; torch.jit war
 WeightFormat = Literal["auto", "fp32", "onednn", "int8"]
 WEIGHT_FORMATS = ("auto", "fp32", "onednn", "int8")
 
-# Measured on the 2-core AMD EPYC machine (docs/performance.md): int8 draft steps take ~30 ms against
-# ~93 (onednn) and ~148 (fp32) with the same acceptance; oneDNN verifies K + 1 tokens in ~350 ms.
+# On a CPU a drafting step is one token per session, bound by reading the weights: int8 reads a
+# quarter of fp32's and accepts the same; a verification feeds K + 1 tokens, where oneDNN's fp32
+# kernels are the fastest (docs/performance.md, "Forward time per weight format").
 AUTO_FORMAT = {"draft": "int8", "target": "onednn"}
 
 

@@ -44,9 +44,8 @@ NO_KV_SLOT = 1  # llama_decode: no room in the cache for the batch
 # With hidden states on (the draft), llama.cpp outputs logits and hidden states at every token of a
 # pass, read or not. A pass with at least this many unread tokens (a prefill, a catch-up) runs them
 # first with hidden states off, then the read ones: one more pass over the weights, against the
-# output layer (a third of the default draft's weights) over each unread token. On the 2-core AMD
-# EPYC (docs/performance.md) a 160-token prefill then costs 0.76x, 4 sessions feeding 2 tokens
-# 0.90x, one session feeding 2 tokens 1.05x.
+# output layer (a third of the default draft's weights) over each unread token: it pays from a few
+# unread tokens on (docs/performance.md, "A draft for llama.cpp's fast kernels").
 SILENT_PASS_MIN_TOKENS = 4
 # llama.cpp's AMX kernels crash on Q4_K weights (ggml-org/llama.cpp#20824, closed unfixed); a build
 # compiled with AMX (-march=native on an AMX CPU) then runs without its extra (repacked) buffers.

@@ -143,7 +143,7 @@ class Runtime(ABC):
     forward_passes: int
     fed_tokens: int = 0  # tokens fed by the rounds' calls (start, step, score), for timing them
     # A pass of a size not run before pays set-up (on CUDA: kernels loaded on first use, cuBLAS
-    # choosing per shape; measured on an H100: a first 1-token draft pass 637 ms, later ones 3-30 ms).
+    # choosing per shape), many times a later pass's cost: a probe runs each size once untimed.
     sets_up_per_shape: bool = False
     # Most sessions one pass holds without taking another's cache (llama.cpp: its sequences); None: any.
     max_pass_sessions: int | None = None

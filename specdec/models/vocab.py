@@ -28,7 +28,7 @@ from torch import nn
 from specdec.errors import ModelSourceError
 
 FULL, ASCII = "full", "ascii"
-# What bench runs and datasets recorded before `--draft-vocab` existed were made with.
+# The setting a bench run or dataset that records no `draft_vocab` was made with: the full vocabulary.
 SETTINGS_BEFORE_DRAFT_VOCAB = {"draft_vocab": FULL}
 _PRINTABLE = frozenset(string.printable)  # letters, digits, punctuation and whitespace
 _BYTE_FALLBACK = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")  # sentencepiece's byte tokens

@@ -25,10 +25,10 @@ HEAD_POLICIES = tuple(name for name, policy in POLICIES.items() if policy.traits
 
 # A request that names no policy gets the cost-aware SpecDec++ when the engine has an acceptance head
 # (the default pair ships one: specdec/heads/), else SVIP, the best policy that needs no training.
-# The cost rule measured best on validation prompts on both runtimes: on llama.cpp, where a draft
-# step costs half a target step, it is the one that does not lose to plain decoding (docs/benchmarks.md,
-# "On llama.cpp"); on torch it was ahead of every h of the threshold rule on 3 of 4 validation sets
-# (docs/training.md, "The shipped head").
+# The cost rule stops where another candidate no longer pays for its draft step and its share of the
+# verification, so it falls back to plain decoding where drafting does not pay; on validation prompts
+# it measured best on both runtimes (docs/benchmarks.md, "On llama.cpp"; docs/training.md,
+# "The shipped head").
 DEFAULT_POLICY, FALLBACK_POLICY = "specdec++cost", "svip"
 
 

@@ -31,6 +31,8 @@ import torch
 
 from specdec.errors import InvalidRequestError
 
+PAPER_MAX_CANDIDATES = 20  # the paper stops every round at 20 candidates: the SpecDec++ policies' cap
+
 if TYPE_CHECKING:
     from specdec.head import AcceptanceHead
 

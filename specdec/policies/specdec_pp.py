@@ -4,7 +4,8 @@ import torch
 
 from specdec.features import MIN_PROB, distribution_features
 from specdec.head import AcceptanceHead
-from specdec.policies.base import Decision, DraftStep, PolicyTraits, StoppingPolicy, check_count, check_threshold
+from specdec.policies.base import (PAPER_MAX_CANDIDATES, Decision, DraftStep, PolicyTraits, StoppingPolicy, check_count,
+                                   check_threshold)
 
 
 def rejection_probability(acceptance_probs: torch.Tensor) -> float:
@@ -110,7 +111,7 @@ class SpecDecPP(StoppingPolicy):
     name = "specdec++"
     traits = PolicyTraits(needs_head=True, reads_distribution=True)
     DEFAULT_THRESHOLD = 0.7  # the paper's robust choice (D=3, w_rej=6, h=0.7), for a head without its own
-    DEFAULT_MAX_K = 20  # the paper stops every round at 20 candidates
+    DEFAULT_MAX_K = PAPER_MAX_CANDIDATES
 
     def __init__(self, head: AcceptanceHead, threshold: float | None = None,
                  max_candidates: int = DEFAULT_MAX_K):

@@ -22,7 +22,8 @@ policy itself keeps no backoff.
 from __future__ import annotations
 
 from specdec.head import AcceptanceHead
-from specdec.policies.base import Decision, DraftStep, Estimate, PolicyTraits, StoppingPolicy, check_count
+from specdec.policies.base import (PAPER_MAX_CANDIDATES, Decision, DraftStep, Estimate, PolicyTraits, StoppingPolicy,
+                                   check_count)
 from specdec.policies.specdec_pp import _by_head, expected_acceptances, judged_acceptances
 
 UNKNOWN_ACCEPTANCE = 1.0  # a_1 before the paper's head has seen anything: keep y_1, decide at step 2
@@ -31,7 +32,7 @@ UNKNOWN_ACCEPTANCE = 1.0  # a_1 before the paper's head has seen anything: keep 
 class SpecDecPPCost(StoppingPolicy):
     name = "specdec++cost"
     traits = PolicyTraits(needs_head=True, budgeted=True, reads_distribution=True)
-    DEFAULT_MAX_K = 20  # the paper's cap on a round
+    DEFAULT_MAX_K = PAPER_MAX_CANDIDATES
 
     def __init__(self, head: AcceptanceHead, max_candidates: int = DEFAULT_MAX_K):
         self.head = head

@@ -45,7 +45,7 @@ Reference answers (`data.response.reference`, features data only): a train promp
 a reference answer (the stdlib and package prompts: the function's own code, one fenced block) takes it as its
 response, cut at `max_new_tokens` (ending with the end-of-turn token where it fits), with
 finish_reason "reference". Such a row costs one teacher-forced pass instead of a decode of the
-target (on the 2-core CPU a few seconds against half a minute), and the feature draft's loss reads
+target (one pass over the weights instead of one a token), and the feature draft's loss reads
 the target's own distribution at every position of whatever text it is fed (training/draft.py), so
 the text need not be the target's. Validation prompts, prompts without a reference and reused
 responses keep the target's own response: held-out figures stay on the target's text. A dataset
