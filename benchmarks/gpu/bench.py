@@ -54,7 +54,7 @@ from benchmarks.gpu.shapes import SHAPES, shape_config
 from specdec.bench.forward import PROMPT_TOKENS, TimedForward, longest_feed, synthetic_tokens, time_pass
 from specdec.head import AcceptanceHead, HeadConfig
 from specdec.models.runtime import DraftRuntime, Feed, TargetRuntime
-from specdec.models.static import GRAPH_TOKENS, StaticOptions
+from specdec.models.static import GRAPH_TOKENS, StaticOptions, graphs_captured
 from specdec.engine import SpecDecEngine
 from specdec.loop import BatchConfig
 from specdec.params import GenerationParams
@@ -318,10 +318,11 @@ def loop_throughput(report: Report, name: str, model, concurrency, policies, new
                            for i in range(c)]
                 for timer in timers:
                     timer.reset()
-                start = time.perf_counter()
+                captured, start = graphs_captured(), time.perf_counter()
                 outcomes = engine.generate_many(prompts, params.model_copy(update={"max_new_tokens": tokens}))
                 wall = time.perf_counter() - start
-                runs[label] = {"wall": wall, "tokens": sum(r.stats.generated_tokens for r in outcomes),
+                runs[label] = {"wall": wall, "captures": graphs_captured() - captured,
+                               "tokens": sum(r.stats.generated_tokens for r in outcomes),
                                "forward": sum(t.seconds for t in timers), "passes": timers[-1].calls,
                                "decoding": [(s, fed) for s, fed in timers[-1].log if fed <= GRAPH_TOKENS[-1]],
                                "accepted": sum(r.stats.accepted_tokens for r in outcomes),
@@ -342,6 +343,7 @@ def loop_throughput(report: Report, name: str, model, concurrency, policies, new
                 "draft_passes": full["draft_passes"], "target_passes": full["passes"],
                 "draft_forward_s": full["draft_forward_s"], "target_forward_s": full["target_forward_s"],
                 "draft_ms_per_call": full["draft_ms_per_call"],
+                "captures": full["captures"],  # graphs captured during the timed run: none once warm
                 "host_ms_per_target_pass": 1e3 * (full["wall"] - full["forward"]) / max(1, full["passes"]),
                 "decode_host_ms_per_target_pass": 1e3 * (decode_s - full["forward"] + one["forward"]) / max(
                     1, decode_passes),
@@ -642,7 +644,8 @@ def print_summary(data: dict) -> None:
                 print(f"  {key:20s} {row['decode_tokens_per_s']:8.1f} tok/s  host {row['decode_host_ms_per_target_pass']:.2f} ms"
                       f"  pass {ratio}  prefill {row['prefill_tokens_per_s']:.0f} tok/s"
                       f"  passes {row['draft_passes']}/{row['target_passes']}"
-                      + "".join(f"  {method} {ms:.2f} ms" for method, ms in row.get("draft_ms_per_call", {}).items()))
+                      + "".join(f"  {method} {ms:.2f} ms" for method, ms in row.get("draft_ms_per_call", {}).items())
+                      + (f"  {row['captures']} graphs captured" if row.get("captures") else ""))
                 for function, calls, ms in row.get("host_profile", [])[:5]:
                     print(f"      {ms:7.3f} ms  {calls:6.2f} calls  {function}")
     for name, rows in data["sections"].get("transport", {}).items():
