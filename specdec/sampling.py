@@ -123,10 +123,11 @@ def probs_in_place(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: probs [N, V] (need not sum to 1), uniforms [N] in [0, 1) float64 ->
     tokens [N] long, token v drawn with probability probs[n, v] / sum probs[n]. One uniform per row
-    from the row's own generator (`uniforms_from`) keeps a row's draw independent of its batch;
-    torch.multinomial with a generator per row took 3 ms a row over a 151,936-token vocabulary.
-    By blocks, as `argmax`: the blocks' masses in one pass, then the CDF (fp64) inside the one block
-    the point falls in (a cumsum over all of [N, V] took 2.3 ms at 32 rows, this under 1)."""
+    from the row's own generator (`uniforms_from`) keeps a row's draw independent of its batch
+    (torch.multinomial takes one generator a call: a call a row). By blocks, as `argmax`: the blocks'
+    masses in one pass, then the CDF (fp64) inside the one block the point falls in, where a cumsum
+    over the whole [N, V] would write a full-vocabulary row for every row (docs/performance.md,
+    "Host work per step")."""
     rows, width = probs.shape
     block = min(BLOCK, width)
     main = width - width % block
@@ -155,10 +156,11 @@ def uniforms_from(generators: list[torch.Generator], count: int = 1) -> torch.Te
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, dim=-1) for x [N, V] (the first index of each row's maximum), by blocks: the
-    block maxima in one vectorized pass, then the argmax inside each row's first best block. On 2
-    cores over 160 rows of 151,936 logits: 3-4 ms against torch.argmax's 19 (its kernel tracks
-    indices element by element; amax runs at memory speed). On a GPU torch's kernel is one launch,
-    where the blocks take eight: every drafting step and verification pays each launch on the host."""
+    block maxima in one vectorized pass, then the argmax inside each row's first best block. On a CPU
+    torch.argmax's kernel tracks indices element by element while amax runs at memory speed, so the
+    blocks win several times over (docs/performance.md, "Host work per step"). On a GPU torch's
+    kernel is one launch where the blocks take eight, and every drafting step and verification pays
+    each launch on the host: there torch's runs."""
     rows, width = x.shape
     if width < 4 * BLOCK or x.device.type == "cuda":
         return torch.argmax(x, dim=-1)

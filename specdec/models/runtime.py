@@ -11,8 +11,8 @@ accepted y1 and replaced y2 by z. The next call names [a b c y1 z]: the common p
 [a b c y1], the cache is cropped to 4 positions and the pass feeds [z].
 
 Every method takes a batch (one entry per session) and runs one ragged pass over all of them
-(models/cache.py); `kv="reference"` runs today's batch-1 path instead, one pass per session, which
-the tests compare against. `max_tokens_per_pass` splits a batch whose tokens exceed it into
+(models/cache.py); `kv="reference"` runs one pass per session instead, the unbatched path the tests
+compare against. `max_tokens_per_pass` splits a batch whose tokens exceed it into
 several passes (a single session's feed is never split).
 """
 

@@ -228,9 +228,10 @@ SHIPPED = "shipped"  # a GGUF's weights as they are
 # kernels over repacked weights, which the shipped draft's Q5_0 layers and Q8_0 output lack
 # (docs/performance.md measures them on both CPU types).
 REQUANT_FTYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL"}
-# What `--draft-quant auto` gives the default draft on llama.cpp (builder.resolve_draft_quant): a
-# drafting step 0.32x a target token against 0.43x as shipped on the AMD machine, acceptance within 2
-# points, and the shipped head validated on it (head.json `validated_drafts`; docs/performance.md).
+# What `--draft-quant auto` gives the default draft on llama.cpp (builder.resolve_draft_quant): the
+# format whose drafting step costs least against a target token at the same acceptance, and the one
+# the shipped head is validated on (head.json `validated_drafts`; docs/performance.md, "A draft for
+# llama.cpp's fast kernels").
 DEFAULT_DRAFT_QUANT = "iq4_nl"
 REQUANT_MARKER_SUFFIX = ".sha256"  # "<sha256> <size> <source sha256>", written after the file
 

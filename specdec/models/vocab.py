@@ -5,7 +5,8 @@ min(1, p(y) / q(y)) and otherwise draws from norm(max(0, p - q)), so the output 
 whatever q is (greedy: exact match against the target's argmax). A draft that gives q = 0 to tokens
 a workload never uses loses acceptance only where the target picks one of them, and its step skips
 that part of the largest matrix a small model has: the default 0.5B draft's 151,936 x 896 LM head is
-about 27% of its weights (3.6 ms of a ~34 ms int8 step on CPU; docs/performance.md).
+about 27% of its weights, and a drafting step reads all of them (docs/performance.md, "Where a draft
+step goes, and a trimmed draft vocabulary").
 
 Vocabularies (`--draft-vocab`):
 - `full`: every token (the stock head).

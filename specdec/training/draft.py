@@ -10,8 +10,8 @@
    draft's own states (`FeatureDraft.unroll`), the loss at step j and position p the cross-entropy
    KL from the target's distribution of the same token to the draft's q (soft targets: the target's
    output state at p + 1 through its LM head's trimmed rows), weighted step_decay^(j-1), and
-   `prompt_weight` where the token predicted is a prompt's. bfloat16 autocast on CPU (its matmuls
-   are 3x fp32's on AVX-512 BF16) and on CUDA. A checkpoint every `checkpoint_every` optimizer
+   `prompt_weight` where the token predicted is a prompt's. bfloat16 autocast on CPU (where the CPU has
+   bfloat16 matmuls, several times fp32's) and on CUDA. A checkpoint every `checkpoint_every` optimizer
    steps; a rerun resumes from the last.
 4. Validation per draft step on the held-out prompts, code and prose apart: greedy acceptance
    teacher-forced (the draft's argmax equals the target's greedy token, the earlier tokens true).
