@@ -68,6 +68,10 @@ class FeatureDraftRuntime(DraftRole):
         return self.model.embed.device
 
     @property
+    def sets_up_per_shape(self) -> bool:
+        return self.device.type == "cuda"  # as the target's runtime: a probe runs each size once untimed first
+
+    @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 

@@ -142,6 +142,18 @@ def test_the_runtime_times_probes_of_scratch_sessions():
     assert runtime.can_draft(session, [1, 2, 3]) and not runtime.can_draft(session, [1, 2, 3, 4])
 
 
+def test_on_cuda_the_probes_run_each_size_once_untimed_first(monkeypatch):
+    """A pass of a new size on CUDA pays set-up (kernels loaded, cuBLAS choosing) many times its
+    cost: the workers' probes run each size once untimed first where the runtime says so, the
+    feature draft's as the target's."""
+    from specdec.models.feature_runtime import FeatureDraftRuntime
+
+    runtime = FeatureDraftRuntime(tiny_draft())
+    assert not runtime.sets_up_per_shape
+    monkeypatch.setattr(FeatureDraftRuntime, "device", property(lambda self: torch.device("cuda")))
+    assert runtime.sets_up_per_shape
+
+
 def test_the_runtimes_scores_carry_no_autograd_graph():
     """A drafting step's scores and states are plain numbers to the policies: serving builds no
     graph behind them (the trainable norms would otherwise record one every step)."""
