@@ -145,15 +145,18 @@ def feature_step_ms(name: str, target_ms: float, bandwidth: float) -> float:
     return target_ms / layers + BYTES * (FEATURE_VOCAB + 5 * hidden) * hidden / bandwidth
 
 
+def nearest(rows: dict, concurrency: int):
+    """The row measured at the concurrency nearest `concurrency` (rows by concurrency; None: none)."""
+    return rows[min(rows, key=lambda c: abs(c - concurrency))] if rows else None
+
+
 def host_per_pass(loop: dict, policy: str, concurrency: int) -> float | None:
     """Host ms per verification pass the loop measured at the nearest concurrency: while decoding
     where the run tells it apart from the prefill (`decode_host_ms_per_target_pass`), else over the run."""
     rows = {row["concurrency"]: row for key, row in loop.items()
             if isinstance(row, dict) and key.startswith(policy + "@") and "host_ms_per_target_pass" in row}
-    if not rows:
-        return None
-    row = rows[min(rows, key=lambda c: abs(c - concurrency))]
-    return row.get("decode_host_ms_per_target_pass", row["host_ms_per_target_pass"])
+    row = nearest(rows, concurrency)
+    return None if row is None else row.get("decode_host_ms_per_target_pass", row["host_ms_per_target_pass"])
 
 
 def transport_per_step(transport: dict, concurrency: int) -> float | None:
@@ -161,7 +164,7 @@ def transport_per_step(transport: dict, concurrency: int) -> float | None:
     nearest concurrency (None: not measured)."""
     rows = {int(key.split("=")[1]): row["grpc_ms_per_step"] for key, row in transport.items()
             if isinstance(row, dict) and "grpc_ms_per_step" in row}
-    return rows[min(rows, key=lambda c: abs(c - concurrency))] if rows else None
+    return nearest(rows, concurrency)
 
 
 LOOPS = ("qwen2.5-1.5b/static", "qwen2.5-1.5b")  # the loop whose host work prices a step: the captured one first

@@ -98,8 +98,8 @@ class FeatureDraftRuntime(DraftRole):
     def add_features(self, session: FeatureSession, states: torch.Tensor, start: int) -> None:
         """The target's states [m, reads, H] at positions start..start + m - 1 (replacing what the session
         held from `start` on). They wait in a queue and are reduced to g at the next pass, every
-        session's in one call (`_reduce_queued`): reduced one session at a time, a step of many sessions
-        launched a handful of small kernels for each, the host's largest cost at 64 sessions."""
+        session's in one call (`_reduce_queued`), where one session at a time would launch a handful
+        of small kernels for each session of every step."""
         if start > session.held:
             raise InvalidRequestError(f"features start at position {start}, but the draft holds {session.held}")
         if states.ndim != 3 or states.shape[1:] != (self.model.config.reads, self.hidden_size):
