@@ -44,7 +44,9 @@ class Coordinator:
 
     def prepare(self, request: generation_pb2.GenerateRequest) -> tuple[list[int], GenerationParams]:
         """Parse and validate a request before any model work; raises InvalidRequestError."""
-        params = self.rules.resolved(params_from_request(request, self.default_policy))
+        params = params_from_request(request, self.default_policy)
+        prompt_ids = prompt_ids_from_request(request, self.rules, params)
+        params = self.rules.validate(prompt_ids, params)  # resolved: the policy is named
         if not policy_traits(params.policy.name).servable:
             raise InvalidRequestError(f"policy {params.policy.name!r} needs the target's continuation in advance and "
                                       "runs in process only (specdec generate, benchmarks/)")
@@ -53,8 +55,7 @@ class Coordinator:
         if params.max_new_tokens > self.rules.max_context:
             raise InvalidRequestError(f"max-new-tokens {params.max_new_tokens} exceeds the models' context of "
                                       f"{self.rules.max_context} tokens")
-        prompt_ids = prompt_ids_from_request(request, self.rules, params)
-        return prompt_ids, self.rules.validate(prompt_ids, params)
+        return prompt_ids, params
 
     async def generate(self, request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateResponse:
         completions: dict[int, generation_pb2.Completion] = {}

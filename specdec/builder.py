@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.utils import logging as hf_logging
 
-from specdec.engine import SpecDecEngine
+from specdec.engine import SpecDecEngine, check_vocabularies
 from specdec.loop import BatchConfig
 from specdec.errors import IncompatibleModelsError, ModelSourceError, one_line
 from specdec.head import AcceptanceHead, load_head
@@ -363,10 +363,7 @@ def build_rules(config: EngineConfig, progress: bool = True) -> RequestRules:
     for name, each in draft_configs(config).items():
         draft_dir = model_dir(each, "draft", progress)
         draft_config = AutoConfig.from_pretrained(draft_dir)
-        if draft_config.vocab_size != target_config.vocab_size:
-            raise IncompatibleModelsError(
-                f"draft and target vocabularies differ ({draft_config.vocab_size} vs {target_config.vocab_size} "
-                "tokens); speculative decoding needs one shared vocabulary")
+        check_vocabularies(draft_config.vocab_size, target_config.vocab_size)
         check_same_tokenizer(draft_dir, tokenizer)
         limits += [backend_for(each, "draft").context_limit(each), draft_config.max_position_embeddings]
         drafts[name] = DraftTraits(has_head=head_path(each) is not None, reads_features=is_feature_draft(each.draft))

@@ -10,7 +10,9 @@ round, role), so a retried round, or one on another replica, draws the same numb
 
 `RoundCalls` keeps each session's wire state (what each side holds, who may hold it, the round
 outcomes the draft has not been told, and for a feature draft the target states its verifications
-returned that the draft has not been sent) and charges each request the calls it waited for. It returns
+returned that the draft has not been sent, unless the transport links them: in process they go
+from the verifier to the draft directly, workers.py `FeatureLink`) and charges each request the
+calls it waited for. It returns
 the replicas' pass timings with the answers and feeds them nowhere: the step's planner observes
 them (specdec/planner.py).
 """
@@ -37,7 +39,7 @@ from specdec.protocol import (BatchReply, CallTiming, Failed, Proposal, ProposeI
                               delta_for)
 from specdec.sequences import LoopSample, RequestRules, RoundObserver
 from specdec.verification import Verdict
-from specdec.workers import DraftWorker, VerifierWorker
+from specdec.workers import DraftWorker, FeatureLink, VerifierWorker
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +132,7 @@ class RoundCalls:
             wire = self._wire[s.session_id]
             wire.outcomes.append((len(proposals.get(s, NO_PROPOSAL).candidates), verdict.num_accepted))
             wire.unsent += 1
-            if wire.reads_features:
+            if wire.reads_features and verdict.features is not None:  # in process the link took them
                 wire.features.append(verdict.features)
                 wire.features_at = s.sample.length + verdict.num_accepted
         return verdicts, timings
@@ -250,12 +252,16 @@ class RoundCalls:
 
 
 class LocalTransport:
-    """The in-process carrier: the workers called directly on this thread, nothing serialized.
-    `draft`: one draft's worker, or each draft's by name (the first is the default)."""
+    """The in-process carrier: the workers called directly on this thread, nothing serialized, the
+    verifier linked to the feature drafts (workers.py `FeatureLink`): their sessions' verdicts come
+    back without states, so the wire relays none and asks for them from 0, and the verifier reads
+    them from where the draft's session holds them. `draft`: one draft's worker, or each draft's by
+    name (the first is the default)."""
 
     def __init__(self, draft: DraftWorker | dict[str, DraftWorker], verifier: VerifierWorker):
         self.drafts = dict(draft) if isinstance(draft, dict) else {DEFAULT_DRAFT: draft}
         self.draft, self.verifier = next(iter(self.drafts.values())), verifier
+        verifier.link = FeatureLink(self.drafts.values())
 
     async def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan(),
                       draft: str = DEFAULT_DRAFT) -> ProposeReply:
@@ -267,6 +273,8 @@ class LocalTransport:
 
     async def release(self, role: Role, session_ids: list[str], draft: str = DEFAULT_DRAFT) -> None:
         (self.drafts[draft] if role == "draft" else self.verifier).release(session_ids)
+        if role == "verifier":
+            self.verifier.link.forget(session_ids)
 
     @staticmethod
     def _timed(call: Callable[[list], list], items: list, worker: DraftWorker | VerifierWorker) -> BatchReply:

@@ -139,11 +139,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     at once, sharing every forward pass, and print when all are done."""
     from specdec.builder import build_engine
     from specdec.metrics import aggregate_summary
-    from specdec.policies import validate_policy
+    from specdec.policies import resolve_policy
 
     params = generation_params(args)
     texts = prompt_texts(args)
-    validate_policy(params.policy, has_head=has_head(args))  # before minutes of model loading
+    resolve_policy(params.policy, has_head=has_head(args))  # its flags checked before minutes of model loading
     engine = build_engine(engine_config(args), progress=not args.json)
     prompts = [engine.encode_prompt(text, params.chat_template) for text in texts]
     for prompt_ids in prompts:
@@ -189,13 +189,13 @@ def print_costs(engine, args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from specdec.policies import PolicyConfig, validate_policy
+    from specdec.policies import PolicyConfig, resolve_policy
     from services.config import AppConfig, ReplicaConfig
     from services.launch import serve_forever
 
     policy = PolicyConfig(**{k: v for k, v in
                              (("name", args.policy), ("k", args.k), ("threshold", args.threshold)) if v is not None})
-    validate_policy(policy, has_head=has_head(args))
+    resolve_policy(policy, has_head=has_head(args))  # its flags checked before the replicas load
     engine = engine_config(args)
     engine.batch = engine.batch.model_copy(update={"lanes": args.lanes})
     config = AppConfig(

@@ -27,13 +27,19 @@ from specdec.workers import DraftWorker, VerifierWorker
 __all__ = ["Completion", "GenerationResult", "SpecDecEngine", "UpdateCallback"]
 
 
+def check_vocabularies(draft_vocab: int, target_vocab: int) -> None:
+    """Speculative decoding needs one vocabulary (checked from the models, or from their configs where
+    the coordinator loads none: builder.py `build_rules`)."""
+    if draft_vocab != target_vocab:
+        raise IncompatibleModelsError(
+            f"draft and target vocabularies differ ({draft_vocab} vs {target_vocab} tokens); "
+            "speculative decoding needs one shared vocabulary")
+
+
 def check_pair(draft: DraftRole, target: TargetRole) -> None:
     """One vocabulary; a feature draft's states as wide as the target's, whose every verification
     then also returns the states it reads."""
-    if draft.vocab_size != target.vocab_size:
-        raise IncompatibleModelsError(
-            f"draft and target vocabularies differ ({draft.vocab_size} vs {target.vocab_size} tokens); "
-            "speculative decoding needs one shared vocabulary")
+    check_vocabularies(draft.vocab_size, target.vocab_size)
     if draft.reads_features:
         if draft.hidden_size != target.hidden_size:
             raise IncompatibleModelsError(f"the feature draft reads states of width {draft.hidden_size}, the "

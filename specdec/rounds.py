@@ -70,6 +70,20 @@ class TargetRow:
     features_from: int | None = None
 
 
+def in_groups(rows: list, size: int | None, run: Callable[[list], list]) -> list:
+    """`run` over consecutive groups of at most `size` rows (None: all at once), its answers in order.
+    A pooled cache (models/pool.py: llama.cpp's sequences, the static cache's rows) holds `size`
+    sessions: a call over more would run as several passes, each evicting the sessions of the ones
+    before it, and the call's next pass (a drafting step; the next round's verification) would find
+    the rows it needs held by sessions it may not evict. A group evicts only earlier groups' sessions,
+    which re-prefill at their next call."""
+    size = size or len(rows) or 1
+    answers: list = []
+    for start in range(0, len(rows), size):
+        answers += run(rows[start:start + size])
+    return answers
+
+
 class _Drafting:
     """A row while it drafts: its proposal so far, e_{i-1}, and for a budgeted policy the estimated
     acceptance a_j of its kept candidates (budget.py)."""
@@ -226,11 +240,14 @@ class _Ahead:
 
 def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = None, other_sessions: int = 0,
             timings: list[PassTiming] | None = None, logits_filter: LogitsFilterFactory | None = None) -> list[Proposal]:
-    """Draft up to each row's limit after its history. A budgeted row's round is decided by the
-    step's budget (budget.py) over `costs`, beside `other_sessions` sessions of the step that verify
-    plainly elsewhere (without costs a budgeted row drafts nothing: nothing priced the step); any
-    other row asks its policy after every token. Each drafting step's time (its host work included)
-    is appended to `timings`, but for a step that captured a graph (models/static.py `graphs_captured`)."""
+    """Draft up to each row's limit after its history: a first pass over every row's unseen tokens
+    (`DraftRole.start`), then one step a token for the rows still drafting (`still_drafting`), each
+    step one forward pass or one step of a chain drafted ahead (`_Ahead`). A budgeted row's round is
+    decided by the step's budget (budget.py) over `costs`, beside `other_sessions` sessions of the
+    step that verify plainly elsewhere (without costs a budgeted row drafts nothing: nothing priced
+    the step); any other row asks its policy after every token. Each drafting step's time (its host
+    work included) is appended to `timings`, but for a step that captured a graph (models/static.py
+    `graphs_captured`)."""
     drafting = [_Drafting(row) for row in rows]
     active = [d for d in drafting if d.row.policy.uses_draft and d.limit > 0 and (costs or not d.budgeted)]
     budget = None
@@ -248,40 +265,9 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
         for b, d in enumerate(active):
             d.proposal.forward_passes += 1
             d.hidden = outputs.hidden[b]  # the state q_i comes from (e_0 after `start`)
-        steps = draw(active, outputs, logits_filter, chained)
-        alone = [b for b, d in enumerate(active) if not d.budgeted]
-        judged_rows = [b for b, d in enumerate(active) if d.budgeted]
-        still = []
-        decisions = by_policy([active[b] for b in alone], [steps[b] for b in alone], "decide_many")
-        for b, decision in zip(alone, decisions):
-            d, step = active[b], steps[b]
-            if d.decided(step, decision):
-                still.append(d)
-            if budget is not None and len(d.proposal.candidates) == step.index:
-                budget.tokens += 1
-        judged = []
-        if judged_rows:
-            estimates = by_policy([active[b] for b in judged_rows], [steps[b] for b in judged_rows], "estimate_many")
-            for b, estimate in zip(judged_rows, estimates):
-                d = active[b]
-                if estimate.previous is not None and d.acceptance:  # y_{i-1} judged one step late
-                    budget.expected -= expected_tokens(d.acceptance)
-                    d.acceptance[-1] = estimate.previous
-                    budget.expected += expected_tokens(d.acceptance)
-                judged.append((d, steps[b], estimate))
-        if judged:
-            kept = budget.keep([d.survive * e.blind for d, _, e in judged])
-            judged = [(d, step, e) for (d, step, e), keep in zip(judged, kept) if keep]
-            for d, step, e in judged:
-                d.append(step)
-                d.acceptance.append(e.known)
-                budget.add(d.survive)
-            on = budget.draft_on([d.survive for d, *_ in judged], [e.known for *_, e in judged],
-                                 [d.left for d, *_ in judged], beside=len(still))
-            still += [d for (d, *_), go in zip(judged, on) if go]
+        active = still_drafting(active, draw(active, outputs, logits_filter, chained), budget)
         if timings is not None and graphs_captured() == since:  # a step that captured a graph prices nothing
             timings.append(PassTiming("draft", draft.fed_tokens - fed, (time.perf_counter() - start) * MS_PER_S))
-        active = still
         if active:
             fed, start, since = draft.fed_tokens, time.perf_counter(), graphs_captured()
             if ahead is None or ahead.done:
@@ -297,6 +283,42 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
             for b, d in enumerate(active):
                 d.prev_hidden = outputs.hidden[b]  # e_i, read by the policy at step i + 1
     return [d.proposal for d in drafting]
+
+
+def still_drafting(active: list[_Drafting], steps: list[DraftStep], budget: StepBudget | None) -> list[_Drafting]:
+    """After a drafting step, the rows that take the next: a row whose policy decides on its own
+    keeps y_i and drafts on as its policy says; the budgeted rows' y_i are kept, and they draft on,
+    as the step's budget says (`StepBudget.keep` and `draft_on`, from each policy's estimate)."""
+    alone = [b for b, d in enumerate(active) if not d.budgeted]
+    judged_rows = [b for b, d in enumerate(active) if d.budgeted]
+    still = []
+    decisions = by_policy([active[b] for b in alone], [steps[b] for b in alone], "decide_many")
+    for b, decision in zip(alone, decisions):
+        d, step = active[b], steps[b]
+        if d.decided(step, decision):
+            still.append(d)
+        if budget is not None and len(d.proposal.candidates) == step.index:
+            budget.tokens += 1
+    if not judged_rows:
+        return still
+    judged = []
+    estimates = by_policy([active[b] for b in judged_rows], [steps[b] for b in judged_rows], "estimate_many")
+    for b, estimate in zip(judged_rows, estimates):
+        d = active[b]
+        if estimate.previous is not None and d.acceptance:  # y_{i-1} judged one step late
+            budget.expected -= expected_tokens(d.acceptance)
+            d.acceptance[-1] = estimate.previous
+            budget.expected += expected_tokens(d.acceptance)
+        judged.append((d, steps[b], estimate))
+    kept = budget.keep([d.survive * e.blind for d, _, e in judged])
+    judged = [(d, step, e) for (d, step, e), keep in zip(judged, kept) if keep]
+    for d, step, e in judged:
+        d.append(step)
+        d.acceptance.append(e.known)
+        budget.add(d.survive)
+    on = budget.draft_on([d.survive for d, *_ in judged], [e.known for *_, e in judged],
+                         [d.left for d, *_ in judged], beside=len(still))
+    return still + [d for (d, *_), go in zip(judged, on) if go]
 
 
 @torch.inference_mode()  # the target's distributions are written over its logits, inference tensors on torch

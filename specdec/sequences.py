@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 from specdec.errors import InvalidRequestError
 from specdec.metrics import RequestStats
 from specdec.params import DEFAULT_DRAFT, FINISH_LENGTH, FINISH_STOP, GenerationParams
-from specdec.policies import PolicyTraits, policy_traits, resolve_policy, validate_policy
+from specdec.policies import PolicyTraits, policy_traits, resolve_policy
 
 if TYPE_CHECKING:
     from specdec.cost_profile import CostProfile
@@ -179,10 +179,9 @@ class RequestRules:
         return name
 
     def resolved(self, params: GenerationParams) -> GenerationParams:
-        """The params with the request's draft and policy named (the defaults where it names none):
-        resolved once, this is what travels with its rounds."""
-        if params.policy.name and params.draft:
-            return params
+        """The params with the request's draft and policy named (the defaults where it names none)
+        and the policy's flags checked (`resolve_policy`): resolved once, this is what travels with
+        its rounds."""
         name = self.draft_name(params)
         return params.model_copy(update={"draft": name,
                                          "policy": resolve_policy(params.policy, self.drafts[name].has_head)})
@@ -190,7 +189,6 @@ class RequestRules:
     def validate(self, prompt_ids: Sequence[int], params: GenerationParams) -> GenerationParams:
         """Reject a request before any model work; else its params, `resolved`."""
         params = self.resolved(params)
-        validate_policy(params.policy, has_head=self.drafts[self.draft_name(params)].has_head)
         name = params.policy.name
         if policy_traits(name).greedy_only and not params.sampling.greedy:
             raise InvalidRequestError(f"policy {name!r} is defined for greedy decoding (temperature 0) only")

@@ -6,6 +6,10 @@ A session's entry (KV cache, the committed history it was synced to, and on the 
 policy) is a cache of the caller's history: a delta the entry cannot take answers SessionMissing.
 A malformed item is Refused on its own; the other sessions of the batch are served.
 
+In process, a feature draft's worker is linked to the verifier's (`FeatureLink`): the target's states
+go from the verification's pass straight into the draft's session. Served, they travel with the
+round calls (calls.py `Wire`).
+
 Every drafting step and verification is timed (specdec/cost_profile.py `PassTiming`); a worker keeps
 its timings, and those of the short probe it runs when it starts (`probe`), until the carrier of its
 next reply takes them (`take_timings`) for the caller's live profile.
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,11 +28,13 @@ from specdec.cost_profile import PassTiming
 from specdec.errors import InvalidRequestError
 from specdec.head import AcceptanceHead
 from specdec.metrics import MS_PER_S
+from specdec.models.feature_runtime import FeatureDraftRuntime
 from specdec.models.runtime import DraftRole, KVSession, TargetRole
 from specdec.policies import PolicyConfig, StoppingPolicy, make_policy
 from specdec.protocol import (Proposal, ProposeItem, Refused, SessionMissing, StepPlan, VerifyItem,
                               history_from_delta, ids_in_range, q_travels)
-from specdec.rounds import DraftRow, LogitsFilterFactory, TargetRow, propose, verify
+from specdec.proposers import proposer_for
+from specdec.rounds import DraftRow, LogitsFilterFactory, TargetRow, in_groups, propose, verify
 from specdec.sampling import SamplingParams
 from specdec.sessions import SessionStore
 from specdec.verification import Verdict
@@ -70,20 +76,6 @@ def serve_batch(items: list, row_for: Callable, run: Callable[[list], list]) -> 
             where.append(i)
     for i, result in zip(where, run(rows) if rows else []):
         answers[i] = result
-    return answers
-
-
-def in_groups(rows: list, size: int | None, run: Callable[[list], list]) -> list:
-    """`run` over consecutive groups of at most `size` rows (None: all at once), its answers in order.
-    A pooled cache (models/pool.py: llama.cpp's sequences, the static cache's rows) holds `size`
-    sessions: a call over more would run as several passes, each evicting the sessions of the ones
-    before it, and the call's next pass (a drafting step; the next round's verification) would find
-    the rows it needs held by sessions it may not evict. A group evicts only earlier groups' sessions,
-    which re-prefill at their next call."""
-    size = size or len(rows) or 1
-    answers: list = []
-    for start in range(0, len(rows), size):
-        answers += run(rows[start:start + size])
     return answers
 
 
@@ -227,7 +219,8 @@ class Worker(ABC):
 
 
 class DraftWorker(Worker):
-    """The draft model (plus its acceptance head): drafts one round for every session of a batch."""
+    """The draft (plus its acceptance head): its sessions, and one round for every session of a
+    batch, drafted by the proposer of its kind (specdec/proposers.py)."""
 
     role = "draft"
 
@@ -235,7 +228,7 @@ class DraftWorker(Worker):
                  sessions: SessionStore[DraftSession] | None = None,
                  logits_filter: LogitsFilterFactory | None = None):
         super().__init__()
-        self.draft, self.logits_filter = draft, logits_filter
+        self.draft, self.proposer = draft, proposer_for(draft, logits_filter)
         self.head = head.to(draft.device) if head is not None else None  # it reads the draft's states where they are
         self.sessions: SessionStore[DraftSession] = sessions if sessions is not None else SessionStore()
 
@@ -250,17 +243,10 @@ class DraftWorker(Worker):
 
     def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan()) -> list[Proposal | SessionMissing | Refused]:
         self._before_batch()
-        answers = serve_batch(items, self._row, lambda rows: self._propose_rows(rows, plan))
+        answers = serve_batch(items, self._row, lambda rows: self.proposer.propose(rows, plan, self.timings))
         if any(item.probe for item in items):  # an off-probe: time a drafting step of the step's size
             self.probe((min(len(items) + plan.other_sessions, max(PROBE_SIZES["draft"])),))
         return answers
-
-    def _propose_rows(self, rows: list[DraftRow], plan: StepPlan) -> list[Proposal]:
-        """Draft every row's round, in groups that fit the cache (`in_groups`), each budgeted beside
-        the others as sessions that verify plainly, with the costs the caller priced the step with."""
-        return in_groups(rows, self.draft.max_pass_sessions, lambda group: propose(
-            self.draft, group, plan.costs, plan.other_sessions + len(rows) - len(group), self.timings,
-            self.logits_filter))
 
     def _row(self, item: ProposeItem) -> DraftRow | None:
         entry = self.sessions.get(item.session_id)
@@ -274,20 +260,15 @@ class DraftWorker(Worker):
         if item.history.full:  # rebuild: keep the cache (it re-syncs by common prefix), reset the policy
             policy = make_policy(item.policy, head=self.head, reference=item.reference)  # validates it (Refused)
             entry = DraftSession(policy, entry.kv if entry else self.draft.new_session())
-            self.draft.clear_features(entry.kv)
-        if item.features is not None:
-            if not 0 <= item.features_start <= len(history):
-                raise InvalidRequestError(f"features start at position {item.features_start}, past the history's "
-                                          f"{len(history)} tokens")
-            self.draft.add_features(entry.kv, item.features, item.features_start)
+        ready = self.proposer.take_inputs(entry.kv, item, history)
         for num_candidates, num_accepted in item.rounds:  # oldest first: the policy reaches the caller's state
             entry.policy.end_round(num_candidates, num_accepted)
         entry.history = history
         if item.history.full:  # a new entry (one held already was marked used by `get`)
             self.sessions.put(item.session_id, entry)
-        # A probe item drafts nothing (its cache catches up later), nor does a feature draft's session
-        # before the target's states reach its history's end (its first round: the prompt's prefill).
-        limit = 0 if item.probe or not self.draft.can_draft(entry.kv, history) else item.max_candidates
+        # A probe item drafts nothing (its cache catches up later), nor does a session its proposer
+        # cannot draft yet (a feature draft's before the target's states reach its history's end).
+        limit = 0 if item.probe or not ready else item.max_candidates
         return DraftRow(entry.kv, history, entry.policy, limit, item.num_generated, item.sampling,
                         item.seed.generator("draft", item.sampling))
 
@@ -301,6 +282,7 @@ class VerifierWorker(Worker):
         super().__init__()
         self.target = target
         self.sessions: SessionStore[VerifierSession] = sessions if sessions is not None else SessionStore()
+        self.link: FeatureLink | None = None  # in process: where the states its verifications read go
 
     def _probe(self, sizes: Sequence[int], context: int) -> list[PassTiming]:
         return probe_verification(self.target, sizes, context)
@@ -308,8 +290,21 @@ class VerifierWorker(Worker):
     def verify(self, items: list[VerifyItem], probe_tokens: int = 0) -> list[Verdict | SessionMissing | Refused]:
         """Verify the batch; `probe_tokens` > 0: then time a scratch pass of that many tokens."""
         self._before_batch()
-        answers = serve_batch(items, self._row, lambda rows: in_groups(
-            rows, self.target.max_pass_sessions, lambda group: verify(self.target, group, self.timings)))
+        session_ids: dict[int, str] = {}  # id(row) -> its session's id, for the link
+
+        def row_for(item: VerifyItem) -> TargetRow | None:
+            row = self._row(item)
+            session_ids[id(row)] = item.session_id
+            return row
+
+        def run(rows: list[TargetRow]) -> list[Verdict]:
+            verdicts = in_groups(rows, self.target.max_pass_sessions,
+                                 lambda group: verify(self.target, group, self.timings))
+            if self.link is None:
+                return verdicts
+            return [self.link.hand(session_ids[id(row)], row, verdict) for row, verdict in zip(rows, verdicts)]
+
+        answers = serve_batch(items, row_for, run)
         if probe_tokens > 0:
             self.probe((probe_tokens,))
         return answers
@@ -334,9 +329,55 @@ class VerifierWorker(Worker):
             raise InvalidRequestError("this verifier reads no features for a feature draft")
         if item.features_from is not None and not 0 <= item.features_from <= len(history):
             raise InvalidRequestError(f"features-from {item.features_from} is past the history's {len(history)} tokens")
+        features_from = item.features_from
+        if features_from is not None and self.link is not None:  # from where the draft's session holds them
+            features_from = max(features_from, self.link.held(item.session_id))
         if entry is None:  # a session held already was marked used by `get`
             entry = VerifierSession(self.target.new_session())
             self.sessions.put(item.session_id, entry)
         entry.history = history
         return TargetRow(entry.kv, history, item.candidates, item.draft_probs if q_travels(item.sampling) else [],
-                         item.sampling, item.seed.generator("target", item.sampling), item.features_from)
+                         item.sampling, item.seed.generator("target", item.sampling), features_from)
+
+
+class FeatureLink:
+    """In process, the target's states go from the verifier's pass to the feature drafts' sessions
+    without the loop (`LocalTransport` makes the link). They wait here until the session's next
+    Propose (`take`), as the wire would carry them: a draft session evicted meanwhile takes them
+    into its new cache only from position 0, so they are dropped otherwise and the next
+    verification reads them again from 0 (the target's cache rolls back). A verification reads the
+    states from where the draft's session, with what waits for it, holds them (`held`)."""
+
+    def __init__(self, drafts: Iterable[DraftWorker]):
+        self.drafts = [worker for worker in drafts if worker.draft.reads_features]
+        self._waiting: dict[str, list[tuple[torch.Tensor, int]]] = {}  # session id -> (states, start), oldest first
+        for worker in self.drafts:
+            worker.proposer.link = self
+
+    def held(self, session_id: str) -> int:
+        """Positions of the session's states the draft holds, or will once it takes what waits."""
+        if waiting := self._waiting.get(session_id):
+            return waiting[-1][1] + len(waiting[-1][0])
+        for worker in self.drafts:
+            if (entry := worker.sessions.get(session_id)) is not None:
+                return worker.draft.features_held(entry.kv)
+        return 0
+
+    def hand(self, session_id: str, row: TargetRow, verdict: Verdict) -> Verdict:
+        """The verdict's states to wait for the session's draft; the verdict without them."""
+        if verdict.features is None:
+            return verdict
+        self._waiting.setdefault(session_id, []).append((verdict.features, row.features_from))
+        return Verdict(verdict.num_accepted, verdict.next_token)
+
+    def take(self, session_id: str, draft: FeatureDraftRuntime, kv: KVSession) -> None:
+        """What waits for the session into its draft's cache `kv`, from the first that starts past
+        what the cache holds on dropped."""
+        for states, start in self._waiting.pop(session_id, ()):
+            if start > draft.features_held(kv):
+                return
+            draft.add_features(kv, states, start)
+
+    def forget(self, session_ids: Iterable[str]) -> None:
+        for session_id in session_ids:
+            self._waiting.pop(session_id, None)

@@ -109,11 +109,17 @@ class FeatureDraftRuntime(DraftRole):
         session.held = start + len(states)
         session.exact = min(session.exact, start)
 
+    def features_held(self, session: FeatureSession) -> int:
+        """Positions of the target's states the session holds."""
+        return session.held
+
     def clear_features(self, session: FeatureSession) -> None:
+        """Forget the session's target states (it is rebuilt from a full history)."""
         self._queued = [queued for queued in self._queued if queued[0] is not session]
         session.g, session.held, session.exact = None, 0, 0
 
     def can_draft(self, session: FeatureSession, history: list[int]) -> bool:
+        """Whether the session can draft after `history` now: its states reach the history's end."""
         return len(history) >= 2 and session.held >= len(history) - 1
 
     @torch.inference_mode()

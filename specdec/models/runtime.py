@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from specdec.errors import IncompatibleModelsError, InvalidRequestError
+from specdec.errors import IncompatibleModelsError
 from specdec.models.cache import Feed, KVSession, ReferenceKV, SlotKV, StateReader, supports_slots
 from specdec.models.static import StaticKV, StaticOptions
 from specdec.models.formats import scales_activations_per_pass
@@ -340,8 +340,8 @@ def keep_features(part: list[Feed], read: list[torch.Tensor] | None, fed: dict[i
 class DraftRole(Runtime):
     """The draft model: catches up on committed tokens, then drafts one token per session per step."""
 
-    # A feature draft (models/feature_draft.py) reads the target's states: the verifications hand
-    # them over (`add_features`) and a session drafts only once they reach its history's end.
+    # A feature draft (models/feature_runtime.py) reads the target's states: the verifications hand
+    # them over and a session drafts only once they reach its history's end (proposers.py).
     reads_features = False
 
     # A draft that runs greedy drafting steps as one chain (`chain`): up to this many (0: none).
@@ -354,17 +354,6 @@ class DraftRole(Runtime):
     def chain(self, sessions: list[KVSession], tokens: list[int], steps: int) -> list[DraftOutputs]:
         """Up to `steps` greedy steps at once: what `step` returns for y_1 = `tokens`, then for each step's argmax."""
         raise NotImplementedError("this draft runs its steps one at a time")
-
-    def add_features(self, session: KVSession, states: torch.Tensor, start: int) -> None:
-        """The target's states [m, reads, H] at positions start.. of the session's history."""
-        raise InvalidRequestError("this draft reads no target features")
-
-    def clear_features(self, session: KVSession) -> None:
-        """Forget the session's target states (it is rebuilt from a full history)."""
-
-    def can_draft(self, session: KVSession, history: list[int]) -> bool:
-        """Whether the session can draft after `history` now."""
-        return True
 
     def start(self, sessions: list[KVSession], histories: list[list[int]]) -> DraftOutputs:
         """Extend each cache with every committed token it lacks (corrections included) before

@@ -58,8 +58,17 @@ def default_policy_name(has_head: bool) -> str:
 
 
 def resolve_policy(config: PolicyConfig, has_head: bool) -> PolicyConfig:
-    """The config with its name filled in (a request that names no policy gets the default)."""
-    return config if config.name else config.model_copy(update={"name": default_policy_name(has_head)})
+    """A request's policy flags checked before any model work (raises InvalidRequestError) and its
+    name filled in (a request that names no policy gets the default): where a request is accepted,
+    once; what runs it trusts the result."""
+    config = config if config.name else config.model_copy(update={"name": default_policy_name(has_head)})
+    if policy_traits(config.name).needs_head and not has_head:
+        raise InvalidRequestError(f"policy {config.name!r} needs an acceptance head: pass --head PATH")
+    if config.k is not None and config.k < 1:
+        raise InvalidRequestError(f"--k must be at least 1, got {config.k}")
+    if config.threshold is not None and not 0.0 < config.threshold < 1.0:
+        raise InvalidRequestError(f"--threshold must be in (0, 1), got {config.threshold}")
+    return config
 
 
 def make_policy(
@@ -68,8 +77,8 @@ def make_policy(
     reference: Sequence[int] | None = None,
 ) -> StoppingPolicy:
     """A fresh policy for one sample (policies such as `heuristic` keep state across rounds); raises
-    InvalidRequestError for flags the policy cannot take."""
-    validate_policy(config, has_head=head is not None)
+    InvalidRequestError for flags the policy cannot take (a draft replica is where a served round's
+    policy arrives)."""
     config = resolve_policy(config, has_head=head is not None)
     k, threshold = config.k, config.threshold
     cap = {} if k is None else {"max_candidates": k}
@@ -95,20 +104,9 @@ def make_policy(
             return TargetOnly()
 
 
-def validate_policy(config: PolicyConfig, has_head: bool) -> None:
-    """Check a request's policy flags before any model work (raises InvalidRequestError)."""
-    config = resolve_policy(config, has_head)
-    if policy_traits(config.name).needs_head and not has_head:
-        raise InvalidRequestError(f"policy {config.name!r} needs an acceptance head: pass --head PATH")
-    if config.k is not None and config.k < 1:
-        raise InvalidRequestError(f"--k must be at least 1, got {config.k}")
-    if config.threshold is not None and not 0.0 < config.threshold < 1.0:
-        raise InvalidRequestError(f"--threshold must be in (0, 1), got {config.threshold}")
-
-
 __all__ = [
     "POLICIES", "POLICY_NAMES", "HEAD_POLICIES", "DEFAULT_POLICY", "FALLBACK_POLICY", "PolicyConfig", "default_policy_name",
-    "policy_traits", "resolve_policy", "make_policy", "validate_policy",
+    "policy_traits", "resolve_policy", "make_policy",
     "Decision", "DraftStep", "Estimate", "PolicyTraits", "StoppingPolicy",
     "FixedK", "SpecDecPP", "SpecDecPPCost", "SVIP", "Heuristic", "Confidence", "Oracle", "TargetOnly",
 ]

@@ -24,6 +24,7 @@ import torch
 
 import asyncio
 
+import specdec.proposers
 import specdec.workers
 from specdec.cost_profile import CostProfile
 from specdec.engine import SpecDecEngine
@@ -236,14 +237,14 @@ def test_cost_aware_rounds_with_k_zero_stay_lossless(sampled_engine, monkeypatch
     profile = CostProfile(t_draft_ms=0.2, t_draft_rows_ms={1: 0.2, 64: 0.4}, t_target_ms={1: 10.0, 16: 14.0, 64: 26.0})
     plan_with(sampled_engine, profile, monkeypatch)
     monkeypatch.setattr(sampled_engine.draft_worker, "head", q_reading_head(bias=1.5).to(DEVICE))
-    passes, propose = [], specdec.workers.propose
+    passes, propose = [], specdec.proposers.propose
 
     def recording_propose(*args, **kwargs):
         proposals = propose(*args, **kwargs)
         passes.append(sorted({len(p.candidates) for p in proposals if p.forward_passes}))
         return proposals
 
-    monkeypatch.setattr(specdec.workers, "propose", recording_propose)
+    monkeypatch.setattr(specdec.proposers, "propose", recording_propose)
     sampling = SAMPLINGS["temperature-1"]
     completions, stats = sample_completions(sampled_engine, PolicyConfig(name="specdec++cost", k=4), sampling,
                                             SAMPLES_PER_CASE, seed=1000)
@@ -261,7 +262,7 @@ def test_a_draft_that_never_proposes_some_tokens_stays_lossless(monkeypatch):
     from corrections drawn from the residual, and the output still follows the target."""
     engine = make_engine(SAMPLED_VOCAB, layers=1, model_seed=0, noise=0.1, noise_seed=100)
     trim_lm_head(engine.draft.model, [0, 1, 2])
-    proposed, propose = Counter(), specdec.workers.propose
+    proposed, propose = Counter(), specdec.proposers.propose
 
     def counting_propose(*args, **kwargs):
         proposals = propose(*args, **kwargs)
@@ -269,7 +270,7 @@ def test_a_draft_that_never_proposes_some_tokens_stays_lossless(monkeypatch):
             proposed.update(proposal.candidates)
         return proposals
 
-    monkeypatch.setattr(specdec.workers, "propose", counting_propose)
+    monkeypatch.setattr(specdec.proposers, "propose", counting_propose)
     sampling = SAMPLINGS["temperature-1"]
     completions, stats = sample_completions(engine, policy_config("fixed", "temperature-1"), sampling,
                                             SAMPLES_PER_CASE, seed=2000)
@@ -558,6 +559,32 @@ def test_a_target_only_session_beside_a_feature_draft_is_sent_no_states():
     expected = target_greedy(engine.target.model, GREEDY_PROMPTS[0], GREEDY_NEW_TOKENS)
     assert [r.completions[0].token_ids for r in results] == [expected, expected]
     assert {frozenset(v) for v in asked.values()} == {frozenset({False}), frozenset({True})}
+
+
+def test_in_process_the_target_states_reach_the_feature_draft_without_the_loop():
+    """In process the verifier hands the target's states to the draft's sessions itself (workers.py
+    `FeatureLink`): no verdict brings them back to the loop and no Propose item carries them, while
+    the draft drafts from them and the output stays the target's."""
+    engine = make_feature_engine(GREEDY_VOCAB, layers=2, model_seed=3, draft_seed=1)
+    transport, carried = engine.loop.calls.transport, Counter()
+    propose, verify = transport.propose, transport.verify
+
+    async def proposed(items, *args, **kwargs):
+        carried["propose"] += sum(item.features is not None for item in items)
+        return await propose(items, *args, **kwargs)
+
+    async def verified(items, *args, **kwargs):
+        reply = await verify(items, *args, **kwargs)
+        carried["verify"] += sum(getattr(answer, "features", None) is not None for answer in reply.answers)
+        carried["asked"] += sum(item.features_from is not None for item in items)
+        return reply
+
+    transport.propose, transport.verify = proposed, verified
+    params = GenerationParams(max_new_tokens=GREEDY_NEW_TOKENS, policy=PolicyConfig(name="fixed", k=3))
+    result = engine.generate_ids(GREEDY_PROMPTS[0], params)
+    assert result.completions[0].token_ids == target_greedy(engine.target.model, GREEDY_PROMPTS[0], GREEDY_NEW_TOKENS)
+    assert result.stats.draft_tokens > 0 and carried["asked"] > 0
+    assert carried["propose"] == carried["verify"] == 0
 
 
 # ------------------------------------------------------------------------------------------------

@@ -233,7 +233,7 @@ def test_sparsified_draft_is_exact_for_what_it_sends(tiny_engine):
     params = build_params(policy="fixed", k=3, temperature=0.7, seed=99, max_new_tokens=24)
     min_prob = 2e-3
     truncated = SpecDecEngine(tiny_engine.draft, tiny_engine.target, eos_token_ids=tiny_engine.eos_token_ids)
-    truncated.draft_worker.logits_filter = sparsifier(min_prob)
+    truncated.draft_worker.proposer.logits_filter = sparsifier(min_prob)
     results, sizes = [], []
     for servers in (Servers(tiny_engine, min_prob=min_prob), Servers(tiny_engine)):
         try:

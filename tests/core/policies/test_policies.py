@@ -11,7 +11,7 @@ from specdec.errors import InvalidRequestError
 from specdec.head import AcceptanceHead, HeadConfig
 from specdec.policies import (
     POLICY_NAMES, SVIP, Confidence, Decision, DraftStep, FixedK, Heuristic, Oracle, PolicyConfig, SpecDecPP,
-    TargetOnly, make_policy, resolve_policy, validate_policy,
+    TargetOnly, make_policy, resolve_policy,
 )
 from specdec.policies.specdec_pp_cost import SpecDecPPCost
 from specdec.policies.specdec_pp import rejection_probability
@@ -178,7 +178,7 @@ def test_oracle_drops_candidates_past_the_reference():
 
 
 # ------------------------------------------------------------------------------------------------
-# make_policy / validate_policy
+# make_policy / resolve_policy
 
 
 def test_make_policy_builds_each_policy_with_its_flags():
@@ -215,23 +215,23 @@ BAD_CONFIGS = [
 ]
 
 
-def test_validate_policy_accepts_good_configs():
+def test_resolve_policy_accepts_good_configs():
     for name in POLICY_NAMES:
-        validate_policy(PolicyConfig(name=name, k=3, threshold=0.5), has_head=True)
-    validate_policy(PolicyConfig(), has_head=False)
+        resolve_policy(PolicyConfig(name=name, k=3, threshold=0.5), has_head=True)
+    resolve_policy(PolicyConfig(), has_head=False)
 
 
 @pytest.mark.parametrize("config,fragment", BAD_CONFIGS)
-def test_validate_policy_errors_are_one_line(config, fragment):
+def test_resolve_policy_errors_are_one_line(config, fragment):
     with pytest.raises(InvalidRequestError) as info:
-        validate_policy(config, has_head=True)
+        resolve_policy(config, has_head=True)
     assert fragment in str(info.value)
     assert "\n" not in str(info.value)
 
 
-def test_validate_policy_needs_a_head_for_specdec_pp():
+def test_resolve_policy_needs_a_head_for_specdec_pp():
     with pytest.raises(InvalidRequestError, match="needs an acceptance head") as info:
-        validate_policy(PolicyConfig(name="specdec++"), has_head=False)
+        resolve_policy(PolicyConfig(name="specdec++"), has_head=False)
     assert "\n" not in str(info.value)
 
 
