@@ -33,9 +33,10 @@ CUDA, written as JSON as it goes (a run cut short keeps what it measured).
   Between the two, `feature`: a random feature draft with its chains captured, beside the target on
   the static cache (it accepts next to nothing: the path and its host work per pass, not a speed-up;
   `draft_ms_per_call` its catch-up pass `_outputs` and its `chain` apart).
-- transport: the same loop (fixed K, greedy, self-draft) in process and over our gRPC round services
-  on loopback, served from a process of their own as a replica's are (services/: GrpcTransport, the
-  calls the `direct` transport makes once Serve has named a session's replica): the extra ms per step.
+- transport: the same loop (fixed K, self-draft, greedy and sampled) in process and over our gRPC
+  round services on loopback, each replica in a process of its own (benchmarks/transport.py, whose
+  CPU figures are this section's proxy): the added ms per step over paired steps, and each served
+  call taken apart hop by hop.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu.shapes import SHAPES, shape_config
+from benchmarks.transport import Pair, compare, print_row
 from specdec.bench.forward import PROMPT_TOKENS, TimedForward, longest_feed, synthetic_tokens, time_pass
 from specdec.head import AcceptanceHead, HeadConfig
 from specdec.models.runtime import DraftRuntime, Feed, TargetRuntime
@@ -71,7 +73,7 @@ LOOP_SHAPE = "qwen2.5-1.5b"
 LOOP_CONCURRENCY = (1, 8, 32, 64)
 LOOP_POLICIES = (("target-only", None), ("fixed", 4), ("specdec++cost", None))
 LOOP_PROMPT_TOKENS, LOOP_NEW_TOKENS = 64, 128  # decoding measured over at least 128 new tokens
-TRANSPORT_CONCURRENCY, TRANSPORT_K, TRANSPORT_NEW_TOKENS = (1, 8), 4, 128
+TRANSPORT_CONCURRENCY, TRANSPORT_NEW_TOKENS, TRANSPORT_RUNS = (1, 8), 128, 6
 RUNTIME_STATIC_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b")
 GRAPHS = StaticOptions(graphs=True)  # the loop's and the transport's static cache: the builder's default
 
@@ -395,87 +397,20 @@ def host_profile(engine: SpecDecEngine, prompts, params: GenerationParams, steps
             for (file, line, name), (_, calls, own, _, _) in top]
 
 
-def serve_round_services(shape: dict, device: str, dtype: str, kv: str, pipe) -> None:
-    """`transport_overhead`'s server process (a replica's place): the shape's random model, a draft
-    and a verifier worker on gRPC servers of their own; sends their addresses, serves until the
-    parent says stop (or goes)."""
-    from services.server import start_server
-    from services.servicers import DraftServicer, VerifierServicer
-    from specdec.workers import DraftWorker, VerifierWorker
+def transport_overhead(report: Report, shape: dict, device: torch.device, dtype: torch.dtype, concurrency,
+                       new_tokens: int, runs: int, kv: str) -> None:
+    """ms per step the gRPC round transport adds on this host, call by call (benchmarks/transport.py:
+    the loop in process against our round services, each replica in a process of its own, greedy
+    and sampled, steps paired)."""
+    pair = Pair(random_model, (shape, device, dtype), kv=kv, static=GRAPHS)
+    results = {}
 
-    torch.manual_seed(0)
-    model = random_model(shape, torch.device(device), getattr(torch, dtype.removeprefix("torch.")))
-    draft, target = DraftRuntime(model, kv=kv, static=GRAPHS), TargetRuntime(model, kv=kv, static=GRAPHS)
-    servers = [start_server(draft=DraftServicer(DraftWorker(draft))),
-               start_server(verifier=VerifierServicer(VerifierWorker(target)))]
-    pipe.send([address for _, address in servers])
-    with contextlib.suppress(EOFError):  # the parent's "stop", or its end
-        pipe.recv()
-    for server, _ in servers:
-        server.stop(None)
+    def keep(key: str, row: dict) -> None:
+        results[key] = row
+        report.put("transport", f"{LOOP_SHAPE}/{kv}", results)
 
-
-def transport_overhead(report: Report, shape: dict, model, concurrency, new_tokens: int, kv: str) -> None:
-    """ms per step the gRPC round transport adds on this host: the loop in process, and the loop over
-    our gRPC services in a process of their own (as a replica's: in one process the client's and the
-    servers' threads share the GIL, which added ~3 ms a step on the CPU), each run twice (the first
-    warms up). The server process holds its own copy of the model."""
-    import asyncio
-    import multiprocessing
-
-    from services.transports import GrpcTransport
-    from specdec.loop import RoundLoop
-
-    draft, target = DraftRuntime(model, kv=kv, static=GRAPHS), TargetRuntime(model, kv=kv, static=GRAPHS)
-    engine = SpecDecEngine(draft, target, batch=BatchConfig(max_sessions_per_step=max(concurrency)))
-    context = multiprocessing.get_context("spawn")
-    pipe, child_pipe = context.Pipe()
-    server = context.Process(target=serve_round_services, daemon=True,
-                             args=(shape, str(model.device), str(model.dtype), kv, child_pipe))
-    server.start()
-    child_pipe.close()  # the child's end lives in the child alone: its death reads as end-of-file here
-    deadline = time.monotonic() + min(300.0, max(0.0, report.time_left() - 30))
-    while not pipe.poll(1.0):
-        if not server.is_alive():
-            raise RuntimeError(f"the round services' process exited at start-up (exit code {server.exitcode})")
-        if time.monotonic() > deadline:
-            server.kill()
-            raise RuntimeError("the round services' process did not start in time")
-    draft_address, verifier_address = pipe.recv()
-    served = RoundLoop(GrpcTransport(draft_address, verifier_address), engine.rules, engine.loop.batch)
-    timer = TimedForward(target)
-    params = GenerationParams(max_new_tokens=new_tokens, policy=PolicyConfig(name="fixed", k=TRANSPORT_K),
-                              chat_template=False)
-
-    async def run(loop, prompts) -> tuple[float, int]:
-        """(seconds, verification passes in this process: the in-process loop's steps)"""
-        timer.calls, start = 0, time.perf_counter()
-        await asyncio.gather(*(loop.generate(p, params) for p in prompts))
-        return time.perf_counter() - start, timer.calls
-
-    async def measure() -> None:  # one event loop: the transport's channels belong to it
-        results = {}
-        for c in concurrency:
-            if report.time_left() < 20:
-                results[f"C={c}"] = {"skipped": "time"}
-                continue
-            prompts = [synthetic_tokens(LOOP_PROMPT_TOKENS, model.config.vocab_size, offset=31 * i) for i in range(c)]
-            row = {}
-            for name, loop in (("in_process", engine.loop), ("grpc", served)):
-                await run(loop, prompts)  # warm-up: graphs, channels
-                row[f"{name}_s"], steps = await run(loop, prompts)
-                row.setdefault("steps", steps)  # in process (greedy self-draft: the served run's rounds are the same)
-            row["grpc_ms_per_step"] = 1e3 * (row["grpc_s"] - row["in_process_s"]) / max(1, row["steps"])
-            results[f"C={c}"] = row
-            report.put("transport", f"{LOOP_SHAPE}/{kv}", results)
-
-    try:
-        asyncio.run(measure())
-    finally:
-        pipe.send("stop")
-        server.join(30)
-        if server.is_alive():
-            server.kill()
+    cells = [(0.0, c) for c in concurrency] + [(1.0, min(concurrency))]  # sampled: ~4 MB a session's step
+    keep("bare_call_ms", compare(pair, cells, runs, new_tokens, shape.vocab_size, keep)["bare_call_ms"])
 
 
 def main() -> None:
@@ -546,11 +481,11 @@ def main() -> None:
                 report.put("loop", f"{LOOP_SHAPE}/{kv}", {"error": f"{type(exc).__name__}: {exc}"[:500]})
             print(f"loop {LOOP_SHAPE} ({kv}): {time.perf_counter() - start:.0f} s", flush=True)
     if "transport" in args.sections and report.time_left() > 30:
-        model = random_model(shapes[LOOP_SHAPE], device, dtype)
         for kv in (k for k in args.loop_kv if k != "feature"):  # the first cache that runs
             try:
-                transport_overhead(report, shapes[LOOP_SHAPE], model,
-                                   *(((1, 2), new_tokens) if args.smoke else (TRANSPORT_CONCURRENCY, TRANSPORT_NEW_TOKENS)), kv)
+                transport_overhead(report, shapes[LOOP_SHAPE], device, dtype,
+                                   *(((1, 2), new_tokens, 2) if args.smoke else
+                                     (TRANSPORT_CONCURRENCY, TRANSPORT_NEW_TOKENS, TRANSPORT_RUNS)), kv)
                 break
             except Exception as exc:
                 report.put("transport", f"{LOOP_SHAPE}/{kv}", {"error": f"{type(exc).__name__}: {exc}"[:500]})
@@ -651,7 +586,10 @@ def print_summary(data: dict) -> None:
     for name, rows in data["sections"].get("transport", {}).items():
         print(f"\ntransport {name}: gRPC round services on loopback against in process, ms per step")
         for key, row in rows.items():
-            print(f"  {key:6s} " + (f"{row['grpc_ms_per_step']:.2f} ms" if "grpc_ms_per_step" in row else str(row)))
+            if "added" in row:
+                print_row(key, row)
+            else:
+                print(f"  {key}: {row}")
 
 
 if __name__ == "__main__":

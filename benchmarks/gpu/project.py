@@ -160,10 +160,15 @@ def host_per_pass(loop: dict, policy: str, concurrency: int) -> float | None:
 
 
 def transport_per_step(transport: dict, concurrency: int) -> float | None:
-    """The ms per step bench.py's transport section measured the gRPC round services adding, at the
-    nearest concurrency (None: not measured)."""
-    rows = {int(key.split("=")[1]): row["grpc_ms_per_step"] for key, row in transport.items()
-            if isinstance(row, dict) and "grpc_ms_per_step" in row}
+    """The ms per greedy step bench.py's transport section measured the gRPC round services adding,
+    at the nearest concurrency (None: not measured). Rows "T=0@C" hold the median of paired steps
+    (benchmarks/transport.py); runs before it wrote "C=C" rows of one run's difference."""
+    rows = {}
+    for key, row in transport.items():
+        if key.startswith("T=0@") and "median" in row.get("added", {}):
+            rows[int(key.split("@")[1])] = row["added"]["median"]
+        elif key.startswith("C=") and "grpc_ms_per_step" in row:
+            rows[int(key.split("=")[1])] = row["grpc_ms_per_step"]
     return nearest(rows, concurrency)
 
 

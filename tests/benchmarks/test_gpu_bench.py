@@ -32,4 +32,6 @@ def test_the_gpu_benchmark_smoke_run_writes_every_section(tmp_path):
     assert all({"eager_ms", "chain_ms", "captured_ms"} <= set(row) and row["graph_vs_eager"]["argmax_agree"] == 1.0
                for rows in feature.values() for row in rows.values()), feature
     [transport] = data["sections"]["transport"].values()  # the first cache that ran: static
-    assert all("grpc_ms_per_step" in row for row in transport.values()), transport
+    assert {"T=0@1", "T=0@2", "T=1@1", "bare_call_ms"} <= set(transport), transport
+    assert all(row["added"]["n"] > 0 and set(row["calls"]["verifier"]) >= {"request_hop", "worker", "response_hop"}
+               for key, row in transport.items() if key.startswith("T=")), transport

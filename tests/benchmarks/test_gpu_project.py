@@ -68,6 +68,17 @@ def test_a_later_run_of_the_day_fills_in_the_32b_passes_and_the_static_loop_pric
     assert one["speedup_served"] < one["speedup_with_host"] < one["speedup"]
 
 
+def test_the_transport_rows_of_paired_steps_price_a_served_step_by_their_greedy_median():
+    """benchmarks/transport.py's rows (what bench.py writes since): the greedy cells' median of
+    paired steps, at the nearest concurrency; a sampled cell prices nothing."""
+    from benchmarks.gpu.project import transport_per_step
+
+    transport = {"bare_call_ms": {"median": 0.4}, "T=0@1": {"added": {"median": 3.0, "n": 200}},
+                 "T=0@8": {"added": {"median": 4.0, "n": 200}}, "T=1@1": {"added": {"median": 90.0, "n": 200}}}
+    assert transport_per_step(transport, 1) == 3.0
+    assert transport_per_step(transport, 16) == 4.0
+
+
 def test_a_second_folder_of_the_day_brings_its_loop_and_keeps_the_first_ones_passes():
     """2026-12-04's second H200 run (2026-12-04-h200-b) timed only the 1.5B passes, the loop and the
     transport: merged after the first, its loop prices the host and the first run's 7B and 32B
