@@ -1,7 +1,7 @@
 """What serving the round loop over gRPC adds to a step, call by call and hop by hop.
 
     python -m benchmarks.transport [--concurrency 1 8] [--sampled-concurrency 1] [--runs 10] [--new-tokens 160]
-                                   [--vocab 151936] [--out docs/results/transport/NAME.json]
+                                   [--vocab 151936] [--replica-env NAME=VALUE ...] [--out docs/results/transport/NAME.json]
 
 The same loop runs in process (`LocalTransport`) and over our gRPC round services on loopback
 (`GrpcTransport` to a draft and a verifier server, each in a process of its own as a replica is:
@@ -24,6 +24,11 @@ by timestamps on the machine's one monotonic clock:
     worker           the draft's or verifier's own work (what the in-process call does)
     response hop     from the handler's return to the client holding the reply
     bare call        an empty Release on the same channel: the stack's floor per call
+
+The workers' own time is longer served than in process on a CPU whose cores the three processes
+share (an OpenMP team spins a while after its pass, on the cores the next process's pass needs):
+"besides the workers' own time" is the added ms per step less that difference, what the wire and
+its conversions cost. `--replica-env GOMP_SPINCOUNT=1000` shortens the replicas' spin.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import asyncio
 import contextlib
 import json
 import multiprocessing
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -238,15 +244,18 @@ async def bare_call_ms(transport) -> dict:
 
 
 @contextlib.contextmanager
-def replicas(pair: Pair, threads: int, start_timeout_s: float = 300.0) -> Iterator[tuple[dict, dict]]:
-    """A draft and a verifier replica, each in a process of its own: ({role: address}, {role: pipe})."""
+def replicas(pair: Pair, threads: int, env: dict[str, str] | None = None,
+             start_timeout_s: float = 300.0) -> Iterator[tuple[dict, dict]]:
+    """A draft and a verifier replica, each in a process of its own started with `env` added to
+    this one's environment: ({role: address}, {role: pipe})."""
     context = multiprocessing.get_context("spawn")
     pipes, addresses, processes = {}, {}, []
     try:
         for role in ("draft", "verifier"):
             pipe, child = context.Pipe()
             process = context.Process(target=serve_role, args=(role, pair, threads, child), daemon=True)
-            process.start()
+            with patched_environ(env or {}):  # a spawned process starts with the environment of the moment
+                process.start()
             processes.append(process)
             child.close()  # the child's end lives in the child alone: its death reads as end-of-file here
             if not pipe.poll(start_timeout_s):
@@ -263,14 +272,26 @@ def replicas(pair: Pair, threads: int, start_timeout_s: float = 300.0) -> Iterat
                 process.kill()
 
 
+@contextlib.contextmanager
+def patched_environ(env: dict[str, str]) -> Iterator[None]:
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def compare(pair: Pair, cells: list[tuple[float, int]], runs: int, new_tokens: int, vocab: int,
-            on_row: Callable[[str, dict], None] = lambda key, row: None) -> dict:
+            on_row: Callable[[str, dict], None] = lambda key, row: None, replica_env: dict[str, str] | None = None
+            ) -> dict:
     """The loop in process against served (module docstring), per cell (temperature, concurrency):
     {"bare_call_ms": ..., "T=t@c": row}; `on_row` sees each row as it is measured."""
     torch.manual_seed(0)
     draft, target = pair.runtimes()
     engine = SpecDecEngine(draft, target, batch=BatchConfig(max_sessions_per_step=max(c for _, c in cells)))
-    with replicas(pair, torch.get_num_threads()) as (addresses, pipes):
+    with replicas(pair, torch.get_num_threads(), replica_env) as (addresses, pipes):
         served = RoundLoop(Clock(grpc_transport(addresses["draft"], addresses["verifier"])), engine.rules,
                            engine.loop.batch)
         return asyncio.run(measure(engine, served, pipes, cells, runs, new_tokens, vocab, on_row))
@@ -357,20 +378,24 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10, help="timed runs per mode and cell (after one warm-up)")
     parser.add_argument("--new-tokens", type=int, default=160, help="per run: K + 1 = 5 a step, so 32 steps")
     parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--replica-env", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="environment for the replicas' processes only (e.g. GOMP_SPINCOUNT=1000)")
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args()
     print(f"ms per step, in process against our gRPC round services on loopback (fixed K = {K}, self-draft, "
           f"{args.new_tokens} new tokens, {args.runs} runs each, torch threads {torch.get_num_threads()}); "
           "served calls' parts in ms (medians)")
     cells = [(0.0, c) for c in args.concurrency] + [(1.0, c) for c in args.sampled_concurrency]
+    replica_env = dict(pair.split("=", 1) for pair in args.replica_env)
     results = compare(tiny_pair(args.vocab), cells, args.runs, args.new_tokens, args.vocab,
-                      on_row=lambda key, row: print_row(key, row, flush=True))
+                      on_row=lambda key, row: print_row(key, row, flush=True), replica_env=replica_env)
     bare = results["bare_call_ms"]
     print(f"bare call (empty Release): {bare['median']:.3f} ms [{bare['p10']:.3f}, {bare['p90']:.3f}]")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"k": K, "prompt_tokens": PROMPT_TOKENS, "new_tokens": args.new_tokens,
                                         "vocab": args.vocab, "runs": args.runs, "torch_threads": torch.get_num_threads(),
+                                        "replica_env": replica_env,
                                         "rows": results}, indent=1))
 
 

@@ -70,11 +70,14 @@ class ApiKeyInterceptor(grpc.ServerInterceptor):
 
         self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
         self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+        self._deny_bidi = grpc.stream_stream_rpc_method_handler(deny)  # the round streams
 
     def intercept_service(self, continuation, handler_call_details):
         if key_matches(self._api_key, metadata_authorization(handler_call_details.invocation_metadata)):
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
+        if handler is not None and handler.request_streaming:
+            return self._deny_bidi
         if handler is not None and handler.response_streaming:
             return self._deny_stream
         return self._deny_unary

@@ -1,9 +1,10 @@
 """The one place that maps between the protobuf contracts (specdec/v1) and the core types
 (specdec/protocol.py, specdec/params.py).
 
-Draft distributions on the wire (SparseDistribution): the draft sends q_i as (token id, prob)
-pairs. `dense_to_sparse` keeps every nonzero entry, so the verifier rebuilds q_i bit for bit and
-served output equals the in-process engine's. To bound the bytes per round the draft may instead
+Draft distributions on the wire (common.proto `Distribution`): the draft sends q_i packed as
+float32 bytes, every nonzero entry with its token id or, where that is smaller, all of them
+(`pack_distribution`), so the verifier rebuilds q_i bit for bit and served output equals the
+in-process engine's. To bound the bytes per round the draft may instead
 sparsify q_i BEFORE it samples (`sparsify_logits`): speculative sampling is lossless for any
 proposal the candidate was really drawn from, so truncation can cost acceptance, never
 correctness.
@@ -163,7 +164,7 @@ def proposal_to_proto(answer) -> draft_pb2.Proposal:
             return draft_pb2.Proposal(error=one_line(reason))
         case Proposal():
             return draft_pb2.Proposal(candidates=answer.candidates, forward_passes=answer.forward_passes,
-                                      draft_probs=dense_rows_to_sparse(answer.draft_probs))
+                                      draft_probs=pack_distributions(answer.draft_probs))
     raise TypeError(f"not a proposal answer: {answer!r}")
 
 
@@ -180,8 +181,7 @@ def proposal_from_proto(msg: draft_pb2.Proposal):
 def verify_item_to_proto(item: VerifyItem) -> verifier_pb2.VerifyRequest:
     return verifier_pb2.VerifyRequest(
         session_id=item.session_id, history=delta_to_proto(item.history), candidates=item.candidates,
-        draft_probs=[q if isinstance(q, common_pb2.SparseDistribution) else dense_to_sparse(q)
-                     for q in item.draft_probs],
+        draft_probs=[q if isinstance(q, common_pb2.Distribution) else pack_distribution(q) for q in item.draft_probs],
         sampling=sampling_to_proto(item.sampling), seed=seed_to_proto(item.seed), features_from=item.features_from)
 
 
@@ -190,7 +190,7 @@ def verify_item_from_proto(msg: verifier_pb2.VerifyRequest, vocab_size: int) -> 
     sampling = sampling_from_proto(msg.sampling)
     return VerifyItem(
         session_id=msg.session_id, history=delta_from_proto(msg.history), candidates=list(msg.candidates),
-        draft_probs=[sparse_to_dense(q, vocab_size) for q in msg.draft_probs] if q_travels(sampling) else [],
+        draft_probs=[unpack_distribution(q, vocab_size) for q in msg.draft_probs] if q_travels(sampling) else [],
         sampling=sampling, seed=seed_from_proto(msg.seed),
         features_from=msg.features_from if msg.HasField("features_from") else None)
 
@@ -238,30 +238,40 @@ def merge_answers(count: int, answers: list, refused: dict[int, Refused]) -> lis
 # ------------------------------------------------------------------------------------------------
 # Draft distributions
 
-def dense_to_sparse(q: torch.Tensor) -> common_pb2.SparseDistribution:
-    """q [V] fp32 -> every nonzero entry, exactly (fp32 on both sides)."""
+def pack_distribution(q: torch.Tensor) -> common_pb2.Distribution:
+    """q [V] fp32 on the host -> its packed form, exactly (fp32 on both sides): the nonzero entries
+    with their ids, or all V where fewer bytes."""
     ids = torch.nonzero(q, as_tuple=True)[0]  # [nnz]
-    return common_pb2.SparseDistribution(token_ids=ids.tolist(), probs=q[ids].float().tolist())
+    if 2 * len(ids) >= len(q):
+        return common_pb2.Distribution(probs=q.float().contiguous().numpy().tobytes())
+    return common_pb2.Distribution(token_ids=ids.int().numpy().tobytes(), probs=q[ids].float().numpy().tobytes())
 
 
-def dense_rows_to_sparse(rows: list[torch.Tensor]) -> list[common_pb2.SparseDistribution]:
-    """`dense_to_sparse` for a round's q_1..q_K, brought to the host in one copy (they stay on the
+def pack_distributions(rows: list[torch.Tensor]) -> list[common_pb2.Distribution]:
+    """`pack_distribution` for a round's q_1..q_K, brought to the host in one copy (they stay on the
     draft's device until a transport must carry them)."""
     if rows and rows[0].device.type != "cpu":
         rows = torch.stack(rows).cpu()
-    return [dense_to_sparse(q) for q in rows]
+    return [pack_distribution(q) for q in rows]
 
 
-def sparse_to_dense(msg: common_pb2.SparseDistribution, vocab_size: int) -> torch.Tensor:
+def unpack_distribution(msg: common_pb2.Distribution, vocab_size: int) -> torch.Tensor:
     """-> q [V] fp32; raises InvalidRequestError on a malformed distribution."""
-    if len(msg.token_ids) != len(msg.probs) or not msg.token_ids:
-        raise InvalidRequestError("a draft distribution needs one prob per token id, and at least one")
-    ids = torch.tensor(list(msg.token_ids), dtype=torch.long)  # [nnz]
-    probs = torch.tensor(list(msg.probs), dtype=torch.float32)  # [nnz]
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size or len(torch.unique(ids)) != len(ids):
-        raise InvalidRequestError(f"draft distribution token ids must be distinct and in [0, {vocab_size})")
+    if len(msg.probs) % 4 or len(msg.token_ids) % 4:
+        raise InvalidRequestError("a draft distribution's bytes must hold whole float32 / int32 values")
+    probs = torch.frombuffer(bytearray(msg.probs), dtype=torch.float32)  # [nnz] or [V]
+    if msg.token_ids:
+        ids = torch.frombuffer(bytearray(msg.token_ids), dtype=torch.int32).long()  # [nnz]
+        if len(ids) != len(probs):
+            raise InvalidRequestError("a draft distribution needs one prob per token id")
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size or len(torch.unique(ids)) != len(ids):
+            raise InvalidRequestError(f"draft distribution token ids must be distinct and in [0, {vocab_size})")
+    elif len(probs) != vocab_size:
+        raise InvalidRequestError(f"a dense draft distribution needs {vocab_size} probs, got {len(probs)}")
     if bool((probs < 0).any()) or not math.isclose(float(probs.double().sum()), 1.0, abs_tol=1e-3):
         raise InvalidRequestError("draft distribution probs must be non-negative and sum to 1")
+    if not msg.token_ids:
+        return probs
     return torch.zeros(vocab_size, dtype=torch.float32).index_put_((ids,), probs)
 
 

@@ -9,27 +9,29 @@ import grpc
 
 from specdec.v1 import draft_pb2_grpc, verifier_pb2_grpc
 from services.auth import ApiKeyInterceptor
-from services.servicers import DraftServicer, VerifierServicer
+from services.servicers import MAX_STREAMS, DraftServicer, VerifierServicer
 
 # The server's threads. A servicer runs its worker on the replica's one torch thread when given one
-# (services/servicers.py), so these only wait for it, and a Release is never stuck behind a batch.
-DEFAULT_WORKERS = 4
-# A sampled round carries each candidate's draft distribution: ~1.06 MB per candidate on a
-# 151,936-token vocabulary, so gRPC's default 4 MiB would fail sampled rounds with K > 3. A batch
+# (services/servicers.py), so these only wait for it, and a Release is never stuck behind a batch:
+# these for unary calls, and one more for each round stream a servicer may keep open.
+UNARY_THREADS = 4
+# A sampled round carries each candidate's draft distribution: up to 608 KB per candidate on a
+# 151,936-token vocabulary, so gRPC's default 4 MiB would fail sampled rounds with K > 6. A batch
 # carries many sessions' rounds: 16 sessions (a step's default) of 64 sampled candidates
-# (services.coordinator.MAX_CANDIDATES_PER_ROUND) are ~1.1 GB; gRPC's ceiling (2 GiB) holds them.
+# (services.coordinator.MAX_CANDIDATES_PER_ROUND) are ~620 MB; gRPC's ceiling (2 GiB) holds them.
 MAX_ROUND_MESSAGE_BYTES = 2**31 - 1
 
 
 def start_server(draft: DraftServicer | None = None, verifier: VerifierServicer | None = None,
-                 address: str = "127.0.0.1:0", max_workers: int = DEFAULT_WORKERS,
+                 address: str = "127.0.0.1:0", max_workers: int | None = None,
                  executor: futures.ThreadPoolExecutor | None = None,
                  api_key: str | None = None) -> tuple[grpc.Server, str]:
     """Start a server hosting the given servicers; returns it and its "host:port" (port 0 in
     `address` picks a free one). `executor` replaces the server's own thread pool (the servicers'
     torch work has its own thread: services/servicers.py). With `api_key` every call must carry it
     (services.auth)."""
-    server = grpc.server(executor or futures.ThreadPoolExecutor(max_workers=max_workers),
+    threads = max_workers or UNARY_THREADS + MAX_STREAMS * ((draft is not None) + (verifier is not None))
+    server = grpc.server(executor or futures.ThreadPoolExecutor(max_workers=threads),
                          interceptors=[ApiKeyInterceptor(api_key)] if api_key else None,
                          options=[("grpc.max_receive_message_length", MAX_ROUND_MESSAGE_BYTES)])
     if draft is not None:

@@ -5,14 +5,22 @@ with services/errors.py's status (INTERNAL, "internal error"), never a traceback
 
 The worker's model runs on `torch_executor` when one is given (a replica's one torch thread, so the
 process holds one OpenMP team: services/replicas.py); Release never waits for it.
+
+The coordinator's per-step calls arrive on streams kept open across steps (`ProposeStream`,
+`VerifyStream`): a unary call pays for a new HTTP/2 stream, its headers and a server thread's
+hand-off every time, a stream message for none of that. Each open stream holds one of the
+server's threads, so a servicer takes at most MAX_STREAMS (the server has that many threads more
+than its unary calls need: services/server.py) and refuses the next; the caller then calls unary.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
+
+import grpc
 
 from specdec.metrics import MS_PER_S
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc
@@ -21,6 +29,9 @@ from services.convert import (convert_items, merge_answers, plan_from_proto, pro
                               proposal_to_proto, timings_to_proto, verdict_to_proto, verify_item_from_proto)
 from services.errors import grpc_status
 
+MAX_STREAMS = 16  # a replica's open round streams: 8 lanes (loop.py BatchConfig) of two coordinators
+STREAMS_REFUSED = "round streams: this replica holds its most"
+
 
 class RoundServicer:
     """What both round services share: the worker's sessions, Release, the batch's conversions."""
@@ -28,6 +39,7 @@ class RoundServicer:
     def __init__(self, worker: DraftWorker | VerifierWorker, torch_executor: Executor | None = None):
         self.worker, self._executor = worker, torch_executor
         self.round_calls = 0  # being served, waiting for the torch thread included (services/autoscaling.py)
+        self.streams = self.streams_opened = 0  # round streams open now, and ever
         self._calls_lock = threading.Lock()  # gRPC calls arrive on the server's threads
 
     @property
@@ -36,6 +48,25 @@ class RoundServicer:
 
     def Release(self, request: common_pb2.SessionRefs, context) -> common_pb2.ReleaseResponse:
         return common_pb2.ReleaseResponse(released=self.worker.release(list(request.session_ids)))
+
+    def _stream(self, requests: Iterator, call: Callable, context) -> Iterator:
+        """`call` for each message of a stream, its answers in order, while the stream is open;
+        refused (before any message) where the servicer holds MAX_STREAMS."""
+        with self._calls_lock:
+            refused = self.streams >= MAX_STREAMS
+            self.streams += not refused
+            self.streams_opened += not refused
+        if refused:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, STREAMS_REFUSED)
+        return self._answers(requests, call, context)
+
+    def _answers(self, requests: Iterator, call: Callable, context) -> Iterator:
+        try:
+            for request in requests:
+                yield call(request, context)
+        finally:
+            with self._calls_lock:
+                self.streams -= 1
 
     def _serve(self, messages, convert: Callable, run: Callable[[list], list], context) -> tuple[list, float]:
         """(the answers for `messages`, in order; the milliseconds it took). A call that fails as a
@@ -65,6 +96,9 @@ class DraftServicer(RoundServicer, draft_pb2_grpc.DraftServicer):
         return draft_pb2.ProposalBatch(proposals=[proposal_to_proto(a) for a in answers], draft_ms=ms,
                                        passes=timings_to_proto(self.worker.take_timings()))
 
+    def ProposeStream(self, requests, context):
+        return self._stream(requests, self.Propose, context)
+
 
 class VerifierServicer(RoundServicer, verifier_pb2_grpc.VerifierServicer):
     worker: VerifierWorker
@@ -75,3 +109,6 @@ class VerifierServicer(RoundServicer, verifier_pb2_grpc.VerifierServicer):
                                   lambda items: self.worker.verify(items, request.probe_tokens), context)
         return verifier_pb2.VerdictBatch(verdicts=[verdict_to_proto(a) for a in answers], target_ms=ms,
                                          passes=timings_to_proto(self.worker.take_timings()))
+
+    def VerifyStream(self, requests, context):
+        return self._stream(requests, self.Verify, context)

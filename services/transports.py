@@ -2,7 +2,8 @@
 (specdec/calls.py's RoundTransport; the in-process one is specdec.calls.LocalTransport).
 
 A batch is split by the replica that owns each session, and the groups go out at once, one call
-each. Each draft (by name, `EngineConfig.drafts`) is a service of its own: its replicas hold only
+each. Over gRPC a Propose or Verify goes as a message on a stream kept open to that replica
+(`RoundStreams`), the unary call where the replica holds no more streams. Each draft (by name, `EngineConfig.drafts`) is a service of its own: its replicas hold only
 its sessions, and a Propose goes to the draft it names. A group whose replica does not answer (gone,
 restarting, unreachable, hung past the call timeout) comes back `Unreachable` and its sessions
 forget their replica: the loop retries them, in full, wherever Serve's router sends them next. Any
@@ -37,6 +38,7 @@ from services.convert import (plan_to_proto, proposal_from_proto, propose_item_t
                               verdict_from_proto, verify_item_to_proto)
 from services.errors import from_grpc
 from services.server import MAX_ROUND_MESSAGE_BYTES
+from services.servicers import STREAMS_REFUSED
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +51,65 @@ PROBE_ROUTING_KEY = "probe"
 FINAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INTERNAL,
                grpc.StatusCode.RESOURCE_EXHAUSTED)
 STUBS = {"draft": draft_pb2_grpc.DraftStub, "verifier": verifier_pb2_grpc.VerifierStub}
+STREAMED = {"Propose": "ProposeStream", "Verify": "VerifyStream"}  # the round calls that go on a stream
 REPLIES = {"Propose": draft_pb2.ProposalBatch, "Verify": verifier_pb2.VerdictBatch, "Release": common_pb2.ReleaseResponse}
 
 
 class ReplicaGone(Exception):
     """A round call found no replica where it went (the loop retries its sessions)."""
+
+
+class RoundStreams:
+    """The round streams open to replicas: idle ones by (address, method), taken by one call at a
+    time (a lane's step makes one call per replica, and lanes step at once). A stream whose call did
+    not end with its reply (an error, a timeout, a cancelled request) is closed, never reused: its
+    reply could still come. A replica that refused a new stream gets unary calls for a while."""
+
+    REFUSED_FOR_S = 30.0
+
+    def __init__(self):
+        self._idle: dict[tuple[str, str], list[grpc.aio.StreamStreamCall]] = {}
+        self._refused: dict[str, float] = {}  # address -> when it refused
+
+    def open(self, address: str) -> bool:
+        """Whether calls to `address` go on streams now."""
+        refused = self._refused.get(address)
+        return refused is None or time.monotonic() - refused > self.REFUSED_FOR_S
+
+    async def call(self, stub, address: str, method: str, request: Message, timeout_s: float, metadata) -> Any:
+        """One request on a stream of `method` to `address`: the reply, or raises grpc.aio.AioRpcError
+        (or TimeoutError); None where the replica refused a new stream (call it unary)."""
+        idle = self._idle.setdefault((address, method), [])
+        while idle and idle[-1].done():  # ended while idle: its replica went or restarted
+            idle.pop()
+        stream = idle.pop() if idle else getattr(stub, STREAMED[method])(metadata=metadata)
+        reply = None
+        try:
+            await stream.write(request)
+            reply = await asyncio.wait_for(stream.read(), timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and exc.details() == STREAMS_REFUSED:
+                self._refused[address] = time.monotonic()
+                return None
+            raise
+        except asyncio.InvalidStateError:  # it ended between the check and the write
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "the round stream ended") from None
+        finally:
+            if reply is None or reply is grpc.aio.EOF:
+                stream.cancel()
+            else:
+                idle.append(stream)
+        if reply is grpc.aio.EOF:  # ended without a status to say why: the replica is going
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "the round stream ended")
+        return reply
+
+    def close(self) -> None:
+        for streams in self._idle.values():
+            for stream in streams:
+                stream.cancel()
+        self._idle.clear()
 
 
 class Service(NamedTuple):
@@ -88,6 +144,7 @@ class GrpcTransport:
         self._fixed = {service("draft", name): address for name, address in drafts.items()}
         self._fixed[VERIFIER] = verifier_address
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._streams = RoundStreams()
         self._metadata, self.timeout_s = call_metadata(api_key), timeout_s
 
     # ----------------------------------------------------------------------------------------
@@ -202,13 +259,20 @@ class GrpcTransport:
     async def _send(self, served_by: Service, owner: str, method: str, request: Message, routing_key: str) -> Any:
         stub = STUBS[served_by.role](self._channel(owner))
         try:
+            if method in STREAMED and self._streams.open(owner):
+                reply = await self._streams.call(stub, owner, method, request, self.timeout_s, self._metadata)
+                if reply is not None:
+                    return reply
             return await getattr(stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:  # the channel stays: grpc reconnects, and other calls share it
             if exc.code() in FINAL_CODES:
                 raise from_grpc(exc.code(), exc.details()) from None
             raise ReplicaGone(f"{served_by} at {owner}: {exc.code().name}") from None
+        except TimeoutError:
+            raise ReplicaGone(f"{served_by} at {owner}: no answer in {self.timeout_s:g} s") from None
 
     async def close(self) -> None:
+        self._streams.close()
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()

@@ -161,8 +161,8 @@ def test_stats_filled_from_request_stats_round_trips():
 
 
 def test_round_messages_round_trip():
-    q = np.array([0.625, 0.25, 0.125], dtype=np.float32).tolist()  # as a draft sends them: fp32
-    probs = [common_pb2.SparseDistribution(token_ids=[7, 3, 9], probs=q)]
+    q = np.array([0.625, 0.25, 0.125], dtype=np.float32).tobytes()  # as a draft sends them: fp32
+    probs = [common_pb2.Distribution(token_ids=np.array([7, 3, 9], dtype=np.int32).tobytes(), probs=q)]
     history = common_pb2.HistoryDelta(history_length=10, tail=[4, 5, 6])
     seed = common_pb2.RoundSeed(request_seed=2**64 - 1, sample_index=1, round_index=3)
     sampling = common_pb2.SamplingParams(temperature=0.7, top_k=0, top_p=0.95)
@@ -184,7 +184,7 @@ def test_round_messages_round_trip():
     for message in messages:
         assert type(message).FromString(message.SerializeToString()) == message
     parsed = verifier_pb2.VerifyRequest.FromString(messages[2].SerializeToString())
-    assert list(parsed.draft_probs[0].probs) == q  # exactly the q the draft sampled from
+    assert parsed.draft_probs[0].probs == q  # exactly the q the draft sampled from
     assert not draft_pb2.PolicyConfig(name="svip").HasField("k")
 
 

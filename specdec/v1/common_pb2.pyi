@@ -50,13 +50,13 @@ class RoundSeed(_message.Message):
     round_index: int
     def __init__(self, request_seed: _Optional[int] = ..., sample_index: _Optional[int] = ..., round_index: _Optional[int] = ...) -> None: ...
 
-class SparseDistribution(_message.Message):
+class Distribution(_message.Message):
     __slots__ = ("token_ids", "probs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    probs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+    token_ids: bytes
+    probs: bytes
+    def __init__(self, token_ids: _Optional[bytes] = ..., probs: _Optional[bytes] = ...) -> None: ...
 
 class CostProfile(_message.Message):
     __slots__ = ("t_draft_ms", "t_target_ms", "t_draft_rows_ms", "source")

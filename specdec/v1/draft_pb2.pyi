@@ -81,6 +81,6 @@ class Proposal(_message.Message):
     session_missing: bool
     error: str
     candidates: _containers.RepeatedScalarFieldContainer[int]
-    draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
+    draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Distribution]
     forward_passes: int
-    def __init__(self, session_missing: _Optional[bool] = ..., error: _Optional[str] = ..., candidates: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., forward_passes: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_missing: _Optional[bool] = ..., error: _Optional[str] = ..., candidates: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., forward_passes: _Optional[int] = ...) -> None: ...

@@ -43,6 +43,11 @@ class DraftStub:
                 request_serializer=specdec_dot_v1_dot_draft__pb2.ProposeBatch.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_draft__pb2.ProposalBatch.FromString,
                 _registered_method=True)
+        self.ProposeStream = channel.stream_stream(
+                '/specdec.v1.Draft/ProposeStream',
+                request_serializer=specdec_dot_v1_dot_draft__pb2.ProposeBatch.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_draft__pb2.ProposalBatch.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.v1.Draft/Release',
                 request_serializer=specdec_dot_v1_dot_common__pb2.SessionRefs.SerializeToString,
@@ -62,6 +67,16 @@ class DraftServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProposeStream(self, request_iterator, context):
+        """Propose over one stream kept open across steps, the coordinator's per-step exchange: one
+        ProposalBatch per ProposeBatch, in order. A call that fails as a whole ends the stream with its
+        status. A replica holds a few (services/servicers.py MAX_STREAMS): one more is refused with
+        RESOURCE_EXHAUSTED "round streams" before any batch, and its caller calls Propose instead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Drop sessions' caches and policies (requests finished, cancelled, or evicted by the caller).
         """
@@ -74,6 +89,11 @@ def add_DraftServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Propose': grpc.unary_unary_rpc_method_handler(
                     servicer.Propose,
+                    request_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeBatch.FromString,
+                    response_serializer=specdec_dot_v1_dot_draft__pb2.ProposalBatch.SerializeToString,
+            ),
+            'ProposeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeStream,
                     request_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeBatch.FromString,
                     response_serializer=specdec_dot_v1_dot_draft__pb2.ProposalBatch.SerializeToString,
             ),
@@ -109,6 +129,33 @@ class Draft:
             request,
             target,
             '/specdec.v1.Draft/Propose',
+            specdec_dot_v1_dot_draft__pb2.ProposeBatch.SerializeToString,
+            specdec_dot_v1_dot_draft__pb2.ProposalBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.Draft/ProposeStream',
             specdec_dot_v1_dot_draft__pb2.ProposeBatch.SerializeToString,
             specdec_dot_v1_dot_draft__pb2.ProposalBatch.FromString,
             options,

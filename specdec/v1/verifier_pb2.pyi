@@ -39,11 +39,11 @@ class VerifyRequest(_message.Message):
     session_id: str
     history: _common_pb2.HistoryDelta
     candidates: _containers.RepeatedScalarFieldContainer[int]
-    draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
+    draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Distribution]
     sampling: _common_pb2.SamplingParams
     seed: _common_pb2.RoundSeed
     features_from: int
-    def __init__(self, session_id: _Optional[str] = ..., history: _Optional[_Union[_common_pb2.HistoryDelta, _Mapping]] = ..., candidates: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[_Union[_common_pb2.RoundSeed, _Mapping]] = ..., features_from: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., history: _Optional[_Union[_common_pb2.HistoryDelta, _Mapping]] = ..., candidates: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[_Union[_common_pb2.RoundSeed, _Mapping]] = ..., features_from: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("session_missing", "error", "num_accepted", "next_token", "features")

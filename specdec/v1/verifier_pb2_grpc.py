@@ -43,6 +43,11 @@ class VerifierStub:
                 request_serializer=specdec_dot_v1_dot_verifier__pb2.VerifyBatch.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_verifier__pb2.VerdictBatch.FromString,
                 _registered_method=True)
+        self.VerifyStream = channel.stream_stream(
+                '/specdec.v1.Verifier/VerifyStream',
+                request_serializer=specdec_dot_v1_dot_verifier__pb2.VerifyBatch.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_verifier__pb2.VerdictBatch.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.v1.Verifier/Release',
                 request_serializer=specdec_dot_v1_dot_common__pb2.SessionRefs.SerializeToString,
@@ -64,6 +69,13 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyStream(self, request_iterator, context):
+        """Verify over one stream kept open across steps (as Draft.ProposeStream).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Drop sessions' caches (requests finished, cancelled, or evicted by the caller).
         """
@@ -76,6 +88,11 @@ def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
+                    request_deserializer=specdec_dot_v1_dot_verifier__pb2.VerifyBatch.FromString,
+                    response_serializer=specdec_dot_v1_dot_verifier__pb2.VerdictBatch.SerializeToString,
+            ),
+            'VerifyStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyStream,
                     request_deserializer=specdec_dot_v1_dot_verifier__pb2.VerifyBatch.FromString,
                     response_serializer=specdec_dot_v1_dot_verifier__pb2.VerdictBatch.SerializeToString,
             ),
@@ -111,6 +128,33 @@ class Verifier:
             request,
             target,
             '/specdec.v1.Verifier/Verify',
+            specdec_dot_v1_dot_verifier__pb2.VerifyBatch.SerializeToString,
+            specdec_dot_v1_dot_verifier__pb2.VerdictBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.Verifier/VerifyStream',
             specdec_dot_v1_dot_verifier__pb2.VerifyBatch.SerializeToString,
             specdec_dot_v1_dot_verifier__pb2.VerdictBatch.FromString,
             options,

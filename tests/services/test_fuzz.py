@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from services.ingress import parse_request
-from services.convert import dense_to_sparse, sparse_to_dense
+from services.convert import pack_distribution, unpack_distribution
 from services.coordinator import MAX_CANDIDATES_PER_ROUND, Coordinator
 from services.openai_api import ApiError, ChatRequest, CompletionRequest, chat_to_proto, completion_to_proto, \
     validation_error
@@ -261,11 +261,11 @@ def test_greedy_verdict_is_the_longest_argmax_prefix(case):
 @VERIFY_FUZZ
 @given(q=distributions(vocab=32, count=1), case=rounds())
 def test_wire_encoding_is_exact(q, case):
-    """Draft distributions travel as their nonzero entries: the verifier rebuilds them bit for bit,
+    """Draft distributions travel packed, sparse or dense: the verifier rebuilds them bit for bit,
     so served verification decides exactly as in process."""
     q = q[0]
-    assert torch.equal(sparse_to_dense(dense_to_sparse(q), len(q)), q)
+    assert torch.equal(unpack_distribution(pack_distribution(q), len(q)), q)
     candidates, draft, p, seed = case
-    rebuilt = torch.stack([sparse_to_dense(dense_to_sparse(row), draft.shape[1]) for row in draft])
+    rebuilt = torch.stack([unpack_distribution(pack_distribution(row), draft.shape[1]) for row in draft])
     assert verify_sampled(candidates, rebuilt, p, torch.Generator().manual_seed(seed)) == \
         verify_sampled(candidates, draft, p, torch.Generator().manual_seed(seed))

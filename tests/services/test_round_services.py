@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
-from services.convert import dense_to_sparse, sparse_to_dense, sparsifier, sparsify_logits
+from services.convert import pack_distribution, sparsifier, sparsify_logits, unpack_distribution
 from services.server import start_server
+from services import servicers
 from services.servicers import DraftServicer, VerifierServicer
 from services.transports import GrpcTransport, service
 from specdec.sequences import DraftTraits
@@ -288,6 +291,73 @@ def test_a_lost_draft_replica_mid_batch_costs_a_retry_not_tokens(tiny_engine):
         assert result.completions[0].token_ids == tiny_engine.generate_ids(prompt, params).completions[0].token_ids
 
 
+def test_a_lost_draft_replica_mid_call_on_its_stream_costs_a_retry_not_tokens(tiny_engine):
+    """The draft replica dies inside its third Propose, on the stream the calls share: that reply
+    never comes; the sessions move to the other replica and every output equals the engine's."""
+    primary, backup = Servers(tiny_engine), Servers(tiny_engine)
+    transport = FailoverTransport([primary.addresses[0], backup.addresses[0]], primary.addresses[1])
+    propose, calls = primary.draft.worker.propose, 0
+
+    def dying(items, plan):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            primary.servers[0][0].stop(None)  # from inside the call: its stream is cut before the reply
+        return propose(items, plan)
+
+    primary.draft.worker.propose = dying
+    requests = [(prompt, build_params(policy="fixed", k=3, max_new_tokens=MAX_NEW_TOKENS)) for prompt in PROMPTS]
+    try:
+        results = run(RoundLoop(transport, tiny_engine.rules, retry=FAST_RETRY), requests)
+    finally:
+        primary.stop()
+        backup.stop()
+    assert transport.moved and calls >= 3 and primary.draft.streams_opened == 1
+    for (prompt, params), result in zip(requests, results):
+        assert result.completions[0].token_ids == tiny_engine.generate_ids(prompt, params).completions[0].token_ids
+
+
+def test_the_round_calls_go_on_one_stream_per_replica_kept_across_steps(tiny_engine):
+    """Every step's Propose and Verify are messages on one stream per replica, open for the whole
+    request and closed with the transport: the server's thread comes back."""
+    servers = Servers(tiny_engine)
+    params = build_params(policy="fixed", k=3, max_new_tokens=MAX_NEW_TOKENS)
+
+    async def generate():
+        transport = GrpcTransport(*servers.addresses)
+        result = await RoundLoop(transport, tiny_engine.rules).generate(PROMPTS[0], params)
+        open_then = servers.draft.streams, servers.verifier.streams
+        await transport.close()
+        return result, open_then
+
+    try:
+        result, open_then = asyncio.run(generate())
+        for _ in range(100):  # the server sees the cancel on its own thread
+            if servers.draft.streams == servers.verifier.streams == 0:
+                break
+            time.sleep(0.05)
+        assert open_then == (1, 1) and servers.draft.streams_opened == servers.verifier.streams_opened == 1
+        assert servers.draft.streams == servers.verifier.streams == 0
+        assert result.stats.rounds > 3
+        assert result.completions[0].token_ids == engine_ids(tiny_engine, PROMPTS[0], params)[0]
+    finally:
+        servers.stop()
+
+
+def test_a_replica_that_holds_its_most_streams_is_called_unary(tiny_engine, monkeypatch):
+    """A replica refuses a stream past its most (services/servicers.py MAX_STREAMS): the calls go
+    unary there and the output is the same."""
+    monkeypatch.setattr(servicers, "MAX_STREAMS", 0)
+    servers = Servers(tiny_engine)
+    params = build_params(policy="fixed", k=3, max_new_tokens=MAX_NEW_TOKENS)
+    try:
+        [result] = run(RoundLoop(GrpcTransport(*servers.addresses), tiny_engine.rules), [(PROMPTS[1], params)])
+    finally:
+        servers.stop()
+    assert servers.draft.streams_opened == servers.verifier.streams_opened == 0
+    assert result.completions[0].token_ids == engine_ids(tiny_engine, PROMPTS[1], params)[0]
+
+
 class TwoVerifiers(GrpcTransport):
     """Sessions alternate between two verifier servers, in the order they first show up."""
 
@@ -429,7 +499,8 @@ def test_bad_items_are_refused_one_by_one(stubs, servers):
     reply = verifier.Verify(verifier_pb2.VerifyBatch(items=[
         verify_item(session_id="v1", sampling=common_pb2.SamplingParams(temperature=float("nan"), top_p=1.0)),
         verify_item(session_id="v2"),
-        verify_item(session_id="v3", draft_probs=[common_pb2.SparseDistribution(token_ids=[3, 3], probs=[0.5, 0.5])]),
+        verify_item(session_id="v3", draft_probs=[common_pb2.Distribution(
+            token_ids=np.array([3, 3], dtype=np.int32).tobytes(), probs=np.array([0.5, 0.5], dtype=np.float32).tobytes())]),
         verify_item(session_id="v4", candidates=[10 ** 6], sampling=common_pb2.SamplingParams(top_p=1.0)),
         verify_item(session_id="v5", sampling=common_pb2.SamplingParams(top_p=1.0)),
     ]))
@@ -494,6 +565,9 @@ def test_round_server_with_a_key_refuses_calls_without_it(tiny_engine):
                 with pytest.raises(grpc.RpcError) as info:
                     stub.Propose(draft_pb2.ProposeBatch(items=[propose_item()]), metadata=metadata)
                 assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as info:  # the round streams too
+                next(stub.ProposeStream(iter([draft_pb2.ProposeBatch(items=[propose_item()])])))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert len(servers.draft.sessions) == 0  # refused before the servicer ran
             assert stub.Release(refs, metadata=(("authorization", "Bearer round-key"),)).released == [False]
         # the transport sends the key; without it the call's sessions fail with the reason
@@ -537,16 +611,27 @@ def test_history_delta_worked_example():
         history_from_delta(None, HistoryDelta(3, [3, 4], full=True), vocab_size=100)
 
 
-def test_sparse_round_trip_is_exact():
+def test_packed_distributions_round_trip_exactly_sparse_or_dense():
+    """A q with few nonzero entries travels as (id, prob) pairs, one mostly nonzero as all V probs:
+    either way 4 bytes a number and rebuilt bit for bit; a malformed one is refused."""
     torch.manual_seed(0)
     q = torch.softmax(torch.randn(300) * 3, dim=-1)
     q[::7] = 0.0
     q = q / q.sum()
-    msg = dense_to_sparse(q)
-    assert len(msg.token_ids) == 300 - len(range(0, 300, 7))
-    assert torch.equal(sparse_to_dense(msg, 300), q)
-    with pytest.raises(InvalidRequestError):
-        sparse_to_dense(common_pb2.SparseDistribution(token_ids=[1], probs=[0.5]), 300)
+    dense = pack_distribution(q)
+    assert not dense.token_ids and len(dense.probs) == 4 * 300
+    assert torch.equal(unpack_distribution(dense, 300), q)
+    q[:250] = 0.0
+    q = q / q.sum()
+    sparse = pack_distribution(q)
+    assert len(sparse.token_ids) == len(sparse.probs) == 4 * int((q > 0).sum())
+    assert torch.equal(unpack_distribution(sparse, 300), q)
+    half = np.array([0.5], dtype=np.float32).tobytes()
+    for bad in (common_pb2.Distribution(token_ids=np.array([1], dtype=np.int32).tobytes(), probs=half),
+                common_pb2.Distribution(probs=half), common_pb2.Distribution(probs=b"\x00" * 3),
+                common_pb2.Distribution(token_ids=np.array([1, 2], dtype=np.int32).tobytes(), probs=half)):
+        with pytest.raises(InvalidRequestError):
+            unpack_distribution(bad, 300)
 
 
 def test_sparsify_logits_keeps_argmax_and_drops_the_tail():
