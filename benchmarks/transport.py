@@ -1,7 +1,8 @@
 """What serving the round loop over gRPC adds to a step, call by call and hop by hop.
 
     python -m benchmarks.transport [--concurrency 1 8] [--sampled-concurrency 1] [--runs 10] [--new-tokens 160]
-                                   [--vocab 151936] [--replica-env NAME=VALUE ...] [--out docs/results/transport/NAME.json]
+                                   [--vocab 151936] [--replica-env NAME=VALUE ...] [--feature-draft [--colocated]]
+                                   [--out docs/results/transport/NAME.json]
 
 The same loop runs in process (`LocalTransport`) and over our gRPC round services on loopback
 (`GrpcTransport` to a draft and a verifier server, each in a process of its own as a replica is:
@@ -10,6 +11,11 @@ services/replicas.py, then what `DirectTransport` calls once Serve has named a s
 Tiny random Qwen2 weights with the default pair's vocabulary (151,936 tokens) make the passes cheap
 and every per-row cost real; the target drafts for itself (fixed K = 4), so every candidate is
 accepted and both runs make the same steps: step i of one run is paired with step i of the other.
+
+With `--feature-draft` a random feature draft drafts on the target's states instead (it accepts
+next to nothing, so a step commits one token: what its wire costs, not a speed-up), on a replica of
+its own (its states ride with the round calls) or, `--colocated`, beside the target in one replica
+(services/replicas.py: only tokens cross).
 
 Runs alternate (in process, served; then served, in process), each decoding `--new-tokens` after a
 64-token prompt; a step is timed from one verification's answer to the next (the prefill step is
@@ -66,46 +72,73 @@ BARE_CALLS = 200
 
 @dataclass(frozen=True)
 class Pair:
-    """How a process makes the pair: `build(*args)` gives the weights, which both draft and verify
-    (the target drafts for itself). Picklable: each replica's process makes its own copy."""
+    """How a process makes the pair: `build(*args)` gives the target's weights, which also draft
+    (the target drafts for itself), or with `feature` a random feature draft on the target's states
+    (bench.py `random_feature_draft`, seeded: each process makes the same). Picklable: each
+    replica's process makes its own copy."""
 
     build: Callable[..., torch.nn.Module]  # a module-level function
     args: tuple
     kv: str = "slots"
     static: StaticOptions = StaticOptions()
+    feature: bool = False
 
     def runtimes(self) -> tuple[DraftRuntime, TargetRuntime]:
+        torch.manual_seed(0)
         model = self.build(*self.args)
-        return (DraftRuntime(model, kv=self.kv, static=self.static),
-                TargetRuntime(model, kv=self.kv, static=self.static))
+        target = TargetRuntime(model, kv=self.kv, static=self.static)
+        if not self.feature:
+            return DraftRuntime(model, kv=self.kv, static=self.static), target
+        from benchmarks.gpu.bench import random_feature_draft
+        from specdec.models.feature_runtime import FeatureDraftRuntime
+
+        draft = FeatureDraftRuntime(random_feature_draft(model.config, model.device, model.dtype),
+                                    kv=self.kv, static=self.static)
+        target.read_features(draft.target_layers)
+        return draft, target
 
 
-def tiny_pair(vocab: int) -> Pair:
+def tiny_pair(vocab: int, feature: bool = False) -> Pair:
     """The CPU benchmark's pair: host_work.py's tiny target (hidden 32, 2 layers)."""
-    return Pair(tiny_model, (32, 2, 2, vocab))
+    return Pair(tiny_model, (32, 2, 2, vocab), feature=feature)
 
 
 # ------------------------------------------------------------------------------------------------
 # The replicas' side
 
-def serve_role(role: str, pair: Pair, threads: int, pipe) -> None:
-    """A replica's process: its worker behind our servicer on a gRPC server of its own, the model on
-    one torch thread (services/replicas.py). Each handler call is recorded (start, end, the worker's
+def serve_role(roles: tuple[str, ...], pair: Pair, threads: int, pipe) -> None:
+    """A replica's process: its workers (the draft, the verifier, or both linked: a feature draft
+    beside its target) behind our servicers on a gRPC server of its own, the models on one torch
+    thread (services/replicas.py). Each handler call is recorded (role, start, end, the worker's
     ms) and sent on request ("records"); "stop" or the parent's end stops it."""
     from services.server import start_server
     from services.servicers import DraftServicer, VerifierServicer
-    from specdec.workers import DraftWorker, VerifierWorker
+    from specdec.workers import DraftWorker, FeatureLink, VerifierWorker
 
     torch.set_num_threads(threads)
-    torch.manual_seed(0)
     draft, target = pair.runtimes()
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{role}-torch")
-    if role == "draft":
-        worker, make, method, work = DraftWorker(draft), DraftServicer, "Propose", "propose"
-    else:
-        worker, make, method, work = VerifierWorker(target), VerifierServicer, "Verify", "verify"
-    servicer = make(worker, executor)
-    records: list[tuple[float, float, float]] = []  # (handler start, handler end, worker ms)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+    workers = {"draft": DraftWorker(draft), "verifier": VerifierWorker(target)}
+    if len(roles) == 2:
+        workers["verifier"].link = FeatureLink([workers["draft"]])
+    records: list[tuple[str, float, float, float]] = []
+    servicers = {}
+    for role in roles:
+        make, method, work = (DraftServicer, "Propose", "propose") if role == "draft" else \
+            (VerifierServicer, "Verify", "verify")
+        servicers[role] = servicer = make(workers[role], executor)
+        timed(role, workers[role], work, servicer, method, records)
+    server, address = start_server(**servicers)
+    pipe.send(address)
+    with contextlib.suppress(EOFError):
+        while pipe.recv() == "records":
+            pipe.send(records[:])
+            records.clear()
+    server.stop(None)
+
+
+def timed(role: str, worker, work: str, servicer, method: str, records: list) -> None:
+    """Record each call of the servicer's `method`: (role, handler start, end, the worker's ms)."""
     worker_ms: list[float] = []
     worker_call, handler = getattr(worker, work), getattr(servicer, method)
 
@@ -119,18 +152,11 @@ def serve_role(role: str, pair: Pair, threads: int, pipe) -> None:
     def timed_handler(request, context):
         start = time.perf_counter()
         reply = handler(request, context)
-        records.append((start, time.perf_counter(), worker_ms.pop() if worker_ms else 0.0))
+        records.append((role, start, time.perf_counter(), worker_ms.pop() if worker_ms else 0.0))
         return reply
 
     setattr(worker, work, timed_work)
     setattr(servicer, method, timed_handler)  # before the server binds the handlers
-    server, address = start_server(**{role: servicer})
-    pipe.send(address)
-    with contextlib.suppress(EOFError):
-        while pipe.recv() == "records":
-            pipe.send(records[:])
-            records.clear()
-    server.stop(None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -205,12 +231,12 @@ def spread(values: list[float]) -> dict:
             "n": len(values)}
 
 
-def breakdown(calls: list[Call], records: list[tuple[float, float, float]], role: str) -> dict:
+def breakdown(calls: list[Call], records: list[tuple[str, float, float, float]], role: str) -> dict:
     """Each served call of `role` taken apart by its server record (the one whose handler ran
     inside the call's RPC)."""
     parts: dict[str, list[float]] = {"call": [], "client_convert": [], "request_hop": [], "handler": [],
                                      "worker": [], "response_hop": [], "bytes": []}
-    pending = sorted(records)
+    pending = sorted(r[1:] for r in records if r[0] == role)
     for call in (c for c in calls if c.role == role and c.send):
         send_start, send_end = call.send
         match = next((r for r in pending if send_start <= r[0] <= send_end), None)
@@ -244,26 +270,29 @@ async def bare_call_ms(transport) -> dict:
 
 
 @contextlib.contextmanager
-def replicas(pair: Pair, threads: int, env: dict[str, str] | None = None,
-             start_timeout_s: float = 300.0) -> Iterator[tuple[dict, dict]]:
-    """A draft and a verifier replica, each in a process of its own started with `env` added to
-    this one's environment: ({role: address}, {role: pipe})."""
+def replicas(pair: Pair, threads: int, env: dict[str, str] | None = None, colocated: bool = False,
+             start_timeout_s: float = 300.0) -> Iterator[tuple[dict, list]]:
+    """A draft and a verifier replica, each in a process of its own (`colocated`: one process
+    serving both, linked), started with `env` added to this one's environment: ({role: address},
+    the processes' pipes)."""
     context = multiprocessing.get_context("spawn")
-    pipes, addresses, processes = {}, {}, []
+    pipes, addresses, processes = [], {}, []
     try:
-        for role in ("draft", "verifier"):
+        for roles in ([("draft", "verifier")] if colocated else [("draft",), ("verifier",)]):
             pipe, child = context.Pipe()
-            process = context.Process(target=serve_role, args=(role, pair, threads, child), daemon=True)
+            process = context.Process(target=serve_role, args=(roles, pair, threads, child), daemon=True)
             with patched_environ(env or {}):  # a spawned process starts with the environment of the moment
                 process.start()
             processes.append(process)
             child.close()  # the child's end lives in the child alone: its death reads as end-of-file here
             if not pipe.poll(start_timeout_s):
-                raise RuntimeError(f"the {role} replica did not start in {start_timeout_s:g} s")
-            pipes[role], addresses[role] = pipe, pipe.recv()
+                raise RuntimeError(f"the {'/'.join(roles)} replica did not start in {start_timeout_s:g} s")
+            address = pipe.recv()
+            pipes.append(pipe)
+            addresses |= {role: address for role in roles}
         yield addresses, pipes
     finally:
-        for pipe in pipes.values():
+        for pipe in pipes:
             with contextlib.suppress(OSError):
                 pipe.send("stop")
         for process in processes:
@@ -284,30 +313,29 @@ def patched_environ(env: dict[str, str]) -> Iterator[None]:
 
 
 def compare(pair: Pair, cells: list[tuple[float, int]], runs: int, new_tokens: int, vocab: int,
-            on_row: Callable[[str, dict], None] = lambda key, row: None, replica_env: dict[str, str] | None = None
-            ) -> dict:
+            on_row: Callable[[str, dict], None] = lambda key, row: None, replica_env: dict[str, str] | None = None,
+            colocated: bool = False) -> dict:
     """The loop in process against served (module docstring), per cell (temperature, concurrency):
     {"bare_call_ms": ..., "T=t@c": row}; `on_row` sees each row as it is measured."""
-    torch.manual_seed(0)
     draft, target = pair.runtimes()
     engine = SpecDecEngine(draft, target, batch=BatchConfig(max_sessions_per_step=max(c for _, c in cells)))
-    with replicas(pair, torch.get_num_threads(), replica_env) as (addresses, pipes):
+    with replicas(pair, torch.get_num_threads(), replica_env, colocated) as (addresses, pipes):
         served = RoundLoop(Clock(grpc_transport(addresses["draft"], addresses["verifier"])), engine.rules,
                            engine.loop.batch)
         return asyncio.run(measure(engine, served, pipes, cells, runs, new_tokens, vocab, on_row))
 
 
-async def measure(engine: SpecDecEngine, served: RoundLoop, pipes: dict, cells: list[tuple[float, int]], runs: int,
+async def measure(engine: SpecDecEngine, served: RoundLoop, pipes: list, cells: list[tuple[float, int]], runs: int,
                   new_tokens: int, vocab: int, on_row: Callable[[str, dict], None]) -> dict:
     local_clock, served_clock = Clock(engine.loop.calls.transport), served.calls.transport
     engine.loop.calls.transport = local_clock
     modes = {"in_process": (engine.loop, local_clock), "served": (served, served_clock)}
 
-    def records() -> dict[str, list]:
-        out = {}
-        for role, pipe in pipes.items():
+    def records() -> list:
+        out = []
+        for pipe in pipes:
             pipe.send("records")
-            out[role] = pipe.recv()
+            out += pipe.recv()
         return out
 
     results = {"bare_call_ms": await bare_call_ms(served_clock.transport)}
@@ -317,7 +345,7 @@ async def measure(engine: SpecDecEngine, served: RoundLoop, pipes: dict, cells: 
                                       sampling=SamplingParams(temperature=temperature, seed=0))
             steps = {mode: [] for mode in modes}
             calls = {mode: [] for mode in modes}
-            diffs, server_records = [], {"draft": [], "verifier": []}
+            diffs, server_records = [], []
             for run in range(runs + 1):  # the first warms up both: graphs, channels, first-use allocations
                 prompts = [synthetic_tokens(PROMPT_TOKENS, vocab, offset=97 * i + run) for i in range(c)]
                 run_steps = {}
@@ -328,8 +356,7 @@ async def measure(engine: SpecDecEngine, served: RoundLoop, pipes: dict, cells: 
                     await asyncio.gather(*(loop.generate(p, params) for p in prompts))
                     run_steps[mode] = step_ms(clock.calls)
                     calls[mode] += clock.calls if run > 0 else []
-                    for role, rows in records().items():
-                        server_records[role] += rows if run > 0 else []
+                    server_records += records() if run > 0 else []
                 if run == 0:
                     continue
                 for mode in modes:
@@ -344,10 +371,10 @@ async def measure(engine: SpecDecEngine, served: RoundLoop, pipes: dict, cells: 
     return results
 
 
-def summary(steps: dict, diffs: list[float], calls: dict, server_records: dict) -> dict:
+def summary(steps: dict, diffs: list[float], calls: dict, server_records: list) -> dict:
     row = {mode: spread(values) for mode, values in steps.items()}
     row["added"] = spread(diffs) if diffs else {"error": "the modes made different steps"}
-    row["calls"] = {role: breakdown(calls["served"], server_records[role], role) for role in ("draft", "verifier")}
+    row["calls"] = {role: breakdown(calls["served"], server_records, role) for role in ("draft", "verifier")}
     row["in_process_calls_ms"] = {role: statistics.median(
         (c.end - c.start) * MS_PER_S for c in calls["in_process"] if c.role == role) for role in ("draft", "verifier")}
     if "median" in row["added"]:  # the workers' own time served, slower where the processes share cores, apart
@@ -380,22 +407,33 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--replica-env", nargs="*", default=[], metavar="NAME=VALUE",
                         help="environment for the replicas' processes only (e.g. GOMP_SPINCOUNT=1000)")
+    parser.add_argument("--feature-draft", action="store_true",
+                        help="a random feature draft on the target's states in place of the self-draft (it "
+                             "accepts next to nothing: the wire's cost, not a speed-up)")
+    parser.add_argument("--colocated", action="store_true",
+                        help="with --feature-draft: one replica serves the draft beside the target, the states "
+                             "handed over in its process (services/replicas.py), instead of one replica each")
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args()
-    print(f"ms per step, in process against our gRPC round services on loopback (fixed K = {K}, self-draft, "
+    print(f"ms per step, in process against our gRPC round services on loopback (fixed K = {K}, "
+          f"{'a feature draft' + (' beside the target' if args.colocated else '') if args.feature_draft else 'self-draft'}, "
           f"{args.new_tokens} new tokens, {args.runs} runs each, torch threads {torch.get_num_threads()}); "
           "served calls' parts in ms (medians)")
     cells = [(0.0, c) for c in args.concurrency] + [(1.0, c) for c in args.sampled_concurrency]
     replica_env = dict(pair.split("=", 1) for pair in args.replica_env)
-    results = compare(tiny_pair(args.vocab), cells, args.runs, args.new_tokens, args.vocab,
-                      on_row=lambda key, row: print_row(key, row, flush=True), replica_env=replica_env)
+    if args.colocated and not args.feature_draft:
+        parser.error("--colocated places a feature draft: add --feature-draft")
+    results = compare(tiny_pair(args.vocab, args.feature_draft), cells, args.runs, args.new_tokens, args.vocab,
+                      on_row=lambda key, row: print_row(key, row, flush=True), replica_env=replica_env,
+                      colocated=args.colocated)
     bare = results["bare_call_ms"]
     print(f"bare call (empty Release): {bare['median']:.3f} ms [{bare['p10']:.3f}, {bare['p90']:.3f}]")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"k": K, "prompt_tokens": PROMPT_TOKENS, "new_tokens": args.new_tokens,
                                         "vocab": args.vocab, "runs": args.runs, "torch_threads": torch.get_num_threads(),
-                                        "replica_env": replica_env,
+                                        "replica_env": replica_env, "feature_draft": args.feature_draft,
+                                        "colocated": args.colocated,
                                         "rows": results}, indent=1))
 
 

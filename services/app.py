@@ -70,14 +70,15 @@ def draft_deployment_name(name: str) -> str:
 def build_app(args: dict | AppConfig | None = None) -> serve.Application:
     """`serve run services.app:build_app [key=value ...]` or a config file's `args:`."""
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    colocated = config.colocated_drafts()  # decided here, once: the replicas take it as given
     drafts = {name: _deployment(Draft, draft_deployment_name(name), config.draft, round_service=True).bind(config, name)
-              for name in draft_configs(config.models)}
-    verifier = _deployment(Verifier, "Verifier", config.verifier, round_service=True).bind(config)
+              for name in draft_configs(config.models) if name not in colocated}
+    verifier = _deployment(Verifier, "Verifier", config.verifier, round_service=True).bind(config, colocated)
     # At capacity a request is refused at once (HTTP 429 + Retry-After, gRPC RESOURCE_EXHAUSTED),
     # whether the proxies' queue for the ingress or the ingress's queue for a coordinator is full.
     bounded = {"max_queued_requests": config.max_queued_requests,
                "backpressure_config": BackpressureConfig(status_code=TABLE[Overloaded].http,
                                                          retry_after_s=RETRY_AFTER_S[Overloaded])}
     coordinator = _deployment(CoordinatorDeployment, "Coordinator", config.coordinator,
-                              **bounded).bind(drafts, verifier, config)
+                              **bounded).bind(drafts, verifier, config, colocated)
     return _deployment(ingress_class(config), "Ingress", config.ingress, **bounded).bind(coordinator, config)

@@ -8,7 +8,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from ray.serve.config import AutoscalingConfig
 
-from specdec.builder import EngineConfig
+from specdec.builder import EngineConfig, draft_configs
+from specdec.models.feature_files import is_feature_draft
 from specdec.policies import PolicyConfig
 from services.auth import env_api_key
 from specdec.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_TTL_S
@@ -103,6 +104,10 @@ class AppConfig(BaseModel):
     #             inter-deployment gRPC transport, carrying our protobuf bytes;
     #   "actor": the same through Ray actor calls.
     round_transport: Literal["direct", "serve-grpc", "actor"] = "direct"
+    # Where a feature draft (one that reads the target's states) runs: "colocated", in the verifier's
+    # replicas, so the states never leave the target's process and only tokens cross; "separate",
+    # on Draft replicas of its own like a model draft, the states riding with its round calls.
+    feature_draft_placement: Literal["colocated", "separate"] = "colocated"
     # Requests waiting for an ingress or a coordinator slot (per caller: each proxy, each ingress
     # replica) beyond which clients get HTTP 429 / RESOURCE_EXHAUSTED at once (-1: unbounded).
     max_queued_requests: int = Field(256, ge=-1)
@@ -124,6 +129,17 @@ class AppConfig(BaseModel):
     def model_post_init(self, _context) -> None:
         if self.api_key is None and env_api_key():
             self.api_key = SecretStr(env_api_key())
+
+    def colocated_drafts(self) -> list[str]:
+        """The drafts that run in the verifier's replicas (at most one: a replica's gRPC server
+        hosts one Draft service), decided once where the app is built."""
+        if self.feature_draft_placement == "separate":
+            return []
+        names = [name for name, each in draft_configs(self.models).items() if is_feature_draft(each.draft)]
+        if len(names) > 1:
+            raise ValueError(f"feature drafts {names} cannot all sit beside the target (one can): set "
+                             "feature_draft_placement: separate")
+        return names
 
     @property
     def key(self) -> str | None:

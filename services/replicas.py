@@ -1,13 +1,15 @@
 """The deployments that hold state: the draft and verifier replicas (a model, its KV-cache
 sessions, and a gRPC server of their own) and the coordinator (the round loop for every session
-routed to it). services/app.py binds them into the application.
+routed to it). services/app.py binds them into the application. A feature draft placed beside its
+target (AppConfig.feature_draft_placement) runs in the verifier's replicas, linked to the verifier
+(specdec/workers.py `FeatureLink`), its Draft service on the same gRPC server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
@@ -17,7 +19,7 @@ from specdec.builder import build_draft, build_head, build_rules, build_target, 
 from specdec.params import DEFAULT_DRAFT
 from specdec.sessions import SessionStore
 from specdec.v1 import common_pb2, draft_pb2, generation_pb2, verifier_pb2
-from specdec.workers import DraftWorker, VerifierWorker
+from specdec.workers import DraftWorker, FeatureLink, VerifierWorker
 from services.autoscaling import ROUND_CALLS
 from services.config import AppConfig
 from services.convert import sparsifier
@@ -55,6 +57,11 @@ class RoundReplica:
         self.servicer = self._executor.submit(self._load, config).result()
         self._start_grpc(config.key)
 
+    @property
+    def servicers(self) -> dict[str, DraftServicer | VerifierServicer]:
+        """What this replica serves, by role."""
+        return {self.role: self.servicer}
+
     def _load(self, config: AppConfig) -> DraftServicer | VerifierServicer:
         """Load the model and build the servicer (its batches run on this same torch thread); each
         role defines it, and it runs on the torch thread."""
@@ -65,7 +72,7 @@ class RoundReplica:
         services are for the coordinator only (docs/reliability.md, "Access")."""
         host = ray.util.get_node_ip_address()
         host = f"[{host}]" if ":" in host else host
-        self._server, self._address = start_server(address=f"{host}:0", api_key=api_key, **{self.role: self.servicer})
+        self._server, self._address = start_server(address=f"{host}:0", api_key=api_key, **self.servicers)
 
     async def address(self) -> str:
         """This replica's round gRPC server ("host:port"); routed like a round call, so it names
@@ -82,7 +89,11 @@ class RoundReplica:
         return reply.SerializeToString()
 
     async def release(self, payload: bytes) -> bytes:
-        return self.servicer.Release(common_pb2.SessionRefs.FromString(payload), None).SerializeToString()
+        """A handle call's Release: every role here lets the sessions go (a draft beside the
+        verifier holds them under the same ids); the answer is this replica's own role's."""
+        refs = common_pb2.SessionRefs.FromString(payload)
+        replies = {role: servicer.Release(refs, None) for role, servicer in self.servicers.items()}
+        return replies[self.role].SerializeToString()
 
     async def live_sessions(self) -> int:
         """Sessions whose cache this replica holds (tests and the load benchmark read it)."""
@@ -90,12 +101,13 @@ class RoundReplica:
 
     def check_health(self) -> None:
         """Serve calls this every few seconds: also when idle sessions' caches are freed."""
-        self.servicer.sessions.evict_expired()
+        for servicer in self.servicers.values():
+            servicer.sessions.evict_expired()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve samples this for the deployment's autoscaling policy (services/autoscaling.py): the
         round calls this replica is serving, which the `direct` transport's never pass through Serve."""
-        return {ROUND_CALLS: float(self.servicer.round_calls)}
+        return {ROUND_CALLS: float(sum(servicer.round_calls for servicer in self.servicers.values()))}
 
 
 class Draft(RoundReplica):
@@ -109,19 +121,25 @@ class Draft(RoundReplica):
 
     def _load(self, config: AppConfig) -> DraftServicer:
         set_threads(config.draft.threads)
-        models = draft_configs(config.models)[self.name].model_copy(update={"threads": config.draft.threads})
-        draft, _ = build_draft(models, progress=False)
-        sessions = SessionStore(config.sessions.max_sessions, config.sessions.ttl_s)
-        worker = DraftWorker(draft, build_head(models, draft), sessions, sparsifier(config.sparsify_below))
-        worker.probe_at_first_batch()  # its timings seed the coordinator's live costs with the first reply
-        return DraftServicer(worker, self._executor)
+        return DraftServicer(draft_worker(config, self.name, config.draft.threads), self._executor)
 
     async def propose(self, payload: bytes) -> bytes:
         return await self._serve(self.servicer.Propose, draft_pb2.ProposeBatch, payload)
 
 
 class Verifier(RoundReplica):
+    """The target, and the feature draft placed beside it if any (`colocated`: its name)."""
+
     role = "verifier"
+
+    def __init__(self, config: AppConfig, colocated: Sequence[str] = ()):
+        self.colocated = list(colocated)
+        self.draft_servicer: DraftServicer | None = None
+        super().__init__(config)
+
+    @property
+    def servicers(self) -> dict[str, DraftServicer | VerifierServicer]:
+        return {"verifier": self.servicer} | ({"draft": self.draft_servicer} if self.draft_servicer else {})
 
     def _load(self, config: AppConfig) -> VerifierServicer:
         set_threads(config.verifier.threads)
@@ -137,19 +155,39 @@ class Verifier(RoundReplica):
         sessions = SessionStore(config.sessions.max_sessions, config.sessions.ttl_s)
         worker = VerifierWorker(target, sessions)
         worker.probe_at_first_batch()  # its timings seed the coordinator's live costs with the first reply
+        for name in self.colocated:  # on this torch thread too: one OpenMP team for both models
+            draft = draft_worker(config, name, config.verifier.threads)
+            worker.link = FeatureLink([draft])
+            self.draft_servicer = DraftServicer(draft, self._executor)
         return VerifierServicer(worker, self._executor)
 
     async def verify(self, payload: bytes) -> bytes:
         return await self._serve(self.servicer.Verify, verifier_pb2.VerifyBatch, payload)
 
+    async def propose(self, payload: bytes) -> bytes:
+        """The colocated draft's Propose, as a handle call."""
+        return await self._serve(self.draft_servicer.Propose, draft_pb2.ProposeBatch, payload)
+
+
+def draft_worker(config: AppConfig, name: str, threads: int | None) -> DraftWorker:
+    """Draft `name`'s worker (plus its head), its own sessions; the replica's torch thread runs it."""
+    models = draft_configs(config.models)[name].model_copy(update={"threads": threads})
+    draft, _ = build_draft(models, progress=False)
+    sessions = SessionStore(config.sessions.max_sessions, config.sessions.ttl_s)
+    worker = DraftWorker(draft, build_head(models, draft), sessions, sparsifier(config.sparsify_below))
+    worker.probe_at_first_batch()  # its timings seed the coordinator's live costs with the first reply
+    return worker
+
 
 class CoordinatorDeployment:
     """A Serve replica is an async Ray actor: this one runs the round loop for every session routed to it."""
 
-    def __init__(self, drafts: dict, verifier, config: AppConfig):
-        """`drafts`: each draft's deployment handle by name."""
+    def __init__(self, drafts: dict, verifier, config: AppConfig, colocated: Sequence[str] = ()):
+        """`drafts`: each draft's deployment handle by name; `colocated`: the draft served by the
+        verifier's replicas."""
         rules = build_rules(config.models, progress=False)
-        transport = round_transport(config.round_transport, drafts, verifier, config.key)
+        transport = round_transport(config.round_transport, drafts | {name: verifier for name in colocated}, verifier,
+                                    config.key, colocated)
         self.coordinator = Coordinator(transport, rules, config.policy, observer=RayRoundMetrics(),
                                        batch=config.models.batch)
 

@@ -23,7 +23,7 @@ import contextvars
 import logging
 import time
 from dataclasses import replace
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import grpc
@@ -179,7 +179,7 @@ class GrpcTransport:
             owner = self._known_owner(served_by, session_id)
             if owner is not None:
                 groups.setdefault(owner, []).append(session_id)
-            self._forget(served_by, session_id)
+            self._forget_released(served_by, session_id)
         results = await asyncio.gather(
             *(self._send(served_by, owner, "Release", common_pb2.SessionRefs(session_ids=ids), ids[0])
               for owner, ids in groups.items()), return_exceptions=True)
@@ -243,6 +243,10 @@ class GrpcTransport:
     def _forget(self, served_by: Service, session_id: str) -> None:
         """The session's replica is gone or it left: look it up again next time."""
 
+    def _forget_released(self, served_by: Service, session_id: str) -> None:
+        """The session left `served_by`."""
+        self._forget(served_by, session_id)
+
     async def _owner_or_none(self, served_by: Service, session_id: str) -> str | None:
         try:
             return await self._owner(served_by, session_id)
@@ -296,29 +300,40 @@ def _serve_retryable() -> tuple[type[BaseException], ...]:
 class DirectTransport(GrpcTransport):
     """Our gRPC services on each replica's own server. Serve still picks the replica: a session's
     first call asks the deployment, through the consistent hash router, for the address of the
-    replica that owns the session; later rounds go straight there."""
+    replica that owns the session; later rounds go straight there. A draft served by the
+    verifier's replicas (`colocated`) goes where the session's verifier is."""
 
-    def __init__(self, draft, verifier, api_key: str | None = None, timeout_s: float = CALL_TIMEOUT_S):
+    def __init__(self, draft, verifier, api_key: str | None = None, timeout_s: float = CALL_TIMEOUT_S,
+                 colocated: Sequence[str] = ()):
         """`draft`: the default draft's deployment handle, or each draft's by name."""
         super().__init__(api_key=api_key, timeout_s=timeout_s)
         self.retryable = _serve_retryable()
         drafts = draft if isinstance(draft, dict) else {DEFAULT_DRAFT: draft}
         self._handles = {service("draft", name): handle for name, handle in drafts.items()}
         self._handles[VERIFIER] = verifier
+        self._colocated = {service("draft", name) for name in colocated}
         self._owners: dict[tuple[Service, str], str] = {}
 
+    def _key(self, served_by: Service, session_id: str) -> tuple[Service, str]:
+        """Whose owner a call looks up: a colocated draft's session is the verifier's."""
+        return (VERIFIER if served_by in self._colocated else served_by), session_id
+
     async def _owner(self, served_by: Service, session_id: str) -> str:
-        key = (served_by, session_id)
+        key = self._key(served_by, session_id)
         if key not in self._owners:
-            handle = self._handles[served_by].options(session_id=session_id)
+            handle = self._handles[key[0]].options(session_id=session_id)
             self._owners[key] = await own_request(lambda: handle.address.remote())
         return self._owners[key]
 
     def _known_owner(self, served_by: Service, session_id: str) -> str | None:
-        return self._owners.get((served_by, session_id))
+        return self._owners.get(self._key(served_by, session_id))
 
     def _forget(self, served_by: Service, session_id: str) -> None:
-        self._owners.pop((served_by, session_id), None)
+        self._owners.pop(self._key(served_by, session_id), None)
+
+    def _forget_released(self, served_by: Service, session_id: str) -> None:
+        if served_by not in self._colocated:  # the verifier's release forgets the owner they share
+            self._forget(served_by, session_id)
 
 
 class HandleTransport(DirectTransport):
@@ -326,10 +341,10 @@ class HandleTransport(DirectTransport):
     of the group's sessions (all of a group's sessions live on that replica), carrying our
     protobuf bytes over Serve's gRPC transport (`grpc_transport`) or as Ray actor calls."""
 
-    def __init__(self, draft, verifier, grpc_transport: bool = True):
+    def __init__(self, draft, verifier, grpc_transport: bool = True, colocated: Sequence[str] = ()):
         drafts = draft if isinstance(draft, dict) else {DEFAULT_DRAFT: draft}
         super().__init__({name: handle.options(_by_reference=not grpc_transport) for name, handle in drafts.items()},
-                         verifier.options(_by_reference=not grpc_transport))
+                         verifier.options(_by_reference=not grpc_transport), colocated=colocated)
 
     async def _send(self, served_by: Service, owner: str, method: str, request: Message, routing_key: str) -> Any:
         handle = self._handles[served_by].options(session_id=routing_key)  # affinity is per hop: set it every call
@@ -342,7 +357,9 @@ class HandleTransport(DirectTransport):
         return REPLIES[method].FromString(payload)
 
 
-def round_transport(kind: str, draft, verifier, api_key: str | None = None) -> GrpcTransport:
+def round_transport(kind: str, draft, verifier, api_key: str | None = None, colocated: Sequence[str] = ()
+                    ) -> GrpcTransport:
+    """`colocated`: the drafts the verifier's replicas serve (`draft` maps them to its handle)."""
     if kind == "direct":
-        return DirectTransport(draft, verifier, api_key)
-    return HandleTransport(draft, verifier, grpc_transport=kind == "serve-grpc")
+        return DirectTransport(draft, verifier, api_key, colocated=colocated)
+    return HandleTransport(draft, verifier, grpc_transport=kind == "serve-grpc", colocated=colocated)

@@ -10,9 +10,9 @@ round, role), so a retried round, or one on another replica, draws the same numb
 
 `RoundCalls` keeps each session's wire state (what each side holds, who may hold it, the round
 outcomes the draft has not been told, and for a feature draft the target states its verifications
-returned that the draft has not been sent, unless the transport links them: in process they go
-from the verifier to the draft directly, workers.py `FeatureLink`) and charges each request the
-calls it waited for. It returns
+returned that the draft has not been sent, unless the verifier hands them over itself, workers.py
+`FeatureLink`: in process, and served with the feature draft beside its target; its verdicts then
+carry none) and charges each request the calls it waited for. It returns
 the replicas' pass timings with the answers and feeds them nowhere: the step's planner observes
 them (specdec/planner.py).
 """
@@ -273,8 +273,6 @@ class LocalTransport:
 
     async def release(self, role: Role, session_ids: list[str], draft: str = DEFAULT_DRAFT) -> None:
         (self.drafts[draft] if role == "draft" else self.verifier).release(session_ids)
-        if role == "verifier":
-            self.verifier.link.forget(session_ids)
 
     @staticmethod
     def _timed(call: Callable[[list], list], items: list, worker: DraftWorker | VerifierWorker) -> BatchReply:

@@ -6,9 +6,10 @@ A session's entry (KV cache, the committed history it was synced to, and on the 
 policy) is a cache of the caller's history: a delta the entry cannot take answers SessionMissing.
 A malformed item is Refused on its own; the other sessions of the batch are served.
 
-In process, a feature draft's worker is linked to the verifier's (`FeatureLink`): the target's states
-go from the verification's pass straight into the draft's session. Served, they travel with the
-round calls (calls.py `Wire`).
+In process, and served where a feature draft sits beside its target (services/replicas.py
+`Verifier`), the draft's worker is linked to the verifier's (`FeatureLink`): the target's states
+go from the verification's pass straight into the draft's session. A feature draft on replicas of
+its own gets them with the round calls (calls.py `Wire`).
 
 Every drafting step and verification is timed (specdec/cost_profile.py `PassTiming`); a worker keeps
 its timings, and those of the short probe it runs when it starts (`probe`), until the carrier of its
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -282,10 +283,15 @@ class VerifierWorker(Worker):
         super().__init__()
         self.target = target
         self.sessions: SessionStore[VerifierSession] = sessions if sessions is not None else SessionStore()
-        self.link: FeatureLink | None = None  # in process: where the states its verifications read go
+        self.link: FeatureLink | None = None  # a feature draft beside it: where the states its verifications read go
 
     def _probe(self, sizes: Sequence[int], context: int) -> list[PassTiming]:
         return probe_verification(self.target, sizes, context)
+
+    def release(self, session_ids: list[str]) -> list[bool]:
+        if self.link is not None:
+            self.link.forget(session_ids)
+        return super().release(session_ids)
 
     def verify(self, items: list[VerifyItem], probe_tokens: int = 0) -> list[Verdict | SessionMissing | Refused]:
         """Verify the batch; `probe_tokens` > 0: then time a scratch pass of that many tokens."""
@@ -305,6 +311,8 @@ class VerifierWorker(Worker):
             return [self.link.hand(session_ids[id(row)], row, verdict) for row, verdict in zip(rows, verdicts)]
 
         answers = serve_batch(items, row_for, run)
+        if self.link is not None:  # states waiting for sessions this worker no longer holds (evicted, expired)
+            self.link.keep(self.sessions)
         if probe_tokens > 0:
             self.probe((probe_tokens,))
         return answers
@@ -341,8 +349,9 @@ class VerifierWorker(Worker):
 
 
 class FeatureLink:
-    """In process, the target's states go from the verifier's pass to the feature drafts' sessions
-    without the loop (`LocalTransport` makes the link). They wait here until the session's next
+    """The target's states go from the verifier's pass to the feature drafts' sessions in its
+    process, without the loop (`LocalTransport` makes the link in process, the verifier's replica
+    for a draft beside it). They wait here until the session's next
     Propose (`take`), as the wire would carry them: a draft session evicted meanwhile takes them
     into its new cache only from position 0, so they are dropped otherwise and the next
     verification reads them again from 0 (the target's cache rolls back). A verification reads the
@@ -381,3 +390,7 @@ class FeatureLink:
     def forget(self, session_ids: Iterable[str]) -> None:
         for session_id in session_ids:
             self._waiting.pop(session_id, None)
+
+    def keep(self, sessions: Container[str]) -> None:
+        """Drop what waits for sessions not in `sessions`."""
+        self.forget([session_id for session_id in self._waiting if session_id not in sessions])

@@ -28,7 +28,7 @@ from specdec.protocol import HistoryDelta, RoundSeed, VerifyItem, history_from_d
 from specdec.sampling import SamplingParams
 from specdec.sessions import SessionStore
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from specdec.workers import DraftWorker, VerifierWorker
+from specdec.workers import DraftWorker, FeatureLink, VerifierWorker
 
 HEADED = {"default": DraftTraits(has_head=True)}  # the rules of a pair with a head
 
@@ -55,6 +55,31 @@ class Servers:
     def stop(self) -> None:
         for server, _ in self.servers:
             server.stop(None)
+
+
+class Colocated(Servers):
+    """One server for the verifier and the feature draft beside it, the two workers linked (as a
+    Verifier replica with its draft colocated: services/replicas.py); `verdict_states` counts the
+    verdicts that carried states out of the process."""
+
+    def __init__(self, engine: SpecDecEngine):
+        draft, verifier = DraftWorker(engine.draft, engine.head), VerifierWorker(engine.target)
+        verifier.link = FeatureLink([draft])
+        self.draft, self.verifier = DraftServicer(draft), VerifierServicer(verifier)
+        self.verdict_states = 0
+        verify = self.verifier.Verify
+
+        def counted(request, context):
+            reply = verify(request, context)
+            self.verdict_states += sum(verdict.HasField("features") for verdict in reply.verdicts)
+            return reply
+
+        self.verifier.Verify = counted
+        self.servers = [start_server(draft=self.draft, verifier=self.verifier)]
+
+    @property
+    def addresses(self) -> tuple[str, str]:
+        return self.servers[0][1], self.servers[0][1]
 
 
 class RecordingTransport(GrpcTransport):
@@ -265,12 +290,21 @@ class FailoverTransport(GrpcTransport):
             self._fixed[service("draft")], self.moved = self.drafts[1], True
 
 
-def test_a_lost_draft_replica_mid_batch_costs_a_retry_not_tokens(tiny_engine):
-    """Four sessions share every step; after two steps the draft replica dies. All four move to the
-    other replica (resent in full) and every output equals the engine's."""
+@pytest.mark.parametrize("inside_a_call", [False, True], ids=["between calls", "inside its call"])
+def test_a_lost_draft_replica_mid_batch_costs_a_retry_not_tokens(tiny_engine, inside_a_call):
+    """Four sessions share every step; after two steps the draft replica dies, between calls or
+    inside its third Propose (on the stream the calls share: that reply never comes). All four move
+    to the other replica (resent in full) and every output equals the engine's."""
     primary, backup = Servers(tiny_engine), Servers(tiny_engine)
     transport = FailoverTransport([primary.addresses[0], backup.addresses[0]], primary.addresses[1])
-    steps = 0
+    steps, calls, propose = 0, 0, primary.draft.worker.propose
+
+    def dying(items, plan):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            primary.servers[0][0].stop(None)  # from inside the call: its stream is cut before the reply
+        return propose(items, plan)
 
     class Killing(RoundLoop):
         async def _step(self, planner, batch):
@@ -280,39 +314,15 @@ def test_a_lost_draft_replica_mid_batch_costs_a_retry_not_tokens(tiny_engine):
                 primary.servers[0][0].stop(None)  # the draft server goes away between calls
             await super()._step(planner, batch)
 
+    if inside_a_call:
+        primary.draft.worker.propose = dying
     requests = [(prompt, build_params(policy="fixed", k=3, max_new_tokens=MAX_NEW_TOKENS)) for prompt in PROMPTS]
     try:
-        results = run(Killing(transport, tiny_engine.rules, retry=FAST_RETRY), requests)
+        results = run((RoundLoop if inside_a_call else Killing)(transport, tiny_engine.rules, retry=FAST_RETRY), requests)
     finally:
         primary.stop()
         backup.stop()
-    assert transport.moved
-    for (prompt, params), result in zip(requests, results):
-        assert result.completions[0].token_ids == tiny_engine.generate_ids(prompt, params).completions[0].token_ids
-
-
-def test_a_lost_draft_replica_mid_call_on_its_stream_costs_a_retry_not_tokens(tiny_engine):
-    """The draft replica dies inside its third Propose, on the stream the calls share: that reply
-    never comes; the sessions move to the other replica and every output equals the engine's."""
-    primary, backup = Servers(tiny_engine), Servers(tiny_engine)
-    transport = FailoverTransport([primary.addresses[0], backup.addresses[0]], primary.addresses[1])
-    propose, calls = primary.draft.worker.propose, 0
-
-    def dying(items, plan):
-        nonlocal calls
-        calls += 1
-        if calls == 3:
-            primary.servers[0][0].stop(None)  # from inside the call: its stream is cut before the reply
-        return propose(items, plan)
-
-    primary.draft.worker.propose = dying
-    requests = [(prompt, build_params(policy="fixed", k=3, max_new_tokens=MAX_NEW_TOKENS)) for prompt in PROMPTS]
-    try:
-        results = run(RoundLoop(transport, tiny_engine.rules, retry=FAST_RETRY), requests)
-    finally:
-        primary.stop()
-        backup.stop()
-    assert transport.moved and calls >= 3 and primary.draft.streams_opened == 1
+    assert transport.moved and primary.draft.streams_opened == 1
     for (prompt, params), result in zip(requests, results):
         assert result.completions[0].token_ids == tiny_engine.generate_ids(prompt, params).completions[0].token_ids
 
@@ -713,10 +723,16 @@ def feature_engine(tiny_pair):
     return SpecDecEngine(draft, TargetRuntime(target), eos_token_ids=[target.config.eos_token_id])
 
 
+PLACEMENTS = pytest.mark.parametrize("placement", [Servers, Colocated], ids=["separate", "colocated"])
+
+
+@PLACEMENTS
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_served_feature_draft_equals_the_engine(feature_engine, temperature):
+def test_a_served_feature_draft_equals_the_engine(feature_engine, temperature, placement):
+    """On replicas of its own the states ride with the round calls; beside its target (one server for
+    both, the workers linked) they go from worker to worker and no verdict carries them."""
     params = build_params(policy="fixed", k=3, temperature=temperature, seed=21, max_new_tokens=MAX_NEW_TOKENS)
-    servers = Servers(feature_engine)
+    servers = placement(feature_engine)
     try:
         [result] = run(RoundLoop(GrpcTransport(*servers.addresses), feature_engine.rules), [(PROMPTS[1], params)])
     finally:
@@ -724,14 +740,19 @@ def test_a_served_feature_draft_equals_the_engine(feature_engine, temperature):
     assert (result.completions[0].token_ids, result.completions[0].finish_reason) == \
         engine_ids(feature_engine, PROMPTS[1], params)
     assert result.stats.draft_tokens > result.stats.rounds  # the states arrived: it drafted in most rounds
+    assert len(servers.draft.sessions) == len(servers.verifier.sessions) == 0  # released, both
+    if placement is Colocated:
+        assert servers.verdict_states == 0 and not servers.verifier.worker.link._waiting
 
 
-def test_a_served_feature_draft_survives_lost_sessions(feature_engine):
-    """Both replicas lose the session mid-generation: the draft's rebuilt session has no states, so
-    the next verification recomputes them from position 0 (its cache rolled back) and hands them over;
-    nothing is guessed and the output is the target's."""
+@PLACEMENTS
+def test_a_served_feature_draft_survives_lost_sessions(feature_engine, placement):
+    """Both replicas lose the session mid-generation: the draft's rebuilt session has no states (beside
+    the target, what waited for it is dropped), so the next verification recomputes them from
+    position 0 (its cache rolled back) and hands them over; nothing is guessed and the output is the
+    target's."""
     params = build_params(policy="fixed", k=3, max_new_tokens=MAX_NEW_TOKENS)
-    servers = Servers(feature_engine)
+    servers = placement(feature_engine)
 
     def evict(verify_calls: int) -> None:
         if verify_calls in (3, 9):
@@ -748,6 +769,7 @@ def test_a_served_feature_draft_survives_lost_sessions(feature_engine):
     assert result.completions[0].token_ids == engine_ids(feature_engine, PROMPTS[1], plain)[0]
     assert sum(full for role, _, full, _ in transport.sent if role == "draft") == 3
     assert result.stats.draft_tokens > 0
+    assert getattr(servers, "verdict_states", 0) == 0
 
 
 def test_bad_features_are_refused_one_by_one(feature_engine):

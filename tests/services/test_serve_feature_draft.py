@@ -1,8 +1,9 @@
 """A feature draft served end to end on the tiny target, beside a model draft: real Ray Serve
 deployments built from a feature draft's directory (the builder's `feature` backend) and the tiny
-pair's draft (`models.drafts`: a Draft deployment each), the target's states riding with each
-feature-draft round over the replicas' transport, requests of both drafts sharing the steps, and
-replicas killed mid-stream. One Ray instance per module."""
+pair's draft (`models.drafts`), requests of both drafts sharing the steps, and replicas killed
+mid-stream; the feature draft in both placements: `colocated` (the default: in the verifier's
+replicas, the target's states handed over in process) and `separate` (a Draft deployment of its
+own, the states riding with its round calls). One Ray instance per module."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from specdec.builder import EngineConfig, build_engine
 from specdec.models.feature_files import save_feature_draft
 from specdec.models.sources import model_identity
 from specdec.params import build_params
-from test_serve_app import kill_all, wait_replaced
+from test_serve_app import kill_all, replica_names, wait_replaced
 from tiny import tiny_feature_draft
 
 PROMPT = "Write a haiku about caches."
@@ -46,14 +47,15 @@ def feature_engine(models):
     return build_engine(models, progress=False)
 
 
-@pytest.fixture(scope="module")
-def served(models):
+@pytest.fixture(scope="module", params=["colocated", "separate"])
+def served(models, request):
     replica = dict(num_cpus=0.1, threads=1)
-    config = AppConfig(models=models,
+    config = AppConfig(models=models, feature_draft_placement=request.param,
                        draft=ReplicaConfig(**replica), verifier=ReplicaConfig(**replica),
                        coordinator=ReplicaConfig(num_cpus=0.0), ingress=ReplicaConfig(num_cpus=0.0))
+    assert config.colocated_drafts() == (["feature"] if request.param == "colocated" else [])
     with local_serve(config) as addresses:
-        yield addresses
+        yield addresses | {"placement": request.param}
 
 
 def test_the_engine_builds_a_feature_draft_from_its_directory(feature_engine):
@@ -69,11 +71,13 @@ def test_the_engine_builds_a_feature_draft_from_its_directory(feature_engine):
 
 
 def test_served_feature_draft_survives_killed_replicas(feature_engine, served):
-    """The draft, then the verifier, killed mid-stream: the rebuilt draft session has no states until
-    a verification recomputes them; the stream equals the in-process engine's, nothing lost."""
+    """The draft, then the verifier, killed mid-stream (beside the target: the verifier twice, the
+    draft with it): the rebuilt draft session has no states until a verification recomputes them;
+    the stream equals the in-process engine's, nothing lost."""
     expected = feature_engine.generate(PROMPT, build_params(**LONG)).completions[0].token_ids
     assert len(expected) > 80
-    points, victims = [15, 50], ["Draft-feature", "Verifier"]
+    points = [15, 50]
+    victims = ["Verifier", "Verifier"] if served["placement"] == "colocated" else ["Draft-feature", "Verifier"]
     ids, kills = [], []
     with GrpcClient(served["grpc"], timeout_s=300, retries=0) as client:
         for chunk in client.generate_stream(PROMPT, **LONG):
@@ -85,12 +89,13 @@ def test_served_feature_draft_survives_killed_replicas(feature_engine, served):
     assert response.stats.draft_tokens > response.stats.rounds and response.stats.transport_bytes > 0
     for deployment, before in kills:
         wait_replaced(deployment, before)
+    assert bool(replica_names("Draft-feature")) == (served["placement"] == "separate")  # no Draft replicas beside
 
 
 def test_served_requests_of_both_drafts_share_the_steps(feature_engine, served):
     """Requests of the model draft and of the feature draft at once, greedy and sampled: each is
-    drafted by its own Draft deployment, one Verify carries them, and each output equals the
-    in-process engine's (greedy: the target's)."""
+    drafted where its draft runs, one Verify carries them, and each output equals the in-process
+    engine's (greedy: the target's)."""
     import asyncio
 
     from clients.grpc_client import AsyncGrpcClient
