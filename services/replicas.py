@@ -164,6 +164,11 @@ class Verifier(RoundReplica):
     async def verify(self, payload: bytes) -> bytes:
         return await self._serve(self.servicer.Verify, verifier_pb2.VerifyBatch, payload)
 
+    def check_health(self) -> None:
+        super().check_health()
+        if (link := self.servicer.worker.link) is not None:  # states waiting for sessions both let go
+            link.keep(self.servicer.sessions)
+
     async def propose(self, payload: bytes) -> bytes:
         """The colocated draft's Propose, as a handle call."""
         return await self._serve(self.draft_servicer.Propose, draft_pb2.ProposeBatch, payload)

@@ -311,8 +311,6 @@ class VerifierWorker(Worker):
             return [self.link.hand(session_ids[id(row)], row, verdict) for row, verdict in zip(rows, verdicts)]
 
         answers = serve_batch(items, row_for, run)
-        if self.link is not None:  # states waiting for sessions this worker no longer holds (evicted, expired)
-            self.link.keep(self.sessions)
         if probe_tokens > 0:
             self.probe((probe_tokens,))
         return answers
@@ -392,5 +390,8 @@ class FeatureLink:
             self._waiting.pop(session_id, None)
 
     def keep(self, sessions: Container[str]) -> None:
-        """Drop what waits for sessions not in `sessions`."""
-        self.forget([session_id for session_id in self._waiting if session_id not in sessions])
+        """Drop what waits for sessions neither in `sessions` (the verifier's) nor held by a draft
+        (a replica's health check, after both let idle sessions expire: what waits for a session
+        its caches evicted is taken when it comes back, so it is kept while either holds it)."""
+        self.forget([session_id for session_id in self._waiting if session_id not in sessions
+                     and not any(session_id in worker.sessions for worker in self.drafts)])

@@ -772,6 +772,20 @@ def test_a_served_feature_draft_survives_lost_sessions(feature_engine, placement
     assert getattr(servers, "verdict_states", 0) == 0
 
 
+def test_states_waiting_for_sessions_both_workers_let_go_are_dropped(feature_engine):
+    """What waits for a session stays while the verifier or the draft holds it (an evicted session
+    comes back for it) and goes once neither does (a replica's health check, after expiry)."""
+    servers = Colocated(feature_engine)
+    servers.stop()
+    link, states = servers.verifier.worker.link, torch.zeros(2, 2, feature_engine.target.hidden_size)
+    servers.verifier.sessions.put("verifying", object())
+    servers.draft.sessions.put("drafting", object())
+    for session_id in ("verifying", "drafting", "gone"):
+        link._waiting[session_id] = [(states, 0)]
+    link.keep(servers.verifier.sessions)
+    assert set(link._waiting) == {"verifying", "drafting"}
+
+
 def test_bad_features_are_refused_one_by_one(feature_engine):
     servers = Servers(feature_engine)
     try:
