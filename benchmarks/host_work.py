@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from benchmarks.models import VOCAB, random_feature_draft, tiny_model
 
 from specdec.bench.forward import TimedForward, synthetic_tokens
 from specdec.bench.specs import parse_spec
@@ -35,16 +36,7 @@ from specdec.models.runtime import DraftRuntime, TargetRuntime
 from specdec.params import GenerationParams
 from specdec.sampling import SamplingParams
 
-VOCAB = 151_936  # the default pair's
 PROMPT_TOKENS, NEW_TOKENS = 64, 64
-
-
-def tiny_model(hidden: int, layers: int, seed: int, vocab: int = VOCAB) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         initializer_range=0.2, tie_word_embeddings=True)
-    return Qwen2ForCausalLM(config).eval()
 
 
 def measure(engine: SpecDecEngine, timers, concurrency: int, params: GenerationParams, repeats: int) -> dict:
@@ -87,7 +79,6 @@ def main() -> None:
     tokenizer = load_tokenizer(model_dir(EngineConfig(), "target"))
     target_model = tiny_model(32, 2, seed=2, vocab=args.vocab)
     if args.feature_draft:
-        from benchmarks.gpu.bench import random_feature_draft
         from specdec.models.feature_runtime import FeatureDraftRuntime
 
         draft = FeatureDraftRuntime(random_feature_draft(target_model.config, torch.device("cpu"), torch.float32))

@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.host_work import tiny_model
+from benchmarks.models import VOCAB, random_feature_draft, tiny_model
 from specdec.bench.forward import synthetic_tokens
 from specdec.engine import SpecDecEngine
 from specdec.loop import BatchConfig, RoundLoop
@@ -65,7 +65,6 @@ from specdec.params import GenerationParams
 from specdec.policies import PolicyConfig
 from specdec.sampling import SamplingParams
 
-VOCAB = 151_936  # the default pair's
 PROMPT_TOKENS, K = 64, 4
 BARE_CALLS = 200
 
@@ -74,7 +73,7 @@ BARE_CALLS = 200
 class Pair:
     """How a process makes the pair: `build(*args)` gives the target's weights, which also draft
     (the target drafts for itself), or with `feature` a random feature draft on the target's states
-    (bench.py `random_feature_draft`, seeded: each process makes the same). Picklable: each
+    (benchmarks/models.py `random_feature_draft`, seeded: each process makes the same). Picklable: each
     replica's process makes its own copy."""
 
     build: Callable[..., torch.nn.Module]  # a module-level function
@@ -89,7 +88,6 @@ class Pair:
         target = TargetRuntime(model, kv=self.kv, static=self.static)
         if not self.feature:
             return DraftRuntime(model, kv=self.kv, static=self.static), target
-        from benchmarks.gpu.bench import random_feature_draft
         from specdec.models.feature_runtime import FeatureDraftRuntime
 
         draft = FeatureDraftRuntime(random_feature_draft(model.config, model.device, model.dtype),

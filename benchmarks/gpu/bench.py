@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu.shapes import SHAPES, shape_config
+from benchmarks.models import random_feature_draft, random_model
 from benchmarks.transport import Pair, compare, print_row
 from specdec.bench.forward import PROMPT_TOKENS, TimedForward, longest_feed, synthetic_tokens, time_pass
 from specdec.head import AcceptanceHead, HeadConfig
@@ -66,7 +67,6 @@ PASS_SHAPES = {"qwen2.5-0.5b": (1, 2, 4), "qwen2.5-1.5b": (1, 2, 4, 8, 16), "qwe
                "qwen2.5-32b": (1, 2, 4, 8, 16)}  # -> ks
 LATE_SHAPES = ("qwen2.5-32b",)  # timed after every other section: a 65 GB model takes what the budget leaves
 FEATURE_SHAPES = ("qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-32b")  # targets whose feature draft's step is timed
-FEATURE_VOCAB = 32768  # the trimmed output rows (docs/feature-draft.md)
 BATCHES = (1, 4, 16, 64)
 CACHE_LENGTH = 256  # positions per row of the static cache: the prompt, k tokens, the captured bucket's length
 LOOP_SHAPE = "qwen2.5-1.5b"
@@ -110,18 +110,6 @@ def environment(device: torch.device) -> dict:
         env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
                    multiprocessors=props.multi_processor_count, cuda=torch.version.cuda)
     return env
-
-
-def random_model(config, device: torch.device, dtype: torch.dtype):
-    from transformers import Qwen2ForCausalLM
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with device:
-            model = Qwen2ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval()
 
 
 def sync(device: torch.device) -> None:
@@ -494,21 +482,6 @@ def main() -> None:
     report.data["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     report.save()
     print_summary(report.data)
-
-
-def random_feature_draft(config, device: torch.device, dtype: torch.dtype):
-    """A feature draft of target shape `config` (random weights, MLP half the target's)."""
-    from specdec.models.feature_draft import FeatureDraft, FeatureDraftConfig, layer_config_of
-
-    hidden, rows, depth = config.hidden_size, min(FEATURE_VOCAB, config.vocab_size), config.num_hidden_layers
-    draft_config = FeatureDraftConfig(target_identity="random",
-                                      layers=sorted({min(1, depth - 1), depth // 2, max(0, depth - 4)}),
-                                      layer_config=layer_config_of(config, config.intermediate_size // 2),
-                                      vocab_size=config.vocab_size)
-    with device:
-        draft = FeatureDraft(draft_config, torch.randn(config.vocab_size, hidden, dtype=dtype),
-                             torch.randn(rows, hidden, dtype=dtype), torch.arange(rows))
-    return draft.to(device=device, dtype=dtype).eval()
 
 
 @torch.inference_mode()

@@ -56,6 +56,7 @@ import json
 from pathlib import Path
 
 from benchmarks.gpu.shapes import SHAPES
+from benchmarks.models import FEATURE_VOCAB
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDS = ROOT / "docs" / "results" / "bench-humaneval" / "records.jsonl"
@@ -64,7 +65,6 @@ DRAFT = "qwen2.5-0.5b"
 FEATURE = "feature"
 TARGETS = ("qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-32b")
 BANDWIDTH_SHAPE = "qwen2.5-7b"  # the pass whose weights' bytes over its time give the bandwidth
-FEATURE_VOCAB = 32768  # the trimmed output rows (docs/feature-draft.md)
 BYTES = 2  # bf16
 
 
