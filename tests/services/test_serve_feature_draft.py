@@ -47,15 +47,19 @@ def feature_engine(models):
     return build_engine(models, progress=False)
 
 
-@pytest.fixture(scope="module", params=["colocated", "separate"])
+@pytest.fixture(scope="module", params=[("colocated", "direct"), ("separate", "direct"), ("colocated", "serve-grpc")],
+                ids=["colocated", "separate", "colocated-over-handles"])
 def served(models, request):
+    """The app in each placement; beside the target also with every round call a Serve handle
+    call (`round_transport: serve-grpc`: the colocated draft's calls go to the Verifier replica)."""
+    placement, transport = request.param
     replica = dict(num_cpus=0.1, threads=1)
-    config = AppConfig(models=models, feature_draft_placement=request.param,
+    config = AppConfig(models=models, feature_draft_placement=placement, round_transport=transport,
                        draft=ReplicaConfig(**replica), verifier=ReplicaConfig(**replica),
                        coordinator=ReplicaConfig(num_cpus=0.0), ingress=ReplicaConfig(num_cpus=0.0))
-    assert config.colocated_drafts() == (["feature"] if request.param == "colocated" else [])
+    assert config.colocated_drafts() == (["feature"] if placement == "colocated" else [])
     with local_serve(config) as addresses:
-        yield addresses | {"placement": request.param}
+        yield addresses | {"placement": placement}
 
 
 def test_the_engine_builds_a_feature_draft_from_its_directory(feature_engine):
