@@ -58,6 +58,7 @@ class RoundServicer:
             self.streams_opened += not refused
         if refused:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, STREAMS_REFUSED)
+        context.send_initial_metadata(())  # accepted: the caller writes only once it knows
         return self._answers(requests, call, context)
 
     def _answers(self, requests: Iterator, call: Callable, context) -> Iterator:

@@ -82,23 +82,34 @@ class RoundStreams:
         idle = self._idle.setdefault((address, method), [])
         while idle and idle[-1].done():  # ended while idle: its replica went or restarted
             idle.pop()
-        stream = idle.pop() if idle else getattr(stub, STREAMED[method])(metadata=metadata)
+        stream = idle.pop() if idle else None
         reply = None
         try:
-            await stream.write(request)
+            if stream is None:
+                # A new stream is written to once the replica accepts it (its initial metadata): a
+                # write racing a refusal (too many streams, no API key) fails as INTERNAL and hides
+                # the replica's status, which a read of the ended call raises.
+                stream = getattr(stub, STREAMED[method])(metadata=metadata)
+                await asyncio.wait_for(stream.initial_metadata(), timeout_s)
+                if stream.done():
+                    await stream.read()
+            try:
+                await stream.write(request)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                # The stream broke before the replica had the batch (its replica went between two
+                # steps): gRPC's core says INTERNAL, or that the call ended; the replica is gone.
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           "the round stream ended") from None
             reply = await asyncio.wait_for(stream.read(), timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and exc.details() == STREAMS_REFUSED:
                 self._refused[address] = time.monotonic()
                 return None
             raise
-        except asyncio.InvalidStateError:  # it ended between the check and the write
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       "the round stream ended") from None
         finally:
-            if reply is None or reply is grpc.aio.EOF:
+            if stream is not None and (reply is None or reply is grpc.aio.EOF):
                 stream.cancel()
-            else:
+            elif stream is not None:
                 idle.append(stream)
         if reply is grpc.aio.EOF:  # ended without a status to say why: the replica is going
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import Counter
 
 import grpc
 import numpy as np
@@ -17,7 +18,7 @@ from services.convert import pack_distribution, sparsifier, sparsify_logits, unp
 from services.server import start_server
 from services import servicers
 from services.servicers import DraftServicer, VerifierServicer
-from services.transports import GrpcTransport, service
+from services.transports import GrpcTransport, RoundStreams, service
 from specdec.sequences import DraftTraits
 from specdec.engine import SpecDecEngine
 from specdec.errors import InvalidRequestError
@@ -352,6 +353,59 @@ def test_the_round_calls_go_on_one_stream_per_replica_kept_across_steps(tiny_eng
         assert result.completions[0].token_ids == engine_ids(tiny_engine, PROMPTS[0], params)[0]
     finally:
         servers.stop()
+
+
+def test_a_stream_that_breaks_under_its_write_reads_as_its_replica_gone():
+    """The replica of a stream kept open goes between two steps: the next write fails in gRPC's core
+    as INTERNAL ("Internal error from Core"), which would fail the sessions for good; it is the
+    replica gone (UNAVAILABLE: the loop retries them elsewhere), and the stream is closed."""
+
+    class Broken:
+        cancelled = False
+
+        def done(self) -> bool:
+            return False
+
+        async def write(self, request) -> None:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "Internal error from Core")
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    streams, broken = RoundStreams(), Broken()
+    streams._idle[("gone:1", "Propose")] = [broken]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(streams.call(None, "gone:1", "Propose", draft_pb2.ProposeBatch(), 1.0, ()))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and broken.cancelled
+
+
+@pytest.mark.parametrize("refusal", ["no key", "too many streams"])
+def test_a_refused_stream_says_why_every_time(tiny_engine, monkeypatch, refusal):
+    """A new stream's first message waits until the replica accepts it: written at once, it raced the
+    refusal and about one call in ten failed as INTERNAL ("Internal error from Core") instead of
+    UNAUTHENTICATED, or instead of falling back to a unary call."""
+    monkeypatch.setattr(servicers, "MAX_STREAMS", 0 if refusal == "too many streams" else servicers.MAX_STREAMS)
+    servers = Servers(tiny_engine, api_key="round-key" if refusal == "no key" else None)
+    batch = draft_pb2.ProposeBatch(items=[propose_item()])
+
+    async def open_streams() -> Counter:
+        outcomes = Counter()
+        for _ in range(40):
+            streams, address = RoundStreams(), servers.addresses[0]
+            async with grpc.aio.insecure_channel(address) as channel:
+                try:
+                    reply = await streams.call(draft_pb2_grpc.DraftStub(channel), address, "Propose", batch, 30.0, ())
+                    outcomes["unary" if reply is None else "reply"] += 1
+                except grpc.aio.AioRpcError as exc:
+                    outcomes[exc.code().name] += 1
+        return outcomes
+
+    try:
+        outcomes = asyncio.run(open_streams())
+    finally:
+        servers.stop()
+    assert outcomes == Counter({"UNAUTHENTICATED" if refusal == "no key" else "unary": 40})
 
 
 def test_a_replica_that_holds_its_most_streams_is_called_unary(tiny_engine, monkeypatch):
