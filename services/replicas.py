@@ -155,7 +155,8 @@ class Verifier(RoundReplica):
         sessions = SessionStore(config.sessions.max_sessions, config.sessions.ttl_s)
         worker = VerifierWorker(target, sessions)
         worker.probe_at_first_batch()  # its timings seed the coordinator's live costs with the first reply
-        for name in self.colocated:  # on this torch thread too: one OpenMP team for both models
+        if self.colocated:  # on this torch thread too: one OpenMP team for both models
+            [name] = self.colocated  # AppConfig.colocated_drafts: one at most
             draft = draft_worker(config, name, config.verifier.threads)
             worker.link = FeatureLink([draft])
             self.draft_servicer = DraftServicer(draft, self._executor)
@@ -191,8 +192,7 @@ class CoordinatorDeployment:
         """`drafts`: each draft's deployment handle by name; `colocated`: the draft served by the
         verifier's replicas."""
         rules = build_rules(config.models, progress=False)
-        transport = round_transport(config.round_transport, drafts | {name: verifier for name in colocated}, verifier,
-                                    config.key, colocated)
+        transport = round_transport(config.round_transport, drafts, verifier, config.key, colocated)
         self.coordinator = Coordinator(transport, rules, config.policy, observer=RayRoundMetrics(),
                                        batch=config.models.batch)
 

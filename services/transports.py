@@ -82,8 +82,7 @@ class RoundStreams:
         idle = self._idle.setdefault((address, method), [])
         while idle and idle[-1].done():  # ended while idle: its replica went or restarted
             idle.pop()
-        stream = idle.pop() if idle else None
-        reply = None
+        stream, answered = (idle.pop() if idle else None), False
         try:
             if stream is None:
                 # A new stream is written to once the replica accepts it (its initial metadata): a
@@ -98,29 +97,34 @@ class RoundStreams:
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 # The stream broke before the replica had the batch (its replica went between two
                 # steps): gRPC's core says INTERNAL, or that the call ended; the replica is gone.
-                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                           "the round stream ended") from None
+                raise stream_ended() from None
             reply = await asyncio.wait_for(stream.read(), timeout_s)
+            if reply is grpc.aio.EOF:  # ended without a status to say why: the replica is going
+                raise stream_ended()
+            answered = True
+            return reply
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and exc.details() == STREAMS_REFUSED:
                 self._refused[address] = time.monotonic()
                 return None
             raise
         finally:
-            if stream is not None and (reply is None or reply is grpc.aio.EOF):
-                stream.cancel()
-            elif stream is not None:
+            if answered:
                 idle.append(stream)
-        if reply is grpc.aio.EOF:  # ended without a status to say why: the replica is going
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       "the round stream ended")
-        return reply
+            elif stream is not None:
+                stream.cancel()
 
     def close(self) -> None:
         for streams in self._idle.values():
             for stream in streams:
                 stream.cancel()
         self._idle.clear()
+
+
+def stream_ended() -> grpc.aio.AioRpcError:
+    """A round stream that broke under a call: its replica is gone (UNAVAILABLE: retried elsewhere)."""
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                "the round stream ended")
 
 
 class Service(NamedTuple):
@@ -316,13 +320,15 @@ class DirectTransport(GrpcTransport):
 
     def __init__(self, draft, verifier, api_key: str | None = None, timeout_s: float = CALL_TIMEOUT_S,
                  colocated: Sequence[str] = ()):
-        """`draft`: the default draft's deployment handle, or each draft's by name."""
+        """`draft`: the default draft's deployment handle, or each draft's by name; `colocated`: the
+        drafts the verifier's replicas serve (their calls go through its handle)."""
         super().__init__(api_key=api_key, timeout_s=timeout_s)
         self.retryable = _serve_retryable()
         drafts = draft if isinstance(draft, dict) else {DEFAULT_DRAFT: draft}
-        self._handles = {service("draft", name): handle for name, handle in drafts.items()}
-        self._handles[VERIFIER] = verifier
         self._colocated = {service("draft", name) for name in colocated}
+        self._handles = {service("draft", name): handle for name, handle in drafts.items()}
+        self._handles |= {colocated_draft: verifier for colocated_draft in self._colocated}
+        self._handles[VERIFIER] = verifier
         self._owners: dict[tuple[Service, str], str] = {}
 
     def _key(self, served_by: Service, session_id: str) -> tuple[Service, str]:
@@ -370,7 +376,7 @@ class HandleTransport(DirectTransport):
 
 def round_transport(kind: str, draft, verifier, api_key: str | None = None, colocated: Sequence[str] = ()
                     ) -> GrpcTransport:
-    """`colocated`: the drafts the verifier's replicas serve (`draft` maps them to its handle)."""
+    """`colocated`: the drafts the verifier's replicas serve (`draft` has no handle for them)."""
     if kind == "direct":
         return DirectTransport(draft, verifier, api_key, colocated=colocated)
     return HandleTransport(draft, verifier, grpc_transport=kind == "serve-grpc", colocated=colocated)

@@ -132,7 +132,7 @@ class RoundCalls:
             wire = self._wire[s.session_id]
             wire.outcomes.append((len(proposals.get(s, NO_PROPOSAL).candidates), verdict.num_accepted))
             wire.unsent += 1
-            if wire.reads_features and verdict.features is not None:  # in process the link took them
+            if wire.reads_features and verdict.features is not None:  # none where the verifier's link took them
                 wire.features.append(verdict.features)
                 wire.features_at = s.sample.length + verdict.num_accepted
         return verdicts, timings
