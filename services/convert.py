@@ -81,11 +81,11 @@ def seed_from_proto(msg: common_pb2.RoundSeed) -> RoundSeed:
 
 
 def delta_to_proto(delta: HistoryDelta) -> common_pb2.HistoryDelta:
-    return common_pb2.HistoryDelta(history_length=delta.length, tail=delta.tail, full=delta.full)
+    return common_pb2.HistoryDelta(history_length=delta.length, tail=delta.tail, full=delta.full, drop=delta.drop)
 
 
 def delta_from_proto(msg: common_pb2.HistoryDelta) -> HistoryDelta:
-    return HistoryDelta(msg.history_length, list(msg.tail), msg.full)
+    return HistoryDelta(msg.history_length, list(msg.tail), msg.full, msg.drop)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -110,7 +110,7 @@ def propose_item_to_proto(item: ProposeItem) -> draft_pb2.ProposeRequest:
     return draft_pb2.ProposeRequest(
         session_id=item.session_id, history=delta_to_proto(item.history), policy=policy_to_proto(item.policy),
         sampling=sampling_to_proto(item.sampling), max_candidates=item.max_candidates,
-        num_generated=item.num_generated, seed=seed_to_proto(item.seed), probe=item.probe,
+        num_generated=item.num_generated, seed=seed_to_proto(item.seed), probe=item.probe, ahead=item.ahead,
         rounds=[draft_pb2.RoundOutcome(num_candidates=k, num_accepted=n) for k, n in item.rounds],
         features=None if item.features is None else features_to_proto(item.features, item.features_start))
 
@@ -121,7 +121,7 @@ def propose_item_from_proto(msg: draft_pb2.ProposeRequest) -> ProposeItem:
         session_id=msg.session_id, history=delta_from_proto(msg.history), policy=policy_from_proto(msg.policy),
         sampling=sampling_from_proto(msg.sampling), max_candidates=msg.max_candidates,
         num_generated=msg.num_generated, rounds=[(r.num_candidates, r.num_accepted) for r in msg.rounds],
-        seed=seed_from_proto(msg.seed), probe=msg.probe,
+        seed=seed_from_proto(msg.seed), probe=msg.probe, ahead=msg.ahead,
         features=features_from_proto(msg.features) if msg.HasField("features") else None,
         features_start=msg.features.start)
 

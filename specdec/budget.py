@@ -34,6 +34,14 @@ all:
   the gain is sum_s P_{s,i} (a_s + ... + a_s^d) at d t_draft(m) + t_target(N + m d) - t_target(N);
   the top m draft on if the best (m, d) beats stopping now.
 
+- `overlap_saving`: after the step's Propose, whether its drafting sessions draft their next round
+  while the target verifies this one (PEARL's post-verify, loop.py): the ahead round drafts a guess
+  of the bonus token and the next candidates after this round's k, and is used only where all k
+  are accepted and the guess is the target's token (P = a^(k+1)), when the next step drafts none
+  of those sessions. Verifying and drafting ahead run at once where the draft has a device (or
+  process) of its own: the phase costs the larger of the two, times a factor the planner measures
+  (contention, and in process, where the calls run one after the other, their sum).
+
 The draft time already spent stays in T on both sides of every comparison: the rate is the step's.
 Sessions whose policy is not budgeted (fixed K, SVIP, ...) add their tokens and their rows to the
 passes and count one committed token each.
@@ -286,6 +294,24 @@ def decide_step(profile: CostProfile, sessions: int, cap: int, acceptance: float
     joins = who_drafts(profile, judged, sessions, list(lags), [expected_remaining(n, stop_rate) for n in left])
     wanted = max(likely.drafters * likely.candidates, 1) if any(joins) else 1
     return StepDecision(True, tuple(joins), curve_probe(profile, sessions + wanted))
+
+
+def overlap_saving(profile: CostProfile, rounds: Sequence[int], acceptance: float, verify_tokens: int,
+                   factors: tuple[float, float]) -> float:
+    """Expected ms a step saves by drafting `rounds` (each session's k) ahead while it verifies a
+    pass of `verify_tokens` tokens; negative where it costs. `factors`: the measured wall of the
+    verify phase over its priced time, plain and overlapped (priced at the larger of verifying and
+    drafting ahead). The ahead round drafts k + 1 steps on average (the bonus's guess first); the
+    next step's drafting, k steps of every session, shrinks to the sessions that missed."""
+    sessions = len(rounds)
+    k = sum(rounds) / sessions
+    hits = [acceptance ** (r + 1) for r in rounds]
+    verify_ms, step_ms = profile.pass_ms(verify_tokens), profile.draft_ms(sessions)
+    misses = sessions - sum(hits)
+    # the next step drafts unless every session hit; then for about `misses` sessions
+    next_ms = (1.0 - math.prod(hits)) * k * profile.draft_ms(max(misses, 1.0))
+    plain, overlapped = factors
+    return k * step_ms - next_ms - (overlapped * max(verify_ms, (k + 1) * step_ms) - plain * verify_ms)
 
 
 def replay_round(profile: CostProfile, acceptance: list[float], limit: int) -> tuple[int, int]:

@@ -84,7 +84,11 @@ class Wire:
     synced: dict = field(default_factory=lambda: {"draft": None, "verifier": None})  # history length each side holds
     contacted: set = field(default_factory=set)  # roles that may hold the session: released when it leaves
     outcomes: list[tuple[int, int]] = field(default_factory=list)  # every round's (K, n), for a draft that rebuilds
-    unsent: int = 0  # outcomes the draft has not been told about
+    told: int = 0  # the first `told` outcomes the draft has been told about
+    telling: int = 0  # the outcomes the Propose in flight tells it (a round drafted ahead tells one fewer)
+    # Tokens the draft holds past synced["draft"] that the history does not have: the candidates
+    # verification rejected of a round a round was drafted ahead after (HistoryDelta.drop).
+    drop: int = 0
     # A feature draft's inputs: the target's states are known for positions < features_at; those of
     # the verifications since the last Propose wait in `features` (they end at features_at).
     features_at: int = 0
@@ -118,10 +122,50 @@ class RoundCalls:
         proposals, timings = await self._call("draft", sessions, partial(self._propose_item, probe=plan.probe),
                                               lambda items: self.transport.propose(items, plan, draft))
         for s in proposals:
-            wire = self._wire[s.session_id]
-            wire.unsent = 0
-            wire.features = []
+            self._drafted(self._wire[s.session_id])
         return proposals, timings
+
+    async def propose_ahead(self, sessions: list[LoopSample], proposals: dict[LoopSample, Proposal], plan: StepPlan,
+                            draft: str = DEFAULT_DRAFT) -> tuple[dict[LoopSample, Proposal], list[PassTiming]]:
+        """Each session's next round drafted ahead, after the candidates of its round in `proposals`
+        (being verified meanwhile), by a model draft (a feature draft's would need their target
+        states). One attempt, failing no session: one the draft does not serve now gets no round
+        ahead, its next round is drafted as usual (and an error shows there), from its whole history."""
+        if not sessions:
+            return {}, []
+        wires = [self._wire[s.session_id] for s in sessions]
+        items = [self._propose_item(s, wire, ahead=proposals[s].candidates) for s, wire in zip(sessions, wires)]
+        for wire in wires:
+            wire.contacted.add("draft")
+        try:
+            reply: BatchReply = await self.transport.propose(items, plan, draft)
+        except Exception as exc:  # noqa: BLE001 - the round is drafted again as usual
+            logger.warning("drafting ahead failed (%s); the next rounds are drafted as usual", exc)
+            reply = BatchReply([Unreachable(str(exc))] * len(items))
+        self._record("draft", sessions, reply.calls)
+        answered = {}
+        for s, wire, item, answer in zip(sessions, wires, items, reply.answers):
+            if isinstance(answer, Proposal):
+                wire.synced["draft"] = item.history.length
+                self._drafted(wire)
+                answered[s] = answer
+            else:  # whatever it holds, the next Propose rebuilds it
+                wire.synced["draft"] = None
+        return answered, reply.passes
+
+    def ahead_verified(self, s: LoopSample, candidates: int, accepted: int) -> None:
+        """A round was drafted ahead after `candidates` candidates of which verification accepted
+        `accepted`: the draft holds the rejected ones past the history, and drops them first at its
+        next Propose."""
+        wire = self._wire.get(s.session_id)
+        if wire is not None and wire.synced["draft"] is not None:
+            wire.synced["draft"] -= candidates - accepted
+            wire.drop = candidates - accepted
+
+    @staticmethod
+    def _drafted(wire: Wire) -> None:
+        """A Propose answered: the draft holds what it was sent."""
+        wire.told, wire.drop, wire.features = wire.telling, 0, []
 
     async def verify(self, sessions: list[LoopSample], proposals: dict[LoopSample, Proposal], probe_tokens: int = 0
                      ) -> tuple[dict[LoopSample, Verdict], list[PassTiming]]:
@@ -131,7 +175,6 @@ class RoundCalls:
         for s, verdict in verdicts.items():
             wire = self._wire[s.session_id]
             wire.outcomes.append((len(proposals.get(s, NO_PROPOSAL).candidates), verdict.num_accepted))
-            wire.unsent += 1
             if wire.reads_features and verdict.features is not None:  # none where the verifier's link took them
                 wire.features.append(verdict.features)
                 wire.features_at = s.sample.length + verdict.num_accepted
@@ -141,16 +184,25 @@ class RoundCalls:
         """One scratch target pass of `tokens` tokens, timed (the planner's curve probe)."""
         return (await self.transport.verify([], probe_tokens=tokens)).passes
 
-    def _propose_item(self, s: LoopSample, wire: Wire, probe: str | None = None) -> ProposeItem:
+    def _propose_item(self, s: LoopSample, wire: Wire, probe: str | None = None,
+                      ahead: list[int] | None = None) -> ProposeItem:
+        """The session's round; `ahead`: the candidates being verified, the next round drafted after
+        them: its first token guesses the round's bonus token, then its candidates (one fewer)."""
         params, full = s.request.params, wire.synced["draft"] is None
         features, features_start = wire.features_for_draft(full) if wire.reads_features else (None, 0)
+        wire.telling = len(wire.outcomes)
+        if ahead is None:
+            max_candidates = self.rules.candidate_budget(s.sample, params)
+        else:
+            max_candidates = 1 + self.rules.candidate_budget(s.sample, params, ahead=len(ahead) + 1)
         return ProposeItem(
-            session_id=s.session_id, history=delta_for(s.sample, wire.synced["draft"]),
-            policy=params.policy, sampling=params.sampling, max_candidates=self.rules.candidate_budget(s.sample, params),
-            num_generated=len(s.sample.generated),
-            rounds=list(wire.outcomes if full else wire.outcomes[len(wire.outcomes) - wire.unsent:]),
-            seed=RoundSeed(s.request.seed, s.index, s.round_index), reference=s.request.reference,
-            probe=s.session_id == probe, features=features, features_start=features_start)
+            session_id=s.session_id, history=delta_for(s.sample, wire.synced["draft"], wire.drop, ahead or ()),
+            policy=params.policy, sampling=params.sampling, max_candidates=max_candidates,
+            num_generated=len(s.sample.generated) + len(ahead or ()),
+            rounds=list(wire.outcomes if full else wire.outcomes[wire.told:]),
+            seed=RoundSeed(s.request.seed, s.index, s.round_index + (ahead is not None)),
+            reference=s.request.reference, probe=s.session_id == probe, features=features,
+            features_start=features_start, ahead=ahead is not None)
 
     def _verify_item(self, s: LoopSample, wire: Wire, proposals: dict[LoopSample, Proposal]) -> VerifyItem:
         proposal = proposals.get(s, NO_PROPOSAL)

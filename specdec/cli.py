@@ -50,6 +50,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                        help="sessions one step advances at most (default 16; the others wait their turn)")
     group.add_argument("--max-pass-tokens", type=int, default=None,
                        help="tokens one forward pass feeds at most; more run as several passes (default: no limit)")
+    group.add_argument("--overlap", default=None, choices=["auto", "on", "off"],
+                       help="draft a session's next round while its round verifies: auto (default) where the "
+                            "planner measures that it pays (a draft with a device or process of its own)")
     group.add_argument("--kv-cache", default="auto", choices=["auto", "slots", "static", "reference"],
                        help="slots: many sessions per pass; static: the same in one preallocated cache (the GPU's "
                             "layout); reference: the batch-1 path, one pass per session; auto: static on a GPU, "
@@ -98,7 +101,7 @@ def engine_config(args: argparse.Namespace):
     from specdec.models.llamacpp import LlamaCppOptions
 
     batch = BatchConfig.from_flags(max_sessions_per_step=args.max_batch_sessions,
-                                   max_tokens_per_pass=args.max_pass_tokens)
+                                   max_tokens_per_pass=args.max_pass_tokens, overlap=args.overlap)
     llamacpp = LlamaCppOptions(**({"context": args.llamacpp_context} if args.llamacpp_context else {}))
     drafts = dict(named.split("=", 1) for named in args.also_draft or [] if "=" in named)
     if len(drafts) != len(args.also_draft or []):

@@ -35,13 +35,14 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specdec.budget import PROBE_SHARE
 from specdec.calls import NO_PROPOSAL, RetryPolicy, RoundCalls, RoundTransport
 from specdec.errors import InvalidRequestError
-from specdec.metrics import RequestStats
+from specdec.metrics import MS_PER_S, RequestStats
 from specdec.params import FINISH_LENGTH, GenerationParams, validation_message
 from specdec.planner import RoundOutcome, StepPlanner, lane_planners
 from specdec.protocol import SEED_BITS, Proposal, StepPlan
@@ -64,6 +65,9 @@ class BatchConfig(BaseModel):
     # Concurrent loops over disjoint sessions: 2 lets the draft work on one lane's batch while the
     # verifier checks the other's (served; in process the calls run on one thread anyway).
     lanes: int = Field(1, ge=1, le=8)
+    # Draft a session's next round while its round verifies (PEARL's post-verify): `auto` where the
+    # planner measures that it saves time (a draft on a device or process of its own), `on`, `off`.
+    overlap: Literal["auto", "on", "off"] = "auto"
 
     @classmethod
     def from_flags(cls, **flags) -> BatchConfig:
@@ -100,7 +104,8 @@ class RoundLoop:
                  probe_share: float = PROBE_SHARE):
         self.rules, self.batch, self.observer = rules, batch, observer
         self.calls = RoundCalls(transport, rules, retry, observer)
-        self._planners = lane_planners(batch.lanes, list(rules.drafts), self.calls.time_target, observer, probe_share)
+        self._planners = lane_planners(batch.lanes, list(rules.drafts), self.calls.time_target, observer, probe_share,
+                                       batch.overlap)
         # each draft's live profile, shared by the lanes (the workers' probes seed it)
         self.costs = {draft: planner.costs for draft, planner in self._planners[0].items()}
         self._lanes: list[list[LoopSample]] = [[] for _ in range(batch.lanes)]
@@ -199,16 +204,56 @@ class RoundLoop:
 
     async def _step(self, planners: dict[str, StepPlanner], batch: list[LoopSample]) -> None:
         plans = {draft: await planner.plan(batch) for draft, planner in planners.items()}
-        drafting = [s for s in batch if s.session_id in plans[s.draft].drafting]
+        drafting = [s for s in batch if s.session_id in plans[s.draft].drafting and s.ahead is None]
         proposed = await asyncio.gather(*(self.calls.propose([s for s in drafting if s.draft == draft], plan, draft)
                                           for draft, plan in plans.items()))
         proposals = {s: p for answered, _ in proposed for s, p in answered.items()}
+        for s in batch:  # rounds drafted while the last step verified
+            if s.ahead is not None:
+                proposals[s], s.ahead = s.ahead, None
         verifying = [s for s in batch if not s.over and (s in proposals or s.session_id not in plans[s.draft].drafting)]
-        verdicts, verified = await self.calls.verify(verifying, proposals, max(p.probe_tokens for p in plans.values()))
+        verify_tokens = sum(len(proposals.get(s, NO_PROPOSAL).candidates) + 1 for s in verifying)
+        ahead = {draft: planner.ahead({s: len(proposals[s].candidates) for s in verifying
+                                       if s.draft == draft and self._may_draft_ahead(s, proposals.get(s))},
+                                      verify_tokens, len(batch))
+                 for draft, planner in planners.items()}
+        start = time.perf_counter()
+        (verdicts, verified), *drafted_ahead = await asyncio.gather(
+            self.calls.verify(verifying, proposals, max(p.probe_tokens for p in plans.values())),
+            *(self.calls.propose_ahead(sessions, proposals, plans[draft], draft) for draft, sessions in ahead.items()))
+        phase_ms = (time.perf_counter() - start) * MS_PER_S
         outcomes = [self._commit(s, proposals.get(s, NO_PROPOSAL), verdict, plans[s.draft])
                     for s, verdict in verdicts.items() if not s.over]
-        for planner, (_, drafted) in zip(planners.values(), proposed):
-            planner.observe([o for o in outcomes if o is not None], drafted + verified, len(batch))
+        for answered, _ in drafted_ahead:
+            for s, proposal in answered.items():
+                self._keep_ahead(s, proposals[s], proposal, verdicts.get(s))
+        for planner, (_, drafted), (_, ahead_passes) in zip(planners.values(), proposed, drafted_ahead):
+            planner.observe_phase(phase_ms)
+            planner.observe([o for o in outcomes if o is not None], drafted + ahead_passes + verified, len(batch))
+
+    def _may_draft_ahead(self, s: LoopSample, proposal: Proposal | None) -> bool:
+        """Whether the session's next round may be drafted while this one verifies: it has candidates
+        from a model draft (a feature draft would need the target's states of them), its policy
+        reads no reference, and its tokens left allow a next round of one candidate."""
+        return (proposal is not None and bool(proposal.candidates) and not self.rules.drafts[s.draft].reads_features
+                and not s.traits.needs_reference
+                and self.rules.candidate_budget(s.sample, s.request.params, ahead=len(proposal.candidates) + 1) > 0)
+
+    def _keep_ahead(self, s: LoopSample, proposal: Proposal, ahead: Proposal, verdict: Verdict | None) -> None:
+        """A round drafted ahead after `proposal`'s candidates, its first token a guess of the bonus
+        token: it is the session's next round where every candidate was accepted and the guess is
+        the target's token (its draws were conditioned on that history); else it is thrown away,
+        and the draft told to drop what verification rejected. Either way lossless: whether it is
+        kept depends on tokens before it only, and it is verified like any round."""
+        accepted, stats = verdict.num_accepted if verdict is not None else 0, s.request.stats
+        stats.rounds_ahead += 1
+        if (verdict is not None and not s.over and accepted == len(proposal.candidates)
+                and ahead.candidates[:1] == [verdict.next_token] and len(ahead.candidates) > 1):
+            s.ahead = Proposal(ahead.candidates[1:], ahead.draft_probs[1:], ahead.forward_passes)
+            stats.rounds_ahead_used += 1
+        else:  # its passes were spent for nothing (a kept round's count when it commits)
+            stats.draft_forward_passes += ahead.forward_passes
+            self.calls.ahead_verified(s, len(proposal.candidates), accepted)
 
     def _commit(self, s: LoopSample, proposal: Proposal, verdict: Verdict, plan: StepPlan) -> RoundOutcome | None:
         """The round's tokens join the sample's history (streamed, stop conditions checked); None

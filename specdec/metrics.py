@@ -43,6 +43,10 @@ class RequestStats:
     # and the serialized bytes of every round request and reply.
     transport_time_s: float = 0.0
     transport_bytes: int = 0
+    # Rounds drafted ahead while the round before verified (loop.py), and those used: the others'
+    # draft passes count in draft_forward_passes, spent for nothing.
+    rounds_ahead: int = 0
+    rounds_ahead_used: int = 0
 
     def record_round(self, num_candidates: int, num_accepted: int, held: str | None = None) -> None:
         """A verified round; `held`: why the session did not call the draft for it, if it did not."""
@@ -61,7 +65,8 @@ class RequestStats:
     def merge(self, other: RequestStats) -> None:
         for name in ("generated_tokens", "draft_forward_passes", "target_forward_passes", "rounds",
                      "draft_tokens", "accepted_tokens", "discarded_tokens",
-                     "draft_time_s", "target_time_s", "wall_time_s", "transport_time_s", "transport_bytes"):
+                     "draft_time_s", "target_time_s", "wall_time_s", "transport_time_s", "transport_bytes",
+                     "rounds_ahead", "rounds_ahead_used"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_per_position, other.drafted_per_position),
                              (self.accepted_per_position, other.accepted_per_position)):
@@ -120,6 +125,8 @@ class RequestStats:
             "tokens_per_s": self.tokens_per_s,
             "transport_time_s": self.transport_time_s,
             "transport_bytes": self.transport_bytes,
+            "rounds_ahead": self.rounds_ahead,
+            "rounds_ahead_used": self.rounds_ahead_used,
         }
 
     def summary(self) -> str:

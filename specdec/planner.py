@@ -24,6 +24,14 @@ Four things are called a probe:
   Verify of no items): each size once per power of two of sessions, paid for by CURVE_PROBE_SHARE
   of the plain steps.
 - `Worker.probe(sizes)`: the scratch passes the other three are made of.
+
+After the step's Propose, `ahead` decides who drafts its next round while the step verifies
+(BatchConfig.overlap; loop.py): in `auto`, where `budget.overlap_saving` expects it to save time,
+pricing the verify phase with factors measured on the steps (`observe_phase`: its wall over its
+priced time, with and without rounds drafted ahead). In process the calls run one after the other
+and the factor shows it; served, draft and verifier work at once where they do not share cores.
+Until that factor is measured, and once every OVERLAP_PROBE_STEPS steps it could have overlapped
+while it is off, a step overlaps to measure it.
 """
 
 from __future__ import annotations
@@ -34,7 +42,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from specdec.budget import (CURVE_PROBE_SHARE, MAX_CANDIDATES, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PROBE_SHARE,
-                            STOP_RATE_DECAY, StepDecision, decide_step, hopeful_acceptance, rest_after)
+                            STOP_RATE_DECAY, StepDecision, decide_step, hopeful_acceptance, overlap_saving,
+                            rest_after)
 from specdec.cost_profile import CostProfile, LiveCosts, PassTiming, given_profile
 from specdec.metrics import CATCH_UP, NO_ROUND_PAYS, NOT_MEASURED, RESTING
 from specdec.params import DEFAULT_DRAFT, FINISH_LENGTH
@@ -48,6 +57,10 @@ ACCEPTANCE_DECAY = 0.99  # per drafted round: the acceptance estimate follows th
 # many steps, at once when one joins, leaves or ends its rest, or after a probe timed something: only
 # plain passes are timed meanwhile, and a lag only grows while the tokens left to repay it shrink.
 REPRICE_STEPS = 16
+# While drafting ahead is off in `auto`, every this many steps that could overlap one does, to
+# measure again what it costs; the verify phase's factors follow the last ~10 steps of each kind.
+OVERLAP_PROBE_STEPS = 64
+PHASE_DECAY = 0.9
 
 TimeTarget = Callable[[int], Awaitable[list[PassTiming]]]  # times one scratch target pass of n tokens
 
@@ -105,6 +118,12 @@ class StepPlanner:
     _stopped: float = 0.0
     _finished_tokens: float = 0.0
     _sessions: dict[str, SessionPlan] = field(default_factory=dict)
+    overlap: str = "auto"  # BatchConfig.overlap: whether rounds are drafted ahead while a step verifies
+    # The verify phase's wall over its priced time (budget.overlap_saving's factors), without and
+    # with rounds drafted ahead (None: not measured yet), and the step in flight's (overlapped, ms).
+    _phase: dict[bool, float | None] = field(default_factory=lambda: {False: None, True: None})
+    _phase_priced: tuple[bool, float] | None = None
+    _overlap_waited: int = 0  # steps that could have overlapped since the last that did
 
     @property
     def acceptance(self) -> float:
@@ -243,6 +262,38 @@ class StepPlanner:
                 self._stopped = self._stopped * STOP_RATE_DECAY + (sample.finish_reason != FINISH_LENGTH)
                 self._finished_tokens = self._finished_tokens * STOP_RATE_DECAY + len(sample.generated)
 
+    def ahead(self, rounds: dict[LoopSample, int], verify_tokens: int, sessions: int) -> list[LoopSample]:
+        """Who of `rounds` (sessions of this draft that may draft ahead, each with its round's k)
+        drafts its next round while this step, of `sessions` sessions, verifies a pass of
+        `verify_tokens` tokens: all or none (they share the draft's steps)."""
+        profile = self.profile(sessions)
+        if self.overlap == "off" or not rounds:
+            chosen = False
+        elif self.overlap == "on":
+            chosen = True
+        elif profile is None:
+            chosen = False
+        else:
+            overlapped = self._phase[True]
+            chosen = (overlapped is None or self._overlap_waited >= OVERLAP_PROBE_STEPS or overlap_saving(
+                profile, list(rounds.values()), self.acceptance, verify_tokens, (self._phase[False] or 1.0, overlapped)) > 0)
+            self._overlap_waited = 0 if chosen else self._overlap_waited + 1
+        self._phase_priced = None
+        if profile is not None:
+            priced = profile.pass_ms(verify_tokens)
+            if chosen:
+                priced = max(priced, (sum(rounds.values()) / len(rounds) + 1) * profile.draft_ms(len(rounds)))
+            self._phase_priced = (chosen, priced)
+        return list(rounds) if chosen else []
+
+    def observe_phase(self, wall_ms: float) -> None:
+        """The wall time of the step's verify phase (with the rounds drafted ahead, if any)."""
+        if self._phase_priced is None:
+            return
+        overlapped, priced_ms = self._phase_priced
+        factor, old = wall_ms / priced_ms, self._phase[overlapped]
+        self._phase[overlapped] = factor if old is None else PHASE_DECAY * old + (1 - PHASE_DECAY) * factor
+
     def forget(self, sessions: Sequence[LoopSample]) -> None:
         """Sessions that left the lane."""
         for s in sessions:
@@ -256,10 +307,10 @@ class StepPlanner:
 
 
 def lane_planners(lanes: int, drafts: Sequence[str] = (DEFAULT_DRAFT,), time_target: TimeTarget | None = None,
-                  observer: RoundObserver | None = None, probe_share: float = PROBE_SHARE
+                  observer: RoundObserver | None = None, probe_share: float = PROBE_SHARE, overlap: str = "auto"
                   ) -> list[dict[str, StepPlanner]]:
     """Each lane's planner for each draft, over one live profile per draft (the lanes' calls go to
     the same replicas), with the profile given by hand (`SPECDEC_COST_PROFILE`) read once, here."""
     costs, given = {draft: LiveCosts() for draft in drafts}, given_profile()
-    return [{draft: StepPlanner(costs[draft], draft, time_target, given, observer, probe_share) for draft in drafts}
-            for _ in range(lanes)]
+    return [{draft: StepPlanner(costs[draft], draft, time_target, given, observer, probe_share, overlap=overlap)
+             for draft in drafts} for _ in range(lanes)]

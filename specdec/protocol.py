@@ -44,14 +44,19 @@ class HistoryDelta:
     length: int  # of the full history, tail included
     tail: list[int]  # the last len(tail) tokens: those committed since the previous call
     full: bool  # the tail is the whole history: create or replace the session
+    # Tokens the worker holds past length - len(tail) that the history does not have: a round
+    # drafted ahead (ProposeItem.ahead) on candidates that verification then rejected. Dropped first.
+    drop: int = 0
 
 
-def delta_for(sample, synced_length: int | None) -> HistoryDelta:
-    """What a worker that last saw the first `synced_length` tokens of a sample's history needs (None:
-    it saw nothing); `sample` a sequences.SampleState (its `length` and `since` build no history)."""
+def delta_for(sample, synced_length: int | None, drop: int = 0, ahead: Sequence[int] = ()) -> HistoryDelta:
+    """What a worker that last saw the first `synced_length` tokens of a sample's history, and
+    `drop` tokens past them the history does not have, needs (None: it saw nothing); `sample` a
+    sequences.SampleState (its `length` and `since` build no history). `ahead`: tokens sent after
+    the history as if committed (a round drafted ahead drafts after the candidates being verified)."""
     if synced_length is None:
-        return HistoryDelta(sample.length, sample.history, full=True)
-    return HistoryDelta(sample.length, sample.since(synced_length), full=False)
+        return HistoryDelta(sample.length + len(ahead), sample.history + list(ahead), full=True)
+    return HistoryDelta(sample.length + len(ahead), sample.since(synced_length) + list(ahead), full=False, drop=drop)
 
 
 def ids_in_range(ids: Sequence[int], vocab_size: int) -> bool:
@@ -65,19 +70,24 @@ def history_from_delta(held: list[int] | None, delta: HistoryDelta, vocab_size: 
     malformed delta.
 
     Worked example: held = [p1..p7]; delta = (10, [y1 y2 y'], not full) -> 7 == 10 - 3, so the
-    history is [p1..p7 y1 y2 y']. With held = None -> None.
+    history is [p1..p7 y1 y2 y']. With held = None -> None. With held = [p1..p7 c1 c2] (a round
+    drafted ahead after candidates c1 c2; c1 was accepted, y' came instead of c2) and delta = (9, [y'],
+    not full, drop 1) -> it holds 9 - 1 + 1 tokens: it keeps 8, and the history is [p1..p7 c1 y'].
     """
     if delta.length < 1:
         raise InvalidRequestError(f"history-length must be at least 1, got {delta.length}")
+    if delta.drop < 0:
+        raise InvalidRequestError(f"history drop must be at least 0, got {delta.drop}")
     if not ids_in_range(delta.tail, vocab_size):
         raise InvalidRequestError(f"history token ids must be in [0, {vocab_size})")
     if delta.full:
         if len(delta.tail) != delta.length:
             raise InvalidRequestError(f"a full history must send all {delta.length} tokens, got {len(delta.tail)}")
         return list(delta.tail)
-    if held is None or len(held) != delta.length - len(delta.tail):
+    base = delta.length - len(delta.tail)
+    if held is None or len(held) != base + delta.drop:
         return None
-    return held + list(delta.tail)
+    return held[:base] + list(delta.tail)
 
 
 SEED_BITS = 63
@@ -160,6 +170,14 @@ class ProposeItem:
     # verifications' since the previous call; from 0 with a full history). None: none this call.
     features: torch.Tensor | None = None
     features_start: int = 0
+    # Drafted ahead, while the previous round verifies (loop.py): the history ends in that round's
+    # candidates, not yet verified, and the first token drafted guesses its bonus token. The guess
+    # draws its random numbers as role "draft-guess", the candidates after it those of the round
+    # they become (`seed` is that round's): a round kept from ahead is the one drafted after the
+    # verdict would be (same history, same numbers), so a seeded request's output does not depend
+    # on whether its rounds were drafted ahead. Whether one is kept depends on the verdict and the
+    # guess only, never on those numbers: a round drafted again after one was thrown away may reuse them.
+    ahead: bool = False
 
 
 @dataclass

@@ -48,6 +48,9 @@ class DraftRow:
     num_generated: int  # tokens generated before this round
     sampling: SamplingParams
     generator: torch.Generator | None  # sampled rows only: a greedy round draws nothing
+    # A round drafted ahead (ProposeItem.ahead): its first token, the guess of the bonus token, draws
+    # from this; the candidates after it from `generator`.
+    guess_generator: torch.Generator | None = None
 
 
 # sampling -> a function applied to the draft's logits [N, V] of rows with that sampling before they
@@ -138,7 +141,9 @@ def draw(active: list[_Drafting], outputs: DraftOutputs, logits_filter: LogitsFi
     reads = any(not p.greedy or d.row.policy.traits.reads_distribution for d, p in zip(active, params))
     probs = probs_by_params(logits, params) if reads else None  # [A, V]
     if ahead is None:
-        tokens, judged = choose_tokens(logits, probs, params, [d.row.generator for d in active]), [None] * len(active)
+        generators = [d.row.guess_generator if d.row.guess_generator is not None and not d.proposal.candidates
+                      else d.row.generator for d in active]
+        tokens, judged = choose_tokens(logits, probs, params, generators), [None] * len(active)
     else:
         tokens, judged = ahead.tokens, ahead.judged
     return [DraftStep(len(d.proposal.candidates) + 1, y, probs[b] if probs is not None else None, d.prev_hidden,

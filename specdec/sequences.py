@@ -17,7 +17,7 @@ from specdec.policies import PolicyTraits, policy_traits, resolve_policy
 
 if TYPE_CHECKING:
     from specdec.cost_profile import CostProfile
-    from specdec.protocol import Role
+    from specdec.protocol import Proposal, Role
 
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -92,6 +92,7 @@ class LoopSample:
     done: asyncio.Future  # the sample's outcome: set once its workers' caches are released
     round_index: int = 0  # rounds committed: with the request's seed, where a round's random numbers come from
     error: BaseException | None = None
+    ahead: Proposal | None = None  # its next round, drafted while the last one verified (loop.py)
 
     @property
     def traits(self) -> PolicyTraits:
@@ -204,10 +205,11 @@ class RequestRules:
     # ----------------------------------------------------------------------------------------
     # Rounds
 
-    def candidate_budget(self, seq: SampleState, params: GenerationParams) -> int:
+    def candidate_budget(self, seq: SampleState, params: GenerationParams, ahead: int = 0) -> int:
         """Most candidates worth drafting: a round commits K + 1 tokens, so never draft past the
-        token budget or the context."""
-        left = min(params.max_new_tokens - len(seq.generated), self.max_context - seq.length)
+        token budget or the context; `ahead` tokens after the history (a round drafted ahead, after
+        the K + 1 of the round being verified) count as generated."""
+        left = min(params.max_new_tokens - len(seq.generated), self.max_context - seq.length) - ahead
         return max(left - 1, 0)
 
     def commit(self, seq: SampleState, tokens: list[int], params: GenerationParams) -> tuple[list[int], str]:

@@ -18,6 +18,18 @@ Drafts:
   trimmed output rows, the fuse and reduce projections) at the bandwidth the 7B pass reached.
   Every such row says `estimated`.
 
+`overlap`: the same draft on a device (or process) of its own drafting each session's next round
+while the target verifies this one (loop.py, BatchConfig.overlap): the ahead round drafts a guess of
+the bonus token then K candidates, and is kept where all K are accepted and the guess is the
+target's token (P = S_{K+1} greedy; at T = 1 the guess matches less often than a candidate is
+accepted, so its rows are an upper bound), else drafted again after the verdict:
+
+    overlap(K) = E(K) t_target(C, 1) / (max(t_target(C, K + 1), (K + 1) t_draft(C)) + (1 - S_{K+1}) K t_draft(C))
+
+for one session (at C > 1 the next step drafts unless every session hit: the rows say so only at
+C = 1). Its ceiling, every candidate accepted, is t_target(C, 1) / t_draft(C): a draft step is what
+every token waits for once the target's pass is hidden behind it.
+
 Policy: `best-fixed` is the fixed K that is best in hindsight for this acceptance and these costs
 (the adaptive rule chooses K per round and can beat it). `+host` adds the host time per pass that
 bench.py's loop section measured (the static cache's loop where the run has it, while decoding
@@ -127,6 +139,15 @@ def speedup(survive: list[float], k: int, t_draft: float, target: dict[int, floa
     if verify is None or k > len(survive):
         return None
     return expected_tokens(survive[:k]) * (target[1] + host_plain) / (k * t_draft + verify + host_round)
+
+
+def overlapped_speedup(survive: list[float], k: int, t_draft: float, target: dict[int, float]) -> float | None:
+    """E(k) plain steps over one round with the next drafted while it verifies (module docstring)."""
+    verify = interpolate(target, k + 1)
+    if verify is None or k + 1 > len(survive):
+        return None
+    phase = max(verify, (k + 1) * t_draft) + (1.0 - survive[k]) * k * t_draft
+    return expected_tokens(survive[:k]) * target[1] / phase
 
 
 def weight_bytes(name: str) -> int:
@@ -258,6 +279,10 @@ def project(passes: dict, loop: dict, feature: dict, acceptance: dict, mode: str
                 by_k = {k: speedup(survive, k, draft, target) for k in range(1, len(survive) + 1)}
                 by_k = {k: s for k, s in by_k.items() if s is not None}
                 best = max(by_k, key=by_k.get)
+                ahead = {k: overlapped_speedup(survive, k, draft, target) for k in range(1, len(survive))}
+                ahead = {k: s for k, s in ahead.items() if s is not None}
+                # a feature draft reads the target's states of the candidates: it cannot draft ahead of them
+                best_ahead = max(ahead, key=ahead.get) if ahead and batch == 1 and draft_name != FEATURE else None
                 host_plain, host_spec = host_per_pass(loop, "target-only", batch), host_per_pass(loop, "fixed", batch)
                 with_host = served = None
                 if host_plain is not None and host_spec is not None:
@@ -269,6 +294,8 @@ def project(passes: dict, loop: dict, feature: dict, acceptance: dict, mode: str
                              "policy": "best-fixed", "k": best, "speedup": round(by_k[best], 3),
                              "speedup_with_host": None if with_host is None else round(with_host, 3),
                              "speedup_served": None if served is None else round(served, 3),
+                             "speedup_overlap": None if best_ahead is None else round(ahead[best_ahead], 3),
+                             "k_overlap": best_ahead,
                              "draft_ms": round(draft, 3), "target_ms": round(target[1], 3),
                              "draft_cost": costs, "target_cost": target_cost(passes, name), "by_k": {k: round(by_k[k], 3) for k in (1, 3, 7) if k in by_k}})
     return rows
@@ -383,13 +410,16 @@ def main() -> None:
           f"{args.feature_acceptance.relative_to(ROOT) if args.feature_acceptance.is_relative_to(ROOT) else args.feature_acceptance}"
           f" (free-running, code); costs: {args.mode} passes (feature draft: measured where bench.py timed it, "
           f"else estimated; a target shape no run timed: the {BANDWIDTH_SHAPE} passes scaled by weight bytes, est.)\n")
-    print("| draft | target | T | C | draft ms | target ms k=1 | K=1 | K=3 | K=7 | best K | speedup | +host | served |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| draft | target | T | C | draft ms | target ms k=1 | K=1 | K=3 | K=7 | best K | speedup | +host | served "
+          "| overlap (K) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         cells = [f"{row['by_k'][k]:.2f}x" if k in row["by_k"] else "-" for k in (1, 3, 7)]
         host, served = (f"{row[key]:.2f}x" if row[key] is not None else "-" for key in ("speedup_with_host", "speedup_served"))
+        overlap = f"{row['speedup_overlap']:.2f}x ({row['k_overlap']})" if row["speedup_overlap"] is not None else "-"
         print(f"| {row['draft']} | {row['target']} | {row['temperature']:g} | {row['concurrency']} | "
-              f"{ms(row, 'draft')} | {ms(row, 'target')} | " + " | ".join(cells) + f" | {row['k']} | {row['speedup']:.2f}x | {host} | {served} |")
+              f"{ms(row, 'draft')} | {ms(row, 'target')} | " + " | ".join(cells) +
+              f" | {row['k']} | {row['speedup']:.2f}x | {host} | {served} | {overlap} |")
     for (draft, temperature), survive in acceptance.items():
         print(f"\nS_j {draft} T={temperature:g}:", ", ".join(f"{s:.3f}" for s in survive))
     if replayed:

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"\"\n\x0bSessionRefs\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\")\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x02 \x03(\x08J\x04\x08\x01\x10\x02\"B\n\x0cHistoryDelta\x12\x16\n\x0ehistory_length\x18\x01 \x01(\x05\x12\x0c\n\x04tail\x18\x02 \x03(\x05\x12\x0c\n\x04\x66ull\x18\x03 \x01(\x08\"C\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\"L\n\tRoundSeed\x12\x14\n\x0crequest_seed\x18\x01 \x01(\x04\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x13\n\x0bround_index\x18\x03 \x01(\x05\"<\n\x0c\x44istribution\x12\x11\n\ttoken_ids\x18\x03 \x01(\x0c\x12\r\n\x05probs\x18\x04 \x01(\x0cJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"\x99\x02\n\x0b\x43ostProfile\x12\x12\n\nt_draft_ms\x18\x01 \x01(\x01\x12;\n\x0bt_target_ms\x18\x02 \x03(\x0b\x32&.specdec.v1.CostProfile.TTargetMsEntry\x12\x42\n\x0ft_draft_rows_ms\x18\x03 \x03(\x0b\x32).specdec.v1.CostProfile.TDraftRowsMsEntry\x12\x0e\n\x06source\x18\x04 \x01(\t\x1a\x30\n\x0eTTargetMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x33\n\x11TDraftRowsMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"E\n\nPassTiming\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x05\x12\n\n\x02ms\x18\x03 \x01(\x01\x12\r\n\x05probe\x18\x04 \x01(\x08\"V\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x01(\r\x12\r\n\x05reads\x18\x03 \x01(\r\x12\x0e\n\x06hidden\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"\"\n\x0bSessionRefs\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\")\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x02 \x03(\x08J\x04\x08\x01\x10\x02\"P\n\x0cHistoryDelta\x12\x16\n\x0ehistory_length\x18\x01 \x01(\x05\x12\x0c\n\x04tail\x18\x02 \x03(\x05\x12\x0c\n\x04\x66ull\x18\x03 \x01(\x08\x12\x0c\n\x04\x64rop\x18\x04 \x01(\x05\"C\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\"L\n\tRoundSeed\x12\x14\n\x0crequest_seed\x18\x01 \x01(\x04\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x13\n\x0bround_index\x18\x03 \x01(\x05\"<\n\x0c\x44istribution\x12\x11\n\ttoken_ids\x18\x03 \x01(\x0c\x12\r\n\x05probs\x18\x04 \x01(\x0cJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"\x99\x02\n\x0b\x43ostProfile\x12\x12\n\nt_draft_ms\x18\x01 \x01(\x01\x12;\n\x0bt_target_ms\x18\x02 \x03(\x0b\x32&.specdec.v1.CostProfile.TTargetMsEntry\x12\x42\n\x0ft_draft_rows_ms\x18\x03 \x03(\x0b\x32).specdec.v1.CostProfile.TDraftRowsMsEntry\x12\x0e\n\x06source\x18\x04 \x01(\t\x1a\x30\n\x0eTTargetMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x33\n\x11TDraftRowsMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"E\n\nPassTiming\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x05\x12\n\n\x02ms\x18\x03 \x01(\x01\x12\r\n\x05probe\x18\x04 \x01(\x08\"V\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x01(\r\x12\r\n\x05reads\x18\x03 \x01(\r\x12\x0e\n\x06hidden\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,21 +42,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASERESPONSE']._serialized_start=75
   _globals['_RELEASERESPONSE']._serialized_end=116
   _globals['_HISTORYDELTA']._serialized_start=118
-  _globals['_HISTORYDELTA']._serialized_end=184
-  _globals['_SAMPLINGPARAMS']._serialized_start=186
-  _globals['_SAMPLINGPARAMS']._serialized_end=253
-  _globals['_ROUNDSEED']._serialized_start=255
-  _globals['_ROUNDSEED']._serialized_end=331
-  _globals['_DISTRIBUTION']._serialized_start=333
-  _globals['_DISTRIBUTION']._serialized_end=393
-  _globals['_COSTPROFILE']._serialized_start=396
-  _globals['_COSTPROFILE']._serialized_end=677
-  _globals['_COSTPROFILE_TTARGETMSENTRY']._serialized_start=576
-  _globals['_COSTPROFILE_TTARGETMSENTRY']._serialized_end=624
-  _globals['_COSTPROFILE_TDRAFTROWSMSENTRY']._serialized_start=626
-  _globals['_COSTPROFILE_TDRAFTROWSMSENTRY']._serialized_end=677
-  _globals['_PASSTIMING']._serialized_start=679
-  _globals['_PASSTIMING']._serialized_end=748
-  _globals['_FEATURES']._serialized_start=750
-  _globals['_FEATURES']._serialized_end=836
+  _globals['_HISTORYDELTA']._serialized_end=198
+  _globals['_SAMPLINGPARAMS']._serialized_start=200
+  _globals['_SAMPLINGPARAMS']._serialized_end=267
+  _globals['_ROUNDSEED']._serialized_start=269
+  _globals['_ROUNDSEED']._serialized_end=345
+  _globals['_DISTRIBUTION']._serialized_start=347
+  _globals['_DISTRIBUTION']._serialized_end=407
+  _globals['_COSTPROFILE']._serialized_start=410
+  _globals['_COSTPROFILE']._serialized_end=691
+  _globals['_COSTPROFILE_TTARGETMSENTRY']._serialized_start=590
+  _globals['_COSTPROFILE_TTARGETMSENTRY']._serialized_end=638
+  _globals['_COSTPROFILE_TDRAFTROWSMSENTRY']._serialized_start=640
+  _globals['_COSTPROFILE_TDRAFTROWSMSENTRY']._serialized_end=691
+  _globals['_PASSTIMING']._serialized_start=693
+  _globals['_PASSTIMING']._serialized_end=762
+  _globals['_FEATURES']._serialized_start=764
+  _globals['_FEATURES']._serialized_end=850
 # @@protoc_insertion_point(module_scope)

@@ -21,14 +21,16 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class HistoryDelta(_message.Message):
-    __slots__ = ("history_length", "tail", "full")
+    __slots__ = ("history_length", "tail", "full", "drop")
     HISTORY_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
     FULL_FIELD_NUMBER: _ClassVar[int]
+    DROP_FIELD_NUMBER: _ClassVar[int]
     history_length: int
     tail: _containers.RepeatedScalarFieldContainer[int]
     full: bool
-    def __init__(self, history_length: _Optional[int] = ..., tail: _Optional[_Iterable[int]] = ..., full: _Optional[bool] = ...) -> None: ...
+    drop: int
+    def __init__(self, history_length: _Optional[int] = ..., tail: _Optional[_Iterable[int]] = ..., full: _Optional[bool] = ..., drop: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p")

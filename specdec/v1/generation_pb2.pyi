@@ -77,7 +77,7 @@ class Completion(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("generated_tokens", "draft_forward_passes", "target_forward_passes", "rounds", "draft_tokens", "accepted_tokens", "discarded_tokens", "verification_rate", "discard_rate", "acceptance_rate", "mean_accepted_length", "acceptance_by_position", "drafted_per_position", "accepted_per_position", "k_histogram", "draft_time_s", "target_time_s", "wall_time_s", "tokens_per_s", "transport_time_s", "transport_bytes", "draft_held")
+    __slots__ = ("generated_tokens", "draft_forward_passes", "target_forward_passes", "rounds", "draft_tokens", "accepted_tokens", "discarded_tokens", "verification_rate", "discard_rate", "acceptance_rate", "mean_accepted_length", "acceptance_by_position", "drafted_per_position", "accepted_per_position", "k_histogram", "draft_time_s", "target_time_s", "wall_time_s", "tokens_per_s", "transport_time_s", "transport_bytes", "draft_held", "rounds_ahead", "rounds_ahead_used")
     class KHistogramEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,8 @@ class Stats(_message.Message):
     TRANSPORT_TIME_S_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_BYTES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_HELD_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_AHEAD_USED_FIELD_NUMBER: _ClassVar[int]
     generated_tokens: int
     draft_forward_passes: int
     target_forward_passes: int
@@ -136,7 +138,9 @@ class Stats(_message.Message):
     transport_time_s: float
     transport_bytes: int
     draft_held: _containers.ScalarMap[str, int]
-    def __init__(self, generated_tokens: _Optional[int] = ..., draft_forward_passes: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., discarded_tokens: _Optional[int] = ..., verification_rate: _Optional[float] = ..., discard_rate: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., acceptance_by_position: _Optional[_Iterable[float]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., k_histogram: _Optional[_Mapping[int, int]] = ..., draft_time_s: _Optional[float] = ..., target_time_s: _Optional[float] = ..., wall_time_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., transport_time_s: _Optional[float] = ..., transport_bytes: _Optional[int] = ..., draft_held: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    rounds_ahead: int
+    rounds_ahead_used: int
+    def __init__(self, generated_tokens: _Optional[int] = ..., draft_forward_passes: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., discarded_tokens: _Optional[int] = ..., verification_rate: _Optional[float] = ..., discard_rate: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., acceptance_by_position: _Optional[_Iterable[float]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., k_histogram: _Optional[_Mapping[int, int]] = ..., draft_time_s: _Optional[float] = ..., target_time_s: _Optional[float] = ..., wall_time_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., transport_time_s: _Optional[float] = ..., transport_bytes: _Optional[int] = ..., draft_held: _Optional[_Mapping[str, int]] = ..., rounds_ahead: _Optional[int] = ..., rounds_ahead_used: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("completions", "stats", "prompt_tokens", "request_id")

@@ -8,7 +8,7 @@ import torch
 
 from specdec.budget import (StepBudget, best_allocation, curve_probe, decide_step, draining_allocation, draining_batch,
                             drafting_pays, drafting_saving, expected_remaining, expected_tokens, geometric,
-                            hopeful_acceptance, replay_round, replay_step, who_drafts,
+                            hopeful_acceptance, overlap_saving, replay_round, replay_step, who_drafts,
                             worth_catching_up)
 from specdec.cost_profile import CostProfile, LiveCosts, PassTiming
 from specdec.features import FEATURES_DISTRIBUTION
@@ -364,3 +364,30 @@ def test_a_catch_up_is_judged_by_what_drafting_saves_as_the_batch_drains():
     assert who_drafts(LLAMACPP_AT_8, judged, 8, [130] * 8, [70.0] * 8) == [False] * 8
     torch_best = best_allocation(TORCH_AT_8, 8, 20, 0.95)
     assert draining_allocation(TORCH_AT_8, torch_best, 8, 20, 0.95, 126, 13 / 1225) == torch_best
+
+
+# ------------------------------------------------------------------------------------------------
+# Drafting the next round while the step verifies
+
+# The H200's captured passes (docs/results/gpu/2026-12-04-h200-b): the 0.5B's step, 1.5B and 7B passes.
+H200_1_5B = CostProfile(t_draft_ms=3.0, t_target_ms={1: 4.1, 2: 4.15, 4: 4.3, 8: 4.6})
+H200_7B = CostProfile(t_draft_ms=3.0, t_target_ms={1: 7.3, 2: 7.35, 4: 7.5, 8: 7.9})
+
+
+def test_drafting_ahead_pays_where_verifying_outlasts_it_and_the_two_run_at_once():
+    # 7B: a round of k = 1 drafts ahead 2 steps (6 ms) inside a 7.3 ms pass; a hit (0.8^2) saves the next step's 3 ms
+    assert overlap_saving(H200_7B, [1], 0.8, 2, (1.0, 1.0)) == pytest.approx(0.64 * 3.0 - 0.0, abs=0.05)
+    # k = 3 drafts ahead 12 ms, 4.5 more than the pass: the saving (0.41 of 9 ms) does not cover it
+    assert overlap_saving(H200_7B, [3], 0.8, 4, (1.0, 1.0)) < 0
+    # in process the calls run one after the other: the phase's wall is their sum, never a saving
+    serial = (7.35 + 6.0) / 7.35
+    assert overlap_saving(H200_7B, [1], 0.8, 2, (1.0, serial)) < 0
+    # the 1.5B's pass barely outlasts one draft step: k = 1 saves 0.1 ms in expectation, k = 2 costs
+    assert overlap_saving(H200_1_5B, [1], 0.8, 2, (1.0, 1.0)) < 0.5
+    assert overlap_saving(H200_1_5B, [2], 0.8, 3, (1.0, 1.0)) < 0
+
+
+def test_drafting_ahead_for_many_sessions_saves_only_where_every_one_hits():
+    """The next step's draft call is saved only where no session missed; the ones that missed draft as usual."""
+    one, eight = overlap_saving(H200_7B, [1], 0.8, 2, (1.0, 1.0)), overlap_saving(H200_7B, [1] * 8, 0.8, 16, (1.0, 1.0))
+    assert eight < one

@@ -31,6 +31,7 @@ from specdec.engine import SpecDecEngine
 from specdec.features import FEATURES_DISTRIBUTION, SCALAR_FEATURES
 from specdec.params import GenerationParams
 from specdec.head import AcceptanceHead, HeadConfig
+from specdec.loop import BatchConfig
 from specdec.metrics import RequestStats
 from specdec.models.runtime import DraftRuntime, TargetRuntime
 from specdec.models.static import StaticOptions
@@ -83,12 +84,14 @@ def random_head(hidden_size: int, seed: int) -> AcceptanceHead:
     return AcceptanceHead(HeadConfig(hidden_size=hidden_size, depth=1, draft_identity="test")).eval()
 
 
-def make_engine(vocab: int, layers: int, model_seed: int, noise: float, noise_seed: int) -> SpecDecEngine:
+def make_engine(vocab: int, layers: int, model_seed: int, noise: float, noise_seed: int,
+                batch: BatchConfig = BatchConfig()) -> SpecDecEngine:
     target = tiny_model(vocab, hidden_size=16, layers=layers, seed=model_seed, init_range=0.5)
     draft = noisy_copy(target, noise, noise_seed)
     graphs = StaticOptions(graphs=True)
     return SpecDecEngine(DraftRuntime(draft.to(DEVICE), kv=KV, static=graphs),
-                         TargetRuntime(target.to(DEVICE), kv=KV, static=graphs), head=random_head(16, seed=11))
+                         TargetRuntime(target.to(DEVICE), kv=KV, static=graphs), head=random_head(16, seed=11),
+                         batch=batch)
 
 
 @pytest.fixture(scope="module")
@@ -305,6 +308,73 @@ def test_sessions_with_different_k_in_one_pass_stay_lossless(sampled_engine):
             expected = target_joint(sampled_engine.target.model, SAMPLED_PROMPT, sampling, length)
             pvalue = chi2_pvalue(prefix_counts(completions, length, SAMPLED_VOCAB), expected)
             assert pvalue > SIGNIFICANCE, f"{policies[p]}, first {length} token(s): chi-squared p = {pvalue:.2e}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Rounds drafted while the round before verifies (BatchConfig.overlap)
+
+OVERLAP_ON = BatchConfig(overlap="on")
+
+
+@pytest.mark.parametrize("sampling_name", ["temperature-1", "top-k-3"])
+@pytest.mark.parametrize("policy_name", ["fixed", "specdec++"])
+def test_sampled_outputs_with_rounds_drafted_ahead_follow_the_target_distribution(policy_name, sampling_name):
+    """Every round drafted ahead after the candidates being verified, its first token a guess of the
+    bonus token: kept where all were accepted and the guess is the target's token, else thrown
+    away and drafted again with fresh random numbers. Both happen, and the outputs follow the target."""
+    engine = make_engine(SAMPLED_VOCAB, layers=1, model_seed=0, noise=0.1, noise_seed=100, batch=OVERLAP_ON)
+    sampling, policy = SAMPLINGS[sampling_name], policy_config(policy_name, sampling_name)
+    requests = [GenerationParams(max_new_tokens=SAMPLED_NEW_TOKENS + 3, n=MAX_SAMPLES_PER_REQUEST, policy=policy,
+                                 sampling=sampling.model_copy(update={"seed": 5000 + request}))
+                for request in range(SAMPLES_PER_CASE // MAX_SAMPLES_PER_REQUEST)]
+    results = run_together(engine, requests)
+    stats = RequestStats()
+    for result in results:
+        stats.merge(result.stats)
+    assert 0 < stats.rounds_ahead_used < stats.rounds_ahead, (stats.rounds_ahead_used, stats.rounds_ahead)
+    completions = [c.token_ids for result in results for c in result.completions]
+    for length in (1, 2, 3, 4):
+        expected = target_joint(engine.target.model, SAMPLED_PROMPT, sampling, length)
+        pvalue = chi2_pvalue(prefix_counts(completions, length, SAMPLED_VOCAB), expected)
+        assert pvalue > SIGNIFICANCE, f"first {length} token(s): chi-squared p = {pvalue:.2e}"
+
+
+def test_a_seeded_request_draws_the_same_with_rounds_drafted_ahead_or_not():
+    """A round kept from ahead draws the numbers the round drafted after the verdict would (its guess
+    draws its own): whether the planner overlapped a step changes no seeded output."""
+    def outputs(overlap: str) -> list[list[list[int]]]:
+        engine = make_engine(SAMPLED_VOCAB, layers=1, model_seed=0, noise=0.1, noise_seed=100,
+                             batch=BatchConfig(overlap=overlap))
+        runs = []
+        for policy_name in POLICIES:
+            params = GenerationParams(max_new_tokens=12, n=8, policy=policy_config(policy_name, "temperature-1"),
+                                      sampling=SamplingParams(temperature=1.0, seed=7))
+            result = engine.generate_ids(SAMPLED_PROMPT, params)
+            assert (result.stats.rounds_ahead_used > 0) == (overlap == "on")
+            runs.append([c.token_ids for c in result.completions])
+        return runs
+
+    assert outputs("on") == outputs("off")
+
+
+@pytest.mark.parametrize("overlap", ["on", "auto"])
+def test_greedy_output_with_rounds_drafted_ahead_equals_target_greedy(overlap):
+    """`on`: every policy's rounds drafted ahead where they may be, kept and thrown away, and the
+    output is the target's. `auto` in process: the calls run one after the other, so the planner
+    measures that drafting ahead costs its whole time, and turns it off after the step that measured it."""
+    engine = make_engine(GREEDY_VOCAB, layers=2, model_seed=3, noise=0.05, noise_seed=7, batch=BatchConfig(overlap=overlap))
+    total = RequestStats()
+    for policy_name in POLICY_NAMES if overlap == "on" else ["fixed"]:
+        k = {"fixed": 3, "heuristic": 2}.get(policy_name)
+        params = GenerationParams(max_new_tokens=GREEDY_NEW_TOKENS, policy=PolicyConfig(name=policy_name, k=k))
+        for prompt in GREEDY_PROMPTS:
+            result = engine.generate_ids(prompt, params)
+            assert result.completions[0].token_ids == target_greedy(engine.target.model, prompt, GREEDY_NEW_TOKENS)
+            total.merge(result.stats)
+    if overlap == "on":
+        assert 0 < total.rounds_ahead_used < total.rounds_ahead
+    else:
+        assert total.rounds > 10 and total.rounds_ahead == 1
 
 
 def test_chi2_helper_rejects_a_wrong_distribution():

@@ -23,7 +23,7 @@ from specdec.sequences import DraftTraits
 from specdec.engine import SpecDecEngine
 from specdec.errors import InvalidRequestError
 from specdec.calls import RetryPolicy
-from specdec.loop import RoundLoop
+from specdec.loop import BatchConfig, RoundLoop
 from specdec.params import build_params
 from specdec.protocol import HistoryDelta, RoundSeed, VerifyItem, history_from_delta
 from specdec.sampling import SamplingParams
@@ -217,6 +217,40 @@ def test_seeded_sampling_matches_engine(servers, tiny_engine, top_k, top_p):
     assert (result.completions[0].token_ids, result.completions[0].finish_reason) == \
         engine_ids(tiny_engine, PROMPTS[0], params)
     assert result.stats.draft_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def agreeing_engine(tiny_pair):
+    """The tiny target drafting for itself, the draft int8: they agree mostly, not always."""
+    from specdec.builder import EngineConfig, build_engine
+
+    return build_engine(EngineConfig(draft=str(tiny_pair[1]), target=str(tiny_pair[1])), progress=False)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rounds_drafted_ahead_over_grpc_equal_the_engines(agreeing_engine, temperature):
+    """Every round drafted while the one before verifies (overlap on), the draft's and the
+    verifier's calls at once over gRPC: the outputs are the in-process loop's with overlap on, and
+    greedy, the engine's without. The draft is told to drop the candidates verification rejected
+    (HistoryDelta.drop) rather than sent the whole history again."""
+    engine, overlap = agreeing_engine, BatchConfig(overlap="on")
+    params = build_params(policy="fixed", k=3, temperature=temperature, seed=99, max_new_tokens=MAX_NEW_TOKENS)
+    servers = Servers(engine)
+    try:
+        transport = RecordingTransport(*servers.addresses)
+        [served] = run(RoundLoop(transport, engine.rules, overlap), [(PROMPTS[0], params)])
+        drafts = [full for role, _, full, _ in transport.sent if role == "draft"]
+        assert drafts[0] and not any(drafts[1:])  # the prompt once in full, then deltas only
+        assert len(servers.draft.sessions) == len(servers.verifier.sessions) == 0
+    finally:
+        servers.stop()
+    [local] = run(RoundLoop(engine.loop.calls.transport, engine.rules, overlap), [(PROMPTS[0], params)])
+    assert served.completions[0].token_ids == local.completions[0].token_ids
+    if temperature == 0.0:
+        assert served.completions[0].token_ids == engine_ids(engine, PROMPTS[0], params)[0]
+    assert served.stats.rounds_ahead == local.stats.rounds_ahead > served.stats.rounds_ahead_used
+    if temperature == 0.0:  # sampled, the guess matches the target's bonus token where their draws agree (seldom here)
+        assert served.stats.rounds_ahead_used > 0 and served.stats.discarded_tokens > 0
 
 
 @pytest.fixture(scope="module")
@@ -671,6 +705,11 @@ def test_history_delta_worked_example():
     assert history_from_delta(None, delta, vocab_size=100) is None
     assert history_from_delta(held[:-1], delta, vocab_size=100) is None  # length mismatch
     assert history_from_delta(held, HistoryDelta(2, [3, 4], full=True), vocab_size=100) == [3, 4]
+    # a round drafted ahead after candidates 8 9: 8 was accepted, then 5 came instead of 9
+    assert history_from_delta(held + [8, 9], HistoryDelta(9, [5], full=False, drop=1), 100) == held + [8, 5]
+    assert history_from_delta(held + [8], HistoryDelta(9, [5], full=False, drop=1), 100) is None
+    with pytest.raises(InvalidRequestError, match="drop"):
+        history_from_delta(held, HistoryDelta(9, [5], full=False, drop=-1), vocab_size=100)
     with pytest.raises(InvalidRequestError, match="full history"):
         history_from_delta(None, HistoryDelta(3, [3, 4], full=True), vocab_size=100)
 
