@@ -43,3 +43,25 @@ def random_feature_draft(config, device: torch.device, dtype: torch.dtype):
         draft = FeatureDraft(draft_config, torch.randn(config.vocab_size, hidden, dtype=dtype),
                              torch.randn(rows, hidden, dtype=dtype), torch.arange(rows))
     return draft.to(device=device, dtype=dtype).eval()
+
+
+def padded(model: Qwen2ForCausalLM, extra: int) -> Qwen2ForCausalLM:
+    """A copy of `model` with `extra` decoder layers after its own that add nothing to the residual
+    stream (their output projections are zero): the same function at the cost of a deeper model. A
+    target padded so agrees with its unpadded draft on every token, and the draft's step costs a
+    chosen share of the target's pass."""
+    import copy
+
+    deeper = copy.deepcopy(model)
+    layers = deeper.model.layers
+    for _ in range(extra):
+        layer = copy.deepcopy(layers[-1])
+        layer.self_attn.layer_idx = len(layers)
+        with torch.no_grad():
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        layers.append(layer)
+    deeper.config.num_hidden_layers = len(layers)
+    if getattr(deeper.config, "layer_types", None):
+        deeper.config.layer_types = list(deeper.config.layer_types) + [deeper.config.layer_types[-1]] * extra
+    return deeper

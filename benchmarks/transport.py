@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.models import VOCAB, random_feature_draft, tiny_model
+from benchmarks.models import VOCAB, padded, random_feature_draft, tiny_model
 from specdec.bench.forward import synthetic_tokens
 from specdec.engine import SpecDecEngine
 from specdec.loop import BatchConfig, RoundLoop
@@ -81,11 +81,12 @@ class Pair:
     kv: str = "slots"
     static: StaticOptions = StaticOptions()
     feature: bool = False
+    pad: int = 0  # the target: the model with this many layers that add nothing (models.py `padded`)
 
     def runtimes(self) -> tuple[DraftRuntime, TargetRuntime]:
         torch.manual_seed(0)
         model = self.build(*self.args)
-        target = TargetRuntime(model, kv=self.kv, static=self.static)
+        target = TargetRuntime(padded(model, self.pad) if self.pad else model, kv=self.kv, static=self.static)
         if not self.feature:
             return DraftRuntime(model, kv=self.kv, static=self.static), target
         from specdec.models.feature_runtime import FeatureDraftRuntime

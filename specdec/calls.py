@@ -65,6 +65,12 @@ class RoundTransport(Protocol):
         """`draft`: the sessions' draft, for role "draft"."""
 
 
+def calls_overlap(transport: RoundTransport) -> bool:
+    """Whether a Propose and a Verify it carries at once can run at once (`serial` unset or False);
+    a transport whose calls run one after the other says `serial = True`."""
+    return not getattr(transport, "serial", False)
+
+
 @dataclass
 class RetryPolicy:
     """How long a session waits for a replica to come back (a restart takes seconds)."""
@@ -308,7 +314,10 @@ class LocalTransport:
     verifier linked to the feature drafts (workers.py `FeatureLink`): their sessions' verdicts come
     back without states, so the wire relays none and asks for them from 0, and the verifier reads
     them from where the draft's session holds them. `draft`: one draft's worker, or each draft's by
-    name (the first is the default)."""
+    name (the first is the default). Its calls run one after the other (`serial`): nothing is
+    drafted ahead in process unless asked for (BatchConfig.overlap "on")."""
+
+    serial = True
 
     def __init__(self, draft: DraftWorker | dict[str, DraftWorker], verifier: VerifierWorker):
         self.drafts = dict(draft) if isinstance(draft, dict) else {DEFAULT_DRAFT: draft}

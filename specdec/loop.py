@@ -5,6 +5,7 @@
         plan = planner.plan(batch)              # who calls the draft (planner.py: the costs measured here)
         proposals = calls.propose(plan)         # one batched call per draft: its sessions' rounds
         verdicts = calls.verify(proposals)      # one batched call: a ragged target pass, rollback per session
+          ‖ calls.propose_ahead(...)            # where it pays: the next rounds drafted meanwhile
         for s in batch: commit(s); decide(s)    # history, stream, stop conditions; finished sessions leave
         planner.observe(outcomes, timings)      # the rounds' acceptance, the passes' costs
 
@@ -22,8 +23,13 @@ Sessions of different drafts (`GenerationParams.draft`) share a step: each draft
 its sessions and each draft drafts them (concurrently where served), then one Verify checks all.
 What shares a pass changes only rounding (fp32), and the output is the target's whatever the draft
 proposes; the one visible effect is the int8 draft's (models/formats.py): it scales activations per
-pass, so a seeded sampled request's draws may depend on what shares its draft steps, while greedy
-outputs never do.
+pass, so a seeded sampled request's draws may depend on what shares its draft steps, and on whether
+its rounds were drafted ahead (which cuts its passes otherwise), while greedy outputs never do.
+
+Drafting ahead (`BatchConfig.overlap`, PEARL's post-verify): while a step verifies, the sessions the
+planner chooses draft their next round after the candidates being verified, its first token a guess
+of the bonus token (`_keep_ahead` says when it is kept). Where the draft has a device or process of
+its own, the step then costs the larger of verifying and drafting ahead instead of their sum.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specdec.budget import PROBE_SHARE
-from specdec.calls import NO_PROPOSAL, RetryPolicy, RoundCalls, RoundTransport
+from specdec.calls import NO_PROPOSAL, RetryPolicy, RoundCalls, RoundTransport, calls_overlap
 from specdec.errors import InvalidRequestError
 from specdec.metrics import MS_PER_S, RequestStats
 from specdec.params import FINISH_LENGTH, GenerationParams, validation_message
@@ -104,8 +110,10 @@ class RoundLoop:
                  probe_share: float = PROBE_SHARE):
         self.rules, self.batch, self.observer = rules, batch, observer
         self.calls = RoundCalls(transport, rules, retry, observer)
+        # "auto" overlaps nothing where the calls cannot run at once (in process)
+        overlap = "off" if batch.overlap == "auto" and not calls_overlap(transport) else batch.overlap
         self._planners = lane_planners(batch.lanes, list(rules.drafts), self.calls.time_target, observer, probe_share,
-                                       batch.overlap)
+                                       overlap)
         # each draft's live profile, shared by the lanes (the workers' probes seed it)
         self.costs = {draft: planner.costs for draft, planner in self._planners[0].items()}
         self._lanes: list[list[LoopSample]] = [[] for _ in range(batch.lanes)]

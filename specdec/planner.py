@@ -28,10 +28,10 @@ Four things are called a probe:
 After the step's Propose, `ahead` decides who drafts its next round while the step verifies
 (BatchConfig.overlap; loop.py): in `auto`, where `budget.overlap_saving` expects it to save time,
 pricing the verify phase with factors measured on the steps (`observe_phase`: its wall over its
-priced time, with and without rounds drafted ahead). In process the calls run one after the other
-and the factor shows it; served, draft and verifier work at once where they do not share cores.
-Until that factor is measured, and once every OVERLAP_PROBE_STEPS steps it could have overlapped
-while it is off, a step overlaps to measure it.
+priced time, with and without rounds drafted ahead): served, draft and verifier work at once where
+they do not share cores, and the factor says how far they do. Until it is measured, and once every
+OVERLAP_PROBE_STEPS steps that could have overlapped while it is off, a step overlaps to measure it.
+In process the calls run one after the other: the loop plans no overlap there (`auto` is off).
 """
 
 from __future__ import annotations

@@ -541,3 +541,30 @@ def test_no_longer_pass_is_timed_while_no_session_catches_up(tiny_engine):
     assert loop.planners[0].drafting and transport.candidates == 0 and transport.pass_probes == [], transport.pass_probes
     plain = build_params(policy="target-only", max_new_tokens=1)
     assert result.completions[0].token_ids == expected(tiny_engine, prompt, plain)
+
+
+def test_the_planner_drafts_ahead_where_its_measured_phase_says_it_pays():
+    """A 7B-like pass (7.3 ms) and a 3 ms draft step, one session of k = 1: drafting ahead is tried
+    to measure it, kept where the verify phase with it costs the larger of the two (7.4 ms), and
+    turned off where it costs their sum (13.35 ms: the calls wait on each other), then tried again
+    once every OVERLAP_PROBE_STEPS steps."""
+    from specdec.cost_profile import CostProfile, LiveCosts
+    from specdec.planner import OVERLAP_PROBE_STEPS, StepPlanner
+
+    profile = CostProfile(t_draft_ms=3.0, t_target_ms={1: 7.3, 2: 7.35, 4: 7.5})
+    session = object()
+
+    def steps(overlapped_ms: float, count: int) -> list[bool]:
+        planner, chosen = StepPlanner(LiveCosts(), given=profile), []
+        for _ in range(count):
+            chosen.append(bool(planner.ahead({session: 1}, 2, 1)))
+            planner.observe_phase(overlapped_ms if chosen[-1] else 7.35)
+        return chosen
+
+    assert all(steps(7.4, 100))  # the draft on a device of its own
+    serial = steps(13.35, 1 + 3 * (OVERLAP_PROBE_STEPS + 1))
+    assert serial[0] and sum(serial) == 4  # the first, then once after every OVERLAP_PROBE_STEPS off
+    rounds = {session: 1}
+    assert StepPlanner(LiveCosts(), given=profile).ahead({}, 1, 1) == []  # nobody may draft ahead
+    assert StepPlanner(LiveCosts(), given=profile, overlap="off").ahead(rounds, 2, 1) == []
+    assert StepPlanner(LiveCosts(), overlap="on").ahead(rounds, 2, 1) == [session]  # nothing measured: on is on

@@ -127,7 +127,7 @@ def engine_ids(engine: SpecDecEngine, prompt, params) -> tuple[list[int], str]:
 @pytest.mark.parametrize("policy,k", [("target-only", None), ("fixed", 3), ("svip", 4), ("heuristic", 2)])
 def test_greedy_matches_engine_with_deltas(servers, tiny_engine, policy, k):
     transport = RecordingTransport(*servers.addresses)
-    loop = RoundLoop(transport, tiny_engine.rules)
+    loop = RoundLoop(transport, tiny_engine.rules, BatchConfig(overlap="off"))  # a round drafted ahead sends candidates
     params = build_params(policy=policy, k=k, max_new_tokens=MAX_NEW_TOKENS)
     [result] = run(loop, [(PROMPTS[0], params)])
     completion = result.completions[0]
