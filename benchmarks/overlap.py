@@ -13,7 +13,7 @@ greedy at fixed K over our gRPC round services with overlap off, on and auto (th
 from the costs and the factor it measures), runs interleaved; then in process with overlap auto.
 
 Reported per K and thread count: ms per generated token in each mode (median over runs, 10th-90th
-percentile), on/off and auto/off by pairs of runs, and the share of rounds auto drafted ahead. With
+percentile), on/off and auto/off by pairs of runs, and the share of rounds that were drafted ahead. With
 one thread a replica, the two processes have a core each: the draft is on a device of its own and
 drafting ahead can pay. With two, each pass wants both cores and the other process's pass takes
 them: the planner should find that it does not pay.
@@ -49,11 +49,11 @@ def spread(values: list[float]) -> dict:
 
 
 async def decode(loop: RoundLoop, prompt: list[int], params: GenerationParams) -> tuple[float, float]:
-    """(ms per generated token, share of rounds drafted ahead) of one request."""
+    """(ms per generated token, share of its rounds that were drafted ahead) of one request."""
     start = time.perf_counter()
     result = await loop.generate(prompt, params)
     stats = result.stats
-    return (time.perf_counter() - start) * MS_PER_S / stats.generated_tokens, stats.rounds_ahead / max(stats.rounds, 1)
+    return (time.perf_counter() - start) * MS_PER_S / stats.generated_tokens, stats.rounds_ahead_used / stats.rounds
 
 
 async def measure(pair: Pair, addresses: dict, k: int, runs: int, new_tokens: int, vocab: int) -> dict:
@@ -106,7 +106,7 @@ def main() -> None:
                 results[key] = row = asyncio.run(measure(pair, addresses, k, args.runs, args.new_tokens, args.vocab))
                 print(f"{key}: ms/token " + ", ".join(
                     f"{mode} {row[mode]['median']:.2f} [{row[mode]['p10']:.2f}, {row[mode]['p90']:.2f}]"
-                    + (f" (ahead {row[mode]['ahead_share']:.0%})" if mode in ("auto", "in_process_auto") else "")
+                    + f" (ahead {row[mode]['ahead_share']:.0%})"
                     for mode in (*MODES, "in_process_auto"))
                     + f"; on/off {row['on/off']['median']:.3f}, auto/off {row['auto/off']['median']:.3f}", flush=True)
     if args.out:

@@ -171,7 +171,8 @@ class ProposeItem:
     features: torch.Tensor | None = None
     features_start: int = 0
     # Drafted ahead, while the previous round verifies (loop.py): the history ends in that round's
-    # candidates, not yet verified, and the first token drafted guesses its bonus token. The guess
+    # candidates, not yet verified, and the first token drafted guesses its bonus token (outside the
+    # policy's round, which drafts after it; max_candidates counts it). The guess
     # draws its random numbers as role "draft-guess", the candidates after it those of the round
     # they become (`seed` is that round's): a round kept from ahead is the one drafted after the
     # verdict would be (same history, same numbers), so a seeded request's output does not depend

@@ -48,8 +48,11 @@ class DraftRow:
     num_generated: int  # tokens generated before this round
     sampling: SamplingParams
     generator: torch.Generator | None  # sampled rows only: a greedy round draws nothing
-    # A round drafted ahead (ProposeItem.ahead): its first token, the guess of the bonus token, draws
-    # from this; the candidates after it from `generator`.
+    # A round drafted ahead (ProposeItem.ahead): its first token guesses the bonus token of the round
+    # being verified, drawn from `guess_generator` (sampled) and outside the policy's round: the
+    # policy drafts its candidates after it as a round of its own, and the proposal is the guess
+    # and then they (`limit` counts the guess).
+    guess: bool = False
     guess_generator: torch.Generator | None = None
 
 
@@ -95,9 +98,24 @@ class _Drafting:
         self.row, self.proposal = row, Proposal()
         self.prev_hidden: torch.Tensor | None = None  # e_{i-1}; None while i = 1
         self.hidden: torch.Tensor | None = None  # e_{i-1}, and at i = 1 the last committed token's state
-        self.limit = min(row.limit, row.policy.round_limit())
+        self.guessing = row.guess  # its next token is the guess (DraftRow.guess)
+        self.guessed: DraftStep | None = None
+        self.limit = min(row.limit - row.guess, row.policy.round_limit())
         self.budgeted = row.policy.traits.budgeted
         self.acceptance: list[float] = []  # budgeted: a_1..a_i of the kept candidates
+
+    @property
+    def last_token(self) -> int:
+        """The token the next drafting step feeds."""
+        return self.proposal.candidates[-1] if self.proposal.candidates else self.guessed.token
+
+    def proposed(self) -> Proposal:
+        """Its proposal: the guess first where it drafted one."""
+        if self.guessed is None:
+            return self.proposal
+        probs = [self.guessed.probs] if q_travels(self.row.sampling) else []
+        return Proposal([self.guessed.token] + self.proposal.candidates, probs + self.proposal.draft_probs,
+                        self.proposal.forward_passes)
 
     @property
     def survive(self) -> float:
@@ -141,8 +159,7 @@ def draw(active: list[_Drafting], outputs: DraftOutputs, logits_filter: LogitsFi
     reads = any(not p.greedy or d.row.policy.traits.reads_distribution for d, p in zip(active, params))
     probs = probs_by_params(logits, params) if reads else None  # [A, V]
     if ahead is None:
-        generators = [d.row.guess_generator if d.row.guess_generator is not None and not d.proposal.candidates
-                      else d.row.generator for d in active]
+        generators = [d.row.guess_generator if d.guessing else d.row.generator for d in active]
         tokens, judged = choose_tokens(logits, probs, params, generators), [None] * len(active)
     else:
         tokens, judged = ahead.tokens, ahead.judged
@@ -210,7 +227,7 @@ class _Ahead:
 
     def __init__(self, draft: DraftRole, active: list[_Drafting], steps: int):
         start, self.since = time.perf_counter(), graphs_captured()  # its steps go untimed if the chain captured
-        self.outputs = draft.chain([d.row.session for d in active], [d.proposal.candidates[-1] for d in active], steps)
+        self.outputs = draft.chain([d.row.session for d in active], [d.last_token for d in active], steps)
         self.tokens, self.judged = read_ahead(self.outputs, active)
         self.ms = (time.perf_counter() - start) * MS_PER_S
         self.row = {id(d): b for b, d in enumerate(active)}
@@ -255,6 +272,7 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
     `graphs_captured`)."""
     drafting = [_Drafting(row) for row in rows]
     active = [d for d in drafting if d.row.policy.uses_draft and d.limit > 0 and (costs or not d.budgeted)]
+    # (a guessing row with no candidate after its guess drafts nothing: a guess alone is no round)
     budget = None
     if any(d.budgeted for d in active):
         sessions = len(rows) + other_sessions
@@ -270,7 +288,16 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
         for b, d in enumerate(active):
             d.proposal.forward_passes += 1
             d.hidden = outputs.hidden[b]  # the state q_i comes from (e_0 after `start`)
-        active = still_drafting(active, draw(active, outputs, logits_filter, chained), budget)
+        steps = draw(active, outputs, logits_filter, chained)
+        guessed = [b for b, d in enumerate(active) if d.guessing]
+        for b in guessed:  # a guess is no candidate: its round starts after it
+            active[b].guessing, active[b].guessed = False, steps[b]
+        if guessed:
+            judged = [b for b in range(len(active)) if b not in guessed]
+            active = [active[b] for b in guessed] + still_drafting([active[b] for b in judged],
+                                                                   [steps[b] for b in judged], budget)
+        else:
+            active = still_drafting(active, steps, budget)
         if timings is not None and graphs_captured() == since:  # a step that captured a graph prices nothing
             timings.append(PassTiming("draft", draft.fed_tokens - fed, (time.perf_counter() - start) * MS_PER_S))
         if active:
@@ -284,10 +311,10 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
                                      ahead.since)
             else:
                 chained = None
-                outputs = draft.step([d.row.session for d in active], [d.proposal.candidates[-1] for d in active])
-            for b, d in enumerate(active):
-                d.prev_hidden = outputs.hidden[b]  # e_i, read by the policy at step i + 1
-    return [d.proposal for d in drafting]
+                outputs = draft.step([d.row.session for d in active], [d.last_token for d in active])
+            for b, d in enumerate(active):  # e_i, read by the policy at step i + 1 (none at i = 1, after a guess)
+                d.prev_hidden = outputs.hidden[b] if d.proposal.candidates else None
+    return [d.proposed() for d in drafting]
 
 
 def still_drafting(active: list[_Drafting], steps: list[DraftStep], budget: StepBudget | None) -> list[_Drafting]:

@@ -271,7 +271,7 @@ class DraftWorker(Worker):
         # cannot draft yet (a feature draft's before the target's states reach its history's end).
         limit = 0 if item.probe or not ready else item.max_candidates
         return DraftRow(entry.kv, history, entry.policy, limit, item.num_generated, item.sampling,
-                        item.seed.generator("draft", item.sampling),
+                        item.seed.generator("draft", item.sampling), item.ahead,
                         item.seed.generator("draft-guess", item.sampling) if item.ahead else None)
 
 
