@@ -65,6 +65,8 @@ class Run:
     first_token_s: list[float] = field(default_factory=list)
     drafted: int = 0  # candidates verified (stats.draft_tokens), over every request
     accepted: int = 0
+    rounds: int = 0
+    rounds_ahead: int = 0  # rounds drafted while the round before verified (stats.rounds_ahead_used)
     outputs: dict[int, list[int]] = field(default_factory=dict)  # prompt index -> greedy tokens
     # served: the coordinator's live profile after the run (its /metrics; what the next run starts with)
     live_profile: dict[str, float] = field(default_factory=dict)
@@ -87,6 +89,7 @@ class Run:
         self.latency_s += other.latency_s
         self.first_token_s += other.first_token_s
         self.drafted, self.accepted = self.drafted + other.drafted, self.accepted + other.accepted
+        self.rounds, self.rounds_ahead = self.rounds + other.rounds, self.rounds_ahead + other.rounds_ahead
         for index, tokens in other.outputs.items():
             self.outputs.setdefault(index, tokens)
         if self.passes is not None and other.passes is not None:
@@ -101,7 +104,8 @@ class Run:
                 "tokens": self.tokens, "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s,
                 "latency_p50_s": pct(self.latency_s, 50), "latency_p99_s": pct(self.latency_s, 99),
                 "ttft_p50_s": pct(self.first_token_s, 50), "ttft_p99_s": pct(self.first_token_s, 99),
-                "drafted": self.drafted, "accepted": self.accepted, "per_round_tokens_per_s": self.per_round,
+                "drafted": self.drafted, "accepted": self.accepted, "rounds": self.rounds,
+                "rounds_ahead": self.rounds_ahead, "per_round_tokens_per_s": self.per_round,
                 **({"live_profile": self.live_profile} if self.live_profile else {}),
                 **(pass_split(self.passes, self.wall_s) if self.passes is not None else {})}
 
@@ -159,6 +163,8 @@ async def closed_loop(send, concurrency: int, per_client: int, pool: int, run: R
             tokens, first_s, stats = await send(index)
             run.drafted += stats.draft_tokens
             run.accepted += stats.accepted_tokens
+            run.rounds += stats.rounds
+            run.rounds_ahead += stats.rounds_ahead_used
             run.latency_s.append(time.perf_counter() - start)
             run.first_token_s.append(first_s)
             run.requests += 1
@@ -206,7 +212,7 @@ def in_process(models: EngineConfig, prompts: list[str], specs, levels: list[int
 
 
 def served(models: EngineConfig, prompts: list[str], specs, levels: list[int], per_client: Callable[[int], int],
-           max_new_tokens: int, lanes: list[int], threads: int | None) -> list[Run]:
+           max_new_tokens: int, lanes: list[int], threads: int | None, overlaps: list[str] = ["auto"]) -> list[Run]:
     import grpc
     import ray
     from ray import serve
@@ -216,9 +222,11 @@ def served(models: EngineConfig, prompts: list[str], specs, levels: list[int], p
     from specdec.v1 import generation_pb2, generation_pb2_grpc
 
     runs = []
-    for lane_count in lanes:
-        mode = "served" if lane_count == 1 else f"served, {lane_count} lanes"
-        config = AppConfig(models=models.model_copy(update={"batch": models.batch.model_copy(update={"lanes": lane_count})}),
+    for lane_count, overlap in ((lane_count, overlap) for lane_count in lanes for overlap in overlaps):
+        mode = ", ".join(["served"] + ([f"{lane_count} lanes"] if lane_count > 1 else [])
+                         + ([f"overlap {overlap}"] if overlap != "auto" else []))
+        batch = models.batch.model_copy(update={"lanes": lane_count, "overlap": overlap})
+        config = AppConfig(models=models.model_copy(update={"batch": batch}),
                            draft=ReplicaConfig(num_cpus=0.5, threads=threads),
                            verifier=ReplicaConfig(num_cpus=0.5, threads=threads))
         ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
@@ -308,9 +316,9 @@ def table(rows: list[dict]) -> str:
     in_process = {(r["policy"], r["concurrency"]): r["tokens_per_s"] for r in rows if r["mode"] == "in-process"}
     lines = ["| mode | policy | C | requests | tokens | tok/s (aggregate) | vs C=1 | vs target-only | "
              "vs target-only by round: median (range) | served / in process "
-             "| latency p50 / p99 (s) | first token p50 / p99 (s) | drafted / accepted "
+             "| latency p50 / p99 (s) | first token p50 / p99 (s) | drafted / accepted | rounds drafted ahead "
              "| target passes / tokens fed | time in target / draft / probes / rest (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = alone.get((r["mode"], r["policy"]))
         baseline = plain.get((r["mode"], r["concurrency"]))
@@ -323,7 +331,7 @@ def table(rows: list[dict]) -> str:
                      f"{by_round(r, plain_rows.get((r['mode'], r['concurrency'])))} | {ratio} | "
                      f"{r['latency_p50_s']:.1f} / {r['latency_p99_s']:.1f} | "
                      f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {r['drafted']} / {r['accepted']} | "
-                     f"{where_time_went(r)} |")
+                     f"{r['rounds_ahead']} of {r['rounds']} | {where_time_went(r)} |")
     return "\n".join(lines)
 
 
@@ -351,6 +359,9 @@ def main() -> int:
     parser.add_argument("--max-batch-sessions", type=int, default=None)
     parser.add_argument("--max-pass-tokens", type=int, default=None)
     parser.add_argument("--lanes", nargs="+", type=int, default=[1], help="served: batches in flight (1, 2)")
+    parser.add_argument("--overlap", nargs="+", default=["auto"], choices=["auto", "on", "off"],
+                        help="served: drafting the next round while a round verifies (BatchConfig.overlap), "
+                             "an app each")
     parser.add_argument("--baseline", action="store_true",
                         help="also the batch-1 reference runtime at concurrency 1 (one pass per session)")
     parser.add_argument("--threads", type=int, default=None, help="served: torch threads per replica")
@@ -389,7 +400,7 @@ def main() -> int:
     gc.collect()  # the in-process engine's models go before the served replicas load theirs
     if "served" in args.modes:
         runs += served(models, prompts, specs, levels, per_client, args.max_new_tokens,
-                       args.lanes, args.threads)
+                       args.lanes, args.threads, args.overlap)
     order = {spec.key: i for i, spec in enumerate(specs)}
     rows = [run.row() for run in sorted(runs, key=lambda r: (r.mode != "in-process", r.mode, order[r.policy], r.concurrency))]
     differ = mismatches(runs)

@@ -92,8 +92,8 @@ class Wire:
     outcomes: list[tuple[int, int]] = field(default_factory=list)  # every round's (K, n), for a draft that rebuilds
     told: int = 0  # the first `told` outcomes the draft has been told about
     telling: int = 0  # the outcomes the Propose in flight tells it (a round drafted ahead tells one fewer)
-    # Tokens the draft holds past synced["draft"] that the history does not have: the candidates
-    # verification rejected of a round a round was drafted ahead after (HistoryDelta.drop).
+    # Tokens the draft holds past synced["draft"] that the history does not have: a round was drafted
+    # ahead after candidates that verification then rejected (HistoryDelta.drop).
     drop: int = 0
     # A feature draft's inputs: the target's states are known for positions < features_at; those of
     # the verifications since the last Propose wait in `features` (they end at features_at).
@@ -193,7 +193,7 @@ class RoundCalls:
     def _propose_item(self, s: LoopSample, wire: Wire, probe: str | None = None,
                       ahead: list[int] | None = None) -> ProposeItem:
         """The session's round; `ahead`: the candidates being verified, the next round drafted after
-        them: its first token guesses the round's bonus token, then its candidates (one fewer)."""
+        them (its first token guesses their round's bonus token; the policy's round comes after it)."""
         params, full = s.request.params, wire.synced["draft"] is None
         features, features_start = wire.features_for_draft(full) if wire.reads_features else (None, 0)
         wire.telling = len(wire.outcomes)
