@@ -3,6 +3,7 @@ and the verifier in two processes on this machine.
 
     python -m benchmarks.overlap [--k 1 3] [--replica-threads 1 2] [--runs 8] [--new-tokens 96]
                                  [--hidden 384] [--layers 2] [--pad 6] [--vocab 8192] [--out FILE.json]
+    python -m benchmarks.overlap --default-pair --k 2 --replica-threads 2 --runs 4
 
 The draft is a tiny random Qwen2; the target is the same model padded with layers that add nothing
 (benchmarks/models.py `padded`): the two agree on every token, so every round is accepted and every
@@ -11,6 +12,9 @@ guess of the bonus token right, and the draft's step costs a share of the target
 server handing each batch to one torch thread of `--replica-threads` threads). One session decodes
 greedy at fixed K over our gRPC round services with overlap off, on and auto (the planner decides
 from the costs and the factor it measures), runs interleaved; then in process with overlap auto.
+
+With `--default-pair` the default pair itself (its runtime as `specdec generate` picks it: llama.cpp
+here), drafting HumanEval prompts: acceptance as the pair has it, passes that use every core given.
 
 Reported per K and thread count: ms per generated token in each mode (median over runs, 10th-90th
 percentile), on/off and auto/off by pairs of runs, and the share of rounds that were drafted ahead. With
@@ -33,11 +37,13 @@ import torch
 from benchmarks.transport import Pair, percentile, replicas
 from benchmarks.models import tiny_model
 from specdec.bench.forward import synthetic_tokens
+from specdec.builder import EngineConfig, build_draft, build_engine, build_target
 from specdec.engine import SpecDecEngine
 from specdec.loop import BatchConfig, RoundLoop
 from specdec.metrics import MS_PER_S
 from specdec.params import GenerationParams
 from specdec.policies import PolicyConfig
+from specdec.prompts import humaneval_prompts
 
 PROMPT_TOKENS = 32
 MODES = ("off", "on", "auto")
@@ -56,11 +62,26 @@ async def decode(loop: RoundLoop, prompt: list[int], params: GenerationParams) -
     return (time.perf_counter() - start) * MS_PER_S / stats.generated_tokens, stats.rounds_ahead_used / stats.rounds
 
 
-async def measure(pair: Pair, addresses: dict, k: int, runs: int, new_tokens: int, vocab: int) -> dict:
+class DefaultPair:
+    """The default pair as `specdec generate` builds it, `threads` a role (picklable: each replica's
+    process builds its own)."""
+
+    def __init__(self, threads: int | None = None):
+        self.config = EngineConfig(threads=threads)
+
+    def runtimes(self):
+        return build_draft(self.config, progress=False)[0], build_target(self.config, progress=False)[0]
+
+    def engine(self) -> SpecDecEngine:
+        return build_engine(self.config, progress=False)
+
+
+async def measure(pair, addresses: dict, k: int, runs: int, new_tokens: int, vocab: int) -> dict:
     from services.transports import GrpcTransport
 
-    draft, target = pair.runtimes()
-    engine = SpecDecEngine(draft, target)
+    engine = pair.engine() if isinstance(pair, DefaultPair) else SpecDecEngine(*pair.runtimes())
+    prompts = ([engine.encode_prompt(p) for p in humaneval_prompts(runs + 1)] if isinstance(pair, DefaultPair)
+               else [synthetic_tokens(PROMPT_TOKENS, vocab, offset=31 * run) for run in range(runs + 1)])
     transport = GrpcTransport(addresses["draft"], addresses["verifier"])
     loops = {mode: RoundLoop(transport, engine.rules, BatchConfig(overlap=mode)) for mode in MODES}
     loops["in_process_auto"] = RoundLoop(engine.loop.calls.transport, engine.rules, BatchConfig(overlap="auto"))
@@ -69,7 +90,7 @@ async def measure(pair: Pair, addresses: dict, k: int, runs: int, new_tokens: in
     ahead = {mode: [] for mode in loops}
     try:
         for run in range(runs + 1):  # the first warms every loop up (and its planner measures)
-            prompt = synthetic_tokens(PROMPT_TOKENS, vocab, offset=31 * run)
+            prompt = prompts[run]
             order = list(loops) if run % 2 == 0 else list(reversed(loops))
             for mode in order:
                 ms, share = await decode(loops[mode], prompt, params)
@@ -94,12 +115,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2, help="the draft's layers")
     parser.add_argument("--pad", type=int, default=6, help="layers the target adds (they add nothing to its outputs)")
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--default-pair", action="store_true", help="the default pair on HumanEval prompts")
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args()
-    pair = Pair(tiny_model, (args.hidden, args.layers, 0, args.vocab), pad=args.pad)
     results = {}
     for threads in args.replica_threads:
         torch.set_num_threads(threads)  # the in-process loop's too
+        pair = DefaultPair(threads) if args.default_pair else Pair(tiny_model, (args.hidden, args.layers, 0, args.vocab),
+                                                                   pad=args.pad)
         with replicas(pair, threads) as (addresses, _):
             for k in args.k:
                 key = f"threads={threads},K={k}"

@@ -235,9 +235,12 @@ class RoundLoop:
         for answered, _ in drafted_ahead:
             for s, proposal in answered.items():
                 self._keep_ahead(s, proposals[s], proposal, verdicts.get(s))
-        for planner, (_, drafted), (_, ahead_passes) in zip(planners.values(), proposed, drafted_ahead):
+        # Passes timed beside each other measure their contention, which the phase's factor prices:
+        # the live costs keep what a pass costs alone.
+        alone = verified if not any(ahead.values()) else []
+        for planner, (_, drafted) in zip(planners.values(), proposed):
             planner.observe_phase(phase_ms)
-            planner.observe([o for o in outcomes if o is not None], drafted + ahead_passes + verified, len(batch))
+            planner.observe([o for o in outcomes if o is not None], drafted + alone, len(batch))
 
     def _may_draft_ahead(self, s: LoopSample, proposal: Proposal | None) -> bool:
         """Whether the session's next round may be drafted while this one verifies: it has candidates
