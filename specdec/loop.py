@@ -276,7 +276,7 @@ class RoundLoop:
                 raise RuntimeError(f"the verifier answered an impossible verdict ({n} of {k} accepted, "
                                    f"next token {verdict.next_token})")
             s.round_index += 1
-            held = plan.held.get(s.session_id)
+            held = plan.held.get(s.session_id) if not proposal.candidates else None  # one drafted ahead is not held
             request.stats.record_round(k, n, held)
             request.stats.draft_forward_passes += proposal.forward_passes
             if self.observer:
