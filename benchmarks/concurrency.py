@@ -309,6 +309,11 @@ def by_round(row: dict, plain: dict | None) -> str:
     return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}, {len(ratios)} pairs)"
 
 
+def ahead(row: dict) -> str:
+    """'12 of 40': its rounds drafted while the one before verified, of all its rounds ('-' in runs before them)."""
+    return f"{row['rounds_ahead']} of {row['rounds']}" if "rounds_ahead" in row else "-"
+
+
 def table(rows: list[dict]) -> str:
     alone = {(r["mode"], r["policy"]): r["tokens_per_s"] for r in rows if r["concurrency"] == 1}
     plain = {(r["mode"], r["concurrency"]): r["tokens_per_s"] for r in rows if r["policy"] == BASELINE}
@@ -331,7 +336,7 @@ def table(rows: list[dict]) -> str:
                      f"{by_round(r, plain_rows.get((r['mode'], r['concurrency'])))} | {ratio} | "
                      f"{r['latency_p50_s']:.1f} / {r['latency_p99_s']:.1f} | "
                      f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {r['drafted']} / {r['accepted']} | "
-                     f"{r['rounds_ahead']} of {r['rounds']} | {where_time_went(r)} |")
+                     f"{ahead(r)} | {where_time_went(r)} |")
     return "\n".join(lines)
 
 
