@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import time
 
-from benchmarks.transport import percentile
+from benchmarks.transport import spread
 from specdec.metrics import MS_PER_S
 
 
-def spread(times: list[float]) -> dict:
-    kept = times[len(times) // 10:]  # the first calls set the path up
-    return {"median": statistics.median(kept), "p10": percentile(kept, 0.1), "p90": percentile(kept, 0.9)}
+def warm(times: list[float]) -> dict:
+    """The calls' spread (transport.py `spread`) but for the first tenth: they set the path up."""
+    return spread(times[len(times) // 10:])
 
 
 def grpc_calls(calls: int) -> dict:
@@ -56,7 +55,7 @@ def grpc_calls(calls: int) -> dict:
                 start = time.perf_counter()
                 await stub.Propose(batch)
                 unary.append((time.perf_counter() - start) * MS_PER_S)
-        return {"grpc stream": spread(streamed), "grpc unary": spread(unary)}
+        return {"grpc stream": warm(streamed), "grpc unary": warm(unary)}
 
     with replicas(tiny_pair(1024), threads=1) as (addresses, _):
         return asyncio.run(run(addresses["draft"]))
@@ -91,7 +90,7 @@ def ray_calls(calls: int, payload: int) -> dict:
                 graph.append((time.perf_counter() - start) * MS_PER_S)
         finally:
             compiled.teardown()
-        return {"ray actor call": spread(plain), "compiled graph": spread(graph)}
+        return {"ray actor call": warm(plain), "compiled graph": warm(graph)}
     finally:
         ray.shutdown()
 

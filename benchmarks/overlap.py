@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.transport import Pair, percentile, replicas
+from benchmarks.transport import Pair, replicas, spread
 from benchmarks.models import tiny_model
 from specdec.bench.forward import synthetic_tokens
 from specdec.builder import EngineConfig, build_draft, build_engine, build_target
@@ -47,11 +47,6 @@ from specdec.prompts import humaneval_prompts
 
 PROMPT_TOKENS = 32
 MODES = ("off", "on", "auto")
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "p10": percentile(values, 0.1), "p90": percentile(values, 0.9),
-            "n": len(values)}
 
 
 async def decode(loop: RoundLoop, prompt: list[int], params: GenerationParams) -> tuple[float, float]:

@@ -111,9 +111,9 @@ class RoundLoop:
         self.rules, self.batch, self.observer = rules, batch, observer
         self.calls = RoundCalls(transport, rules, retry, observer)
         # "auto" overlaps nothing where the calls cannot run at once (in process)
-        overlap = "off" if batch.overlap == "auto" and not calls_overlap(transport) else batch.overlap
+        self.overlap = "off" if batch.overlap == "auto" and not calls_overlap(transport) else batch.overlap
         self._planners = lane_planners(batch.lanes, list(rules.drafts), self.calls.time_target, observer, probe_share,
-                                       overlap)
+                                       self.overlap)
         # each draft's live profile, shared by the lanes (the workers' probes seed it)
         self.costs = {draft: planner.costs for draft, planner in self._planners[0].items()}
         self._lanes: list[list[LoopSample]] = [[] for _ in range(batch.lanes)]
@@ -216,19 +216,19 @@ class RoundLoop:
         proposed = await asyncio.gather(*(self.calls.propose([s for s in drafting if s.draft == draft], plan, draft)
                                           for draft, plan in plans.items()))
         proposals = {s: p for answered, _ in proposed for s, p in answered.items()}
-        for s in batch:  # rounds drafted while the last step verified
-            if s.ahead is not None:
-                proposals[s], s.ahead = s.ahead, None
+        if self.overlap != "off":
+            for s in batch:  # rounds drafted while the last step verified
+                if s.ahead is not None:
+                    proposals[s], s.ahead = s.ahead, None
         verifying = [s for s in batch if not s.over and (s in proposals or s.session_id not in plans[s.draft].drafting)]
-        verify_tokens = sum(len(proposals.get(s, NO_PROPOSAL).candidates) + 1 for s in verifying)
-        ahead = {draft: planner.ahead({s: len(proposals[s].candidates) for s in verifying
-                                       if s.draft == draft and self._may_draft_ahead(s, proposals.get(s))},
-                                      verify_tokens, len(batch))
-                 for draft, planner in planners.items()}
+        ahead = self._plan_ahead(planners, verifying, proposals, len(batch)) if self.overlap != "off" else {}
         start = time.perf_counter()
-        (verdicts, verified), *drafted_ahead = await asyncio.gather(
-            self.calls.verify(verifying, proposals, max(p.probe_tokens for p in plans.values())),
-            *(self.calls.propose_ahead(sessions, proposals, plans[draft], draft) for draft, sessions in ahead.items()))
+        verify = self.calls.verify(verifying, proposals, max(p.probe_tokens for p in plans.values()))
+        if any(ahead.values()):
+            (verdicts, verified), *drafted_ahead = await asyncio.gather(verify, *(
+                self.calls.propose_ahead(sessions, proposals, plans[draft], draft) for draft, sessions in ahead.items()))
+        else:
+            (verdicts, verified), drafted_ahead = await verify, []
         phase_ms = (time.perf_counter() - start) * MS_PER_S
         outcomes = [self._commit(s, proposals.get(s, NO_PROPOSAL), verdict, plans[s.draft])
                     for s, verdict in verdicts.items() if not s.over]
@@ -237,10 +237,19 @@ class RoundLoop:
                 self._keep_ahead(s, proposals[s], proposal, verdicts.get(s))
         # Passes timed beside each other measure their contention, which the phase's factor prices:
         # the live costs keep what a pass costs alone.
-        alone = verified if not any(ahead.values()) else []
+        alone = [] if drafted_ahead else verified
         for planner, (_, drafted) in zip(planners.values(), proposed):
             planner.observe_phase(phase_ms)
             planner.observe([o for o in outcomes if o is not None], drafted + alone, len(batch))
+
+    def _plan_ahead(self, planners: dict[str, StepPlanner], verifying: list[LoopSample],
+                    proposals: dict[LoopSample, Proposal], sessions: int) -> dict[str, list[LoopSample]]:
+        """Per draft, the sessions whose next round is drafted while this step verifies (its planner's answer)."""
+        verify_tokens = sum(len(proposals.get(s, NO_PROPOSAL).candidates) + 1 for s in verifying)
+        return {draft: planner.ahead({s: len(proposals[s].candidates) for s in verifying
+                                      if s.draft == draft and self._may_draft_ahead(s, proposals.get(s))},
+                                     verify_tokens, sessions)
+                for draft, planner in planners.items()}
 
     def _may_draft_ahead(self, s: LoopSample, proposal: Proposal | None) -> bool:
         """Whether the session's next round may be drafted while this one verifies: it has candidates

@@ -279,6 +279,7 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
         budget = StepBudget(costs, expected=float(sessions), tokens=sessions)
     for d in active:
         d.row.policy.start_round()
+    guessing = any(d.guessing for d in active)  # rows drafted ahead guess first (DraftRow.guess)
     fed, ahead, chained = draft.fed_tokens, None, None
     start, since = time.perf_counter(), graphs_captured()
     outputs = draft.start([d.row.session for d in active], [d.row.history for d in active]) if active else None
@@ -289,13 +290,15 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
             d.proposal.forward_passes += 1
             d.hidden = outputs.hidden[b]  # the state q_i comes from (e_0 after `start`)
         steps = draw(active, outputs, logits_filter, chained)
-        guessed = [b for b, d in enumerate(active) if d.guessing]
-        for b in guessed:  # a guess is no candidate: its round starts after it
-            active[b].guessing, active[b].guessed = False, steps[b]
-        if guessed:
-            judged = [b for b in range(len(active)) if b not in guessed]
-            active = [active[b] for b in guessed] + still_drafting([active[b] for b in judged],
-                                                                   [steps[b] for b in judged], budget)
+        if guessing:  # the first step only: a guess is no candidate, its round starts after it
+            guessing, guessed, judged = False, [], []
+            for d, step in zip(active, steps):
+                if d.guessing:
+                    d.guessing, d.guessed = False, step
+                    guessed.append(d)
+                else:
+                    judged.append((d, step))
+            active = guessed + still_drafting([d for d, _ in judged], [step for _, step in judged], budget)
         else:
             active = still_drafting(active, steps, budget)
         if timings is not None and graphs_captured() == since:  # a step that captured a graph prices nothing
