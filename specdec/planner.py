@@ -283,7 +283,8 @@ class StepPlanner:
             priced = profile.pass_ms(verify_tokens)
             if chosen:
                 priced = max(priced, (sum(rounds.values()) / len(rounds) + 1) * profile.draft_ms(len(rounds)))
-            self._phase_priced = (chosen, priced)
+            # a profile of zero-cost passes (timings below the clock's grain) prices nothing
+            self._phase_priced = (chosen, priced) if priced > 0 else None
         return list(rounds) if chosen else []
 
     def observe_phase(self, wall_ms: float) -> None:

@@ -568,3 +568,9 @@ def test_the_planner_drafts_ahead_where_its_measured_phase_says_it_pays():
     assert StepPlanner(LiveCosts(), given=profile).ahead({}, 1, 1) == []  # nobody may draft ahead
     assert StepPlanner(LiveCosts(), given=profile, overlap="off").ahead(rounds, 2, 1) == []
     assert StepPlanner(LiveCosts(), overlap="on").ahead(rounds, 2, 1) == [session]  # nothing measured: on is on
+    # a step that verifies nothing (its sessions lost with a replica) prices its phase at nothing: it
+    # is not measured against that (CI: a ZeroDivisionError ended a served loop with overlap on)
+    steep = CostProfile(t_draft_ms=3.0, t_target_ms={1: 1.0, 2: 3.0})  # a pass of 0 tokens: 0 ms
+    empty = StepPlanner(LiveCosts(), given=steep)
+    assert empty.ahead({}, 0, 1) == []
+    empty.observe_phase(0.2)
