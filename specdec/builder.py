@@ -26,6 +26,7 @@ from specdec.models.feature_files import is_feature_draft, load_feature_draft, r
 from specdec.models.feature_runtime import FeatureDraftRuntime
 from specdec.models.runtime import DraftRole, DraftRuntime, TargetRole, TargetRuntime
 from specdec.models.static import StaticOptions
+from specdec.models.suffix import MatchHead, SuffixDraft, is_suffix_draft
 from specdec.models.sources import (DEFAULT_DRAFT_QUANT, REQUANT_FTYPES, SHIPPED, check_gguf_source, check_source,
                                     model_identity, requantize_gguf, resolve_gguf, resolve_model)
 from specdec.models.vocab import FULL as FULL_VOCAB
@@ -130,8 +131,8 @@ def check_sources(config: EngineConfig) -> None:
 
 def check_source_of(config: EngineConfig, role: Role) -> None:
     source = config.draft if role == "draft" else config.target
-    if role == "draft" and is_feature_draft(source):  # its directory is checked when it is read, against the target
-        return
+    if role == "draft" and (is_feature_draft(source) or is_suffix_draft(source)):
+        return  # a feature draft's directory is checked when it is read, against the target; the suffix has none
     if backend_for(config, role).name == "llamacpp" and source != "default":
         check_gguf_source(source)
     else:
@@ -269,12 +270,33 @@ class FeatureDraftBackend(RuntimeBackend):
         raise ModelSourceError("a feature draft is a draft: --target names its target")
 
 
-RUNTIMES: dict[str, RuntimeBackend] = {backend.name: backend
-                                       for backend in (TorchBackend(), LlamaCppBackend(), FeatureDraftBackend())}
+class SuffixDraftBackend(RuntimeBackend):
+    """The suffix draft (models/suffix.py): no model, on any target; the target's tokenizer and
+    vocabulary are its own (its `meta_dir` is the target's)."""
+
+    name = "suffix"
+
+    def meta_dir(self, config: EngineConfig, source: str, role: Role, progress: bool) -> Path:
+        return backend_for(config, "target").meta_dir(config, config.target, "target", progress)
+
+    def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]:
+        if quant != SHIPPED or config.draft_vocab != FULL_VOCAB:
+            raise ModelSourceError("the suffix draft has no weights: --draft-quant and --draft-vocab do not apply")
+        target_dir = self.meta_dir(config, config.target, "target", progress)
+        return SuffixDraft(AutoConfig.from_pretrained(target_dir).vocab_size), target_dir
+
+    def target(self, config: EngineConfig, progress: bool, load=None) -> tuple[TargetRole, Path]:
+        raise ModelSourceError("the suffix draft is a draft: --target names its target")
+
+
+RUNTIMES: dict[str, RuntimeBackend] = {backend.name: backend for backend in (
+    TorchBackend(), LlamaCppBackend(), FeatureDraftBackend(), SuffixDraftBackend())}
 
 
 def backend_for(config: EngineConfig, role: Role) -> RuntimeBackend:
     """A feature draft runs beside a torch target: its passes hand over the states the draft reads."""
+    if role == "draft" and is_suffix_draft(config.draft):
+        return RUNTIMES["suffix"]
     feature = [is_feature_draft(each.draft) for each in draft_configs(config).values()]
     if feature[0] if role == "draft" else any(feature):
         if config.runtime == "llamacpp":
@@ -345,7 +367,14 @@ def head_path(config: EngineConfig) -> str | None:
     return resolve_head(config.head, config.draft)
 
 
-def build_head(config: EngineConfig, draft: DraftRole) -> AcceptanceHead | None:
+def has_head(config: EngineConfig) -> bool:
+    """Whether the draft's rounds have acceptance estimates: a head, or the suffix draft's own."""
+    return is_suffix_draft(config.draft) or head_path(config) is not None
+
+
+def build_head(config: EngineConfig, draft: DraftRole) -> AcceptanceHead | MatchHead | None:
+    if is_suffix_draft(config.draft):  # its estimates come from its matches (models/suffix.py)
+        return MatchHead()
     path = head_path(config)
     if path is None:
         return None
@@ -366,7 +395,8 @@ def build_rules(config: EngineConfig, progress: bool = True) -> RequestRules:
         check_vocabularies(draft_config.vocab_size, target_config.vocab_size)
         check_same_tokenizer(draft_dir, tokenizer)
         limits += [backend_for(each, "draft").context_limit(each), draft_config.max_position_embeddings]
-        drafts[name] = DraftTraits(has_head=head_path(each) is not None, reads_features=is_feature_draft(each.draft))
+        drafts[name] = DraftTraits(has_head=has_head(each), reads_features=is_feature_draft(each.draft),
+                                   model_free=is_suffix_draft(each.draft))
     return RequestRules(tokenizer, eos_token_ids_of(load_generation_config(target_dir), tokenizer),
                         min(limit for limit in limits if limit is not None), target_config.vocab_size, drafts)
 

@@ -17,8 +17,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
     group = parser.add_argument_group("models")
     group.add_argument("--draft", default="default",
-                       help="draft model: 'default', a HF directory, a .gguf file, a hub id, or a feature draft: "
-                            "'default-feature' (shipped) or its directory (specdec train-draft; it runs on a torch target)")
+                       help="draft model: 'default', a HF directory, a .gguf file, a hub id, a feature draft: "
+                            "'default-feature' (shipped) or its directory (specdec train-draft; it runs on a torch "
+                            "target), or 'suffix': no model, the continuation of the text's own repeats")
     group.add_argument("--also-draft", action="append", default=None, metavar="NAME=SOURCE",
                        help="another draft beside --draft (repeatable), same forms, with its shipped head; a "
                             "request picks it with --use-draft NAME, and the drafts' sessions share the "
@@ -115,14 +116,15 @@ def engine_config(args: argparse.Namespace):
 
 def has_head(args: argparse.Namespace) -> bool:
     """Whether the draft the request names (--use-draft) has an acceptance head."""
-    from specdec.builder import draft_configs, head_path
+    from specdec.builder import draft_configs
+    from specdec.builder import has_head as draft_has_head
     from specdec.params import DEFAULT_DRAFT
 
     drafts = draft_configs(engine_config(args))
     name = getattr(args, "use_draft", None) or DEFAULT_DRAFT
     if name not in drafts:
         raise InvalidRequestError(f"unknown draft {name!r}; --also-draft names {', '.join(map(repr, drafts))}")
-    return head_path(drafts[name]) is not None
+    return draft_has_head(drafts[name])
 
 
 def prompt_texts(args: argparse.Namespace) -> list[str]:

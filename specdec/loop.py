@@ -253,9 +253,11 @@ class RoundLoop:
 
     def _may_draft_ahead(self, s: LoopSample, proposal: Proposal | None) -> bool:
         """Whether the session's next round may be drafted while this one verifies: it has candidates
-        from a model draft (a feature draft would need the target's states of them), its policy
+        from a model draft (a feature draft would need the target's states of them; a model-free one
+        drafts in microseconds: nothing to hide), its policy
         reads no reference, and its tokens left allow a next round of one candidate."""
-        return (proposal is not None and bool(proposal.candidates) and not self.rules.drafts[s.draft].reads_features
+        traits = self.rules.drafts[s.draft]
+        return (proposal is not None and bool(proposal.candidates) and not traits.reads_features and not traits.model_free
                 and not s.traits.needs_reference
                 and self.rules.candidate_budget(s.sample, s.request.params, ahead=len(proposal.candidates) + 1) > 0)
 

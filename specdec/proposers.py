@@ -11,18 +11,28 @@ or, for a budgeted policy, by the step's budget (rounds.py `still_drafting`, spe
 - `FeatureProposer`: a feature draft (models/feature_runtime.py): the target's states first (from
   the item, served; from the verifier in process, workers.py `FeatureLink`), then drafted as a
   model, each session only once its states reach its history's end.
+- `SuffixProposer`: the suffix draft (models/suffix.py): no model; each session's candidates are
+  the continuation of its history's end where it occurred before, with match estimates that its
+  policy or the step's budget stops on as on a head's.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from typing import Protocol
 
+from specdec.budget import StepBudget
 from specdec.cost_profile import PassTiming
 from specdec.errors import InvalidRequestError
+from specdec.metrics import MS_PER_S
 from specdec.models.feature_runtime import FeatureDraftRuntime
 from specdec.models.runtime import DraftRole, KVSession
-from specdec.protocol import Proposal, ProposeItem, StepPlan
-from specdec.rounds import DraftRow, LogitsFilterFactory, in_groups, propose
+from specdec.models.suffix import MAX_ORDER, MatchStats, SuffixDraft, SuffixSession
+from specdec.policies import DraftStep, FixedK, StoppingPolicy, check_model_free
+from specdec.protocol import Proposal, ProposeItem, StepPlan, q_travels
+from specdec.rounds import DraftRow, Drafting, LogitsFilterFactory, in_groups, propose, still_drafting
+from specdec.sampling import SamplingParams
 
 
 class ModelProposer:
@@ -30,6 +40,9 @@ class ModelProposer:
 
     def __init__(self, draft: DraftRole, logits_filter: LogitsFilterFactory | None = None):
         self.draft, self.logits_filter = draft, logits_filter
+
+    def check_policy(self, policy: StoppingPolicy) -> None:
+        """Raises InvalidRequestError where this draft cannot run the policy: a model's runs any."""
 
     def take_inputs(self, kv: KVSession, item: ProposeItem, history: list[int]) -> bool:
         """What the item brings besides its history into the session's cache `kv`; whether the
@@ -77,6 +90,85 @@ class FeatureProposer(ModelProposer):
         return self.draft.can_draft(kv, history)
 
 
-def proposer_for(draft: DraftRole, logits_filter: LogitsFilterFactory | None = None) -> ModelProposer:
+class SuffixProposer:
+    """The suffix draft's rounds: each row walks its session's index (models/suffix.py) one
+    candidate a step, every row of the batch in step, each candidate judged by its match estimate
+    (`DraftStep.judged`, as a chain's head judgements are): a policy decides on it as on a head's,
+    a budgeted row is decided with the step's budget (rounds.py `still_drafting`). A row whose
+    history's end matches nothing before ends its round. Before drafting, each session learns what
+    the target took of its last round (`MatchStats.learn`)."""
+
+    def __init__(self, draft: SuffixDraft):
+        self.draft = draft
+
+    def check_policy(self, policy: StoppingPolicy) -> None:
+        check_model_free(policy.name)
+
+    def take_inputs(self, kv: SuffixSession, item: ProposeItem, history: list[int]) -> bool:
+        if item.features is not None:
+            raise InvalidRequestError("this draft reads no target features")
+        return True
+
+    def propose(self, rows: list[DraftRow], plan: StepPlan, timings: list[PassTiming]) -> list[Proposal]:
+        start = time.perf_counter()
+        stats = self.draft.stats
+        drafting = [Drafting(row) for row in rows]
+        tails, buckets = {}, {}
+        for d in drafting:
+            session, history = d.row.session, d.row.history
+            if (accepted := session.outcome(history)) is not None:
+                stats.learn(session.buckets[:len(session.round)], accepted)
+            session.index.sync(history)
+            session.round_start, session.round, session.buckets = len(history), [], []
+            tails[d], buckets[d] = history[-MAX_ORDER:], []
+        active = [d for d in drafting if d.row.policy.uses_draft and d.limit > 0 and (plan.costs or not d.budgeted)]
+        budget = None
+        if any(d.budgeted for d in active):
+            sessions = len(rows) + plan.other_sessions
+            budget = StepBudget(plan.costs, expected=float(sessions), tokens=sessions)
+        for d in active:
+            d.row.policy.start_round()
+        while active:
+            stepped, steps, guessed = [], [], []
+            for d in active:
+                match = d.row.session.index.match(tails[d])
+                if match is None:  # nothing before continues it: the round ends here
+                    continue
+                tails[d] = tails[d][1 - MAX_ORDER:] + [match.token]
+                q = self.draft.one_hot(match.token) if q_travels(d.row.sampling) else None
+                step = DraftStep(len(d.proposal.candidates) + 1, match.token, q, None, d.row.num_generated,
+                                 greedy=True, judged=stats.estimate(match, d.row.sampling.greedy))
+                if d.guessing:  # a round drafted ahead guesses the bonus token first (rounds.DraftRow.guess)
+                    d.guessing, d.guessed = False, step
+                    guessed.append(d)
+                    continue
+                buckets[d].append(MatchStats.bucket(match, d.row.sampling.greedy))
+                stepped.append(d)
+                steps.append(step)
+            active = guessed + (still_drafting(stepped, steps, budget) if stepped else [])
+            timings.append(PassTiming("draft", len(stepped), (time.perf_counter() - start) * MS_PER_S))
+            start = time.perf_counter()
+        proposals = [d.proposed() for d in drafting]
+        for d in drafting:  # (a round drafted ahead starts past the history: nothing is learnt of it)
+            if d.guessed is None:
+                d.row.session.round, d.row.session.buckets = d.proposal.candidates, buckets[d]
+        return proposals
+
+    def probe(self, sizes: Sequence[int]) -> list[PassTiming]:
+        """Time a drafting step of n sessions for each n of `sizes` on scratch sessions, as
+        `propose` times its steps (a model's probe, workers.py `probe_drafting`, does the same)."""
+        timings = []
+        for n in sizes:
+            rows = [DraftRow(SuffixSession(), [7, 8, 9, 7, 8], FixedK(1), 1, 0, SamplingParams(), None)
+                    for _ in range(n)]
+            timed: list[PassTiming] = []
+            self.propose(rows, StepPlan(), timed)
+            timings.append(PassTiming("draft", n, timed[0].ms, probe=True))
+        return timings
+
+
+def proposer_for(draft: DraftRole, logits_filter: LogitsFilterFactory | None = None):
     """The proposer of this kind of draft."""
+    if isinstance(draft, SuffixDraft):
+        return SuffixProposer(draft)
     return (FeatureProposer if draft.reads_features else ModelProposer)(draft, logits_filter)

@@ -90,7 +90,7 @@ def in_groups(rows: list, size: int | None, run: Callable[[list], list]) -> list
     return answers
 
 
-class _Drafting:
+class Drafting:
     """A row while it drafts: its proposal so far, e_{i-1}, and for a budgeted policy the estimated
     acceptance a_j of its kept candidates (budget.py)."""
 
@@ -139,7 +139,7 @@ class _Drafting:
         return decision is not Decision.STOP and self.left > 0
 
 
-def draw(active: list[_Drafting], outputs: DraftOutputs, logits_filter: LogitsFilterFactory | None = None,
+def draw(active: list[Drafting], outputs: DraftOutputs, logits_filter: LogitsFilterFactory | None = None,
          ahead: AheadStep | None = None) -> list[DraftStep]:
     """Sample y_i for every drafting row at once from the step's logits [A, V]: the steps their
     policies (or the budget) judge, q_i in each (None where nothing reads it: a greedy row whose
@@ -168,7 +168,7 @@ def draw(active: list[_Drafting], outputs: DraftOutputs, logits_filter: LogitsFi
             for b, (d, y, a) in enumerate(zip(active, tokens, judged))]
 
 
-def by_policy(active: list[_Drafting], steps: list[DraftStep], ask: str) -> list:
+def by_policy(active: list[Drafting], steps: list[DraftStep], ask: str) -> list:
     """Ask every row's policy about its step, one call per policy class (`StoppingPolicy.decide_many`
     or `estimate_many`: a head runs once for all its sessions)."""
     answers: list = [None] * len(active)
@@ -188,7 +188,7 @@ class AheadStep:
     judged: list[float | None]  # the head's judged acceptance (None: the row's policy has no head)
 
 
-def read_ahead(outputs: list[DraftOutputs], active: list[_Drafting]) -> tuple[list[list[int]], list[list[float | None]]]:
+def read_ahead(outputs: list[DraftOutputs], active: list[Drafting]) -> tuple[list[list[int]], list[list[float | None]]]:
     """A chain's tokens [N][A] (each step's argmax: only greedy rows chain) and, for the rows whose
     policy has an acceptance head, the head's judgement of every step's candidate [N][A], computed
     for all the chain's steps in one head call per head and read back in one copy: the drafting
@@ -225,7 +225,7 @@ class _Ahead:
     over its steps (drafted past a stop, the rest is waste the chain trades for its launches and
     syncs)."""
 
-    def __init__(self, draft: DraftRole, active: list[_Drafting], steps: int):
+    def __init__(self, draft: DraftRole, active: list[Drafting], steps: int):
         start, self.since = time.perf_counter(), graphs_captured()  # its steps go untimed if the chain captured
         self.outputs = draft.chain([d.row.session for d in active], [d.last_token for d in active], steps)
         self.tokens, self.judged = read_ahead(self.outputs, active)
@@ -234,7 +234,7 @@ class _Ahead:
         self.taken = 0
 
     @classmethod
-    def of(cls, draft: DraftRole, active: list[_Drafting]) -> _Ahead | None:
+    def of(cls, draft: DraftRole, active: list[Drafting]) -> _Ahead | None:
         """A chain for these rows where the draft chains and every one is greedy; None: step by step."""
         if not draft.chain_steps or not all(d.row.sampling.greedy for d in active):
             return None
@@ -249,7 +249,7 @@ class _Ahead:
         """What each of its steps pays of the chain's time."""
         return self.ms / len(self.outputs)
 
-    def step(self, active: list[_Drafting]) -> AheadStep:
+    def step(self, active: list[Drafting]) -> AheadStep:
         k, out = self.taken, self.outputs[self.taken]
         self.taken += 1
         rows = [self.row[id(d)] for d in active]
@@ -270,7 +270,7 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
     the step); any other row asks its policy after every token. Each drafting step's time (its host
     work included) is appended to `timings`, but for a step that captured a graph (models/static.py
     `graphs_captured`)."""
-    drafting = [_Drafting(row) for row in rows]
+    drafting = [Drafting(row) for row in rows]
     active = [d for d in drafting if d.row.policy.uses_draft and d.limit > 0 and (costs or not d.budgeted)]
     # (a guessing row with no candidate after its guess drafts nothing: a guess alone is no round)
     budget = None
@@ -320,7 +320,7 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
     return [d.proposed() for d in drafting]
 
 
-def still_drafting(active: list[_Drafting], steps: list[DraftStep], budget: StepBudget | None) -> list[_Drafting]:
+def still_drafting(active: list[Drafting], steps: list[DraftStep], budget: StepBudget | None) -> list[Drafting]:
     """After a drafting step, the rows that take the next: a row whose policy decides on its own
     keeps y_i and drafts on as its policy says; the budgeted rows' y_i are kept, and they draft on,
     as the step's budget says (`StepBudget.keep` and `draft_on`, from each policy's estimate)."""

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 from specdec.errors import InvalidRequestError
 from specdec.metrics import RequestStats
 from specdec.params import DEFAULT_DRAFT, FINISH_LENGTH, FINISH_STOP, GenerationParams
-from specdec.policies import PolicyTraits, policy_traits, resolve_policy
+from specdec.policies import PolicyTraits, check_model_free, policy_traits, resolve_policy
 
 if TYPE_CHECKING:
     from specdec.cost_profile import CostProfile
@@ -62,6 +62,7 @@ class DraftTraits:
 
     has_head: bool = False  # an acceptance head is loaded for it: the default policy depends on it
     reads_features: bool = False  # a feature draft: each verification hands it the target's states (calls.py)
+    model_free: bool = False  # the suffix draft (models/suffix.py): no passes, a one-hot q
 
 
 @dataclass(eq=False)
@@ -191,6 +192,8 @@ class RequestRules:
         """Reject a request before any model work; else its params, `resolved`."""
         params = self.resolved(params)
         name = params.policy.name
+        if self.drafts[params.draft].model_free:
+            check_model_free(name)
         if policy_traits(name).greedy_only and not params.sampling.greedy:
             raise InvalidRequestError(f"policy {name!r} is defined for greedy decoding (temperature 0) only")
         if not prompt_ids:

@@ -234,6 +234,8 @@ class DraftWorker(Worker):
         self.sessions: SessionStore[DraftSession] = sessions if sessions is not None else SessionStore()
 
     def _probe(self, sizes: Sequence[int], context: int) -> list[PassTiming]:
+        if not self.draft.has_passes:  # a model-free draft: nothing to set up or catch up
+            return self.proposer.probe(sizes)
         if context:  # the start-up probe: graphs are captured now, never inside a timed round
             self.draft.capture_graphs()
         policy = PolicyConfig(name="specdec++") if self.head is not None else PolicyConfig(name="fixed", k=1)
@@ -260,6 +262,7 @@ class DraftWorker(Worker):
                 f"draft's context of {self.draft.max_context}")
         if item.history.full:  # rebuild: keep the cache (it re-syncs by common prefix), reset the policy
             policy = make_policy(item.policy, head=self.head, reference=item.reference)  # validates it (Refused)
+            self.proposer.check_policy(policy)
             entry = DraftSession(policy, entry.kv if entry else self.draft.new_session())
         ready = self.proposer.take_inputs(entry.kv, item, history)
         for num_candidates, num_accepted in item.rounds:  # oldest first: the policy reaches the caller's state

@@ -71,6 +71,14 @@ def resolve_policy(config: PolicyConfig, has_head: bool) -> PolicyConfig:
     return config
 
 
+def check_model_free(policy: str) -> None:
+    """Raises InvalidRequestError for a policy that stops on q itself (`PolicyTraits.stops_on_q`):
+    a model-free draft's is one-hot (models/suffix.py)."""
+    if policy_traits(policy).stops_on_q:
+        raise InvalidRequestError(f"policy {policy!r} stops on the draft's distribution, and the suffix draft's "
+                                  f"is one-hot: use fixed, heuristic, specdec++ or specdec++cost")
+
+
 def make_policy(
     config: PolicyConfig,
     head: AcceptanceHead | None = None,
@@ -106,7 +114,7 @@ def make_policy(
 
 __all__ = [
     "POLICIES", "POLICY_NAMES", "HEAD_POLICIES", "DEFAULT_POLICY", "FALLBACK_POLICY", "PolicyConfig", "default_policy_name",
-    "policy_traits", "resolve_policy", "make_policy",
+    "policy_traits", "resolve_policy", "check_model_free", "make_policy",
     "Decision", "DraftStep", "Estimate", "PolicyTraits", "StoppingPolicy",
     "FixedK", "SpecDecPP", "SpecDecPPCost", "SVIP", "Heuristic", "Confidence", "Oracle", "TargetOnly",
 ]

@@ -76,6 +76,9 @@ class PolicyTraits:
     budgeted: bool = False
     # Reads the draft's distribution q_i (`DraftStep.probs`) even when greedy.
     reads_distribution: bool = False
+    # Stops on q_i itself (its entropy, its top probability): a model-free draft's q is one-hot, on
+    # which it would never stop (models/suffix.py).
+    stops_on_q: bool = False
 
     @property
     def servable(self) -> bool:

@@ -136,7 +136,7 @@ def test_a_chain_is_judged_at_once_as_its_steps_are_one_at_a_time():
     from specdec.policies.base import DraftStep
     from specdec.policies.specdec_pp import judged_acceptances
     from specdec.policies.specdec_pp_cost import SpecDecPPCost
-    from specdec.rounds import DraftRow, _Ahead, _Drafting
+    from specdec.rounds import DraftRow, _Ahead, Drafting
     from specdec.sampling import SamplingParams
 
     draft = runtime("static", graphs=True, pad_off_cuda=True)
@@ -145,7 +145,7 @@ def test_a_chain_is_judged_at_once_as_its_steps_are_one_at_a_time():
     head = AcceptanceHead(HeadConfig(hidden_size=draft.hidden_size, depth=1, draft_identity="tiny",
                                      features="hidden+distribution")).to(DEVICE).eval()
     policies = [SpecDecPPCost(head), FixedK(k=8), SpecDecPPCost(head)]
-    rows = [_Drafting(DraftRow(s, h, p, 12, 0, SamplingParams(), None)) for s, h, p in zip(sessions, HISTORIES, policies)]
+    rows = [Drafting(DraftRow(s, h, p, 12, 0, SamplingParams(), None)) for s, h, p in zip(sessions, HISTORIES, policies)]
     for d, token in zip(rows, first.logits.argmax(-1).tolist()):
         d.proposal.candidates.append(token)
     rows[2].proposal.candidates.insert(0, 7)  # two candidates already: its chain drafts y_3, y_4, ...

@@ -1,0 +1,236 @@
+"""The suffix draft (`--draft suffix`): a draft without a model, which proposes the continuation of
+the session's last tokens where they occurred before in its own prompt and output.
+
+Each session keeps a `SuffixIndex` of its committed tokens: every context of 1 .. MAX_ORDER tokens
+that was followed by a token, with how often it was and where it last was. Appending a token
+registers the MAX_ORDER contexts that end just before it (O(MAX_ORDER) = O(1) a token, by rolling
+hashes); a round walks forward from the longest context of the history's end that occurred before,
+one candidate per lookup, each looked up again with the candidates before it (prompt lookup decoding
+and llama.cpp's n-gram drafts do the same walk over a shorter context).
+
+A candidate's acceptance estimate comes from the match's statistics: how long the matched context
+is and how often the candidate followed it (`MatchStats`), calibrated online against what the
+target accepted of the draft's earlier rounds. The estimates stand where an acceptance head's would
+(`MatchHead`), so the SpecDec++ rule and the step's budget price and stop a suffix round as any
+draft's (specdec/proposers.py `SuffixProposer`).
+
+Its q is one-hot: the candidate is a function of the history. Sampled verification then accepts
+y with probability min(1, p(y) / 1) = p(y) and on a rejection draws from norm(max(0, p - q)), p
+without y: the target's distribution, as for any draft (specdec/verification.py).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.models.runtime import DraftRole, Feed, PassOutputs
+
+SUFFIX = "suffix"  # the draft source that names it (--draft suffix, --also-draft NAME=suffix)
+MAX_ORDER = 16  # the longest context matched, in tokens
+
+_MODULUS = (1 << 61) - 1  # a Mersenne prime: contexts' hashes collide with probability ~1e-18
+_BASE = random.Random(20261205).randrange(1 << 40, _MODULUS)
+_POWERS = [pow(_BASE, k, _MODULUS) for k in range(MAX_ORDER + 1)]
+# (a token hashes as its id + 1: a leading id 0 would otherwise hash a context as its shorter tail)
+_POSITION_BITS = 32  # a table entry packs (count << 32) | the position of the last continuation
+_POSITION_MASK = (1 << _POSITION_BITS) - 1
+
+
+def is_suffix_draft(source: str) -> bool:
+    return source == SUFFIX
+
+
+@dataclass
+class Match:
+    """The longest context of a sequence's end that was followed before, and what followed it last."""
+
+    order: int  # the context's length in tokens
+    token: int  # the token that followed it last: the candidate
+    frequency: float  # of the times the context was followed, the share followed by `token`
+
+
+class SuffixIndex:
+    """A session's committed tokens and every context of 1 .. MAX_ORDER tokens among them that was
+    followed by a token: its hash -> how often, and where its last continuation is."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self._table: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        table, seq = self._table, self.tokens
+        for token in tokens:
+            position = len(seq)  # the contexts ending at position - 1 are followed by `token`
+            h = 0
+            for n in range(1, min(MAX_ORDER, position) + 1):
+                h = (h + (seq[position - n] + 1) * _POWERS[n - 1]) % _MODULUS
+                table[h] = (((table.get(h, 0) >> _POSITION_BITS) + 1) << _POSITION_BITS) | position
+            seq.append(token)
+
+    def sync(self, history: list[int]) -> None:
+        """Hold exactly `history`: appended where it extends what is held, else built again (a
+        committed token taken back: a rebuilt session)."""
+        held = len(self.tokens)
+        if len(history) < held or history[:held] != self.tokens:
+            self.tokens, self._table = [], {}
+            held = 0
+        self.extend(history[held:])
+
+    def match(self, tail: list[int]) -> Match | None:
+        """The longest context ending `tail` (its last MAX_ORDER tokens at most) that was followed
+        before, or None where not even its last token was."""
+        table, seq = self._table, self.tokens
+        h, found, order = 0, 0, 0
+        for n in range(1, min(MAX_ORDER, len(tail)) + 1):
+            h = (h + (tail[-n] + 1) * _POWERS[n - 1]) % _MODULUS
+            entry = table.get(h)
+            if entry is None:  # a context not followed before: no longer one was either
+                break
+            found, order, context = entry, n, h
+        if not order:
+            return None
+        position = found & _POSITION_MASK
+        token = seq[position]
+        # how often the context followed by the token was itself followed, plus its last occurrence
+        # if that ends the sequence (nothing has followed it yet)
+        extended = (table.get((token + 1 + _BASE * context) % _MODULUS, 0) >> _POSITION_BITS) + (position == len(seq) - 1)
+        return Match(order, token, min(1.0, extended / (found >> _POSITION_BITS)))
+
+
+# Match statistics -> the acceptance estimate: buckets of the matched context's length and of how
+# often the candidate followed it; each bucket's rate of acceptance, starting from a prior and
+# learning from the rounds the target verified (`MatchStats.learn`).
+ORDER_BUCKETS = (1, 2, 3, 4, 6, 9, 13)  # lower bounds
+FREQUENCY_BUCKETS = (0.0, 0.34, 0.67, 0.999)  # lower bounds: the last is "always followed by it"
+PRIOR_WEIGHT = 4.0  # the prior counts as this many verified candidates
+
+
+def _bucket(value: float, bounds: tuple) -> int:
+    b = 0
+    while b + 1 < len(bounds) and value >= bounds[b + 1]:
+        b += 1
+    return b
+
+
+def prior_acceptance(order: int, frequency: float) -> float:
+    """Before anything is verified: as often as the context was followed by the candidate, and the
+    more likely the longer it is (a single shared token says little)."""
+    return frequency * order / (order + 1.0)
+
+
+@dataclass
+class MatchStats:
+    """The acceptance rate of candidates by match bucket, greedy and sampled apart (a sampled
+    target accepts a one-hot candidate with probability p(y), below its greedy rate)."""
+
+    accepted: dict[tuple, float] = field(default_factory=dict)
+    verified: dict[tuple, float] = field(default_factory=dict)
+
+    @staticmethod
+    def bucket(match: Match, greedy: bool) -> tuple:
+        return (greedy, _bucket(match.order, ORDER_BUCKETS), _bucket(match.frequency, FREQUENCY_BUCKETS))
+
+    def estimate(self, match: Match, greedy: bool) -> float:
+        key = self.bucket(match, greedy)
+        prior = prior_acceptance(match.order, match.frequency)
+        return ((self.accepted.get(key, 0.0) + PRIOR_WEIGHT * prior)
+                / (self.verified.get(key, 0.0) + PRIOR_WEIGHT))
+
+    def learn(self, buckets: list[tuple], accepted: int) -> None:
+        """A round's candidates' buckets and how many were accepted: those, and the first rejected."""
+        for j, key in enumerate(buckets[:accepted + 1]):
+            self.verified[key] = self.verified.get(key, 0.0) + 1.0
+            self.accepted[key] = self.accepted.get(key, 0.0) + (j < accepted)
+
+
+class SuffixSession:
+    """A session of the suffix draft: its index, and its last round (to learn what became of it)."""
+
+    def __init__(self):
+        self.index = SuffixIndex()
+        self.round_start = 0  # the history's length the last round drafted after
+        self.round: list[int] = []  # its candidates
+        self.buckets: list[tuple] = []  # each candidate's match bucket
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.index.tokens
+
+    def outcome(self, history: list[int]) -> int | None:
+        """How many of the last round's candidates `history` took, or None where it cannot tell (it
+        has not advanced past the round's start, or was taken back before it)."""
+        start = self.round_start
+        if not self.round or len(history) <= start or history[:start] != self.index.tokens[:start]:
+            return None
+        accepted = 0
+        for y, token in zip(self.round, history[start:]):
+            if y != token:
+                break
+            accepted += 1
+        return accepted
+
+
+@dataclass
+class MatchHeadConfig:
+    """What the policies read of a head's config."""
+
+    judges_current: bool = True  # an estimate judges the candidate just drafted
+    threshold: float | None = None  # no h of its own: specdec++ takes its default
+
+
+class MatchHead:
+    """The suffix draft's estimates where a policy reads a head: every step comes with its
+    estimate (`DraftStep.judged`), so the head itself is never run."""
+
+    config = MatchHeadConfig()
+
+    def to(self, device) -> MatchHead:
+        return self
+
+
+class SuffixDraft(DraftRole):
+    """The suffix draft where the rounds read a draft: sessions (`SuffixSession`) and the shared
+    vocabulary, no passes (specdec/proposers.py `SuffixProposer` drafts)."""
+
+    kind = "suffix"
+    identity = name = SUFFIX
+    forward_passes = 0
+    has_passes = False
+
+    def __init__(self, vocab_size: int):
+        self._vocab_size = vocab_size
+        self.stats = MatchStats()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return 0
+
+    @property
+    def max_context(self) -> int:
+        return 1 << 31  # no limit of its own: the target's holds
+
+    def new_session(self) -> SuffixSession:
+        return SuffixSession()
+
+    def rollback(self, session: SuffixSession, length: int) -> None:
+        if length < len(session.index):
+            session.index.sync(session.index.tokens[:length])
+
+    def _forward(self, feeds: list[Feed]) -> PassOutputs:
+        raise NotImplementedError("the suffix draft runs no passes")
+
+    def one_hot(self, token: int) -> torch.Tensor:
+        """q of a candidate, where a sampled verification reads it."""
+        q = torch.zeros(self._vocab_size)
+        q[token] = 1.0
+        return q

@@ -1,0 +1,146 @@
+"""The suffix draft (models/suffix.py, proposers.py `SuffixProposer`): its index finds the longest
+earlier context and its last continuation, its estimates learn from verified rounds, and through
+the real engine loop its rounds are lossless (greedy equality with target-only for every policy it
+runs, chi-squared at T = 1 and top-k with its one-hot q)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specdec.engine import SpecDecEngine
+from specdec.errors import InvalidRequestError
+from specdec.models.runtime import TargetRuntime
+from specdec.models.suffix import MAX_ORDER, Match, MatchHead, MatchStats, SuffixDraft, SuffixIndex, prior_acceptance
+from specdec.params import GenerationParams
+from specdec.policies import PolicyConfig
+from specdec.sampling import MAX_SAMPLES_PER_REQUEST, SamplingParams
+from stats import chi2_pvalue
+from test_lossless import SIGNIFICANCE, prefix_counts, target_joint
+from tiny import tiny_model
+
+VOCAB = 6
+# Repeats that the target's own continuation partly follows: rounds see acceptances and rejections.
+PROMPT = [1, 2, 0, 1, 2, 0, 1, 2, 0, 5, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(VOCAB, hidden_size=16, layers=2, seed=3, init_range=0.5)
+
+
+def suffix_engine(target) -> SpecDecEngine:
+    return SpecDecEngine(SuffixDraft(VOCAB), TargetRuntime(target), head=MatchHead())
+
+
+def generate(engine: SpecDecEngine, prompt: list[int], params: GenerationParams):
+    return asyncio.run(engine.loop.generate(prompt, params))
+
+
+def test_the_index_finds_the_longest_earlier_context_and_its_last_continuation():
+    index = SuffixIndex()
+    index.extend([1, 2, 3, 4, 1, 2, 3, 5, 1, 2])
+    assert index.match([1, 2]) == Match(order=2, token=3, frequency=1.0)  # "1 2" was followed by 3 twice
+    assert index.match([2, 3]) == Match(order=2, token=5, frequency=0.5)  # by 4, then by 5: the last wins
+    assert index.match([7, 4, 1, 2, 3]) == Match(order=4, token=5, frequency=1.0)  # "4 1 2 3": once, by 5
+    assert index.match([7, 3, 1, 2, 3]) == Match(order=3, token=5, frequency=0.5)  # only "1 2 3" occurred
+    assert index.match([9]) is None
+    assert index.match([0, 1]) == Match(order=1, token=2, frequency=1.0)  # a leading id 0 is a token of its own
+    # each token registers at most MAX_ORDER contexts (O(1) a token)
+    long = SuffixIndex()
+    long.extend(list(range(100)) * 3)
+    assert len(long._table) <= MAX_ORDER * len(long)
+
+
+def test_the_index_follows_the_history_and_builds_again_where_it_was_taken_back():
+    index = SuffixIndex()
+    index.sync([4, 5, 4])
+    index.sync([4, 5, 4, 5])  # appended
+    assert index.tokens == [4, 5, 4, 5] and index.match([4]) == Match(order=1, token=5, frequency=1.0)
+    index.sync([4, 5, 3])  # a committed token taken back: the same as built from scratch
+    fresh = SuffixIndex()
+    fresh.extend([4, 5, 3])
+    assert index.tokens == fresh.tokens and index._table == fresh._table
+
+
+def test_match_estimates_start_from_the_prior_and_learn_from_verified_rounds():
+    stats, match = MatchStats(), Match(order=3, token=1, frequency=1.0)
+    assert stats.estimate(match, greedy=True) == pytest.approx(prior_acceptance(3, 1.0))
+    bucket = MatchStats.bucket(match, greedy=True)
+    for _ in range(40):  # rounds of two candidates of this bucket, the first accepted, the second not
+        stats.learn([bucket, bucket], accepted=1)
+    assert stats.estimate(match, greedy=True) == pytest.approx(0.5, abs=0.05)
+    assert stats.estimate(match, greedy=False) == pytest.approx(prior_acceptance(3, 1.0))  # sampled apart
+    stats.learn([bucket, bucket, bucket], accepted=0)  # only the first was verified
+    assert stats.verified[bucket] == 81
+
+
+GREEDY_POLICIES = [PolicyConfig(name="fixed", k=3), PolicyConfig(name="heuristic"),
+                   PolicyConfig(name="specdec++"), PolicyConfig(name="specdec++cost"), PolicyConfig()]
+
+
+@pytest.mark.parametrize("policy", GREEDY_POLICIES, ids=lambda p: p.name or "default")
+def test_greedy_output_with_the_suffix_draft_equals_target_greedy(target, policy):
+    engine = suffix_engine(target)
+    plain = generate(engine, PROMPT, GenerationParams(max_new_tokens=40, policy=PolicyConfig(name="target-only")))
+    for _ in range(2):  # the second request drafts with what the first taught the estimates
+        result = generate(engine, PROMPT, GenerationParams(max_new_tokens=40, policy=policy))
+        assert result.completions[0].token_ids == plain.completions[0].token_ids
+    assert result.stats.accepted_tokens > 0  # rounds happened and some were taken
+    assert engine.draft.stats.verified  # the estimates learnt from them
+
+
+SAMPLINGS = {"temperature-1": SamplingParams(temperature=1.0), "top-k-3": SamplingParams(temperature=1.0, top_k=3)}
+SAMPLED_NEW_TOKENS = 4
+SAMPLES = 1024
+
+
+@pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
+@pytest.mark.parametrize("policy", [PolicyConfig(name="fixed", k=3), PolicyConfig(name="specdec++", threshold=0.5)],
+                         ids=lambda p: p.name)
+def test_sampled_outputs_with_the_suffix_draft_follow_the_target_distribution(target, policy, sampling_name):
+    """A one-hot q: y accepted with probability p(y), a rejection drawn from p without y."""
+    engine, sampling = suffix_engine(target), SAMPLINGS[sampling_name]
+    requests = [GenerationParams(max_new_tokens=SAMPLED_NEW_TOKENS, n=MAX_SAMPLES_PER_REQUEST, policy=policy,
+                                 sampling=sampling.model_copy(update={"seed": 500 + r}))
+                for r in range(SAMPLES // MAX_SAMPLES_PER_REQUEST)]
+
+    async def run():
+        return await asyncio.gather(*(engine.loop.generate(PROMPT, params) for params in requests))
+
+    completions, accepted, discarded = [], 0, 0
+    for result in asyncio.run(run()):
+        completions += [c.token_ids for c in result.completions]
+        accepted += result.stats.accepted_tokens
+        discarded += result.stats.discarded_tokens
+    assert accepted > 0 and discarded > 0  # the case sees acceptances and rejections
+    for length in (1, 2, 3):
+        expected = target_joint(target, PROMPT, sampling, length)
+        pvalue = chi2_pvalue(prefix_counts(completions, length, VOCAB), expected)
+        assert pvalue > SIGNIFICANCE, f"first {length} token(s): chi-squared p = {pvalue:.2e}"
+
+
+@pytest.mark.parametrize("name", ["svip", "confidence"])
+def test_a_policy_that_stops_on_q_is_refused_for_the_suffix_draft_in_one_line(target, name):
+    engine = suffix_engine(target)
+    with pytest.raises(InvalidRequestError, match="one-hot") as caught:
+        generate(engine, PROMPT, GenerationParams(max_new_tokens=4, policy=PolicyConfig(name=name)))
+    assert "\n" not in str(caught.value)
+    # the engine serves the next request as before
+    assert len(generate(engine, PROMPT, GenerationParams(max_new_tokens=4)).completions[0].token_ids) == 4
+
+
+def test_the_suffix_draft_builds_from_its_source_name_on_any_target(tiny_pair):
+    from specdec.builder import EngineConfig, build_engine, build_rules
+
+    _, target_dir = tiny_pair
+    config = EngineConfig(draft="suffix", target=str(target_dir))
+    engine = build_engine(config, progress=False)
+    assert isinstance(engine.draft, SuffixDraft) and engine.draft.vocab_size == engine.target.vocab_size
+    rules = build_rules(config, progress=False)
+    assert rules.drafts["default"].model_free and rules.drafts["default"].has_head  # the default is specdec++cost
+    prompt = engine.rules.encode_prompt("abcabcabcabc", chat_template=False)
+    result = generate(engine, prompt, GenerationParams(max_new_tokens=8))
+    plain = generate(engine, prompt, GenerationParams(max_new_tokens=8, policy=PolicyConfig(name="target-only")))
+    assert result.completions[0].token_ids == plain.completions[0].token_ids
