@@ -103,7 +103,7 @@ class SpecDecEngine:
     def eos_token_ids(self) -> frozenset[int]:
         return self.rules.eos_token_ids
 
-    def encode_prompt(self, prompt: str, chat_template: bool = True) -> list[int]:
+    def encode_prompt(self, prompt: str | Sequence[dict], chat_template: bool = True) -> list[int]:
         return self.rules.encode_prompt(prompt, chat_template)
 
     def validate(self, prompt_ids: Sequence[int], params: GenerationParams) -> None:

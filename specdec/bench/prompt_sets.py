@@ -8,6 +8,8 @@ language), a validation split (where thresholds are chosen), or a file.
     prose             the hand-written natural-language test set (PROSE_TEST_PROMPTS in specdec/prompts.py)
     prose-validation  the validation split of the prose training prompts (specdec/training/prose_prompts.py,
                       the same fraction), for choosing thresholds on natural language
+    editing           40 edits of HumanEval's solutions and 20 conversations revisiting one
+                      (specdec/prompts.py `editing_prompts`): answers that repeat their prompt
     PATH              a .jsonl file (one JSON string, or object with "prompt", per line) or a text file
                       (one prompt per line)
 """
@@ -19,11 +21,12 @@ from pathlib import Path
 
 from specdec.errors import InvalidRequestError
 
-PROMPT_SETS = ("humaneval", "validation", "prose", "prose-validation")
+PROMPT_SETS = ("humaneval", "validation", "prose", "prose-validation", "editing")
 VALIDATION_FRACTION = 0.05  # data.prompts.validation_fraction in cluster/training/default-pair.yaml
 
 
-def load_prompts(source: str, limit: int | None = None) -> list[str]:
+def load_prompts(source: str, limit: int | None = None) -> list[str | list[dict]]:
+    """The set's prompts: texts, and for `editing` also conversations (lists of chat messages)."""
     if source == "humaneval":
         from specdec.prompts import humaneval_prompts
 
@@ -36,6 +39,10 @@ def load_prompts(source: str, limit: int | None = None) -> list[str]:
         from specdec.prompts import prose_test_prompts
 
         prompts = prose_test_prompts()
+    elif source == "editing":
+        from specdec.prompts import editing_prompts
+
+        prompts = editing_prompts()
     elif source == "prose-validation":
         from specdec.training.prose_prompts import prose_prompts
 

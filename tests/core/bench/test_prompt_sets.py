@@ -29,3 +29,23 @@ def test_prose_validation_is_the_validation_split_only():
 def test_unknown_name_is_a_missing_file(tmp_path):
     with pytest.raises(InvalidRequestError, match="prose-validation"):
         load_prompts(str(tmp_path / "no-such-set"))
+
+
+def test_editing_is_forty_edits_of_humaneval_solutions_and_twenty_conversations(tiny_engine):
+    from specdec.prompts import EDIT_KINDS, EDITS_PER_KIND, humaneval_problems
+
+    prompts = load_prompts("editing")
+    edits, conversations = prompts[:40], prompts[40:]
+    assert len(edits) == len(EDIT_KINDS) * EDITS_PER_KIND == 40 and len(conversations) == 20
+    assert all(isinstance(p, str) and "```python\n" in p for p in edits)
+    solutions = [p["canonical_solution"] for p in humaneval_problems()]
+    # each edit quotes a HumanEval solution whole, but the planted bugs, which quote one changed
+    fixes = edits[3 * EDITS_PER_KIND:4 * EDITS_PER_KIND]
+    assert all(any(s in p for s in solutions) for p in edits if p not in fixes)
+    assert not any(any(s in p for s in solutions) for p in fixes)
+    for conversation in conversations:  # the second turn revisits the first answer
+        assert [m["role"] for m in conversation] == ["user", "assistant", "user"]
+        assert any(s in conversation[1]["content"] for s in solutions)
+    assert len(set(map(str, prompts))) == 60
+    # a conversation is encoded through the chat template as its messages
+    assert tiny_engine.encode_prompt(conversations[0]) == tiny_engine.rules.encode_messages(conversations[0])
