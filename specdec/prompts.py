@@ -160,25 +160,27 @@ def _edit(kind: str, problem: dict) -> str | None:
 
 def editing_prompts(limit: int | None = None) -> list[str | list[dict]]:
     """The editing set: EDITS_PER_KIND edits of each kind (HumanEval's problems in order, each used
-    once, a problem skipped where a kind does not apply to it), then CONVERSATIONS conversations (a
+    once, a problem skipped where a kind does not apply to it) and CONVERSATIONS conversations (a
     list of chat messages: the problem, its solution as the answer, a follow-up from FOLLOW_UPS) on
-    the problems after them."""
+    the problems after them; the groups take turns, so that the first prompts (`limit`) hold every
+    kind."""
     problems = humaneval_problems()
-    prompts: list[str | list[dict]] = []
+    groups: list[list] = []
     index = 0
     for kind in EDIT_KINDS:
-        made = 0
-        while made < EDITS_PER_KIND:
+        groups.append([])
+        while len(groups[-1]) < EDITS_PER_KIND:
             prompt = _edit(kind, problems[index])
             index += 1
             if prompt is not None:
-                prompts.append(prompt)
-                made += 1
+                groups[-1].append(prompt)
+    groups.append([])
     for turn in range(CONVERSATIONS):
         problem = problems[index + turn]
-        prompts.append([
+        groups[-1].append([
             {"role": "user", "content": HUMANEVAL_INSTRUCTION.format(prompt=problem["prompt"])},
             {"role": "assistant", "content": f"```python\n{problem['prompt'].lstrip()}{problem['canonical_solution']}```"},
             {"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]},
         ])
+    prompts = [group[turn] for turn in range(CONVERSATIONS) for group in groups if turn < len(group)]
     return prompts[:limit]

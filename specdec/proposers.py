@@ -91,12 +91,16 @@ class FeatureProposer(ModelProposer):
 
 
 class SuffixProposer:
-    """The suffix draft's rounds: each row walks its session's index (models/suffix.py) one
-    candidate a step, every row of the batch in step, each candidate judged by its match estimate
-    (`DraftStep.judged`, as a chain's head judgements are): a policy decides on it as on a head's,
-    a budgeted row is decided with the step's budget (rounds.py `still_drafting`). A row whose
-    history's end matches nothing before ends its round. Before drafting, each session learns what
-    the target took of its last round (`MatchStats.learn`)."""
+    """The suffix draft's rounds. Its candidates cost nothing to draft, so each row walks its
+    session's index (models/suffix.py) as far as its limit at once, each candidate with its match
+    estimate. A budgeted row's round is then chosen with the others' by the step's budget over the
+    whole walk (`choose`): the candidates of highest survival P_{s,i} across the batch, as many as
+    make the step's pass cheapest a token, where drafting step by step would stop at the first
+    candidate that does not pay alone (on a CPU, a pass of 2 tokens costs twice one of 1, of 16
+    half as much a token). Any other row's policy decides candidate by candidate on the estimates
+    (`DraftStep.judged`, as a chain's head judgements are). A history whose end matches nothing
+    before drafts nothing. Before drafting, each session learns what the target took of its last
+    round (`MatchStats.learn`)."""
 
     def __init__(self, draft: SuffixDraft):
         self.draft = draft
@@ -111,48 +115,74 @@ class SuffixProposer:
 
     def propose(self, rows: list[DraftRow], plan: StepPlan, timings: list[PassTiming]) -> list[Proposal]:
         start = time.perf_counter()
-        stats = self.draft.stats
         drafting = [Drafting(row) for row in rows]
-        tails, buckets = {}, {}
-        for d in drafting:
-            session, history = d.row.session, d.row.history
-            if (accepted := session.outcome(history)) is not None:
-                stats.learn(session.buckets[:len(session.round)], accepted)
-            session.index.sync(history)
-            session.round_start, session.round, session.buckets = len(history), [], []
-            tails[d], buckets[d] = history[-MAX_ORDER:], []
         active = [d for d in drafting if d.row.policy.uses_draft and d.limit > 0 and (plan.costs or not d.budgeted)]
-        budget = None
-        if any(d.budgeted for d in active):
-            sessions = len(rows) + plan.other_sessions
-            budget = StepBudget(plan.costs, expected=float(sessions), tokens=sessions)
-        for d in active:
-            d.row.policy.start_round()
-        while active:
-            stepped, steps, guessed = [], [], []
-            for d in active:
-                match = d.row.session.index.match(tails[d])
-                if match is None:  # nothing before continues it: the round ends here
-                    continue
-                tails[d] = tails[d][1 - MAX_ORDER:] + [match.token]
-                q = self.draft.one_hot(match.token) if q_travels(d.row.sampling) else None
-                step = DraftStep(len(d.proposal.candidates) + 1, match.token, q, None, d.row.num_generated,
-                                 greedy=True, judged=stats.estimate(match, d.row.sampling.greedy))
-                if d.guessing:  # a round drafted ahead guesses the bonus token first (rounds.DraftRow.guess)
-                    d.guessing, d.guessed = False, step
-                    guessed.append(d)
-                    continue
-                buckets[d].append(MatchStats.bucket(match, d.row.sampling.greedy))
-                stepped.append(d)
-                steps.append(step)
-            active = guessed + (still_drafting(stepped, steps, budget) if stepped else [])
-            timings.append(PassTiming("draft", len(stepped), (time.perf_counter() - start) * MS_PER_S))
-            start = time.perf_counter()
-        proposals = [d.proposed() for d in drafting]
-        for d in drafting:  # (a round drafted ahead starts past the history: nothing is learnt of it)
-            if d.guessed is None:
-                d.row.session.round, d.row.session.buckets = d.proposal.candidates, buckets[d]
-        return proposals
+        walks = {d: self._walk(d) for d in active}
+        budgeted = [d for d in active if d.budgeted]
+        if budgeted:
+            self._choose(budgeted, walks, plan, len(rows))
+        self._decide([d for d in active if not d.budgeted], walks)
+        for d in drafting:  # what the target takes of it is learnt at the session's next round
+            d.row.session.round_start = len(d.row.history)
+            # (a round drafted ahead starts past the history: nothing is learnt of it)
+            d.row.session.round = d.proposal.candidates if d.guessed is None else []
+            d.row.session.buckets = [bucket for _, bucket in walks.get(d, [])]
+        if active:
+            timings.append(PassTiming("draft", len(active), (time.perf_counter() - start) * MS_PER_S))
+        return [d.proposed() for d in drafting]
+
+    def _walk(self, d: Drafting) -> list[tuple[DraftStep, tuple]]:
+        """The row's candidates as far as its limit or its match goes, each as a step and its match
+        bucket, after learning its session's last round; a row drafted ahead guesses first."""
+        session, history, greedy = d.row.session, d.row.history, d.row.sampling.greedy
+        stats = self.draft.stats
+        if (accepted := session.outcome(history)) is not None:
+            stats.learn(session.buckets[:len(session.round)], accepted)
+        session.index.sync(history)
+        d.row.policy.start_round()
+        tail, walk = history[-MAX_ORDER:], []
+        while len(walk) < d.limit + d.guessing:
+            match = session.index.match(tail)
+            if match is None:  # nothing before continues it: the round ends here
+                break
+            tail = tail[1 - MAX_ORDER:] + [match.token]
+            q = self.draft.one_hot(match.token) if q_travels(d.row.sampling) else None
+            step = DraftStep(len(walk) + 1 - d.guessing, match.token, q, None, d.row.num_generated,
+                             greedy=True, judged=stats.estimate(match, greedy))
+            if d.guessing:  # the bonus token's guess (rounds.DraftRow.guess): no candidate
+                d.guessing, d.guessed = False, step
+                continue
+            walk.append((step, MatchStats.bucket(match, greedy)))
+        return walk
+
+    @staticmethod
+    def _choose(rows: list[Drafting], walks: dict, plan: StepPlan, batch: int) -> None:
+        """The budgeted rows' rounds at once: the step's budget keeps the candidates of highest
+        survival across the rows (each row's a prefix of its walk: survival falls along it)."""
+        sessions = batch + plan.other_sessions
+        budget = StepBudget(plan.costs, expected=float(sessions), tokens=sessions)
+        flat = []
+        for d in rows:
+            survive = 1.0
+            for i, (step, _) in enumerate(walks[d]):
+                survive *= step.judged
+                flat.append((d, i, survive))
+        kept = budget.keep([survive for *_, survive in flat])
+        counts = {d: 0 for d in rows}
+        for (d, i, _), keep in zip(flat, kept):
+            if keep and i == counts[d]:  # (a prefix, whatever ties the order broke)
+                counts[d] += 1
+        for d in rows:
+            for step, _ in walks[d][:counts[d]]:
+                d.append(step)
+
+    @staticmethod
+    def _decide(rows: list[Drafting], walks: dict) -> None:
+        """Rows whose policy decides on its own: candidate by candidate, every row in step."""
+        active, taken = list(rows), 0
+        while active := [d for d in active if taken < len(walks[d])]:
+            active = still_drafting(active, [walks[d][taken][0] for d in active], None)
+            taken += 1
 
     def probe(self, sizes: Sequence[int]) -> list[PassTiming]:
         """Time a drafting step of n sessions for each n of `sizes` on scratch sessions, as

@@ -33,7 +33,7 @@ MAX_ORDER = 16  # the longest context matched, in tokens
 
 _MODULUS = (1 << 61) - 1  # a Mersenne prime: contexts' hashes collide with probability ~1e-18
 _BASE = random.Random(20261205).randrange(1 << 40, _MODULUS)
-_POWERS = [pow(_BASE, k, _MODULUS) for k in range(MAX_ORDER + 1)]
+_POWERS = [pow(_BASE, k, _MODULUS) for k in range(MAX_ORDER + 2)]
 # (a token hashes as its id + 1: a leading id 0 would otherwise hash a context as its shorter tail)
 _POSITION_BITS = 32  # a table entry packs (count << 32) | the position of the last continuation
 _POSITION_MASK = (1 << _POSITION_BITS) - 1
@@ -53,8 +53,8 @@ class Match:
 
 
 class SuffixIndex:
-    """A session's committed tokens and every context of 1 .. MAX_ORDER tokens among them that was
-    followed by a token: its hash -> how often, and where its last continuation is."""
+    """A session's committed tokens and every context of 1 .. MAX_ORDER + 1 tokens among them that
+    was followed by a token: its hash -> how often, and where its last continuation is."""
 
     def __init__(self):
         self.tokens: list[int] = []
@@ -67,8 +67,8 @@ class SuffixIndex:
         table, seq = self._table, self.tokens
         for token in tokens:
             position = len(seq)  # the contexts ending at position - 1 are followed by `token`
-            h = 0
-            for n in range(1, min(MAX_ORDER, position) + 1):
+            h = 0  # (contexts one longer than matched are kept too: how often a match was followed by its candidate)
+            for n in range(1, min(MAX_ORDER + 1, position) + 1):
                 h = (h + (seq[position - n] + 1) * _POWERS[n - 1]) % _MODULUS
                 table[h] = (((table.get(h, 0) >> _POSITION_BITS) + 1) << _POSITION_BITS) | position
             seq.append(token)

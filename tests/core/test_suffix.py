@@ -50,7 +50,9 @@ def test_the_index_finds_the_longest_earlier_context_and_its_last_continuation()
     # each token registers at most MAX_ORDER contexts (O(1) a token)
     long = SuffixIndex()
     long.extend(list(range(100)) * 3)
-    assert len(long._table) <= MAX_ORDER * len(long)
+    assert len(long._table) <= (MAX_ORDER + 1) * len(long)
+    # a match of the longest order knows how often its candidate followed it
+    assert long.match(list(range(50, 50 + MAX_ORDER))) == Match(order=MAX_ORDER, token=50 + MAX_ORDER, frequency=1.0)
 
 
 def test_the_index_follows_the_history_and_builds_again_where_it_was_taken_back():

@@ -35,14 +35,17 @@ def test_editing_is_forty_edits_of_humaneval_solutions_and_twenty_conversations(
     from specdec.prompts import EDIT_KINDS, EDITS_PER_KIND, humaneval_problems
 
     prompts = load_prompts("editing")
-    edits, conversations = prompts[:40], prompts[40:]
+    edits, conversations = [p for p in prompts if isinstance(p, str)], [p for p in prompts if not isinstance(p, str)]
     assert len(edits) == len(EDIT_KINDS) * EDITS_PER_KIND == 40 and len(conversations) == 20
-    assert all(isinstance(p, str) and "```python\n" in p for p in edits)
+    assert all("```python\n" in p for p in edits)
     solutions = [p["canonical_solution"] for p in humaneval_problems()]
     # each edit quotes a HumanEval solution whole, but the planted bugs, which quote one changed
-    fixes = edits[3 * EDITS_PER_KIND:4 * EDITS_PER_KIND]
+    fixes = [p for p in edits if p.startswith(EDIT_KINDS["fix"][:30])]
+    assert len(fixes) == EDITS_PER_KIND
     assert all(any(s in p for s in solutions) for p in edits if p not in fixes)
     assert not any(any(s in p for s in solutions) for p in fixes)
+    first = load_prompts("editing", limit=len(EDIT_KINDS) + 1)  # the first prompts hold every kind
+    assert {p[:30] for p in first[:-1]} == {text[:30] for text in EDIT_KINDS.values()} and not isinstance(first[-1], str)
     for conversation in conversations:  # the second turn revisits the first answer
         assert [m["role"] for m in conversation] == ["user", "assistant", "user"]
         assert any(s in conversation[1]["content"] for s in solutions)
