@@ -45,7 +45,7 @@ def test_editing_is_forty_edits_of_humaneval_solutions_and_twenty_conversations(
     assert all(any(s in p for s in solutions) for p in edits if p not in fixes)
     assert not any(any(s in p for s in solutions) for p in fixes)
     first = load_prompts("editing", limit=len(EDIT_KINDS) + 1)  # the first prompts hold every kind
-    assert {p[:30] for p in first[:-1]} == {text[:30] for text in EDIT_KINDS.values()} and not isinstance(first[-1], str)
+    assert {p[:20] for p in first[:-1]} == {text[:20] for text in EDIT_KINDS.values()} and not isinstance(first[-1], str)
     for conversation in conversations:  # the second turn revisits the first answer
         assert [m["role"] for m in conversation] == ["user", "assistant", "user"]
         assert any(s in conversation[1]["content"] for s in solutions)
