@@ -99,8 +99,8 @@ class SuffixProposer:
     candidate that does not pay alone (on a CPU, a pass of 2 tokens costs twice one of 1, of 16
     half as much a token). Any other row's policy decides candidate by candidate on the estimates
     (`DraftStep.judged`, as a chain's head judgements are). A history whose end matches nothing
-    before drafts nothing. Before drafting, each session learns what the target took of its last
-    round (`MatchStats.learn`)."""
+    before drafts nothing. Before drafting, each session learns what the target made of its last
+    walk, proposed or not (`SuffixSession.outcome`, `MatchStats.learn`)."""
 
     def __init__(self, draft: SuffixDraft):
         self.draft = draft
@@ -122,11 +122,11 @@ class SuffixProposer:
         if budgeted:
             self._choose(budgeted, walks, plan, len(rows))
         self._decide([d for d in active if not d.budgeted], walks)
-        for d in drafting:  # what the target takes of it is learnt at the session's next round
-            d.row.session.round_start = len(d.row.history)
+        for d in drafting:  # what the target makes of the walk is learnt at the session's next round
+            session, walk = d.row.session, walks.get(d, []) if d.guessed is None else []
             # (a round drafted ahead starts past the history: nothing is learnt of it)
-            d.row.session.round = d.proposal.candidates if d.guessed is None else []
-            d.row.session.buckets = [bucket for _, bucket in walks.get(d, [])]
+            session.round_start, session.walk = len(d.row.history), [step.token for step, _ in walk]
+            session.buckets = [bucket for _, bucket in walk]
         if active:
             timings.append(PassTiming("draft", len(active), (time.perf_counter() - start) * MS_PER_S))
         return [d.proposed() for d in drafting]
@@ -136,8 +136,8 @@ class SuffixProposer:
         bucket, after learning its session's last round; a row drafted ahead guesses first."""
         session, history, greedy = d.row.session, d.row.history, d.row.sampling.greedy
         stats = self.draft.stats
-        if (accepted := session.outcome(history)) is not None:
-            stats.learn(session.buckets[:len(session.round)], accepted)
+        if (outcome := session.outcome(history)) is not None:
+            stats.learn(session.buckets, *outcome)
         session.index.sync(history)
         d.row.policy.start_round()
         tail, walk = history[-MAX_ORDER:], []

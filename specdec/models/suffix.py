@@ -142,38 +142,44 @@ class MatchStats:
         return ((self.accepted.get(key, 0.0) + PRIOR_WEIGHT * prior)
                 / (self.verified.get(key, 0.0) + PRIOR_WEIGHT))
 
-    def learn(self, buckets: list[tuple], accepted: int) -> None:
-        """A round's candidates' buckets and how many were accepted: those, and the first rejected."""
-        for j, key in enumerate(buckets[:accepted + 1]):
+    def learn(self, buckets: list[tuple], accepted: int, shown: int) -> None:
+        """A walk's candidates' buckets, how many the target took and how many its tokens reached:
+        those taken, and the first not taken where they reach it."""
+        for j, key in enumerate(buckets[:min(accepted + 1, shown)]):
             self.verified[key] = self.verified.get(key, 0.0) + 1.0
             self.accepted[key] = self.accepted.get(key, 0.0) + (j < accepted)
 
 
 class SuffixSession:
-    """A session of the suffix draft: its index, and its last round (to learn what became of it)."""
+    """A session of the suffix draft: its index, and its last walk (to learn what became of it)."""
 
     def __init__(self):
         self.index = SuffixIndex()
-        self.round_start = 0  # the history's length the last round drafted after
-        self.round: list[int] = []  # its candidates
+        self.round_start = 0  # the history's length the last walk started after
+        self.walk: list[int] = []  # its candidates, proposed or not
         self.buckets: list[tuple] = []  # each candidate's match bucket
 
     @property
     def tokens(self) -> list[int]:
         return self.index.tokens
 
-    def outcome(self, history: list[int]) -> int | None:
-        """How many of the last round's candidates `history` took, or None where it cannot tell (it
-        has not advanced past the round's start, or was taken back before it)."""
+    def outcome(self, history: list[int]) -> tuple[int, int] | None:
+        """What the target made of the last walk, proposed or not: (how many of its candidates the
+        tokens committed since its start took before the first they did not, how many of its
+        candidates they reach), or None where they tell nothing (no token committed since, or the
+        history taken back before it). A one-hot candidate is accepted exactly when the target's
+        token is it, greedy or sampled (with probability p(y) then), so what a round verified and
+        what the target decoded plainly past it are the same evidence."""
         start = self.round_start
-        if not self.round or len(history) <= start or history[:start] != self.index.tokens[:start]:
+        if not self.walk or len(history) <= start or history[:start] != self.index.tokens[:start]:
             return None
+        shown = history[start:start + len(self.walk)]
         accepted = 0
-        for y, token in zip(self.round, history[start:]):
+        for y, token in zip(self.walk, shown):
             if y != token:
                 break
             accepted += 1
-        return accepted
+        return accepted, len(shown)
 
 
 @dataclass

@@ -70,12 +70,26 @@ def test_match_estimates_start_from_the_prior_and_learn_from_verified_rounds():
     stats, match = MatchStats(), Match(order=3, token=1, frequency=1.0)
     assert stats.estimate(match, greedy=True) == pytest.approx(prior_acceptance(3, 1.0))
     bucket = MatchStats.bucket(match, greedy=True)
-    for _ in range(40):  # rounds of two candidates of this bucket, the first accepted, the second not
-        stats.learn([bucket, bucket], accepted=1)
+    for _ in range(40):  # walks of two candidates of this bucket, the first taken, the second not
+        stats.learn([bucket, bucket], accepted=1, shown=2)
     assert stats.estimate(match, greedy=True) == pytest.approx(0.5, abs=0.05)
     assert stats.estimate(match, greedy=False) == pytest.approx(prior_acceptance(3, 1.0))  # sampled apart
-    stats.learn([bucket, bucket, bucket], accepted=0)  # only the first was verified
-    assert stats.verified[bucket] == 81
+    stats.learn([bucket, bucket, bucket], accepted=0, shown=3)  # only the first was judged
+    stats.learn([bucket, bucket, bucket], accepted=1, shown=1)  # one token committed since: it took the first
+    assert stats.verified[bucket] == 82 and stats.accepted[bucket] == 41
+
+
+def test_a_walk_is_learnt_from_whether_it_was_proposed_or_not():
+    from specdec.models.suffix import SuffixSession
+
+    session = SuffixSession()
+    session.index.sync([1, 2, 3, 1, 2])
+    session.round_start, session.walk = 5, [3, 1, 2]  # walked, none proposed (K = 0)
+    assert session.outcome([1, 2, 3, 1, 2, 3]) == (1, 1)  # plain decoding took the first
+    assert session.outcome([1, 2, 3, 1, 2, 4]) == (0, 1)
+    assert session.outcome([1, 2, 3, 1, 2, 3, 1, 7, 9]) == (2, 3)  # a round: two taken, the third not
+    assert session.outcome([1, 2, 3, 1, 2]) is None  # nothing committed since
+    assert session.outcome([1, 2, 9, 1, 2, 3]) is None  # taken back before the walk
 
 
 GREEDY_POLICIES = [PolicyConfig(name="fixed", k=3), PolicyConfig(name="heuristic"),
