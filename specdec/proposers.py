@@ -140,19 +140,23 @@ class SuffixProposer:
             stats.learn(session.buckets, *outcome)
         session.index.sync(history)
         d.row.policy.start_round()
-        tail, walk = history[-MAX_ORDER:], []
+        tail, walk, drafted, length, last = history[-MAX_ORDER:], [], [], 0, -1
         while len(walk) < d.limit + d.guessing:
             match = session.index.match(tail)
             if match is None:  # nothing before continues it: the round ends here
                 break
+            # the copy's length: one more where the walk goes on through the same earlier text
+            length = length + 1 if match.position == last + 1 else session.index.run(history, drafted, match.position)
+            last = match.position
             tail = tail[1 - MAX_ORDER:] + [match.token]
+            drafted.append(match.token)
             q = self.draft.one_hot(match.token) if q_travels(d.row.sampling) else None
             step = DraftStep(len(walk) + 1 - d.guessing, match.token, q, None, d.row.num_generated,
-                             greedy=True, judged=stats.estimate(match, greedy))
+                             greedy=True, judged=stats.estimate(length, match.frequency, greedy))
             if d.guessing:  # the bonus token's guess (rounds.DraftRow.guess): no candidate
                 d.guessing, d.guessed = False, step
                 continue
-            walk.append((step, MatchStats.bucket(match, greedy)))
+            walk.append((step, MatchStats.bucket(length, match.frequency, greedy)))
         return walk
 
     @staticmethod

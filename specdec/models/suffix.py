@@ -30,6 +30,7 @@ from specdec.models.runtime import DraftRole, Feed, PassOutputs
 
 SUFFIX = "suffix"  # the draft source that names it (--draft suffix, --also-draft NAME=suffix)
 MAX_ORDER = 16  # the longest context matched, in tokens
+MAX_RUN = 64  # the longest copy a walk's estimates tell apart, in tokens
 
 _MODULUS = (1 << 61) - 1  # a Mersenne prime: contexts' hashes collide with probability ~1e-18
 _BASE = random.Random(20261205).randrange(1 << 40, _MODULUS)
@@ -50,6 +51,7 @@ class Match:
     order: int  # the context's length in tokens
     token: int  # the token that followed it last: the candidate
     frequency: float  # of the times the context was followed, the share followed by `token`
+    position: int = 0  # where the candidate is in the index's tokens
 
 
 class SuffixIndex:
@@ -100,13 +102,22 @@ class SuffixIndex:
         # how often the context followed by the token was itself followed, plus its last occurrence
         # if that ends the sequence (nothing has followed it yet)
         extended = (table.get((token + 1 + _BASE * context) % _MODULUS, 0) >> _POSITION_BITS) + (position == len(seq) - 1)
-        return Match(order, token, min(1.0, extended / (found >> _POSITION_BITS)))
+        return Match(order, token, min(1.0, extended / (found >> _POSITION_BITS)), position)
+
+    def run(self, sequence: list[int], drafted: list[int], position: int, cap: int = MAX_RUN) -> int:
+        """How many tokens before `position` equal the end of `sequence` + `drafted`, up to `cap`:
+        the length of the copy a walk follows, past the longest context the table matches."""
+        tail, seq, length = (sequence[-cap:] + drafted)[-cap:], self.tokens, 0
+        while length < min(len(tail), position) and seq[position - 1 - length] == tail[-1 - length]:
+            length += 1
+        return length
 
 
-# Match statistics -> the acceptance estimate: buckets of the matched context's length and of how
-# often the candidate followed it; each bucket's rate of acceptance, starting from a prior and
-# learning from the rounds the target verified (`MatchStats.learn`).
-ORDER_BUCKETS = (1, 2, 3, 4, 6, 9, 13)  # lower bounds
+# Match statistics -> the acceptance estimate: buckets of the copy's length (the matched context,
+# and past it as far as the walk's text equals the text before the candidate: a long copy goes on)
+# and of how often the candidate followed the context; each bucket's rate of acceptance, starting
+# from a prior and learning from what the target made of the walks (`MatchStats.learn`).
+LENGTH_BUCKETS = (1, 2, 3, 4, 6, 9, 13, 17, 33)  # lower bounds
 FREQUENCY_BUCKETS = (0.0, 0.34, 0.67, 0.999)  # lower bounds: the last is "always followed by it"
 PRIOR_WEIGHT = 4.0  # the prior counts as this many verified candidates
 
@@ -118,10 +129,10 @@ def _bucket(value: float, bounds: tuple) -> int:
     return b
 
 
-def prior_acceptance(order: int, frequency: float) -> float:
+def prior_acceptance(length: int, frequency: float) -> float:
     """Before anything is verified: as often as the context was followed by the candidate, and the
-    more likely the longer it is (a single shared token says little)."""
-    return frequency * order / (order + 1.0)
+    more likely the longer the copy is (a single shared token says little)."""
+    return frequency * length / (length + 1.0)
 
 
 @dataclass
@@ -133,12 +144,13 @@ class MatchStats:
     verified: dict[tuple, float] = field(default_factory=dict)
 
     @staticmethod
-    def bucket(match: Match, greedy: bool) -> tuple:
-        return (greedy, _bucket(match.order, ORDER_BUCKETS), _bucket(match.frequency, FREQUENCY_BUCKETS))
+    def bucket(length: int, frequency: float, greedy: bool) -> tuple:
+        return (greedy, _bucket(length, LENGTH_BUCKETS), _bucket(frequency, FREQUENCY_BUCKETS))
 
-    def estimate(self, match: Match, greedy: bool) -> float:
-        key = self.bucket(match, greedy)
-        prior = prior_acceptance(match.order, match.frequency)
+    def estimate(self, length: int, frequency: float, greedy: bool) -> float:
+        """A candidate's acceptance: its copy's `length`, how often it followed its context."""
+        key = self.bucket(length, frequency, greedy)
+        prior = prior_acceptance(length, frequency)
         return ((self.accepted.get(key, 0.0) + PRIOR_WEIGHT * prior)
                 / (self.verified.get(key, 0.0) + PRIOR_WEIGHT))
 

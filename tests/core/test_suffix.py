@@ -41,39 +41,49 @@ def generate(engine: SpecDecEngine, prompt: list[int], params: GenerationParams)
 def test_the_index_finds_the_longest_earlier_context_and_its_last_continuation():
     index = SuffixIndex()
     index.extend([1, 2, 3, 4, 1, 2, 3, 5, 1, 2])
-    assert index.match([1, 2]) == Match(order=2, token=3, frequency=1.0)  # "1 2" was followed by 3 twice
-    assert index.match([2, 3]) == Match(order=2, token=5, frequency=0.5)  # by 4, then by 5: the last wins
-    assert index.match([7, 4, 1, 2, 3]) == Match(order=4, token=5, frequency=1.0)  # "4 1 2 3": once, by 5
-    assert index.match([7, 3, 1, 2, 3]) == Match(order=3, token=5, frequency=0.5)  # only "1 2 3" occurred
+    assert index.match([1, 2]) == Match(order=2, token=3, frequency=1.0, position=6)  # "1 2" was followed by 3 twice
+    assert index.match([2, 3]) == Match(order=2, token=5, frequency=0.5, position=7)  # by 4, then by 5: the last wins
+    assert index.match([7, 4, 1, 2, 3]) == Match(order=4, token=5, frequency=1.0, position=7)  # "4 1 2 3": once, by 5
+    assert index.match([7, 3, 1, 2, 3]) == Match(order=3, token=5, frequency=0.5, position=7)  # only "1 2 3" occurred
     assert index.match([9]) is None
-    assert index.match([0, 1]) == Match(order=1, token=2, frequency=1.0)  # a leading id 0 is a token of its own
+    assert index.match([0, 1]) == Match(order=1, token=2, frequency=1.0, position=9)  # a leading id 0 is a token of its own
     # each token registers at most MAX_ORDER contexts (O(1) a token)
     long = SuffixIndex()
     long.extend(list(range(100)) * 3)
     assert len(long._table) <= (MAX_ORDER + 1) * len(long)
     # a match of the longest order knows how often its candidate followed it
-    assert long.match(list(range(50, 50 + MAX_ORDER))) == Match(order=MAX_ORDER, token=50 + MAX_ORDER, frequency=1.0)
+    assert long.match(list(range(50, 50 + MAX_ORDER))) == Match(order=MAX_ORDER, token=50 + MAX_ORDER, frequency=1.0, position=250 + MAX_ORDER)
 
 
 def test_the_index_follows_the_history_and_builds_again_where_it_was_taken_back():
     index = SuffixIndex()
     index.sync([4, 5, 4])
     index.sync([4, 5, 4, 5])  # appended
-    assert index.tokens == [4, 5, 4, 5] and index.match([4]) == Match(order=1, token=5, frequency=1.0)
+    assert index.tokens == [4, 5, 4, 5] and index.match([4]) == Match(order=1, token=5, frequency=1.0, position=3)
     index.sync([4, 5, 3])  # a committed token taken back: the same as built from scratch
     fresh = SuffixIndex()
     fresh.extend([4, 5, 3])
     assert index.tokens == fresh.tokens and index._table == fresh._table
 
 
+def test_the_copy_a_walk_follows_is_measured_past_the_longest_context():
+    index = SuffixIndex()
+    text = list(range(40)) + [99] + list(range(40))
+    index.extend(text)
+    match = index.match(text)
+    assert match.order == MAX_ORDER and match.token == 99 and match.position == 40
+    assert index.run(text[:-1], [39], match.position) == 40  # the whole of range(40): a 40-token copy
+    assert index.run([7, 8], [], 2) == 0 and index.run(text, [5], 40, cap=10) == 0
+
+
 def test_match_estimates_start_from_the_prior_and_learn_from_verified_rounds():
-    stats, match = MatchStats(), Match(order=3, token=1, frequency=1.0)
-    assert stats.estimate(match, greedy=True) == pytest.approx(prior_acceptance(3, 1.0))
-    bucket = MatchStats.bucket(match, greedy=True)
+    stats = MatchStats()
+    assert stats.estimate(3, 1.0, greedy=True) == pytest.approx(prior_acceptance(3, 1.0))
+    bucket = MatchStats.bucket(3, 1.0, greedy=True)
     for _ in range(40):  # walks of two candidates of this bucket, the first taken, the second not
         stats.learn([bucket, bucket], accepted=1, shown=2)
-    assert stats.estimate(match, greedy=True) == pytest.approx(0.5, abs=0.05)
-    assert stats.estimate(match, greedy=False) == pytest.approx(prior_acceptance(3, 1.0))  # sampled apart
+    assert stats.estimate(3, 1.0, greedy=True) == pytest.approx(0.5, abs=0.05)
+    assert stats.estimate(3, 1.0, greedy=False) == pytest.approx(prior_acceptance(3, 1.0))  # sampled apart
     stats.learn([bucket, bucket, bucket], accepted=0, shown=3)  # only the first was judged
     stats.learn([bucket, bucket, bucket], accepted=1, shown=1)  # one token committed since: it took the first
     assert stats.verified[bucket] == 82 and stats.accepted[bucket] == 41
