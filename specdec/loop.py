@@ -113,7 +113,7 @@ class RoundLoop:
         # "auto" overlaps nothing where the calls cannot run at once (in process)
         self.overlap = "off" if batch.overlap == "auto" and not calls_overlap(transport) else batch.overlap
         self._planners = lane_planners(batch.lanes, list(rules.drafts), self.calls.time_target, observer, probe_share,
-                                       self.overlap)
+                                       self.overlap, {name for name, traits in rules.drafts.items() if traits.model_free})
         # each draft's live profile, shared by the lanes (the workers' probes seed it)
         self.costs = {draft: planner.costs for draft, planner in self._planners[0].items()}
         self._lanes: list[list[LoopSample]] = [[] for _ in range(batch.lanes)]

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Container, Sequence
 from dataclasses import dataclass, field
 
 from specdec.budget import (CURVE_PROBE_SHARE, MAX_CANDIDATES, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PROBE_SHARE,
@@ -124,6 +124,9 @@ class StepPlanner:
     _phase: dict[bool, float | None] = field(default_factory=lambda: {False: None, True: None})
     _phase_priced: tuple[bool, float] | None = None
     _overlap_waited: int = 0  # steps that could have overlapped since the last that did
+    # A draft without passes (models/suffix.py): calling it costs nothing, so every drafting session
+    # calls it, and a budgeted round's own budget, over its whole walk, decides what it verifies.
+    free: bool = False
 
     @property
     def acceptance(self) -> float:
@@ -154,6 +157,9 @@ class StepPlanner:
         their policy says; budgeted ones as the costs say."""
         drafting = [s for s in batch if s.traits.uses_draft and s.draft == self.draft]
         budgeted = [s for s in drafting if s.traits.budgeted]
+        if self.free:
+            return StepPlan(frozenset(s.session_id for s in drafting), costs=self.profile(len(batch)),
+                            other_sessions=len(batch) - len(drafting))
         if not budgeted:
             return StepPlan(frozenset(s.session_id for s in drafting), other_sessions=len(batch) - len(drafting))
         ready = [s for s in budgeted if s.sample.length >= self._state(s).rests_until]
@@ -308,10 +314,12 @@ class StepPlanner:
 
 
 def lane_planners(lanes: int, drafts: Sequence[str] = (DEFAULT_DRAFT,), time_target: TimeTarget | None = None,
-                  observer: RoundObserver | None = None, probe_share: float = PROBE_SHARE, overlap: str = "auto"
-                  ) -> list[dict[str, StepPlanner]]:
-    """Each lane's planner for each draft, over one live profile per draft (the lanes' calls go to
-    the same replicas), with the profile given by hand (`SPECDEC_COST_PROFILE`) read once, here."""
+                  observer: RoundObserver | None = None, probe_share: float = PROBE_SHARE, overlap: str = "auto",
+                  free: Container[str] = ()) -> list[dict[str, StepPlanner]]:
+    """Each lane's planner for each draft (`free`: the drafts without passes), over one live profile
+    per draft (the lanes' calls go to the same replicas), with the profile given by hand
+    (`SPECDEC_COST_PROFILE`) read once, here."""
     costs, given = {draft: LiveCosts() for draft in drafts}, given_profile()
-    return [{draft: StepPlanner(costs[draft], draft, time_target, given, observer, probe_share, overlap=overlap)
+    return [{draft: StepPlanner(costs[draft], draft, time_target, given, observer, probe_share, overlap=overlap,
+                                free=draft in free)
              for draft in drafts} for _ in range(lanes)]

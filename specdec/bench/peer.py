@@ -1,6 +1,8 @@
-"""The peer: stock HF transformers assisted generation (`target.generate(assistant_model=draft)`)
+"""The peers: stock HF transformers assisted generation (`target.generate(assistant_model=draft)`)
 on the very models our engine runs (same weights, same weight formats, same threads), so what
-differs is the decoding loop and its schedule, not the kernels.
+differs is the decoding loop and its schedule, not the kernels; and on the llama.cpp runtime,
+llama-cpp-python's own prompt lookup decoding (`llamacpp-lookup`, `LlamaLookupPeer`) on the
+target's GGUF file, the model-free draft's peer.
 
 Two of its modes (transformers 5.x names; the assistant's schedule lives in the assistant model's
 `generation_config`, which the candidate generator copies at the start of every `generate` call):
@@ -167,3 +169,46 @@ def _peer_stats(prompt_tokens: int, target_fed: list[int], rounds: list[list[int
         accepted = max(min(len(committed) - 1, candidates), 0)
         stats.record_round(candidates, accepted)
     return stats
+
+
+# llama-cpp-python's advice for its prompt lookup draft: 10 tokens "generally good for gpu, 2
+# performs better for cpu-only machines" (its README): the CPU setting, what this peer runs by default.
+LOOKUP_CPU_TOKENS = 2
+LOOKUP_NGRAM = 2  # LlamaPromptLookupDecoding's default max_ngram_size
+
+
+class LlamaLookupPeer:
+    """llama-cpp-python's `Llama(draft_model=LlamaPromptLookupDecoding(...))` on the target's GGUF
+    file, threads and context as our llama.cpp target's: its greedy (or temperature-only) decoding
+    with the n-gram lookup of the prompt and output proposing up to `num_pred_tokens` a step. It
+    counts nothing but tokens and wall time (its rounds happen inside `Llama.generate`)."""
+
+    def __init__(self, gguf: str, threads: int | None, context: int, eos_token_ids: Sequence[int]):
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        self.eos_token_ids = set(eos_token_ids)
+        self._tokens = None
+        self._lookup = LlamaPromptLookupDecoding
+        self.llm = Llama(model_path=gguf, n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                         draft_model=LlamaPromptLookupDecoding(max_ngram_size=LOOKUP_NGRAM,
+                                                               num_pred_tokens=LOOKUP_CPU_TOKENS), verbose=False)
+
+    def generate(self, prompt_ids: Sequence[int], num_pred_tokens: int, max_new_tokens: int, temperature: float,
+                 seed: int) -> PeerResult:
+        if self._tokens != num_pred_tokens:
+            self.llm.draft_model = self._lookup(max_ngram_size=LOOKUP_NGRAM, num_pred_tokens=num_pred_tokens)
+            self._tokens = num_pred_tokens
+        self.llm.set_seed(seed)
+        token_ids, finish = [], FINISH_LENGTH
+        start = time.perf_counter()
+        for token in self.llm.generate(list(prompt_ids), temp=temperature, top_k=0, top_p=1.0, min_p=0.0,
+                                       repeat_penalty=1.0, reset=True):
+            if token in self.eos_token_ids:
+                finish = FINISH_STOP
+                break
+            token_ids.append(int(token))
+            if len(token_ids) >= max_new_tokens:
+                break
+        stats = RequestStats(generated_tokens=len(token_ids), wall_time_s=time.perf_counter() - start)
+        return PeerResult(token_ids, finish, stats)

@@ -17,7 +17,7 @@ from pathlib import Path
 from specdec.bench.costmodel import CostFit, fit_cost_model, fit_round_costs, fit_standalone, speedup_share
 from specdec.bench.frontier import frontier_dominance, pareto_frontier
 from specdec.bench.records import RecordStore, divergence_key, record_key, stats_from_dict, temperature_key
-from specdec.bench.specs import BASELINE, SWEPT_FAMILIES, PolicySpec
+from specdec.bench.specs import BASELINE, SWEPT_FAMILIES, PolicySpec, parse_spec
 from specdec.metrics import RequestStats
 
 RESULTS_FILE, SUMMARY_FILE = "results.json", "summary.md"
@@ -94,7 +94,7 @@ def lossless_summary(results: dict) -> dict:
     near_ties = {k: c["near_tie_prompts"] for k, c in checks.items() if c["near_tie_prompts"]}
     defects = {k: [p for p in c["mismatched_prompts"] if p not in c["near_tie_prompts"]] for k, c in checks.items()}
     defects = {k: v for k, v in defects.items() if v}
-    ours = {k for k in checks if greedy[k]["family"] != "hf"}
+    ours = {k for k in checks if not parse_spec(k).is_peer}
     return {"checked": sorted(checks), "mismatched": mismatched, "near_ties": near_ties, "defects": defects,
             "ours_equal": not (ours & set(mismatched)) if checks else None,
             "ours_lossless": not (ours & set(defects)) if checks else None}

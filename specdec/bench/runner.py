@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from specdec.bench.prompt_sets import load_prompts
 from specdec.bench.records import RecordStore, divergence_key, record_key, temperature_key
-from specdec.bench.specs import BASELINE, DEFAULT_POLICIES, PolicySpec, parse_specs, with_baseline
+from specdec.bench.specs import BASELINE, DEFAULT_POLICIES, LOOKUP_PEER, PolicySpec, parse_specs, with_baseline
 from specdec.builder import EngineConfig, resolve_draft_quant, resolve_runtime
 from specdec.errors import InvalidRequestError
 from specdec.models.runtime import common_prefix_length
@@ -138,7 +138,8 @@ class BenchRun:
                  progress: bool = True):
         self.config, self.specs, self.prompts, self.store, self.progress = config, specs, prompts, store, progress
         self.notes = read_notes(config.out)
-        self.engine = self.peer = None
+        self.engine = None
+        self.peers: dict = {}  # peer spec name -> its peer, loaded at first use
         self.head_ids = head_fingerprints(config.engine)  # by draft name
         self.cpu = cpu_name()  # in every record: a run resumed on another machine says so in its report
 
@@ -199,11 +200,15 @@ class BenchRun:
 
     def _note_peers(self) -> None:
         """HF's assisted generation runs the transformers models: only on the torch runtime, with a
-        model draft."""
+        model draft; llama-cpp-python's prompt lookup, the target's GGUF: only on llama.cpp."""
         skipped = self.notes.setdefault("skipped_specs", {})
         on_torch = self.engine.draft.kind == self.engine.target.kind == "torch"
         for spec in self.specs:
-            if spec.is_peer and self.engine.draft.reads_features:
+            if spec.name == LOOKUP_PEER and self.engine.target.kind != "llamacpp":
+                skipped[spec.key] = "llama-cpp-python's prompt lookup runs the target's GGUF: needs --runtime llamacpp"
+            elif spec.name == LOOKUP_PEER:
+                skipped.pop(spec.key, None)
+            elif spec.is_peer and self.engine.draft.reads_features:
                 skipped[spec.key] = "HF's assisted generation needs a model draft, not a feature draft"
             elif spec.is_peer and not on_torch:
                 skipped[spec.key] = "HF's assisted generation runs transformers models: needs --runtime torch"
@@ -287,12 +292,37 @@ class BenchRun:
                 groups.append((temperature, spec, [index]))
         return groups
 
-    def _peer(self):
-        if self.peer is None:
-            from specdec.bench.peer import HFAssistedPeer
+    def _peer(self, name: str):
+        """The peer that runs the spec `name` (loaded at its first use)."""
+        if name not in self.peers:
+            if name == LOOKUP_PEER:
+                from specdec.bench.peer import LlamaLookupPeer
 
-            self.peer = HFAssistedPeer(self.engine.draft.model, self.engine.target.model, self.engine.eos_token_ids)
-        return self.peer
+                target = self.engine.target.llama
+                self.peers[name] = LlamaLookupPeer(str(target.path), target.threads, target.n_ctx,
+                                                   self.engine.eos_token_ids)
+            else:
+                from specdec.bench.peer import HFAssistedPeer
+
+                hf = next((p for p in self.peers.values() if isinstance(p, HFAssistedPeer)), None)
+                self.peers[name] = hf or HFAssistedPeer(self.engine.draft.model, self.engine.target.model,
+                                                        self.engine.eos_token_ids)
+        return self.peers[name]
+
+    def _peer_generate(self, spec: PolicySpec, prompt_ids: list[int], max_new_tokens: int, temperature: float,
+                       seed: int) -> tuple:
+        """(the peer's result, what the record notes of its mode)."""
+        from specdec.bench.peer import LOOKUP_CPU_TOKENS, LOOKUP_NGRAM, peer_mode, threshold_adaptation
+
+        if spec.name == LOOKUP_PEER:
+            tokens = int(spec.value or LOOKUP_CPU_TOKENS)
+            result = self._peer(spec.name).generate(prompt_ids, tokens, max_new_tokens, temperature, seed)
+            return result, {"num_pred_tokens": tokens, "max_ngram_size": LOOKUP_NGRAM}
+        mode = peer_mode(spec.name, spec.value)
+        result = self._peer(spec.name).generate(prompt_ids, mode, max_new_tokens, temperature, seed)
+        return result, {"num_assistant_tokens": mode.num_assistant_tokens, "schedule": mode.schedule,
+                        "confidence_threshold": mode.confidence_threshold,
+                        "threshold_adaptation": bool(mode.confidence_threshold) and threshold_adaptation()}
 
     def _warm_up(self, prompt_ids: list[list[int] | None]) -> None:
         """One short generation per code path, untimed: first calls pay for lazy initialisation."""
@@ -302,10 +332,9 @@ class BenchRun:
         for draft in dict.fromkeys(spec.draft for spec in self.specs if not spec.is_peer):  # each draft in use
             warm_up = GenerationParams(max_new_tokens=WARMUP_TOKENS, policy=PolicyConfig(name="fixed", k=2), draft=draft)
             self.engine.generate_ids(ids, warm_up)
-        if any(spec.is_peer for spec in self.specs):
-            from specdec.bench.peer import peer_mode
-
-            self._peer().generate(ids, peer_mode("hf-dynamic"), WARMUP_TOKENS, 0.0, self.config.seed)
+        skipped = self.notes.get("skipped_specs", {})
+        for spec in {spec.name: spec for spec in self.specs if spec.is_peer and spec.key not in skipped}.values():
+            self._peer_generate(spec, ids, WARMUP_TOKENS, 0.0, self.config.seed)
 
     def _forward_times(self) -> None:
         ks = sorted(set(self.config.forward_ks))
@@ -330,13 +359,8 @@ class BenchRun:
         seed = self.config.seed + index
         record = self._base_record(spec, temperature, index, prompt_ids)
         if spec.is_peer:
-            from specdec.bench.peer import peer_mode, threshold_adaptation
-
-            mode = peer_mode(spec.name, spec.value)
-            result = self._peer().generate(prompt_ids, mode, self.config.max_new_tokens, temperature, seed)
-            record["peer"] = {"num_assistant_tokens": mode.num_assistant_tokens, "schedule": mode.schedule,
-                              "confidence_threshold": mode.confidence_threshold,
-                              "threshold_adaptation": bool(mode.confidence_threshold) and threshold_adaptation()}
+            result, record["peer"] = self._peer_generate(spec, prompt_ids, self.config.max_new_tokens, temperature,
+                                                         seed)
             return {**record, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
                     "stats": result.stats.to_dict()}
         cpu_start = time.process_time()  # every thread of this process: CPU it got, against the wall time

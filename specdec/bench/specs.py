@@ -10,6 +10,8 @@
     oracle                 the greedy hindsight oracle (the limit; greedy only)
     hf-heuristic[:K]       the peer: HF `generate(assistant_model=...)`, heuristic schedule, initial K
     hf-dynamic[:T]         the peer: HF's dynamic default, confidence threshold T, at most 20 tokens
+    llamacpp-lookup[:N]    llama-cpp-python's prompt lookup decoding on the target's GGUF, N tokens a
+                           step (default 2, its CPU setting): the suffix draft's peer
     specdec++cost@feature  any of ours on the engine's draft named `feature` (`--also-draft
                            feature=SRC`): drafts side by side in one run, interleaved prompt by prompt
 
@@ -26,8 +28,10 @@ from specdec.params import DEFAULT_DRAFT
 from specdec.policies import POLICY_NAMES, PolicyConfig
 
 BASELINE = "target-only"  # plain decoding: what every speedup divides by
-PEER_NAMES = ("hf-heuristic", "hf-dynamic")
-K_NAMES = ("fixed", "heuristic", "hf-heuristic")  # whose value is an integer K; the others take a threshold
+HF_PEERS = ("hf-heuristic", "hf-dynamic")
+LOOKUP_PEER = "llamacpp-lookup"  # llama-cpp-python's prompt lookup decoding on the target's GGUF
+PEER_NAMES = (*HF_PEERS, LOOKUP_PEER)
+K_NAMES = ("fixed", "heuristic", "hf-heuristic", LOOKUP_PEER)  # whose value is an integer K; the others take a threshold
 NO_VALUE_NAMES = ("target-only", "oracle", "specdec++cost")
 SWEPT_FAMILIES = ("fixed", "specdec++", "svip", "confidence")  # families drawn as a frontier
 
@@ -45,7 +49,7 @@ DEFAULT_POLICIES = (
     *(f"confidence:{t}" for t in CONFIDENCE_THRESHOLDS),
     "heuristic",
     "oracle",
-    *PEER_NAMES,
+    *HF_PEERS,
 )
 
 
@@ -64,7 +68,7 @@ class PolicySpec:
     @property
     def family(self) -> str:
         """Which frontier a point belongs to: another draft's points are a family of their own."""
-        family = "hf" if self.is_peer else self.name
+        family = "hf" if self.name in HF_PEERS else self.name
         return family if self.draft is None else f"{family}@{self.draft}"
 
     @property

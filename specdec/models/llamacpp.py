@@ -145,7 +145,7 @@ class LlamaCppModel:
         params = lib.llama_context_default_params()
         params.n_ctx, params.n_seq_max, params.kv_unified = options.context, options.sequences, True
         params.n_batch = params.n_ubatch = options.batch
-        params.n_threads = params.n_threads_batch = options.threads or os.cpu_count() or 1
+        params.n_threads = params.n_threads_batch = self.threads = options.threads or os.cpu_count() or 1
         params.embeddings = hidden
         params.pooling_type = lib.LLAMA_POOLING_TYPE_NONE
         self.context = lib.llama_init_from_model(self.model, params)
