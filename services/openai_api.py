@@ -7,7 +7,9 @@ this app on the Serve ingress, the tests mount it on the in-process engine.
 Where this differs from OpenAI's API, on purpose:
 - temperature unset = 0 (greedy), as `specdec generate` (OpenAI's default is 1); max_tokens unset = 128;
 - extension fields in the body, as vLLM's `extra_body`: policy, k, threshold, top_k (-1 or 0 = off),
-  draft (which of the server's drafts: GenerateRequest.draft);
+  draft (which of the server's drafts: GenerateRequest.draft); the speculative ones also grouped as
+  `speculative: {draft, policy, k, threshold}` (e.g. `{"draft": "suffix"}` on a server with the
+  suffix draft), the same field twice with two values refused;
 - fields that would change the output and that we cannot honour (echo, logprobs, suffix, logit_bias,
   presence/frequency penalties, best_of != n), and unknown fields, are refused with 400, never ignored;
 - every result carries "specdec": the request's Stats (protos/specdec/v1/generation.proto), on the
@@ -120,6 +122,21 @@ class GenerationFields(BaseModel):
     k: int | None = Field(None, ge=-INT32_MAX - 1, le=INT32_MAX)
     threshold: float | None = None
     draft: str | None = None
+    speculative: SpeculativeOptions | None = None
+
+
+class SpeculativeOptions(BaseModel):
+    """The request's speculation, grouped (`speculative`): the same as the flat extension fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    draft: str | None = None
+    policy: str | None = None
+    k: int | None = Field(None, ge=-INT32_MAX - 1, le=INT32_MAX)
+    threshold: float | None = None
+
+
+SPECULATIVE_FIELDS = tuple(SpeculativeOptions.model_fields)
 
 
 class CompletionRequest(GenerationFields):
@@ -157,8 +174,12 @@ def generate_request(body: GenerationFields, max_tokens: int | None, request_id:
     """The fields both routes share; unset stays unset (the server's default)."""
     check_supported(body)
     fields = {"max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "n": body.n,
-              "seed": body.seed, "top_k": None if body.top_k is None else max(body.top_k, 0),
-              "policy": body.policy, "k": body.k, "threshold": body.threshold, "draft": body.draft}
+              "seed": body.seed, "top_k": None if body.top_k is None else max(body.top_k, 0)}
+    for name in SPECULATIVE_FIELDS:  # flat, or grouped under `speculative`
+        flat, grouped = getattr(body, name), getattr(body.speculative, name, None)
+        if flat is not None and grouped is not None and flat != grouped:
+            raise ApiError(400, f"{name} and speculative.{name} disagree: give one", param="speculative")
+        fields[name] = flat if flat is not None else grouped
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     return generation_pb2.GenerateRequest(stop=stop, request_id=request_id,
                                           **{key: value for key, value in fields.items() if value is not None})

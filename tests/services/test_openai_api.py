@@ -67,6 +67,15 @@ def test_completion_equals_engine(client, tiny_engine):
     assert body["specdec"]["k_histogram"] and "acceptance_by_position" in body["specdec"]
 
 
+def test_speculative_options_are_the_flat_fields_grouped(client, tiny_engine):
+    expected = expected_completion(tiny_engine, PROMPTS[0], policy="fixed", k=3, max_new_tokens=16)
+    response = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 16, "k": 3,
+                                                    "speculative": {"policy": "fixed", "k": 3, "draft": "default"}})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == expected.completions[0].text
+    assert max(map(int, response.json()["specdec"]["k_histogram"])) == 3  # fixed:3 ran
+
+
 def test_token_id_prompt_and_defaults(client, tiny_engine):
     """Unset temperature is greedy and unset max_tokens is 128, as `specdec generate`."""
     ids = tiny_engine.encode_prompt(PROMPTS[2], chat_template=False)
@@ -151,6 +160,9 @@ def test_stream_without_usage_and_n2(client):
     ("completions", {"policy": "nope"}, "unknown policy 'nope'", None),
     ("completions", {"policy": "nope", "stream": True}, "unknown policy 'nope'", None),
     ("completions", {"draft": "eagle"}, "unknown draft 'eagle'; this engine has 'default'", None),
+    ("completions", {"speculative": {"draft": "eagle"}}, "unknown draft 'eagle'; this engine has 'default'", None),
+    ("completions", {"speculative": {"k": 2}, "k": 3}, "k and speculative.k disagree", "speculative"),
+    ("completions", {"speculative": {"tree": 2}}, "speculative.tree: Extra inputs are not permitted", "speculative"),
     ("completions", {"echo": True}, "echo is not supported", "echo"),
     ("completions", {"logprobs": 2}, "logprobs is not supported", "logprobs"),
     ("completions", {"best_of": 3}, "best_of is not supported", "best_of"),

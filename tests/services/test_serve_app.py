@@ -39,7 +39,8 @@ def served(tiny_pair):
     draft_dir, target_dir = tiny_pair
     replica = dict(num_cpus=0.1, threads=1)
     config = AppConfig(  # every round drafted ahead where it may be: the served overlap under every test here
-        models=EngineConfig(draft=str(draft_dir), target=str(target_dir), batch=BatchConfig(overlap="on")),
+        models=EngineConfig(draft=str(draft_dir), drafts={"suffix": "suffix"}, target=str(target_dir),
+                            batch=BatchConfig(overlap="on")),
         draft=ReplicaConfig(**replica), verifier=ReplicaConfig(num_replicas=2, **replica),
         coordinator=ReplicaConfig(num_cpus=0.0, max_ongoing_requests=64),
         ingress=ReplicaConfig(num_cpus=0.0, max_ongoing_requests=64))
@@ -72,6 +73,19 @@ def test_grpc_unary_greedy_equals_engine(stub, tiny_engine, policy, k):
     assert response.completions[0].finish_reason in ("stop", "length")
     assert response.stats.generated_tokens == len(response.completions[0].token_ids)
     assert response.stats.transport_bytes > 0 and response.request_id
+
+
+@pytest.mark.parametrize(("policy", "k"), [("specdec++cost", None), ("fixed", 4)])
+def test_the_suffix_draft_served_equals_target_greedy(stub, tiny_engine, policy, k):
+    """A draft replica of the suffix draft (no model) beside the model draft's."""
+    prompt = "abcabcabcabcabcabc, abcabcabc"
+    fields = {"policy": policy, "max_new_tokens": 40} | ({"k": k} if k else {})
+    response = stub.Generate(request(prompt, draft="suffix", **fields), timeout=60)
+    assert list(response.completions[0].token_ids) == engine_ids(tiny_engine, prompt, policy="target-only",
+                                                                   max_new_tokens=40)
+    assert response.stats.draft_forward_passes == 0 and (policy != "fixed" or response.stats.draft_tokens > 0)
+    sampled = stub.Generate(request(prompt, draft="suffix", temperature=1.0, seed=3, n=2, **fields), timeout=60)
+    assert len(sampled.completions) == 2 and all(c.token_ids for c in sampled.completions)  # q one-hot on the wire
 
 
 def test_grpc_stream_equals_unary_and_engine(stub, tiny_engine):
