@@ -122,6 +122,9 @@ class SuffixProposer:
         if budgeted:
             self._choose(budgeted, walks, plan, len(rows))
         self._decide([d for d in active if not d.budgeted], walks)
+        for d in active:  # a sampled round's q, one-hot, made for the candidates kept only
+            if q_travels(d.row.sampling):
+                d.proposal.draft_probs = [self.draft.one_hot(y) for y in d.proposal.candidates]
         for d in drafting:  # what the target makes of the walk is learnt at the session's next round
             session, walk = d.row.session, walks.get(d, []) if d.guessed is None else []
             # (a round drafted ahead starts past the history: nothing is learnt of it)
@@ -150,10 +153,10 @@ class SuffixProposer:
             last = match.position
             tail = tail[1 - MAX_ORDER:] + [match.token]
             drafted.append(match.token)
-            q = self.draft.one_hot(match.token) if q_travels(d.row.sampling) else None
-            step = DraftStep(len(walk) + 1 - d.guessing, match.token, q, None, d.row.num_generated,
+            step = DraftStep(len(walk) + 1 - d.guessing, match.token, None, None, d.row.num_generated,
                              greedy=True, judged=stats.estimate(length, match.frequency, greedy))
             if d.guessing:  # the bonus token's guess (rounds.DraftRow.guess): no candidate
+                step.probs = self.draft.one_hot(match.token) if q_travels(d.row.sampling) else None
                 d.guessing, d.guessed = False, step
                 continue
             walk.append((step, MatchStats.bucket(length, match.frequency, greedy)))

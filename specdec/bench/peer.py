@@ -175,11 +175,12 @@ def _peer_stats(prompt_tokens: int, target_fed: list[int], rounds: list[list[int
 # performs better for cpu-only machines" (its README): the CPU setting, what this peer runs by default.
 LOOKUP_CPU_TOKENS = 2
 LOOKUP_NGRAM = 2  # LlamaPromptLookupDecoding's default max_ngram_size
+LOOKUP_SLACK = 64  # context past a run's longest sequence: a step's draft tokens go past its end
 
 
 class LlamaLookupPeer:
     """llama-cpp-python's `Llama(draft_model=LlamaPromptLookupDecoding(...))` on the target's GGUF
-    file, threads and context as our llama.cpp target's: its greedy (or temperature-only) decoding
+    file and threads, `context` positions (its logits buffer holds a row for each): its greedy (or temperature-only) decoding
     with the n-gram lookup of the prompt and output proposing up to `num_pred_tokens` a step. It
     counts nothing but tokens and wall time (its rounds happen inside `Llama.generate`)."""
 
@@ -190,7 +191,9 @@ class LlamaLookupPeer:
         self.eos_token_ids = set(eos_token_ids)
         self._tokens = None
         self._lookup = LlamaPromptLookupDecoding
-        self.llm = Llama(model_path=gguf, n_ctx=context, n_threads=threads, n_threads_batch=threads,
+        # With a draft model llama-cpp-python keeps every position's logits, in a buffer of n_ctx rows
+        # only where logits_all is asked for (else n_batch rows, overrun past 512 tokens: 0.3.36).
+        self.llm = Llama(model_path=gguf, n_ctx=context, n_threads=threads, n_threads_batch=threads, logits_all=True,
                          draft_model=LlamaPromptLookupDecoding(max_ngram_size=LOOKUP_NGRAM,
                                                                num_pred_tokens=LOOKUP_CPU_TOKENS), verbose=False)
 

@@ -140,6 +140,7 @@ class BenchRun:
         self.notes = read_notes(config.out)
         self.engine = None
         self.peers: dict = {}  # peer spec name -> its peer, loaded at first use
+        self._prompt_ids: list[list[int] | None] = []
         self.head_ids = head_fingerprints(config.engine)  # by draft name
         self.cpu = cpu_name()  # in every record: a run resumed on another machine says so in its report
 
@@ -150,7 +151,7 @@ class BenchRun:
         self.engine = build_engine(self.config.engine, progress=self.progress)
         self._note_head()
         self._note_peers()
-        prompt_ids = self._encode_prompts()
+        prompt_ids = self._prompt_ids = self._encode_prompts()
         todo = self._todo(prompt_ids)
         if todo:
             self._warm_up(prompt_ids)
@@ -296,11 +297,12 @@ class BenchRun:
         """The peer that runs the spec `name` (loaded at its first use)."""
         if name not in self.peers:
             if name == LOOKUP_PEER:
-                from specdec.bench.peer import LlamaLookupPeer
+                from specdec.bench.peer import LOOKUP_SLACK, LlamaLookupPeer
 
                 target = self.engine.target.llama
-                self.peers[name] = LlamaLookupPeer(str(target.path), target.threads, target.n_ctx,
-                                                   self.engine.eos_token_ids)
+                context = max(len(ids) for ids in self._prompt_ids if ids is not None) + self.config.max_new_tokens
+                self.peers[name] = LlamaLookupPeer(str(target.path), target.threads, context + LOOKUP_SLACK,
+                                                   self.engine.eos_token_ids)  # the run's longest sequence
             else:
                 from specdec.bench.peer import HFAssistedPeer
 
