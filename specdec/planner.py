@@ -42,7 +42,7 @@ from collections.abc import Awaitable, Callable, Container, Sequence
 from dataclasses import dataclass, field
 
 from specdec.budget import (CURVE_PROBE_SHARE, MAX_CANDIDATES, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PROBE_SHARE,
-                            STOP_RATE_DECAY, StepDecision, decide_step, hopeful_acceptance, overlap_saving,
+                            STOP_RATE_DECAY, StepDecision, curve_probe, decide_step, hopeful_acceptance, overlap_saving,
                             rest_after)
 from specdec.cost_profile import CostProfile, LiveCosts, PassTiming, given_profile
 from specdec.metrics import CATCH_UP, NO_ROUND_PAYS, NOT_MEASURED, RESTING
@@ -158,7 +158,7 @@ class StepPlanner:
         drafting = [s for s in batch if s.traits.uses_draft and s.draft == self.draft]
         budgeted = [s for s in drafting if s.traits.budgeted]
         if self.free:
-            return StepPlan(frozenset(s.session_id for s in drafting), costs=self.profile(len(batch)),
+            return StepPlan(frozenset(s.session_id for s in drafting), costs=await self._free_profile(batch, drafting),
                             other_sessions=len(batch) - len(drafting))
         if not budgeted:
             return StepPlan(frozenset(s.session_id for s in drafting), other_sessions=len(batch) - len(drafting))
@@ -191,7 +191,7 @@ class StepPlanner:
         if profile is None:
             return None, [False] * len(ready)
         decision = self._decide(profile, len(batch), ready, key[2])
-        size = self._curve_probe(decision, profile, len(batch))
+        size = self._curve_probe(decision.curve_probe, profile, len(batch))
         if size:
             self.costs.observe(await self._time_target(size), sessions=len(batch))
             profile = self.profile(len(batch))
@@ -211,12 +211,25 @@ class StepPlanner:
             self.observer.on_costs(profile, self.drafting)
         return decision
 
-    def _curve_probe(self, decision: StepDecision, profile: CostProfile, sessions: int) -> int:
-        """The curve probe to time before the step is decided again (0: none): each size once per
-        power of two of the step's sessions (a pass timed in steps of half as many sessions does not
-        price a step's: `LiveCosts.profile`), the first at once, each later one once CURVE_PROBE_SHARE
-        of the plain steps since the last pays for it. A profile given by hand is not probed."""
-        size = decision.curve_probe
+    async def _free_profile(self, batch: Sequence[LoopSample], drafting: Sequence[LoopSample]) -> CostProfile | None:
+        """A free draft's step's profile, a curve probe timed first where its rounds' longest pass
+        (every drafting session's cap of candidates) goes past the measured curve: its budget weighs
+        every length of its walk at once."""
+        profile = self.profile(len(batch))
+        if profile is None or not drafting:
+            return profile
+        wanted = len(batch) + sum(s.request.params.policy.k or MAX_CANDIDATES for s in drafting)
+        if size := self._curve_probe(curve_probe(profile, wanted), profile, len(batch)):
+            self.costs.observe(await self._time_target(size), sessions=len(batch))
+            profile = self.profile(len(batch))
+        return profile
+
+    def _curve_probe(self, size: int | None, profile: CostProfile, sessions: int) -> int:
+        """The curve probe to time before the step is decided again (0: none), of the size the
+        decision weighed past the curve: each size once per power of two of the step's sessions (a
+        pass timed in steps of half as many sessions does not price a step's: `LiveCosts.profile`),
+        the first at once, each later one once CURVE_PROBE_SHARE of the plain steps since the last
+        pays for it. A profile given by hand is not probed."""
         key = (size, sessions.bit_length())
         if (self.given is not None or self.time_target is None or size is None or key in self._curve_probed
                 or self._curve_credit_ms < profile.pass_ms(size)):

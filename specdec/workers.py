@@ -82,10 +82,9 @@ def serve_batch(items: list, row_for: Callable, run: Callable[[list], list]) -> 
 
 # The start-up probe: passes of these sizes after a short untimed context: a drafting step of 1, 2
 # and 16 sessions (16: the most a probe's scratch sessions take beside the live ones), a verification
-# pass of 1-16 tokens (16: a free draft's long rounds are priced from a measured pass, where the
-# curve extrapolated past 8 overprices them on a CPU: docs/planner.md, "Probes"). A probe times a pass as the rounds make it, host work included: priced from
+# pass of 1-8 tokens. A probe times a pass as the rounds make it, host work included: priced from
 # bare forwards, drafting looks cheaper than it is (docs/planner.md, "Probes").
-PROBE_SIZES = {"draft": (1, 2, 16), "verifier": (1, 2, 4, 8, 16)}
+PROBE_SIZES = {"draft": (1, 2, 16), "verifier": (1, 2, 4, 8)}
 PROBE_CONTEXT = 2  # tokens fed before the timed passes (the first pass pays for lazy set-up)
 # The draft's start-up probe also times a catch-up: one session's prefill of this many tokens (one
 # output), which prices a prompt's catch-up past the steps' curve (probe_catch_up).
