@@ -1,18 +1,18 @@
 """The suffix draft (`--draft suffix`): a draft without a model, which proposes the continuation of
 the session's last tokens where they occurred before in its own prompt and output.
 
-Each session keeps a `SuffixIndex` of its committed tokens: every context of 1 .. MAX_ORDER tokens
-that was followed by a token, with how often it was and where it last was. Appending a token
-registers the MAX_ORDER contexts that end just before it (O(MAX_ORDER) = O(1) a token, by rolling
-hashes); a round walks forward from the longest context of the history's end that occurred before,
-one candidate per lookup, each looked up again with the candidates before it (prompt lookup decoding
-and llama.cpp's n-gram drafts do the same walk over a shorter context).
+Each session keeps a `SuffixIndex` of its committed tokens: every context of 1 .. MAX_ORDER + 1
+tokens that was followed by a token, with how often it was and where it last was. Appending a token
+registers the contexts that end just before it (O(MAX_ORDER) = O(1) a token, by rolling hashes); a
+round walks forward from the longest context (up to MAX_ORDER) of the history's end that occurred
+before, one candidate per lookup, each looked up again with the candidates before it (prompt lookup
+decoding and llama.cpp's n-gram drafts do the same walk over a shorter context).
 
-A candidate's acceptance estimate comes from the match's statistics: how long the matched context
-is and how often the candidate followed it (`MatchStats`), calibrated online against what the
-target accepted of the draft's earlier rounds. The estimates stand where an acceptance head's would
-(`MatchHead`), so the SpecDec++ rule and the step's budget price and stop a suffix round as any
-draft's (specdec/proposers.py `SuffixProposer`).
+A candidate's acceptance estimate comes from the match's statistics: how long the copy it continues
+is and how often it followed its context (`MatchStats`), calibrated online on what the target made
+of the draft's earlier walks (shared by the draft's sessions: rates by bucket, no tokens). The
+estimates stand where an acceptance head's would (`MatchHead`), so the SpecDec++ rule and the step's
+budget price and stop a suffix round as any draft's (specdec/proposers.py `SuffixProposer`).
 
 Its q is one-hot: the candidate is a function of the history. Sampled verification then accepts
 y with probability min(1, p(y) / 1) = p(y) and on a rejection draws from norm(max(0, p - q)), p
@@ -120,6 +120,7 @@ class SuffixIndex:
 LENGTH_BUCKETS = (1, 2, 3, 4, 6, 9, 13, 17, 33)  # lower bounds
 FREQUENCY_BUCKETS = (0.0, 0.34, 0.67, 0.999)  # lower bounds: the last is "always followed by it"
 PRIOR_WEIGHT = 4.0  # the prior counts as this many verified candidates
+STATS_WINDOW = 2000.0  # a bucket's counts are halved past this many candidates: recent walks weigh most
 
 
 def _bucket(value: float, bounds: tuple) -> int:
@@ -160,6 +161,9 @@ class MatchStats:
         for j, key in enumerate(buckets[:min(accepted + 1, shown)]):
             self.verified[key] = self.verified.get(key, 0.0) + 1.0
             self.accepted[key] = self.accepted.get(key, 0.0) + (j < accepted)
+            if self.verified[key] > STATS_WINDOW:
+                self.verified[key] /= 2
+                self.accepted[key] /= 2
 
 
 class SuffixSession:

@@ -172,3 +172,14 @@ def test_the_suffix_draft_builds_from_its_source_name_on_any_target(tiny_pair):
     result = generate(engine, prompt, GenerationParams(max_new_tokens=8))
     plain = generate(engine, prompt, GenerationParams(max_new_tokens=8, policy=PolicyConfig(name="target-only")))
     assert result.completions[0].token_ids == plain.completions[0].token_ids
+
+
+def test_match_statistics_stay_bounded_and_follow_recent_walks():
+    from specdec.models.suffix import STATS_WINDOW
+
+    stats, bucket = MatchStats(), MatchStats.bucket(20, 1.0, greedy=True)
+    for _ in range(int(STATS_WINDOW)):  # a long run of taken candidates, then a change of workload
+        stats.learn([bucket], accepted=1, shown=1)
+    for _ in range(int(STATS_WINDOW)):
+        stats.learn([bucket], accepted=0, shown=1)
+    assert stats.verified[bucket] <= STATS_WINDOW and stats.estimate(20, 1.0, greedy=True) < 0.4
