@@ -328,3 +328,27 @@ def test_a_requantized_draft_keeps_greedy_output_equal_to_target_only(gguf_pair,
     with pytest.raises(IncompatibleModelsError, match=rf"{shipped.sha256[:12]}\), not this one "
                                                       rf"\({shipped.sha256[:12]}\+iq4_nl\); pass --head none"):
         build_engine(config.model_copy(update={"head": str(tmp_path / "head")}), progress=False)
+
+
+def test_the_suffix_draft_on_llamacpp_equals_target_only(llama_engine, gguf_pair):
+    """`--draft suffix` beside a GGUF target: its files are the target's, its rounds verified by llama.cpp."""
+    from specdec.models.suffix import SuffixDraft
+
+    engine = build_engine(EngineConfig(draft="suffix", target=str(gguf_pair[1]), runtime="llamacpp", threads=1,
+                                       llamacpp=options()), progress=False)
+    assert isinstance(engine.draft, SuffixDraft) and engine.draft.vocab_size == engine.target.vocab_size
+    prompt = list(PROMPTS[0]) * 3  # a repeat for the draft to continue
+    expected = generate(llama_engine, prompt, PolicyConfig(name="target-only"))
+    for policy in (PolicyConfig(name="fixed", k=6), PolicyConfig(name="specdec++cost")):
+        assert generate(engine, prompt, policy) == expected
+
+
+def test_llama_cpp_pythons_prompt_lookup_peer_runs_the_target(llama_engine, gguf_pair):
+    """The bench's `llamacpp-lookup` peer: llama-cpp-python's own loop on the target's GGUF, greedy."""
+    from specdec.bench.peer import LlamaLookupPeer
+
+    peer = LlamaLookupPeer(str(gguf_pair[1]), threads=1, context=256, eos_token_ids=llama_engine.eos_token_ids)
+    prompt = list(PROMPTS[0]) * 3
+    result = peer.generate(prompt, num_pred_tokens=2, max_new_tokens=24, temperature=0.0, seed=0)
+    expected = generate(llama_engine, prompt, PolicyConfig(name="target-only"))
+    assert result.token_ids == expected[:len(result.token_ids)] and result.stats.wall_time_s > 0
