@@ -222,6 +222,7 @@ class StepPlanner:
         if size := self._curve_probe(curve_probe(profile, wanted), profile, len(batch)):
             self.costs.observe(await self._time_target(size), sessions=len(batch))
             profile = self.profile(len(batch))
+        self._curve_credit_ms += CURVE_PROBE_SHARE * profile.pass_ms(len(batch))
         return profile
 
     def _curve_probe(self, size: int | None, profile: CostProfile, sessions: int) -> int:
@@ -302,7 +303,8 @@ class StepPlanner:
             priced = profile.pass_ms(verify_tokens)
             if chosen:
                 priced = max(priced, (sum(rounds.values()) / len(rounds) + 1) * profile.draft_ms(len(rounds)))
-            # a profile of zero-cost passes (timings below the clock's grain) prices nothing
+            # a step that verifies nothing (its sessions lost with a replica) can price its pass at
+            # 0 ms on an extrapolated curve: its phase is not measured against that
             self._phase_priced = (chosen, priced) if priced > 0 else None
         return list(rounds) if chosen else []
 
