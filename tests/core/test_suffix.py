@@ -183,3 +183,18 @@ def test_match_statistics_stay_bounded_and_follow_recent_walks():
     for _ in range(int(STATS_WINDOW)):
         stats.learn([bucket], accepted=0, shown=1)
     assert stats.verified[bucket] <= STATS_WINDOW and stats.estimate(20, 1.0, greedy=True) < 0.4
+
+
+def test_the_gpu_replay_decodes_the_targets_output_again_through_the_suffix_proposer():
+    """benchmarks/suffix_replay.py: an output that copies its prompt is decoded in fewer, longer
+    rounds than tokens on a flat pass curve (a GPU's), and every token of it is committed."""
+    from benchmarks.suffix_replay import replay
+    from specdec.cost_profile import CostProfile
+    from specdec.proposers import SuffixProposer
+
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8] * 4
+    output = [1, 2, 3, 4, 5, 6, 7, 8] * 3 + [0, 0]
+    curve = {1: 4.0, 2: 4.2, 4: 4.3, 8: 4.4, 16: 4.6}
+    spec, plain, rounds = replay(SuffixProposer(SuffixDraft(VOCAB + 4)), prompt, output, CostProfile(t_draft_ms=0.01,
+                                 t_target_ms=curve), 0.5, curve)
+    assert plain == len(output) * 4.5 and rounds < len(output) / 3 and spec < plain / 2
