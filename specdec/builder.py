@@ -25,10 +25,10 @@ from specdec.models.feature_draft import target_layers_of
 from specdec.models.feature_files import is_feature_draft, load_feature_draft, read_config
 from specdec.models.feature_runtime import FeatureDraftRuntime
 from specdec.models.runtime import DraftRole, DraftRuntime, TargetRole, TargetRuntime
-from specdec.models.static import StaticOptions
-from specdec.models.suffix import MatchHead, SuffixDraft, is_suffix_draft
 from specdec.models.sources import (DEFAULT_DRAFT_QUANT, REQUANT_FTYPES, SHIPPED, check_gguf_source, check_source,
                                     model_identity, requantize_gguf, resolve_gguf, resolve_model)
+from specdec.models.static import StaticOptions
+from specdec.models.suffix import MatchHead, SuffixDraft, is_suffix_draft
 from specdec.models.vocab import FULL as FULL_VOCAB
 from specdec.models.vocab import resolve_draft_vocab, trim_lm_head
 from specdec.params import DEFAULT_DRAFT, named_drafts
