@@ -126,7 +126,7 @@ class StepPlanner:
     _overlap_waited: int = 0  # steps that could have overlapped since the last that did
     # A draft without passes (models/suffix.py): calling it costs nothing, so every drafting session
     # calls it, and a budgeted round's own budget, over its whole walk, decides what it verifies.
-    free: bool = False
+    model_free: bool = False
 
     @property
     def acceptance(self) -> float:
@@ -157,7 +157,7 @@ class StepPlanner:
         their policy says; budgeted ones as the costs say."""
         drafting = [s for s in batch if s.traits.uses_draft and s.draft == self.draft]
         budgeted = [s for s in drafting if s.traits.budgeted]
-        if self.free:
+        if self.model_free:
             return StepPlan(frozenset(s.session_id for s in drafting), costs=await self._free_profile(batch, drafting),
                             other_sessions=len(batch) - len(drafting))
         if not budgeted:
@@ -330,11 +330,11 @@ class StepPlanner:
 
 def lane_planners(lanes: int, drafts: Sequence[str] = (DEFAULT_DRAFT,), time_target: TimeTarget | None = None,
                   observer: RoundObserver | None = None, probe_share: float = PROBE_SHARE, overlap: str = "auto",
-                  free: Container[str] = ()) -> list[dict[str, StepPlanner]]:
-    """Each lane's planner for each draft (`free`: the drafts without passes), over one live profile
+                  model_free: Container[str] = ()) -> list[dict[str, StepPlanner]]:
+    """Each lane's planner for each draft (`model_free`: the drafts without passes), over one live profile
     per draft (the lanes' calls go to the same replicas), with the profile given by hand
     (`SPECDEC_COST_PROFILE`) read once, here."""
     costs, given = {draft: LiveCosts() for draft in drafts}, given_profile()
     return [{draft: StepPlanner(costs[draft], draft, time_target, given, observer, probe_share, overlap=overlap,
-                                free=draft in free)
+                                model_free=draft in model_free)
              for draft in drafts} for _ in range(lanes)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from importlib import resources
 
 HUMANEVAL_SIZE = 164
@@ -123,8 +124,6 @@ def _without_docstring(prompt: str) -> str:
 
 def _names(code: str) -> list[str]:
     """Names assigned or looped over in the function body, in order of first appearance."""
-    import re
-
     seen: list[str] = []
     for name in re.findall(r"\bfor (\w+) in\b|^\s+(\w+) = ", code, flags=re.M):
         name = next(n for n in name if n)
@@ -135,8 +134,6 @@ def _names(code: str) -> list[str]:
 
 def _edit(kind: str, problem: dict) -> str | None:
     """The edit request of `kind` on the problem's solution, or None where it does not apply."""
-    import re
-
     problem = {**problem, "prompt": problem["prompt"].lstrip("\n")}
     code = problem["prompt"] + problem["canonical_solution"]
     name, names = problem["entry_point"], _names(problem["canonical_solution"])

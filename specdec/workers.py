@@ -234,7 +234,7 @@ class DraftWorker(Worker):
         self.sessions: SessionStore[DraftSession] = sessions if sessions is not None else SessionStore()
 
     def _probe(self, sizes: Sequence[int], context: int) -> list[PassTiming]:
-        if not self.draft.has_passes:  # a model-free draft: nothing to set up or catch up
+        if self.draft.model_free:  # nothing to set up or catch up
             return self.proposer.probe(sizes)
         if context:  # the start-up probe: graphs are captured now, never inside a timed round
             self.draft.capture_graphs()

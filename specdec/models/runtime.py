@@ -347,8 +347,8 @@ class DraftRole(Runtime):
     # A draft that runs greedy drafting steps as one chain (`chain`): up to this many (0: none).
     chain_steps = 0
 
-    # False: a draft without a model (models/suffix.py), which its proposer drafts and times alone.
-    has_passes = True
+    # A draft without a model (models/suffix.py): no passes; its proposer drafts and times it alone.
+    model_free = False
 
     def capture_graphs(self) -> None:
         """Capture what the runtime replays (CUDA graphs) before anything is timed: a replica's start

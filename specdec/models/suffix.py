@@ -175,10 +175,6 @@ class SuffixSession:
         self.walk: list[int] = []  # its candidates, proposed or not
         self.buckets: list[tuple] = []  # each candidate's match bucket
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.index.tokens
-
     def outcome(self, history: list[int]) -> tuple[int, int] | None:
         """What the target made of the last walk, proposed or not: (how many of its candidates the
         tokens committed since its start took before the first they did not, how many of its
@@ -223,7 +219,7 @@ class SuffixDraft(DraftRole):
     kind = "suffix"
     identity = name = SUFFIX
     forward_passes = 0
-    has_passes = False
+    model_free = True
 
     def __init__(self, vocab_size: int):
         self._vocab_size = vocab_size
