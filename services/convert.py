@@ -110,7 +110,7 @@ def propose_item_to_proto(item: ProposeItem) -> draft_pb2.ProposeRequest:
     return draft_pb2.ProposeRequest(
         session_id=item.session_id, history=delta_to_proto(item.history), policy=policy_to_proto(item.policy),
         sampling=sampling_to_proto(item.sampling), max_candidates=item.max_candidates,
-        num_generated=item.num_generated, seed=seed_to_proto(item.seed), probe=item.probe, ahead=item.ahead,
+        num_generated=item.num_generated, seed=seed_to_proto(item.seed), probe=item.probe, ahead=item.ahead, held=item.held,
         rounds=[draft_pb2.RoundOutcome(num_candidates=k, num_accepted=n) for k, n in item.rounds],
         features=None if item.features is None else features_to_proto(item.features, item.features_start))
 
@@ -121,14 +121,15 @@ def propose_item_from_proto(msg: draft_pb2.ProposeRequest) -> ProposeItem:
         session_id=msg.session_id, history=delta_from_proto(msg.history), policy=policy_from_proto(msg.policy),
         sampling=sampling_from_proto(msg.sampling), max_candidates=msg.max_candidates,
         num_generated=msg.num_generated, rounds=[(r.num_candidates, r.num_accepted) for r in msg.rounds],
-        seed=seed_from_proto(msg.seed), probe=msg.probe, ahead=msg.ahead,
+        seed=seed_from_proto(msg.seed), probe=msg.probe, ahead=msg.ahead, held=msg.held,
         features=features_from_proto(msg.features) if msg.HasField("features") else None,
         features_start=msg.features.start)
 
 
 def plan_to_proto(plan: StepPlan, items: list) -> draft_pb2.ProposeBatch:
     costs = plan.costs
-    return draft_pb2.ProposeBatch(items=items, other_sessions=plan.other_sessions, costs=None if costs is None else
+    return draft_pb2.ProposeBatch(items=items, other_sessions=plan.other_sessions, acceptance=plan.acceptance,
+                                  costs=None if costs is None else
                                   common_pb2.CostProfile(t_draft_ms=costs.t_draft_ms, t_target_ms=costs.t_target_ms,
                                                          t_draft_rows_ms=costs.t_draft_rows_ms, source=costs.source))
 
@@ -137,14 +138,17 @@ def plan_from_proto(msg: draft_pb2.ProposeBatch) -> StepPlan:
     """Raises InvalidRequestError with a one-line reason (a malformed profile fails the whole call)."""
     if msg.other_sessions < 0:
         raise InvalidRequestError(f"other-sessions must be at least 0, got {msg.other_sessions}")
+    acceptance = msg.acceptance if msg.HasField("acceptance") else None
+    if acceptance is not None and not 0.0 <= acceptance <= 1.0:
+        raise InvalidRequestError(f"acceptance must be in [0, 1], got {acceptance}")
     if not msg.HasField("costs"):
-        return StepPlan(other_sessions=msg.other_sessions)
+        return StepPlan(other_sessions=msg.other_sessions, acceptance=acceptance)
     try:
         costs = CostProfile(t_draft_ms=msg.costs.t_draft_ms, t_target_ms=dict(msg.costs.t_target_ms),
                             t_draft_rows_ms=dict(msg.costs.t_draft_rows_ms), source=msg.costs.source)
     except ValidationError as exc:
         raise InvalidRequestError(f"bad cost profile: {validation_message(exc)}") from None
-    return StepPlan(costs=costs, other_sessions=msg.other_sessions)
+    return StepPlan(costs=costs, other_sessions=msg.other_sessions, acceptance=acceptance)
 
 
 def timings_to_proto(timings: list[PassTiming]) -> list[common_pb2.PassTiming]:

@@ -28,7 +28,7 @@ from specdec.models.runtime import DraftRole, DraftRuntime, TargetRole, TargetRu
 from specdec.models.sources import (DEFAULT_DRAFT_QUANT, REQUANT_FTYPES, SHIPPED, check_gguf_source, check_source,
                                     model_identity, requantize_gguf, resolve_gguf, resolve_model)
 from specdec.models.static import StaticOptions
-from specdec.models.suffix import MatchHead, SuffixDraft, is_suffix_draft
+from specdec.models.suffix import MatchHead, SuffixDraft, fused_with, is_suffix_draft
 from specdec.models.vocab import FULL as FULL_VOCAB
 from specdec.models.vocab import resolve_draft_vocab, trim_lm_head
 from specdec.params import DEFAULT_DRAFT, named_drafts
@@ -92,6 +92,9 @@ class EngineConfig(BaseModel):
     # DEFAULT_DRAFT_QUANT for the default draft on llama.cpp, any other draft as shipped. The target
     # is never requantized.
     draft_quant: DraftQuant = "auto"
+    # The suffix draft fused with this draft (proposers.py `FusedProposer`): set where the source
+    # is "suffix+SOURCE" (`draft_configs` reads it so: the draft's config names SOURCE).
+    fuse_suffix: bool = False
 
 
 def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -> SpecDecEngine:
@@ -117,8 +120,10 @@ def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -
 def draft_configs(config: EngineConfig) -> dict[str, EngineConfig]:
     """Each draft's config by name, the first as DEFAULT_DRAFT: the others are the first's with
     their own source and shipped head."""
-    return named_drafts(config, {name: config.model_copy(update={"draft": source, "head": "auto", "drafts": {}})
-                                 for name, source in config.drafts.items()})
+    named = named_drafts(config, {name: config.model_copy(update={"draft": source, "head": "auto", "drafts": {}})
+                                  for name, source in config.drafts.items()})
+    return {name: each if (model := fused_with(each.draft)) is None else
+            each.model_copy(update={"draft": model, "fuse_suffix": True}) for name, each in named.items()}
 
 
 def check_sources(config: EngineConfig) -> None:
@@ -320,7 +325,11 @@ def resolve_draft_quant(config: EngineConfig) -> str:
 
 
 def build_draft(config: EngineConfig, progress: bool = True) -> tuple[DraftRole, Path]:
-    return backend_for(config, "draft").draft(config, resolve_draft_quant(config), progress)
+    """A draft of `draft_configs`, the suffix draft beside it where it is fused."""
+    draft, draft_dir = backend_for(config, "draft").draft(config, resolve_draft_quant(config), progress)
+    if config.fuse_suffix:
+        draft.suffix = SuffixDraft(draft.vocab_size)
+    return draft, draft_dir
 
 
 def draft_vocabulary(vocab: str, draft_dir: Path) -> list[int] | None:
@@ -364,7 +373,7 @@ def resolve_kv_cache(config: EngineConfig) -> str:
 
 
 def head_path(config: EngineConfig) -> str | None:
-    return resolve_head(config.head, config.draft)
+    return resolve_head(config.head, fused_with(config.draft) or config.draft)
 
 
 def has_head(config: EngineConfig) -> bool:
@@ -396,7 +405,7 @@ def build_rules(config: EngineConfig, progress: bool = True) -> RequestRules:
         check_same_tokenizer(draft_dir, tokenizer)
         limits += [backend_for(each, "draft").context_limit(each), draft_config.max_position_embeddings]
         drafts[name] = DraftTraits(has_head=has_head(each), reads_features=is_feature_draft(each.draft),
-                                   model_free=is_suffix_draft(each.draft))
+                                   model_free=is_suffix_draft(each.draft), fused=each.fuse_suffix)
     return RequestRules(tokenizer, eos_token_ids_of(load_generation_config(target_dir), tokenizer),
                         min(limit for limit in limits if limit is not None), target_config.vocab_size, drafts)
 

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
@@ -125,7 +125,7 @@ class RoundCalls:
                       ) -> tuple[dict[LoopSample, Proposal], list[PassTiming]]:
         """Every session's round drafted by `draft`, theirs (the one that carries the plan's
         off-probe drafts nothing)."""
-        proposals, timings = await self._call("draft", sessions, partial(self._propose_item, probe=plan.probe),
+        proposals, timings = await self._call("draft", sessions, partial(self._propose_item, probe=plan.probe, held=plan.held),
                                               lambda items: self.transport.propose(items, plan, draft))
         for s in proposals:
             self._drafted(self._wire[s.session_id])
@@ -191,9 +191,10 @@ class RoundCalls:
         return (await self.transport.verify([], probe_tokens=tokens)).passes
 
     def _propose_item(self, s: LoopSample, wire: Wire, probe: str | None = None,
-                      ahead: list[int] | None = None) -> ProposeItem:
+                      ahead: list[int] | None = None, held: Container[str] = ()) -> ProposeItem:
         """The session's round; `ahead`: the candidates being verified, the next round drafted after
-        them (its first token guesses their round's bonus token; the policy's round comes after it)."""
+        them (its first token guesses their round's bonus token; the policy's round comes after it);
+        `held`: the sessions whose model draft is held (a fused draft drafts their suffix only)."""
         params, full = s.request.params, wire.synced["draft"] is None
         features, features_start = wire.features_for_draft(full) if wire.reads_features else (None, 0)
         wire.telling = len(wire.outcomes)
@@ -208,7 +209,8 @@ class RoundCalls:
             rounds=list(wire.outcomes if full else wire.outcomes[wire.told:]),
             seed=RoundSeed(s.request.seed, s.index, s.round_index + (ahead is not None)),
             reference=s.request.reference, probe=s.session_id == probe, features=features,
-            features_start=features_start, ahead=ahead is not None)
+            features_start=features_start, ahead=ahead is not None,
+            held=s.session_id in held)
 
     def _verify_item(self, s: LoopSample, wire: Wire, proposals: dict[LoopSample, Proposal]) -> VerifyItem:
         proposal = proposals.get(s, NO_PROPOSAL)

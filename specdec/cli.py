@@ -19,7 +19,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft", default="default",
                        help="draft model: 'default', a HF directory, a .gguf file, a hub id, a feature draft: "
                             "'default-feature' (shipped) or its directory (specdec train-draft; it runs on a torch "
-                            "target), or 'suffix': no model, the continuation of the text's own repeats")
+                            "target), 'suffix': no model, the continuation of the text's own repeats, or "
+                            "'suffix+SOURCE': the suffix fused with the model draft SOURCE (e.g. suffix+default)")
     group.add_argument("--also-draft", action="append", default=None, metavar="NAME=SOURCE",
                        help="another draft beside --draft (repeatable), same forms, with its shipped head; a "
                             "request picks it with --use-draft NAME, and the drafts' sessions share the "

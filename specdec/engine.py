@@ -67,7 +67,8 @@ class SpecDecEngine:
         self.draft, self.target, self.tokenizer, self.head = draft, target, tokenizer, head
         self.rules = RequestRules(tokenizer, eos_token_ids, min(*(d.max_context for d, _ in drafts.values()),
                                                                 target.max_context),
-                                  target.vocab_size, {name: DraftTraits(h is not None, d.reads_features, d.model_free)
+                                  target.vocab_size, {name: DraftTraits(h is not None, d.reads_features, d.model_free,
+                                                                                    d.suffix is not None)
                                                       for name, (d, h) in drafts.items()})
         self.max_context = self.rules.max_context
         self.draft_workers = {name: DraftWorker(d, h) for name, (d, h) in drafts.items()}

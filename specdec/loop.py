@@ -113,7 +113,8 @@ class RoundLoop:
         # "auto" overlaps nothing where the calls cannot run at once (in process)
         self.overlap = "off" if batch.overlap == "auto" and not calls_overlap(transport) else batch.overlap
         self._planners = lane_planners(batch.lanes, list(rules.drafts), self.calls.time_target, observer, probe_share,
-                                       self.overlap, {name for name, traits in rules.drafts.items() if traits.model_free})
+                                       self.overlap, {name for name, traits in rules.drafts.items() if traits.model_free},
+                                       {name for name, traits in rules.drafts.items() if traits.fused})
         # each draft's live profile, shared by the lanes (the workers' probes seed it)
         self.costs = {draft: planner.costs for draft, planner in self._planners[0].items()}
         self._lanes: list[list[LoopSample]] = [[] for _ in range(batch.lanes)]
@@ -254,10 +255,12 @@ class RoundLoop:
     def _may_draft_ahead(self, s: LoopSample, proposal: Proposal | None) -> bool:
         """Whether the session's next round may be drafted while this one verifies: it has candidates
         from a model draft (a feature draft would need the target's states of them; a model-free one
-        drafts in microseconds: nothing to hide), its policy
-        reads no reference, and its tokens left allow a next round of one candidate."""
+        drafts in microseconds: nothing to hide; a fused one's round ahead would be the model's
+        alone, where the plan may hold it), its policy reads no reference, and its tokens left allow
+        a next round of one candidate."""
         traits = self.rules.drafts[s.draft]
-        return (proposal is not None and bool(proposal.candidates) and not traits.reads_features and not traits.model_free
+        return (proposal is not None and bool(proposal.candidates) and not traits.reads_features
+                and not traits.model_free and not traits.fused
                 and not s.traits.needs_reference
                 and self.rules.candidate_budget(s.sample, s.request.params, ahead=len(proposal.candidates) + 1) > 0)
 

@@ -127,6 +127,10 @@ class StepPlanner:
     # A draft without passes (models/suffix.py): calling it costs nothing, so every drafting session
     # calls it, and a budgeted round's own budget, over its whole walk, decides what it verifies.
     model_free: bool = False
+    # A model draft with the suffix draft fused in (proposers.py `FusedProposer`): the model is
+    # planned as any draft's, and every budgeted session calls the draft all the same, its suffix
+    # only where the model is held (`ProposeItem.held`); the plan carries the model's acceptance.
+    fused: bool = False
 
     @property
     def acceptance(self) -> float:
@@ -158,10 +162,16 @@ class StepPlanner:
         drafting = [s for s in batch if s.traits.uses_draft and s.draft == self.draft]
         budgeted = [s for s in drafting if s.traits.budgeted]
         if self.model_free:
-            return StepPlan(frozenset(s.session_id for s in drafting), costs=await self._free_profile(batch, drafting),
+            await self._walk_curve(batch, drafting)
+            profile = self.profile(len(batch))
+            if profile is not None:
+                self._curve_credit_ms += CURVE_PROBE_SHARE * profile.pass_ms(len(batch))
+            return StepPlan(frozenset(s.session_id for s in drafting), costs=profile,
                             other_sessions=len(batch) - len(drafting))
         if not budgeted:
             return StepPlan(frozenset(s.session_id for s in drafting), other_sessions=len(batch) - len(drafting))
+        if self.fused and await self._walk_curve(batch, budgeted):
+            self._idle = None  # priced again with what the probe measured
         ready = [s for s in budgeted if s.sample.length >= self._state(s).rests_until]
         key = (tuple(s.session_id for s in batch), tuple(s.session_id for s in ready),
                max(s.request.params.policy.k or MAX_CANDIDATES for s in budgeted))
@@ -180,8 +190,11 @@ class StepPlanner:
             self._idle = None  # the next step is priced with what the probe measures
         if profile is not None:
             self._curve_credit_ms += CURVE_PROBE_SHARE * profile.pass_ms(len(batch))
+        if self.fused:  # the held sessions' suffix drafts all the same
+            calling += [s for s in budgeted if s.session_id in held and s is not probe]
         return StepPlan(frozenset(s.session_id for s in calling), probe.session_id if probe else None,
-                        len(batch) + 1 if probe else 0, profile, len(batch) - len(calling), held)
+                        len(batch) + 1 if probe else 0, profile, len(batch) - len(calling), held,
+                        self.acceptance if self.fused else None)
 
     async def _price(self, batch: Sequence[LoopSample], ready: list[LoopSample], key: tuple
                      ) -> tuple[CostProfile | None, list[bool]]:
@@ -211,19 +224,17 @@ class StepPlanner:
             self.observer.on_costs(profile, self.drafting)
         return decision
 
-    async def _free_profile(self, batch: Sequence[LoopSample], drafting: Sequence[LoopSample]) -> CostProfile | None:
-        """A free draft's step's profile, a curve probe timed first where its rounds' longest pass
-        (every drafting session's cap of candidates) goes past the measured curve: its budget weighs
-        every length of its walk at once."""
+    async def _walk_curve(self, batch: Sequence[LoopSample], drafting: Sequence[LoopSample]) -> bool:
+        """A curve probe timed where a suffix walk's longest pass (every drafting session's cap of
+        candidates) goes past the measured curve: its budget weighs every length of the walk at
+        once. Whether one was."""
         profile = self.profile(len(batch))
         if profile is None or not drafting:
-            return profile
+            return False
         wanted = len(batch) + sum(s.request.params.policy.k or MAX_CANDIDATES for s in drafting)
         if size := self._curve_probe(curve_probe(profile, wanted), profile, len(batch)):
             self.costs.observe(await self._time_target(size), sessions=len(batch))
-            profile = self.profile(len(batch))
-        self._curve_credit_ms += CURVE_PROBE_SHARE * profile.pass_ms(len(batch))
-        return profile
+        return bool(size)
 
     def _curve_probe(self, size: int | None, profile: CostProfile, sessions: int) -> int:
         """The curve probe to time before the step is decided again (0: none), of the size the
@@ -274,7 +285,8 @@ class StepPlanner:
                 elif o.session.traits.budgeted:  # a draft pass spent for an empty round
                     state.empty_rounds += 1
                     state.rests_until = o.session.sample.length + 1 + rest_after(state.empty_rounds)
-            if o.candidates:  # n accepted, then one rejected unless all K were
+            if o.candidates and (o.draft_passes or not self.fused):  # (a fused draft's: the model's rounds)
+                # n accepted, then one rejected unless all K were
                 self._accepted = self._accepted * ACCEPTANCE_DECAY + o.accepted
                 self._verified = self._verified * ACCEPTANCE_DECAY + o.accepted + (o.accepted < o.candidates)
             sample = o.session.sample
@@ -330,11 +342,12 @@ class StepPlanner:
 
 def lane_planners(lanes: int, drafts: Sequence[str] = (DEFAULT_DRAFT,), time_target: TimeTarget | None = None,
                   observer: RoundObserver | None = None, probe_share: float = PROBE_SHARE, overlap: str = "auto",
-                  model_free: Container[str] = ()) -> list[dict[str, StepPlanner]]:
-    """Each lane's planner for each draft (`model_free`: the drafts without passes), over one live profile
+                  model_free: Container[str] = (), fused: Container[str] = ()) -> list[dict[str, StepPlanner]]:
+    """Each lane's planner for each draft (`model_free`: the drafts without passes; `fused`: the model
+    drafts with the suffix draft fused in), over one live profile
     per draft (the lanes' calls go to the same replicas), with the profile given by hand
     (`SPECDEC_COST_PROFILE`) read once, here."""
     costs, given = {draft: LiveCosts() for draft in drafts}, given_profile()
     return [{draft: StepPlanner(costs[draft], draft, time_target, given, observer, probe_share, overlap=overlap,
-                                model_free=draft in model_free)
+                                model_free=draft in model_free, fused=draft in fused)
              for draft in drafts} for _ in range(lanes)]

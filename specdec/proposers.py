@@ -18,7 +18,9 @@ or, for a budgeted policy, by the step's budget (rounds.py `still_drafting`, spe
 
 from __future__ import annotations
 
+import itertools
 import time
+from dataclasses import replace
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -115,24 +117,41 @@ class SuffixProposer:
 
     def propose(self, rows: list[DraftRow], plan: StepPlan, timings: list[PassTiming]) -> list[Proposal]:
         start = time.perf_counter()
+        drafting, _ = self.rounds(rows, plan, len(rows))
+        if walked := sum(self._walks(d, plan) for d in drafting):
+            timings.append(PassTiming("draft", walked, (time.perf_counter() - start) * MS_PER_S))
+        return [d.proposed() for d in drafting]
+
+    def rounds(self, rows: list[DraftRow], plan: StepPlan, batch: int, device=None, switch: float | None = None
+               ) -> tuple[list[Drafting], StepBudget | None]:
+        """Every row's round (a sampled one's q made on `device`, for its kept candidates only), and
+        the step's budget with the budgeted rows' kept candidates in it, of a step of `batch` rows
+        and the plan's others (None: no row is budgeted, or nothing priced the step). `switch`: a
+        row not held (`DraftRow.held`) proposes its walk only as far as its estimates stay at least
+        this (a fused draft's model continues it from there)."""
         drafting = [Drafting(row) for row in rows]
-        active = [d for d in drafting if d.row.policy.uses_draft and d.limit > 0 and (plan.costs or not d.budgeted)]
+        active = [d for d in drafting if self._walks(d, plan)]
         walks = {d: self._walk(d) for d in active}
         budgeted = [d for d in active if d.budgeted]
-        if budgeted:
-            self._choose(budgeted, walks, plan, len(rows))
-        self._decide([d for d in active if not d.budgeted], walks)
+        chosen = walks if switch is None else {
+            d: walk if d.row.held else list(itertools.takewhile(lambda each: each[0].judged >= switch, walk))
+            for d, walk in walks.items()}
+        budget = self._choose(budgeted, chosen, plan, batch) if budgeted else None
+        self._decide([d for d in active if not d.budgeted], chosen)
         for d in active:  # a sampled round's q, one-hot, made for the candidates kept only
             if q_travels(d.row.sampling):
-                d.proposal.draft_probs = [self.draft.one_hot(y) for y in d.proposal.candidates]
+                d.proposal.draft_probs = [self.draft.one_hot(y, device) for y in d.proposal.candidates]
         for d in drafting:  # what the target makes of the walk is learnt at the session's next round
             session, walk = d.row.session, walks.get(d, []) if d.guessed is None else []
             # (a round drafted ahead starts past the history: nothing is learnt of it)
             session.round_start, session.walk = len(d.row.history), [step.token for step, _ in walk]
             session.buckets = [bucket for _, bucket in walk]
-        if active:
-            timings.append(PassTiming("draft", len(active), (time.perf_counter() - start) * MS_PER_S))
-        return [d.proposed() for d in drafting]
+        return drafting, budget
+
+    @staticmethod
+    def _walks(d: Drafting, plan: StepPlan) -> bool:
+        """Whether the row drafts at all (a budgeted one only in a priced step)."""
+        return d.row.policy.uses_draft and d.limit > 0 and bool(plan.costs or not d.budgeted)
 
     def _walk(self, d: Drafting) -> list[tuple[DraftStep, tuple]]:
         """The row's candidates as far as its limit or its match goes, each as a step and its match
@@ -163,7 +182,7 @@ class SuffixProposer:
         return walk
 
     @staticmethod
-    def _choose(rows: list[Drafting], walks: dict, plan: StepPlan, batch: int) -> None:
+    def _choose(rows: list[Drafting], walks: dict, plan: StepPlan, batch: int) -> StepBudget:
         """The budgeted rows' rounds at once: the step's budget keeps the candidates of highest
         survival across the rows (each row's a prefix of its walk: survival falls along it)."""
         sessions = batch + plan.other_sessions
@@ -182,6 +201,9 @@ class SuffixProposer:
         for d in rows:
             for step, _ in walks[d][:counts[d]]:
                 d.append(step)
+                d.acceptance.append(step.judged)
+                budget.add(d.survive)
+        return budget
 
     @staticmethod
     def _decide(rows: list[Drafting], walks: dict) -> None:
@@ -204,8 +226,70 @@ class SuffixProposer:
         return timings
 
 
+class FusedProposer:
+    """The suffix draft fused with a model draft (`--draft suffix+SOURCE`): a budgeted row's round
+    is the suffix's candidates, the model's, or the suffix's followed by the model's continuation,
+    whichever the step's budget prices best. The suffix walks every budgeted row first and the
+    step's budget keeps its candidates across the batch as the suffix draft's own rounds do
+    (`SuffixProposer.rounds`); for a row the plan does not hold (`DraftRow.held`: the planner found
+    no model round pays for it), only as far as the suffix's estimates stay at least the model's
+    acceptance measured by the planner (`StepPlan.acceptance`): past that the model drafts better.
+    Then the model drafts, on the same budget, for the rows not held: a row whose suffix kept
+    nothing from scratch; a row whose suffix kept candidates after them, where its budget expects
+    the model's next candidates at that acceptance to pay for its step (`StepBudget.draft_on`), its
+    first pass feeding them (`DraftRow.prefix`). Any other policy drafts with the model alone (and
+    no fused round is drafted ahead: loop.py).
+
+    Sampled, each candidate carries the distribution it was drawn from: one-hot for the suffix's,
+    the model's q for its continuation, drawn after the suffix's as the history it conditions on."""
+
+    def __init__(self, model: ModelProposer, suffix: SuffixDraft):
+        self.model, self.suffix = model, SuffixProposer(suffix)
+
+    def check_policy(self, policy: StoppingPolicy) -> None:
+        self.model.check_policy(policy)
+
+    def take_inputs(self, kv: KVSession, item: ProposeItem, history: list[int]) -> bool:
+        return self.model.take_inputs(kv, item, history)
+
+    def propose(self, rows: list[DraftRow], plan: StepPlan, timings: list[PassTiming]) -> list[Proposal]:
+        walked = [b for b, row in enumerate(rows) if row.policy.traits.budgeted]
+        for b in walked:
+            if rows[b].session.suffix is None:
+                rows[b].session.suffix = SuffixSession()
+        drafting, budget = self.suffix.rounds([replace(rows[b], session=rows[b].session.suffix) for b in walked],
+                                              plan, len(rows), self.model.draft.device, plan.acceptance)
+        answers: list[Proposal | None] = [None] * len(rows)
+        suffix_of = dict(zip(walked, drafting))
+        going = [b for b, row in enumerate(rows) if not row.held and (b not in suffix_of or not suffix_of[b].acceptance)]
+        after = [b for b in walked if not rows[b].held and suffix_of[b].acceptance and suffix_of[b].left > 0]
+        if budget is not None and after and plan.acceptance is not None:  # the model continues where it pays
+            d_after = [suffix_of[b] for b in after]
+            on = budget.draft_on([d.survive for d in d_after], [plan.acceptance] * len(after),
+                                 [d.left for d in d_after], beside=len(going))
+            going += [b for b, go in zip(after, on) if go]
+        for b, d in suffix_of.items():
+            answers[b] = d.proposed()
+        model_rows = [replace(rows[b], prefix=self._prefix(suffix_of[b])) if b in suffix_of else rows[b]
+                      for b in sorted(going)]
+        proposals = in_groups(model_rows, self.model.draft.max_pass_sessions, lambda group: propose(
+            self.model.draft, group, plan.costs, plan.other_sessions + len(rows) - len(group), timings,
+            self.model.logits_filter, budget))
+        for b, proposal in zip(sorted(going), proposals):
+            answers[b] = proposal
+        return [answer if answer is not None else Proposal() for answer in answers]
+
+    @staticmethod
+    def _prefix(d: Drafting) -> list[DraftStep]:
+        """The suffix's kept candidates as the steps the model's round starts with."""
+        probs = d.proposal.draft_probs or [None] * len(d.proposal.candidates)
+        return [DraftStep(i + 1, y, q, None, d.row.num_generated, judged=a)
+                for i, (y, q, a) in enumerate(zip(d.proposal.candidates, probs, d.acceptance))]
+
+
 def proposer_for(draft: DraftRole, logits_filter: LogitsFilterFactory | None = None):
     """The proposer of this kind of draft."""
     if isinstance(draft, SuffixDraft):
         return SuffixProposer(draft)
-    return (FeatureProposer if draft.reads_features else ModelProposer)(draft, logits_filter)
+    model = (FeatureProposer if draft.reads_features else ModelProposer)(draft, logits_filter)
+    return model if draft.suffix is None else FusedProposer(model, draft.suffix)

@@ -135,8 +135,13 @@ class StepPlan:
     probe_tokens: int = 0  # > 0: the verifier times a scratch pass of this many tokens after the step
     costs: CostProfile | None = None  # the profile the step was priced with
     other_sessions: int = 0  # the step's sessions not in the Propose (each verifies one token beside them)
-    # session id -> why a session whose policy drafts does not call the draft (metrics.HELD)
+    # session id -> why a session whose policy drafts does not call the draft (metrics.HELD); a fused
+    # draft's held sessions call it all the same, their suffix only (ProposeItem.held)
     held: dict[str, str] = field(default_factory=dict)
+    # The planner's estimate of the draft's acceptance (planner.py `StepPlanner.acceptance`): a fused
+    # draft prices the model's continuation of the suffix's candidates with it (proposers.py
+    # `FusedProposer`). None: not planned with one.
+    acceptance: float | None = None
 
 
 @dataclass
@@ -179,6 +184,9 @@ class ProposeItem:
     # on whether its rounds were drafted ahead. Whether one is kept depends on the verdict and the
     # guess only, never on those numbers: a round drafted again after one was thrown away may reuse them.
     ahead: bool = False
+    # The plan holds this session's model draft this step (StepPlan.held): a fused draft drafts its
+    # suffix only (proposers.py `FusedProposer`); any other draft is not called for a held session.
+    held: bool = False
 
 
 @dataclass

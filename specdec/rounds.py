@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,6 +54,11 @@ class DraftRow:
     # and then they (`limit` counts the guess).
     guess: bool = False
     guess_generator: torch.Generator | None = None
+    # A fused draft's round (proposers.py `FusedProposer`): the candidates chosen before the draft's
+    # passes (the suffix's, each with its estimate `judged`), which the draft feeds after the history
+    # and continues. `held`: the step's plan holds this session's model draft: only its suffix drafts.
+    prefix: list[DraftStep] = field(default_factory=list)
+    held: bool = False
 
 
 # sampling -> a function applied to the draft's logits [N, V] of rows with that sampling before they
@@ -103,6 +108,9 @@ class Drafting:
         self.limit = min(row.limit - row.guess, row.policy.round_limit())
         self.budgeted = row.policy.traits.budgeted
         self.acceptance: list[float] = []  # budgeted: a_1..a_i of the kept candidates
+        for step in row.prefix:  # already in the step's budget (its caller's)
+            self.append(step)
+            self.acceptance.append(step.judged)
 
     @property
     def last_token(self) -> int:
@@ -261,7 +269,8 @@ class _Ahead:
 
 
 def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = None, other_sessions: int = 0,
-            timings: list[PassTiming] | None = None, logits_filter: LogitsFilterFactory | None = None) -> list[Proposal]:
+            timings: list[PassTiming] | None = None, logits_filter: LogitsFilterFactory | None = None,
+            budget: StepBudget | None = None) -> list[Proposal]:
     """Draft up to each row's limit after its history: a first pass over every row's unseen tokens
     (`DraftRole.start`), then one step a token for the rows still drafting (`still_drafting`), each
     step one forward pass or one step of a chain drafted ahead (`_Ahead`). A budgeted row's round is
@@ -269,12 +278,12 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
     step that verify plainly elsewhere (without costs a budgeted row drafts nothing: nothing priced
     the step); any other row asks its policy after every token. Each drafting step's time (its host
     work included) is appended to `timings`, but for a step that captured a graph (models/static.py
-    `graphs_captured`)."""
+    `graphs_captured`). `budget`: the step's budget so far, where the caller spent part of it (a
+    fused draft's suffix candidates, each row's `prefix`, are in it)."""
     drafting = [Drafting(row) for row in rows]
-    active = [d for d in drafting if d.row.policy.uses_draft and d.limit > 0 and (costs or not d.budgeted)]
+    active = [d for d in drafting if d.row.policy.uses_draft and d.left > 0 and (costs or not d.budgeted)]
     # (a guessing row with no candidate after its guess drafts nothing: a guess alone is no round)
-    budget = None
-    if any(d.budgeted for d in active):
+    if budget is None and any(d.budgeted for d in active):
         sessions = len(rows) + other_sessions
         budget = StepBudget(costs, expected=float(sessions), tokens=sessions)
     for d in active:
@@ -282,7 +291,9 @@ def propose(draft: DraftRole, rows: list[DraftRow], costs: CostProfile | None = 
     guessing = any(d.guessing for d in active)  # rows drafted ahead guess first (DraftRow.guess)
     fed, ahead, chained = draft.fed_tokens, None, None
     start, since = time.perf_counter(), graphs_captured()
-    outputs = draft.start([d.row.session for d in active], [d.row.history for d in active]) if active else None
+    outputs = draft.start([d.row.session for d in active],
+                          [d.row.history + d.proposal.candidates if d.row.prefix else d.row.history for d in active]
+                          ) if active else None
     while active:
         if budget is not None:  # a catch-up beyond a round's unseen tokens is the loop's investment
             budget.spent_ms += costs.draft_ms(min(draft.fed_tokens - fed, IN_STEP_LAG * len(active)))

@@ -63,6 +63,7 @@ class DraftTraits:
     has_head: bool = False  # an acceptance head is loaded for it: the default policy depends on it
     reads_features: bool = False  # a feature draft: each verification hands it the target's states (calls.py)
     model_free: bool = False  # the suffix draft (models/suffix.py): no passes, a one-hot q
+    fused: bool = False  # a model draft with the suffix draft fused in (proposers.py `FusedProposer`)
 
 
 @dataclass(eq=False)

@@ -275,7 +275,7 @@ class DraftWorker(Worker):
         limit = 0 if item.probe or not ready else item.max_candidates
         return DraftRow(entry.kv, history, entry.policy, limit, item.num_generated, item.sampling,
                         item.seed.generator("draft", item.sampling), item.ahead,
-                        item.seed.generator("draft-guess", item.sampling) if item.ahead else None)
+                        item.seed.generator("draft-guess", item.sampling) if item.ahead else None, held=item.held)
 
 
 class VerifierWorker(Worker):

@@ -189,6 +189,9 @@ class KVSession:
     # DynamicCache, a pooled cache's slot (models/pool.py: llama.cpp's sequence, the static cache's
     # row; None until the session's first pass and after an eviction)
     handle: SlotBuffers | DynamicCache | int | None = None
+    # a fused draft's suffix session beside the model's cache (models/suffix.py `SuffixSession`,
+    # made at its first round by proposers.py `FusedProposer`)
+    suffix: object | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -350,6 +350,10 @@ class DraftRole(Runtime):
     # A draft without a model (models/suffix.py): no passes; its proposer drafts and times it alone.
     model_free = False
 
+    # The suffix draft fused with this one (`--draft suffix+SOURCE`, models/suffix.py `SuffixDraft`),
+    # set by the builder: its proposer drafts the suffix first (proposers.py `FusedProposer`).
+    suffix = None
+
     def capture_graphs(self) -> None:
         """Capture what the runtime replays (CUDA graphs) before anything is timed: a replica's start
         (the draft worker's start-up probe). Nothing by default: the rest capture at first use."""

@@ -26,9 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.errors import ModelSourceError
 from specdec.models.runtime import DraftRole, Feed, PassOutputs
 
 SUFFIX = "suffix"  # the draft source that names it (--draft suffix, --also-draft NAME=suffix)
+FUSED = SUFFIX + "+"  # "suffix+SOURCE": the suffix draft fused with the model draft SOURCE (proposers.py `FusedProposer`)
 MAX_ORDER = 16  # the longest context matched, in tokens
 MAX_RUN = 64  # the longest copy a walk's estimates tell apart, in tokens
 
@@ -42,6 +44,16 @@ _POSITION_MASK = (1 << _POSITION_BITS) - 1
 
 def is_suffix_draft(source: str) -> bool:
     return source == SUFFIX
+
+
+def fused_with(source: str) -> str | None:
+    """The model draft a fused source ("suffix+SOURCE") names, or None where it names no fused draft."""
+    if not source.startswith(FUSED):
+        return None
+    model = source[len(FUSED):]
+    if not model or is_suffix_draft(model) or model.startswith(FUSED):
+        raise ModelSourceError(f"draft {source!r}: a fused draft is suffix+SOURCE, SOURCE a model draft")
+    return model
 
 
 @dataclass
@@ -247,8 +259,9 @@ class SuffixDraft(DraftRole):
     def _forward(self, feeds: list[Feed]) -> PassOutputs:
         raise NotImplementedError("the suffix draft runs no passes")
 
-    def one_hot(self, token: int) -> torch.Tensor:
-        """q of a candidate, where a sampled verification reads it."""
-        q = torch.zeros(self._vocab_size)
+    def one_hot(self, token: int, device: torch.device | None = None) -> torch.Tensor:
+        """q of a candidate, where a sampled verification reads it (on `device`: a fused draft's
+        candidates' q all on the model's)."""
+        q = torch.zeros(self._vocab_size, device=device)
         q[token] = 1.0
         return q

@@ -10,14 +10,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeBatch(_message.Message):
-    __slots__ = ("items", "costs", "other_sessions")
+    __slots__ = ("items", "costs", "other_sessions", "acceptance")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     COSTS_FIELD_NUMBER: _ClassVar[int]
     OTHER_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[ProposeRequest]
     costs: _common_pb2.CostProfile
     other_sessions: int
-    def __init__(self, items: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ..., costs: _Optional[_Union[_common_pb2.CostProfile, _Mapping]] = ..., other_sessions: _Optional[int] = ...) -> None: ...
+    acceptance: float
+    def __init__(self, items: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ..., costs: _Optional[_Union[_common_pb2.CostProfile, _Mapping]] = ..., other_sessions: _Optional[int] = ..., acceptance: _Optional[float] = ...) -> None: ...
 
 class ProposalBatch(_message.Message):
     __slots__ = ("proposals", "draft_ms", "passes")
@@ -48,7 +50,7 @@ class RoundOutcome(_message.Message):
     def __init__(self, num_candidates: _Optional[int] = ..., num_accepted: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "history", "policy", "sampling", "max_candidates", "num_generated", "rounds", "seed", "probe", "features", "ahead")
+    __slots__ = ("session_id", "history", "policy", "sampling", "max_candidates", "num_generated", "rounds", "seed", "probe", "features", "ahead", "held")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +62,7 @@ class ProposeRequest(_message.Message):
     PROBE_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     history: _common_pb2.HistoryDelta
     policy: PolicyConfig
@@ -71,7 +74,8 @@ class ProposeRequest(_message.Message):
     probe: bool
     features: _common_pb2.Features
     ahead: bool
-    def __init__(self, session_id: _Optional[str] = ..., history: _Optional[_Union[_common_pb2.HistoryDelta, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_candidates: _Optional[int] = ..., num_generated: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[RoundOutcome, _Mapping]]] = ..., seed: _Optional[_Union[_common_pb2.RoundSeed, _Mapping]] = ..., probe: _Optional[bool] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., ahead: _Optional[bool] = ...) -> None: ...
+    held: bool
+    def __init__(self, session_id: _Optional[str] = ..., history: _Optional[_Union[_common_pb2.HistoryDelta, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_candidates: _Optional[int] = ..., num_generated: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[RoundOutcome, _Mapping]]] = ..., seed: _Optional[_Union[_common_pb2.RoundSeed, _Mapping]] = ..., probe: _Optional[bool] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., ahead: _Optional[bool] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("session_missing", "error", "candidates", "draft_probs", "forward_passes")

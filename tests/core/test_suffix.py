@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from specdec.cost_profile import CostProfile
 from specdec.engine import SpecDecEngine
 from specdec.errors import InvalidRequestError
 from specdec.models.runtime import TargetRuntime
@@ -174,6 +175,27 @@ def test_the_suffix_draft_builds_from_its_source_name_on_any_target(tiny_pair):
     assert result.completions[0].token_ids == plain.completions[0].token_ids
 
 
+def test_a_fused_draft_builds_from_suffix_plus_its_model_source(tiny_pair):
+    from specdec.builder import EngineConfig, build_engine, build_rules
+    from specdec.errors import ModelSourceError
+    from specdec.proposers import FusedProposer
+
+    draft_dir, target_dir = tiny_pair
+    config = EngineConfig(draft=f"suffix+{draft_dir}", target=str(target_dir), drafts={"suffix": "suffix"})
+    engine = build_engine(config, progress=False)
+    assert isinstance(engine.draft.suffix, SuffixDraft) and isinstance(engine.draft_worker.proposer, FusedProposer)
+    assert engine.rules.drafts["default"].fused and not engine.rules.drafts["suffix"].fused
+    assert build_rules(config, progress=False).drafts["default"].fused
+    prompt = engine.rules.encode_prompt("abcabcabcabc", chat_template=False)
+    result = generate(engine, prompt, GenerationParams(max_new_tokens=8))  # (no head here: the model alone)
+    plain = generate(engine, prompt, GenerationParams(max_new_tokens=8, policy=PolicyConfig(name="target-only")))
+    assert result.completions[0].token_ids == plain.completions[0].token_ids
+    for bad in ("suffix+", "suffix+suffix", "suffix+suffix+x"):
+        with pytest.raises(ModelSourceError, match="suffix\\+SOURCE") as caught:
+            build_rules(EngineConfig(draft=bad, target=str(target_dir)), progress=False)
+        assert "\n" not in str(caught.value)
+
+
 def test_match_statistics_stay_bounded_and_follow_recent_walks():
     from specdec.models.suffix import STATS_WINDOW
 
@@ -198,3 +220,103 @@ def test_the_gpu_replay_decodes_the_targets_output_again_through_the_suffix_prop
     spec, plain, rounds = replay(SuffixProposer(SuffixDraft(VOCAB + 4)), prompt, output, CostProfile(t_draft_ms=0.01,
                                  t_target_ms=curve), 0.5, curve)
     assert plain == len(output) * 4.5 and rounds < len(output) / 3 and spec < plain / 2
+
+
+# ------------------------------------------------------------------------------------------------
+# The fused draft (proposers.py `FusedProposer`): the suffix's candidates, the model's, or both
+
+
+def fused_engine(target, noise: float = 0.05) -> SpecDecEngine:
+    """A model draft (a noisy copy of the target) with the suffix draft fused in, its rounds priced
+    on a curve where drafting pays (the model's step cheap, a token more in the pass a fifth of one)."""
+    from specdec.models.runtime import DraftRuntime
+    from test_lossless import noisy_copy, q_reading_head
+
+    draft = DraftRuntime(noisy_copy(target, noise, seed=5))
+    draft.suffix = SuffixDraft(VOCAB)
+    engine = SpecDecEngine(draft, TargetRuntime(target), head=q_reading_head(bias=1.5))
+    for planner in engine.loop.planners:
+        planner.given = CostProfile(t_draft_ms=0.5, t_target_ms={1: 10.0, 2: 12.0, 4: 16.0, 8: 24.0, 64: 136.0})
+    return engine
+
+
+class Recorded:
+    """What the fused rounds drafted: (suffix candidates kept, candidates in all, model passes) a row."""
+
+    def __init__(self, monkeypatch):
+        import specdec.proposers
+
+        self.rows: list[tuple[int, int, int]] = []
+        propose = specdec.proposers.propose
+
+        def recording(draft, rows, *args, **kwargs):
+            proposals = propose(draft, rows, *args, **kwargs)
+            self.rows += [(len(r.prefix), len(p.candidates), p.forward_passes) for r, p in zip(rows, proposals)]
+            return proposals
+
+        monkeypatch.setattr(specdec.proposers, "propose", recording)
+
+
+def test_greedy_output_with_the_fused_draft_equals_target_greedy(target, monkeypatch):
+    engine, recorded = fused_engine(target), Recorded(monkeypatch)
+    plain = generate(engine, PROMPT, GenerationParams(max_new_tokens=40, policy=PolicyConfig(name="target-only")))
+    for _ in range(2):
+        result = generate(engine, PROMPT, GenerationParams(max_new_tokens=40))
+        assert result.completions[0].token_ids == plain.completions[0].token_ids
+    assert result.stats.accepted_tokens > 0
+    # rounds of the model alone and of the suffix's candidates continued by the model
+    assert any(prefix == 0 and passes for prefix, _, passes in recorded.rows)
+    assert any(0 < prefix < total and passes for prefix, total, passes in recorded.rows), recorded.rows
+
+
+# A prompt whose end the suffix continues by two sure candidates ("1 2 0" was always followed by
+# "3 4"), then by an unsure one ("3 4" was followed by 5 and by 1): the model goes on from there.
+FORK = [1, 2, 0, 3, 4, 5, 1, 2, 0, 3, 4, 1, 1, 2, 0]
+
+
+@pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
+def test_sampled_outputs_with_the_fused_draft_follow_the_target_distribution(target, sampling_name, monkeypatch):
+    """One-hot q for the suffix's candidates, the model's q for its continuation drawn after them,
+    in one round from the first: the planner's model acceptance is set to 0.7 and the suffix's
+    estimates stay at their prior (the suffix's sure candidates stay, its unsure one gives way), and
+    nothing lags (the model drafts at once)."""
+    from specdec.planner import StepPlanner
+
+    engine, sampling, recorded = fused_engine(target), SAMPLINGS[sampling_name], Recorded(monkeypatch)
+    monkeypatch.setattr(StepPlanner, "lag", lambda self, s: 0)
+    monkeypatch.setattr(MatchStats, "learn", lambda *args: None)
+    for planner in engine.loop.planners:
+        planner._accepted, planner._verified = 700.0, 1000.0
+        planner.given = CostProfile(t_draft_ms=0.01, t_target_ms={1: 10.0, 64: 11.0})
+    requests = [GenerationParams(max_new_tokens=SAMPLED_NEW_TOKENS, n=MAX_SAMPLES_PER_REQUEST,
+                                 sampling=sampling.model_copy(update={"seed": 700 + r}))
+                for r in range(SAMPLES // MAX_SAMPLES_PER_REQUEST)]
+
+    async def run():
+        return await asyncio.gather(*(engine.loop.generate(FORK, params) for params in requests))
+
+    completions, accepted, discarded = [], 0, 0
+    for result in asyncio.run(run()):
+        completions += [c.token_ids for c in result.completions]
+        accepted += result.stats.accepted_tokens
+        discarded += result.stats.discarded_tokens
+    assert accepted > 0 and discarded > 0
+    mixed = sum(0 < prefix < total for prefix, total, _ in recorded.rows)
+    assert mixed > SAMPLES // 4, mixed  # both drafts in one round, most samples' first
+    for length in (1, 2, 3):
+        expected = target_joint(target, FORK, sampling, length)
+        pvalue = chi2_pvalue(prefix_counts(completions, length, VOCAB), expected)
+        assert pvalue > SIGNIFICANCE, f"first {length} token(s): chi-squared p = {pvalue:.2e}"
+
+
+def test_where_the_model_does_not_pay_the_fused_draft_drafts_its_suffix_alone(target, monkeypatch):
+    """A model step as dear as the target's pass: the planner holds the model, and the suffix's
+    rounds still come (no model pass), their output the target's."""
+    engine, recorded = fused_engine(target), Recorded(monkeypatch)
+    for planner in engine.loop.planners:
+        planner.given = CostProfile(t_draft_ms=20.0, t_target_ms={1: 10.0, 8: 11.0, 32: 13.0, 64: 16.0})
+    plain = generate(engine, PROMPT, GenerationParams(max_new_tokens=40, policy=PolicyConfig(name="target-only")))
+    result = generate(engine, PROMPT, GenerationParams(max_new_tokens=40))
+    assert result.completions[0].token_ids == plain.completions[0].token_ids
+    assert result.stats.accepted_tokens > 0 and result.stats.draft_forward_passes == 0
+    assert not recorded.rows  # the model never drafted

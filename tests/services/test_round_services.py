@@ -208,6 +208,39 @@ def test_the_costs_travel_with_the_calls(tiny_engine):
             server.stop(None)
 
 
+def test_a_served_fused_draft_drafts_its_suffix_where_the_model_is_held(tiny_engine):
+    """A fused draft (the suffix beside the model) served: the loop's plan holds the model for a
+    session where no model round pays and sends it all the same, `held` (its suffix drafts), with
+    the model's acceptance for the replica's budget; the output is target-only's."""
+    from specdec.cost_profile import CostProfile
+    from specdec.head import AcceptanceHead, HeadConfig
+    from specdec.models.runtime import DraftRuntime
+    from specdec.models.suffix import SuffixDraft
+
+    fused = DraftRuntime(tiny_engine.draft.model)
+    fused.suffix = SuffixDraft(fused.vocab_size)
+    head = AcceptanceHead(HeadConfig(hidden_size=fused.hidden_size, depth=0, draft_identity="x")).eval()
+    servers = [start_server(draft=DraftServicer(DraftWorker(fused, head))),
+               start_server(verifier=VerifierServicer(VerifierWorker(tiny_engine.target)))]
+    try:
+        transport = PlanRecordingTransport(servers[0][1], servers[1][1])
+        rules = tiny_engine.rules.__class__(None, tiny_engine.eos_token_ids, tiny_engine.max_context,
+                                            tiny_engine.target.vocab_size, {"default": DraftTraits(True, fused=True)})
+        loop = RoundLoop(transport, rules)
+        for planner in loop.planners:  # a model step as dear as a target pass: no model round pays
+            planner.given = CostProfile(t_draft_ms=20.0, t_target_ms={1: 10.0, 2: 10.5, 16: 12.0, 64: 16.0})
+        prompt = PROMPTS[1] * 3  # the suffix continues its repeats
+        [result] = run(loop, [(prompt, build_params(max_new_tokens=MAX_NEW_TOKENS))])
+        plain = build_params(policy="target-only", max_new_tokens=MAX_NEW_TOKENS)
+        assert result.completions[0].token_ids == engine_ids(tiny_engine, prompt, plain)[0]
+        assert all(item.held for items in transport.items for item in items)
+        assert all(plan.acceptance is not None for plan in transport.plans)
+        assert result.stats.accepted_tokens > 0 and result.stats.draft_forward_passes == 0  # the suffix's rounds
+    finally:
+        for server, _ in servers:
+            server.stop(None)
+
+
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (50, 0.9)])
 def test_seeded_sampling_matches_engine(servers, tiny_engine, top_k, top_p):
     loop = RoundLoop(GrpcTransport(*servers.addresses), tiny_engine.rules)
@@ -623,6 +656,9 @@ def test_a_bad_cost_profile_fails_the_call_with_one_line(stubs, servers):
     with pytest.raises(grpc.RpcError) as info:
         draft.Propose(draft_pb2.ProposeBatch(items=[propose_item(session_id="p")], other_sessions=-1))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as info:
+        draft.Propose(draft_pb2.ProposeBatch(items=[propose_item(session_id="p")], acceptance=1.5))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "acceptance" in info.value.details()
     assert len(servers.draft.sessions) == 0
 
 
