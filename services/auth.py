@@ -12,6 +12,7 @@ OpenAI's clients do: `Authorization: Bearer <key>`, as an HTTP header or as gRPC
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 from collections.abc import Iterable
@@ -24,6 +25,12 @@ API_KEY_ENV = "SPECDEC_API_KEY"
 METADATA_KEY = "authorization"  # gRPC metadata keys are lower case
 SCHEME = "bearer"
 MISSING_KEY = "missing or invalid API key: send `Authorization: Bearer <key>`"
+
+
+def cache_scope(api_key: str) -> str:
+    """The name of the key's cache of earlier responses (models/suffix.py `SuffixDraft.cache`): a
+    digest, so the key itself never travels to the replicas nor sits in their memory."""
+    return hashlib.sha256(b"specdec suffix cache\0" + api_key.encode()).hexdigest()[:32]
 
 
 def env_api_key() -> str | None:

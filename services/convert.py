@@ -18,6 +18,7 @@ import torch
 from google.protobuf import json_format
 from pydantic import ValidationError
 
+from services.auth import cache_scope
 from specdec.cost_profile import CostProfile, PassTiming
 from specdec.errors import InvalidRequestError, one_line
 from specdec.metrics import RequestStats
@@ -111,6 +112,7 @@ def propose_item_to_proto(item: ProposeItem) -> draft_pb2.ProposeRequest:
         session_id=item.session_id, history=delta_to_proto(item.history), policy=policy_to_proto(item.policy),
         sampling=sampling_to_proto(item.sampling), max_candidates=item.max_candidates,
         num_generated=item.num_generated, seed=seed_to_proto(item.seed), probe=item.probe, ahead=item.ahead, held=item.held,
+        cache_scope=item.cache_scope or "",
         rounds=[draft_pb2.RoundOutcome(num_candidates=k, num_accepted=n) for k, n in item.rounds],
         features=None if item.features is None else features_to_proto(item.features, item.features_start))
 
@@ -122,6 +124,7 @@ def propose_item_from_proto(msg: draft_pb2.ProposeRequest) -> ProposeItem:
         sampling=sampling_from_proto(msg.sampling), max_candidates=msg.max_candidates,
         num_generated=msg.num_generated, rounds=[(r.num_candidates, r.num_accepted) for r in msg.rounds],
         seed=seed_from_proto(msg.seed), probe=msg.probe, ahead=msg.ahead, held=msg.held,
+        cache_scope=msg.cache_scope or None,
         features=features_from_proto(msg.features) if msg.HasField("features") else None,
         features_start=msg.features.start)
 
@@ -303,13 +306,21 @@ def sparsify_logits(logits: torch.Tensor, sampling: SamplingParams, min_prob: fl
 # ------------------------------------------------------------------------------------------------
 # The public request and response
 
-def params_from_request(request: generation_pb2.GenerateRequest, default_policy: PolicyConfig) -> GenerationParams:
+def params_from_request(request: generation_pb2.GenerateRequest, default_policy: PolicyConfig,
+                        api_key: str | None = None) -> GenerationParams:
     """The request's parameters; an unset policy, k or threshold falls back to the server's default
-    policy (k and threshold only when the request names no other policy). Raises
-    InvalidRequestError with a one-line reason."""
+    policy (k and threshold only when the request names no other policy); a request for the cache
+    of earlier responses reads the one of the server's key (`api_key`). Raises InvalidRequestError
+    with a one-line reason."""
     def given(name: str):
         return getattr(request, name) if request.HasField(name) else None
 
+    scope = None
+    if given("suffix_cache"):
+        if not api_key:
+            raise InvalidRequestError("a cache of earlier responses is kept per API key: this server has none "
+                                      "(api_key, SPECDEC_API_KEY)")
+        scope = cache_scope(api_key)
     policy = given("policy") or default_policy.name
     same_policy = policy == default_policy.name
     return build_params(
@@ -319,7 +330,7 @@ def params_from_request(request: generation_pb2.GenerateRequest, default_policy:
             default_policy.threshold if same_policy else None),
         temperature=request.temperature, top_p=given("top_p"), top_k=request.top_k, seed=given("seed"),
         max_new_tokens=given("max_new_tokens"), n=given("n"), stop=tuple(request.stop) or None,
-        chat_template=given("chat_template"), draft=given("draft"))
+        chat_template=given("chat_template"), draft=given("draft"), cache_scope=scope)
 
 
 def prompt_ids_from_request(request: generation_pb2.GenerateRequest, rules: RequestRules,

@@ -33,8 +33,9 @@ MAX_CANDIDATES_PER_ROUND = 64
 class Coordinator:
     def __init__(self, transport: RoundTransport, rules: RequestRules, default_policy: PolicyConfig = PolicyConfig(),
                  observer: RoundObserver | None = None, retry: RetryPolicy = RetryPolicy(),
-                 batch: BatchConfig = BatchConfig()):
-        self.rules, self.default_policy = rules, default_policy
+                 batch: BatchConfig = BatchConfig(), api_key: str | None = None):
+        """`api_key`: the server's, whose cache of earlier responses a request may ask for."""
+        self.rules, self.default_policy, self.api_key = rules, default_policy, api_key
         self.loop = RoundLoop(transport, rules, batch, observer, retry)
 
     @property
@@ -44,7 +45,7 @@ class Coordinator:
 
     def prepare(self, request: generation_pb2.GenerateRequest) -> tuple[list[int], GenerationParams]:
         """Parse and validate a request before any model work; raises InvalidRequestError."""
-        params = params_from_request(request, self.default_policy)
+        params = params_from_request(request, self.default_policy, self.api_key)
         prompt_ids = prompt_ids_from_request(request, self.rules, params)
         params = self.rules.validate(prompt_ids, params)  # resolved: the policy is named
         if not policy_traits(params.policy.name).servable:

@@ -7,9 +7,10 @@ this app on the Serve ingress, the tests mount it on the in-process engine.
 Where this differs from OpenAI's API, on purpose:
 - temperature unset = 0 (greedy), as `specdec generate` (OpenAI's default is 1); max_tokens unset = 128;
 - extension fields in the body, as vLLM's `extra_body`: policy, k, threshold, top_k (-1 or 0 = off),
-  draft (which of the server's drafts: GenerateRequest.draft); the speculative ones also grouped as
-  `speculative: {draft, policy, k, threshold}` (e.g. `{"draft": "suffix"}` on a server with the
-  suffix draft), the same field twice with two values refused;
+  draft (which of the server's drafts: GenerateRequest.draft), suffix_cache (the suffix draft also
+  reads the earlier responses of the server's API key: GenerateRequest.suffix_cache); the
+  speculative ones also grouped as `speculative: {draft, policy, k, threshold, suffix_cache}` (e.g.
+  `{"draft": "suffix"}` on a server with the suffix draft), the same field twice with two values refused;
 - fields that would change the output and that we cannot honour (echo, logprobs, suffix, logit_bias,
   presence/frequency penalties, best_of != n), and unknown fields, are refused with 400, never ignored;
 - every result carries "specdec": the request's Stats (protos/specdec/v1/generation.proto), on the
@@ -122,6 +123,7 @@ class GenerationFields(BaseModel):
     k: int | None = Field(None, ge=-INT32_MAX - 1, le=INT32_MAX)
     threshold: float | None = None
     draft: str | None = None
+    suffix_cache: bool | None = None
     speculative: SpeculativeOptions | None = None
 
 
@@ -134,6 +136,7 @@ class SpeculativeOptions(BaseModel):
     policy: str | None = None
     k: int | None = Field(None, ge=-INT32_MAX - 1, le=INT32_MAX)
     threshold: float | None = None
+    suffix_cache: bool | None = None
 
 
 SPECULATIVE_FIELDS = tuple(SpeculativeOptions.model_fields)

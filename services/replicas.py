@@ -194,7 +194,7 @@ class CoordinatorDeployment:
         rules = build_rules(config.models, progress=False)
         transport = round_transport(config.round_transport, drafts, verifier, config.key, colocated)
         self.coordinator = Coordinator(transport, rules, config.policy, observer=RayRoundMetrics(),
-                                       batch=config.models.batch)
+                                       batch=config.models.batch, api_key=config.key)
 
     async def generate(self, payload: bytes) -> bytes:
         response = await self.coordinator.generate(generation_pb2.GenerateRequest.FromString(payload))

@@ -40,6 +40,11 @@ class GenerationParams(BaseModel):
     # Requests with different drafts share the steps: each draft drafts its own sessions, one
     # target pass verifies them all.
     draft: str | None = Field(None, min_length=1)
+    # The cache of earlier responses the request's suffix draft reads and adds its response to
+    # (models/suffix.py `SuffixDraft.remember`): one per API key, served (the ingress sets it from
+    # the key that authenticated the request, services/auth.py `cache_scope`: a client names
+    # none); in process, any name. None: the request reads its own text only.
+    cache_scope: str | None = Field(None, min_length=1, max_length=128)
 
 
 POLICY_FLAGS = {"policy": "name", "k": "k", "threshold": "threshold"}  # flag -> PolicyConfig field

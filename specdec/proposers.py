@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Protocol
 
 from specdec.budget import StepBudget
@@ -45,6 +45,9 @@ class ModelProposer:
 
     def check_policy(self, policy: StoppingPolicy) -> None:
         """Raises InvalidRequestError where this draft cannot run the policy: a model's runs any."""
+
+    def end(self, kv: KVSession) -> None:
+        """A session released (its request ended): nothing to keep of it."""
 
     def take_inputs(self, kv: KVSession, item: ProposeItem, history: list[int]) -> bool:
         """What the item brings besides its history into the session's cache `kv`; whether the
@@ -113,7 +116,18 @@ class SuffixProposer:
     def take_inputs(self, kv: SuffixSession, item: ProposeItem, history: list[int]) -> bool:
         if item.features is not None:
             raise InvalidRequestError("this draft reads no target features")
+        self.open(kv, item, history)
         return True
+
+    @staticmethod
+    def open(kv: SuffixSession, item: ProposeItem, history: list[int]) -> None:
+        """A new session (or one rebuilt): the cache of earlier responses it reads, where its response starts."""
+        if item.history.full:
+            kv.scope, kv.prompt_length = item.cache_scope, len(history) - item.num_generated
+
+    def end(self, kv: SuffixSession) -> None:
+        """A session released: its response joins its scope's earlier responses."""
+        self.draft.remember(kv)
 
     def propose(self, rows: list[DraftRow], plan: StepPlan, timings: list[PassTiming]) -> list[Proposal]:
         start = time.perf_counter()
@@ -161,15 +175,20 @@ class SuffixProposer:
         if (outcome := session.outcome(history)) is not None:
             stats.learn(session.buckets, *outcome)
         session.index.sync(history)
+        shared = self.draft.shared(session.scope)  # earlier responses, where the request opted in
         d.row.policy.start_round()
-        tail, walk, drafted, length, last = history[-MAX_ORDER:], [], [], 0, -1
+        tail, walk, drafted, length, last = history[-MAX_ORDER:], [], [], 0, (None, -1)
         while len(walk) < d.limit + d.guessing:
-            match = session.index.match(tail)
+            index, match = session.index, session.index.match(tail)
+            if shared is not None and (found := shared.match(tail)) is not None and (
+                    match is None or found.order > match.order):  # the longer context, the session's own on a tie
+                index, match = shared, found
             if match is None:  # nothing before continues it: the round ends here
                 break
             # the copy's length: one more where the walk goes on through the same earlier text
-            length = length + 1 if match.position == last + 1 else session.index.run(history, drafted, match.position)
-            last = match.position
+            length = length + 1 if (index, match.position) == (last[0], last[1] + 1) else index.run(
+                history, drafted, match.position)
+            last = (index, match.position)
             tail = tail[1 - MAX_ORDER:] + [match.token]
             drafted.append(match.token)
             step = DraftStep(len(walk) + 1 - d.guessing, match.token, None, None, d.row.num_generated,
@@ -250,13 +269,17 @@ class FusedProposer:
         self.model.check_policy(policy)
 
     def take_inputs(self, kv: KVSession, item: ProposeItem, history: list[int]) -> bool:
+        if kv.suffix is None:
+            kv.suffix = SuffixSession()
+        self.suffix.open(kv.suffix, item, history)
         return self.model.take_inputs(kv, item, history)
+
+    def end(self, kv: KVSession) -> None:
+        if kv.suffix is not None:
+            self.suffix.end(kv.suffix)
 
     def propose(self, rows: list[DraftRow], plan: StepPlan, timings: list[PassTiming]) -> list[Proposal]:
         walked = [b for b, row in enumerate(rows) if row.policy.traits.budgeted]
-        for b in walked:
-            if rows[b].session.suffix is None:
-                rows[b].session.suffix = SuffixSession()
         drafting, budget = self.suffix.rounds([replace(rows[b], session=rows[b].session.suffix) for b in walked],
                                               plan, len(rows), self.model.draft.device, plan.acceptance)
         answers: list[Proposal | None] = [None] * len(rows)

@@ -187,6 +187,9 @@ class ProposeItem:
     # The plan holds this session's model draft this step (StepPlan.held): a fused draft drafts its
     # suffix only (proposers.py `FusedProposer`); any other draft is not called for a held session.
     held: bool = False
+    # The cache of earlier responses the session's suffix draft reads and adds its response to
+    # (GenerationParams.cache_scope; models/suffix.py `SuffixDraft.remember`). None: none.
+    cache_scope: str | None = None
 
 
 @dataclass

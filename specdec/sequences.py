@@ -197,8 +197,12 @@ class RequestRules:
         """Reject a request before any model work; else its params, `resolved`."""
         params = self.resolved(params)
         name = params.policy.name
-        if self.drafts[params.draft].model_free:
+        traits = self.drafts[params.draft]
+        if traits.model_free:
             check_model_free(name)
+        if params.cache_scope is not None and not (traits.model_free or traits.fused):
+            raise InvalidRequestError(f"a cache of earlier responses needs the suffix draft: draft {params.draft!r} "
+                                      f"has none (--draft suffix or suffix+SRC)")
         if policy_traits(name).greedy_only and not params.sampling.greedy:
             raise InvalidRequestError(f"policy {name!r} is defined for greedy decoding (temperature 0) only")
         if not prompt_ids:

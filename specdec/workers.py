@@ -244,6 +244,13 @@ class DraftWorker(Worker):
             timings += probe_catch_up(self.draft, context=context)
         return timings
 
+    def release(self, session_ids: list[str]) -> list[bool]:
+        entries = [self.sessions.pop(session_id) for session_id in session_ids]
+        for entry in entries:
+            if entry is not None:
+                self.proposer.end(entry.kv)
+        return [entry is not None for entry in entries]
+
     def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan()) -> list[Proposal | SessionMissing | Refused]:
         self._before_batch()
         answers = serve_batch(items, self._row, lambda rows: self.proposer.propose(rows, plan, self.timings))

@@ -74,7 +74,7 @@ def full_request(**prompt) -> generation_pb2.GenerateRequest:
     """A GenerateRequest with every field set (prompt: text=..., token_ids=... or messages=...)."""
     return generation_pb2.GenerateRequest(
         **prompt, chat_template=False, policy="fixed", k=5, threshold=0.3, temperature=0.7, top_p=0.9,
-        top_k=40, seed=0, max_new_tokens=64, n=2, stop=STOP, request_id="req-1", draft="feature")
+        top_k=40, seed=0, max_new_tokens=64, n=2, stop=STOP, request_id="req-1", draft="feature", suffix_cache=True)
 
 
 PROMPT_FIELDS = {"text", "token_ids", "messages"}
@@ -108,10 +108,11 @@ def test_unset_differs_from_zero_where_the_default_is_not_zero():
 
 def request_flags(request: generation_pb2.GenerateRequest) -> dict:
     """The request as `specdec.engine.build_params` flags, unset fields as None: the mapping a
-    servicer needs is mechanical because the field names are the command line's."""
+    servicer needs is mechanical because the field names are the command line's (but
+    `suffix_cache`: the server names the cache, its key's: GenerationParams.cache_scope)."""
     flags = {}
     for field in generation_pb2.GenerateRequest.DESCRIPTOR.fields:
-        if field.name in PROMPT_FIELDS | {"request_id"}:
+        if field.name in PROMPT_FIELDS | {"request_id", "suffix_cache"}:
             continue
         value = getattr(request, field.name)
         if field.has_presence:

@@ -22,6 +22,7 @@ without y: the target's distribution, as for any draft (specdec/verification.py)
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,11 @@ SUFFIX = "suffix"  # the draft source that names it (--draft suffix, --also-draf
 FUSED = SUFFIX + "+"  # "suffix+SOURCE": the suffix draft fused with the model draft SOURCE (proposers.py `FusedProposer`)
 MAX_ORDER = 16  # the longest context matched, in tokens
 MAX_RUN = 64  # the longest copy a walk's estimates tell apart, in tokens
+# The cache of earlier responses (`SuffixDraft.remember`), opted into per request and kept per
+# API key (services/auth.py `cache_scope`): at most this many tokens of each key's responses
+# (~2 KB a token in the index), for at most this many keys, the least recently used dropped first.
+CACHE_TOKENS = 1 << 15
+CACHE_SCOPES = 8
 
 _MODULUS = (1 << 61) - 1  # a Mersenne prime: contexts' hashes collide with probability ~1e-18
 _BASE = random.Random(20261205).randrange(1 << 40, _MODULUS)
@@ -73,16 +79,22 @@ class SuffixIndex:
     def __init__(self):
         self.tokens: list[int] = []
         self._table: dict[int, int] = {}
+        self._floor = 0  # where the last document starts: no context reaches before it
 
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def add_document(self, tokens: list[int]) -> None:
+        """`tokens` as a text of their own: no context spans the end of the one before and them."""
+        self._floor = len(self.tokens)
+        self.extend(tokens)
+
     def extend(self, tokens: list[int]) -> None:
-        table, seq = self._table, self.tokens
+        table, seq, floor = self._table, self.tokens, self._floor
         for token in tokens:
             position = len(seq)  # the contexts ending at position - 1 are followed by `token`
             h = 0  # (contexts one longer than matched are kept too: how often a match was followed by its candidate)
-            for n in range(1, min(MAX_ORDER + 1, position) + 1):
+            for n in range(1, min(MAX_ORDER + 1, position - floor) + 1):
                 h = (h + (seq[position - n] + 1) * _POWERS[n - 1]) % _MODULUS
                 table[h] = (((table.get(h, 0) >> _POSITION_BITS) + 1) << _POSITION_BITS) | position
             seq.append(token)
@@ -92,7 +104,7 @@ class SuffixIndex:
         committed token taken back: a rebuilt session)."""
         held = len(self.tokens)
         if len(history) < held or history[:held] != self.tokens:
-            self.tokens, self._table = [], {}
+            self.tokens, self._table, self._floor = [], {}, 0
             held = 0
         self.extend(history[held:])
 
@@ -183,6 +195,10 @@ class SuffixSession:
 
     def __init__(self):
         self.index = SuffixIndex()
+        # The cache of earlier responses it reads and, when it ends, adds its response to
+        # (`SuffixDraft.remember`), or None; and its prompt's length (its response comes after).
+        self.scope: str | None = None
+        self.prompt_length = 0
         self.round_start = 0  # the history's length the last walk started after
         self.walk: list[int] = []  # its candidates, proposed or not
         self.buckets: list[tuple] = []  # each candidate's match bucket
@@ -236,6 +252,34 @@ class SuffixDraft(DraftRole):
     def __init__(self, vocab_size: int):
         self._vocab_size = vocab_size
         self.stats = MatchStats()
+        # scope -> the index of its earlier responses, the least recently used scope first
+        self.cache: OrderedDict[str, SuffixIndex] = OrderedDict()
+
+    def shared(self, scope: str | None) -> SuffixIndex | None:
+        """The earlier responses of `scope` (None: the session reads none)."""
+        index = self.cache.get(scope) if scope is not None else None
+        if index is not None:
+            self.cache.move_to_end(scope)
+        return index
+
+    def remember(self, session: SuffixSession) -> None:
+        """A session that ended adds its response to its scope's earlier responses: the most
+        recent CACHE_TOKENS of each of the CACHE_SCOPES scopes used last are kept."""
+        response = session.index.tokens[session.prompt_length:]
+        if session.scope is None or not response:
+            return
+        index = self.cache.get(session.scope)
+        if index is None:
+            index = self.cache[session.scope] = SuffixIndex()
+            while len(self.cache) > CACHE_SCOPES:
+                self.cache.popitem(last=False)
+        response = response[-(CACHE_TOKENS // 2):]
+        if len(index) + len(response) > CACHE_TOKENS:  # built again from the newer half
+            kept, index = index.tokens[-(CACHE_TOKENS // 2):], SuffixIndex()
+            index.add_document(kept)
+            self.cache[session.scope] = index
+        index.add_document(response)
+        self.cache.move_to_end(session.scope)
 
     @property
     def vocab_size(self) -> int:

@@ -50,7 +50,7 @@ class RoundOutcome(_message.Message):
     def __init__(self, num_candidates: _Optional[int] = ..., num_accepted: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "history", "policy", "sampling", "max_candidates", "num_generated", "rounds", "seed", "probe", "features", "ahead", "held")
+    __slots__ = ("session_id", "history", "policy", "sampling", "max_candidates", "num_generated", "rounds", "seed", "probe", "features", "ahead", "held", "cache_scope")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class ProposeRequest(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     history: _common_pb2.HistoryDelta
     policy: PolicyConfig
@@ -75,7 +76,8 @@ class ProposeRequest(_message.Message):
     features: _common_pb2.Features
     ahead: bool
     held: bool
-    def __init__(self, session_id: _Optional[str] = ..., history: _Optional[_Union[_common_pb2.HistoryDelta, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_candidates: _Optional[int] = ..., num_generated: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[RoundOutcome, _Mapping]]] = ..., seed: _Optional[_Union[_common_pb2.RoundSeed, _Mapping]] = ..., probe: _Optional[bool] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., ahead: _Optional[bool] = ..., held: _Optional[bool] = ...) -> None: ...
+    cache_scope: str
+    def __init__(self, session_id: _Optional[str] = ..., history: _Optional[_Union[_common_pb2.HistoryDelta, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_candidates: _Optional[int] = ..., num_generated: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[RoundOutcome, _Mapping]]] = ..., seed: _Optional[_Union[_common_pb2.RoundSeed, _Mapping]] = ..., probe: _Optional[bool] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., ahead: _Optional[bool] = ..., held: _Optional[bool] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("session_missing", "error", "candidates", "draft_probs", "forward_passes")

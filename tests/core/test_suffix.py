@@ -196,6 +196,48 @@ def test_a_fused_draft_builds_from_suffix_plus_its_model_source(tiny_pair):
         assert "\n" not in str(caught.value)
 
 
+def test_a_cache_of_earlier_responses_is_read_within_its_scope_only(target):
+    """A response joins its scope's cache when its session is released; a request of the same scope
+    then drafts from it (the prompt alone repeats nothing), one of another scope does not."""
+    engine, prompt = suffix_engine(target), [3, 1, 4, 1, 5, 0, 2]
+    plain = generate(engine, prompt, GenerationParams(max_new_tokens=30, policy=PolicyConfig(name="target-only")))
+
+    def run(scope):
+        return generate(engine, prompt, GenerationParams(max_new_tokens=30, cache_scope=scope))
+
+    first = run("a")
+    assert not engine.draft.cache or list(engine.draft.cache) == ["a"]
+    again, other = run("a"), run("b")
+    for result in (first, again, other):
+        assert result.completions[0].token_ids == plain.completions[0].token_ids
+    assert again.stats.accepted_tokens > other.stats.accepted_tokens
+    assert again.stats.target_forward_passes < other.stats.target_forward_passes
+    assert sorted(engine.draft.cache) == ["a", "b"]  # each scope's own responses
+
+
+def test_the_cache_of_earlier_responses_stays_bounded():
+    from specdec.models.suffix import CACHE_SCOPES, CACHE_TOKENS, SuffixSession
+
+    draft = SuffixDraft(VOCAB)
+    for scope in range(CACHE_SCOPES + 2):
+        session = SuffixSession()
+        session.scope, session.prompt_length = str(scope), 3
+        session.index.extend([1, 2, 3] + [4, 5] * 10)
+        draft.remember(session)
+    assert list(draft.cache) == [str(scope) for scope in range(2, CACHE_SCOPES + 2)]  # the least recent dropped
+    assert draft.cache["2"].tokens == [4, 5] * 10  # the response only
+    session = SuffixSession()
+    session.scope, session.index.tokens = "2", [1] * (CACHE_TOKENS + 10)
+    draft.remember(session)
+    assert len(draft.cache["2"]) <= CACHE_TOKENS
+
+
+def test_a_cache_of_earlier_responses_needs_the_suffix_draft_in_one_line(tiny_engine):
+    with pytest.raises(InvalidRequestError, match="needs the suffix draft") as caught:
+        tiny_engine.generate_ids([5, 6, 7], GenerationParams(max_new_tokens=2, cache_scope="a"))
+    assert "\n" not in str(caught.value)
+
+
 def test_match_statistics_stay_bounded_and_follow_recent_walks():
     from specdec.models.suffix import STATS_WINDOW
 

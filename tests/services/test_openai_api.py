@@ -163,6 +163,9 @@ def test_stream_without_usage_and_n2(client):
     ("completions", {"speculative": {"draft": "eagle"}}, "unknown draft 'eagle'; this engine has 'default'", None),
     ("completions", {"speculative": {"k": 2}, "k": 3}, "k and speculative.k disagree", "speculative"),
     ("completions", {"speculative": {"tree": 2}}, "speculative.tree: Extra inputs are not permitted", "speculative"),
+    ("completions", {"suffix_cache": True}, "a cache of earlier responses is kept per API key: this server has none",
+     None),
+    ("completions", {"speculative": {"suffix_cache": True}}, "kept per API key", None),
     ("completions", {"echo": True}, "echo is not supported", "echo"),
     ("completions", {"logprobs": 2}, "logprobs is not supported", "logprobs"),
     ("completions", {"best_of": 3}, "best_of is not supported", "best_of"),
@@ -321,3 +324,17 @@ def test_openai_client_bad_request(openai_client, stream):
     assert info.value.body["message"] == "--threshold must be in (0, 1), got 1.5"
     with pytest.raises(openai.NotFoundError):
         openai_client.completions.create(model="other", prompt="x")
+
+
+def test_a_request_for_the_suffix_cache_reads_the_one_of_the_servers_key():
+    """Named by a digest of the key (the key itself reaches no replica), one per key."""
+    from services.auth import cache_scope
+    from services.convert import params_from_request
+    from specdec.policies import PolicyConfig
+    from specdec.v1 import generation_pb2
+
+    request = generation_pb2.GenerateRequest(text="hi", suffix_cache=True)
+    params = params_from_request(request, PolicyConfig(), api_key="secret")
+    assert params.cache_scope == cache_scope("secret") != cache_scope("other")
+    assert "secret" not in params.cache_scope
+    assert params_from_request(generation_pb2.GenerateRequest(text="hi"), PolicyConfig(), "secret").cache_scope is None
