@@ -125,8 +125,8 @@ class RoundCalls:
                       ) -> tuple[dict[LoopSample, Proposal], list[PassTiming]]:
         """Every session's round drafted by `draft`, theirs (the one that carries the plan's
         off-probe drafts nothing)."""
-        proposals, timings = await self._call("draft", sessions, partial(self._propose_item, probe=plan.probe, held=plan.held),
-                                              lambda items: self.transport.propose(items, plan, draft))
+        item = partial(self._propose_item, probe=plan.probe, held=plan.held)
+        proposals, timings = await self._call("draft", sessions, item, lambda items: self.transport.propose(items, plan, draft))
         for s in proposals:
             self._drafted(self._wire[s.session_id])
         return proposals, timings

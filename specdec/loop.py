@@ -112,9 +112,10 @@ class RoundLoop:
         self.calls = RoundCalls(transport, rules, retry, observer)
         # "auto" overlaps nothing where the calls cannot run at once (in process)
         self.overlap = "off" if batch.overlap == "auto" and not calls_overlap(transport) else batch.overlap
+        drafts = rules.drafts.items()
         self._planners = lane_planners(batch.lanes, list(rules.drafts), self.calls.time_target, observer, probe_share,
-                                       self.overlap, {name for name, traits in rules.drafts.items() if traits.model_free},
-                                       {name for name, traits in rules.drafts.items() if traits.fused})
+                                       self.overlap, {name for name, traits in drafts if traits.model_free},
+                                       {name for name, traits in drafts if traits.fused})
         # each draft's live profile, shared by the lanes (the workers' probes seed it)
         self.costs = {draft: planner.costs for draft, planner in self._planners[0].items()}
         self._lanes: list[list[LoopSample]] = [[] for _ in range(batch.lanes)]
