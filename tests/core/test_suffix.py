@@ -130,22 +130,33 @@ SAMPLES = 1024
                          ids=lambda p: p.name)
 def test_sampled_outputs_with_the_suffix_draft_follow_the_target_distribution(target, policy, sampling_name):
     """A one-hot q: y accepted with probability p(y), a rejection drawn from p without y."""
-    engine, sampling = suffix_engine(target), SAMPLINGS[sampling_name]
+    sampling = SAMPLINGS[sampling_name]
+    completions = sample_all(suffix_engine(target), PROMPT, policy, sampling, seed=500)
+    assert_target_distribution(target, PROMPT, sampling, completions)
+
+
+def sample_all(engine: SpecDecEngine, prompt: list[int], policy: PolicyConfig, sampling: SamplingParams,
+               seed: int) -> list[list[int]]:
+    """SAMPLES completions of the prompt, all requests at once; the case sees acceptances and rejections."""
     requests = [GenerationParams(max_new_tokens=SAMPLED_NEW_TOKENS, n=MAX_SAMPLES_PER_REQUEST, policy=policy,
-                                 sampling=sampling.model_copy(update={"seed": 500 + r}))
+                                 sampling=sampling.model_copy(update={"seed": seed + r}))
                 for r in range(SAMPLES // MAX_SAMPLES_PER_REQUEST)]
 
     async def run():
-        return await asyncio.gather(*(engine.loop.generate(PROMPT, params) for params in requests))
+        return await asyncio.gather(*(engine.loop.generate(prompt, params) for params in requests))
 
     completions, accepted, discarded = [], 0, 0
     for result in asyncio.run(run()):
         completions += [c.token_ids for c in result.completions]
         accepted += result.stats.accepted_tokens
         discarded += result.stats.discarded_tokens
-    assert accepted > 0 and discarded > 0  # the case sees acceptances and rejections
+    assert accepted > 0 and discarded > 0
+    return completions
+
+
+def assert_target_distribution(target, prompt: list[int], sampling: SamplingParams, completions: list[list[int]]):
     for length in (1, 2, 3):
-        expected = target_joint(target, PROMPT, sampling, length)
+        expected = target_joint(target, prompt, sampling, length)
         pvalue = chi2_pvalue(prefix_counts(completions, length, VOCAB), expected)
         assert pvalue > SIGNIFICANCE, f"first {length} token(s): chi-squared p = {pvalue:.2e}"
 
@@ -330,25 +341,10 @@ def test_sampled_outputs_with_the_fused_draft_follow_the_target_distribution(tar
     for planner in engine.loop.planners:
         planner._accepted, planner._verified = 700.0, 1000.0
         planner.given = CostProfile(t_draft_ms=0.01, t_target_ms={1: 10.0, 64: 11.0})
-    requests = [GenerationParams(max_new_tokens=SAMPLED_NEW_TOKENS, n=MAX_SAMPLES_PER_REQUEST,
-                                 sampling=sampling.model_copy(update={"seed": 700 + r}))
-                for r in range(SAMPLES // MAX_SAMPLES_PER_REQUEST)]
-
-    async def run():
-        return await asyncio.gather(*(engine.loop.generate(FORK, params) for params in requests))
-
-    completions, accepted, discarded = [], 0, 0
-    for result in asyncio.run(run()):
-        completions += [c.token_ids for c in result.completions]
-        accepted += result.stats.accepted_tokens
-        discarded += result.stats.discarded_tokens
-    assert accepted > 0 and discarded > 0
+    completions = sample_all(engine, FORK, PolicyConfig(), sampling, seed=700)
     mixed = sum(0 < prefix < total for prefix, total, _ in recorded.rows)
     assert mixed > SAMPLES // 4, mixed  # both drafts in one round, most samples' first
-    for length in (1, 2, 3):
-        expected = target_joint(target, FORK, sampling, length)
-        pvalue = chi2_pvalue(prefix_counts(completions, length, VOCAB), expected)
-        assert pvalue > SIGNIFICANCE, f"first {length} token(s): chi-squared p = {pvalue:.2e}"
+    assert_target_distribution(target, FORK, sampling, completions)
 
 
 def test_where_the_model_does_not_pay_the_fused_draft_drafts_its_suffix_alone(target, monkeypatch):
