@@ -256,14 +256,23 @@ class FusedProposer:
     Then the model drafts, on the same budget, for the rows not held: a row whose suffix kept
     nothing from scratch; a row whose suffix kept candidates after them, where its budget expects
     the model's next candidates at that acceptance to pay for its step (`StepBudget.draft_on`), its
-    first pass feeding them (`DraftRow.prefix`). Any other policy drafts with the model alone (and
-    no fused round is drafted ahead: loop.py).
+    first pass feeding them (`DraftRow.prefix`; not a feature draft's, which has no target states
+    there). Any other policy drafts with the model alone (and no fused round is drafted ahead: loop.py).
 
     Sampled, each candidate carries the distribution it was drawn from: one-hot for the suffix's,
     the model's q for its continuation, drawn after the suffix's as the history it conditions on."""
 
     def __init__(self, model: ModelProposer, suffix: SuffixDraft):
         self.model, self.suffix = model, SuffixProposer(suffix)
+
+    @property
+    def link(self) -> WaitingStates | None:
+        """A feature draft's: where its target's states wait in process (workers.py `FeatureLink` sets it)."""
+        return getattr(self.model, "link", None)
+
+    @link.setter
+    def link(self, link: WaitingStates | None) -> None:
+        self.model.link = link
 
     def check_policy(self, policy: StoppingPolicy) -> None:
         self.model.check_policy(policy)
@@ -285,7 +294,9 @@ class FusedProposer:
         answers: list[Proposal | None] = [None] * len(rows)
         suffix_of = dict(zip(walked, drafting))
         going = [b for b, row in enumerate(rows) if not row.held and (b not in suffix_of or not suffix_of[b].acceptance)]
-        after = [b for b in walked if not rows[b].held and suffix_of[b].acceptance and suffix_of[b].left > 0]
+        # (a feature draft has no target states at the suffix's candidates: it drafts from scratch only)
+        after = [b for b in walked if not rows[b].held and suffix_of[b].acceptance and suffix_of[b].left > 0
+                 and not self.model.draft.reads_features]
         if budget is not None and after and plan.acceptance is not None:  # the model continues where it pays
             d_after = [suffix_of[b] for b in after]
             on = budget.draft_on([d.survive for d in d_after], [plan.acceptance] * len(after),

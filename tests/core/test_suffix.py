@@ -347,6 +347,26 @@ def test_sampled_outputs_with_the_fused_draft_follow_the_target_distribution(tar
     assert_target_distribution(target, FORK, sampling, completions)
 
 
+def test_a_fused_feature_draft_never_drafts_after_the_suffixs_candidates(target, monkeypatch):
+    """A feature draft reads the target's states at every position it feeds, and there are none yet
+    at the suffix's candidates: fused, it drafts from scratch or not at all."""
+    from specdec.models.feature_runtime import FeatureDraftRuntime
+    from test_lossless import q_reading_head, target_greedy
+    from tiny import tiny_feature_draft
+
+    draft = FeatureDraftRuntime(tiny_feature_draft(target, None, seed=1), identity="tiny-feature")
+    draft.suffix = SuffixDraft(VOCAB)
+    engine, recorded = SpecDecEngine(draft, TargetRuntime(target), head=q_reading_head(bias=1.5)), Recorded(monkeypatch)
+    for planner in engine.loop.planners:  # as where the fused model draft continues the suffix's candidates
+        planner._accepted, planner._verified = 700.0, 1000.0
+        planner.given = CostProfile(t_draft_ms=0.01, t_target_ms={1: 10.0, 64: 11.0})
+    for _ in range(2):
+        result = generate(engine, FORK, GenerationParams(max_new_tokens=40))
+        assert result.completions[0].token_ids == target_greedy(target, FORK, 40)
+    assert recorded.rows and all(prefix == 0 for prefix, _, _ in recorded.rows)
+    assert result.stats.accepted_tokens > 0
+
+
 def test_where_the_model_does_not_pay_the_fused_draft_drafts_its_suffix_alone(target, monkeypatch):
     """A model step as dear as the target's pass: the planner holds the model, and the suffix's
     rounds still come (no model pass), their output the target's."""
