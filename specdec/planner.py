@@ -72,6 +72,10 @@ class SessionPlan:
     drafted_at: int = 0  # history length the draft had seen when it last ran: its cache lags the rest
     empty_rounds: int = 0  # drafting rounds in a row that verified nothing
     rests_until: int = 0  # history length before which it does not draft again (budget.rest_after)
+    # The same for a suffix walk (a model-free draft's, a fused draft's where its model is held):
+    # walks in a row whose round verified nothing, and the rest after them.
+    empty_walks: int = 0
+    walks_rest_until: int = 0
 
 
 @dataclass(slots=True)
@@ -118,6 +122,7 @@ class StepPlanner:
     _stopped: float = 0.0
     _finished_tokens: float = 0.0
     _sessions: dict[str, SessionPlan] = field(default_factory=dict)
+    _walked: set[str] = field(default_factory=set)  # the sessions whose suffix walked in the last planned step
     overlap: str = "auto"  # BatchConfig.overlap: whether rounds are drafted ahead while a step verifies
     # The verify phase's wall over its priced time (budget.overlap_saving's factors), without and
     # with rounds drafted ahead (None: not measured yet), and the step in flight's (overlapped, ms).
@@ -161,13 +166,17 @@ class StepPlanner:
         their policy says; budgeted ones as the costs say."""
         drafting = [s for s in batch if s.traits.uses_draft and s.draft == self.draft]
         budgeted = [s for s in drafting if s.traits.budgeted]
+        self._walked = set()
         if self.model_free:
             await self._walk_curve(batch, drafting)
             profile = self.profile(len(batch))
             if profile is not None:
                 self._curve_credit_ms += CURVE_PROBE_SHARE * profile.pass_ms(len(batch))
-            return StepPlan(frozenset(s.session_id for s in drafting), costs=profile,
-                            other_sessions=len(batch) - len(drafting))
+            calling = [s for s in drafting if not self._walk_rests(s)]
+            self._walked = {s.session_id for s in calling if s.traits.budgeted}
+            return StepPlan(frozenset(s.session_id for s in calling), costs=profile,
+                            other_sessions=len(batch) - len(calling),
+                            held={s.session_id: RESTING for s in drafting if self._walk_rests(s)})
         if not budgeted:
             return StepPlan(frozenset(s.session_id for s in drafting), other_sessions=len(batch) - len(drafting))
         if self.fused and await self._walk_curve(batch, budgeted):
@@ -190,8 +199,10 @@ class StepPlanner:
             self._idle = None  # the next step is priced with what the probe measures
         if profile is not None:
             self._curve_credit_ms += CURVE_PROBE_SHARE * profile.pass_ms(len(batch))
-        if self.fused:  # the held sessions' suffix drafts all the same
-            calling += [s for s in budgeted if s.session_id in held and s is not probe]
+        if self.fused:  # the held sessions' suffix drafts all the same, but where it rests
+            walking = [s for s in budgeted if s.session_id in held and s is not probe and not self._walk_rests(s)]
+            self._walked = {s.session_id for s in walking}
+            calling += walking
         return StepPlan(frozenset(s.session_id for s in calling), probe.session_id if probe else None,
                         len(batch) + 1 if probe else 0, profile, len(batch) - len(calling), held,
                         self.acceptance if self.fused else None)
@@ -236,6 +247,12 @@ class StepPlanner:
             self.costs.observe(await self._time_target(size), sessions=len(batch))
         return bool(size)
 
+    def _walk_rests(self, s: LoopSample) -> bool:
+        """Whether a budgeted session's suffix walk rests this step: where its walks keep verifying
+        nothing (nothing repeats), the draft is not called for them at all (its call costs host
+        work every step: docs/planner.md, "A free draft")."""
+        return s.traits.budgeted and s.sample.length < self._state(s).walks_rest_until
+
     def _curve_probe(self, size: int | None, profile: CostProfile, sessions: int) -> int:
         """The curve probe to time before the step is decided again (0: none), of the size the
         decision weighed past the curve: each size once per power of two of the step's sessions (a
@@ -277,6 +294,11 @@ class StepPlanner:
         each committed round's outcome (its draft's sessions' only)."""
         self.costs.observe(timings, sessions=sessions)
         for o in (o for o in outcomes if o.session.draft == self.draft):
+            if o.session.session_id in self._walked:  # its suffix walked: rest it after empty rounds
+                state = self._state(o.session)
+                state.empty_walks = 0 if o.candidates else state.empty_walks + 1
+                if not o.candidates:
+                    state.walks_rest_until = o.session.sample.length + 1 + rest_after(state.empty_walks)
             if o.draft_passes:  # the draft caught up with the history and fed y_1 .. y_{K-1}
                 state = self._state(o.session)
                 state.drafted_at = o.drafted_after + max(o.candidates - 1, 0)

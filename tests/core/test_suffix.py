@@ -171,6 +171,24 @@ def test_a_policy_that_stops_on_q_is_refused_for_the_suffix_draft_in_one_line(ta
     assert len(generate(engine, PROMPT, GenerationParams(max_new_tokens=4)).completions[0].token_ids) == 4
 
 
+def test_where_no_suffix_round_pays_its_sessions_rest(target, monkeypatch):
+    """The planner turns the suffix draft off where its walks verify nothing (its call costs host
+    work every step): after empty rounds a session rests 1, 2, 4 ... tokens without calling it."""
+    from specdec.proposers import SuffixProposer
+
+    engine, calls = suffix_engine(target), []
+    for planner in engine.loop.planners:  # every token more in the pass costs a whole pass: no round pays
+        planner.given = CostProfile(t_draft_ms=0.01, t_target_ms={1: 10.0, 2: 20.0, 64: 640.0})
+    propose = SuffixProposer.propose
+    monkeypatch.setattr(SuffixProposer, "propose", lambda self, rows, *args: calls.append(len(rows)) or propose(
+        self, rows, *args))
+    plain = generate(engine, PROMPT, GenerationParams(max_new_tokens=40, policy=PolicyConfig(name="target-only")))
+    result = generate(engine, PROMPT, GenerationParams(max_new_tokens=40))
+    assert result.completions[0].token_ids == plain.completions[0].token_ids
+    assert result.stats.draft_tokens == 0 and result.stats.held["resting"] > 30
+    assert len(calls) < 10  # of 40 steps
+
+
 def test_the_suffix_draft_builds_from_its_source_name_on_any_target(tiny_pair):
     from specdec.builder import EngineConfig, build_engine, build_rules
 
