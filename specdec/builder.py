@@ -35,6 +35,7 @@ from specdec.params import DEFAULT_DRAFT, named_drafts
 from specdec.sequences import DraftTraits, RequestRules
 
 Role = Literal["draft", "target"]
+DEFAULT_DRAFT_SOURCE = "suffix+default"  # the first draft where none is named: the suffix fused with the 0.5B
 RuntimeName = Literal["auto", "torch", "llamacpp"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DraftQuant = Literal["auto", SHIPPED, *REQUANT_FTYPES]  # type: ignore[valid-type]
@@ -45,9 +46,11 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # A model source, or a feature draft's directory (`specdec train-draft`; it runs on a torch target):
-    # the engine's first draft, named "default" in requests.
-    draft: str = "default"
+    # A model source, or a feature draft's directory (`specdec train-draft`; it runs on a torch target),
+    # "suffix", or "suffix+SOURCE": the engine's first draft, named "default" in requests. By default
+    # the suffix draft fused with the pinned 0.5B draft (docs/benchmarks.md: faster than the 0.5B
+    # alone where text repeats, as fast where it does not).
+    draft: str = DEFAULT_DRAFT_SOURCE
     # More drafts beside it, by the name a request picks one with (`draft` in a request), each a
     # source as `draft` with its shipped head (`head: auto`) and the same kernels and formats:
     # e.g. {"feature": "~/.cache/specdec/training/feature-draft/fused-3"}. Their sessions share the
@@ -122,8 +125,14 @@ def draft_configs(config: EngineConfig) -> dict[str, EngineConfig]:
     their own source and shipped head."""
     named = named_drafts(config, {name: config.model_copy(update={"draft": source, "head": "auto", "drafts": {}})
                                   for name, source in config.drafts.items()})
-    return {name: each if (model := fused_with(each.draft)) is None else
-            each.model_copy(update={"draft": model, "fuse_suffix": True}) for name, each in named.items()}
+    return {name: unfused(each) for name, each in named.items()}
+
+
+def unfused(config: EngineConfig) -> EngineConfig:
+    """A fused draft's config ("suffix+SOURCE") as its model draft's (`draft` SOURCE) with the suffix
+    beside it (`fuse_suffix`); any other as it is."""
+    model = fused_with(config.draft)
+    return config if model is None else config.model_copy(update={"draft": model, "fuse_suffix": True})
 
 
 def check_sources(config: EngineConfig) -> None:
@@ -300,6 +309,7 @@ RUNTIMES: dict[str, RuntimeBackend] = {backend.name: backend for backend in (
 
 def backend_for(config: EngineConfig, role: Role) -> RuntimeBackend:
     """A feature draft runs beside a torch target: its passes hand over the states the draft reads."""
+    config = unfused(config) if role == "draft" else config
     if role == "draft" and is_suffix_draft(config.draft):
         return RUNTIMES["suffix"]
     feature = [is_feature_draft(each.draft) for each in draft_configs(config).values()]
@@ -313,6 +323,7 @@ def backend_for(config: EngineConfig, role: Role) -> RuntimeBackend:
 
 def model_dir(config: EngineConfig, role: Role, progress: bool = True) -> Path:
     """The directory with a model's config and tokenizer (no weights loaded)."""
+    config = unfused(config) if role == "draft" else config
     return backend_for(config, role).meta_dir(config, config.draft if role == "draft" else config.target, role,
                                               progress)
 
@@ -321,11 +332,13 @@ def resolve_draft_quant(config: EngineConfig) -> str:
     """The draft weights `draft_quant` names (see EngineConfig.draft_quant)."""
     if config.draft_quant != "auto":
         return config.draft_quant
+    config = unfused(config)
     return backend_for(config, "draft").default_draft_quant if config.draft == "default" else SHIPPED
 
 
 def build_draft(config: EngineConfig, progress: bool = True) -> tuple[DraftRole, Path]:
-    """A draft of `draft_configs`, the suffix draft beside it where it is fused."""
+    """A draft (its config's first), the suffix draft beside it where it is fused."""
+    config = unfused(config)
     draft, draft_dir = backend_for(config, "draft").draft(config, resolve_draft_quant(config), progress)
     if config.fuse_suffix:
         draft.suffix = SuffixDraft(draft.vocab_size)

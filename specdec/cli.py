@@ -13,11 +13,13 @@ EXIT_USAGE = 2
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    from specdec.builder import DEFAULT_DRAFT_SOURCE
     from specdec.models.sources import DEFAULT_DRAFT_QUANT, REQUANT_FTYPES, SHIPPED
 
     group = parser.add_argument_group("models")
-    group.add_argument("--draft", default="default",
-                       help="draft model: 'default', a HF directory, a .gguf file, a hub id, a feature draft: "
+    group.add_argument("--draft", default=DEFAULT_DRAFT_SOURCE,
+                       help=f"draft (default: {DEFAULT_DRAFT_SOURCE}): 'default' (the pinned 0.5B model), a HF "
+                            "directory, a .gguf file, a hub id, a feature draft: "
                             "'default-feature' (shipped) or its directory (specdec train-draft; it runs on a torch "
                             "target), 'suffix': no model, the continuation of the text's own repeats, or "
                             "'suffix+SOURCE': the suffix fused with the model draft SOURCE (e.g. suffix+default)")

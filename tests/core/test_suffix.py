@@ -297,15 +297,18 @@ def test_the_gpu_replay_decodes_the_targets_output_again_through_the_suffix_prop
 # The fused draft (proposers.py `FusedProposer`): the suffix's candidates, the model's, or both
 
 
-def fused_engine(target, noise: float = 0.05) -> SpecDecEngine:
+def fused_engine(target, noise: float = 0.05, kv: str = "slots") -> SpecDecEngine:
     """A model draft (a noisy copy of the target) with the suffix draft fused in, its rounds priced
-    on a curve where drafting pays (the model's step cheap, a token more in the pass a fifth of one)."""
+    on a curve where drafting pays (the model's step cheap, a token more in the pass a fifth of one).
+    `kv`: both models' cache ("static": padded to its graph buckets off CUDA, as a GPU runs them)."""
     from specdec.models.runtime import DraftRuntime
+    from specdec.models.static import StaticOptions
     from test_lossless import noisy_copy, q_reading_head
 
-    draft = DraftRuntime(noisy_copy(target, noise, seed=5))
+    static = StaticOptions(slots=8, capacity=256, graphs=True, pad_off_cuda=True, min_graph_length=64)
+    draft = DraftRuntime(noisy_copy(target, noise, seed=5), kv=kv, static=static)
     draft.suffix = SuffixDraft(VOCAB)
-    engine = SpecDecEngine(draft, TargetRuntime(target), head=q_reading_head(bias=1.5))
+    engine = SpecDecEngine(draft, TargetRuntime(target, kv=kv, static=static), head=q_reading_head(bias=1.5))
     for planner in engine.loop.planners:
         planner.given = CostProfile(t_draft_ms=0.5, t_target_ms={1: 10.0, 2: 12.0, 4: 16.0, 8: 24.0, 64: 136.0})
     return engine
@@ -328,8 +331,9 @@ class Recorded:
         monkeypatch.setattr(specdec.proposers, "propose", recording)
 
 
-def test_greedy_output_with_the_fused_draft_equals_target_greedy(target, monkeypatch):
-    engine, recorded = fused_engine(target), Recorded(monkeypatch)
+@pytest.mark.parametrize("kv", ["slots", "static"])
+def test_greedy_output_with_the_fused_draft_equals_target_greedy(target, kv, monkeypatch):
+    engine, recorded = fused_engine(target, kv=kv), Recorded(monkeypatch)
     plain = generate(engine, PROMPT, GenerationParams(max_new_tokens=40, policy=PolicyConfig(name="target-only")))
     for _ in range(2):
         result = generate(engine, PROMPT, GenerationParams(max_new_tokens=40))
