@@ -210,7 +210,7 @@ class RoundCalls:
             seed=RoundSeed(s.request.seed, s.index, s.round_index + (ahead is not None)),
             reference=s.request.reference, probe=s.session_id == probe, features=features,
             features_start=features_start, ahead=ahead is not None,
-            held=s.session_id in held, cache_scope=params.cache_scope)
+            held=s.session_id in held, cache_scope=params.cache_scope if full else None)
 
     def _verify_item(self, s: LoopSample, wire: Wire, proposals: dict[LoopSample, Proposal]) -> VerifyItem:
         proposal = proposals.get(s, NO_PROPOSAL)

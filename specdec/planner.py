@@ -172,11 +172,11 @@ class StepPlanner:
             profile = self.profile(len(batch))
             if profile is not None:
                 self._curve_credit_ms += CURVE_PROBE_SHARE * profile.pass_ms(len(batch))
-            calling = [s for s in drafting if not self._walk_rests(s)]
+            resting = {s.session_id for s in drafting if self._walk_rests(s)}
+            calling = [s for s in drafting if s.session_id not in resting]
             self._walked = {s.session_id for s in calling if s.traits.budgeted}
             return StepPlan(frozenset(s.session_id for s in calling), costs=profile,
-                            other_sessions=len(batch) - len(calling),
-                            held={s.session_id: RESTING for s in drafting if self._walk_rests(s)})
+                            other_sessions=len(batch) - len(calling), held=dict.fromkeys(resting, RESTING))
         if not budgeted:
             return StepPlan(frozenset(s.session_id for s in drafting), other_sessions=len(batch) - len(drafting))
         if self.fused and await self._walk_curve(batch, budgeted):

@@ -302,14 +302,14 @@ class FusedProposer:
             on = budget.draft_on([d.survive for d in d_after], [plan.acceptance] * len(after),
                                  [d.left for d in d_after], beside=len(going))
             going += [b for b, go in zip(after, on) if go]
+        going.sort()
         for b, d in suffix_of.items():
             answers[b] = d.proposed()
-        model_rows = [replace(rows[b], prefix=self._prefix(suffix_of[b])) if b in suffix_of else rows[b]
-                      for b in sorted(going)]
+        model_rows = [replace(rows[b], prefix=self._prefix(suffix_of[b])) if b in suffix_of else rows[b] for b in going]
         proposals = in_groups(model_rows, self.model.draft.max_pass_sessions, lambda group: propose(
             self.model.draft, group, plan.costs, plan.other_sessions + len(rows) - len(group), timings,
             self.model.logits_filter, budget))
-        for b, proposal in zip(sorted(going), proposals):
+        for b, proposal in zip(going, proposals):
             answers[b] = proposal
         return [answer if answer is not None else Proposal() for answer in answers]
 

@@ -188,7 +188,8 @@ class ProposeItem:
     # suffix only (proposers.py `FusedProposer`); any other draft is not called for a held session.
     held: bool = False
     # The cache of earlier responses the session's suffix draft reads and adds its response to
-    # (GenerationParams.cache_scope; models/suffix.py `SuffixDraft.remember`). None: none.
+    # (GenerationParams.cache_scope; models/suffix.py `SuffixDraft.remember`), sent with a full
+    # history only: the session keeps it. None: none.
     cache_scope: str | None = None
 
 

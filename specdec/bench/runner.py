@@ -29,7 +29,7 @@ from tqdm import tqdm
 from specdec.bench.prompt_sets import load_prompts
 from specdec.bench.records import RecordStore, divergence_key, record_key, temperature_key
 from specdec.bench.specs import BASELINE, DEFAULT_POLICIES, LOOKUP_PEER, PolicySpec, parse_specs, with_baseline
-from specdec.builder import EngineConfig, draft_configs, resolve_draft_quant, resolve_runtime
+from specdec.builder import EngineConfig, resolve_draft_quant, resolve_runtime, unfused
 from specdec.errors import InvalidRequestError
 from specdec.models.runtime import common_prefix_length
 from specdec.models.sources import SHIPPED
@@ -67,11 +67,11 @@ class BenchConfig(BaseModel):
     def settings(self) -> dict:
         """What every record depends on: a resumed run must match these. (The head only matters to
         specdec++ records, which carry its fingerprint: a new head redoes them and keeps the rest.)"""
-        engine, first = self.engine, draft_configs(self.engine)[DEFAULT_DRAFT]  # (a fused draft's: its model's)
+        engine, first = self.engine, unfused(self.engine)  # (a fused draft's runtime: its model's)
         return {"runtime": resolve_runtime(first, first.draft), "draft": engine.draft, "drafts": engine.drafts,
                 "target": engine.target, "draft_format": engine.draft_format,
                 "target_format": engine.target_format, "draft_vocab": vocab_setting(engine.draft_vocab),
-                "draft_quant": resolve_draft_quant(first), "device": engine.device, "threads": engine.threads,
+                "draft_quant": resolve_draft_quant(engine), "device": engine.device, "threads": engine.threads,
                 "prompts": self.prompts,
                 "max_new_tokens": self.max_new_tokens, "seed": self.seed, "concurrency": self.concurrency}
 
