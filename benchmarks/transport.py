@@ -2,7 +2,7 @@
 
     python -m benchmarks.transport [--concurrency 1 8] [--sampled-concurrency 1] [--runs 10] [--new-tokens 160]
                                    [--vocab 151936] [--replica-env NAME=VALUE ...] [--feature-draft [--colocated]]
-                                   [--out docs/results/transport/NAME.json]
+                                   [--beside] [--out docs/results/transport/NAME.json]
 
 The same loop runs in process (`LocalTransport`) and over our gRPC round services on loopback
 (`GrpcTransport` to a draft and a verifier server, each in a process of its own as a replica is:
@@ -11,6 +11,12 @@ services/replicas.py, then what `DirectTransport` calls once Serve has named a s
 Tiny random Qwen2 weights with the default pair's vocabulary (151,936 tokens) make the passes cheap
 and every per-row cost real; the target drafts for itself (fixed K = 4), so every candidate is
 accepted and both runs make the same steps: step i of one run is paired with step i of the other.
+
+With `--beside` the served loop runs beside the verifier (AppConfig.loop_placement "verifier",
+services/transports.py `BesideTransport`): the target in this process on a torch thread of its own,
+as in a Verifier replica, and only the draft's replica in a process of its own; every torch call of
+this process then runs on that thread, the in-process loop's too (one OpenMP team), and each of its
+calls pays that thread's hop (reported).
 
 With `--feature-draft` a random feature draft drafts on the target's states instead (it accepts
 next to nothing, so a step commits one token: what its wire costs, not a speed-up), on a replica of
@@ -56,6 +62,7 @@ import torch
 
 from benchmarks.models import VOCAB, padded, random_feature_draft, tiny_model
 from specdec.bench.forward import synthetic_tokens
+from specdec.calls import LocalTransport
 from specdec.engine import SpecDecEngine
 from specdec.loop import BatchConfig, RoundLoop
 from specdec.metrics import MS_PER_S
@@ -168,6 +175,7 @@ class Call:
     end: float
     send: tuple[float, float] | None = None  # served: the RPC itself (`_send`)
     num_bytes: int = 0
+    worker_s: float | None = None  # a call the loop makes in its process: the worker's own time
 
 
 @dataclass
@@ -191,9 +199,10 @@ class Clock:
     async def _timed(self, role: str, call):
         start = time.perf_counter()
         reply = await call
-        sends = getattr(self.transport, "sends", None)
+        sends = getattr(getattr(self.transport, "remote", self.transport), "sends", None)  # BesideTransport's
         send = sends.pop() if sends else None
-        self.calls.append(Call(role, start, time.perf_counter(), send and send[:2], send[2] if send else 0))
+        worker_s = reply.calls[0].compute_s if send is None and reply.calls else None
+        self.calls.append(Call(role, start, time.perf_counter(), send and send[:2], send[2] if send else 0, worker_s))
         return reply
 
 
@@ -232,7 +241,13 @@ def spread(values: list[float]) -> dict:
 
 def breakdown(calls: list[Call], records: list[tuple[str, float, float, float]], role: str) -> dict:
     """Each served call of `role` taken apart by its server record (the one whose handler ran
-    inside the call's RPC)."""
+    inside the call's RPC); a call made in the loop's process (`--beside`'s Verify) into the
+    worker and the torch thread's hop."""
+    local = [c for c in calls if c.role == role and c.worker_s is not None]
+    if local:
+        return {"call": statistics.median((c.end - c.start) * MS_PER_S for c in local),
+                "worker": statistics.median(c.worker_s * MS_PER_S for c in local),
+                "thread_hop": statistics.median((c.end - c.start - c.worker_s) * MS_PER_S for c in local)}
     parts: dict[str, list[float]] = {"call": [], "client_convert": [], "request_hop": [], "handler": [],
                                      "worker": [], "response_hop": [], "bytes": []}
     pending = sorted(r[1:] for r in records if r[0] == role)
@@ -270,14 +285,15 @@ async def bare_call_ms(transport) -> dict:
 
 @contextlib.contextmanager
 def replicas(pair: Pair, threads: int, env: dict[str, str] | None = None, colocated: bool = False,
-             start_timeout_s: float = 300.0) -> Iterator[tuple[dict, list]]:
+             draft_only: bool = False, start_timeout_s: float = 300.0) -> Iterator[tuple[dict, list]]:
     """A draft and a verifier replica, each in a process of its own (`colocated`: one process
-    serving both, linked), started with `env` added to this one's environment: ({role: address},
-    the processes' pipes)."""
+    serving both, linked; `draft_only`: the draft's alone), started with `env` added to this one's
+    environment: ({role: address}, the processes' pipes)."""
     context = multiprocessing.get_context("spawn")
     pipes, addresses, processes = [], {}, []
     try:
-        for roles in ([("draft", "verifier")] if colocated else [("draft",), ("verifier",)]):
+        layout = [("draft", "verifier")] if colocated else [("draft",)] if draft_only else [("draft",), ("verifier",)]
+        for roles in layout:
             pipe, child = context.Pipe()
             process = context.Process(target=serve_role, args=(roles, pair, threads, child), daemon=True)
             with patched_environ(env or {}):  # a spawned process starts with the environment of the moment
@@ -313,14 +329,38 @@ def patched_environ(env: dict[str, str]) -> Iterator[None]:
 
 def compare(pair: Pair, cells: list[tuple[float, int]], runs: int, new_tokens: int, vocab: int,
             on_row: Callable[[str, dict], None] = lambda key, row: None, replica_env: dict[str, str] | None = None,
-            colocated: bool = False) -> dict:
+            colocated: bool = False, beside: bool = False) -> dict:
     """The loop in process against served (module docstring), per cell (temperature, concurrency):
-    {"bare_call_ms": ..., "T=t@c": row}; `on_row` sees each row as it is measured."""
-    draft, target = pair.runtimes()
-    engine = SpecDecEngine(draft, target, batch=BatchConfig(max_sessions_per_step=max(c for _, c in cells)))
-    with replicas(pair, torch.get_num_threads(), replica_env, colocated) as (addresses, pipes):
-        served = RoundLoop(Clock(grpc_transport(addresses["draft"], addresses["verifier"])), engine.rules,
-                           engine.loop.batch)
+    {"bare_call_ms": ..., "T=t@c": row}; `on_row` sees each row as it is measured. `beside`: the
+    served loop runs beside the verifier (services/transports.py `BesideTransport`): the target in
+    this process on a torch thread of its own, as in a Verifier replica, the draft on its replica."""
+    batch = BatchConfig(max_sessions_per_step=max(c for _, c in cells))
+    if not beside:
+        engine, transport = SpecDecEngine(*pair.runtimes(), batch=batch), None
+    else:
+        from services.transports import BesideTransport
+        from specdec.workers import VerifierWorker
+
+        # Every torch call of this process on one thread, the models' making included, as in a
+        # Verifier replica (services/replicas.py): an OpenMP team on a second thread (the models made
+        # on this one) slowed the in-process steps by 70% (libgomp stops spinning once a process holds
+        # more OpenMP threads than cores). The in-process loop's calls then pay a thread hop each,
+        # which the row reports.
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+
+        def make() -> tuple[SpecDecEngine, LocalTransport]:
+            torch.set_num_threads(threads)
+            engine = SpecDecEngine(*pair.runtimes(), batch=batch)
+            engine.loop.calls.transport.executor = executor
+            return engine, LocalTransport({}, VerifierWorker(pair.runtimes()[1]), executor)
+
+        threads = torch.get_num_threads()
+        engine, transport = executor.submit(make).result()
+    with replicas(pair, torch.get_num_threads(), replica_env, colocated, beside) as (addresses, pipes):
+        remote = grpc_transport(addresses["draft"], addresses.get("verifier"))
+        transport = BesideTransport(transport, remote) if beside else remote
+        # Nothing drafted ahead: the served steps pair with the in-process ones (LocalTransport: serial).
+        served = RoundLoop(Clock(transport), engine.rules, engine.loop.batch.model_copy(update={"overlap": "off"}))
         return asyncio.run(measure(engine, served, pipes, cells, runs, new_tokens, vocab, on_row))
 
 
@@ -337,7 +377,7 @@ async def measure(engine: SpecDecEngine, served: RoundLoop, pipes: list, cells: 
             out += pipe.recv()
         return out
 
-    results = {"bare_call_ms": await bare_call_ms(served_clock.transport)}
+    results = {"bare_call_ms": await bare_call_ms(getattr(served_clock.transport, "remote", served_clock.transport))}
     try:
         for temperature, c in cells:
             params = GenerationParams(max_new_tokens=new_tokens, chat_template=False, policy=PolicyConfig(name="fixed", k=K),
@@ -374,8 +414,11 @@ def summary(steps: dict, diffs: list[float], calls: dict, server_records: list) 
     row = {mode: spread(values) for mode, values in steps.items()}
     row["added"] = spread(diffs) if diffs else {"error": "the modes made different steps"}
     row["calls"] = {role: breakdown(calls["served"], server_records, role) for role in ("draft", "verifier")}
-    row["in_process_calls_ms"] = {role: statistics.median(
-        (c.end - c.start) * MS_PER_S for c in calls["in_process"] if c.role == role) for role in ("draft", "verifier")}
+    row["in_process_calls_ms"] = {role: statistics.median(  # the worker's own time
+        (c.end - c.start if c.worker_s is None else c.worker_s) * MS_PER_S for c in calls["in_process"] if c.role == role)
+        for role in ("draft", "verifier")}
+    hops = [(c.end - c.start - c.worker_s) * MS_PER_S for c in calls["in_process"] if c.worker_s is not None]
+    row["in_process_thread_hop_ms"] = statistics.median(hops) if hops else 0.0
     if "median" in row["added"]:  # the workers' own time served, slower where the processes share cores, apart
         row["added_besides_workers_ms"] = row["added"]["median"] - sum(
             row["calls"][role].get("worker", 0.0) - row["in_process_calls_ms"][role] for role in row["calls"])
@@ -387,9 +430,10 @@ def print_row(key: str, row: dict, flush: bool = False) -> None:
     cell = (f"{added['median']:.2f} ms [{added['p10']:.2f}, {added['p90']:.2f}] over {added['n']} steps"
             if "median" in added else added["error"])
     besides = row.get("added_besides_workers_ms")
+    hop = row.get("in_process_thread_hop_ms", 0.0)
     print(f"{key:8s} in process {row['in_process']['median']:.2f} ms/step, served {row['served']['median']:.2f}: "
-          f"added {cell}" + (f"; besides the workers' own time {besides:.2f} ms" if besides is not None else ""),
-          flush=flush)
+          f"added {cell}" + (f"; besides the workers' own time {besides:.2f} ms" if besides is not None else "")
+          + (f"; each in-process call's thread hop {hop:.3f} ms" if hop > 0.05 else ""), flush=flush)
     for role, parts in row["calls"].items():
         print(f"    {role:8s} " + "  ".join(f"{name} {value:.0f}" if name == "bytes" else f"{name} {value:.3f}"
                                           for name, value in parts.items())
@@ -412,19 +456,25 @@ def main() -> None:
     parser.add_argument("--colocated", action="store_true",
                         help="with --feature-draft: one replica serves the draft beside the target, the states "
                              "handed over in its process (services/replicas.py), instead of one replica each")
+    parser.add_argument("--beside", action="store_true",
+                        help="the served loop beside the verifier (AppConfig.loop_placement verifier): the target "
+                             "in this process on a torch thread of its own, only the draft's calls cross")
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args()
     print(f"ms per step, in process against our gRPC round services on loopback (fixed K = {K}, "
-          f"{'a feature draft' + (' beside the target' if args.colocated else '') if args.feature_draft else 'self-draft'}, "
+          f"{'a feature draft' + (' beside the target' if args.colocated else '') if args.feature_draft else 'self-draft'}"
+          f"{', the loop beside the verifier' if args.beside else ''}, "
           f"{args.new_tokens} new tokens, {args.runs} runs each, torch threads {torch.get_num_threads()}); "
           "served calls' parts in ms (medians)")
     cells = [(0.0, c) for c in args.concurrency] + [(1.0, c) for c in args.sampled_concurrency]
     replica_env = dict(pair.split("=", 1) for pair in args.replica_env)
     if args.colocated and not args.feature_draft:
         parser.error("--colocated places a feature draft: add --feature-draft")
+    if args.beside and args.colocated:
+        parser.error("--beside calls a draft beside the target in process: nothing would cross")
     results = compare(tiny_pair(args.vocab, args.feature_draft), cells, args.runs, args.new_tokens, args.vocab,
                       on_row=lambda key, row: print_row(key, row, flush=True), replica_env=replica_env,
-                      colocated=args.colocated)
+                      colocated=args.colocated, beside=args.beside)
     bare = results["bare_call_ms"]
     print(f"bare call (empty Release): {bare['median']:.3f} ms [{bare['p10']:.3f}, {bare['p90']:.3f}]")
     if args.out:
@@ -432,7 +482,7 @@ def main() -> None:
         args.out.write_text(json.dumps({"k": K, "prompt_tokens": PROMPT_TOKENS, "new_tokens": args.new_tokens,
                                         "vocab": args.vocab, "runs": args.runs, "torch_threads": torch.get_num_threads(),
                                         "replica_env": replica_env, "feature_draft": args.feature_draft,
-                                        "colocated": args.colocated,
+                                        "colocated": args.colocated, "beside": args.beside,
                                         "rows": results}, indent=1))
 
 

@@ -6,6 +6,9 @@
                                (one deployment per draft: Draft, Draft-<name> for `models.drafts`)
            --Verify batch--->  Verifier (target, sharded)
 
+With `loop_placement: verifier` there is no Coordinator: each Verifier replica runs the loop of the
+requests the ingress sends it, verifies in its process and sends only the Propose batches.
+
 Round calls carry our protobuf messages (protos/specdec/v1), split per replica by the consistent
 hash router on the session id, so a session's rounds find its KV cache (services/transports.py).
 `build_app` is the `import_path` target of `serve run` / `serve deploy`; `specdec serve` calls it
@@ -62,6 +65,14 @@ def _deployment(cls: type, name: str, replicas: ReplicaConfig, round_service: bo
                             **options)
 
 
+def loop_host(verifier: ReplicaConfig, coordinator: ReplicaConfig) -> ReplicaConfig:
+    """The Verifier's replicas where they run the round loop: they hold whole generations, so they
+    take the coordinator's requests at once and wait for them as long as it would to shut down."""
+    waits = [r.graceful_shutdown_timeout_s for r in (verifier, coordinator) if r.graceful_shutdown_timeout_s is not None]
+    return verifier.model_copy(update={"max_ongoing_requests": coordinator.max_ongoing_requests,
+                                       "graceful_shutdown_timeout_s": max(waits, default=None)})
+
+
 def draft_deployment_name(name: str) -> str:
     """"Draft" for the default draft, "Draft-<name>" for the others."""
     return "Draft" if name == DEFAULT_DRAFT else f"Draft-{name}"
@@ -73,12 +84,16 @@ def build_app(args: dict | AppConfig | None = None) -> serve.Application:
     colocated = config.colocated_drafts()  # decided here, once: the replicas take it as given
     drafts = {name: _deployment(Draft, draft_deployment_name(name), config.draft, round_service=True).bind(config, name)
               for name in draft_configs(config.models) if name not in colocated}
-    verifier = _deployment(Verifier, "Verifier", config.verifier, round_service=True).bind(config, colocated)
     # At capacity a request is refused at once (HTTP 429 + Retry-After, gRPC RESOURCE_EXHAUSTED),
     # whether the proxies' queue for the ingress or the ingress's queue for a coordinator is full.
     bounded = {"max_queued_requests": config.max_queued_requests,
                "backpressure_config": BackpressureConfig(status_code=TABLE[Overloaded].http,
                                                          retry_after_s=RETRY_AFTER_S[Overloaded])}
-    coordinator = _deployment(CoordinatorDeployment, "Coordinator", config.coordinator,
-                              **bounded).bind(drafts, verifier, config, colocated)
+    if config.loop_placement == "verifier":  # each Verifier replica runs the loop of the requests it is sent
+        coordinator = _deployment(Verifier, "Verifier", loop_host(config.verifier, config.coordinator),
+                                  round_service=True, **bounded).bind(config, colocated, drafts)
+    else:
+        verifier = _deployment(Verifier, "Verifier", config.verifier, round_service=True).bind(config, colocated)
+        coordinator = _deployment(CoordinatorDeployment, "Coordinator", config.coordinator,
+                                  **bounded).bind(drafts, verifier, config, colocated)
     return _deployment(ingress_class(config), "Ingress", config.ingress, **bounded).bind(coordinator, config)

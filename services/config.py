@@ -108,6 +108,14 @@ class AppConfig(BaseModel):
     # replicas, so the states never leave the target's process and only tokens cross; "separate",
     # on Draft replicas of its own like a model draft, the states riding with its round calls.
     feature_draft_placement: Literal["colocated", "separate"] = "colocated"
+    # Where the round loop runs: "coordinator", on Coordinator replicas of its own, which call the
+    # draft and the verifier replicas every step; "verifier", in every Verifier replica, which calls
+    # its target (and a feature draft beside it) in its process and only the other drafts' replicas
+    # across: one call a step fewer. The ingress then sends each request to a Verifier replica, which
+    # takes `coordinator`'s max_ongoing_requests and the longer graceful shutdown of the two, and a
+    # request whose Verifier replica dies is retried by the client as one whose coordinator died
+    # (docs/serving.md, "Where the loop runs").
+    loop_placement: Literal["coordinator", "verifier"] = "coordinator"
     # Requests waiting for an ingress or a coordinator slot (per caller: each proxy, each ingress
     # replica) beyond which clients get HTTP 429 / RESOURCE_EXHAUSTED at once (-1: unbounded).
     max_queued_requests: int = Field(256, ge=-1)

@@ -13,6 +13,7 @@ correctness.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from google.protobuf import json_format
@@ -200,6 +201,16 @@ def verify_item_from_proto(msg: verifier_pb2.VerifyRequest, vocab_size: int) -> 
         draft_probs=[unpack_distribution(q, vocab_size) for q in msg.draft_probs] if q_travels(sampling) else [],
         sampling=sampling, seed=seed_from_proto(msg.seed),
         features_from=msg.features_from if msg.HasField("features_from") else None)
+
+
+def unpacked_for_verifier(item: VerifyItem, vocab_size: int) -> VerifyItem:
+    """The item with its q_i as the Verifier service would read them (`verify_item_from_proto`),
+    for a verifier in the caller's process (services/transports.py `BesideTransport`): the draft's
+    replica sent them packed. Raises InvalidRequestError as that does."""
+    if not any(isinstance(q, common_pb2.Distribution) for q in item.draft_probs):
+        return item
+    draft_probs = [unpack_distribution(q, vocab_size) for q in item.draft_probs] if q_travels(item.sampling) else []
+    return replace(item, draft_probs=draft_probs)
 
 
 def verdict_to_proto(answer) -> verifier_pb2.Verdict:

@@ -2,7 +2,9 @@
 sessions, and a gRPC server of their own) and the coordinator (the round loop for every session
 routed to it). services/app.py binds them into the application. A feature draft placed beside its
 target (AppConfig.feature_draft_placement) runs in the verifier's replicas, linked to the verifier
-(specdec/workers.py `FeatureLink`), its Draft service on the same gRPC server.
+(specdec/workers.py `FeatureLink`), its Draft service on the same gRPC server. With the loop beside
+the verifier (AppConfig.loop_placement "verifier") each Verifier replica runs the round loop for the
+requests sent to it, and no Coordinator replica is deployed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import ray
 import torch
 
 from specdec.builder import build_draft, build_head, build_rules, build_target, draft_configs, resolve_dtype
+from specdec.calls import LocalTransport, RoundTransport
 from specdec.params import DEFAULT_DRAFT
 from specdec.sessions import SessionStore
 from specdec.v1 import common_pb2, draft_pb2, generation_pb2, verifier_pb2
@@ -27,7 +30,7 @@ from services.coordinator import Coordinator
 from services.metrics import RayRoundMetrics
 from services.server import start_server
 from services.servicers import DraftServicer, VerifierServicer
-from services.transports import round_transport
+from services.transports import BesideTransport, round_transport
 
 
 def set_threads(threads: int | None) -> None:
@@ -132,10 +135,18 @@ class Verifier(RoundReplica):
 
     role = "verifier"
 
-    def __init__(self, config: AppConfig, colocated: Sequence[str] = ()):
+    def __init__(self, config: AppConfig, colocated: Sequence[str] = (), drafts: dict | None = None):
+        """`drafts`: the other drafts' deployment handles by name where the round loop runs here
+        (AppConfig.loop_placement "verifier"; None: it runs on the Coordinator's replicas)."""
         self.colocated = list(colocated)
         self.draft_servicer: DraftServicer | None = None
         super().__init__(config)
+        self.coordinator: Coordinator | None = None
+        if drafts is not None:
+            local = {name: self.draft_servicer.worker for name in self.colocated}
+            self.coordinator = coordinator(config, BesideTransport(
+                LocalTransport(local, self.servicer.worker, self._executor),
+                round_transport(config.round_transport, drafts, None, config.key)))
 
     @property
     def servicers(self) -> dict[str, DraftServicer | VerifierServicer]:
@@ -174,6 +185,15 @@ class Verifier(RoundReplica):
         """The colocated draft's Propose, as a handle call."""
         return await self._serve(self.draft_servicer.Propose, draft_pb2.ProposeBatch, payload)
 
+    # The public calls, where the round loop runs here (the ingress's handle is this deployment's).
+
+    async def generate(self, payload: bytes) -> bytes:
+        return await generate(self.coordinator, payload)
+
+    async def generate_stream(self, payload: bytes) -> AsyncIterator[bytes]:
+        async for chunk in generate_stream(self.coordinator, payload):
+            yield chunk
+
 
 def draft_worker(config: AppConfig, name: str, threads: int | None) -> DraftWorker:
     """Draft `name`'s worker (plus its head), its own sessions; the replica's torch thread runs it."""
@@ -185,24 +205,38 @@ def draft_worker(config: AppConfig, name: str, threads: int | None) -> DraftWork
     return worker
 
 
+def coordinator(config: AppConfig, transport: RoundTransport) -> Coordinator:
+    """The round loop over `transport`, wherever it runs."""
+    return Coordinator(transport, build_rules(config.models, progress=False), config.policy,
+                       observer=RayRoundMetrics(), batch=config.models.batch, api_key=config.key)
+
+
+async def generate(host: Coordinator, payload: bytes) -> bytes:
+    """A handle call's Generate: the request and its response as protobuf bytes."""
+    response = await host.generate(generation_pb2.GenerateRequest.FromString(payload))
+    return response.SerializeToString()
+
+
+async def generate_stream(host: Coordinator, payload: bytes) -> AsyncIterator[bytes]:
+    async for chunk in host.generate_stream(generation_pb2.GenerateRequest.FromString(payload)):
+        yield chunk.SerializeToString()
+
+
 class CoordinatorDeployment:
     """A Serve replica is an async Ray actor: this one runs the round loop for every session routed to it."""
 
     def __init__(self, drafts: dict, verifier, config: AppConfig, colocated: Sequence[str] = ()):
         """`drafts`: each draft's deployment handle by name; `colocated`: the draft served by the
         verifier's replicas."""
-        rules = build_rules(config.models, progress=False)
-        transport = round_transport(config.round_transport, drafts, verifier, config.key, colocated)
-        self.coordinator = Coordinator(transport, rules, config.policy, observer=RayRoundMetrics(),
-                                       batch=config.models.batch, api_key=config.key)
+        self.coordinator = coordinator(config, round_transport(config.round_transport, drafts, verifier, config.key,
+                                                               colocated))
 
     async def generate(self, payload: bytes) -> bytes:
-        response = await self.coordinator.generate(generation_pb2.GenerateRequest.FromString(payload))
-        return response.SerializeToString()
+        return await generate(self.coordinator, payload)
 
     async def generate_stream(self, payload: bytes) -> AsyncIterator[bytes]:
-        async for chunk in self.coordinator.generate_stream(generation_pb2.GenerateRequest.FromString(payload)):
-            yield chunk.SerializeToString()
+        async for chunk in generate_stream(self.coordinator, payload):
+            yield chunk
 
     async def live_sessions(self) -> int:
         """Samples this replica is decoding (tests and the load benchmark read it)."""

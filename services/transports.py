@@ -14,6 +14,9 @@ other failure of a call comes back `Failed`: that call's sessions fail, the othe
                       router names a session's replica once (its first round), then calls go there
     HandleTransport   every call through a Serve deployment handle ("serve-grpc": Serve's
                       inter-deployment gRPC carrying our protobuf bytes; "actor": Ray actor calls)
+    BesideTransport   the loop in the verifier's replica (AppConfig.loop_placement "verifier"): the
+                      target and a draft beside it called in the process, the other drafts by one
+                      of the above
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ import grpc
 from google.protobuf.message import Message
 
 from specdec.metrics import MS_PER_S
+from specdec.calls import LocalTransport
 from specdec.params import DEFAULT_DRAFT
 from specdec.protocol import BatchReply, CallTiming, Failed, ProposeItem, Role, StepPlan, Unreachable, VerifyItem
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from services.auth import call_metadata
-from services.convert import (plan_to_proto, proposal_from_proto, propose_item_to_proto, timings_from_proto,
-                              verdict_from_proto, verify_item_to_proto)
+from services.convert import (convert_items, merge_answers, plan_to_proto, proposal_from_proto,
+                              propose_item_to_proto, timings_from_proto, unpacked_for_verifier, verdict_from_proto,
+                              verify_item_to_proto)
 from services.errors import from_grpc
 from services.server import MAX_ROUND_MESSAGE_BYTES
 from services.servicers import STREAMS_REFUSED
@@ -361,7 +366,7 @@ class HandleTransport(DirectTransport):
     def __init__(self, draft, verifier, grpc_transport: bool = True, colocated: Sequence[str] = ()):
         drafts = draft if isinstance(draft, dict) else {DEFAULT_DRAFT: draft}
         super().__init__({name: handle.options(_by_reference=not grpc_transport) for name, handle in drafts.items()},
-                         verifier.options(_by_reference=not grpc_transport), colocated=colocated)
+                         verifier and verifier.options(_by_reference=not grpc_transport), colocated=colocated)
 
     async def _send(self, served_by: Service, owner: str, method: str, request: Message, routing_key: str) -> Any:
         handle = self._handles[served_by].options(session_id=routing_key)  # affinity is per hop: set it every call
@@ -374,9 +379,46 @@ class HandleTransport(DirectTransport):
         return REPLIES[method].FromString(payload)
 
 
+class BesideTransport:
+    """The round loop beside the verifier, in its replica (AppConfig.loop_placement "verifier"): the
+    target, and a feature draft placed beside it, are called in the process on the replica's torch
+    thread (`local`: LocalTransport with its executor); the other drafts' calls go to their replicas
+    (`remote`). A step with a model draft makes one call across processes where the coordinator's
+    makes two, and with the feature draft beside its target none."""
+
+    def __init__(self, local: LocalTransport, remote: GrpcTransport):
+        self.local, self.remote = local, remote
+
+    def _carrier(self, role: Role, draft: str) -> LocalTransport | GrpcTransport:
+        return self.local if role == "verifier" or draft in self.local.drafts else self.remote
+
+    async def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan(),
+                      draft: str = DEFAULT_DRAFT) -> BatchReply:
+        return await self._carrier("draft", draft).propose(items, plan, draft)
+
+    async def verify(self, items: list[VerifyItem], probe_tokens: int = 0) -> BatchReply:
+        """A q_i that does not unpack (a draft replica's bug) refuses its item alone, as the Verifier
+        service would."""
+        vocab = self.local.verifier.target.vocab_size
+        converted, refused = convert_items(items, lambda item: unpacked_for_verifier(item, vocab))
+        reply = await self.local.verify(converted, probe_tokens)
+        if not refused:
+            return reply
+        kept = [i for i in range(len(items)) if i not in refused]
+        calls = [replace(call, indices=[kept[j] for j in call.indices]) for call in reply.calls]
+        return BatchReply(merge_answers(len(items), reply.answers, refused), calls, reply.passes)
+
+    async def release(self, role: Role, session_ids: list[str], draft: str = DEFAULT_DRAFT) -> None:
+        await self._carrier(role, draft).release(role, session_ids, draft)
+
+    async def close(self) -> None:
+        await self.remote.close()
+
+
 def round_transport(kind: str, draft, verifier, api_key: str | None = None, colocated: Sequence[str] = ()
                     ) -> GrpcTransport:
-    """`colocated`: the drafts the verifier's replicas serve (`draft` has no handle for them)."""
+    """`colocated`: the drafts the verifier's replicas serve (`draft` has no handle for them);
+    `verifier` None: the drafts' calls only (the loop beside the verifier: `BesideTransport`)."""
     if kind == "direct":
         return DirectTransport(draft, verifier, api_key, colocated=colocated)
     return HandleTransport(draft, verifier, grpc_transport=kind == "serve-grpc", colocated=colocated)

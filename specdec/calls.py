@@ -24,6 +24,7 @@ import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Container, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
@@ -312,34 +313,44 @@ class RoundCalls:
 
 
 class LocalTransport:
-    """The in-process carrier: the workers called directly on this thread, nothing serialized, the
-    verifier linked to the feature drafts (workers.py `FeatureLink`): their sessions' verdicts come
-    back without states, so the wire relays none and asks for them from 0, and the verifier reads
-    them from where the draft's session holds them. `draft`: one draft's worker, or each draft's by
-    name (the first is the default). Its calls run one after the other (`serial`): nothing is
-    drafted ahead in process unless asked for (BatchConfig.overlap "on")."""
+    """The in-process carrier: the workers called directly, nothing serialized, the verifier linked
+    to the feature drafts (workers.py `FeatureLink`): their sessions' verdicts come back without
+    states, so the wire relays none and asks for them from 0, and the verifier reads them from where
+    the draft's session holds them. `draft`: one draft's worker, or each draft's by name (the first
+    is the default; none where every draft is elsewhere: services/transports.py `BesideTransport`).
+    Its calls run one after the other (`serial`): nothing is drafted ahead in process unless asked
+    for (BatchConfig.overlap "on"). `executor`: where the workers run (a replica's one torch
+    thread); None: on the caller's thread, which the call then holds."""
 
     serial = True
 
-    def __init__(self, draft: DraftWorker | dict[str, DraftWorker], verifier: VerifierWorker):
+    def __init__(self, draft: DraftWorker | dict[str, DraftWorker], verifier: VerifierWorker,
+                 executor: Executor | None = None):
         self.drafts = dict(draft) if isinstance(draft, dict) else {DEFAULT_DRAFT: draft}
-        self.draft, self.verifier = next(iter(self.drafts.values())), verifier
+        self.draft, self.verifier, self.executor = next(iter(self.drafts.values()), None), verifier, executor
         verifier.link = FeatureLink(self.drafts.values())
 
     async def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan(),
                       draft: str = DEFAULT_DRAFT) -> ProposeReply:
         worker = self.drafts[draft]
-        return self._timed(partial(worker.propose, plan=plan), items, worker)
+        return await self._timed(partial(worker.propose, plan=plan), items, worker)
 
     async def verify(self, items: list[VerifyItem], probe_tokens: int = 0) -> VerifyReply:
-        return self._timed(partial(self.verifier.verify, probe_tokens=probe_tokens), items, self.verifier)
+        return await self._timed(partial(self.verifier.verify, probe_tokens=probe_tokens), items, self.verifier)
 
     async def release(self, role: Role, session_ids: list[str], draft: str = DEFAULT_DRAFT) -> None:
-        (self.drafts[draft] if role == "draft" else self.verifier).release(session_ids)
+        (self.drafts[draft] if role == "draft" else self.verifier).release(session_ids)  # never waits for a pass
 
-    @staticmethod
-    def _timed(call: Callable[[list], list], items: list, worker: DraftWorker | VerifierWorker) -> BatchReply:
+    async def _timed(self, call: Callable[[list], list], items: list, worker: DraftWorker | VerifierWorker) -> BatchReply:
+        def run() -> tuple[list, float, list[PassTiming]]:
+            start = time.perf_counter()
+            answers = call(items)
+            return answers, time.perf_counter() - start, worker.take_timings()
+
         start = time.perf_counter()
-        answers = call(items)
-        elapsed = time.perf_counter() - start
-        return BatchReply(answers, [CallTiming(list(range(len(items))), elapsed, elapsed)], worker.take_timings())
+        if self.executor is None:
+            answers, elapsed, timings = run()
+        else:
+            answers, elapsed, timings = await asyncio.get_running_loop().run_in_executor(self.executor, run)
+        wall_s = time.perf_counter() - start
+        return BatchReply(answers, [CallTiming(list(range(len(items))), elapsed, wall_s)], timings)

@@ -36,7 +36,8 @@ CUDA, written as JSON as it goes (a run cut short keeps what it measured).
 - transport: the same loop (fixed K, self-draft, greedy and sampled) in process and over our gRPC
   round services on loopback, each replica in a process of its own (benchmarks/transport.py, whose
   CPU figures are this section's proxy): the added ms per step over paired steps, and each served
-  call taken apart hop by hop.
+  call taken apart hop by hop; then the same with the loop beside the verifier (`/beside`: the
+  target in the loop's process, only the draft's replica across; `loop_placement: verifier`).
 """
 
 from __future__ import annotations
@@ -386,19 +387,20 @@ def host_profile(engine: SpecDecEngine, prompts, params: GenerationParams, steps
 
 
 def transport_overhead(report: Report, shape: dict, device: torch.device, dtype: torch.dtype, concurrency,
-                       new_tokens: int, runs: int, kv: str) -> None:
+                       new_tokens: int, runs: int, kv: str, beside: bool = False) -> None:
     """ms per step the gRPC round transport adds on this host, call by call (benchmarks/transport.py:
     the loop in process against our round services, each replica in a process of its own, greedy
-    and sampled, steps paired)."""
+    and sampled, steps paired; `beside`: the served loop beside the verifier, only the draft's
+    replica across)."""
     pair = Pair(random_model, (shape, device, dtype), kv=kv, static=GRAPHS)
-    results = {}
+    results, name = {}, f"{LOOP_SHAPE}/{kv}" + ("/beside" if beside else "")
 
     def keep(key: str, row: dict) -> None:
         results[key] = row
-        report.put("transport", f"{LOOP_SHAPE}/{kv}", results)
+        report.put("transport", name, results)
 
     cells = [(0.0, c) for c in concurrency] + [(1.0, min(concurrency))]  # sampled: ~4 MB a session's step
-    keep("bare_call_ms", compare(pair, cells, runs, new_tokens, shape.vocab_size, keep)["bare_call_ms"])
+    keep("bare_call_ms", compare(pair, cells, runs, new_tokens, shape.vocab_size, keep, beside=beside)["bare_call_ms"])
 
 
 def main() -> None:
@@ -470,13 +472,19 @@ def main() -> None:
             print(f"loop {LOOP_SHAPE} ({kv}): {time.perf_counter() - start:.0f} s", flush=True)
     if "transport" in args.sections and report.time_left() > 30:
         for kv in (k for k in args.loop_kv if k != "feature"):  # the first cache that runs
+            sizes = (((1, 2), new_tokens, 2) if args.smoke else
+                     (TRANSPORT_CONCURRENCY, TRANSPORT_NEW_TOKENS, TRANSPORT_RUNS))
             try:
-                transport_overhead(report, shapes[LOOP_SHAPE], device, dtype,
-                                   *(((1, 2), new_tokens, 2) if args.smoke else
-                                     (TRANSPORT_CONCURRENCY, TRANSPORT_NEW_TOKENS, TRANSPORT_RUNS)), kv)
-                break
+                transport_overhead(report, shapes[LOOP_SHAPE], device, dtype, *sizes, kv)
             except Exception as exc:
                 report.put("transport", f"{LOOP_SHAPE}/{kv}", {"error": f"{type(exc).__name__}: {exc}"[:500]})
+                continue
+            if report.time_left() > 30:  # the loop beside the verifier (loop_placement: verifier)
+                try:
+                    transport_overhead(report, shapes[LOOP_SHAPE], device, dtype, *sizes, kv, beside=True)
+                except Exception as exc:
+                    report.put("transport", f"{LOOP_SHAPE}/{kv}/beside", {"error": f"{type(exc).__name__}: {exc}"[:500]})
+            break
     if "passes" in args.sections:  # the largest shape last: what the budget leaves
         passes(LATE_SHAPES)
     report.data["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
@@ -557,7 +565,8 @@ def print_summary(data: dict) -> None:
                 for function, calls, ms in row.get("host_profile", [])[:5]:
                     print(f"      {ms:7.3f} ms  {calls:6.2f} calls  {function}")
     for name, rows in data["sections"].get("transport", {}).items():
-        print(f"\ntransport {name}: gRPC round services on loopback against in process, ms per step")
+        print(f"\ntransport {name}: gRPC round services on loopback against in process, ms per step"
+              + (" (the loop beside the verifier: only the Propose crosses)" if name.endswith("/beside") else ""))
         for key, row in rows.items():
             if "added" in row:
                 print_row(key, row)

@@ -89,6 +89,19 @@ def test_serve_config_builds_the_deployments_it_says(path):
             assert config.autoscaling_config.max_replicas == replicas.autoscaling["max_replicas"]
 
 
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
+def test_the_loop_beside_the_verifier_deploys_no_coordinator(path):
+    """`loop_placement: verifier`: the Verifier replicas hold whole generations, as a coordinator's do."""
+    args = app_args(load(path)).model_copy(update={"loop_placement": "verifier"})
+    deployments = {d.name: d for d in flatten_app(build_app(args), name="specdec").deployments}
+    assert set(deployments) == {"Draft", "Verifier", "Ingress"}
+    config = deployments["Verifier"]._deployment_config
+    assert config.max_ongoing_requests == args.coordinator.max_ongoing_requests
+    assert config.graceful_shutdown_timeout_s == max(args.coordinator.graceful_shutdown_timeout_s,
+                                                     args.verifier.graceful_shutdown_timeout_s)
+    assert deployments["Verifier"].ray_actor_options["num_gpus"] == args.verifier.num_gpus
+
+
 def test_multi_gpu_verifier_takes_one_gpu_per_shard():
     args = app_args(load(CLUSTER / "serve" / "multi-gpu.yaml"))
     assert args.target_shards > 1 and args.verifier.num_gpus == args.target_shards

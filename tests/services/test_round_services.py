@@ -945,3 +945,101 @@ def test_bad_features_are_refused_one_by_one(feature_engine):
         assert len(answer.features.data) == answer.features.tokens * reads * hidden * 2
     finally:
         servers.stop()
+
+
+# ------------------------------------------------------------------------------------------------
+# The loop beside the verifier (AppConfig.loop_placement "verifier"): the target called in the
+# loop's process on a torch thread of its own, only the other drafts' calls across
+
+def beside(engine: SpecDecEngine, remote: GrpcTransport, local_drafts: dict | None = None):
+    """(BesideTransport over a verifier worker of its own, the names of the threads its passes ran on)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from services.transports import BesideTransport
+    from specdec.calls import LocalTransport
+
+    worker, threads = VerifierWorker(engine.target), set()
+    verify = worker.verify
+
+    def recorded(*args, **kwargs):
+        threads.add(threading.current_thread().name)
+        return verify(*args, **kwargs)
+
+    worker.verify = recorded
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-torch")
+    return BesideTransport(LocalTransport(local_drafts or {}, worker, executor), remote), threads
+
+
+@pytest.mark.parametrize("policy,k,temperature", [("fixed", 3, 0.0), ("svip", 4, 0.0), ("fixed", 3, 1.0)])
+def test_the_loop_beside_the_verifier_equals_the_engine(servers, tiny_engine, policy, k, temperature):
+    """Only the Propose batches cross (as deltas); the verifier runs on its torch thread; greedy and
+    seeded outputs are the engine's; both sides' sessions are released."""
+    remote = RecordingTransport(servers.addresses[0], None)
+    transport, threads = beside(tiny_engine, remote)
+    params = build_params(policy=policy, k=k, temperature=temperature, seed=5, max_new_tokens=MAX_NEW_TOKENS)
+    # Sampled, one request: the int8 draft's draws follow how its passes are cut (two sessions share them).
+    requests = [(PROMPTS[0], params)] + ([(PROMPTS[1], params)] if temperature == 0 else [])
+    results = run(RoundLoop(transport, tiny_engine.rules, BatchConfig(overlap="off")), requests)
+    for (prompt, _), result in zip(requests, results):
+        assert (result.completions[0].token_ids, result.completions[0].finish_reason) == \
+            engine_ids(tiny_engine, prompt, params)
+        assert result.stats.draft_tokens > 0
+    assert remote.calls == {"draft": results[0].stats.rounds, "verifier": 0}  # one batched Propose a step
+    assert not any(full for _, _, full, _ in remote.sent[len(requests):])
+    assert threads == {"verifier-torch_0"}
+    assert len(servers.draft.sessions) == len(transport.local.verifier.sessions) == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rounds_drafted_ahead_beside_the_verifier_equal_the_engines(agreeing_engine, temperature):
+    """The Propose drafting ahead crosses while the target verifies on its thread: the outputs are the
+    in-process loop's with overlap on."""
+    engine, overlap = agreeing_engine, BatchConfig(overlap="on")
+    params = build_params(policy="fixed", k=3, temperature=temperature, seed=99, max_new_tokens=MAX_NEW_TOKENS)
+    servers = Servers(engine)
+    try:
+        transport, _ = beside(engine, GrpcTransport(servers.addresses[0], None))
+        [served] = run(RoundLoop(transport, engine.rules, overlap), [(PROMPTS[0], params)])
+    finally:
+        servers.stop()
+    [local] = run(RoundLoop(engine.loop.calls.transport, engine.rules, overlap), [(PROMPTS[0], params)])
+    assert served.completions[0].token_ids == local.completions[0].token_ids
+    assert served.stats.rounds_ahead == local.stats.rounds_ahead > 0
+
+
+def test_a_lost_draft_replica_beside_the_verifier_costs_a_retry_not_tokens(tiny_engine):
+    primary, backup = Servers(tiny_engine), Servers(tiny_engine)
+    transport, _ = beside(tiny_engine, FailoverTransport([primary.addresses[0], backup.addresses[0]], None))
+
+    class Killing(RoundLoop):
+        steps = 0
+
+        async def _step(self, planner, batch):
+            self.steps += 1
+            if self.steps == 3:
+                primary.servers[0][0].stop(None)
+            await super()._step(planner, batch)
+
+    requests = [(prompt, build_params(policy="fixed", k=3, max_new_tokens=MAX_NEW_TOKENS)) for prompt in PROMPTS]
+    try:
+        results = run(Killing(transport, tiny_engine.rules, retry=FAST_RETRY), requests)
+    finally:
+        primary.stop()
+        backup.stop()
+    assert transport.remote.moved
+    for (prompt, params), result in zip(requests, results):
+        assert result.completions[0].token_ids == tiny_engine.generate_ids(prompt, params).completions[0].token_ids
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_feature_draft_and_the_loop_beside_the_target_make_no_call_across(feature_engine, temperature):
+    """The feature draft placed beside its target with the loop there too: nothing crosses a process,
+    the states go from worker to worker, and the output is the engine's."""
+    remote = RecordingTransport(None, None)
+    transport, threads = beside(feature_engine, remote, {"default": DraftWorker(feature_engine.draft)})
+    params = build_params(policy="fixed", k=3, temperature=temperature, seed=21, max_new_tokens=MAX_NEW_TOKENS)
+    [result] = run(RoundLoop(transport, feature_engine.rules), [(PROMPTS[1], params)])
+    assert (result.completions[0].token_ids, result.completions[0].finish_reason) == \
+        engine_ids(feature_engine, PROMPTS[1], params)
+    assert result.stats.draft_tokens > result.stats.rounds and remote.calls == {"draft": 0, "verifier": 0}
+    assert threads == {"verifier-torch_0"} and not transport.local.verifier.link._waiting

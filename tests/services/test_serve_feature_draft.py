@@ -3,7 +3,8 @@ deployments built from a feature draft's directory (the builder's `feature` back
 pair's draft (`models.drafts`), requests of both drafts sharing the steps, and replicas killed
 mid-stream; the feature draft in both placements: `colocated` (the default: in the verifier's
 replicas, the target's states handed over in process) and `separate` (a Draft deployment of its
-own, the states riding with its round calls). One Ray instance per module."""
+own, the states riding with its round calls); and beside the target with the round loop there too
+(`loop_placement: verifier`). One Ray instance per placement."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from specdec.builder import EngineConfig, build_engine
 from specdec.models.feature_files import save_feature_draft
 from specdec.models.sources import model_identity
 from specdec.params import build_params
-from test_serve_app import kill_all, replica_names, wait_replaced
+from test_serve_app import PATIENT, kill_all, replica_names, wait_replaced
 from tiny import tiny_feature_draft
 
 PROMPT = "Write a haiku about caches."
@@ -47,19 +48,22 @@ def feature_engine(models):
     return build_engine(models, progress=False)
 
 
-@pytest.fixture(scope="module", params=[("colocated", "direct"), ("separate", "direct"), ("colocated", "serve-grpc")],
-                ids=["colocated", "separate", "colocated-over-handles"])
+@pytest.fixture(scope="module", params=[("colocated", "direct", "coordinator"), ("separate", "direct", "coordinator"),
+                                        ("colocated", "serve-grpc", "coordinator"), ("colocated", "direct", "verifier")],
+                ids=["colocated", "separate", "colocated-over-handles", "colocated-with-the-loop"])
 def served(models, request):
     """The app in each placement; beside the target also with every round call a Serve handle
-    call (`round_transport: serve-grpc`: the colocated draft's calls go to the Verifier replica)."""
-    placement, transport = request.param
+    call (`round_transport: serve-grpc`: the colocated draft's calls go to the Verifier replica),
+    and with the round loop there too (`loop_placement: verifier`: the feature draft's steps cross
+    no process, the model draft's Propose batches do)."""
+    placement, transport, loop = request.param
     replica = dict(num_cpus=0.1, threads=1)
     config = AppConfig(models=models, feature_draft_placement=placement, round_transport=transport,
-                       draft=ReplicaConfig(**replica), verifier=ReplicaConfig(**replica),
+                       loop_placement=loop, draft=ReplicaConfig(**replica), verifier=ReplicaConfig(**replica),
                        coordinator=ReplicaConfig(num_cpus=0.0), ingress=ReplicaConfig(num_cpus=0.0))
     assert config.colocated_drafts() == (["feature"] if placement == "colocated" else [])
     with local_serve(config) as addresses:
-        yield addresses | {"placement": placement}
+        yield addresses | {"placement": placement, "loop": loop}
 
 
 def test_the_engine_builds_a_feature_draft_from_its_directory(feature_engine):
@@ -83,17 +87,21 @@ def test_served_feature_draft_survives_killed_replicas(feature_engine, served):
     points = [15, 50]
     victims = ["Verifier", "Verifier"] if served["placement"] == "colocated" else ["Draft-feature", "Verifier"]
     ids, kills = [], []
-    with GrpcClient(served["grpc"], timeout_s=300, retries=0) as client:
+    # With the loop in the Verifier replica, its loss is the coordinator's: the client's retry resumes the stream.
+    beside = served["loop"] == "verifier"
+    with GrpcClient(served["grpc"], timeout_s=300, retries=PATIENT if beside else 0) as client:
         for chunk in client.generate_stream(PROMPT, **LONG):
             ids.extend(chunk.token_ids)
             if len(kills) < len(points) and len(ids) >= points[len(kills)]:
                 kills.append((victims[len(kills)], kill_all(victims[len(kills)])))
         response = client.generate(PROMPT, **LONG)
     assert ids == expected and list(response.completions[0].token_ids) == expected
-    assert response.stats.draft_tokens > response.stats.rounds and response.stats.transport_bytes > 0
+    assert response.stats.draft_tokens > response.stats.rounds
+    assert (response.stats.transport_bytes > 0) != beside  # beside the target with the loop, nothing crosses
     for deployment, before in kills:
         wait_replaced(deployment, before)
     assert bool(replica_names("Draft-feature")) == (served["placement"] == "separate")  # no Draft replicas beside
+    assert bool(replica_names("Coordinator")) != beside
 
 
 def test_served_requests_of_both_drafts_share_the_steps(feature_engine, served):
