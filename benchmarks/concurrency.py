@@ -212,7 +212,8 @@ def in_process(models: EngineConfig, prompts: list[str], specs, levels: list[int
 
 
 def served(models: EngineConfig, prompts: list[str], specs, levels: list[int], per_client: Callable[[int], int],
-           max_new_tokens: int, lanes: list[int], threads: int | None, overlaps: list[str] = ["auto"]) -> list[Run]:
+           max_new_tokens: int, lanes: list[int], threads: int | None, overlaps: list[str] = ["auto"],
+           placements: list[str] = ["coordinator"]) -> list[Run]:
     import grpc
     import ray
     from ray import serve
@@ -222,13 +223,15 @@ def served(models: EngineConfig, prompts: list[str], specs, levels: list[int], p
     from specdec.v1 import generation_pb2, generation_pb2_grpc
 
     runs = []
-    for lane_count, overlap in ((lane_count, overlap) for lane_count in lanes for overlap in overlaps):
+    for lane_count, overlap, placement in ((lane_count, overlap, placement) for lane_count in lanes
+                                           for overlap in overlaps for placement in placements):
         mode = ", ".join(["served"] + ([f"{lane_count} lanes"] if lane_count > 1 else [])
-                         + ([f"overlap {overlap}"] if overlap != "auto" else []))
+                         + ([f"overlap {overlap}"] if overlap != "auto" else [])
+                         + (["the loop beside the verifier"] if placement == "verifier" else []))
         batch = models.batch.model_copy(update={"lanes": lane_count, "overlap": overlap})
         config = AppConfig(models=models.model_copy(update={"batch": batch}),
                            draft=ReplicaConfig(num_cpus=0.5, threads=threads),
-                           verifier=ReplicaConfig(num_cpus=0.5, threads=threads))
+                           verifier=ReplicaConfig(num_cpus=0.5, threads=threads), loop_placement=placement)
         ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
         try:
             addresses = start(config, http_port=18000, grpc_port=19000)
@@ -367,6 +370,8 @@ def main() -> int:
     parser.add_argument("--overlap", nargs="+", default=["auto"], choices=["auto", "on", "off"],
                         help="served: drafting the next round while a round verifies (BatchConfig.overlap), "
                              "an app each")
+    parser.add_argument("--loop-placement", nargs="+", default=["coordinator"], choices=["coordinator", "verifier"],
+                        help="served: where the round loop runs (AppConfig.loop_placement; each in turn)")
     parser.add_argument("--baseline", action="store_true",
                         help="also the batch-1 reference runtime at concurrency 1 (one pass per session)")
     parser.add_argument("--threads", type=int, default=None, help="served: torch threads per replica")
@@ -405,7 +410,7 @@ def main() -> int:
     gc.collect()  # the in-process engine's models go before the served replicas load theirs
     if "served" in args.modes:
         runs += served(models, prompts, specs, levels, per_client, args.max_new_tokens,
-                       args.lanes, args.threads, args.overlap)
+                       args.lanes, args.threads, args.overlap, args.loop_placement)
     order = {spec.key: i for i, spec in enumerate(specs)}
     rows = [run.row() for run in sorted(runs, key=lambda r: (r.mode != "in-process", r.mode, order[r.policy], r.concurrency))]
     differ = mismatches(runs)

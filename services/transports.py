@@ -32,8 +32,8 @@ from typing import Any, NamedTuple
 import grpc
 from google.protobuf.message import Message
 
-from specdec.metrics import MS_PER_S
 from specdec.calls import LocalTransport
+from specdec.metrics import MS_PER_S
 from specdec.params import DEFAULT_DRAFT
 from specdec.protocol import BatchReply, CallTiming, Failed, ProposeItem, Role, StepPlan, Unreachable, VerifyItem
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc

@@ -1043,3 +1043,21 @@ def test_a_feature_draft_and_the_loop_beside_the_target_make_no_call_across(feat
         engine_ids(feature_engine, PROMPTS[1], params)
     assert result.stats.draft_tokens > result.stats.rounds and remote.calls == {"draft": 0, "verifier": 0}
     assert threads == {"verifier-torch_0"} and not transport.local.verifier.link._waiting
+
+
+def test_a_bad_distribution_beside_the_verifier_refuses_its_item_alone(tiny_engine):
+    """A q_i that does not unpack (a draft replica's bug) is refused on its own, as the Verifier
+    service refuses it; the other item is verified and the call's timing names it alone."""
+    from services.convert import pack_distribution
+    from specdec.protocol import Refused
+    from specdec.verification import Verdict
+
+    transport, _ = beside(tiny_engine, GrpcTransport(None, None))
+    vocab, sampled = tiny_engine.target.vocab_size, SamplingParams(temperature=1.0)
+    q = torch.full((vocab,), 1.0 / vocab)
+    bad = pack_distribution(q * 2)  # sums to 2
+    items = [VerifyItem(name, HistoryDelta(3, [5, 6, 7], full=True), [9], [dist], sampled, RoundSeed(1, 0, 0))
+             for name, dist in (("bad", bad), ("good", pack_distribution(q)))]
+    reply = asyncio.run(transport.verify(items))
+    assert isinstance(reply.answers[0], Refused) and "sum to 1" in reply.answers[0].reason
+    assert isinstance(reply.answers[1], Verdict) and [c.indices for c in reply.calls] == [[1]]
