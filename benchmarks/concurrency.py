@@ -370,6 +370,7 @@ def main() -> int:
     parser.add_argument("--overlap", nargs="+", default=["auto"], choices=["auto", "on", "off"],
                         help="served: drafting the next round while a round verifies (BatchConfig.overlap), "
                              "an app each")
+    parser.add_argument("--draft", default=None, help="the draft (EngineConfig.draft; default: the fused default)")
     parser.add_argument("--loop-placement", nargs="+", default=["coordinator"], choices=["coordinator", "verifier"],
                         help="served: where the round loop runs (AppConfig.loop_placement; each in turn)")
     parser.add_argument("--baseline", action="store_true",
@@ -394,7 +395,7 @@ def main() -> int:
         models = EngineConfig(draft=str(draft_dir), target=str(target_dir), batch=batch)
         prompts = [prompt[-48:] for prompt in prompts]  # the tiny models' context is 256 byte tokens
     else:
-        models = EngineConfig(batch=batch, runtime=args.runtime)
+        models = EngineConfig(batch=batch, runtime=args.runtime, **({"draft": args.draft} if args.draft else {}))
     specs = with_baseline(parse_specs(args.policies))  # target-only at every mode and level
     levels = sorted(set(args.concurrency))
 
