@@ -31,7 +31,14 @@ def test_the_gpu_benchmark_smoke_run_writes_every_section(tmp_path):
     assert set(feature) == {"qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-32b"}
     assert all({"eager_ms", "chain_ms", "captured_ms"} <= set(row) and row["graph_vs_eager"]["argmax_agree"] == 1.0
                for rows in feature.values() for row in rows.values()), feature
-    [transport] = data["sections"]["transport"].values()  # the first cache that ran: static
-    assert {"T=0@1", "T=0@2", "T=1@1", "bare_call_ms"} <= set(transport), transport
-    assert all(row["added"]["n"] > 0 and set(row["calls"]["verifier"]) >= {"request_hop", "worker", "response_hop"}
-               for key, row in transport.items() if key.startswith("T=")), transport
+    # the first cache that ran (static), with the loop beside the verifier too
+    transport, beside = data["sections"]["transport"].values()
+    assert list(data["sections"]["transport"]) == ["qwen2.5-1.5b/static", "qwen2.5-1.5b/static/beside"]
+    for rows in (transport, beside):
+        assert {"T=0@1", "T=0@2", "T=1@1", "bare_call_ms"} <= set(rows), rows
+        assert all(row["added"]["n"] > 0 and set(row["calls"]["draft"]) >= {"request_hop", "worker", "response_hop"}
+                   for key, row in rows.items() if key.startswith("T=")), rows
+    assert all(set(row["calls"]["verifier"]) >= {"request_hop", "worker", "response_hop"}
+               for key, row in transport.items() if key.startswith("T="))
+    assert all(set(row["calls"]["verifier"]) == {"call", "worker", "thread_hop"}  # in the loop's process
+               for key, row in beside.items() if key.startswith("T="))
