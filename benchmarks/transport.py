@@ -342,9 +342,10 @@ def compare(pair: Pair, cells: list[tuple[float, int]], runs: int, new_tokens: i
         from specdec.workers import VerifierWorker
 
         # Every torch call of this process on one thread, the models' making included, as in a
-        # Verifier replica (services/replicas.py): an OpenMP team on a second thread (the models made
-        # on this one) slowed the in-process steps by 70% (libgomp stops spinning once a process holds
-        # more OpenMP threads than cores). The in-process loop's calls then pay a thread hop each,
+        # Verifier replica (services/replicas.py): with a second OpenMP team in the process libgomp
+        # stops spinning between passes (more OpenMP threads than cores), which slows the in-process
+        # loop and, on shared cores, speeds the served one; neither is what a replica does
+        # (docs/performance.md, "Served"). The in-process loop's calls then pay a thread hop each,
         # which the row reports.
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
 
