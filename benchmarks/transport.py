@@ -199,11 +199,16 @@ class Clock:
     async def _timed(self, role: str, call):
         start = time.perf_counter()
         reply = await call
-        sends = getattr(getattr(self.transport, "remote", self.transport), "sends", None)  # BesideTransport's
+        sends = getattr(remote(self.transport), "sends", None)
         send = sends.pop() if sends else None
         worker_s = reply.calls[0].compute_s if send is None and reply.calls else None
         self.calls.append(Call(role, start, time.perf_counter(), send and send[:2], send[2] if send else 0, worker_s))
         return reply
+
+
+def remote(transport):
+    """The gRPC transport of a served loop (`BesideTransport`'s calls across, or the whole of it)."""
+    return getattr(transport, "remote", transport)
 
 
 def grpc_transport(draft_address: str, verifier_address: str):
@@ -378,7 +383,7 @@ async def measure(engine: SpecDecEngine, served: RoundLoop, pipes: list, cells: 
             out += pipe.recv()
         return out
 
-    results = {"bare_call_ms": await bare_call_ms(getattr(served_clock.transport, "remote", served_clock.transport))}
+    results = {"bare_call_ms": await bare_call_ms(remote(served_clock.transport))}
     try:
         for temperature, c in cells:
             params = GenerationParams(max_new_tokens=new_tokens, chat_template=False, policy=PolicyConfig(name="fixed", k=K),

@@ -198,7 +198,7 @@ def verify_item_from_proto(msg: verifier_pb2.VerifyRequest, vocab_size: int) -> 
     sampling = sampling_from_proto(msg.sampling)
     return VerifyItem(
         session_id=msg.session_id, history=delta_from_proto(msg.history), candidates=list(msg.candidates),
-        draft_probs=[unpack_distribution(q, vocab_size) for q in msg.draft_probs] if q_travels(sampling) else [],
+        draft_probs=unpack_draft_probs(msg.draft_probs, sampling, vocab_size),
         sampling=sampling, seed=seed_from_proto(msg.seed),
         features_from=msg.features_from if msg.HasField("features_from") else None)
 
@@ -209,8 +209,12 @@ def unpacked_for_verifier(item: VerifyItem, vocab_size: int) -> VerifyItem:
     replica sent them packed. Raises InvalidRequestError as that does."""
     if not any(isinstance(q, common_pb2.Distribution) for q in item.draft_probs):
         return item
-    draft_probs = [unpack_distribution(q, vocab_size) for q in item.draft_probs] if q_travels(item.sampling) else []
-    return replace(item, draft_probs=draft_probs)
+    return replace(item, draft_probs=unpack_draft_probs(item.draft_probs, item.sampling, vocab_size))
+
+
+def unpack_draft_probs(packed, sampling: SamplingParams, vocab_size: int) -> list[torch.Tensor]:
+    """A round's q_i as the verifier reads them: none where they need not travel (greedy)."""
+    return [unpack_distribution(q, vocab_size) for q in packed] if q_travels(sampling) else []
 
 
 def verdict_to_proto(answer) -> verifier_pb2.Verdict:

@@ -39,6 +39,21 @@ def set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads or os.cpu_count() or 1)
 
 
+class LoopHost:
+    """A replica that runs the round loop (`coordinator`): the ingress's handle calls these, the
+    request and its answer as protobuf bytes."""
+
+    coordinator: Coordinator | None
+
+    async def generate(self, payload: bytes) -> bytes:
+        response = await self.coordinator.generate(generation_pb2.GenerateRequest.FromString(payload))
+        return response.SerializeToString()
+
+    async def generate_stream(self, payload: bytes) -> AsyncIterator[bytes]:
+        async for chunk in self.coordinator.generate_stream(generation_pb2.GenerateRequest.FromString(payload)):
+            yield chunk.SerializeToString()
+
+
 class RoundReplica:
     """A replica hosting one round servicer, reachable two ways: through Serve (handle calls
     carrying the protobuf bytes) and on its own gRPC server (the `direct` transport).
@@ -130,7 +145,7 @@ class Draft(RoundReplica):
         return await self._serve(self.servicer.Propose, draft_pb2.ProposeBatch, payload)
 
 
-class Verifier(RoundReplica):
+class Verifier(RoundReplica, LoopHost):
     """The target, and the feature draft placed beside it if any (`colocated`: its name)."""
 
     role = "verifier"
@@ -185,15 +200,6 @@ class Verifier(RoundReplica):
         """The colocated draft's Propose, as a handle call."""
         return await self._serve(self.draft_servicer.Propose, draft_pb2.ProposeBatch, payload)
 
-    # The public calls, where the round loop runs here (the ingress's handle is this deployment's).
-
-    async def generate(self, payload: bytes) -> bytes:
-        return await generate(self.coordinator, payload)
-
-    async def generate_stream(self, payload: bytes) -> AsyncIterator[bytes]:
-        async for chunk in generate_stream(self.coordinator, payload):
-            yield chunk
-
 
 def draft_worker(config: AppConfig, name: str, threads: int | None) -> DraftWorker:
     """Draft `name`'s worker (plus its head), its own sessions; the replica's torch thread runs it."""
@@ -211,18 +217,7 @@ def coordinator(config: AppConfig, transport: RoundTransport) -> Coordinator:
                        observer=RayRoundMetrics(), batch=config.models.batch, api_key=config.key)
 
 
-async def generate(host: Coordinator, payload: bytes) -> bytes:
-    """A handle call's Generate: the request and its response as protobuf bytes."""
-    response = await host.generate(generation_pb2.GenerateRequest.FromString(payload))
-    return response.SerializeToString()
-
-
-async def generate_stream(host: Coordinator, payload: bytes) -> AsyncIterator[bytes]:
-    async for chunk in host.generate_stream(generation_pb2.GenerateRequest.FromString(payload)):
-        yield chunk.SerializeToString()
-
-
-class CoordinatorDeployment:
+class CoordinatorDeployment(LoopHost):
     """A Serve replica is an async Ray actor: this one runs the round loop for every session routed to it."""
 
     def __init__(self, drafts: dict, verifier, config: AppConfig, colocated: Sequence[str] = ()):
@@ -230,13 +225,6 @@ class CoordinatorDeployment:
         verifier's replicas."""
         self.coordinator = coordinator(config, round_transport(config.round_transport, drafts, verifier, config.key,
                                                                colocated))
-
-    async def generate(self, payload: bytes) -> bytes:
-        return await generate(self.coordinator, payload)
-
-    async def generate_stream(self, payload: bytes) -> AsyncIterator[bytes]:
-        async for chunk in generate_stream(self.coordinator, payload):
-            yield chunk
 
     async def live_sessions(self) -> int:
         """Samples this replica is decoding (tests and the load benchmark read it)."""
