@@ -75,5 +75,7 @@ def time_pass(runtime: Runtime, k: int, repeats: int = DEFAULT_REPEATS,
 
 def forward_time_curve(runtime: Runtime, ks: Sequence[int] = DEFAULT_KS, repeats: int = DEFAULT_REPEATS,
                        prompt_tokens: int = PROMPT_TOKENS) -> dict[int, float]:
-    """{k: median seconds per pass}."""
+    """{k: median seconds per pass}; 0 for a model-free draft, which runs none."""
+    if getattr(runtime, "model_free", False):
+        return {k: 0.0 for k in ks}
     return {k: time_pass(runtime, k, repeats, prompt_tokens) for k in ks}

@@ -177,6 +177,19 @@ def test_several_drafts_run_side_by_side_in_one_bench(tiny_pair, prompt_file, tm
     assert not (tmp_path / "x").exists()
 
 
+def test_bench_runs_on_the_suffix_draft_alone(tiny_pair, prompt_file, tmp_path, capsys, one_thread):
+    """`--draft suffix` times the target's passes and reads the draft's as free: it runs none (the
+    forward-time curve timed a pass of it and failed before)."""
+    args = bench_args(tiny_pair, prompt_file, tmp_path / "run", ["target-only", "specdec++cost"])
+    args[args.index("--draft") + 1] = "suffix"
+    assert main(args) == 0
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    forward = results["forward_times"]
+    assert forward["draft_s"] == {"1": 0.0, "2": 0.0} and all(t > 0 for t in forward["target_s"].values())
+    assert results["by_temperature"]["0"]["policies"]["specdec++cost"]["lossless"]["equal"]
+    capsys.readouterr()
+
+
 def test_bench_rejects_bad_flags_before_loading(tiny_pair, prompt_file, tmp_path, capsys):
     assert main(bench_args(tiny_pair, prompt_file, tmp_path / "x", ["fixed:zero"])) == 2
     assert "is not an integer K" in capsys.readouterr().err
