@@ -30,7 +30,7 @@ from specdec.errors import InvalidRequestError
 from specdec.metrics import MS_PER_S
 from specdec.models.feature_runtime import FeatureDraftRuntime
 from specdec.models.runtime import DraftRole, KVSession
-from specdec.models.suffix import MAX_ORDER, MatchStats, SuffixDraft, SuffixSession
+from specdec.models.suffix import MAX_ORDER, SuffixDraft, SuffixSession
 from specdec.policies import DraftStep, FixedK, StoppingPolicy, check_model_free
 from specdec.protocol import Proposal, ProposeItem, StepPlan, q_travels
 from specdec.rounds import DraftRow, Drafting, LogitsFilterFactory, in_groups, propose, still_drafting
@@ -169,15 +169,18 @@ class SuffixProposer:
 
     def _walk(self, d: Drafting) -> list[tuple[DraftStep, tuple]]:
         """The row's candidates as far as its limit or its match goes, each as a step and its match
-        bucket, after learning its session's last round; a row drafted ahead guesses first."""
+        bucket, after learning its session's last round; a row drafted ahead guesses first. The walk
+        follows one earlier copy on for as long as no longer context occurs elsewhere; it starts
+        from the longest context of the history's end, the occurrence nearest past the session's
+        cursor where several are as long (`SuffixIndex.nearest`), else the last."""
         session, history, greedy = d.row.session, d.row.history, d.row.sampling.greedy
         stats = self.draft.stats
-        if (outcome := session.outcome(history)) is not None:
-            stats.learn(session.buckets, *outcome)
+        session.learn(history, stats)
         session.index.sync(history)
         shared = self.draft.shared(session.scope)  # earlier responses, where the request opted in
         d.row.policy.start_round()
-        tail, walk, drafted, length, last = history[-MAX_ORDER:], [], [], 0, (None, -1)
+        tail, walk, drafted, positions = history[-MAX_ORDER:], [], [], []
+        copy, length, last = None, 0, -1  # the index the walk copies from, the copy's length, its last position
         while len(walk) < d.limit + d.guessing:
             index, match = session.index, session.index.match(tail)
             if shared is not None and (found := shared.match(tail)) is not None and (
@@ -185,19 +188,28 @@ class SuffixProposer:
                 index, match = shared, found
             if match is None:  # nothing before continues it: the round ends here
                 break
-            # the copy's length: one more where the walk goes on through the same earlier text
-            length = length + 1 if (index, match.position) == (last[0], last[1] + 1) else index.run(
-                history, drafted, match.position)
-            last = (index, match.position)
+            if copy is not None and last + 1 < len(copy) and length + 1 >= match.order:  # the copy goes on
+                index, length = copy, length + 1
+                match = index.follow(tail, min(length, MAX_ORDER), last + 1)
+            elif copy is None and index is session.index and session.cursor is not None and (
+                    near := index.nearest(history, session.cursor))[1] >= match.order:
+                length = near[1]
+                match = index.follow(tail, min(length, MAX_ORDER), near[0])
+            else:  # the copy's length: past the longest context, as far as the earlier text goes on equal
+                length = index.run(history, drafted, match.position)
+            copy, last = index, match.position
             tail = tail[1 - MAX_ORDER:] + [match.token]
             drafted.append(match.token)
+            judged, bucket = stats.judge(length, match.frequency, greedy)
             step = DraftStep(len(walk) + 1 - d.guessing, match.token, None, None, d.row.num_generated,
-                             greedy=True, judged=stats.estimate(length, match.frequency, greedy))
+                             greedy=True, judged=judged)
             if d.guessing:  # the bonus token's guess (rounds.DraftRow.guess): no candidate
                 step.probs = self.draft.one_hot(match.token) if q_travels(d.row.sampling) else None
                 d.guessing, d.guessed = False, step
                 continue
-            walk.append((step, MatchStats.bucket(length, match.frequency, greedy)))
+            walk.append((step, bucket))
+            positions.append(match.position if index is session.index else None)
+        session.positions = positions
         return walk
 
     @staticmethod

@@ -5,8 +5,10 @@ Each session keeps a `SuffixIndex` of its committed tokens: every context of 1 .
 tokens that was followed by a token, with how often it was and where it last was. Appending a token
 registers the contexts that end just before it (O(MAX_ORDER) = O(1) a token, by rolling hashes); a
 round walks forward from the longest context (up to MAX_ORDER) of the history's end that occurred
-before, one candidate per lookup, each looked up again with the candidates before it (prompt lookup
-decoding and llama.cpp's n-gram drafts do the same walk over a shorter context).
+before (prompt lookup decoding and llama.cpp's n-gram drafts do the same walk over a shorter
+context), and follows that earlier text on as a copy while no longer context occurs elsewhere. Where
+several occurrences are as long, the walk starts at the one nearest past where the target last took
+a candidate (`SuffixIndex.nearest`): an edit returns its source in order.
 
 A candidate's acceptance estimate comes from the match's statistics: how long the copy it continues
 is and how often it followed its context (`MatchStats`), calibrated online on what the target made
@@ -21,6 +23,7 @@ without y: the target's distribution, as for any draft (specdec/verification.py)
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -34,6 +37,7 @@ SUFFIX = "suffix"  # the draft source that names it (--draft suffix, --also-draf
 FUSED = SUFFIX + "+"  # "suffix+SOURCE": the suffix draft fused with the model draft SOURCE (proposers.py `FusedProposer`)
 MAX_ORDER = 16  # the longest context matched, in tokens
 MAX_RUN = 64  # the longest copy a walk's estimates tell apart, in tokens
+NEAR = 256  # how far past where its last copy was followed a walk looks for its source first, in tokens
 # The cache of earlier responses (`SuffixDraft.remember`), opted into per request and kept per
 # API key (services/auth.py `cache_scope`): at most this many tokens of each key's responses
 # (~2 KB a token in the index), for at most this many keys, the least recently used dropped first.
@@ -111,8 +115,7 @@ class SuffixIndex:
     def match(self, tail: list[int]) -> Match | None:
         """The longest context ending `tail` (its last MAX_ORDER tokens at most) that was followed
         before, or None where not even its last token was."""
-        table, seq = self._table, self.tokens
-        h, found, order = 0, 0, 0
+        table, h, found, order = self._table, 0, 0, 0
         for n in range(1, min(MAX_ORDER, len(tail)) + 1):
             h = (h + (tail[-n] + 1) * _POWERS[n - 1]) % _MODULUS
             entry = table.get(h)
@@ -121,12 +124,41 @@ class SuffixIndex:
             found, order, context = entry, n, h
         if not order:
             return None
-        position = found & _POSITION_MASK
+        return self._followed(context, order, found & _POSITION_MASK, found >> _POSITION_BITS)
+
+    def follow(self, tail: list[int], order: int, position: int) -> Match:
+        """The token at `position` as the candidate after `tail`'s last `order` tokens, which the
+        tokens before `position` end with: a copy followed on, or an occurrence other than the last."""
+        h = 0
+        for n in range(1, order + 1):
+            h = (h + (tail[-n] + 1) * _POWERS[n - 1]) % _MODULUS
+        return self._followed(h, order, position, self._table.get(h, 0) >> _POSITION_BITS)
+
+    def _followed(self, context: int, order: int, position: int, followed: int) -> Match:
+        seq = self.tokens
         token = seq[position]
-        # how often the context followed by the token was itself followed, plus its last occurrence
-        # if that ends the sequence (nothing has followed it yet)
-        extended = (table.get((token + 1 + _BASE * context) % _MODULUS, 0) >> _POSITION_BITS) + (position == len(seq) - 1)
-        return Match(order, token, min(1.0, extended / (found >> _POSITION_BITS)), position)
+        # how often the context followed by the token was itself followed, plus this occurrence if
+        # it ends the sequence (nothing has followed it yet)
+        extended = (self._table.get((token + 1 + _BASE * context) % _MODULUS, 0) >> _POSITION_BITS) + (
+            position == len(seq) - 1)
+        return Match(order, token, min(1.0, extended / followed) if followed else 0.0, position)
+
+    def nearest(self, sequence: list[int], start: int) -> tuple[int | None, int]:
+        """Where a copy of `sequence`'s end goes on within NEAR tokens from `start`: the position
+        nearest `start` after the longest run equal to its end (`run`), and that run; (None, 0)
+        where none of them follows its last token. An edit copies its source in order, so the
+        source's next occurrence after the last copy is the likely one, not the text's last."""
+        seq, last, best, where = self.tokens, sequence[-1], 0, None
+        i, stop = max(start, 1) - 1, min(start + NEAR, len(seq)) - 1  # seq[i] == last, the candidate seq[i + 1]
+        while i < stop:
+            try:
+                i = seq.index(last, i, stop)
+            except ValueError:
+                break
+            if (length := self.run(sequence, [], i + 1)) > best:
+                best, where = length, i + 1
+            i += 1
+        return where, best
 
     def run(self, sequence: list[int], drafted: list[int], position: int, cap: int = MAX_RUN) -> int:
         """How many tokens before `position` equal the end of `sequence` + `drafted`, up to `cap`:
@@ -148,10 +180,7 @@ STATS_WINDOW = 2000.0  # a bucket's counts are halved past this many candidates:
 
 
 def _bucket(value: float, bounds: tuple) -> int:
-    b = 0
-    while b + 1 < len(bounds) and value >= bounds[b + 1]:
-        b += 1
-    return b
+    return max(0, bisect.bisect_right(bounds, value) - 1)
 
 
 def prior_acceptance(length: int, frequency: float) -> float:
@@ -174,10 +203,14 @@ class MatchStats:
 
     def estimate(self, length: int, frequency: float, greedy: bool) -> float:
         """A candidate's acceptance: its copy's `length`, how often it followed its context."""
+        return self.judge(length, frequency, greedy)[0]
+
+    def judge(self, length: int, frequency: float, greedy: bool) -> tuple[float, tuple]:
+        """The estimate and the bucket it was read from."""
         key = self.bucket(length, frequency, greedy)
         prior = prior_acceptance(length, frequency)
         return ((self.accepted.get(key, 0.0) + PRIOR_WEIGHT * prior)
-                / (self.verified.get(key, 0.0) + PRIOR_WEIGHT))
+                / (self.verified.get(key, 0.0) + PRIOR_WEIGHT)), key
 
     def learn(self, buckets: list[tuple], accepted: int, shown: int) -> None:
         """A walk's candidates' buckets, how many the target took and how many its tokens reached:
@@ -202,6 +235,16 @@ class SuffixSession:
         self.round_start = 0  # the history's length the last walk started after
         self.walk: list[int] = []  # its candidates, proposed or not
         self.buckets: list[tuple] = []  # each candidate's match bucket
+        self.positions: list[int | None] = []  # where each candidate is in the index (None: the shared one)
+        self.cursor: int | None = None  # in the index, just past the last candidate the target took
+
+    def learn(self, history: list[int], stats: MatchStats) -> None:
+        """What the target made of the last walk, into the estimates and the cursor."""
+        if (outcome := self.outcome(history)) is None:
+            return
+        stats.learn(self.buckets, *outcome)
+        if outcome[0] and self.positions[outcome[0] - 1] is not None:
+            self.cursor = self.positions[outcome[0] - 1] + 1
 
     def outcome(self, history: list[int]) -> tuple[int, int] | None:
         """What the target made of the last walk, proposed or not: (how many of its candidates the

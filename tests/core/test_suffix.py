@@ -103,6 +103,48 @@ def test_a_walk_is_learnt_from_whether_it_was_proposed_or_not():
     assert session.outcome([1, 2, 9, 1, 2, 3]) is None  # taken back before the walk
 
 
+def test_an_occurrence_other_than_the_last_is_found_near_a_position_and_followed():
+    index = SuffixIndex()
+    index.extend([5, 1, 2, 3, 6, 1, 2, 4])
+    assert index.follow([7, 1, 2], 2, 3) == Match(order=2, token=3, frequency=0.5, position=3)  # "1 2": by 3, by 4
+    assert index.nearest([9, 1], 0) == (2, 1)  # "1" is followed first at position 2
+    assert index.nearest([9, 1], 3) == (6, 1)  # past position 3, at 6
+    assert index.nearest([6, 1], 0) == (6, 2)  # the longer run wins over the nearer
+    assert index.nearest([9, 8], 0) == (None, 0)
+
+
+def test_a_walk_starts_past_its_cursor_on_a_tie_and_follows_its_copy_on():
+    """An edit copies its source in order: where several contexts of the history's end are as
+    long, the walk starts at the one nearest past where the target last took a candidate (the
+    cursor), not at the text's last, and keeps to that copy while no longer context is elsewhere."""
+    from specdec.models.suffix import SuffixSession
+    from specdec.policies import make_policy
+    from specdec.proposers import SuffixProposer
+    from specdec.protocol import StepPlan
+    from specdec.rounds import DraftRow
+
+    source = [10, 1, 2, 3, 4, 5, 11, 2, 3, 9, 12]
+
+    def walk(cursor: int | None) -> list[int]:
+        session = SuffixSession()
+        session.cursor = cursor
+        row = DraftRow(session, source + [20, 2], make_policy(PolicyConfig(name="fixed", k=4)), 4, 3,
+                       SamplingParams(), None)
+        [proposal] = SuffixProposer(SuffixDraft(32)).propose([row], StepPlan(), [])
+        return proposal.candidates
+
+    assert walk(None) == [3, 9, 12, 20]  # "2" and "2 3" last went on with 3, then 9
+    # past the cursor "2" went on with 3 first, and "2 3" with 4 there: the copy goes on, though
+    # "2 3" went on with 9 last
+    assert walk(1) == [3, 4, 5, 11]
+
+    session = SuffixSession()  # the cursor: just past the last candidate the target took
+    session.index.sync(source)
+    session.round_start, session.walk, session.buckets, session.positions = 11, [3, 4, 5], [None] * 3, [3, 4, 5]
+    session.learn(source + [3, 4, 9], MatchStats())
+    assert session.cursor == 5
+
+
 GREEDY_POLICIES = [PolicyConfig(name="fixed", k=3), PolicyConfig(name="heuristic"),
                    PolicyConfig(name="specdec++"), PolicyConfig(name="specdec++cost"), PolicyConfig()]
 
