@@ -213,7 +213,7 @@ def in_process(models: EngineConfig, prompts: list[str], specs, levels: list[int
 
 def served(models: EngineConfig, prompts: list[str], specs, levels: list[int], per_client: Callable[[int], int],
            max_new_tokens: int, lanes: list[int], threads: int | None, overlaps: list[str] = ["auto"],
-           placements: list[str] = ["coordinator"]) -> list[Run]:
+           placements: list[str] = ["coordinator"], replica_env: dict[str, str] | None = None) -> list[Run]:
     import grpc
     import ray
     from ray import serve
@@ -230,8 +230,9 @@ def served(models: EngineConfig, prompts: list[str], specs, levels: list[int], p
                          + (["the loop beside the verifier"] if placement == "verifier" else []))
         batch = models.batch.model_copy(update={"lanes": lane_count, "overlap": overlap})
         config = AppConfig(models=models.model_copy(update={"batch": batch}),
-                           draft=ReplicaConfig(num_cpus=0.5, threads=threads),
-                           verifier=ReplicaConfig(num_cpus=0.5, threads=threads), loop_placement=placement)
+                           draft=ReplicaConfig(num_cpus=0.5, threads=threads, env=replica_env or {}),
+                           verifier=ReplicaConfig(num_cpus=0.5, threads=threads, env=replica_env or {}),
+                           loop_placement=placement)
         ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
         try:
             addresses = start(config, http_port=18000, grpc_port=19000)
@@ -376,6 +377,9 @@ def main() -> int:
     parser.add_argument("--baseline", action="store_true",
                         help="also the batch-1 reference runtime at concurrency 1 (one pass per session)")
     parser.add_argument("--threads", type=int, default=None, help="served: torch threads per replica")
+    parser.add_argument("--replica-env", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="served: environment of the draft and verifier replicas (ReplicaConfig.env), "
+                             "e.g. GOMP_SPINCOUNT=1000")
     parser.add_argument("--runtime", default="auto", choices=["auto", "torch", "llamacpp"],
                         help="kernels (auto: llama.cpp for the default pair on a CPU)")
     parser.add_argument("--rounds", type=int, default=1,
@@ -411,7 +415,8 @@ def main() -> int:
     gc.collect()  # the in-process engine's models go before the served replicas load theirs
     if "served" in args.modes:
         runs += served(models, prompts, specs, levels, per_client, args.max_new_tokens,
-                       args.lanes, args.threads, args.overlap, args.loop_placement)
+                       args.lanes, args.threads, args.overlap, args.loop_placement,
+                       dict(pair.split("=", 1) for pair in args.replica_env))
     order = {spec.key: i for i, spec in enumerate(specs)}
     rows = [run.row() for run in sorted(runs, key=lambda r: (r.mode != "in-process", r.mode, order[r.policy], r.concurrency))]
     differ = mismatches(runs)

@@ -40,6 +40,9 @@ class ReplicaConfig(BaseModel):
     resources: dict[str, float] = {}
     max_ongoing_requests: int = Field(16, ge=1)
     threads: int | None = Field(None, ge=1)
+    # Environment variables of its replicas' processes (Ray's runtime_env env_vars), e.g.
+    # GOMP_SPINCOUNT where replicas share a machine's cores (docs/serving.md, "One CPU machine").
+    env: dict[str, str] = {}
     health_check_period_s: float | None = Field(None, gt=0)
     health_check_timeout_s: float | None = Field(None, gt=0)
     # A replica being stopped (downscale, upgrade) stops taking requests, then waits this long
@@ -58,6 +61,16 @@ class ReplicaConfig(BaseModel):
             raise ValueError(f"unknown autoscaling keys {unknown}; Serve's autoscaling_config takes "
                              f"{sorted(AutoscalingConfig.model_fields)}")
         AutoscalingConfig.model_validate(value)
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_of_its_own(cls, value: dict[str, str]) -> dict[str, str]:
+        taken = sorted({"OMP_NUM_THREADS", "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"} & set(value))
+        if taken:
+            raise ValueError(f"{taken} are set by the app: use threads for OMP_NUM_THREADS")
+        if any(not name or "=" in name for name in value):
+            raise ValueError("environment variable names must be non-empty and without '='")
         return value
 
     @field_validator("resources")

@@ -84,6 +84,7 @@ def test_serve_config_builds_the_deployments_it_says(path):
         replicas, deployment = getattr(args, role), deployments[role.capitalize()]
         options, config = deployment.ray_actor_options, deployment._deployment_config
         assert options["num_gpus"] == replicas.num_gpus and options.get("resources", {}) == replicas.resources
+        assert replicas.env.items() <= options["runtime_env"]["env_vars"].items()
         assert config.graceful_shutdown_timeout_s == replicas.graceful_shutdown_timeout_s
         if replicas.autoscaling:
             assert config.autoscaling_config.max_replicas == replicas.autoscaling["max_replicas"]

@@ -29,3 +29,21 @@ def test_defaults_leave_serves_defaults_alone():
     replicas = AppConfig().draft
     assert replicas.resources == {} and replicas.health_check_timeout_s is None
     assert replicas.graceful_shutdown_timeout_s is None
+
+
+
+def test_a_replicas_environment_reaches_its_processes_and_leaves_the_apps_own_alone():
+    from ray.serve._private.build_app import build_app as flatten_app
+
+    from services.app import build_app
+
+    config = AppConfig(draft=ReplicaConfig(env={"GOMP_SPINCOUNT": "1000"}, threads=2))
+    deployments = {d.name: d for d in flatten_app(build_app(config), name="specdec").deployments}
+    env = deployments["Draft"].ray_actor_options["runtime_env"]["env_vars"]
+    assert env["GOMP_SPINCOUNT"] == "1000" and env["OMP_NUM_THREADS"] == "2"
+    assert "GOMP_SPINCOUNT" not in deployments["Verifier"].ray_actor_options["runtime_env"]["env_vars"]
+    for taken in ("OMP_NUM_THREADS", "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"):
+        with pytest.raises(ValidationError, match="set by the app"):
+            ReplicaConfig(env={taken: "1"})
+    with pytest.raises(ValidationError, match="names must be"):
+        ReplicaConfig(env={"A=B": "1"})
