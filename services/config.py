@@ -40,8 +40,8 @@ class ReplicaConfig(BaseModel):
     resources: dict[str, float] = {}
     max_ongoing_requests: int = Field(16, ge=1)
     threads: int | None = Field(None, ge=1)
-    # Environment variables of its replicas' processes (Ray's runtime_env env_vars), e.g.
-    # GOMP_SPINCOUNT where replicas share a machine's cores (docs/serving.md, "Configuration").
+    # Environment variables of its replicas' processes (Ray's runtime_env env_vars), e.g. OpenMP's
+    # (docs/serving.md, "Configuration", measures GOMP_SPINCOUNT where replicas share cores).
     env: dict[str, str] = {}
     health_check_period_s: float | None = Field(None, gt=0)
     health_check_timeout_s: float | None = Field(None, gt=0)

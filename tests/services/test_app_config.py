@@ -31,7 +31,6 @@ def test_defaults_leave_serves_defaults_alone():
     assert replicas.graceful_shutdown_timeout_s is None
 
 
-
 def test_a_replicas_environment_reaches_its_processes_and_leaves_the_apps_own_alone():
     from ray.serve._private.build_app import build_app as flatten_app
 
