@@ -1,16 +1,22 @@
-"""The suffix draft projected onto measured GPU passes (issue 68): its rounds replayed on the target's
-own greedy outputs, priced with a GPU run's captured passes (benchmarks/gpu/bench.py).
+"""The suffix draft projected onto measured passes (issue 68): its rounds replayed on the target's
+own greedy outputs, priced with a GPU run's captured passes (benchmarks/gpu/bench.py) or with the
+default target's llama.cpp passes timed on this machine (`--cpu`).
 
 For each prompt of a `specdec bench` run, the target-only record's greedy output is decoded again
 offline through the real `SuffixProposer` (the index, the estimates learning as they go, the step's
-budget choosing each round over the walk) with the GPU shape's pass curve at one session as its
-costs: a round of K candidates costs pass(K + 1) plus the host's time a pass, and commits the
-candidates the output agrees with plus one token. Target-only costs pass(1) plus the host a token.
-Decoding only (the prefill is the same for both); greedy; the outputs are the CPU target's (the
-default pair's 1.5B), a proxy for a larger target's on the same prompts.
+budget choosing each round over the walk) with a pass curve at one session as its costs: a round of
+K candidates costs pass(K + 1) plus the host's time a pass, and commits the candidates the output
+agrees with plus one token. Target-only costs pass(1) plus the host a token. Decoding only (the
+prefill is the same for both; `--cpu` also times each prompt's prefill here and gives the speedup
+with it, as `specdec bench` counts); greedy; the outputs are the CPU target's (the default pair's
+1.5B), a proxy for a larger target's on the same prompts.
+
+Beside the walk, a copy oracle that knows the output bounds what any draft copying earlier text can
+do on that curve (`copy_oracle`).
 
     python -m benchmarks.suffix_replay docs/results/suffix/2026-12-05-editing --prompts editing --limit 12 \\
         --gpu docs/results/gpu/2026-12-04-h200 docs/results/gpu/2026-12-04-h200-b
+    python -m benchmarks.suffix_replay docs/results/suffix/2026-12-05-editing-60-target --prompts editing --cpu
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from specdec.rounds import DraftRow
 from specdec.sampling import SamplingParams
 
 MAX_CANDIDATES = 15  # a round's pass stays within the measured curve (16 tokens)
+CPU_KS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # the pass sizes `--cpu` times (the walk's rounds reach 21 tokens)
 
 
 def replay(proposer: SuffixProposer, prompt: list[int], output: list[int], costs: CostProfile, host_ms: float,
@@ -59,12 +66,55 @@ def replay(proposer: SuffixProposer, prompt: list[int], output: list[int], costs
     return spent, len(output) * (curve[1] + host_ms), rounds
 
 
+def copy_oracle(prompt: list[int], output: list[int], curve: dict[int, float], host_ms: float) -> tuple[float, int]:
+    """(ms, rounds) to decode `output` after `prompt` with a draft that knows it: each round takes
+    the longest run of the output's next tokens that occurs in the text before (prompt and output
+    so far), as far as makes the round's pass cheapest a token on `curve` (up to its last point).
+    No draft that copies earlier text does better a round: it bounds the suffix draft's walk."""
+    chars = "".join(map(chr, prompt + output))  # tokens as characters: str.find searches in C
+    most, spent, rounds, done = max(curve) - 1, 0.0, 0, 0
+    while done < len(output):
+        at, left = len(prompt) + done, len(output) - done - 1
+        lo, hi = 0, min(most, left)  # binary search: a run that occurs has every prefix occur too
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if chars.find(chars[at:at + mid], 0, at) != -1:
+                lo = mid
+            else:
+                hi = mid - 1
+        k = max(range(lo + 1), key=lambda k: (k + 1) / interpolate(curve, k + 1))
+        spent += interpolate(curve, k + 1) + host_ms
+        done, rounds = done + k + 1, rounds + 1
+    return spent, rounds
+
+
+def cpu_costs(prompts: dict[int, list[int]]) -> tuple[dict[int, float], dict[int, float]]:
+    """The default target's pass curve on llama.cpp here ({k: ms}, one session) and each prompt's
+    prefill (ms), timed the way `specdec bench` runs them."""
+    from specdec.bench.forward import forward_time_curve
+    from specdec.builder import build_target
+    from specdec.models.runtime import Feed
+
+    target, _ = build_target(EngineConfig(), progress=False)
+    curve = {k: seconds * MS_PER_S for k, seconds in forward_time_curve(target, CPU_KS).items()}
+    prefill = {}
+    for index, prompt in prompts.items():
+        session = target.new_session()
+        start = time.perf_counter()
+        target._forward([Feed(session, prompt, 1)])
+        prefill[index] = (time.perf_counter() - start) * MS_PER_S
+        target.rollback(session, 0)
+    return curve, prefill
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("bench", type=Path, help="a specdec bench folder with target-only greedy records")
     parser.add_argument("--prompts", default="editing")
     parser.add_argument("--limit", type=int, default=None)
-    parser.add_argument("--gpu", type=Path, nargs="+", required=True, help="bench.py result folders (merged)")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--gpu", type=Path, nargs="+", help="bench.py result folders (merged)")
+    where.add_argument("--cpu", action="store_true", help="the default target's llama.cpp passes, timed here")
     parser.add_argument("--shapes", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-7b"])
     args = parser.parse_args()
 
@@ -72,25 +122,39 @@ def main() -> None:
     prompts = [rules.encode_prompt(p) for p in load_prompts(args.prompts, args.limit)]
     records = [json.loads(line) for line in (args.bench / "records.jsonl").read_text().splitlines() if line]
     outputs = {r["prompt"]: r["token_ids"] for r in records if r["spec"] == "target-only" and r["temperature"] == 0}
-    passes, loop, _, _ = load_results(*args.gpu)
-    host_ms = host_per_pass(loop, "target-only", 1) or 0.0
+    if args.cpu:
+        curve, prefill = cpu_costs({index: prompts[index] for index in outputs})
+        only = [r for r in records if r["spec"] == "target-only" and r["temperature"] == 0]
+        host_ms = sum(r["stats"]["wall_time_s"] - r["stats"]["target_time_s"] for r in only) * MS_PER_S / sum(
+            r["stats"]["target_forward_passes"] for r in only)  # the bench's host time a pass, target-only
+        curves = {"llama.cpp here": curve}
+    else:
+        passes, loop, _, _ = load_results(*args.gpu)
+        host_ms, prefill = host_per_pass(loop, "target-only", 1) or 0.0, None
+        curves = {shape: pass_curve(passes[shape], 1, "captured") for shape in args.shapes}
     print(f"{len(outputs)} prompts of {args.prompts}, the target's greedy outputs from {args.bench}; "
-          f"host {host_ms:.2f} ms a pass; decoding only, one session")
-    for shape in args.shapes:
-        curve = pass_curve(passes[shape], 1, "captured")
+          f"host {host_ms:.2f} ms a pass; one session")
+    tokens = sum(len(o) for o in outputs.values())
+    for name, curve in curves.items():
         costs = CostProfile(t_draft_ms=0.01, t_target_ms=curve)
         proposer = SuffixProposer(SuffixDraft(rules.vocab_size))  # estimates learn across the prompts, as served
-        spec = plain = 0.0
-        ratios, rounds = [], 0
+        spec = plain = bound = 0.0
+        ratios, rounds, oracle_rounds = [], 0, 0
         for index, output in sorted(outputs.items()):
             s, p, r = replay(proposer, prompts[index], output, costs, host_ms, curve)
-            spec, plain, rounds = spec + s, plain + p, rounds + r
+            o, r_o = copy_oracle(prompts[index], output, curve, host_ms)
+            spec, plain, bound, rounds, oracle_rounds = spec + s, plain + p, bound + o, rounds + r, oracle_rounds + r_o
             ratios.append(p / s)
-        tokens = sum(len(o) for o in outputs.values())
         ratios.sort()
-        print(f"{shape}: pass(1) {curve[1]:.2f} ms, pass(16) {curve.get(16, float('nan')):.2f} ms; "
+        print(f"{name}: pass(1) {curve[1]:.2f} ms, pass(16) {curve.get(16, float('nan')):.2f} ms; decoding only: "
               f"{tokens} tokens in {rounds} rounds ({tokens / rounds:.2f} a pass): {plain / spec:.2f}x target-only "
-              f"(per prompt median {ratios[len(ratios) // 2]:.2f}, {ratios[0]:.2f}-{ratios[-1]:.2f})")
+              f"(per prompt median {ratios[len(ratios) // 2]:.2f}, {ratios[0]:.2f}-{ratios[-1]:.2f}); the copy oracle "
+              f"{tokens / oracle_rounds:.2f} a pass, {plain / bound:.2f}x")
+        if prefill is not None:
+            first = sum(prefill.values())
+            print(f"  with each prompt's prefill ({first / MS_PER_S:.1f} s in all, {first / (first + plain):.0%} of "
+                  f"target-only's time): {(first + plain) / (first + spec):.2f}x target-only, the copy oracle "
+                  f"{(first + plain) / (first + bound):.2f}x")
 
 
 if __name__ == "__main__":

@@ -335,6 +335,25 @@ def test_the_gpu_replay_decodes_the_targets_output_again_through_the_suffix_prop
     assert plain == len(output) * 4.5 and rounds < len(output) / 3 and spec < plain / 2
 
 
+def test_the_copy_oracle_copies_what_occurred_before_and_bounds_the_walk():
+    """benchmarks/suffix_replay.py `copy_oracle`: a round copies the longest run of the output's next
+    tokens found earlier, as far as its pass is cheapest a token; new text goes one token a pass;
+    no walk decodes the same output for less."""
+    from benchmarks.suffix_replay import copy_oracle, replay
+    from specdec.cost_profile import CostProfile
+    from specdec.proposers import SuffixProposer
+
+    curve = {1: 4.0, 2: 4.2, 4: 4.3, 8: 4.4, 16: 4.6}
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8] * 3
+    assert copy_oracle(prompt, [20, 21, 22], curve, 0.0) == (12.0, 3)  # nothing to copy: a pass a token
+    copied = [3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 30]  # 17 tokens found before, then a new one
+    ms, rounds = copy_oracle(prompt, copied, curve, 0.0)
+    assert rounds == 2 and ms == pytest.approx(4.6 + 4.2)  # 15 candidates and a token, then 1 and the new one
+    spec, _, _ = replay(SuffixProposer(SuffixDraft(VOCAB + 4)), prompt, copied,
+                        CostProfile(t_draft_ms=0.01, t_target_ms=curve), 0.0, curve)
+    assert ms <= spec
+
+
 # ------------------------------------------------------------------------------------------------
 # The fused draft (proposers.py `FusedProposer`): the suffix's candidates, the model's, or both
 
