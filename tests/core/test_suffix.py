@@ -1,11 +1,14 @@
 """The suffix draft (models/suffix.py, proposers.py `SuffixProposer`): its index finds the longest
 earlier context and its last continuation, its estimates learn from verified rounds, and through
 the real engine loop its rounds are lossless (greedy equality with target-only for every policy it
-runs, chi-squared at T = 1 and top-k with its one-hot q)."""
+runs, chi-squared at T = 1 and top-k with its one-hot q). The lossless tests run where
+test_lossless.py's do: `SPECDEC_TEST_DEVICE=cuda SPECDEC_TEST_KV=static` puts them on a GPU's
+captured passes (benchmarks/gpu/run.sh), the suffix's candidates coming from the host."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import pytest
 
@@ -18,7 +21,7 @@ from specdec.params import GenerationParams
 from specdec.policies import PolicyConfig
 from specdec.sampling import MAX_SAMPLES_PER_REQUEST, SamplingParams
 from stats import chi2_pvalue
-from test_lossless import SIGNIFICANCE, prefix_counts, target_joint
+from test_lossless import DEVICE, KV, SIGNIFICANCE, prefix_counts, target_joint
 from tiny import tiny_model
 
 VOCAB = 6
@@ -31,8 +34,17 @@ def target():
     return tiny_model(VOCAB, hidden_size=16, layers=2, seed=3, init_range=0.5)
 
 
+def on_device(model):
+    """The model where the lossless tests run (a copy there: the module's target stays on the CPU,
+    where the exact distributions are computed and the model drafts are made from it)."""
+    return model if DEVICE.type == "cpu" else copy.deepcopy(model).to(DEVICE)
+
+
 def suffix_engine(target) -> SpecDecEngine:
-    return SpecDecEngine(SuffixDraft(VOCAB), TargetRuntime(target), head=MatchHead())
+    from specdec.models.static import StaticOptions
+
+    target = TargetRuntime(on_device(target), kv=KV, static=StaticOptions(graphs=True))
+    return SpecDecEngine(SuffixDraft(VOCAB), target, head=MatchHead())
 
 
 def generate(engine: SpecDecEngine, prompt: list[int], params: GenerationParams):
@@ -358,7 +370,7 @@ def test_the_copy_oracle_copies_what_occurred_before_and_bounds_the_walk():
 # The fused draft (proposers.py `FusedProposer`): the suffix's candidates, the model's, or both
 
 
-def fused_engine(target, noise: float = 0.05, kv: str = "slots") -> SpecDecEngine:
+def fused_engine(target, noise: float = 0.05, kv: str = KV) -> SpecDecEngine:
     """A model draft (a noisy copy of the target) with the suffix draft fused in, its rounds priced
     on a curve where drafting pays (the model's step cheap, a token more in the pass a fifth of one).
     `kv`: both models' cache ("static": padded to its graph buckets off CUDA, as a GPU runs them)."""
@@ -367,9 +379,10 @@ def fused_engine(target, noise: float = 0.05, kv: str = "slots") -> SpecDecEngin
     from test_lossless import noisy_copy, q_reading_head
 
     static = StaticOptions(slots=8, capacity=256, graphs=True, pad_off_cuda=True, min_graph_length=64)
-    draft = DraftRuntime(noisy_copy(target, noise, seed=5), kv=kv, static=static)
+    draft = DraftRuntime(on_device(noisy_copy(target, noise, seed=5)), kv=kv, static=static)
     draft.suffix = SuffixDraft(VOCAB)
-    engine = SpecDecEngine(draft, TargetRuntime(target, kv=kv, static=static), head=q_reading_head(bias=1.5))
+    engine = SpecDecEngine(draft, TargetRuntime(on_device(target), kv=kv, static=static),
+                           head=q_reading_head(bias=1.5).to(DEVICE))
     for planner in engine.loop.planners:
         planner.given = CostProfile(t_draft_ms=0.5, t_target_ms={1: 10.0, 2: 12.0, 4: 16.0, 8: 24.0, 64: 136.0})
     return engine
