@@ -28,6 +28,7 @@ from pathlib import Path
 
 from benchmarks.gpu.project import host_per_pass, interpolate, load_results, pass_curve
 from specdec.bench.prompt_sets import load_prompts
+from specdec.budget import MAX_CANDIDATES
 from specdec.builder import EngineConfig, build_rules
 from specdec.cost_profile import CostProfile
 from specdec.metrics import MS_PER_S
@@ -38,18 +39,19 @@ from specdec.protocol import StepPlan
 from specdec.rounds import DraftRow
 from specdec.sampling import SamplingParams
 
-MAX_CANDIDATES = 15  # a round's pass stays within the measured curve (16 tokens)
-CPU_KS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # the pass sizes `--cpu` times (the walk's rounds reach 21 tokens)
+GPU_CANDIDATES = 15  # a round's pass stays within a GPU run's measured curve (16 tokens)
+CPU_KS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # the pass sizes `--cpu` times (the copy oracle's rounds reach 32 tokens)
 
 
 def replay(proposer: SuffixProposer, prompt: list[int], output: list[int], costs: CostProfile, host_ms: float,
-           curve: dict[int, float]) -> tuple[float, float, int]:
-    """(speculative ms, target-only ms, rounds) to decode `output` after `prompt`."""
+           curve: dict[int, float], most: int = GPU_CANDIDATES) -> tuple[float, float, int]:
+    """(speculative ms, target-only ms, rounds) to decode `output` after `prompt`, at most `most`
+    candidates a round."""
     session, history, spent, rounds = SuffixSession(), list(prompt), 0.0, 0
     policy = make_policy(PolicyConfig(name="specdec++cost"), head=MatchHead())
     while len(history) < len(prompt) + len(output):
         left = len(prompt) + len(output) - len(history)
-        row = DraftRow(session, history, policy, min(MAX_CANDIDATES, left - 1), len(history) - len(prompt),
+        row = DraftRow(session, history, policy, min(most, left - 1), len(history) - len(prompt),
                        SamplingParams(), None)
         start = time.perf_counter()
         [proposal] = proposer.propose([row], StepPlan(costs=costs), [])
@@ -127,11 +129,11 @@ def main() -> None:
         only = [r for r in records if r["spec"] == "target-only" and r["temperature"] == 0]
         host_ms = sum(r["stats"]["wall_time_s"] - r["stats"]["target_time_s"] for r in only) * MS_PER_S / sum(
             r["stats"]["target_forward_passes"] for r in only)  # the bench's host time a pass, target-only
-        curves = {"llama.cpp here": curve}
+        curves, most = {"llama.cpp here": curve}, MAX_CANDIDATES  # the walk's rounds as served
     else:
         passes, loop, _, _ = load_results(*args.gpu)
         host_ms, prefill = host_per_pass(loop, "target-only", 1) or 0.0, None
-        curves = {shape: pass_curve(passes[shape], 1, "captured") for shape in args.shapes}
+        curves, most = {shape: pass_curve(passes[shape], 1, "captured") for shape in args.shapes}, GPU_CANDIDATES
     print(f"{len(outputs)} prompts of {args.prompts}, the target's greedy outputs from {args.bench}; "
           f"host {host_ms:.2f} ms a pass; one session")
     tokens = sum(len(o) for o in outputs.values())
@@ -141,7 +143,7 @@ def main() -> None:
         spec = plain = bound = 0.0
         ratios, rounds, oracle_rounds = [], 0, 0
         for index, output in sorted(outputs.items()):
-            s, p, r = replay(proposer, prompts[index], output, costs, host_ms, curve)
+            s, p, r = replay(proposer, prompts[index], output, costs, host_ms, curve, most)
             o, r_o = copy_oracle(prompts[index], output, curve, host_ms)
             spec, plain, bound, rounds, oracle_rounds = spec + s, plain + p, bound + o, rounds + r, oracle_rounds + r_o
             ratios.append(p / s)
