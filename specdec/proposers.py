@@ -46,8 +46,9 @@ class ModelProposer:
     def check_policy(self, policy: StoppingPolicy) -> None:
         """Raises InvalidRequestError where this draft cannot run the policy: a model's runs any."""
 
-    def end(self, kv: KVSession) -> None:
-        """A session released (its request ended): nothing to keep of it."""
+    def end(self, kv: KVSession, history: list[int]) -> None:
+        """A session released (its request ended) after `history`, as far as the draft saw it:
+        nothing to keep of it."""
 
     def take_inputs(self, kv: KVSession, item: ProposeItem, history: list[int]) -> bool:
         """What the item brings besides its history into the session's cache `kv`; whether the
@@ -116,8 +117,16 @@ class SuffixProposer:
     def take_inputs(self, kv: SuffixSession, item: ProposeItem, history: list[int]) -> bool:
         if item.features is not None:
             raise InvalidRequestError("this draft reads no target features")
+        self.refuse_ahead(item)
         self.open(kv, item, history)
         return True
+
+    @staticmethod
+    def refuse_ahead(item: ProposeItem) -> None:
+        """A walk costs microseconds: nothing to hide behind a verification, so no round of this draft
+        is drafted ahead (loop.py `_may_draft_ahead`) and an item asking for one is refused."""
+        if item.ahead:
+            raise InvalidRequestError("the suffix draft drafts no round ahead")
 
     @staticmethod
     def open(kv: SuffixSession, item: ProposeItem, history: list[int]) -> None:
@@ -125,9 +134,9 @@ class SuffixProposer:
         if item.history.full:
             kv.scope, kv.prompt_length = item.cache_scope, len(history) - item.num_generated
 
-    def end(self, kv: SuffixSession) -> None:
+    def end(self, kv: SuffixSession, history: list[int]) -> None:
         """A session released: its response joins its scope's earlier responses."""
-        self.draft.remember(kv)
+        self.draft.remember(kv, history)
 
     def propose(self, rows: list[DraftRow], plan: StepPlan, timings: list[PassTiming]) -> list[Proposal]:
         start = time.perf_counter()
@@ -144,6 +153,8 @@ class SuffixProposer:
         row not held (`DraftRow.held`) proposes its walk only as far as its estimates stay at least
         this (a fused draft's model continues it from there)."""
         drafting = [Drafting(row) for row in rows]
+        for d in drafting:  # what the target made of each session's last walk, walking this round or not
+            d.row.session.learn(d.row.history, self.draft.stats)
         active = [d for d in drafting if self._walks(d, plan)]
         walks = {d: self._walk(d) for d in active}
         budgeted = [d for d in active if d.budgeted]
@@ -156,8 +167,7 @@ class SuffixProposer:
             if q_travels(d.row.sampling):
                 d.proposal.draft_probs = [self.draft.one_hot(y, device) for y in d.proposal.candidates]
         for d in drafting:  # what the target makes of the walk is learnt at the session's next round
-            session, walk = d.row.session, walks.get(d, []) if d.guessed is None else []
-            # (a round drafted ahead starts past the history: nothing is learnt of it)
+            session, walk = d.row.session, walks.get(d, [])
             session.round_start, session.walk = len(d.row.history), [step.token for step, _ in walk]
             session.buckets = [bucket for _, bucket in walk]
         return drafting, budget
@@ -169,26 +179,25 @@ class SuffixProposer:
 
     def _walk(self, d: Drafting) -> list[tuple[DraftStep, tuple]]:
         """The row's candidates as far as its limit or its match goes, each as a step and its match
-        bucket, after learning its session's last round; a row drafted ahead guesses first. The walk
-        follows one earlier copy on for as long as no longer context occurs elsewhere; it starts
-        from the longest context of the history's end, the occurrence nearest past the session's
-        cursor where several are as long (`SuffixIndex.nearest`), else the last."""
+        bucket. The walk follows one earlier copy on for as long as no longer context occurs
+        elsewhere (within the copy's document); it starts from the longest context of the history's
+        end, the occurrence nearest past the session's cursor where several are as long
+        (`SuffixIndex.nearest`), else the last."""
         session, history, greedy = d.row.session, d.row.history, d.row.sampling.greedy
         stats = self.draft.stats
-        session.learn(history, stats)
         session.index.sync(history)
         shared = self.draft.shared(session.scope)  # earlier responses, where the request opted in
         d.row.policy.start_round()
         tail, walk, drafted, positions = history[-MAX_ORDER:], [], [], []
         copy, length, last = None, 0, -1  # the index the walk copies from, the copy's length, its last position
-        while len(walk) < d.limit + d.guessing:
+        while len(walk) < d.limit:
             index, match = session.index, session.index.match(tail)
             if shared is not None and (found := shared.match(tail)) is not None and (
                     match is None or found.order > match.order):  # the longer context, the session's own on a tie
                 index, match = shared, found
             if match is None:  # nothing before continues it: the round ends here
                 break
-            if copy is not None and last + 1 < len(copy) and length + 1 >= match.order:  # the copy goes on
+            if copy is not None and copy.goes_on(last) and length + 1 >= match.order:  # the copy goes on
                 index, length = copy, length + 1
                 match = index.follow(tail, min(length, MAX_ORDER), last + 1)
             elif copy is None and index is session.index and session.cursor is not None and (
@@ -201,13 +210,8 @@ class SuffixProposer:
             tail = tail[1 - MAX_ORDER:] + [match.token]
             drafted.append(match.token)
             judged, bucket = stats.judge(length, match.frequency, greedy)
-            step = DraftStep(len(walk) + 1 - d.guessing, match.token, None, None, d.row.num_generated,
-                             greedy=True, judged=judged)
-            if d.guessing:  # the bonus token's guess (rounds.DraftRow.guess): no candidate
-                step.probs = self.draft.one_hot(match.token) if q_travels(d.row.sampling) else None
-                d.guessing, d.guessed = False, step
-                continue
-            walk.append((step, bucket))
+            walk.append((DraftStep(len(walk) + 1, match.token, None, None, d.row.num_generated, greedy=True,
+                                   judged=judged), bucket))
             positions.append(match.position if index is session.index else None)
         session.positions = positions
         return walk
@@ -290,14 +294,15 @@ class FusedProposer:
         self.model.check_policy(policy)
 
     def take_inputs(self, kv: KVSession, item: ProposeItem, history: list[int]) -> bool:
+        SuffixProposer.refuse_ahead(item)
         if kv.suffix is None:
             kv.suffix = SuffixSession()
         self.suffix.open(kv.suffix, item, history)
         return self.model.take_inputs(kv, item, history)
 
-    def end(self, kv: KVSession) -> None:
+    def end(self, kv: KVSession, history: list[int]) -> None:
         if kv.suffix is not None:
-            self.suffix.end(kv.suffix)
+            self.suffix.end(kv.suffix, history)
 
     def propose(self, rows: list[DraftRow], plan: StepPlan, timings: list[PassTiming]) -> list[Proposal]:
         walked = [b for b, row in enumerate(rows) if row.policy.traits.budgeted]

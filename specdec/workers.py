@@ -248,7 +248,7 @@ class DraftWorker(Worker):
         entries = [self.sessions.pop(session_id) for session_id in session_ids]
         for entry in entries:
             if entry is not None:
-                self.proposer.end(entry.kv)
+                self.proposer.end(entry.kv, entry.history)  # (the last round's tokens are not seen)
         return [entry is not None for entry in entries]
 
     def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan()) -> list[Proposal | SessionMissing | Refused]:

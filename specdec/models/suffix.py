@@ -84,14 +84,38 @@ class SuffixIndex:
         self.tokens: list[int] = []
         self._table: dict[int, int] = {}
         self._floor = 0  # where the last document starts: no context reaches before it
+        self._starts = [0]  # where each document starts: no copy runs on past a document's end
+        # the contexts each document but the last ends with (hash -> how many): a candidate that
+        # ends a document was not followed by a token, yet it followed its context (`_followed`)
+        self._ends: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def add_document(self, tokens: list[int]) -> None:
         """`tokens` as a text of their own: no context spans the end of the one before and them."""
-        self._floor = len(self.tokens)
+        seq, end = self.tokens, len(self.tokens)
+        if end > self._floor:  # the document before ends here
+            h = 0
+            for n in range(1, min(MAX_ORDER + 1, end - self._floor) + 1):
+                h = (h + (seq[end - n] + 1) * _POWERS[n - 1]) % _MODULUS
+                self._ends[h] = self._ends.get(h, 0) + 1
+            self._starts.append(end)
+        self._floor = end
         self.extend(tokens)
+
+    def documents(self) -> list[list[int]]:
+        """Its documents' tokens, in order."""
+        bounds = self._starts + [len(self.tokens)]
+        return [self.tokens[start:end] for start, end in zip(bounds, bounds[1:]) if end > start]
+
+    def start_of(self, position: int) -> int:
+        """Where the document holding `position` starts."""
+        return self._starts[bisect.bisect_right(self._starts, position) - 1]
+
+    def goes_on(self, position: int) -> bool:
+        """Whether the token after `position` continues its document (a copy may go on to it)."""
+        return position + 1 < len(self.tokens) and self.start_of(position + 1) <= position
 
     def extend(self, tokens: list[int]) -> None:
         table, seq, floor = self._table, self.tokens, self._floor
@@ -108,7 +132,7 @@ class SuffixIndex:
         committed token taken back: a rebuilt session)."""
         held = len(self.tokens)
         if len(history) < held or history[:held] != self.tokens:
-            self.tokens, self._table, self._floor = [], {}, 0
+            self.tokens, self._table, self._floor, self._starts, self._ends = [], {}, 0, [0], {}
             held = 0
         self.extend(history[held:])
 
@@ -137,10 +161,12 @@ class SuffixIndex:
     def _followed(self, context: int, order: int, position: int, followed: int) -> Match:
         seq = self.tokens
         token = seq[position]
-        # how often the context followed by the token was itself followed, plus this occurrence if
-        # it ends the sequence (nothing has followed it yet)
-        extended = (self._table.get((token + 1 + _BASE * context) % _MODULUS, 0) >> _POSITION_BITS) + (
-            position == len(seq) - 1)
+        # how often the context was followed by the token: the times the two were followed in turn,
+        # the documents they end, and the sequence's end if they end it (nothing followed them there)
+        pair = (token + 1 + _BASE * context) % _MODULUS
+        last = self._table.get(context, 0) & _POSITION_MASK  # where the context was last followed
+        extended = (self._table.get(pair, 0) >> _POSITION_BITS) + self._ends.get(pair, 0) + (
+            last == len(seq) - 1 and seq[last] == token)
         return Match(order, token, min(1.0, extended / followed) if followed else 0.0, position)
 
     def nearest(self, sequence: list[int], start: int) -> tuple[int | None, int]:
@@ -164,7 +190,8 @@ class SuffixIndex:
         """How many tokens before `position` equal the end of `sequence` + `drafted`, up to `cap`:
         the length of the copy a walk follows, past the longest context the table matches."""
         tail, seq, length = (sequence[-cap:] + drafted)[-cap:], self.tokens, 0
-        while length < min(len(tail), position) and seq[position - 1 - length] == tail[-1 - length]:
+        most = min(len(tail), position - self.start_of(position))  # within the candidate's document
+        while length < most and seq[position - 1 - length] == tail[-1 - length]:
             length += 1
         return length
 
@@ -305,10 +332,11 @@ class SuffixDraft(DraftRole):
             self.cache.move_to_end(scope)
         return index
 
-    def remember(self, session: SuffixSession) -> None:
-        """A session that ended adds its response to its scope's earlier responses: the most
-        recent CACHE_TOKENS of each of the CACHE_SCOPES scopes used last are kept."""
-        response = session.index.tokens[session.prompt_length:]
+    def remember(self, session: SuffixSession, history: list[int]) -> None:
+        """A session that ended adds its response (`history` past its prompt) to its scope's earlier
+        responses: the most recent CACHE_TOKENS of each of the CACHE_SCOPES scopes used last are
+        kept, each response a document of its own."""
+        response = history[session.prompt_length:]
         if session.scope is None or not response:
             return
         index = self.cache.get(session.scope)
@@ -317,10 +345,16 @@ class SuffixDraft(DraftRole):
             while len(self.cache) > CACHE_SCOPES:
                 self.cache.popitem(last=False)
         response = response[-(CACHE_TOKENS // 2):]
-        if len(index) + len(response) > CACHE_TOKENS:  # built again from the newer half
-            kept, index = index.tokens[-(CACHE_TOKENS // 2):], SuffixIndex()
-            index.add_document(kept)
-            self.cache[session.scope] = index
+        if len(index) + len(response) > CACHE_TOKENS:  # built again from the newest responses, up to half
+            kept, total = [], 0
+            for document in reversed(index.documents()):
+                if total + len(document) > CACHE_TOKENS // 2:
+                    break
+                kept.append(document)
+                total += len(document)
+            index = self.cache[session.scope] = SuffixIndex()
+            for document in reversed(kept):
+                index.add_document(document)
         index.add_document(response)
         self.cache.move_to_end(session.scope)
 

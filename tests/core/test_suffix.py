@@ -305,14 +305,87 @@ def test_the_cache_of_earlier_responses_stays_bounded():
     for scope in range(CACHE_SCOPES + 2):
         session = SuffixSession()
         session.scope, session.prompt_length = str(scope), 3
-        session.index.extend([1, 2, 3] + [4, 5] * 10)
-        draft.remember(session)
+        draft.remember(session, [1, 2, 3] + [4, 5] * 10)
     assert list(draft.cache) == [str(scope) for scope in range(2, CACHE_SCOPES + 2)]  # the least recent dropped
     assert draft.cache["2"].tokens == [4, 5] * 10  # the response only
     session = SuffixSession()
-    session.scope, session.index.tokens = "2", [1] * (CACHE_TOKENS + 10)
-    draft.remember(session)
-    assert len(draft.cache["2"]) <= CACHE_TOKENS
+    session.scope = "2"
+    for response in ([3] * (CACHE_TOKENS // 4 + 1), [0] * (CACHE_TOKENS // 4), [1] * (CACHE_TOKENS // 2)):
+        draft.remember(session, response)
+    cache = draft.cache["2"]
+    assert len(cache) <= CACHE_TOKENS
+    # built again from whole responses, each still a document of its own: "0" was never followed by 1
+    assert cache.documents() == [[0] * (CACHE_TOKENS // 4), [1] * (CACHE_TOKENS // 2)]
+    assert cache.match([0]).token == 0
+
+
+def test_a_copy_from_earlier_responses_ends_with_its_response():
+    """In the cache of earlier responses, a walk's copy stops at the end of the response it copies
+    (the next one's first token never followed it), and a copy's length is measured within it."""
+    from specdec.models.suffix import SuffixSession
+    from specdec.policies import make_policy
+    from specdec.proposers import SuffixProposer
+    from specdec.protocol import StepPlan
+    from specdec.rounds import DraftRow
+
+    draft = SuffixDraft(60)
+    session = SuffixSession()
+    session.scope = "a"
+    for response in ([1, 2, 3, 4], [4, 50, 51, 52]):
+        draft.remember(session, response)
+    cache = draft.cache["a"]
+    assert not cache.goes_on(3) and cache.goes_on(4) and not cache.goes_on(7)
+    assert cache.run([9, 3, 4], [], 4) == 0  # "3 4" ends the first response: the second's 4 follows nothing
+    asker = SuffixSession()
+    asker.scope = "a"
+    row = DraftRow(asker, [7, 1, 2, 3], make_policy(PolicyConfig(name="fixed", k=6)), 6, 0, SamplingParams(), None)
+    [proposal] = SuffixProposer(draft).propose([row], StepPlan(), [])
+    assert proposal.candidates[:2] == [4, 50]  # "3" went on with 4; the copy of [1, 2, 3, 4] ends there
+
+
+def suffix_item(session_id: str, history, k: int = 4, **fields):
+    from specdec.protocol import ProposeItem, RoundSeed
+
+    return ProposeItem(session_id, history, PolicyConfig(name="fixed", k=k), SamplingParams(), k, 0, [],
+                       RoundSeed(1, 0, 0), **fields)
+
+
+def test_a_draft_worker_of_the_suffix_draft_learns_every_round_remembers_what_it_saw_and_refuses_rounds_ahead():
+    """Served as a Draft replica's worker: a round that walks nothing (a probe, K = 0) still learns
+    what became of the walk before it; a released session's response joins its scope's cache as far
+    as its last Propose's history went; an item asking for a round drafted ahead is refused in one
+    line and the rest of the batch is served."""
+    from specdec.protocol import HistoryDelta, Refused
+    from specdec.workers import DraftWorker
+
+    draft = SuffixDraft(VOCAB)
+    worker = DraftWorker(draft, MatchHead())
+    prompt = [1, 2, 3, 4, 1, 2]
+    [first] = worker.propose([suffix_item("s", HistoryDelta(len(prompt), prompt, True), cache_scope="a")])
+    assert first.candidates == [3, 4, 1, 2]
+    taken = [3, 4, 5]  # the target took two candidates, then 5
+    [probe] = worker.propose([suffix_item("s", HistoryDelta(len(prompt) + 3, taken, False), probe=True)])
+    assert probe.candidates == [] and draft.stats.verified  # learnt, though nothing walked
+    assert worker.release(["s"]) == [True]
+    assert draft.cache["a"].tokens == taken  # the response past the prompt, tokens after the last walk included
+    answers = worker.propose([suffix_item("t", HistoryDelta(len(prompt), prompt, True), ahead=True),
+                              suffix_item("u", HistoryDelta(len(prompt), prompt, True))])
+    assert isinstance(answers[0], Refused) and "ahead" in answers[0].reason and "\n" not in answers[0].reason
+    assert answers[1].candidates == [3, 4, 1, 2]
+
+
+def test_how_often_a_candidate_followed_counts_where_the_two_end_a_text():
+    """The share of a context's continuations that were its candidate counts the pairs that end a
+    response (nothing followed them there) and the one that ends the text, whichever occurrence
+    the walk copies."""
+    index = SuffixIndex()
+    for document in ([5, 1, 2], [6, 1, 2], [7, 8]):
+        index.add_document(document)
+    assert index.match([1]).frequency == 1.0  # "1" was followed by 2 both times
+    text = SuffixIndex()
+    text.extend([1, 2, 3, 1, 2])
+    assert text.match([1]).frequency == 1.0
+    assert text.follow([1], 1, 1).frequency == 1.0  # the earlier occurrence: the same pair
 
 
 def test_a_cache_of_earlier_responses_needs_the_suffix_draft_in_one_line(tiny_engine):
