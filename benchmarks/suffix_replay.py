@@ -12,17 +12,21 @@ with it, as `specdec bench` counts); greedy; the outputs are the CPU target's (t
 1.5B), a proxy for a larger target's on the same prompts.
 
 Beside the walk, a copy oracle that knows the output bounds what any draft copying earlier text can
-do on that curve (`copy_oracle`).
+do on that curve (`copy_oracle`). `--walk-cost 1 8 64` times the walks themselves, host work on any
+device: ms a step for that many sessions decoding the outputs at once (`walk_cost`).
 
     python -m benchmarks.suffix_replay docs/results/suffix/2026-12-05-editing --prompts editing --limit 12 \\
         --gpu docs/results/gpu/2026-12-04-h200 docs/results/gpu/2026-12-04-h200-b
     python -m benchmarks.suffix_replay docs/results/suffix/2026-12-05-editing-60-target --prompts editing --cpu
+    python -m benchmarks.suffix_replay docs/results/suffix/2026-12-05-editing-60-target --prompts editing \\
+        --gpu docs/results/gpu/2026-12-04-h200 --shapes qwen2.5-7b --walk-cost 1 8 64
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -90,6 +94,38 @@ def copy_oracle(prompt: list[int], output: list[int], curve: dict[int, float], h
     return spent, rounds
 
 
+WALK_STEPS = 48  # timed steps of `walk_cost`, after WALK_WARMUP (the sessions' first walks index their prompts)
+WALK_WARMUP = 4
+
+
+def walk_cost(texts: list[tuple[list[int], list[int]]], sessions: int, costs: CostProfile, vocab_size: int,
+              most: int = GPU_CANDIDATES) -> tuple[float, float]:
+    """(median, 90th percentile) ms of one step's walks for `sessions` sessions at once, session s
+    decoding the (prompt, output) pair s of `texts` (round robin) as the replay does: each round
+    commits the candidates the output agrees with plus one token."""
+    proposer = SuffixProposer(SuffixDraft(vocab_size))
+    policy = PolicyConfig(name="specdec++cost")
+    rows = [(SuffixSession(), make_policy(policy, head=MatchHead()), *texts[s % len(texts)]) for s in range(sessions)]
+    done = [0] * sessions
+    times = []
+    for step in range(WALK_WARMUP + WALK_STEPS):
+        batch = [DraftRow(session, prompt + output[:done[s]], each, min(most, max(len(output) - done[s] - 1, 0)),
+                          done[s], SamplingParams(), None)
+                 for s, (session, each, prompt, output) in enumerate(rows)]
+        start = time.perf_counter()
+        proposals = proposer.propose(batch, StepPlan(costs=costs), [])
+        if step >= WALK_WARMUP:
+            times.append((time.perf_counter() - start) * MS_PER_S)
+        for s, proposal in enumerate(proposals):
+            output = rows[s][3]
+            truth = output[done[s]:]
+            taken = next((i for i, (y, t) in enumerate(zip(proposal.candidates, truth)) if y != t),
+                         min(len(proposal.candidates), len(truth)))
+            done[s] = min(done[s] + taken + 1, len(output) - 1)  # a finished output stays at its end
+    times.sort()
+    return statistics.median(times), times[int(0.9 * (len(times) - 1))]
+
+
 def cpu_costs(prompts: dict[int, list[int]]) -> tuple[dict[int, float], dict[int, float]]:
     """The default target's pass curve on llama.cpp here ({k: ms}, one session) and each prompt's
     prefill (ms), timed the way `specdec bench` runs them."""
@@ -118,7 +154,11 @@ def main() -> None:
     where.add_argument("--gpu", type=Path, nargs="+", help="bench.py result folders (merged)")
     where.add_argument("--cpu", action="store_true", help="the default target's llama.cpp passes, timed here")
     parser.add_argument("--shapes", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-7b"])
+    parser.add_argument("--walk-cost", type=int, nargs="+", metavar="SESSIONS",
+                        help="time the walks of this many sessions a step instead (on the first curve's costs)")
     args = parser.parse_args()
+    if args.walk_cost and args.cpu:
+        parser.error("--walk-cost prices the walks on a GPU run's passes (--gpu)")
 
     rules = build_rules(EngineConfig(), progress=False)
     prompts = [rules.encode_prompt(p) for p in load_prompts(args.prompts, args.limit)]
@@ -134,6 +174,16 @@ def main() -> None:
         passes, loop, _, _ = load_results(*args.gpu)
         host_ms, prefill = host_per_pass(loop, "target-only", 1) or 0.0, None
         curves, most = {shape: pass_curve(passes[shape], 1, "captured") for shape in args.shapes}, GPU_CANDIDATES
+    if args.walk_cost:
+        name, curve = next(iter(curves.items()))
+        texts = [(prompts[index], output) for index, output in sorted(outputs.items())]
+        print(f"the suffix draft's walks a step, greedy, priced on {name}'s passes; {len(texts)} outputs of "
+              f"{args.prompts} round robin; median (90th percentile) of {WALK_STEPS} steps")
+        for sessions in args.walk_cost:
+            median, p90 = walk_cost(texts, sessions, CostProfile(t_draft_ms=0.01, t_target_ms=curve),
+                                    rules.vocab_size, most)
+            print(f"{sessions} sessions: {median:.2f} ms a step ({p90:.2f}), {median / sessions:.3f} ms a session")
+        return
     print(f"{len(outputs)} prompts of {args.prompts}, the target's greedy outputs from {args.bench}; "
           f"host {host_ms:.2f} ms a pass; one session")
     tokens = sum(len(o) for o in outputs.values())
