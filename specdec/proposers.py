@@ -191,17 +191,22 @@ class SuffixProposer:
         tail, walk, drafted, positions = history[-MAX_ORDER:], [], [], []
         copy, length, last = None, 0, -1  # the index the walk copies from, the copy's length, its last position
         while len(walk) < d.limit:
-            index, match = session.index, session.index.match(tail)
-            if shared is not None and (found := shared.match(tail)) is not None and (
-                    match is None or found.order > match.order):  # the longer context, the session's own on a tie
-                index, match = shared, found
-            if match is None:  # nothing before continues it: the round ends here
-                break
-            if copy is not None and copy.goes_on(last) and length + 1 >= match.order:  # the copy goes on
+            goes_on = copy is not None and copy.goes_on(last)
+            if goes_on and length + 1 >= MAX_ORDER:  # no context longer than the copy's is matched: no look-up
+                order = MAX_ORDER
+            else:
+                index, match = session.index, session.index.match(tail)
+                if shared is not None and (found := shared.match(tail)) is not None and (
+                        match is None or found.order > match.order):  # the longer context, the session's own on a tie
+                    index, match = shared, found
+                if match is None:  # nothing before continues it: the round ends here
+                    break
+                order = match.order
+            if goes_on and length + 1 >= order:  # the copy goes on
                 index, length = copy, length + 1
                 match = index.follow(tail, min(length, MAX_ORDER), last + 1)
             elif copy is None and index is session.index and session.cursor is not None and (
-                    near := index.nearest(history, session.cursor))[1] >= match.order:
+                    near := index.nearest(history, session.cursor))[1] >= order:
                 length = near[1]
                 match = index.follow(tail, min(length, MAX_ORDER), near[0])
             else:  # the copy's length: past the longest context, as far as the earlier text goes on equal
