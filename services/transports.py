@@ -217,13 +217,29 @@ class GrpcTransport:
             groups.setdefault(owner, []).append(i)
         calls, passes = [], []
 
+        def carried(i: int) -> bool:
+            try:
+                to_request([items[i]])
+                return True
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("%s item of session %s not sent: %s", role, items[i].session_id, exc)
+                answers[i] = Failed(exc)
+                return False
+
         async def call(owner: str | None, indices: list[int]) -> None:
             group = [items[i] for i in indices]
             if owner is None:  # no replica to be found now
                 for i in indices:
                     answers[i] = Unreachable(f"no {served_by} replica")
                 return
-            request = to_request(group)
+            try:
+                request = to_request(group)
+            except Exception:  # noqa: BLE001 - an item the wire cannot carry fails its session only
+                indices = [i for i in indices if carried(i)]
+                if not indices:
+                    return
+                group = [items[i] for i in indices]
+                request = to_request(group)
             start = time.perf_counter()
             try:
                 reply = await self._send(served_by, owner, "Propose" if role == "draft" else "Verify", request,

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -51,7 +50,7 @@ from specdec.errors import InvalidRequestError
 from specdec.metrics import MS_PER_S, RequestStats
 from specdec.params import FINISH_LENGTH, GenerationParams, validation_message
 from specdec.planner import RoundOutcome, StepPlanner, lane_planners
-from specdec.protocol import SEED_BITS, Proposal, StepPlan
+from specdec.protocol import Proposal, StepPlan, request_seed
 from specdec.sequences import LoopSample, Request, RequestRules, RoundObserver, SampleState, UpdateCallback
 from specdec.verification import Verdict
 
@@ -149,8 +148,8 @@ class RoundLoop:
         elif reference is None:
             alone = params.model_copy(update={"policy": params.policy.model_copy(update={"name": "target-only"}), "n": 1})
             reference = (await self.generate(prompt_ids, alone)).completions[0].token_ids
-        seed = params.sampling.seed if params.sampling.seed is not None else secrets.randbits(SEED_BITS)
-        request = Request(params, seed, on_update=on_update, reference=list(reference) if reference else None)
+        request = Request(params, request_seed(params.sampling.seed), on_update=on_update,
+                          reference=list(reference) if reference else None)
         session = uuid.uuid4().hex  # ours, never the client's request id: two requests must not share caches
         loop = asyncio.get_running_loop()
         samples = [LoopSample(f"{session}/{i}", i, request, SampleState(prompt_ids), loop.create_future())

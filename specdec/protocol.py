@@ -17,6 +17,7 @@ that session fails, the other replicas' sessions go on).
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
@@ -91,6 +92,13 @@ def history_from_delta(held: list[int] | None, delta: HistoryDelta, vocab_size: 
 
 
 SEED_BITS = 63
+REQUEST_SEEDS = 1 << 64  # a request's seed travels as a uint64 (RoundSeed.request_seed)
+
+
+def request_seed(seed: int | None) -> int:
+    """The seed a request's rounds draw from: its own taken modulo 2^64 (a negative one as the
+    uint64 of the same bits, in process as served), or a fresh random one."""
+    return seed % REQUEST_SEEDS if seed is not None else secrets.randbits(SEED_BITS)
 
 
 def round_generator(request_seed: int, sample_index: int, round_index: int, role: str) -> torch.Generator:

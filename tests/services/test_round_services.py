@@ -241,10 +241,12 @@ def test_a_served_fused_draft_drafts_its_suffix_where_the_model_is_held(tiny_eng
             server.stop(None)
 
 
-@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (50, 0.9)])
-def test_seeded_sampling_matches_engine(servers, tiny_engine, top_k, top_p):
+@pytest.mark.parametrize("top_k,top_p,seed", [(0, 1.0, 1234), (50, 0.9, 1234), (0, 1.0, -1)])
+def test_seeded_sampling_matches_engine(servers, tiny_engine, top_k, top_p, seed):
+    """Served and in process, a seeded request draws the same numbers; a negative seed (the gRPC
+    API's int64) as well, though rounds carry their seed as a uint64."""
     loop = RoundLoop(GrpcTransport(*servers.addresses), tiny_engine.rules)
-    params = build_params(policy="fixed", k=3, temperature=1.0, top_k=top_k, top_p=top_p, seed=1234,
+    params = build_params(policy="fixed", k=3, temperature=1.0, top_k=top_k, top_p=top_p, seed=seed,
                           max_new_tokens=MAX_NEW_TOKENS)
     [result] = run(loop, [(PROMPTS[0], params)])
     assert (result.completions[0].token_ids, result.completions[0].finish_reason) == \
@@ -571,6 +573,33 @@ def test_a_refused_item_fails_only_its_session(servers, tiny_engine):
     results = asyncio.run(scenario())
     assert isinstance(results[1], InvalidRequestError) and "candidate token ids" in str(results[1])
     assert "\n" not in str(results[1])
+    for i in (0, 2):
+        assert results[i].completions[0].token_ids == engine_ids(tiny_engine, PROMPTS[i], params)[0]
+    assert len(servers.draft.sessions) == len(servers.verifier.sessions) == 0
+
+
+def test_an_item_the_wire_cannot_carry_fails_only_its_session(servers, tiny_engine):
+    """One session's item cannot be written to the wire (a field out of its type's range): that
+    request fails, the others in the same call are served."""
+    class Overflowing(GrpcTransport):
+        async def propose(self, items, plan, draft="default"):
+            for item in items:
+                if item.session_id.startswith(victim[0]):
+                    item.seed = RoundSeed(-1, item.seed.sample_index, item.seed.round_index)  # not a uint64
+            return await super().propose(items, plan, draft)
+
+    victim = [""]
+    loop = RoundLoop(Overflowing(*servers.addresses), tiny_engine.rules)
+    params = build_params(policy="fixed", k=3, max_new_tokens=16)
+
+    async def scenario():
+        tasks = [asyncio.create_task(loop.generate(prompt, params)) for prompt in PROMPTS[:3]]
+        await asyncio.sleep(0)
+        victim[0] = next(s.session_id for lane in loop._lanes for s in lane if s.sample.prompt == PROMPTS[1])[:32]
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(scenario())
+    assert isinstance(results[1], Exception) and "\n" not in str(results[1])
     for i in (0, 2):
         assert results[i].completions[0].token_ids == engine_ids(tiny_engine, PROMPTS[i], params)[0]
     assert len(servers.draft.sessions) == len(servers.verifier.sessions) == 0
