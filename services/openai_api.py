@@ -34,7 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from google.protobuf import json_format
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 from starlette.authentication import AuthenticationBackend, AuthenticationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -73,13 +73,30 @@ class ApiError(Exception):
 # ------------------------------------------------------------------------------------------------
 # Requests
 
+def unicode_text(value: str) -> str:
+    """A string that reaches the wire as UTF-8: JSON can escape a lone UTF-16 surrogate ("\\ud800"),
+    which has no UTF-8 form."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PydanticCustomError("unicode", "must be valid Unicode (it holds a lone UTF-16 surrogate)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(unicode_text)]
+
+
 def single_prompt(value: Any) -> Any:
     """One request is one prompt: "text", [token ids], or a batch of exactly one of those."""
     if isinstance(value, list) and value and all(isinstance(v, str | list) for v in value):
         if len(value) > 1:
             raise PydanticCustomError("batch", "batched prompts are not supported: send one prompt per request")
         value = value[0]
-    if isinstance(value, str) or (isinstance(value, list) and all(type(v) is int for v in value)):
+    if isinstance(value, str):
+        return unicode_text(value)
+    if isinstance(value, list) and all(type(v) is int for v in value):
+        if not all(0 <= v <= INT32_MAX for v in value):  # (the vocabulary's bound is checked where it is known)
+            raise PydanticCustomError("prompt", f"token ids must be in [0, {INT32_MAX}]")
         return value
     raise PydanticCustomError("prompt", "must be a string or a list of token ids")
 
@@ -96,6 +113,8 @@ def text_content(value: Any) -> Any:
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
 
 
@@ -109,7 +128,7 @@ class GenerationFields(BaseModel):
     temperature: float | None = Field(None, ge=0)  # unset = 0, greedy
     top_p: float | None = Field(None, gt=0, le=1)
     n: int | None = Field(None, ge=1, le=MAX_SAMPLES_PER_REQUEST)
-    stop: str | list[str] | None = None
+    stop: Annotated[list[Text] | None, BeforeValidator(lambda value: [value] if isinstance(value, str) else value)] = None
     seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -119,10 +138,10 @@ class GenerationFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     # Extensions (vLLM-style extra_body)
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
-    policy: str | None = None
+    policy: Text | None = None
     k: int | None = Field(None, ge=-INT32_MAX - 1, le=INT32_MAX)
     threshold: float | None = None
-    draft: str | None = None
+    draft: Text | None = None
     suffix_cache: bool | None = None
     speculative: SpeculativeOptions | None = None
 
@@ -132,8 +151,8 @@ class SpeculativeOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    draft: str | None = None
-    policy: str | None = None
+    draft: Text | None = None
+    policy: Text | None = None
     k: int | None = Field(None, ge=-INT32_MAX - 1, le=INT32_MAX)
     threshold: float | None = None
     suffix_cache: bool | None = None
@@ -154,7 +173,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")  # clients send back assistant messages with refusal, tool_calls...
 
     role: Literal["system", "user", "assistant"]
-    content: Annotated[str, BeforeValidator(text_content)] = ""
+    content: Annotated[str, BeforeValidator(text_content), AfterValidator(unicode_text)] = ""
 
 
 class ChatRequest(GenerationFields):
@@ -183,8 +202,7 @@ def generate_request(body: GenerationFields, max_tokens: int | None, request_id:
         if flat is not None and grouped is not None and flat != grouped:
             raise ApiError(400, f"{name} and speculative.{name} disagree: give one", param="speculative")
         fields[name] = flat if flat is not None else grouped
-    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-    return generation_pb2.GenerateRequest(stop=stop, request_id=request_id,
+    return generation_pb2.GenerateRequest(stop=body.stop or [], request_id=request_id,
                                           **{key: value for key, value in fields.items() if value is not None})
 
 

@@ -173,6 +173,15 @@ def test_stream_without_usage_and_n2(client):
     ("completions", {"prompt": ["a", "b"]}, "prompt: batched prompts are not supported", "prompt"),
     ("completions", {"prompt": 5}, "prompt: must be a string or a list of token ids", "prompt"),
     ("completions", {"prompt": " "}, "prompt is empty", None),
+    ("completions", {"prompt": [[4294967296]]}, "prompt: token ids must be in [0, 2147483647]", "prompt"),
+    ("completions", {"prompt": "hi \ud800"}, "prompt: must be valid Unicode (it holds a lone UTF-16 surrogate)",
+     "prompt"),
+    ("completions", {"stop": ["x", "\udc80"]}, "stop[1]: must be valid Unicode", "stop"),
+    ("completions", {"stop": "\ud800"}, "stop[0]: must be valid Unicode", "stop"),
+    ("completions", {"policy": "\ud800"}, "policy: must be valid Unicode", "policy"),
+    ("completions", {"speculative": {"draft": "\ud800"}}, "speculative.draft: must be valid Unicode", "speculative"),
+    ("completions", {"stream": True, "stream_options": {"foo": 1}}, "stream_options.foo: Extra inputs are not permitted",
+     "stream_options"),
     ("completions", {"repetition_penalty": 1.1}, "repetition_penalty: Extra inputs are not permitted", "repetition_penalty"),
     ("completions", {"max_tokens": 0}, "max_tokens: Input should be greater than or equal to 1", "max_tokens"),
     ("chat/completions", {"messages": []}, "messages: List should have at least 1 item", "messages"),
@@ -181,10 +190,13 @@ def test_stream_without_usage_and_n2(client):
      "messages[0].content: only text content parts are supported", "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True},
      "logprobs is not supported", "logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi \udfff"}]},
+     "messages[0].content: must be valid Unicode", "messages"),
 ])
 def test_bad_requests(client, route, body, message, param):
     defaults = {"prompt": PROMPTS[0]} if route == "completions" else {}
-    response = client.post(f"/v1/{route}", json=defaults | body | {"max_tokens": body.get("max_tokens", 4)})
+    payload = json.dumps(defaults | body | {"max_tokens": body.get("max_tokens", 4)})  # (a lone surrogate escaped)
+    response = client.post(f"/v1/{route}", content=payload, headers={"Content-Type": "application/json"})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert message in error["message"] and "\n" not in error["message"]
