@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # Largest number of independent samples one request may ask for; more is almost surely a mistake
 # and would hold a session's caches for a long time.
 MAX_SAMPLES_PER_REQUEST = 64
+FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the least temperature divided by (a smaller one is 0 in float32)
 BLOCK = 2048  # columns per block of `argmax` and `sample`
 
 
@@ -52,7 +53,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     if params.greedy:
         return _softmax(logits)
     if params.temperature != 1.0:
-        logits = logits / params.temperature
+        logits = _temper(logits, params.temperature)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
@@ -60,6 +61,15 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     if params.top_p < 1.0:
         probs = _top_p_filter(probs, params.top_p)
     return probs
+
+
+def _temper(logits: torch.Tensor, temperature: float, in_place: bool = False) -> torch.Tensor:
+    """logits / temperature, from each row's largest: a tiny temperature sends the others to -inf
+    and keeps the largest at 0, where dividing the logits themselves overflows to inf - inf = NaN.
+    (`in_place`: written over the logits.)"""
+    largest = logits.amax(dim=-1, keepdim=True)
+    divisor = max(temperature, FLOAT32_TINY)
+    return logits.sub_(largest).div_(divisor) if in_place else (logits - largest) / divisor
 
 
 def _softmax(logits: torch.Tensor, in_place: bool = False) -> torch.Tensor:
@@ -81,7 +91,9 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one)."""
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    dropped = mass_before >= top_p
+    dropped[..., 0] = False  # the most likely token stays, whatever top_p (one below float32's least is 0 there)
+    sorted_probs = sorted_probs.masked_fill(dropped, 0.0)
     kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return kept / kept.sum(dim=-1, keepdim=True)
 
@@ -116,7 +128,7 @@ def probs_in_place(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     if len({transform_of(p) for p in params}) > 1 or param.top_k or param.top_p < 1.0:
         return probs_by_params(logits, params)
     if not param.greedy and param.temperature != 1.0:
-        logits.div_(param.temperature)
+        _temper(logits, param.temperature, in_place=True)
     return _softmax(logits, in_place=True)
 
 

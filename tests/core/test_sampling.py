@@ -11,8 +11,8 @@ from pydantic import ValidationError
 
 from scipy.stats import chisquare
 
-from specdec.sampling import (BLOCK, SamplingParams, argmax, choose_token, probs_by_params, probs_from_logits,
-                              probs_in_place, sample)
+from specdec.sampling import (BLOCK, SamplingParams, _top_p_filter, argmax, choose_token, probs_by_params,
+                              probs_from_logits, probs_in_place, sample)
 
 LOGITS = torch.tensor([2.0, -1.0, 0.5, 3.0, 0.0, -2.5])  # distinct values: no ties at a cut-off
 
@@ -26,6 +26,24 @@ def test_temperature_scales_logits(temperature):
     probs = probs_from_logits(LOGITS, SamplingParams(temperature=temperature))
     torch.testing.assert_close(probs, torch.softmax(LOGITS / temperature, dim=-1))
     assert probs.dtype == torch.float32
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-40, 1e-36])
+def test_a_temperature_near_zero_is_near_greedy_on_every_path(temperature):
+    """Below float32's range the logits themselves would overflow to inf - inf = NaN; from the
+    row's largest, every other token goes to 0 and the largest keeps it all (ties share it)."""
+    logits = torch.stack([LOGITS, torch.tensor([1.0, 3.0, 2.0, 3.0, 0.0, -1.0])])
+    params = SamplingParams(temperature=temperature)
+    expected = torch.tensor([[0.0, 0.0, 0.0, 1.0, 0.0, 0.0], [0.0, 0.5, 0.0, 0.5, 0.0, 0.0]])
+    assert torch.equal(probs_from_logits(logits, params), expected)
+    assert torch.equal(probs_in_place(logits.clone(), [params] * 2), expected)
+
+
+def test_a_top_p_below_float32s_least_keeps_the_most_likely_token():
+    """The wire carries top_p as a float32: 1e-46 arrives as 0, and the most likely token stays."""
+    probs = torch.softmax(LOGITS, dim=-1)
+    for top_p in (1e-46, float(torch.tensor(1e-46, dtype=torch.float32))):
+        assert torch.equal(_top_p_filter(probs, top_p), torch.tensor([0.0, 0.0, 0.0, 1.0, 0.0, 0.0]))
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
