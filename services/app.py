@@ -20,7 +20,8 @@ from __future__ import annotations
 from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
-from specdec.builder import draft_configs
+from specdec.builder import EngineConfig, draft_configs
+from specdec.models.suffix import is_suffix_draft
 from specdec.errors import Overloaded
 from specdec.params import DEFAULT_DRAFT
 from services.autoscaling import POLICY as ROUND_CALLS_POLICY
@@ -73,6 +74,16 @@ def loop_host(verifier: ReplicaConfig, coordinator: ReplicaConfig) -> ReplicaCon
                                        "graceful_shutdown_timeout_s": max(waits, default=None)})
 
 
+def draft_replicas(replicas: ReplicaConfig, draft: EngineConfig) -> ReplicaConfig:
+    """A draft deployment's replicas: `draft`'s, less every resource for a model-free draft (the
+    suffix draft runs no model, microseconds a step: a whole core reserved for it can leave no room
+    for the verifier on a small machine, and a GPU or a draft node's slot reserved for it is one a
+    model cannot use)."""
+    if is_suffix_draft(draft.draft):
+        return replicas.model_copy(update={"num_cpus": 0.0, "num_gpus": 0.0, "resources": {}})
+    return replicas
+
+
 def draft_deployment_name(name: str) -> str:
     """"Draft" for the default draft, "Draft-<name>" for the others."""
     return "Draft" if name == DEFAULT_DRAFT else f"Draft-{name}"
@@ -82,8 +93,9 @@ def build_app(args: dict | AppConfig | None = None) -> serve.Application:
     """`serve run services.app:build_app [key=value ...]` or a config file's `args:`."""
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     colocated = config.colocated_drafts()  # decided here, once: the replicas take it as given
-    drafts = {name: _deployment(Draft, draft_deployment_name(name), config.draft, round_service=True).bind(config, name)
-              for name in draft_configs(config.models) if name not in colocated}
+    drafts = {name: _deployment(Draft, draft_deployment_name(name), draft_replicas(config.draft, each),
+                                round_service=True).bind(config, name)
+              for name, each in draft_configs(config.models).items() if name not in colocated}
     # At capacity a request is refused at once (HTTP 429 + Retry-After, gRPC RESOURCE_EXHAUSTED),
     # whether the proxies' queue for the ingress or the ingress's queue for a coordinator is full.
     bounded = {"max_queued_requests": config.max_queued_requests,

@@ -46,3 +46,20 @@ def test_a_replicas_environment_reaches_its_processes_and_leaves_the_apps_own_al
             ReplicaConfig(env={taken: "1"})
     with pytest.raises(ValidationError, match="names must be"):
         ReplicaConfig(env={"A=B": "1"})
+
+
+def test_a_model_free_draft_reserves_no_cpu_or_gpu():
+    """The suffix draft's deployment runs no model: with a whole core reserved for it, a 2-core
+    machine had none left for the verifier, and the app waited forever; a model draft keeps the
+    draft replicas' reservation."""
+    from ray.serve._private.build_app import build_app as flatten_app
+
+    from services.app import build_app
+    from specdec.builder import EngineConfig
+
+    config = AppConfig(models=EngineConfig(drafts={"suffix": "suffix"}),
+                       draft=ReplicaConfig(num_cpus=1, num_gpus=1, resources={"draft_node": 1}))
+    deployments = {d.name: d.ray_actor_options for d in flatten_app(build_app(config), name="specdec").deployments}
+    suffix, model = deployments["Draft-suffix"], deployments["Draft"]
+    assert (suffix["num_cpus"], suffix["num_gpus"], suffix.get("resources")) == (0.0, 0.0, None)
+    assert (model["num_cpus"], model["num_gpus"], model["resources"]) == (1, 1, {"draft_node": 1})
