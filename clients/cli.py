@@ -22,6 +22,7 @@ from google.protobuf import json_format
 
 from clients.grpc_client import DEFAULT_ADDRESS, DEFAULT_TIMEOUT_S, GrpcClient
 from clients.http_client import DEFAULT_BASE_URL, HttpClient
+from specdec.errors import InvalidRequestError
 from specdec.metrics import RequestStats
 
 
@@ -121,6 +122,12 @@ class TextPrinter:
 # Commands
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    for text in [args.prompt, *(value for value in grpc_options(args).values() if isinstance(value, str)),
+                 *(args.stop or [])]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8 (Python keeps them as surrogates)
+            raise InvalidRequestError(f"{ascii(text)} is not valid UTF-8") from None
     return generate_grpc(args) if args.protocol == "grpc" else generate_http(args)
 
 

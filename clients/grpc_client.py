@@ -57,14 +57,18 @@ def build_request(prompt: Prompt,
     fields = {key: value for key, value in options.items() if value is not None}
     session_id = fields.pop("session_id", None)
     stop = fields.pop("stop", ())
-    request = generation_pb2.GenerateRequest(stop=[stop] if isinstance(stop, str) else list(stop), **fields)
-    if isinstance(prompt, str):
-        request.text = prompt
-    elif prompt and all(isinstance(m, Mapping) for m in prompt):
-        request.messages.messages.extend(generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
-    else:
-        request.token_ids.SetInParent()  # an empty list is still a (empty, rejected) token-id prompt
-        request.token_ids.ids.extend(prompt)
+    try:  # a value the message cannot hold (an int past its field's range, a string that is not UTF-8)
+        request = generation_pb2.GenerateRequest(stop=[stop] if isinstance(stop, str) else list(stop), **fields)
+        if isinstance(prompt, str):
+            request.text = prompt
+        elif prompt and all(isinstance(m, Mapping) for m in prompt):
+            request.messages.messages.extend(generation_pb2.ChatMessage(role=m["role"], content=m["content"])
+                                             for m in prompt)
+        else:
+            request.token_ids.SetInParent()  # an empty list is still a (empty, rejected) token-id prompt
+            request.token_ids.ids.extend(prompt)
+    except (ValueError, TypeError) as exc:
+        raise ClientError("INVALID_ARGUMENT", f"the request cannot be sent: {one_line(str(exc))}") from None
     return request, ((("session_id", session_id),) if session_id else None)
 
 

@@ -89,6 +89,21 @@ def test_bad_parameter_is_one_line_and_exit_2(servers, capsys, protocol):
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
+@pytest.mark.parametrize("prompt,flags,message", [
+    (PROMPT, ["--k", "3000000000"], None),  # past the field's int32: the server says so over HTTP, the client over gRPC
+    (PROMPT, ["--seed", "99999999999999999999"], None),
+    (PROMPT, ["--stop", "\udcff"], "'\\udcff' is not valid UTF-8"),  # a byte the shell passed that is not UTF-8
+    ("hi \udcff", [], "'hi \\udcff' is not valid UTF-8"),
+])
+def test_a_value_the_request_cannot_carry_is_one_line_and_exit_2(servers, capsys, protocol, prompt, flags, message):
+    code = run(["client", "generate", prompt, "--protocol", protocol, "--address", servers[protocol], *flags])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    if message:
+        assert message in err
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_unreachable_server(capsys, protocol):
     address = f"127.0.0.1:{free_port()}"
     code = run(["client", "generate", PROMPT, "--protocol", protocol, "--address", address, "--timeout", "10"])
