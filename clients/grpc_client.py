@@ -21,6 +21,7 @@ from typing import TypedDict, Unpack
 import grpc
 
 from clients import ClientError, one_line
+from specdec.errors import InvalidRequestError
 from clients.retry import ChunkReplay, RetryPolicy, pinned_seed, retry_policy
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 
@@ -68,7 +69,7 @@ def build_request(prompt: Prompt,
             request.token_ids.SetInParent()  # an empty list is still a (empty, rejected) token-id prompt
             request.token_ids.ids.extend(prompt)
     except (ValueError, TypeError) as exc:
-        raise ClientError("INVALID_ARGUMENT", f"the request cannot be sent: {one_line(str(exc))}") from None
+        raise InvalidRequestError(f"the request cannot be sent: {one_line(str(exc))}") from None
     return request, ((("session_id", session_id),) if session_id else None)
 
 

@@ -84,6 +84,9 @@ def unicode_text(value: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(unicode_text)]
+# A policy's or a draft's name: "" names none. (A string with constraints is checked as Unicode by
+# pydantic itself: "Input should be a valid string, unable to parse raw data as a unicode string".)
+Name = Annotated[str, Field(min_length=1)]
 
 
 def single_prompt(value: Any) -> Any:
@@ -138,10 +141,10 @@ class GenerationFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     # Extensions (vLLM-style extra_body)
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
-    policy: Text | None = None
+    policy: Name | None = None
     k: int | None = Field(None, ge=-INT32_MAX - 1, le=INT32_MAX)
     threshold: float | None = None
-    draft: Text | None = None
+    draft: Name | None = None
     suffix_cache: bool | None = None
     speculative: SpeculativeOptions | None = None
 
@@ -151,8 +154,8 @@ class SpeculativeOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    draft: Text | None = None
-    policy: Text | None = None
+    draft: Name | None = None
+    policy: Name | None = None
     k: int | None = Field(None, ge=-INT32_MAX - 1, le=INT32_MAX)
     threshold: float | None = None
     suffix_cache: bool | None = None
