@@ -30,7 +30,7 @@ from specdec.errors import InvalidRequestError
 from specdec.metrics import MS_PER_S
 from specdec.models.feature_runtime import FeatureDraftRuntime
 from specdec.models.runtime import DraftRole, KVSession
-from specdec.models.suffix import MAX_ORDER, SuffixDraft, SuffixSession
+from specdec.models.suffix import MAX_ORDER, Match, SuffixDraft, SuffixIndex, SuffixSession
 from specdec.policies import DraftStep, FixedK, StoppingPolicy, check_model_free
 from specdec.protocol import Proposal, ProposeItem, StepPlan, q_travels
 from specdec.rounds import DraftRow, Drafting, LogitsFilterFactory, in_groups, propose, still_drafting
@@ -191,26 +191,23 @@ class SuffixProposer:
         tail, walk, drafted, positions = history[-MAX_ORDER:], [], [], []
         copy, length, last = None, 0, -1  # the index the walk copies from, the copy's length, its last position
         while len(walk) < d.limit:
-            goes_on = copy is not None and copy.goes_on(last)
-            if goes_on and length + 1 >= MAX_ORDER:  # no context longer than the copy's is matched: no look-up
-                order = MAX_ORDER
-            else:
-                index, match = session.index, session.index.match(tail)
-                if shared is not None and (found := shared.match(tail)) is not None and (
-                        match is None or found.order > match.order):  # the longer context, the session's own on a tie
-                    index, match = shared, found
-                if match is None:  # nothing before continues it: the round ends here
-                    break
-                order = match.order
-            if goes_on and length + 1 >= order:  # the copy goes on
+            # A copy goes on while its text does: no longer context than the copy's own can occur
+            # elsewhere, since it starts at least as long as the longest one matched and each step
+            # lengthens both by at most one (a context one longer was the shorter one followed by
+            # the same token). So only a new copy looks the tail up.
+            if copy is not None and copy.goes_on(last):
                 index, length = copy, length + 1
                 match = index.follow(tail, min(length, MAX_ORDER), last + 1)
-            elif copy is None and index is session.index and session.cursor is not None and (
-                    near := index.nearest(history, session.cursor))[1] >= order:
-                length = near[1]
-                match = index.follow(tail, min(length, MAX_ORDER), near[0])
-            else:  # the copy's length: past the longest context, as far as the earlier text goes on equal
-                length = index.run(history, drafted, match.position)
+            else:
+                index, match = self._longest(session.index, shared, tail)
+                if match is None:  # nothing before continues it: the round ends here
+                    break
+                if copy is None and index is session.index and session.cursor is not None and (
+                        near := index.nearest(history, session.cursor))[1] >= match.order:
+                    length = near[1]
+                    match = index.follow(tail, min(length, MAX_ORDER), near[0])
+                else:  # the copy's length: past the longest context, as far as the earlier text goes on equal
+                    length = index.run(history, drafted, match.position)
             copy, last = index, match.position
             tail = tail[1 - MAX_ORDER:] + [match.token]
             drafted.append(match.token)
@@ -220,6 +217,16 @@ class SuffixProposer:
             positions.append(match.position if index is session.index else None)
         session.positions = positions
         return walk
+
+    @staticmethod
+    def _longest(own: SuffixIndex, shared: SuffixIndex | None, tail: list[int]) -> tuple[SuffixIndex, Match | None]:
+        """The index with the longest context ending `tail`, and its match: the session's own on a
+        tie with its earlier responses (None: neither continues it)."""
+        match = own.match(tail)
+        if shared is not None and (found := shared.match(tail)) is not None and (
+                match is None or found.order > match.order):
+            return shared, found
+        return own, match
 
     @staticmethod
     def _choose(rows: list[Drafting], walks: dict, plan: StepPlan, batch: int) -> StepBudget:
