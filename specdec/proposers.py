@@ -188,8 +188,9 @@ class SuffixProposer:
         session.index.sync(history)
         shared = self.draft.shared(session.scope)  # earlier responses, where the request opted in
         d.row.policy.start_round()
-        tail, walk, drafted, positions = history[-MAX_ORDER:], [], [], []
-        copy, length, last = None, 0, -1  # the index the walk copies from, the copy's length, its last position
+        # (the tail keeps a token more than a context: what a copy going on drops, `SuffixIndex.follow`)
+        tail, walk, drafted, positions = history[-MAX_ORDER - 1:], [], [], []
+        copy, length, last, match = None, 0, -1, None  # the index copied from, the copy's length, its last position
         while len(walk) < d.limit:
             # A copy goes on while its text does: no longer context than the copy's own can occur
             # elsewhere, since it starts at least as long as the longest one matched and each step
@@ -197,7 +198,7 @@ class SuffixProposer:
             # the same token). So only a new copy looks the tail up.
             if copy is not None and copy.goes_on(last):
                 index, length = copy, length + 1
-                match = index.follow(tail, min(length, MAX_ORDER), last + 1)
+                match = index.follow(tail, min(length, MAX_ORDER), last + 1, after=match)
             else:
                 index, match = self._longest(session.index, shared, tail)
                 if match is None:  # nothing before continues it: the round ends here
@@ -209,7 +210,7 @@ class SuffixProposer:
                 else:  # the copy's length: past the longest context, as far as the earlier text goes on equal
                     length = index.run(history, drafted, match.position)
             copy, last = index, match.position
-            tail = tail[1 - MAX_ORDER:] + [match.token]
+            tail = tail[-MAX_ORDER:] + [match.token]
             drafted.append(match.token)
             judged, bucket = stats.judge(length, match.frequency, greedy)
             walk.append((DraftStep(len(walk) + 1, match.token, None, None, d.row.num_generated, greedy=True,

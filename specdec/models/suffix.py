@@ -74,6 +74,7 @@ class Match:
     token: int  # the token that followed it last: the candidate
     frequency: float  # of the times the context was followed, the share followed by `token`
     position: int = 0  # where the candidate is in the index's tokens
+    pair: int = field(default=0, compare=False)  # the hash of the context followed by `token` (`follow`)
 
 
 class SuffixIndex:
@@ -150,12 +151,19 @@ class SuffixIndex:
             return None
         return self._followed(context, order, found & _POSITION_MASK, found >> _POSITION_BITS)
 
-    def follow(self, tail: list[int], order: int, position: int) -> Match:
+    def follow(self, tail: list[int], order: int, position: int, after: Match | None = None) -> Match:
         """The token at `position` as the candidate after `tail`'s last `order` tokens, which the
-        tokens before `position` end with: a copy followed on, or an occurrence other than the last."""
-        h = 0
-        for n in range(1, order + 1):
-            h = (h + (tail[-n] + 1) * _POWERS[n - 1]) % _MODULUS
+        tokens before `position` end with: a copy followed on, or an occurrence other than the last.
+        `after`: the candidate `tail` ends with, where its context and it are at least `order`
+        tokens (a copy going on): the context's hash is theirs less its oldest tokens."""
+        if after is not None and after.order + 1 >= order:
+            h = after.pair
+            for n in range(order + 1, after.order + 2):
+                h = (h - (tail[-n] + 1) * _POWERS[n - 1]) % _MODULUS
+        else:
+            h = 0
+            for n in range(1, order + 1):
+                h = (h + (tail[-n] + 1) * _POWERS[n - 1]) % _MODULUS
         return self._followed(h, order, position, self._table.get(h, 0) >> _POSITION_BITS)
 
     def _followed(self, context: int, order: int, position: int, followed: int) -> Match:
@@ -167,7 +175,7 @@ class SuffixIndex:
         last = self._table.get(context, 0) & _POSITION_MASK  # where the context was last followed
         extended = (self._table.get(pair, 0) >> _POSITION_BITS) + self._ends.get(pair, 0) + (
             last == len(seq) - 1 and seq[last] == token)
-        return Match(order, token, min(1.0, extended / followed) if followed else 0.0, position)
+        return Match(order, token, min(1.0, extended / followed) if followed else 0.0, position, pair)
 
     def nearest(self, sequence: list[int], start: int) -> tuple[int | None, int]:
         """Where a copy of `sequence`'s end goes on within NEAR tokens from `start`: the position

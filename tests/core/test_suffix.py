@@ -125,6 +125,27 @@ def test_an_occurrence_other_than_the_last_is_found_near_a_position_and_followed
     assert index.nearest([9, 8], 0) == (None, 0)
 
 
+def test_a_copy_followed_on_reads_the_same_match_from_the_hash_before():
+    """`follow` with `after` (the candidate before, a copy going on) derives its context's hash from
+    that candidate's: the same match as hashing the context again, as the order grows to MAX_ORDER
+    and then slides."""
+    import random
+
+    rng = random.Random(5)
+    text = [rng.randrange(4) for _ in range(300)]
+    index = SuffixIndex()
+    index.extend(text + text[:60])  # the copy: text's first 60 tokens again
+    tail, position, before = text[:1], 1, None
+    for length in range(1, 40):
+        order = min(length, MAX_ORDER)
+        again = index.follow(tail, order, position)
+        if before is not None:
+            rolled = index.follow(tail, order, position, after=before)
+            assert rolled == again and rolled.pair == again.pair
+        before = again
+        tail, position = (tail + [again.token])[-MAX_ORDER - 1:], position + 1
+
+
 def test_a_walk_starts_past_its_cursor_on_a_tie_and_follows_its_copy_on():
     """An edit copies its source in order: where several contexts of the history's end are as
     long, the walk starts at the one nearest past where the target last took a candidate (the
