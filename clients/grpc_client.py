@@ -21,8 +21,8 @@ from typing import TypedDict, Unpack
 import grpc
 
 from clients import ClientError, one_line
-from specdec.errors import InvalidRequestError
 from clients.retry import ChunkReplay, RetryPolicy, pinned_seed, retry_policy
+from specdec.errors import InvalidRequestError
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 
 DEFAULT_ADDRESS = "localhost:9000"

@@ -84,8 +84,9 @@ class SuffixIndex:
     def __init__(self):
         self.tokens: list[int] = []
         self._table: dict[int, int] = {}
-        self._floor = 0  # where the last document starts: no context reaches before it
-        self._starts = [0]  # where each document starts: no copy runs on past a document's end
+        # where each document starts: no context reaches before its document's start, and no copy
+        # runs on past its document's end
+        self._starts = [0]
         # the contexts each document but the last ends with (hash -> how many): a candidate that
         # ends a document was not followed by a token, yet it followed its context (`_followed`)
         self._ends: dict[int, int] = {}
@@ -95,14 +96,13 @@ class SuffixIndex:
 
     def add_document(self, tokens: list[int]) -> None:
         """`tokens` as a text of their own: no context spans the end of the one before and them."""
-        seq, end = self.tokens, len(self.tokens)
-        if end > self._floor:  # the document before ends here
+        seq, end, start = self.tokens, len(self.tokens), self._starts[-1]
+        if end > start:  # the document before ends here
             h = 0
-            for n in range(1, min(MAX_ORDER + 1, end - self._floor) + 1):
+            for n in range(1, min(MAX_ORDER + 1, end - start) + 1):
                 h = (h + (seq[end - n] + 1) * _POWERS[n - 1]) % _MODULUS
                 self._ends[h] = self._ends.get(h, 0) + 1
             self._starts.append(end)
-        self._floor = end
         self.extend(tokens)
 
     def documents(self) -> list[list[int]]:
@@ -119,7 +119,7 @@ class SuffixIndex:
         return position + 1 < len(self.tokens) and self.start_of(position + 1) <= position
 
     def extend(self, tokens: list[int]) -> None:
-        table, seq, floor = self._table, self.tokens, self._floor
+        table, seq, floor = self._table, self.tokens, self._starts[-1]
         for token in tokens:
             position = len(seq)  # the contexts ending at position - 1 are followed by `token`
             h = 0  # (contexts one longer than matched are kept too: how often a match was followed by its candidate)
@@ -133,7 +133,7 @@ class SuffixIndex:
         committed token taken back: a rebuilt session)."""
         held = len(self.tokens)
         if len(history) < held or history[:held] != self.tokens:
-            self.tokens, self._table, self._floor, self._starts, self._ends = [], {}, 0, [0], {}
+            self.tokens, self._table, self._starts, self._ends = [], {}, [0], {}
             held = 0
         self.extend(history[held:])
 
