@@ -550,59 +550,61 @@ def test_a_cancelled_session_leaves_the_others_unchanged(servers, tiny_engine):
     assert loop.live_sessions == 0
 
 
-def test_a_refused_item_fails_only_its_session(servers, tiny_engine):
-    """One session's item is malformed on the wire: that request fails in one line, the others in
-    the same batch are served."""
-    class Corrupting(GrpcTransport):
-        async def verify(self, items, probe_tokens=0):
-            for item in items:
-                if item.session_id.startswith(victim[0]):
-                    item.candidates = [10 ** 6]  # out of the vocabulary
-            return await super().verify(items, probe_tokens)
+def one_spoilt(servers, tiny_engine, spoil) -> list:
+    """PROMPTS[:3] served at once, `spoil(item)` applied to every item of the second's session the
+    transport sends (Propose and Verify alike); the others must come out as the engine's."""
+    class Spoiling(GrpcTransport):
+        async def propose(self, items, plan, draft="default"):
+            return await super().propose(self._spoilt(items), plan, draft)
 
-    victim = [""]
-    loop = RoundLoop(Corrupting(*servers.addresses), tiny_engine.rules)
+        async def verify(self, items, probe_tokens=0):
+            return await super().verify(self._spoilt(items), probe_tokens)
+
+        @staticmethod
+        def _spoilt(items):
+            for item in items:
+                if victim and item.session_id.startswith(victim[0]):
+                    spoil(item)
+            return items
+
+    victim: list[str] = []
+    loop = RoundLoop(Spoiling(*servers.addresses), tiny_engine.rules)
     params = build_params(policy="fixed", k=3, max_new_tokens=16)
 
     async def scenario():
         tasks = [asyncio.create_task(loop.generate(prompt, params)) for prompt in PROMPTS[:3]]
         await asyncio.sleep(0)
-        victim[0] = next(s.session_id for lane in loop._lanes for s in lane if s.sample.prompt == PROMPTS[1])[:32]
+        victim.append(next(s.session_id for lane in loop._lanes for s in lane if s.sample.prompt == PROMPTS[1])[:32])
         return await asyncio.gather(*tasks, return_exceptions=True)
 
     results = asyncio.run(scenario())
-    assert isinstance(results[1], InvalidRequestError) and "candidate token ids" in str(results[1])
-    assert "\n" not in str(results[1])
     for i in (0, 2):
         assert results[i].completions[0].token_ids == engine_ids(tiny_engine, PROMPTS[i], params)[0]
     assert len(servers.draft.sessions) == len(servers.verifier.sessions) == 0
+    return results
+
+
+def test_a_refused_item_fails_only_its_session(servers, tiny_engine):
+    """One session's item is malformed on the wire: that request fails in one line, the others in
+    the same batch are served."""
+    def out_of_vocabulary(item):
+        if isinstance(item, VerifyItem):
+            item.candidates = [10 ** 6]
+
+    results = one_spoilt(servers, tiny_engine, out_of_vocabulary)
+    assert isinstance(results[1], InvalidRequestError) and "candidate token ids" in str(results[1])
+    assert "\n" not in str(results[1])
 
 
 def test_an_item_the_wire_cannot_carry_fails_only_its_session(servers, tiny_engine):
     """One session's item cannot be written to the wire (a field out of its type's range): that
     request fails, the others in the same call are served."""
-    class Overflowing(GrpcTransport):
-        async def propose(self, items, plan, draft="default"):
-            for item in items:
-                if item.session_id.startswith(victim[0]):
-                    item.seed = RoundSeed(-1, item.seed.sample_index, item.seed.round_index)  # not a uint64
-            return await super().propose(items, plan, draft)
+    def not_a_uint64(item):
+        if not isinstance(item, VerifyItem):
+            item.seed = RoundSeed(-1, item.seed.sample_index, item.seed.round_index)
 
-    victim = [""]
-    loop = RoundLoop(Overflowing(*servers.addresses), tiny_engine.rules)
-    params = build_params(policy="fixed", k=3, max_new_tokens=16)
-
-    async def scenario():
-        tasks = [asyncio.create_task(loop.generate(prompt, params)) for prompt in PROMPTS[:3]]
-        await asyncio.sleep(0)
-        victim[0] = next(s.session_id for lane in loop._lanes for s in lane if s.sample.prompt == PROMPTS[1])[:32]
-        return await asyncio.gather(*tasks, return_exceptions=True)
-
-    results = asyncio.run(scenario())
+    results = one_spoilt(servers, tiny_engine, not_a_uint64)
     assert isinstance(results[1], Exception) and "\n" not in str(results[1])
-    for i in (0, 2):
-        assert results[i].completions[0].token_ids == engine_ids(tiny_engine, PROMPTS[i], params)[0]
-    assert len(servers.draft.sessions) == len(servers.verifier.sessions) == 0
 
 
 # ------------------------------------------------------------------------------------------------
