@@ -97,7 +97,7 @@ def test_several_prompts_run_together(tiny_pair, tmp_path, capsys):
     (["--policy", "bogus"], "unknown policy 'bogus'"),
     (["--policy", "svip", "--threshold", "1.2"], "must be in (0, 1)"),
     (["--policy", "specdec++", "--threshold", "0"], "needs an acceptance head"),
-    (["--policy", "fixed", "--k", "0"], "--k must be at least 1"),
+    (["--policy", "fixed", "--k", "0"], "k must be at least 1"),
     (["--temperature", "-0.5"], "temperature"),
     (["--top-p", "1.5"], "top-p"),
     (["--top-p", "0"], "top-p"),

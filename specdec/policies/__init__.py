@@ -65,9 +65,9 @@ def resolve_policy(config: PolicyConfig, has_head: bool) -> PolicyConfig:
     if policy_traits(config.name).needs_head and not has_head:
         raise InvalidRequestError(f"policy {config.name!r} needs an acceptance head: pass --head PATH")
     if config.k is not None and config.k < 1:
-        raise InvalidRequestError(f"--k must be at least 1, got {config.k}")
+        raise InvalidRequestError(f"k must be at least 1, got {config.k}")
     if config.threshold is not None and not 0.0 < config.threshold < 1.0:
-        raise InvalidRequestError(f"--threshold must be in (0, 1), got {config.threshold}")
+        raise InvalidRequestError(f"threshold must be in (0, 1), got {config.threshold}")
     return config
 
 

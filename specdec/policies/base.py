@@ -138,11 +138,11 @@ class StoppingPolicy(ABC):
 
 def check_threshold(name: str, value: float) -> float:
     if not 0.0 < value < 1.0:
-        raise InvalidRequestError(f"--threshold for policy '{name}' must be in (0, 1), got {value}")
+        raise InvalidRequestError(f"threshold for policy '{name}' must be in (0, 1), got {value}")
     return value
 
 
-def check_count(flag: str, value: int, minimum: int = 1) -> int:
+def check_count(name: str, value: int, minimum: int = 1) -> int:
     if value < minimum:
-        raise InvalidRequestError(f"{flag} must be at least {minimum}, got {value}")
+        raise InvalidRequestError(f"{name} must be at least {minimum}, got {value}")
     return value

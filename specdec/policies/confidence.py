@@ -13,7 +13,7 @@ class Confidence(StoppingPolicy):
 
     def __init__(self, threshold: float = DEFAULT_THRESHOLD, max_candidates: int = DEFAULT_MAX_K):
         self.threshold = check_threshold(self.name, threshold)
-        self.max_candidates = check_count("--k", max_candidates)
+        self.max_candidates = check_count("k", max_candidates)
 
     def decide(self, step: DraftStep) -> Decision:
         if float(step.probs.max()) < self.threshold:

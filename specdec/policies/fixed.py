@@ -10,7 +10,7 @@ class FixedK(StoppingPolicy):
     DEFAULT_K = 4
 
     def __init__(self, k: int = DEFAULT_K):
-        self.max_candidates = check_count("--k", k)
+        self.max_candidates = check_count("k", k)
 
     def decide(self, step: DraftStep) -> Decision:
         return Decision.CONTINUE

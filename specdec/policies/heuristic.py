@@ -14,7 +14,7 @@ class Heuristic(StoppingPolicy):
 
     def __init__(self, k: int = DEFAULT_INITIAL_K, max_candidates: int = DEFAULT_MAX_K):
         self.max_candidates = check_count("max candidates", max_candidates)
-        self.k = min(check_count("--k", k), self.max_candidates)
+        self.k = min(check_count("k", k), self.max_candidates)
 
     def round_limit(self) -> int:
         return self.k

@@ -18,7 +18,7 @@ class Oracle(StoppingPolicy):
 
     def __init__(self, reference: Sequence[int], max_candidates: int = DEFAULT_MAX_K):
         self.reference = list(reference)
-        self.max_candidates = check_count("--k", max_candidates)
+        self.max_candidates = check_count("k", max_candidates)
 
     def decide(self, step: DraftStep) -> Decision:
         position = step.num_generated + step.index - 1  # index of y_i in the generated sequence

@@ -36,7 +36,7 @@ class SpecDecPPCost(StoppingPolicy):
 
     def __init__(self, head: AcceptanceHead, max_candidates: int = DEFAULT_MAX_K):
         self.head = head
-        self.max_candidates = check_count("--k", max_candidates)
+        self.max_candidates = check_count("k", max_candidates)
         self._last: float | None = None  # the paper's head: the last judged a_j this round
 
     def start_round(self) -> None:

@@ -25,7 +25,7 @@ class SVIP(StoppingPolicy):
                  max_candidates: int = DEFAULT_MAX_K):
         self.threshold = check_threshold(self.name, threshold)
         self.gamma = gamma
-        self.max_candidates = check_count("--k", max_candidates)
+        self.max_candidates = check_count("k", max_candidates)
 
     def decide(self, step: DraftStep) -> Decision:
         if math.sqrt(self.gamma * entropy(step.probs)) > self.threshold:

@@ -82,7 +82,7 @@ def test_chat_template_and_raw_prompt_differ(tiny_engine):
 @pytest.mark.parametrize("flags, message", [
     ({"policy": "nope"}, "unknown policy 'nope'"),
     ({"policy": "svip", "threshold": 1.5}, "must be in (0, 1)"),
-    ({"policy": "fixed", "k": 0}, "--k must be at least 1"),
+    ({"policy": "fixed", "k": 0}, "k must be at least 1"),
     ({"policy": "specdec++"}, "needs an acceptance head"),
     ({"policy": "oracle", "temperature": 1.0}, "greedy"),
 ])

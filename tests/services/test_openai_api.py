@@ -336,7 +336,7 @@ def test_openai_client_bad_request(openai_client, stream):
     with pytest.raises(openai.BadRequestError) as info:
         openai_client.completions.create(model=MODEL, prompt="x", max_tokens=4, stream=stream,
                                          extra_body={"policy": "svip", "threshold": 1.5})
-    assert info.value.body["message"] == "--threshold must be in (0, 1), got 1.5"
+    assert info.value.body["message"] == "threshold must be in (0, 1), got 1.5"
     with pytest.raises(openai.NotFoundError):
         openai_client.completions.create(model="other", prompt="x")
 

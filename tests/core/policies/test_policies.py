@@ -209,9 +209,9 @@ BAD_CONFIGS = [
     (PolicyConfig(name="svip", threshold=1.0), "threshold"),
     (PolicyConfig(name="confidence", threshold=1.5), "threshold"),
     (PolicyConfig(name="specdec++", threshold=-0.2), "threshold"),
-    (PolicyConfig(name="fixed", k=0), "--k"),
-    (PolicyConfig(name="svip", k=-3), "--k"),
-    (PolicyConfig(name="heuristic", k=0), "--k"),
+    (PolicyConfig(name="fixed", k=0), "k must be at least 1"),
+    (PolicyConfig(name="svip", k=-3), "k must be at least 1"),
+    (PolicyConfig(name="heuristic", k=0), "k must be at least 1"),
 ]
 
 
