@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.utils import logging as hf_logging
 
@@ -64,7 +64,7 @@ class EngineConfig(BaseModel):
     target_format: WeightFormat = "auto"
     # The draft's output vocabulary: "full", "ascii" or a JSON list of ids (models/vocab.py).
     draft_vocab: str = "full"
-    threads: int | None = None  # torch intra-op threads; None keeps torch's default (all cores)
+    threads: int | None = Field(None, ge=1)  # torch intra-op threads; None keeps torch's default (all cores)
     # Where each model runs: "auto" = the first GPU when there is one, else the CPU; or a torch
     # device string ("cpu", "cuda", "cuda:1"). A sharded verifier places itself (models/sharding.py).
     device: str = "auto"

@@ -106,9 +106,9 @@ def engine_config(args: argparse.Namespace):
 
     batch = BatchConfig.from_flags(max_sessions_per_step=args.max_batch_sessions,
                                    max_tokens_per_pass=args.max_pass_tokens, overlap=args.overlap)
-    llamacpp = LlamaCppOptions(**({"context": args.llamacpp_context} if args.llamacpp_context else {}))
+    llamacpp = LlamaCppOptions(**({"context": args.llamacpp_context} if args.llamacpp_context is not None else {}))
     drafts = dict(named.split("=", 1) for named in args.also_draft or [] if "=" in named)
-    if len(drafts) != len(args.also_draft or []):
+    if len(drafts) != len(args.also_draft or []) or "" in drafts:
         raise InvalidRequestError("--also-draft takes NAME=SOURCE")
     return EngineConfig(draft=args.draft, drafts=drafts, target=args.target, head=args.head, cache_dir=args.cache_dir,
                         draft_format=args.draft_format, target_format=args.target_format,
@@ -306,21 +306,14 @@ def add_training_parsers(commands) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
     from specdec.bench.runner import BenchConfig, run_bench
     from specdec.bench.specs import parse_specs
-    from specdec.errors import InvalidRequestError
-    from specdec.params import validation_message
 
     parse_specs([*args.policies, *args.chosen])  # a bad spec fails before minutes of model loading
-    try:
-        config = BenchConfig(engine=engine_config(args), policies=args.policies, temperatures=args.temperatures,
-                             prompts=args.prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
-                             seed=args.seed, out=args.out, forward_ks=args.forward_ks,
-                             forward_repeats=args.forward_repeats, chosen=args.chosen, concurrency=args.concurrency)
-    except ValidationError as exc:
-        raise InvalidRequestError(validation_message(exc)) from None
+    config = BenchConfig(engine=engine_config(args), policies=args.policies, temperatures=args.temperatures,
+                         prompts=args.prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                         seed=args.seed, out=args.out, forward_ks=args.forward_ks,
+                         forward_repeats=args.forward_repeats, chosen=args.chosen, concurrency=args.concurrency)
     results = run_bench(config, progress=not args.no_progress, report_only=args.report_only)
     print((args.out / "summary.md").read_text())
     lossless = results["lossless"]
@@ -422,13 +415,25 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except SpecDecError as exc:
-        if args.debug:
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if (message := user_error(exc)) is None or args.debug:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def user_error(exc: Exception) -> str | None:
+    """The one line a user's error prints: ours, or a flag's value that a config model refused
+    (pydantic's first error); None for anything else (a bug: its traceback shows)."""
+    if isinstance(exc, SpecDecError):
+        return str(exc)
+    from pydantic import ValidationError
+
+    from specdec.params import validation_message
+
+    return validation_message(exc) if isinstance(exc, ValidationError) else None
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -32,7 +32,7 @@ class GenerationParams(BaseModel):
 
     max_new_tokens: int = Field(128, ge=1)
     n: int = Field(1, ge=1, le=MAX_SAMPLES_PER_REQUEST)
-    stop: tuple[str, ...] = ()
+    stop: tuple[Annotated[str, Field(min_length=1)], ...] = ()  # ("" would stop before the first token)
     chat_template: bool = True
     sampling: SamplingParams = SamplingParams()
     policy: PolicyConfig = PolicyConfig()

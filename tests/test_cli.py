@@ -107,6 +107,12 @@ def test_several_prompts_run_together(tiny_pair, tmp_path, capsys):
     (["--use-draft", "eagle"], "unknown draft 'eagle'"),
     (["--also-draft", "feature"], "--also-draft takes NAME=SOURCE"),
     (["--also-draft", "default=x"], "'default' names the first draft"),
+    (["--also-draft", "=suffix"], "--also-draft takes NAME=SOURCE"),
+    (["--threads", "0"], "threads: Input should be greater than or equal to 1"),  # (pydantic's, one line)
+    (["--llamacpp-context", "32"], "one per sequence"),  # llama.cpp aborted the process
+    (["--llamacpp-context", "1"], "context: Input should be greater than or equal to 16"),
+    (["--stop", ""], "stop.0: String should have at least 1 character"),
+    (["--prompts", "humaneval", "--limit", "-1"], "--limit must be at least 1"),
 ])
 def test_bad_flags_exit_with_one_line(tiny_pair, capsys, flags, reason):
     code = main(["generate", "hello", *tiny_flags(tiny_pair), *flags])

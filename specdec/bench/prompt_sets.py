@@ -26,7 +26,10 @@ VALIDATION_FRACTION = 0.05  # data.prompts.validation_fraction in cluster/traini
 
 
 def load_prompts(source: str, limit: int | None = None) -> list[str | list[dict]]:
-    """The set's prompts: texts, and for `editing` also conversations (lists of chat messages)."""
+    """The set's prompts: texts, and for `editing` also conversations (lists of chat messages); the
+    first `limit` of them."""
+    if limit is not None and limit < 1:
+        raise InvalidRequestError(f"--limit must be at least 1, got {limit}")
     if source == "humaneval":
         from specdec.prompts import humaneval_prompts
 
@@ -57,7 +60,10 @@ def load_prompts(source: str, limit: int | None = None) -> list[str | list[dict]
 def _file_prompts(path: Path) -> list[str]:
     if not path.is_file():
         raise InvalidRequestError(f"--prompts {path}: no such file; use {', '.join(PROMPT_SETS)} or a file")
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError:
+        raise InvalidRequestError(f"--prompts {path}: not UTF-8 text") from None
     if path.suffix != ".jsonl":
         return lines
     prompts = []

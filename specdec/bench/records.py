@@ -100,8 +100,11 @@ class RecordStore:
                 raise SpecDecError(
                     f"{self.directory} holds records made with {name}={before!r}, not {now!r}; "
                     "pass another --out (or the same settings to resume)")
-        self.directory.mkdir(parents=True, exist_ok=True)
-        run_file.write_text(json.dumps(settings, indent=1, sort_keys=True) + "\n")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            run_file.write_text(json.dumps(settings, indent=1, sort_keys=True) + "\n")
+        except OSError as exc:
+            raise SpecDecError(f"--out {self.directory}: {exc.strerror or exc}") from None
 
 
 def stats_from_dict(data: dict) -> RequestStats:

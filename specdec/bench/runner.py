@@ -53,7 +53,8 @@ class BenchConfig(BaseModel):
 
     engine: EngineConfig = EngineConfig()
     policies: list[str] = Field(default_factory=lambda: list(DEFAULT_POLICIES))
-    temperatures: list[Annotated[float, Field(ge=0.0)]] = Field(default_factory=lambda: [0.0, 1.0], min_length=1)
+    temperatures: list[Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = Field(default_factory=lambda: [0.0, 1.0],
+                                                                                 min_length=1)
     prompts: str = "humaneval"
     limit: int | None = Field(None, ge=1)
     max_new_tokens: int = Field(128, ge=1)

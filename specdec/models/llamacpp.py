@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specdec.errors import ModelSourceError, SpecDecError
 from specdec.models.pool import SlotPool
@@ -99,6 +99,15 @@ class LlamaCppOptions(BaseModel):
     context: int = Field(DEFAULT_CONTEXT, ge=16)  # cache cells shared by all sessions; one session's limit too
     batch: int = Field(DEFAULT_BATCH, ge=1)  # tokens per llama_decode call
 
+    @model_validator(mode="after")
+    def _room_for_every_sequence(self) -> LlamaCppOptions:
+        # llama.cpp aborts the process when a pass's outputs, one per sequence at least, outgrow its
+        # batch (which it caps at the context)
+        if min(self.context, self.batch) < self.sequences:
+            raise ValueError(f"a context and a batch of at least {self.sequences} tokens (one per sequence) are "
+                             f"needed, got context {self.context} and batch {self.batch}; lower sequences or raise them")
+        return self
+
 
 MADV_DONTNEED = 4  # Linux
 
@@ -157,7 +166,9 @@ class LlamaCppModel:
         self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
         self.n_embd = lib.llama_model_n_embd(self.model)
         self.n_ctx_train = lib.llama_model_n_ctx_train(self.model)
-        self.n_ctx, self.n_batch = lib.llama_n_ctx(self.context), options.batch
+        # (llama.cpp caps a batch at the context: a chunk longer than the batch it took aborts the process)
+        self.n_ctx = lib.llama_n_ctx(self.context)
+        self.n_batch = min(lib.llama_n_batch(self.context), lib.llama_n_ubatch(self.context))
         self.hidden_on = hidden
         self._batch = lib.llama_batch_init(options.batch, 0, 1)
         release_mapped_pages(self.path)

@@ -309,7 +309,7 @@ def load_config(path: str | Path) -> PipelineConfig:
         raw = yaml.safe_load(path.read_text())
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid YAML ({one_line(exc)})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections (models, data, scaling, train, sweep)")

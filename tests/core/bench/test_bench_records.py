@@ -132,3 +132,15 @@ def test_a_stopped_run_drops_the_prompt_in_flight(tmp_path):
     assert store.drop_incomplete_prompts() == [("0", 1)]
     again = RecordStore(tmp_path)
     assert len(again) == 3 and record_key("target-only", 0.0, 1) not in again
+
+
+def test_an_out_that_is_a_file_and_an_infinite_temperature_are_refused_in_one_line(tmp_path):
+    from pydantic import ValidationError
+
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    with pytest.raises(SpecDecError, match="--out") as caught:
+        RecordStore(taken).check_settings({"max_new_tokens": 4})
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ValidationError, match="finite"):
+        BenchConfig(temperatures=[float("inf")], out=tmp_path / "out")

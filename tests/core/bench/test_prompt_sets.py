@@ -52,3 +52,12 @@ def test_editing_is_forty_edits_of_humaneval_solutions_and_twenty_conversations(
     assert len(set(map(str, prompts))) == 60
     # a conversation is encoded through the chat template as its messages
     assert tiny_engine.encode_prompt(conversations[0]) == tiny_engine.rules.encode_messages(conversations[0])
+
+
+def test_a_prompts_file_that_is_not_text_and_a_limit_below_one_are_refused_in_one_line(tmp_path):
+    binary = tmp_path / "prompts.txt"
+    binary.write_bytes(b"\x00\xb1\xff\x86 prompt")
+    with pytest.raises(InvalidRequestError, match="not UTF-8 text"):
+        load_prompts(str(binary))
+    with pytest.raises(InvalidRequestError, match="--limit must be at least 1, got -1"):
+        load_prompts("prose", limit=-1)

@@ -129,3 +129,11 @@ def test_unreadable_files(tmp_path, text, message):
 def test_train_section_is_required_for_training():
     with pytest.raises(ConfigError, match="no `train` section"):
         parse_config({"data": {"dir": "d"}}).require_train()
+
+
+def test_a_config_that_is_not_text_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "binary.yaml"
+    path.write_bytes(b"\x86\x00\xff")
+    with pytest.raises(ConfigError, match="not valid YAML") as caught:
+        load_config(path)
+    assert "\n" not in str(caught.value)
