@@ -36,6 +36,7 @@ from specdec.budget import MAX_CANDIDATES
 from specdec.builder import EngineConfig, build_rules
 from specdec.cost_profile import CostProfile
 from specdec.metrics import MS_PER_S
+from specdec.models.runtime import common_prefix_length
 from specdec.models.suffix import MatchHead, SuffixDraft, SuffixSession
 from specdec.policies import PolicyConfig, make_policy
 from specdec.proposers import SuffixProposer
@@ -61,11 +62,7 @@ def replay(proposer: SuffixProposer, prompt: list[int], output: list[int], costs
         [proposal] = proposer.propose([row], StepPlan(costs=costs), [])
         spent += (time.perf_counter() - start) * MS_PER_S  # the walk, on this CPU
         truth = output[len(history) - len(prompt):]
-        accepted = 0
-        for y, token in zip(proposal.candidates, truth):
-            if y != token:
-                break
-            accepted += 1
+        accepted = common_prefix_length(proposal.candidates, truth)
         spent += interpolate(curve, len(proposal.candidates) + 1) + host_ms
         history = history + truth[:accepted + 1]
         rounds += 1
@@ -118,9 +115,7 @@ def walk_cost(texts: list[tuple[list[int], list[int]]], sessions: int, costs: Co
             times.append((time.perf_counter() - start) * MS_PER_S)
         for s, proposal in enumerate(proposals):
             output = rows[s][3]
-            truth = output[done[s]:]
-            taken = next((i for i, (y, t) in enumerate(zip(proposal.candidates, truth)) if y != t),
-                         min(len(proposal.candidates), len(truth)))
+            taken = common_prefix_length(proposal.candidates, output[done[s]:])
             done[s] = min(done[s] + taken + 1, len(output) - 1)  # a finished output stays at its end
     times.sort()
     return statistics.median(times), times[int(0.9 * (len(times) - 1))]
