@@ -12,8 +12,10 @@ with it, as `specdec bench` counts); greedy; the outputs are the CPU target's (t
 1.5B), a proxy for a larger target's on the same prompts.
 
 Beside the walk, a copy oracle that knows the output bounds what any draft copying earlier text can
-do on that curve (`copy_oracle`). `--walk-cost 1 8 64` times the walks themselves, host work on any
-device: ms a step for that many sessions decoding the outputs at once (`walk_cost`).
+do on that curve (`copy_oracle`), and the walk's own candidates stopped where the output leaves them
+(`walk_oracle`) split the gap between the two: what the candidates lose, and what the stopping does.
+`--walk-cost 1 8 64` times the walks themselves, host work on any device: ms a step for that many
+sessions decoding the outputs at once (`walk_cost`).
 
     python -m benchmarks.suffix_replay docs/results/suffix/2026-12-05-editing --prompts editing --limit 12 \\
         --gpu docs/results/gpu/2026-12-04-h200 docs/results/gpu/2026-12-04-h200-b
@@ -67,6 +69,27 @@ def replay(proposer: SuffixProposer, prompt: list[int], output: list[int], costs
         history = history + truth[:accepted + 1]
         rounds += 1
     return spent, len(output) * (curve[1] + host_ms), rounds
+
+
+def walk_oracle(proposer: SuffixProposer, prompt: list[int], output: list[int], curve: dict[int, float],
+                host_ms: float, most: int) -> tuple[float, int]:
+    """(ms, rounds) to decode `output` after `prompt` with the walk's candidates (walked as far as
+    `most`) and a stopping rule that knows the output: each round keeps the candidates the output
+    agrees with, as far as makes the round's pass cheapest a token on `curve`."""
+    session, history, spent, rounds = SuffixSession(), list(prompt), 0.0, 0
+    policy = make_policy(PolicyConfig(name="fixed", k=most))
+    while len(history) < len(prompt) + len(output):
+        left = len(prompt) + len(output) - len(history)
+        row = DraftRow(session, history, policy, min(most, left - 1), len(history) - len(prompt),
+                       SamplingParams(), None)
+        [proposal] = proposer.propose([row], StepPlan(), [])
+        truth = output[len(history) - len(prompt):]
+        agreed = common_prefix_length(proposal.candidates, truth)
+        k = max(range(agreed + 1), key=lambda k: (k + 1) / interpolate(curve, k + 1))
+        spent += interpolate(curve, k + 1) + host_ms
+        history = history + truth[:k + 1]
+        rounds += 1
+    return spent, rounds
 
 
 def copy_oracle(prompt: list[int], output: list[int], curve: dict[int, float], host_ms: float) -> tuple[float, int]:
@@ -185,22 +208,27 @@ def main() -> None:
     for name, curve in curves.items():
         costs = CostProfile(t_draft_ms=0.01, t_target_ms=curve)
         proposer = SuffixProposer(SuffixDraft(rules.vocab_size))  # estimates learn across the prompts, as served
-        spec = plain = bound = 0.0
-        ratios, rounds, oracle_rounds = [], 0, 0
+        candidates = SuffixProposer(SuffixDraft(rules.vocab_size))
+        spec = plain = bound = stopped = 0.0
+        ratios, rounds, oracle_rounds, stopped_rounds = [], 0, 0, 0
         for index, output in sorted(outputs.items()):
             s, p, r = replay(proposer, prompts[index], output, costs, host_ms, curve, most)
             o, r_o = copy_oracle(prompts[index], output, curve, host_ms)
+            w, r_w = walk_oracle(candidates, prompts[index], output, curve, host_ms, most)
             spec, plain, bound, rounds, oracle_rounds = spec + s, plain + p, bound + o, rounds + r, oracle_rounds + r_o
+            stopped, stopped_rounds = stopped + w, stopped_rounds + r_w
             ratios.append(p / s)
         ratios.sort()
         print(f"{name}: pass(1) {curve[1]:.2f} ms, pass(16) {curve.get(16, float('nan')):.2f} ms; decoding only: "
               f"{tokens} tokens in {rounds} rounds ({tokens / rounds:.2f} a pass): {plain / spec:.2f}x target-only "
-              f"(per prompt median {ratios[len(ratios) // 2]:.2f}, {ratios[0]:.2f}-{ratios[-1]:.2f}); the copy oracle "
-              f"{tokens / oracle_rounds:.2f} a pass, {plain / bound:.2f}x")
+              f"(per prompt median {ratios[len(ratios) // 2]:.2f}, {ratios[0]:.2f}-{ratios[-1]:.2f}); its candidates "
+              f"stopped knowing the output {tokens / stopped_rounds:.2f} a pass, {plain / stopped:.2f}x; the copy "
+              f"oracle {tokens / oracle_rounds:.2f} a pass, {plain / bound:.2f}x")
         if prefill is not None:
             first = sum(prefill.values())
             print(f"  with each prompt's prefill ({first / MS_PER_S:.1f} s in all, {first / (first + plain):.0%} of "
-                  f"target-only's time): {(first + plain) / (first + spec):.2f}x target-only, the copy oracle "
+                  f"target-only's time): {(first + plain) / (first + spec):.2f}x target-only, its candidates "
+                  f"stopped knowing the output {(first + plain) / (first + stopped):.2f}x, the copy oracle "
                   f"{(first + plain) / (first + bound):.2f}x")
 
 

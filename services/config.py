@@ -10,8 +10,10 @@ from ray.serve.config import AutoscalingConfig
 
 from specdec.builder import EngineConfig, draft_configs
 from specdec.models.feature_files import is_feature_draft
-from specdec.policies import PolicyConfig
+from specdec.errors import InvalidRequestError
+from specdec.policies import PolicyConfig, resolve_policy
 from services.auth import env_api_key
+from services.coordinator import check_served_policy
 from specdec.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_TTL_S
 
 # The public gRPC service, for Serve's gRPC proxy (`grpc_options.grpc_servicer_functions`): the
@@ -28,7 +30,7 @@ class ReplicaConfig(BaseModel):
     and graceful-shutdown fields are Serve's deployment options of the same names (None: Serve's
     default)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     num_replicas: int = Field(1, ge=1)
     # {min_replicas, max_replicas, target_ongoing_requests, ...}: Serve's autoscaling_config;
@@ -87,14 +89,14 @@ class ReplicaConfig(BaseModel):
 class SessionConfig(BaseModel):
     """KV-cache sessions on each draft and verifier replica (LRU + TTL)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     max_sessions: int = Field(DEFAULT_MAX_SESSIONS, ge=1)
     ttl_s: float = Field(DEFAULT_TTL_S, gt=0)
 
 
 class AppConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     models: EngineConfig = EngineConfig()
     # The policy of requests that name none (and its k/threshold for requests that name it too).
@@ -139,6 +141,24 @@ class AppConfig(BaseModel):
     # Largest request accepted: HTTP body bytes (413 beyond), gRPC request message bytes
     # (INVALID_ARGUMENT beyond). 1 MiB holds a 32k-token prompt several times over.
     max_request_bytes: int = Field(1 << 20, ge=1024)
+
+    @field_validator("policy")
+    @classmethod
+    def _servable_policy(cls, value: PolicyConfig) -> PolicyConfig:
+        """A default policy no request could run is refused where the app is built, not at every
+        request (whether the named draft has a head is a request's own check)."""
+        try:
+            check_served_policy(resolve_policy(value, has_head=True))
+        except InvalidRequestError as error:
+            raise ValueError(str(error)) from None
+        return value
+
+    @field_validator("max_queued_requests")
+    @classmethod
+    def _serve_queue(cls, value: int) -> int:
+        if value == 0:  # (Serve's own check, at deploy time, would end `serve run` with a traceback)
+            raise ValueError("max_queued_requests must be -1 (unbounded) or at least 1")
+        return value
 
     @field_validator("api_key", mode="after")
     @classmethod

@@ -30,6 +30,16 @@ from services.convert import params_from_request, prompt_ids_from_request, stats
 MAX_CANDIDATES_PER_ROUND = 64
 
 
+def check_served_policy(policy: PolicyConfig) -> None:
+    """What a server refuses of a named policy beyond `resolve_policy` (raises InvalidRequestError):
+    a request's, and the app's default where the app is built (services/config.py)."""
+    if not policy_traits(policy.name).servable:
+        raise InvalidRequestError(f"policy {policy.name!r} needs the target's continuation in advance and "
+                                  "runs in process only (specdec generate, benchmarks/)")
+    if policy.k is not None and policy.k > MAX_CANDIDATES_PER_ROUND:
+        raise InvalidRequestError(f"k must be at most {MAX_CANDIDATES_PER_ROUND} on this server, got {policy.k}")
+
+
 class Coordinator:
     def __init__(self, transport: RoundTransport, rules: RequestRules, default_policy: PolicyConfig = PolicyConfig(),
                  observer: RoundObserver | None = None, retry: RetryPolicy = RetryPolicy(),
@@ -48,11 +58,7 @@ class Coordinator:
         params = params_from_request(request, self.default_policy, self.api_key)
         prompt_ids = prompt_ids_from_request(request, self.rules, params)
         params = self.rules.validate(prompt_ids, params)  # resolved: the policy is named
-        if not policy_traits(params.policy.name).servable:
-            raise InvalidRequestError(f"policy {params.policy.name!r} needs the target's continuation in advance and "
-                                      "runs in process only (specdec generate, benchmarks/)")
-        if params.policy.k is not None and params.policy.k > MAX_CANDIDATES_PER_ROUND:
-            raise InvalidRequestError(f"k must be at most {MAX_CANDIDATES_PER_ROUND} on this server, got {params.policy.k}")
+        check_served_policy(params.policy)
         if params.max_new_tokens > self.rules.max_context:
             raise InvalidRequestError(f"max-new-tokens {params.max_new_tokens} exceeds the models' context of "
                                       f"{self.rules.max_context} tokens")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 
@@ -12,6 +13,7 @@ from ray.serve.config import gRPCOptions
 
 from services.app import build_app
 from services.config import GRPC_SERVICER_FUNCTIONS, AppConfig
+from specdec.errors import InvalidRequestError
 
 APP_NAME = "specdec"
 DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT = 8000, 9000  # Serve's defaults
@@ -38,7 +40,29 @@ def start(config: AppConfig, host: str = "127.0.0.1", http_port: int = DEFAULT_H
     return {"grpc": f"{host}:{grpc_port}", "http": f"http://{host}:{http_port}"}
 
 
+def check_ports(host: str, http_port: int, grpc_port: int) -> None:
+    """Refuse (InvalidRequestError) ports the proxies could not listen on, before Ray starts and the
+    models load: Serve's proxy finds out only once it starts, and `serve.start` then waits on it."""
+    if http_port == grpc_port:
+        raise InvalidRequestError(f"--http-port and --grpc-port are both {http_port}")
+    for flag, port in (("--http-port", http_port), ("--grpc-port", grpc_port)):
+        if not 1 <= port <= 65535:
+            raise InvalidRequestError(f"{flag} must be in 1..65535, got {port}")
+        try:  # as the proxies bind (SO_REUSEADDR: a port a stopped server left in TIME_WAIT is free)
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as error:
+            raise InvalidRequestError(f"--host {host!r}: {error.strerror}") from None
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as error:
+                raise InvalidRequestError(f"{flag} {port} on {host}: {error.strerror}") from None
+
+
 def serve_forever(config: AppConfig, host: str, http_port: int, grpc_port: int) -> int:
+    check_ports(host, http_port, grpc_port)
     print("starting Ray and the app (loading both models)...", file=sys.stderr)
     addresses = start(config, host, http_port, grpc_port)
     print(f"gRPC  {addresses['grpc']}  (specdec.v1.Generation)\n"

@@ -176,3 +176,28 @@ def test_train_head_without_data_fails_before_ray(tmp_path, tiny_pair):
     proc = run_cli("train-head", "--config", str(config))
     assert proc.returncode == 2 and "no dataset at" in proc.stderr and "run `specdec gen-data` first" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (["--policy", "oracle"], "runs in process only"),
+    (["--policy", "fixed", "--k", "65"], "k must be at most 64"),
+    (["--http-port", "0"], "--http-port must be in 1..65535"),
+    (["--grpc-port", "70000"], "--grpc-port must be in 1..65535"),
+    (["--http-port", "9000"], "--http-port and --grpc-port are both 9000"),
+    (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid'"),
+    (["--http-port", "TAKEN"], "Address already in use"),
+])
+def test_serve_refuses_what_it_could_not_serve_before_ray_starts(tiny_pair, capsys, monkeypatch, flags, reason):
+    import socket
+
+    import services.launch
+
+    monkeypatch.setattr(services.launch, "start", lambda *args: pytest.fail("Ray started"))
+    with socket.socket() as taken:  # a port another server listens on
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        flags = [str(taken.getsockname()[1]) if flag == "TAKEN" else flag for flag in flags]
+        code = main(["serve", *tiny_flags(tiny_pair), *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("error: ") and reason in err[-1]

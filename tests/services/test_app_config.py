@@ -63,3 +63,24 @@ def test_a_model_free_draft_reserves_no_cpu_or_gpu():
     suffix, model = deployments["Draft-suffix"], deployments["Draft"]
     assert (suffix["num_cpus"], suffix["num_gpus"], suffix.get("resources")) == (0.0, 0.0, None)
     assert (model["num_cpus"], model["num_gpus"], model["resources"]) == (1, 1, {"draft_node": 1})
+
+
+@pytest.mark.parametrize("policy, reason", [
+    ({"name": "bogus"}, "unknown policy 'bogus'"),
+    ({"name": "oracle"}, "runs in process only"),
+    ({"name": "fixed", "k": 0}, "k must be at least 1"),
+    ({"name": "fixed", "k": 65}, "k must be at most 64"),
+    ({"name": "specdec++", "threshold": 1.5}, "threshold must be in (0, 1)"),
+])
+def test_a_default_policy_no_request_could_run_is_refused_where_the_app_is_built(policy, reason):
+    with pytest.raises(ValidationError, match=reason.replace("(", r"\(").replace(")", r"\)")):
+        AppConfig(policy=policy)
+    assert AppConfig(policy={"name": "fixed", "k": 4}).policy.k == 4
+
+
+@pytest.mark.parametrize("field", [{"max_queued_requests": 0}, {"draft": {"num_cpus": float("inf")}},
+                                   {"verifier": {"health_check_period_s": float("inf")}},
+                                   {"sessions": {"ttl_s": float("nan")}}])
+def test_values_serve_would_refuse_at_deploy_time_are_refused_in_the_config(field):
+    with pytest.raises(ValidationError):
+        AppConfig(**field)
