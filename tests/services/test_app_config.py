@@ -80,7 +80,7 @@ def test_a_default_policy_no_request_could_run_is_refused_where_the_app_is_built
 
 @pytest.mark.parametrize("field", [{"max_queued_requests": 0}, {"draft": {"num_cpus": float("inf")}},
                                    {"verifier": {"health_check_period_s": float("inf")}},
-                                   {"sessions": {"ttl_s": float("nan")}}])
+                                   {"sessions": {"ttl_s": float("inf")}}])
 def test_values_serve_would_refuse_at_deploy_time_are_refused_in_the_config(field):
     with pytest.raises(ValidationError):
         AppConfig(**field)
