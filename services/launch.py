@@ -42,7 +42,7 @@ def start(config: AppConfig, host: str = "127.0.0.1", http_port: int = DEFAULT_H
 
 def check_ports(host: str, http_port: int, grpc_port: int) -> None:
     """Refuse (InvalidRequestError) ports the proxies could not listen on, before Ray starts and the
-    models load: Serve's proxy finds out only once it starts, and `serve.start` then waits on it."""
+    models load: Serve's proxy finds out only once Ray is up, and fails with an actor's traceback."""
     if http_port == grpc_port:
         raise InvalidRequestError(f"--http-port and --grpc-port are both {http_port}")
     for flag, port in (("--http-port", http_port), ("--grpc-port", grpc_port)):
