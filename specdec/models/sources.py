@@ -531,8 +531,13 @@ def _bytes_bar(total: int, desc: str, progress: bool):
 def _locked(root: Path, name: str) -> Iterator[None]:
     """An exclusive file lock, so concurrent processes (e.g. replicas) convert a model only once."""
     lock_dir = root / LOCKS_SUBDIR
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    with open(lock_dir / f"{name}.lock", "w") as fh:
+    try:  # (the cache's first write: where it cannot be written, say so in one line)
+        lock_dir.mkdir(parents=True, exist_ok=True)
+        fh = open(lock_dir / f"{name}.lock", "w")
+    except OSError as error:
+        raise ModelSourceError(f"the model cache {root} cannot be written ({error.strerror}): "
+                               f"--cache-dir or ${CACHE_ENV} names another") from None
+    with fh:
         try:
             import fcntl
         except ImportError:  # not POSIX: no lock, the temp-dir + marker protocol still holds

@@ -271,6 +271,12 @@ def test_gguf_file_is_converted_once_into_a_hashed_directory(tiny_gguf, tmp_path
     assert resolve_model(str(tiny_gguf), "target", cache=cache, progress=False) == out
 
 
+def test_a_cache_that_cannot_be_written_is_a_one_line_model_source_error(tiny_gguf, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ModelSourceError, match="cannot be written .Not a directory.: --cache-dir"):
+        resolve_model(str(tiny_gguf), "target", cache=tmp_path / "a-file", progress=False)
+
+
 def test_missing_gguf_file(tmp_path):
     with pytest.raises(ModelSourceError, match="nope.gguf: no such .gguf file"):
         resolve_model(str(tmp_path / "nope.gguf"), "draft", cache=tmp_path)
