@@ -44,8 +44,15 @@ class Strict(BaseModel):
         return value
 
 
-def _expand(path: str | None) -> str | None:
-    return None if path is None else str(Path(path).expanduser())
+def _folder(path: str | None) -> str | None:
+    """A folder's path, `~` expanded. One that exists must be a folder: a file there would fail the
+    job with a traceback at its first write, minutes in."""
+    if path is None:
+        return None
+    expanded = Path(path).expanduser()
+    if expanded.exists() and not expanded.is_dir():
+        raise ValueError(f"{path} is a file, not a folder")
+    return str(expanded)
 
 
 class ModelsSection(Strict):
@@ -170,7 +177,7 @@ class DataSection(Strict):
     seed: int = Field(0, ge=0)
     shard_size: int = Field(8, ge=1, description="prompts per shard (the unit of resume)")
 
-    _expand_dir = field_validator("dir")(_expand)
+    _folder_dir = field_validator("dir")(_folder)
 
     @model_validator(mode="after")
     def _reference_for_features(self) -> DataSection:
@@ -216,7 +223,7 @@ class TrainSection(Strict):
     # passes over the data are most of train-head's time (a feature draft's: seconds a sequence here).
     max_sequences: int | None = Field(None, ge=1)
 
-    _expand_paths = field_validator("storage", "output")(_expand)
+    _folder_paths = field_validator("storage", "output")(_folder)
 
     @model_validator(mode="after")
     def _some_weight(self):
@@ -258,7 +265,7 @@ class DraftTrainSection(Strict):
     # weights and its vocabulary; its target, inputs and shape must be this run's.
     init: str | None = Field(None, min_length=1, description="a saved feature draft directory to start from")
 
-    _expand_paths = field_validator("storage", "output", "init")(_expand)
+    _folder_paths = field_validator("storage", "output", "init")(_folder)
 
 
 class SweepSection(Strict):

@@ -137,3 +137,11 @@ def test_a_config_that_is_not_text_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="not valid YAML") as caught:
         load_config(path)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("section, key", [("data", "dir"), ("train", "storage"), ("train", "output")])
+def test_a_folder_that_is_a_file_is_refused_before_the_job_starts(tmp_path, section, key):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError, match=f"{section}.{key}: .*a-file is a file, not a folder"):
+        parse_config(with_change(section, key, str(tmp_path / "a-file")))
+    assert parse_config(with_change(section, key, str(tmp_path / "new"))) is not None
