@@ -21,12 +21,14 @@ from specdec.errors import SpecDecError, one_line
 from specdec.features import FEATURES_HIDDEN, FeatureKind
 from specdec.head import MAX_DEPTH
 from specdec.models.formats import WeightFormat
+from specdec.models.vocab import ASCII, FULL
 from specdec.policies import POLICY_NAMES, PolicyConfig, policy_traits
 from specdec.sampling import SamplingParams
 from specdec.training.mixing import OFFICIAL_TARGET_TOKEN_RATIO
 
 PromptSource = Literal["stdlib-docstrings", "prose", "package-docstrings"]
 SELECT_BY = {"kl": "min", "auroc": "max", "ece": "min", "loss": "min"}  # validation metric -> better
+MAX_SEED = (1 << 63) - 1  # torch's generators take 64 bits (a seed + an epoch stays within them)
 
 
 class ConfigError(SpecDecError, ValueError):
@@ -45,14 +47,27 @@ class Strict(BaseModel):
 
 
 def _folder(path: str | None) -> str | None:
-    """A folder's path, `~` expanded. One that exists must be a folder: a file there would fail the
+    """A folder's path, `~` expanded. What of it exists must be folders: a file there would fail the
     job with a traceback at its first write, minutes in."""
     if path is None:
         return None
-    expanded = Path(path).expanduser()
-    if expanded.exists() and not expanded.is_dir():
-        raise ValueError(f"{path} is a file, not a folder")
+    try:
+        if "\0" in path:
+            raise ValueError("a NUL character")
+        expanded = Path(path).expanduser()
+        existing = next(p for p in (expanded, *expanded.parents) if p.exists())  # ("/" exists)
+    except (RuntimeError, OSError, ValueError) as error:  # ~nosuchuser, a name too long, a NUL
+        raise ValueError(f"{path!r} is not a usable path ({one_line(error)})") from None
+    if not existing.is_dir():
+        raise ValueError(f"{path}: {existing} is a file, not a folder")
     return str(expanded)
+
+
+def _run_name(name: str) -> str:
+    """A run's name is a folder under the storage: `.` or `..` would put it beside or above it."""
+    if not name.strip("."):
+        raise ValueError("must not be made of dots alone")
+    return name
 
 
 class ModelsSection(Strict):
@@ -66,6 +81,14 @@ class ModelsSection(Strict):
     draft_format: WeightFormat = "fp32"
     target_format: WeightFormat = "auto"
     draft_vocab: str = "full"  # label with the draft vocabulary the head will serve with (models/vocab.py)
+
+    @field_validator("draft_vocab")
+    @classmethod
+    def _vocabulary(cls, vocab: str) -> str:
+        # (checked here, not first in each generation worker, which would fail with a traceback)
+        if vocab not in (FULL, ASCII) and not Path(vocab).expanduser().is_file():
+            raise ValueError(f"expected 'full', 'ascii' or a JSON file of token ids, not {vocab!r}")
+        return vocab
 
     @field_validator("draft_format")
     @classmethod
@@ -83,7 +106,7 @@ class ModelsSection(Strict):
 
 class PromptsSection(Strict):
     # One source or several (their prompts interleave in hash order, each source split on its own).
-    source: PromptSource | list[PromptSource] = "stdlib-docstrings"
+    source: PromptSource | list[PromptSource] = Field("stdlib-docstrings", min_length=1)
     train: int | None = Field(None, ge=1, description="train prompts to generate (None: all)")
     validation: int | None = Field(None, ge=1, description="validation prompts to generate (None: all)")
     validation_fraction: float = Field(0.05, gt=0.0, lt=1.0)
@@ -149,7 +172,7 @@ class FeaturesSection(Strict):
     low, middle and high by default) and its output state (the final norm's, which its LM head
     reads: the soft targets and the one-layer variant's input)."""
 
-    layers: list[int] = Field(default_factory=lambda: [1, 13, 24])
+    layers: list[int] = Field(default_factory=lambda: [1, 13, 24], min_length=1)
     # The states' teacher-forced pass: `target`, the target as the engine runs it (float32 on the
     # CPU, bfloat16 on a GPU); `bfloat16`, a bfloat16 copy of it where the engine runs float32. On a
     # CPU with AVX-512 BF16 that pass takes half the time and its states are within cosine 0.9996
@@ -192,8 +215,8 @@ class ScalingSection(Strict):
 
     num_workers: int = Field(1, ge=1)
     use_gpu: bool = False
-    cpus_per_worker: float = Field(1.0, gt=0.0)
-    threads: int | None = Field(None, ge=1, description="torch threads per worker (None: Ray's OMP setting)")
+    cpus_per_worker: float = Field(1.0, ge=0.0001)  # (Ray's finest fraction of a resource)
+    threads: int | None = Field(None, ge=1, le=4096, description="torch threads per worker (None: Ray's OMP setting)")
 
 
 class TrainSection(Strict):
@@ -204,13 +227,13 @@ class TrainSection(Strict):
     w_acc: float = Field(1.0, ge=0.0)
     w_rej: float = Field(6.0, ge=0.0)
     mixing_ratio: float = Field(OFFICIAL_TARGET_TOKEN_RATIO, ge=0.0, lt=1.0)
-    mixing_seed: int = Field(0, ge=0)
+    mixing_seed: int = Field(0, ge=0, le=MAX_SEED)
     reduction: Literal["mean", "weighted_mean"] = "mean"
     epochs: int = Field(10, ge=1)
     batch_size: int = Field(512, ge=1)
     lr: float = Field(1e-3, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     # What the head reads (specdec/features.py): the paper's `hidden`, or `hidden+distribution`.
     features: FeatureKind = FEATURES_HIDDEN
     # Project the hidden state to this width before the blocks, with dropout on it in training (head.py).
@@ -224,6 +247,7 @@ class TrainSection(Strict):
     max_sequences: int | None = Field(None, ge=1)
 
     _folder_paths = field_validator("storage", "output")(_folder)
+    _run_name = field_validator("name")(_run_name)
 
     @model_validator(mode="after")
     def _some_weight(self):
@@ -260,12 +284,13 @@ class DraftTrainSection(Strict):
     weight_decay: float = Field(0.01, ge=0.0)
     checkpoint_every: int = Field(100, ge=1, description="optimizer steps between checkpoints (the unit of resume)")
     max_tokens: int = Field(1024, ge=8, description="longest prompt + response trained on (longer ones are cut)")
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     # A saved feature draft to start from (a longer run on more data without starting over): its
     # weights and its vocabulary; its target, inputs and shape must be this run's.
     init: str | None = Field(None, min_length=1, description="a saved feature draft directory to start from")
 
     _folder_paths = field_validator("storage", "output", "init")(_folder)
+    _run_name = field_validator("name")(_run_name)
 
 
 class SweepSection(Strict):
@@ -278,6 +303,8 @@ class SweepSection(Strict):
     def _depths(cls, depths: list[int]) -> list[int]:
         if any(not 0 <= d <= MAX_DEPTH for d in depths):
             raise ValueError(f"each depth must lie in 0..{MAX_DEPTH}")
+        if len(set(depths)) < len(depths):
+            raise ValueError("must be distinct depths")
         return depths
 
     @field_validator("w_rej")
@@ -285,6 +312,8 @@ class SweepSection(Strict):
     def _weights(cls, weights: list[float]) -> list[float]:
         if any(not (math.isfinite(w) and w > 0) for w in weights):
             raise ValueError("each w_rej must be a positive number")
+        if len({f"{w:g}" for w in weights}) < len(weights):  # (a run's name holds it so: train.py)
+            raise ValueError("must be weights distinct in their first 6 digits")
         return weights
 
 

@@ -145,3 +145,34 @@ def test_a_folder_that_is_a_file_is_refused_before_the_job_starts(tmp_path, sect
     with pytest.raises(ConfigError, match=f"{section}.{key}: .*a-file is a file, not a folder"):
         parse_config(with_change(section, key, str(tmp_path / "a-file")))
     assert parse_config(with_change(section, key, str(tmp_path / "new"))) is not None
+
+
+@pytest.mark.parametrize("section, key, value, reason", [
+    ("data", "dir", "~no-such-user-xyz/d", "not a usable path"),
+    ("data", "dir", "/tmp/" + "a" * 300, "not a usable path"),
+    ("train", "storage", "/tmp/x\0y", "not a usable path"),
+    ("train", "name", "..", "dots alone"),
+    ("train", "seed", 2 ** 70, "less than or equal to"),
+    ("train", "mixing_seed", 2 ** 64, "less than or equal to"),
+    ("scaling", "cpus_per_worker", 0.00001, "greater than or equal to 0.0001"),
+    ("scaling", "threads", 2 ** 31, "less than or equal to 4096"),
+    ("models", "draft_vocab", "bogus", "expected 'full', 'ascii' or a JSON file"),
+    ("sweep", "depths", [1, 1], "distinct depths"),
+    ("sweep", "w_rej", [1, 1.0000001], "distinct in their first 6 digits"),
+])
+def test_values_a_job_would_fail_on_minutes_in_are_refused_where_the_config_loads(section, key, value, reason):
+    with pytest.raises(ConfigError, match=f"{section}.{key}: .*{reason}"):
+        parse_config(with_change(section, key, value))
+
+
+def test_empty_prompt_sources_and_feature_layers_are_refused():
+    with pytest.raises(ConfigError, match="data.prompts.source"):
+        parse_config({**MINIMAL, "data": {"dir": "d", "prompts": {"source": []}}})
+    with pytest.raises(ConfigError, match="data.features.layers"):
+        parse_config({**MINIMAL, "data": {"dir": "d", "kind": "features", "features": {"layers": []}}})
+
+
+def test_a_folder_under_a_file_is_refused(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError, match="train.output: .*a-file is a file, not a folder"):
+        parse_config(with_change("train", "output", str(tmp_path / "a-file" / "head")))
