@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from specdec.errors import InvalidRequestError, SpecDecError
+from specdec.errors import InvalidRequestError, SpecDecError, one_line
 
 EXIT_USAGE = 2
 
@@ -225,7 +225,10 @@ def start_ray(address: str | None) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except (ValueError, ConnectionError) as error:  # a malformed address; none answering there
+            raise SpecDecError(f"Ray at {address!r}: {one_line(error)}") from None
     else:  # Ray starts workers at nice 15; here they are the job, so they must not yield to everything else
         ray.init(address="local", log_to_driver=True, _system_config={"worker_niceness": 0})
 

@@ -178,6 +178,21 @@ def test_train_head_without_data_fails_before_ray(tmp_path, tiny_pair):
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("address, reason", [("bogus", "Invalid address format"),
+                                             ("auto", "Could not find any running Ray instance")])
+def test_a_ray_address_that_does_not_answer_is_one_line(tmp_path, monkeypatch, capsys, address, reason):
+    import ray
+
+    if ray.is_initialized():  # (a test before may have left one: nothing but its fixtures shares it)
+        ray.shutdown()
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"data: {{dir: {tmp_path / 'data'}}}\ntrain: {{storage: {tmp_path / 'runs'}, output: o}}\n")
+    assert main(["gen-data", "--config", str(config), "--address", address]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: Ray at '{address}': {reason}")
+
+
 @pytest.mark.parametrize("flags, reason", [
     (["--policy", "oracle"], "runs in process only"),
     (["--policy", "fixed", "--k", "65"], "k must be at most 64"),

@@ -91,7 +91,11 @@ DEFAULTS = {"draft": DEFAULT_DRAFT, "target": DEFAULT_TARGET}
 
 def cache_dir(override: str | Path | None = None) -> Path:
     """`override`, else $SPECDEC_CACHE (read now, so it may change after import), else ~/.cache/specdec."""
-    return Path(override or os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser()
+    path = override or os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # ~nosuchuser
+        raise ModelSourceError(f"the model cache {path}: no such user's home") from None
 
 
 def check_source(source: str, role: str) -> str:
