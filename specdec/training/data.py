@@ -71,7 +71,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.errors import IncompatibleModelsError, SpecDecError, one_line
+from specdec.errors import IncompatibleModelsError, ModelSourceError, SpecDecError, one_line
 from specdec.models.feature_files import pack_states
 from specdec.models.vocab import SETTINGS_BEFORE_DRAFT_VOCAB, vocab_setting
 from specdec.sampling import SamplingParams, probs_from_logits
@@ -412,7 +412,10 @@ def model_entry(source: str, role: str, cache_dir: str | None) -> dict:
     from specdec.models.sources import model_identity, resolve_model
 
     model_dir = resolve_model(source, role=role, cache=cache_dir, progress=True)
-    config = AutoConfig.from_pretrained(model_dir)
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (ValueError, OSError) as exc:  # e.g. a feature draft's directory: not a model of its own
+        raise ModelSourceError(f"models.{role} {source!r} is not a transformers model: {one_line(exc)}") from None
     return {"source": source, "identity": model_identity(model_dir), "dir": str(model_dir),
             "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
             "num_hidden_layers": config.num_hidden_layers}
@@ -445,9 +448,12 @@ def read_manifest(directory: Path) -> dict:
     if not path.is_file():
         raise DatasetError(f"no dataset at {directory} (no {MANIFEST_FILE}); run `specdec gen-data` first")
     try:
-        return json.loads(path.read_text())
+        manifest = json.loads(path.read_text())
     except (ValueError, OSError) as exc:
         raise DatasetError(f"corrupt manifest {path}: {one_line(exc)}") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("settings", {}), dict):
+        raise DatasetError(f"corrupt manifest {path}: not a manifest's object")
+    return manifest
 
 
 def write_manifest(directory: Path, manifest: dict) -> None:

@@ -255,6 +255,22 @@ def test_missing_dataset(tmp_path):
         load_dataset(tmp_path)
 
 
+@pytest.mark.parametrize("text", ["[]", "null", '{"settings": []}'])
+def test_a_manifest_that_is_not_one_is_corrupt(tmp_path, text):
+    (tmp_path / MANIFEST_FILE).write_text(text)
+    with pytest.raises(DatasetError, match="corrupt manifest .*not a manifest's object"):
+        read_manifest(tmp_path)
+
+
+def test_a_draft_that_is_not_a_transformers_model_is_one_line(tmp_path):
+    from specdec.errors import ModelSourceError
+    from specdec.training.data import model_entry
+
+    (tmp_path / "config.json").write_text("{}")  # a directory with a config of no model_type (a feature draft's)
+    with pytest.raises(ModelSourceError, match="models.draft .* is not a transformers model"):
+        model_entry(str(tmp_path), "draft", None)
+
+
 def test_prompts_longer_than_the_context_get_an_empty_row(tiny_pair):
     from specdec.training.data import FINISH_TOO_LONG, ExampleWriter
     from specdec.training.stdlib_prompts import Prompt
