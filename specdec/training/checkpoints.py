@@ -12,6 +12,12 @@ import torch
 STATE_FILE, HISTORY_FILE = "state.pt", "history.json"
 
 
+def has_checkpoint(storage: str, run: str) -> bool:
+    """Whether run `run` under `storage` reported a checkpoint (Ray Train's `checkpoint_*` folders):
+    a run that failed before its first has nothing to resume, so its settings bind nothing."""
+    return any(Path(storage).resolve().joinpath(run).glob("checkpoint_*"))
+
+
 def resume(load_model, optimizer, model_key: str, progress_key: str) -> tuple[int, list[dict]]:
     """Load the run's latest checkpoint into the model (`load_model(state[model_key])`) and the
     optimizer; returns (its progress, state[progress_key], and the metrics history), (0, []) when

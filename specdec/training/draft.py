@@ -394,7 +394,7 @@ def check_run_settings(draft: DraftTrainSection, data_settings: dict) -> None:
     """A run name resumes only the run it started: refuse other settings or other data under it."""
     path = Path(draft.storage).resolve() / f"{draft.name}.settings.json"
     wanted = {"draft": draft.model_dump(exclude=set(RESUMABLE_CHANGES)), "data": data_settings}
-    if path.is_file():
+    if path.is_file() and checkpoints.has_checkpoint(draft.storage, draft.name):
         found = json.loads(path.read_text())
         # a setting newer than the run reads as its default there
         was = {k: DraftTrainSection.model_fields[k].default for k in wanted["draft"]} | found.get("draft", {})

@@ -371,7 +371,7 @@ def check_run_settings(train: TrainSection) -> None:
     """A run name resumes only the run it started: refuse other settings under the same name."""
     path = Path(train.storage).resolve() / f"{train.name}.settings.json"
     wanted = train.model_dump(exclude=set(RESUMABLE_CHANGES))
-    if path.is_file():
+    if path.is_file() and checkpoints.has_checkpoint(train.storage, train.name):
         found = json.loads(path.read_text())
         # a setting added after the run started holds its default there
         defaults = {k: TrainSection.model_fields[k].default for k in wanted}

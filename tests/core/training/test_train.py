@@ -138,7 +138,9 @@ def test_training_refuses_a_foreign_dataset(tiny_dataset, tmp_path):
 def test_changed_settings_under_the_same_run_name(tmp_path):
     train = TrainSection(storage=str(tmp_path), output="o", depth=2)
     check_run_settings(train)
-    check_run_settings(train.model_copy(update={"epochs": 20}))  # more epochs: a resume
+    check_run_settings(train.model_copy(update={"depth": 1}))  # no checkpoint yet (it failed first): a new run
+    (tmp_path / "head" / "checkpoint_000000").mkdir(parents=True)  # (Ray Train's name for one)
+    check_run_settings(train.model_copy(update={"depth": 1, "epochs": 20}))  # more epochs: a resume
     with pytest.raises(ConfigError, match="run 'head' .* started with other settings \\(depth\\)"):
         check_run_settings(train.model_copy(update={"depth": 3}))
 
