@@ -427,6 +427,21 @@ def init_vocabulary(draft: DraftTrainSection, identity: str, layers: list[int], 
     return init_state(draft.init)["vocab_ids"]
 
 
+def check_trainable(draft: DraftTrainSection, workers: int, examples: list[Example], target_vocab: int) -> None:
+    """What would fail in the workers, refused before Ray starts (ConfigError): an epoch without a
+    batch, a trimmed vocabulary past the target's or without a token."""
+    sequences = len(epoch_examples(examples, draft))
+    if sequences < draft.batch_size * workers:
+        raise ConfigError(f"draft.batch_size {draft.batch_size} x scaling.num_workers {workers} is more than the "
+                          f"{sequences} train sequences: an epoch would hold no batch")
+    if draft.vocab_size > target_vocab:
+        raise ConfigError(f"draft.vocab_size {draft.vocab_size} is more than the target's {target_vocab} tokens")
+    if not (draft.init or draft.vocab_size) and not any(
+            len(e.tokens) > e.prompt_length for e in examples if e.split == "train"):
+        raise ConfigError(f"no train response token within draft.max_tokens {draft.max_tokens}: "
+                          "no vocabulary to draft")
+
+
 def train_draft(config: PipelineConfig) -> dict:
     """`specdec train-draft`: check, choose the vocabulary, train, save. Returns the report."""
     import ray
@@ -437,6 +452,7 @@ def train_draft(config: PipelineConfig) -> dict:
     manifest, identity, target_dir = check_draft_data(config)
     data_dir = str(Path(config.data.dir).resolve())
     _, examples = load_examples(data_dir, draft.max_tokens, states="skip")  # the workers read the states
+    check_trainable(draft, config.scaling.num_workers, examples, manifest["target"]["vocab_size"])
     if draft.init:
         from transformers import AutoConfig
 

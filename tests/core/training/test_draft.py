@@ -14,8 +14,9 @@ from specdec.models.feature_files import REPORT_FILE, load_feature_draft, save_f
 from specdec.models.sources import model_identity
 from specdec.training.config import ConfigError, DraftTrainSection, parse_config
 from specdec.training.data import DatasetError, generate_dataset, read_manifest, target_states
-from specdec.training.draft import (Example, batch_loss, build_draft, check_draft_data, epoch_examples, epoch_order,
-                                    load_examples, make_batch, train_draft, trimmed_vocabulary)
+from specdec.training.draft import (Example, batch_loss, build_draft, check_draft_data, check_trainable,
+                                    epoch_examples, epoch_order, load_examples, make_batch, train_draft,
+                                    trimmed_vocabulary)
 
 LAYERS = [0, 1]
 
@@ -183,6 +184,20 @@ def test_the_vocabulary_covers_the_share_asked():
     assert trimmed_vocabulary(examples, 0.8).tolist() == [1, 2]
     assert trimmed_vocabulary(examples, 1.0).tolist() == [1, 2, 3]
     assert trimmed_vocabulary(examples, 0.8, minimum=4).tolist() == [0, 1, 2, 3]  # the lowest ids fill it
+
+
+def test_what_would_fail_in_the_workers_is_refused_before_ray():
+    examples = [Example("a", "train", torch.tensor([9, 1, 1, 2]), 1, None),
+                Example("b", "train", torch.tensor([9, 1]), 1, None)]
+    check = DraftTrainSection(storage="s", output="o", batch_size=2, max_tokens=8)
+    check_trainable(check, 1, examples, target_vocab=10)
+    with pytest.raises(ConfigError, match="draft.batch_size 2 x scaling.num_workers 2 is more than the 2 train"):
+        check_trainable(check, 2, examples, target_vocab=10)
+    with pytest.raises(ConfigError, match="draft.vocab_size 11 is more than the target's 10 tokens"):
+        check_trainable(check.model_copy(update={"vocab_size": 11}), 1, examples, target_vocab=10)
+    prompts_only = [Example(e.prompt_id, "train", e.tokens[:1], 1, None) for e in examples]  # cut at max_tokens
+    with pytest.raises(ConfigError, match="no train response token within draft.max_tokens 8"):
+        check_trainable(check, 1, prompts_only, target_vocab=10)
 
 
 def test_an_epoch_batches_sequences_of_like_length():
