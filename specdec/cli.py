@@ -214,9 +214,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_forever(config, args.host, args.http_port, args.grpc_port)
 
 
-def start_ray(address: str | None) -> None:
+def start_ray(address: str | None, scaling) -> None:
     """Connect to `address` (ray job submit sets $RAY_ADDRESS), else start a private local instance:
-    never attach to some other Ray that happens to run on this machine."""
+    never attach to some other Ray that happens to run on this machine. That instance has no
+    autoscaler: workers it can never place (`scaling`) are refused, where Ray would wait forever."""
     import os
 
     import ray
@@ -231,6 +232,12 @@ def start_ray(address: str | None) -> None:
             raise SpecDecError(f"Ray at {address!r}: {one_line(error)}") from None
     else:  # Ray starts workers at nice 15; here they are the job, so they must not yield to everything else
         ray.init(address="local", log_to_driver=True, _system_config={"worker_niceness": 0})
+        have = ray.cluster_resources()
+        cpus, gpus = scaling.num_workers * scaling.cpus_per_worker, scaling.num_workers * scaling.use_gpu
+        if cpus > have.get("CPU", 0) or gpus > have.get("GPU", 0):
+            ray.shutdown()
+            raise SpecDecError(f"scaling asks {cpus:g} CPUs and {gpus} GPUs ({scaling.num_workers} workers); this "
+                               f"machine has {have.get('CPU', 0):g} and {have.get('GPU', 0):g}")
 
 
 def cmd_gen_data(args: argparse.Namespace) -> int:
@@ -238,7 +245,7 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
     from specdec.training.data import generate_dataset
 
     config = load_config(args.config)
-    start_ray(args.address)
+    start_ray(args.address, config.scaling)
     manifest = generate_dataset(config, reuse=args.reuse_responses)
     counts = manifest["counts"]
     print(f"{config.data.dir}: {counts['sequences']} sequences, {counts['positions']} response tokens, "
@@ -254,7 +261,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     train = config.require_train()
     check_dataset(config)  # a foreign, empty or corrupt dataset fails before Ray starts
-    start_ray(args.address)
+    start_ray(args.address, config.scaling)
     if args.sweep:
         summary = sweep_heads(config)
         best = summary["best"]
@@ -273,7 +280,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     check_draft_data(config)  # a foreign, empty or corrupt dataset, a missing target, fail before Ray starts
-    start_ray(args.address)
+    start_ray(args.address, config.scaling)
     report = train_draft(config)
     final = report["final"]
     accepted = ", ".join(f"{k.removeprefix('val_acc_')} {v:.3f}" for k, v in final.items() if k.startswith("val_acc_"))

@@ -193,6 +193,23 @@ def test_a_ray_address_that_does_not_answer_is_one_line(tmp_path, monkeypatch, c
     assert len(err) == 1 and err[0].startswith(f"error: Ray at '{address}': {reason}")
 
 
+def test_workers_this_machine_can_never_place_are_refused_not_waited_for(tmp_path, monkeypatch, capsys):
+    import os
+
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    config = tmp_path / "c.yaml"
+    for scaling in (f"{{num_workers: {2 * os.cpu_count()}}}", "{use_gpu: true, num_workers: 64, cpus_per_worker: 0.01}"):
+        config.write_text(f"data: {{dir: {tmp_path / 'data'}}}\nscaling: {scaling}\n")
+        assert main(["gen-data", "--config", str(config)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("error: scaling asks ") and "this machine has" in err[-1]
+        assert not ray.is_initialized() and not (tmp_path / "data").exists()
+
+
 @pytest.mark.parametrize("flags, reason", [
     (["--policy", "oracle"], "runs in process only"),
     (["--policy", "fixed", "--k", "65"], "k must be at most 64"),
