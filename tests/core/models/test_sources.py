@@ -354,6 +354,8 @@ def test_cache_dir_prefers_override_then_env(monkeypatch, tmp_path):
     assert cache_dir() == tmp_path / "env"
     monkeypatch.delenv("SPECDEC_CACHE")
     assert cache_dir() == sources.DEFAULT_CACHE_DIR
+    with pytest.raises(ModelSourceError, match="the model cache ~no-such-user-xyz/c: no such user's home"):
+        cache_dir("~no-such-user-xyz/c")
 
 
 def test_sha256_file(tmp_path):
