@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specdec.errors import SpecDecError
 from specdec.head import Calibration
 from specdec.training.evaluation import DEFAULT_CALIBRATION_BINS, calibration
 
@@ -46,7 +47,11 @@ def fit_platt(logits: torch.Tensor, soft_labels: torch.Tensor) -> Calibration:
         return loss
 
     optimizer.step(closure)
-    return Calibration(scale=float(log_scale.detach().exp()), bias=float(bias.detach()))
+    scale, shift = float(log_scale.detach().exp()), float(bias.detach())
+    if not (0.0 < scale < float("inf") and abs(shift) < float("inf")):  # (logits of a diverged head: no map)
+        raise SpecDecError(f"calibration failed: the head's logits fit no Platt map (scale {scale:g}); "
+                           "its training diverged: check train.lr")
+    return Calibration(scale=scale, bias=shift)
 
 
 def cross_fitted_predictions(logits: torch.Tensor, soft_labels: torch.Tensor,

@@ -626,6 +626,9 @@ def load_dataset(directory: str | Path, draft_identity: str | None = None) -> tu
     directory = Path(directory)
     manifest = read_manifest(directory)
     made_with = manifest.get("settings", {}).get("draft_identity")
+    if draft_identity is not None and manifest.get("kind", "labels") != "labels":
+        raise DatasetError(f"dataset {directory} holds {manifest['kind']} data, not a model draft's labels: "
+                           "data.kind says which (a feature draft's head trains on its features data)")
     if draft_identity is not None and made_with != draft_identity:
         raise IncompatibleModelsError(
             f"dataset {directory} was made with another draft model ({str(made_with)[:12]}), "

@@ -53,3 +53,10 @@ def test_calibration_round_trips_through_save_and_load(tmp_path):
     torch.testing.assert_close(loaded.acceptance_probability(hidden), torch.sigmoid(0.5 * head(hidden) + 0.9))
     with pytest.raises(ValueError):
         Calibration(scale=-1.0, bias=0.0)  # a negative scale would reverse the ranking
+
+
+def test_logits_of_a_diverged_head_fail_calibration_in_one_line():
+    from specdec.errors import SpecDecError
+
+    with pytest.raises(SpecDecError, match="calibration failed: .* its training diverged: check train.lr"):
+        fit_platt(torch.tensor([float("nan"), 1.0, -2.0]), torch.tensor([0.2, 0.9, 0.5]))

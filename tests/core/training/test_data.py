@@ -262,6 +262,12 @@ def test_a_manifest_that_is_not_one_is_corrupt(tmp_path, text):
         read_manifest(tmp_path)
 
 
+def test_a_features_dataset_is_not_taken_for_a_model_drafts_labels(tmp_path):
+    (tmp_path / MANIFEST_FILE).write_text(json.dumps({"kind": "features", "settings": {}, "shards": []}))
+    with pytest.raises(DatasetError, match="holds features data, not a model draft's labels"):
+        load_dataset(tmp_path, draft_identity="0" * 64)
+
+
 def test_a_draft_that_is_not_a_transformers_model_is_one_line(tmp_path):
     from specdec.errors import ModelSourceError
     from specdec.training.data import model_entry
