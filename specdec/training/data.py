@@ -549,7 +549,7 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
 
     reused = reusable_responses(reuse, settings) if reuse is not None else {}
     out.mkdir(parents=True, exist_ok=True)
-    if (out / MANIFEST_FILE).is_file():
+    if (out / MANIFEST_FILE).is_file() and shard_paths(out):  # (a run that wrote no shard binds nothing)
         _check_same_settings(out, read_manifest(out).get("settings", {}), settings)
     tables = {path: read_shard(path, columns=ENTRY_COLUMNS[data.kind]) for path in shard_paths(out)}
     shards = [shard_entry(path, table) for path, table in tables.items()]

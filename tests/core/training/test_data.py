@@ -212,6 +212,18 @@ def test_other_settings_in_the_same_directory_are_refused(tiny_dataset):
         generate_dataset(parse_config(changed), prompts=TINY_PROMPTS, progress=False)
 
 
+def test_a_run_that_wrote_no_shard_binds_no_settings(tiny_dataset, tmp_path):
+    """A run that failed before its first shard (bad input found in the workers) left a manifest:
+    the corrected config is taken, not refused as other settings."""
+    raw, _ = tiny_dataset
+    directory = copy_dataset(tiny_dataset, tmp_path)
+    for shard in shard_paths(directory):
+        shard.unlink()
+    changed = {**raw, "data": {**raw["data"], "dir": str(directory), "labels": {"temperatures": [0.5]}}}
+    manifest = generate_dataset(parse_config(changed), prompts=TINY_PROMPTS[:2], progress=False)
+    assert manifest["complete"] and manifest["settings"]["labels"]["temperatures"] == [0.5]
+
+
 def copy_dataset(tiny_dataset, tmp_path):
     raw, _ = tiny_dataset
     directory = tmp_path / "data"
