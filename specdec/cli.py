@@ -6,8 +6,12 @@ import argparse
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from specdec.errors import InvalidRequestError, SpecDecError, one_line
+
+if TYPE_CHECKING:
+    from specdec.training.config import ScalingSection
 
 EXIT_USAGE = 2
 
@@ -214,7 +218,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_forever(config, args.host, args.http_port, args.grpc_port)
 
 
-def start_ray(address: str | None, scaling) -> None:
+def start_ray(address: str | None, scaling: ScalingSection) -> None:
     """Connect to `address` (ray job submit sets $RAY_ADDRESS), else start a private local instance:
     never attach to some other Ray that happens to run on this machine. That instance has no
     autoscaler: workers it can never place (`scaling`) are refused, where Ray would wait forever."""

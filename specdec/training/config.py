@@ -247,7 +247,7 @@ class TrainSection(Strict):
     max_sequences: int | None = Field(None, ge=1)
 
     _folder_paths = field_validator("storage", "output")(_folder)
-    _run_name = field_validator("name")(_run_name)
+    _name_is_a_folder = field_validator("name")(_run_name)
 
     @model_validator(mode="after")
     def _some_weight(self):
@@ -290,7 +290,7 @@ class DraftTrainSection(Strict):
     init: str | None = Field(None, min_length=1, description="a saved feature draft directory to start from")
 
     _folder_paths = field_validator("storage", "output", "init")(_folder)
-    _run_name = field_validator("name")(_run_name)
+    _name_is_a_folder = field_validator("name")(_run_name)
 
 
 class SweepSection(Strict):
