@@ -218,6 +218,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_forever(config, args.host, args.http_port, args.grpc_port)
 
 
+def check_answers(address: str, timeout_s: float = 5.0) -> None:
+    """A `host:port` (or `ray://host:port`) address where nothing accepts a connection is refused at
+    once: Ray's own client retries the GCS for minutes before it gives up."""
+    import socket
+
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return  # `auto`, `local` and malformed addresses: Ray's own answer is quick and says why
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError, OverflowError) as error:
+        raise SpecDecError(f"Ray at {address!r}: nothing answers there ({one_line(error)})") from None
+
+
 def start_ray(address: str | None, scaling: ScalingSection) -> None:
     """Connect to `address` (ray job submit sets $RAY_ADDRESS), else start a private local instance:
     never attach to some other Ray that happens to run on this machine. That instance has no
@@ -230,6 +244,7 @@ def start_ray(address: str | None, scaling: ScalingSection) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
+        check_answers(address)
         try:
             ray.init(address=address, log_to_driver=True)
         except (ValueError, ConnectionError) as error:  # a malformed address; none answering there

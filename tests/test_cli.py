@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from engine_backend import free_port
 from specdec.cli import main
 
 
@@ -179,7 +180,9 @@ def test_train_head_without_data_fails_before_ray(tmp_path, tiny_pair):
 
 
 @pytest.mark.parametrize("address, reason", [("bogus", "Invalid address format"),
-                                             ("auto", "Could not find any running Ray instance")])
+                                             ("auto", "Could not find any running Ray instance"),
+                                             (f"127.0.0.1:{free_port()}", "nothing answers there"),
+                                             ("ray://127.0.0.1:99999", "nothing answers there")])
 def test_a_ray_address_that_does_not_answer_is_one_line(tmp_path, monkeypatch, capsys, address, reason):
     import ray
 
