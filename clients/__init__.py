@@ -3,7 +3,12 @@ clients.http_client (the OpenAI-compatible routes); `specdec client` on the comm
 
 from __future__ import annotations
 
-from specdec.errors import SpecDecError, one_line
+import os
+
+from specdec.errors import InvalidRequestError, SpecDecError, one_line
+
+API_KEY_ENV = "SPECDEC_API_KEY"
+NO_LIMIT_S = 1e6  # a timeout this long or longer (inf included) is none: the transports cannot hold it
 
 
 class ClientError(SpecDecError):
@@ -16,4 +21,22 @@ class ClientError(SpecDecError):
         self.code, self.message, self.retry_after_s = code, message, retry_after_s
 
 
-__all__ = ["ClientError", "one_line"]
+def resolve_api_key(value: str | None) -> str | None:
+    """The key a client sends: `value`, else $SPECDEC_API_KEY; None: none. A key no header can
+    carry (not printable ASCII) is refused."""
+    key = (value if value is not None else os.environ.get(API_KEY_ENV)) or None
+    if key is not None and not (key.isascii() and key.isprintable()):
+        raise InvalidRequestError(f"the API key must be printable ASCII (it travels in a header): {ascii(key)}")
+    return key
+
+
+def time_limit(seconds: float | None) -> float | None:
+    """A whole call's time limit in seconds, None for none (inf or past NO_LIMIT_S)."""
+    if seconds is None or seconds >= NO_LIMIT_S:
+        return None
+    if not seconds > 0:  # (NaN too)
+        raise InvalidRequestError(f"timeout must be more than 0 seconds (inf: none), not {seconds!r}")
+    return seconds
+
+
+__all__ = ["API_KEY_ENV", "ClientError", "one_line", "resolve_api_key", "time_limit"]

@@ -13,21 +13,19 @@ Calls that failed retriably are retried (clients/retry.py); a retried stream res
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import TypedDict, Unpack
 
 import grpc
 
-from clients import ClientError, one_line
+from clients import ClientError, one_line, resolve_api_key, time_limit
 from clients.retry import ChunkReplay, RetryPolicy, pinned_seed, retry_policy
 from specdec.errors import InvalidRequestError
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 
 DEFAULT_ADDRESS = "localhost:9000"
 DEFAULT_TIMEOUT_S = 600.0  # a whole generation: hundreds of tokens on CPU take minutes
-API_KEY_ENV = "SPECDEC_API_KEY"
 
 # Text (chat template applied unless chat_template=False), token ids, or chat messages ({"role", "content"}).
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
@@ -63,6 +61,8 @@ def build_request(prompt: Prompt,
         if isinstance(prompt, str):
             request.text = prompt
         elif prompt and all(isinstance(m, Mapping) for m in prompt):
+            if not all(m.keys() >= {"role", "content"} for m in prompt):
+                raise ValueError("each chat message needs a role and a content")
             request.messages.messages.extend(generation_pb2.ChatMessage(role=m["role"], content=m["content"])
                                              for m in prompt)
         else:
@@ -75,7 +75,7 @@ def build_request(prompt: Prompt,
 
 def client_error(exc: grpc.RpcError, address: str) -> ClientError:
     code, details = exc.code(), one_line(exc.details() or "")  # type: ignore[attr-defined]
-    if code == grpc.StatusCode.UNAVAILABLE and ("connect" in details.lower() or "dns" in details.lower()):
+    if code == grpc.StatusCode.UNAVAILABLE and any(word in details.lower() for word in ("connect", "dns", "resolv")):
         return ClientError(code.name, f"cannot reach {address}: is `specdec serve` running?")
     return ClientError(code.name, details or code.name)
 
@@ -93,8 +93,12 @@ class _Options:
 
     def __init__(self, address: str, timeout_s: float | None, api_key: str | None,
                  retries: int | RetryPolicy | None):
-        self.address, self.timeout_s = address, timeout_s
-        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        try:
+            address.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequestError(f"{ascii(address)} is not an address: it is not valid UTF-8") from None
+        self.address, self.timeout_s = address, time_limit(timeout_s)
+        self.api_key = resolve_api_key(api_key)
         self.retry = retry_policy(retries)
 
     def _call(self, prompt: Prompt, options: dict) -> tuple[generation_pb2.GenerateRequest, Metadata]:

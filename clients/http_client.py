@@ -9,7 +9,8 @@
 Body fields are OpenAI's (max_tokens, temperature, top_p, n, stop, seed, ...) plus the server's
 extensions (policy, k, threshold, top_k), sent as given; None values are left out. Streams ask for
 the final usage chunk, which carries the "specdec" stats, unless stream_options says otherwise.
-`api_key` (default: the SPECDEC_API_KEY environment variable) goes as `Authorization: Bearer`.
+`base_url` is the server's root (an OpenAI-style base URL ending in /v1 works too). `api_key`
+(default: the SPECDEC_API_KEY environment variable) goes as `Authorization: Bearer`.
 Calls that failed retriably (429, 503, a stream cut short) are retried (clients/retry.py); a
 retried stream resumes where it was.
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import aclosing, closing, contextmanager
@@ -26,25 +26,40 @@ from typing import Any
 
 import httpx
 
-from clients import ClientError, one_line
+from clients import ClientError, one_line, resolve_api_key, time_limit
 from clients.retry import EventReplay, RetryPolicy, pinned_seed, retry_policy
+from specdec.errors import InvalidRequestError
 
 DEFAULT_BASE_URL = "http://localhost:8000"
 DEFAULT_TIMEOUT_S = 600.0  # a whole generation: hundreds of tokens on CPU take minutes
 DONE = "[DONE]"
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-API_KEY_ENV = "SPECDEC_API_KEY"
 # At capacity (429), the serving replica died (503, or that error in a stream), a stream cut short.
+JSON_BODY = {"Content-Type": "application/json"}
 RETRIABLE = frozenset({"HTTP 429", "HTTP 503", "overloaded_error", "unavailable_error", "TRANSPORT"})
 
 Messages = Sequence[Mapping[str, Any]]
 
 
-def request_body(fields: Mapping[str, Any], stream: bool) -> dict[str, Any]:
+def request_body(fields: Mapping[str, Any], stream: bool) -> bytes:
+    """The JSON body; a value JSON cannot carry (NaN, bytes, a lone surrogate) is refused here."""
     body = {key: value for key, value in fields.items() if value is not None}
     if stream:
-        return {"stream_options": {"include_usage": True}} | body | {"stream": True}
-    return body | {"stream": False}
+        body = {"stream_options": {"include_usage": True}} | body | {"stream": True}
+    else:
+        body |= {"stream": False}
+    try:
+        return json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (ValueError, TypeError) as exc:  # (UnicodeEncodeError is a ValueError)
+        raise InvalidRequestError(f"the request cannot be sent: {one_line(str(exc))}") from None
+
+
+def json_of(text: str | bytes) -> Any:
+    """A JSON answer; anything else is not `specdec serve` speaking (a proxy's page, another server)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise ClientError("BAD_RESPONSE", f"the server's answer is not JSON: {one_line(text[:200])!r}") from None
 
 
 def parse_sse_line(line: str) -> dict | str | None:
@@ -55,7 +70,7 @@ def parse_sse_line(line: str) -> dict | str | None:
     data = line[len("data:"):].strip()
     if data == DONE:
         return DONE
-    event = json.loads(data)
+    event = json_of(data)
     if "error" in event:
         error = event["error"]
         raise ClientError(error.get("type") or "stream error", one_line(error.get("message") or "the stream failed"))
@@ -67,8 +82,8 @@ def response_error(response: httpx.Response) -> ClientError:
     Retry-After header, if any, as `retry_after_s`."""
     try:
         message = response.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = one_line(response.text) or response.reason_phrase
+    except (ValueError, KeyError, TypeError):  # not our error body (a proxy's page, a wrong path)
+        message = f"{response.status_code} {response.reason_phrase} at {response.url}"
     try:
         retry_after_s = float(response.headers.get("retry-after", ""))
     except ValueError:
@@ -76,9 +91,16 @@ def response_error(response: httpx.Response) -> ClientError:
     return ClientError(f"HTTP {response.status_code}", message, retry_after_s)
 
 
-def headers(api_key: str | None) -> dict[str, str]:
-    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-    return {"Authorization": f"Bearer {key}"} if key else {}
+def connection(base_url: str, timeout_s: float | None, key: str | None) -> dict[str, Any]:
+    """httpx client arguments: the server's root URL checked, the time limit and the key's header."""
+    base_url = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        httpx.URL(base_url)
+    except (httpx.InvalidURL, UnicodeError) as exc:
+        raise InvalidRequestError(f"{ascii(base_url)} is not a URL: {one_line(str(exc))}") from None
+    key = resolve_api_key(key)
+    return {"base_url": base_url, "timeout": time_limit(timeout_s),
+            "headers": {"Authorization": f"Bearer {key}"} if key else {}}
 
 
 def retry_delay(policy: RetryPolicy, error: ClientError, attempt: int) -> float | None:
@@ -110,9 +132,9 @@ class HttpClient:
 
     def __init__(self, base_url: str = DEFAULT_BASE_URL, timeout_s: float | None = DEFAULT_TIMEOUT_S,
                  api_key: str | None = None, retries: int | RetryPolicy | None = None):
-        self.base_url = base_url.rstrip("/")
         self.retry = retry_policy(retries)
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers(api_key))
+        self._http = httpx.Client(**connection(base_url, timeout_s, api_key))
+        self.base_url = str(self._http.base_url).rstrip("/")
 
     def complete(self, prompt: str | Sequence[int], **fields: Any) -> dict:
         return self._send("POST", COMPLETIONS, self._body({"prompt": prompt, **fields}, stream=False))
@@ -132,22 +154,22 @@ class HttpClient:
     def health(self) -> dict:
         return self._send("GET", "/health")
 
-    def _body(self, fields: dict[str, Any], stream: bool) -> dict[str, Any]:
+    def _body(self, fields: dict[str, Any], stream: bool) -> bytes:
         return request_body(pinned_seed(fields, self.retry), stream)
 
-    def _send(self, method: str, path: str, body: dict | None = None) -> dict:
+    def _send(self, method: str, path: str, body: bytes | None = None) -> dict:
         for attempt in range(self.retry.retries + 1):
             with transport_errors(self.base_url):
-                response = self._http.request(method, path, json=body)
+                response = self._http.request(method, path, content=body, headers=JSON_BODY if body else None)
             if not response.is_error:
-                return response.json()
+                return json_of(response.text)
             error = response_error(response)
             if (delay := retry_delay(self.retry, error, attempt)) is None:
                 raise error
             time.sleep(delay)
         raise AssertionError("unreachable")
 
-    def _stream(self, path: str, body: dict) -> Iterator[dict]:
+    def _stream(self, path: str, body: bytes) -> Iterator[dict]:
         replay = EventReplay()
         for attempt in range(self.retry.retries + 1):
             replay.restart()
@@ -162,8 +184,8 @@ class HttpClient:
                     raise
             time.sleep(delay)
 
-    def _attempt(self, path: str, body: dict) -> Iterator[dict]:
-        with transport_errors(self.base_url), self._http.stream("POST", path, json=body) as response:
+    def _attempt(self, path: str, body: bytes) -> Iterator[dict]:
+        with transport_errors(self.base_url), self._http.stream("POST", path, content=body, headers=JSON_BODY) as response:
             if response.is_error:
                 response.read()
                 raise response_error(response)
@@ -189,9 +211,9 @@ class AsyncHttpClient:
 
     def __init__(self, base_url: str = DEFAULT_BASE_URL, timeout_s: float | None = DEFAULT_TIMEOUT_S,
                  api_key: str | None = None, retries: int | RetryPolicy | None = None):
-        self.base_url = base_url.rstrip("/")
         self.retry = retry_policy(retries)
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, headers=headers(api_key))
+        self._http = httpx.AsyncClient(**connection(base_url, timeout_s, api_key))
+        self.base_url = str(self._http.base_url).rstrip("/")
 
     async def complete(self, prompt: str | Sequence[int], **fields: Any) -> dict:
         return await self._send("POST", COMPLETIONS, self._body({"prompt": prompt, **fields}, stream=False))
@@ -211,22 +233,22 @@ class AsyncHttpClient:
     async def health(self) -> dict:
         return await self._send("GET", "/health")
 
-    def _body(self, fields: dict[str, Any], stream: bool) -> dict[str, Any]:
+    def _body(self, fields: dict[str, Any], stream: bool) -> bytes:
         return request_body(pinned_seed(fields, self.retry), stream)
 
-    async def _send(self, method: str, path: str, body: dict | None = None) -> dict:
+    async def _send(self, method: str, path: str, body: bytes | None = None) -> dict:
         for attempt in range(self.retry.retries + 1):
             with transport_errors(self.base_url):
-                response = await self._http.request(method, path, json=body)
+                response = await self._http.request(method, path, content=body, headers=JSON_BODY if body else None)
             if not response.is_error:
-                return response.json()
+                return json_of(response.text)
             error = response_error(response)
             if (delay := retry_delay(self.retry, error, attempt)) is None:
                 raise error
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
-    async def _stream(self, path: str, body: dict) -> AsyncIterator[dict]:
+    async def _stream(self, path: str, body: bytes) -> AsyncIterator[dict]:
         replay = EventReplay()
         for attempt in range(self.retry.retries + 1):
             replay.restart()
@@ -241,9 +263,9 @@ class AsyncHttpClient:
                     raise
             await asyncio.sleep(delay)
 
-    async def _attempt(self, path: str, body: dict) -> AsyncIterator[dict]:
+    async def _attempt(self, path: str, body: bytes) -> AsyncIterator[dict]:
         with transport_errors(self.base_url):
-            async with self._http.stream("POST", path, json=body) as response:
+            async with self._http.stream("POST", path, content=body, headers=JSON_BODY) as response:
                 if response.is_error:
                     await response.aread()
                     raise response_error(response)

@@ -14,11 +14,13 @@ the server's fresh seed, but fixed across attempts.
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass
 from typing import Any
 
 from clients import ClientError
+from specdec.errors import InvalidRequestError
 from specdec.v1 import generation_pb2
 
 SEED_BITS = 62  # fits the proto's int64 and OpenAI's seed
@@ -29,6 +31,12 @@ class RetryPolicy:
     retries: int = 2  # attempts after the first (0: never retry)
     first_backoff_s: float = 0.5
     max_backoff_s: float = 8.0
+
+    def __post_init__(self):
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
+            raise InvalidRequestError(f"retries must be a whole number >= 0, not {self.retries!r}")
+        if not 0 <= self.first_backoff_s <= self.max_backoff_s < math.inf:
+            raise InvalidRequestError("backoffs must be finite, 0 <= first_backoff_s <= max_backoff_s")
 
     def delay(self, attempt: int, retry_after_s: float | None = None) -> float:
         backoff = min(self.first_backoff_s * 2 ** attempt, self.max_backoff_s)
@@ -63,6 +71,7 @@ class ChunkReplay:
         self.tokens: dict[int, list[int]] = {}
         self.chars: dict[int, int] = {}
         self.finished: set[int] = set()
+        self.done = False  # the stats chunk, the last of a complete attempt, was delivered
         self.restart()
 
     def restart(self) -> None:
@@ -70,8 +79,9 @@ class ChunkReplay:
         self._seen_chars: dict[int, int] = {}
 
     def fresh(self, chunk: generation_pb2.GenerateChunk) -> generation_pb2.GenerateChunk | None:
-        if chunk.HasField("stats"):
-            return chunk  # the last chunk of a complete attempt
+        if chunk.HasField("stats"):  # once: an attempt cut after it delivered its stats is not counted twice
+            fresh, self.done = not self.done, True
+            return chunk if fresh else None
         index, ids = chunk.index, list(chunk.token_ids)
         delivered, position = self.tokens.setdefault(index, []), self._seen_tokens.get(index, 0)
         overlap = max(0, min(len(ids), len(delivered) - position))
@@ -98,35 +108,41 @@ class ChunkReplay:
 
 
 class EventReplay:
-    """The same for OpenAI stream chunks (text only: `text`, or a chat `delta`'s content)."""
+    """The same for OpenAI stream chunks (text only: `text`, or a chat `delta`'s content): a
+    retried attempt's text is checked against what was delivered, as far as it overlaps."""
 
     def __init__(self):
-        self.chars: dict[int, int] = {}
+        self.texts: dict[int, list[str]] = {}  # the text delivered per sample, in its chunks
         self.finished: set[int] = set()
         self.started: set[int] = set()
+        self.usage_sent = False
         self.restart()
 
     def restart(self) -> None:
         self._seen: dict[int, int] = {}
+        self._delivered = {index: "".join(parts) for index, parts in self.texts.items()}
 
     def fresh(self, event: dict) -> dict | None:
-        if not event.get("choices"):
-            return event  # the usage chunk
+        if not event.get("choices"):  # the usage chunk: once (an attempt cut after it is not counted twice)
+            fresh, self.usage_sent = not self.usage_sent, True
+            return event if fresh else None
         choices = [c for c in (self._fresh_choice(choice) for choice in event["choices"]) if c is not None]
         return event | {"choices": choices} if choices else None
 
     def _fresh_choice(self, choice: dict) -> dict | None:
         index, chat = choice["index"], "delta" in choice
         text = (choice["delta"].get("content") if chat else choice.get("text")) or ""
-        position, have = self._seen.get(index, 0), self.chars.get(index, 0)
-        skip = max(0, min(len(text), have - position))
+        position, delivered = self._seen.get(index, 0), self._delivered.get(index, "")
+        skip = max(0, min(len(text), len(delivered) - position))
+        if text[:skip] != delivered[position:position + skip]:
+            raise diverged()
         self._seen[index] = position + len(text)
         new_text = text[skip:]
         finish = None if index in self.finished else choice.get("finish_reason")
         first = index not in self.started
         if not new_text and not finish and not first:
             return None
-        self.chars[index] = have + len(new_text)
+        self.texts.setdefault(index, []).append(new_text)
         self.started.add(index)
         if finish:
             self.finished.add(index)

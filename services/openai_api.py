@@ -188,7 +188,9 @@ class ChatRequest(GenerationFields):
 
 def check_supported(body: GenerationFields) -> None:
     for name in NEUTRAL_ONLY:
-        if getattr(body, name, None):
+        value = getattr(body, name, None)
+        # (a completion's `logprobs: 0` still asks for the sampled tokens' log-probabilities)
+        if value or (name == "logprobs" and isinstance(body, CompletionRequest) and value is not None):
             raise ApiError(400, f"{name} is not supported by this server", param=name)
     best_of = getattr(body, "best_of", None)
     if best_of is not None and best_of != (body.n or 1):

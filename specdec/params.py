@@ -25,6 +25,9 @@ def named_drafts(first: T, more: Mapping[str, T]) -> dict[str, T]:
     return {DEFAULT_DRAFT: first, **more}
 
 
+MAX_STOP_STRINGS = 16  # (OpenAI's API takes 4)
+
+
 class GenerationParams(BaseModel):
     """Everything about a request but the prompt."""
 
@@ -32,7 +35,9 @@ class GenerationParams(BaseModel):
 
     max_new_tokens: int = Field(128, ge=1)
     n: int = Field(1, ge=1, le=MAX_SAMPLES_PER_REQUEST)
-    stop: tuple[Annotated[str, Field(min_length=1)], ...] = ()  # ("" would stop before the first token)
+    # ("" would stop before the first token.) At most MAX_STOP_STRINGS: every commit of every sample
+    # scans its new text for each, on the loop's thread, so thousands would stall every other session.
+    stop: tuple[Annotated[str, Field(min_length=1)], ...] = Field((), max_length=MAX_STOP_STRINGS)
     chat_template: bool = True
     sampling: SamplingParams = SamplingParams()
     policy: PolicyConfig = PolicyConfig()

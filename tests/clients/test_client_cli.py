@@ -94,6 +94,12 @@ def test_bad_parameter_is_one_line_and_exit_2(servers, capsys, protocol):
     (PROMPT, ["--seed", "99999999999999999999"], None),
     (PROMPT, ["--stop", "\udcff"], "'\\udcff' is not valid UTF-8"),  # a byte the shell passed that is not UTF-8
     ("hi \udcff", [], "'hi \\udcff' is not valid UTF-8"),
+    (PROMPT, ["--temperature", "nan"], None),  # JSON cannot carry NaN: the HTTP client says so
+    (PROMPT, ["--retries", "-1"], "retries must be a whole number >= 0"),
+    (PROMPT, ["--timeout", "0"], "timeout must be more than 0 seconds"),
+    (PROMPT, ["--timeout", "nan"], "timeout must be more than 0 seconds"),
+    (PROMPT, ["--api-key", "\u043a\u043b\u044e\u0447"], "the API key must be printable ASCII"),
+    (PROMPT, [arg for stop in "abcdefghijklmnopq" for arg in ("--stop", stop)], "stop: Tuple should have at most 16 items"),
 ])
 def test_a_value_the_request_cannot_carry_is_one_line_and_exit_2(servers, capsys, protocol, prompt, flags, message):
     code = run(["client", "generate", prompt, "--protocol", protocol, "--address", servers[protocol], *flags])
@@ -110,6 +116,22 @@ def test_unreachable_server(capsys, protocol):
     shown = address if protocol == "grpc" else f"http://{address}"
     assert code == EXIT_USAGE
     assert capsys.readouterr().err == f"error: cannot reach {shown}: is `specdec serve` running?\n"
+
+
+@pytest.mark.parametrize("protocol, address, message", [("http", "http://[::1", "is not a URL"),
+                                                       ("http", "\udcff:1", "is not a URL"),
+                                                       ("grpc", "\udcff:1", "is not an address")])
+def test_a_malformed_address_is_one_line(capsys, protocol, address, message):
+    code = run(["client", "generate", PROMPT, "--protocol", protocol, "--address", address, "--timeout", "10"])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_an_unlimited_timeout_works(servers, capsys):
+    for protocol in ("grpc", "http"):
+        assert run(["client", "generate", PROMPT, "--protocol", protocol, "--address", servers[protocol],
+                    "--timeout", "inf", "--max-new-tokens", "4"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_models_and_health(servers, capsys):

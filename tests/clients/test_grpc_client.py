@@ -8,7 +8,8 @@ import pytest
 
 from clients import ClientError
 from clients.grpc_client import AsyncGrpcClient, GrpcClient, build_request
-from specdec.errors import SpecDecError
+from clients.retry import RetryPolicy
+from specdec.errors import InvalidRequestError, SpecDecError
 from specdec.params import build_params
 from engine_backend import EngineBackend, GenerationServicer, free_port, grpc_server
 
@@ -50,6 +51,9 @@ def test_build_request():
     assert build_request([])[0].WhichOneof("prompt") == "token_ids"
     with pytest.raises(ValueError):
         build_request("hi", temprature=1.0)  # type: ignore[call-arg]
+    for message in ({"role": "user"}, {"content": "hi"}):
+        with pytest.raises(InvalidRequestError, match="each chat message needs a role and a content"):
+            build_request([message])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -139,3 +143,10 @@ def test_unreachable_server():
         client.generate("hi")
     assert info.value.code == "UNAVAILABLE"
     assert str(info.value) == f"cannot reach {address}: is `specdec serve` running?"
+
+
+def test_a_name_that_does_not_resolve_is_not_retried():
+    with GrpcClient("nosuchhost.invalid:9000", timeout_s=10, retries=RetryPolicy(retries=3, first_backoff_s=5)) as client:
+        with pytest.raises(ClientError) as info:
+            client.generate("hi")
+    assert str(info.value) == "cannot reach nosuchhost.invalid:9000: is `specdec serve` running?"

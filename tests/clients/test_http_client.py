@@ -137,3 +137,32 @@ def test_unreachable_server():
     with HttpClient(url) as client, pytest.raises(ClientError) as info:
         client.health()
     assert (info.value.code, str(info.value)) == ("UNAVAILABLE", f"cannot reach {url}: is `specdec serve` running?")
+
+
+def test_a_server_that_does_not_answer_json(tmp_path):
+    """Another server on the port (here one serving files): one-line errors, not a decoder's traceback."""
+    import functools
+    import http.server
+    import threading
+
+    (tmp_path / "health").write_text("<html>not specdec</html>")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with HttpClient(url, retries=0) as client:
+            with pytest.raises(ClientError) as info:
+                client.health()
+            assert info.value.code == "BAD_RESPONSE" and "not JSON" in str(info.value)
+            with pytest.raises(ClientError) as info:
+                client.models()
+            assert (info.value.code, str(info.value)) == ("HTTP 404", f"404 File not found at {url}/v1/models")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_openai_style_base_url_works(base_url):
+    with HttpClient(base_url + "/v1/", timeout_s=60) as client:
+        assert client.health()["status"] == "ok" and client.base_url == base_url

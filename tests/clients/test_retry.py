@@ -104,6 +104,18 @@ def test_a_replay_that_differs_is_data_loss(tiny_engine):
     assert info.value.code == "DATA_LOSS"
 
 
+@pytest.mark.parametrize("route", ["complete", "chat"])
+def test_an_http_replay_that_differs_is_data_loss(tiny_engine, route):
+    backend = FlakyBackend(tiny_engine, Unavailable("lost"), after=3, other_prompt="SELECT name FROM users")
+    with http_server(create_app(lambda: backend, "specdec")) as url, HttpClient(url, timeout_s=60, retries=FAST) as client:
+        with pytest.raises(ClientError) as info:
+            if route == "complete":
+                list(client.complete_stream(PROMPT, max_tokens=40, policy="fixed", k=2))
+            else:
+                list(client.chat_stream([{"role": "user", "content": PROMPT}], max_tokens=40, policy="fixed", k=2))
+    assert info.value.code == "DATA_LOSS" and len(backend.requests) == 2
+
+
 def test_bad_input_is_not_retried(tiny_engine):
     backend = FlakyBackend(tiny_engine, InvalidRequestError("prompt is empty"), failures=5)
     with grpc_server(GenerationServicer(backend)) as address, GrpcClient(address, timeout_s=60, retries=FAST) as client:
@@ -177,6 +189,34 @@ def test_event_replay_keeps_one_role_and_the_usage_chunk():
     assert replay.fresh(delta("ello", finish="stop"))["choices"][0] == {"index": 0, "delta": {"content": "llo"},
                                                                          "finish_reason": "stop"}
     assert replay.fresh({"choices": [], "usage": {"completion_tokens": 3}})["usage"] == {"completion_tokens": 3}
+
+
+def test_an_attempt_cut_after_its_last_chunk_delivers_that_chunk_once():
+    events, chunks = EventReplay(), ChunkReplay()
+    usage = {"choices": [], "usage": {"completion_tokens": 3}}
+    last = generation_pb2.GenerateChunk(stats=generation_pb2.Stats(generated_tokens=3))
+    assert events.fresh(usage) == usage and chunks.fresh(last) == last
+    events.restart(), chunks.restart()  # (the stream broke before [DONE] / its status)
+    assert events.fresh(usage) is None and chunks.fresh(last) is None
+
+
+def test_an_event_replay_checks_the_text_it_skips():
+    replay = EventReplay()
+    text = lambda t: {"choices": [{"index": 0, "text": t, "finish_reason": None}]}  # noqa: E731
+    assert replay.fresh(text("abc"))["choices"][0]["text"] == "abc"
+    replay.restart()
+    assert replay.fresh(text("ab")) is None
+    assert replay.fresh(text("cde"))["choices"][0]["text"] == "de"
+    replay.restart()
+    with pytest.raises(ClientError) as info:
+        replay.fresh(text("abd"))
+    assert info.value.code == "DATA_LOSS"
+
+
+@pytest.mark.parametrize("retries", [-1, 1.5, True])
+def test_a_retry_count_below_0_or_not_whole_is_refused(retries):
+    with pytest.raises(InvalidRequestError, match="retries must be a whole number >= 0"):
+        RetryPolicy(retries=retries)
 
 
 def test_pinned_seed_only_for_unseeded_sampling_with_retries():

@@ -169,6 +169,8 @@ def test_stream_without_usage_and_n2(client):
     ("completions", {"speculative": {"suffix_cache": True}}, "kept per API key", None),
     ("completions", {"echo": True}, "echo is not supported", "echo"),
     ("completions", {"logprobs": 2}, "logprobs is not supported", "logprobs"),
+    ("completions", {"logprobs": 0}, "logprobs is not supported", "logprobs"),  # (0: the sampled tokens' own)
+    ("completions", {"stop": [str(i) for i in range(17)]}, "stop: Tuple should have at most 16 items", None),
     ("completions", {"best_of": 3}, "best_of is not supported", "best_of"),
     ("completions", {"presence_penalty": 0.5}, "presence_penalty is not supported", "presence_penalty"),
     ("completions", {"prompt": ["a", "b"]}, "prompt: batched prompts are not supported", "prompt"),
