@@ -120,10 +120,14 @@ def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -
                          batch=config.batch, more_drafts={name: (d, heads[name]) for name, (d, _) in drafts.items()})
 
 
+WEIGHTLESS = {"draft_quant": "auto", "draft_vocab": FULL_VOCAB}  # what the suffix draft, having no weights, keeps
+
+
 def draft_configs(config: EngineConfig) -> dict[str, EngineConfig]:
     """Each draft's config by name, the first as DEFAULT_DRAFT: the others are the first's with
     their own source and shipped head."""
-    named = named_drafts(config, {name: config.model_copy(update={"draft": source, "head": "auto", "drafts": {}})
+    named = named_drafts(config, {name: config.model_copy(update={"draft": source, "head": "auto", "drafts": {}}
+                                                          | (WEIGHTLESS if is_suffix_draft(source) else {}))
                                   for name, source in config.drafts.items()})
     return {name: unfused(each) for name, each in named.items()}
 
@@ -137,10 +141,46 @@ def unfused(config: EngineConfig) -> EngineConfig:
 
 def check_sources(config: EngineConfig) -> None:
     """Every model source checked (models/sources.py `check_source`) before any is fetched,
-    converted or loaded: a mistyped --target fails at once, not after minutes of draft loading."""
+    converted or loaded: a mistyped --target fails at once, not after minutes of draft loading;
+    and every setting against the runtimes the models run on."""
     check_source_of(config, "target")
     for each in draft_configs(config).values():
         check_source_of(each, "draft")
+    check_runtime_settings(config)
+
+
+# Settings only the torch runtime reads (at their defaults otherwise), by the flag that sets them.
+TORCH_ONLY = {"dtype": "--dtype", "kv_cache": "--kv-cache", "cuda_graphs": "--no-cuda-graphs"}
+
+
+def check_runtime_settings(config: EngineConfig) -> None:
+    """A setting that no model of this engine reads is refused rather than ignored: torch's
+    (formats, dtype, cache, graphs, a GPU) where every model runs on llama.cpp, llama.cpp's where
+    none does, and a head beside the suffix draft, which makes its own estimates."""
+    drafts = draft_configs(config).values()
+    target = backend_for(config, "target").name
+    runs = {target} | {backend_for(each, "draft").name for each in drafts}
+    on_torch = runs & {"torch", "feature"}
+    if not on_torch:
+        given = [flag for field, flag in TORCH_ONLY.items() if getattr(config, field) != EngineConfig.model_fields[field].default]
+        if config.device not in ("auto", "cpu"):
+            given.append(f"--device {config.device}")
+        if given:
+            raise ModelSourceError(f"{', '.join(given)}: only the torch runtime reads it, and these models run on "
+                                   "llama.cpp (on the CPU); use --runtime torch for them")
+    formats = {"--target-format": config.target_format != "auto" and target != "torch",
+               "--draft-format": config.draft_format != "auto" and not any(
+                   backend_for(each, "draft").name == "torch" for each in drafts)}
+    if given := [flag for flag, ignored in formats.items() if ignored]:
+        raise ModelSourceError(f"{', '.join(given)}: the torch runtime's weight formats; that model does not run on it")
+    if "llamacpp" not in runs and config.llamacpp != LlamaCppOptions():
+        raise ModelSourceError("--llamacpp-context (the llamacpp settings): no model of this engine runs on llama.cpp")
+    if "llamacpp" in runs:
+        llamacpp_options(config)
+    for each in drafts:
+        if is_suffix_draft(each.draft) and each.head not in ("auto", "none", None):
+            raise ModelSourceError(f"--head {each.head}: the suffix draft estimates acceptance from its matches "
+                                   "and reads no head")
 
 
 def check_source_of(config: EngineConfig, role: Role) -> None:
@@ -370,6 +410,10 @@ def llamacpp_options(config: EngineConfig) -> LlamaCppOptions:
         update["threads"] = config.threads
     if config.batch.max_tokens_per_pass:
         update["batch"] = config.batch.max_tokens_per_pass
+        if update["batch"] < config.llamacpp.sequences:  # (llama.cpp would abort the process)
+            raise ModelSourceError(f"--max-pass-tokens {update['batch']}: a llama.cpp pass holds one output for each of "
+                                   f"its {config.llamacpp.sequences} sequences at least; give {config.llamacpp.sequences} "
+                                   "or more")
     return config.llamacpp.model_copy(update=update)
 
 
@@ -429,7 +473,9 @@ def resolve_device(device: str = "auto") -> torch.device:
     try:
         resolved = torch.device(device)
     except RuntimeError:
-        raise ModelSourceError(f"unknown device {device!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        raise ModelSourceError(f"unknown device {device!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ModelSourceError(f"device {device!r}: no CUDA GPU is visible to this process")
     return resolved

@@ -111,9 +111,13 @@ def engine_config(args: argparse.Namespace):
     batch = BatchConfig.from_flags(max_sessions_per_step=args.max_batch_sessions,
                                    max_tokens_per_pass=args.max_pass_tokens, overlap=args.overlap)
     llamacpp = LlamaCppOptions(**({"context": args.llamacpp_context} if args.llamacpp_context is not None else {}))
-    drafts = dict(named.split("=", 1) for named in args.also_draft or [] if "=" in named)
-    if len(drafts) != len(args.also_draft or []) or "" in drafts:
+    pairs = [named.split("=", 1) for named in args.also_draft or []]
+    if any(len(pair) != 2 or not pair[0] for pair in pairs):
         raise InvalidRequestError("--also-draft takes NAME=SOURCE")
+    names = [name for name, _ in pairs]
+    if twice := sorted({name for name in names if names.count(name) > 1}):
+        raise InvalidRequestError(f"--also-draft: {', '.join(twice)} named twice")
+    drafts = dict(pairs)
     return EngineConfig(draft=args.draft, drafts=drafts, target=args.target, head=args.head, cache_dir=args.cache_dir,
                         draft_format=args.draft_format, target_format=args.target_format,
                         draft_vocab=args.draft_vocab, draft_quant=args.draft_quant, threads=args.threads,
@@ -137,6 +141,8 @@ def has_head(args: argparse.Namespace) -> bool:
 def prompt_texts(args: argparse.Namespace) -> list[str]:
     """The prompts on the command line, then those of --prompts (limited by --limit)."""
     prompts = list(args.prompt)
+    if args.limit is not None and not args.prompts:
+        raise InvalidRequestError("--limit takes the first N prompts of --prompts: give --prompts too")
     if args.prompts:
         from specdec.bench.prompt_sets import load_prompts
 
@@ -175,9 +181,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     results = engine.generate_many(prompts, params)
     wall_s = time.perf_counter() - start
-    if args.json:  # one object per prompt, one per line
+    if args.json:  # one object per prompt, one per line (JSON Lines)
         for result in results:
             print(json.dumps(result.to_dict()))
+        print_costs(engine, args)
         return 0
     for p, result in enumerate(results):
         for s, completion in enumerate(result.completions):
@@ -371,8 +378,8 @@ def add_bench_parser(commands) -> None:
     group.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     group.add_argument("--prompts", default="humaneval",
                        help="humaneval (default), validation (stdlib validation split, for choosing thresholds), "
-                            "prose (natural-language test set), prose-validation (prose validation split) "
-                            "or a .jsonl/.txt file")
+                            "prose (natural-language test set), prose-validation (prose validation split), "
+                            "editing (code edits and conversations that repeat their input) or a .jsonl/.txt file")
     group.add_argument("--limit", type=int, default=None, help="first N prompts only")
     group.add_argument("--concurrency", type=int, default=1,
                        help="prompts of one policy decoded at once, sharing the batch (default 1: one at a time)")
@@ -401,11 +408,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt", nargs="*", help="one or more prompts (they share every forward pass)")
     generate.add_argument("--prompts", default=None, metavar="SOURCE",
                           help="more prompts: a .txt file (one per line), a .jsonl file, humaneval, validation, "
-                               "prose or prose-validation")
+                               "prose, prose-validation or editing")
     generate.add_argument("--limit", type=int, default=None, help="first N prompts of --prompts only")
     add_model_flags(generate)
     add_generation_flags(generate)
-    generate.add_argument("--json", action="store_true", help="print one JSON object with completions and stats")
+    generate.add_argument("--json", action="store_true",
+                          help="print one JSON object with completions and stats per prompt, one per line")
     generate.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                           help="show tracebacks and the measured costs the default policy planned with")
     generate.set_defaults(func=cmd_generate)

@@ -146,17 +146,18 @@ class RequestRules:
     def encode_prompt(self, prompt: str | Sequence[dict], chat_template: bool = True) -> list[int]:
         """A text as one user message (or as raw text), or a conversation (chat messages, as the
         editing set's multi-turn prompts are) through the chat template."""
-        if not isinstance(prompt, str):
-            return self.encode_messages(prompt, raw_fallback=True)
+        if not isinstance(prompt, str):  # without the template: the turns' contents joined, as a model without one
+            return self.encode_messages(prompt, raw_fallback=True, template=chat_template)
         if not prompt or not prompt.strip():
             raise InvalidRequestError("prompt is empty")
         if chat_template:
             return self.encode_messages([{"role": "user", "content": prompt}], raw_fallback=True)
         return list(self._tokenizer().encode(prompt, add_special_tokens=False))
 
-    def encode_messages(self, messages: Sequence[dict], raw_fallback: bool = False) -> list[int]:
-        """A conversation through the chat template, generation prompt appended. Without a template:
-        the contents joined by newlines when `raw_fallback`, else an error."""
+    def encode_messages(self, messages: Sequence[dict], raw_fallback: bool = False, template: bool = True) -> list[int]:
+        """A conversation through the chat template, generation prompt appended. Without a template
+        (the tokenizer has none, or `template` is false): the contents joined by newlines when
+        `raw_fallback`, else an error."""
         tokenizer = self._tokenizer()
         if not messages:
             raise InvalidRequestError("messages is empty")
@@ -165,7 +166,7 @@ class RequestRules:
                 raise InvalidRequestError(f"message role must be one of {', '.join(CHAT_ROLES)}, got {message.get('role')!r}")
         if not any(str(m.get("content", "")).strip() for m in messages):
             raise InvalidRequestError("prompt is empty")
-        if not tokenizer.chat_template:
+        if not tokenizer.chat_template or not template:
             if not raw_fallback:
                 raise InvalidRequestError("this model's tokenizer has no chat template: send a prompt")
             return list(tokenizer.encode("\n".join(m["content"] for m in messages), add_special_tokens=False))

@@ -114,6 +114,11 @@ def test_several_prompts_run_together(tiny_pair, tmp_path, capsys):
     (["--llamacpp-context", "1"], "context: Input should be greater than or equal to 16"),
     (["--stop", ""], "stop.0: String should have at least 1 character"),
     (["--prompts", "humaneval", "--limit", "-1"], "--limit must be at least 1"),
+    (["--limit", "3"], "give --prompts too"),  # (it was ignored)
+    (["--also-draft", "a=x", "--also-draft", "a=y"], "--also-draft: a named twice"),
+    (["--llamacpp-context", "4096"], "no model of this engine runs on llama.cpp"),  # (torch models: ignored)
+    (["--device", "meta"], "unknown device 'meta'"),  # (a torch device, but no runtime's: a traceback)
+    (["--draft", "suffix", "--head", "/some/head"], "the suffix draft estimates acceptance from its matches"),
 ])
 def test_bad_flags_exit_with_one_line(tiny_pair, capsys, flags, reason):
     code = main(["generate", "hello", *tiny_flags(tiny_pair), *flags])

@@ -33,6 +33,7 @@ from specdec.builder import EngineConfig, resolve_draft_quant, resolve_runtime, 
 from specdec.errors import InvalidRequestError
 from specdec.models.runtime import common_prefix_length
 from specdec.models.sources import SHIPPED
+from specdec.models.suffix import is_suffix_draft
 from specdec.models.vocab import SETTINGS_BEFORE_DRAFT_VOCAB, vocab_setting
 from specdec.params import DEFAULT_DRAFT, GenerationParams
 from specdec.policies import HEAD_POLICIES, PolicyConfig
@@ -69,7 +70,8 @@ class BenchConfig(BaseModel):
         """What every record depends on: a resumed run must match these. (The head only matters to
         specdec++ records, which carry its fingerprint: a new head redoes them and keeps the rest.)"""
         engine, first = self.engine, unfused(self.engine)  # (a fused draft's runtime: its model's)
-        return {"runtime": resolve_runtime(first, first.draft), "draft": engine.draft, "drafts": engine.drafts,
+        model = first.target if is_suffix_draft(first.draft) else first.draft  # (a model-free draft's: the target's)
+        return {"runtime": resolve_runtime(first, model), "draft": engine.draft, "drafts": engine.drafts,
                 "target": engine.target, "draft_format": engine.draft_format,
                 "target_format": engine.target_format, "draft_vocab": vocab_setting(engine.draft_vocab),
                 "draft_quant": resolve_draft_quant(engine), "device": engine.device, "threads": engine.threads,
@@ -467,6 +469,11 @@ def run_bench(config: BenchConfig, progress: bool = True, report_only: bool = Fa
         run = BenchRun(config, specs, prompts, store, progress)
         notes = run.execute()
         specs = run.specs  # the head's own h may have joined the sweep
+        if not len(store):  # (a summary of nothing would read as a run that measured)
+            reasons = {**notes.get("skipped_prompts", {}), **notes.get("skipped_specs", {})}
+            raise InvalidRequestError("nothing was measured: " + (f"{len(reasons)} prompts or policies skipped, e.g. "
+                                                                  f"{next(iter(reasons.values()))}" if reasons else
+                                                                  "no prompt and policy ran"))
     notes.setdefault("chosen", {})
     for spec in chosen:  # --chosen overrides the head's h; specdec++cost may be the chosen SpecDec++
         family = "specdec++" if spec.name in HEAD_POLICIES else spec.family

@@ -77,6 +77,9 @@ def test_chat_template_and_raw_prompt_differ(tiny_engine):
     raw = tiny_engine.encode_prompt("hi", chat_template=False)
     assert raw == list("hi".encode()) or len(raw) == 2
     assert len(chat) > len(raw)
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert tiny_engine.encode_prompt(conversation, chat_template=False) == tiny_engine.encode_prompt(
+        "hi\nyo", chat_template=False)  # (a conversation went through the template either way)
 
 
 @pytest.mark.parametrize("flags, message", [

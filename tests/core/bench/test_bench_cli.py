@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from specdec.bench.records import RECORDS_FILE
+from specdec.bench.runner import BenchConfig
+from specdec.builder import EngineConfig
 from specdec.cli import main
 from specdec.head import AcceptanceHead, HeadConfig
 from specdec.models.sources import model_identity
@@ -188,6 +190,24 @@ def test_bench_runs_on_the_suffix_draft_alone(tiny_pair, prompt_file, tmp_path, 
     assert forward["draft_s"] == {"1": 0.0, "2": 0.0} and all(t > 0 for t in forward["target_s"].values())
     assert results["by_temperature"]["0"]["policies"]["specdec++cost"]["lossless"]["equal"]
     capsys.readouterr()
+
+
+def test_a_suffix_drafts_records_name_its_targets_runtime():
+    """The runtime a run's records were made on, for a model-free draft, is its target's (it named
+    the torch runtime for a GGUF target on llama.cpp, and let the other runtime's run resume them)."""
+    def runtime(**engine) -> str:
+        return BenchConfig(engine=EngineConfig(draft="suffix", **engine)).settings()["runtime"]
+
+    assert runtime(target="/models/t.gguf", runtime="auto", device="cpu") == "llamacpp"
+    assert runtime(target="/models/t.gguf", runtime="torch") == "torch"
+
+
+def test_a_bench_that_measured_nothing_says_so(tiny_pair, prompt_file, tmp_path, capsys, one_thread):
+    args = bench_args(tiny_pair, prompt_file, tmp_path / "run", ["fixed:2"])
+    args[args.index("--max-new-tokens") + 1] = "100000"  # past every prompt's context: each is skipped
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: nothing was measured: 2 prompts or policies skipped") and err.count("\n") == 1, err
 
 
 def test_bench_rejects_bad_flags_before_loading(tiny_pair, prompt_file, tmp_path, capsys):

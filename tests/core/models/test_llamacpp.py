@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -14,10 +15,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdec.builder import EngineConfig, build_engine, resolve_runtime
+from specdec.builder import EngineConfig, build_engine, check_sources, draft_configs, resolve_runtime
 from specdec.engine import SpecDecEngine
 from specdec.errors import IncompatibleModelsError, ModelSourceError
 from specdec.head import AcceptanceHead, HeadConfig
+from specdec.loop import BatchConfig
 from specdec.metrics import RequestStats
 from specdec.models import sources
 from specdec.models.llamacpp import (SILENT_PASS_MIN_TOKENS, LlamaCppDraftRuntime, LlamaCppError, LlamaCppOptions,
@@ -321,7 +323,7 @@ def test_a_requantized_draft_keeps_greedy_output_equal_to_target_only(gguf_pair,
         drafted += result.stats.draft_tokens
     assert drafted > 0
     with pytest.raises(ModelSourceError, match="needs the llamacpp runtime"):
-        build_engine(config.model_copy(update={"runtime": "torch"}), progress=False)
+        build_engine(config.model_copy(update={"runtime": "torch", "llamacpp": LlamaCppOptions()}), progress=False)
     shipped = resolve_gguf(str(draft), "draft", cache=tmp_path, progress=False)  # a head of the draft as shipped
     AcceptanceHead(HeadConfig(hidden_size=HIDDEN, depth=1, draft_identity=shipped.identity)).save(tmp_path / "head")
     assert engine.draft.identity == f"{shipped.identity}+iq4_nl"  # named by its source and recipe
@@ -352,3 +354,28 @@ def test_llama_cpp_pythons_prompt_lookup_peer_runs_the_target(llama_engine, gguf
     result = peer.generate(prompt, num_pred_tokens=2, max_new_tokens=24, temperature=0.0, seed=0)
     expected = generate(llama_engine, prompt, PolicyConfig(name="target-only"))
     assert result.token_ids == expected[:len(result.token_ids)] and result.stats.wall_time_s > 0
+
+
+@pytest.mark.parametrize("update, reason", [
+    ({"dtype": "bfloat16"}, "--dtype: only the torch runtime reads it"),
+    ({"kv_cache": "static"}, "--kv-cache: only the torch runtime reads it"),
+    ({"cuda_graphs": False, "device": "cuda"}, "--no-cuda-graphs, --device cuda: only the torch runtime"),
+    ({"target_format": "int8"}, "--target-format: the torch runtime's weight formats"),
+    ({"draft_format": "onednn"}, "--draft-format: the torch runtime's weight formats"),
+    ({"batch": BatchConfig(max_tokens_per_pass=7)}, "--max-pass-tokens 7: a llama.cpp pass holds one output for "
+                                                    "each of its 8 sequences"),  # (llama.cpp aborted the process)
+])
+def test_a_setting_no_model_reads_is_refused_before_any_loads(gguf_pair, update, reason):
+    draft, target = gguf_pair
+    config = EngineConfig(draft=str(draft), target=str(target), runtime="llamacpp", head="none", llamacpp=options())
+    with pytest.raises(ModelSourceError, match=re.escape(reason)):
+        check_sources(config.model_copy(update=update))
+    check_sources(config)  # (as it is: nothing refused)
+
+
+def test_a_suffix_draft_beside_keeps_no_weight_setting_of_the_first(gguf_pair):
+    draft, target = gguf_pair
+    config = EngineConfig(draft=str(draft), target=str(target), runtime="llamacpp", head="none", llamacpp=options(),
+                          draft_quant="q4_0", drafts={"s": "suffix"})
+    assert draft_configs(config)["s"].draft_quant == "auto"  # (the suffix refused q4_0: it has no weights)
+    check_sources(config)
