@@ -155,17 +155,20 @@ def prompt_texts(args: argparse.Namespace) -> list[str]:
 def cmd_generate(args: argparse.Namespace) -> int:
     """One prompt, one sample: the text streams as rounds commit. Several prompts (or samples) run
     at once, sharing every forward pass, and print when all are done."""
-    from specdec.builder import build_engine
+    from specdec.builder import build_engine, build_rules, check_sources
     from specdec.metrics import aggregate_summary
     from specdec.policies import resolve_policy
 
     params = generation_params(args)
     texts = prompt_texts(args)
     resolve_policy(params.policy, has_head=has_head(args))  # its flags checked before minutes of model loading
-    engine = build_engine(engine_config(args), progress=not args.json)
-    prompts = [engine.encode_prompt(text, params.chat_template) for text in texts]
-    for prompt_ids in prompts:
-        engine.validate(prompt_ids, params)
+    config = engine_config(args)
+    check_sources(config)
+    rules = build_rules(config, progress=not args.json)  # the tokenizers and configs, no weights:
+    prompts = [rules.encode_prompt(text, params.chat_template) for text in texts]
+    for prompt_ids in prompts:  # each prompt and its policy checked before the models load
+        rules.validate(prompt_ids, params)
+    engine = build_engine(config, progress=not args.json)
 
     if len(prompts) == 1 and params.n == 1 and not args.json:
         def stream(_index: int, _ids: list[int], text: str, _finish: str | None) -> None:

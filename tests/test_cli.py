@@ -128,6 +128,24 @@ def test_bad_flags_exit_with_one_line(tiny_pair, capsys, flags, reason):
     assert not any("Traceback" in line for line in err)
 
 
+@pytest.mark.parametrize("flags, reason", [
+    (["   "], "prompt is empty"),
+    (["hi", "--policy", "oracle", "--temperature", "0.5"], "is defined for greedy decoding (temperature 0) only"),
+    (["hi", "--draft", "suffix", "--policy", "svip"], "the suffix draft's is one-hot"),
+])
+def test_a_request_no_model_could_serve_is_refused_before_any_loads(tiny_pair, monkeypatch, capsys, flags, reason):
+    import specdec.builder
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the request was checked")
+
+    monkeypatch.setattr(specdec.builder, "load_model", no_load)
+    draft, target = tiny_pair
+    assert main(["generate", "--draft", str(draft), "--target", str(target), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and reason in err and err.count("\n") == 1, err
+
+
 def test_empty_and_too_long_prompt(tiny_pair, capsys):
     assert main(["generate", "", *tiny_flags(tiny_pair)]) == 2
     assert "prompt is empty" in capsys.readouterr().err
