@@ -36,8 +36,9 @@ class PolicyConfig(BaseModel):
     """The policy flags of a request. `k` is K for `fixed`, the initial K for `heuristic` and the
     cap on candidates per round for the adaptive policies; `threshold` is h for `specdec++`, the
     entropy threshold for `svip` and the probability threshold for `confidence`. No `name`: the
-    default, resolved by `resolve_policy` where the engine's head is known. `specdec++cost` reads
-    no threshold (like `fixed`, it ignores one): it stops by the cost profile (specdec/cost_profile.py)."""
+    default, resolved by `resolve_policy` where the engine's head is known. A value the policy does
+    not read is refused there: `specdec++cost` reads no threshold (it stops by the cost profile,
+    specdec/cost_profile.py), nor do `fixed` and `heuristic`; `target-only` reads no k."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -61,13 +62,20 @@ def resolve_policy(config: PolicyConfig, has_head: bool) -> PolicyConfig:
     """A request's policy flags checked before any model work (raises InvalidRequestError) and its
     name filled in (a request that names no policy gets the default): where a request is accepted,
     once; what runs it trusts the result."""
+    named = f"policy {config.name!r}" if config.name else f"policy {default_policy_name(has_head)!r} (the default)"
     config = config if config.name else config.model_copy(update={"name": default_policy_name(has_head)})
-    if policy_traits(config.name).needs_head and not has_head:
+    traits = policy_traits(config.name)
+    if traits.needs_head and not has_head:
         raise InvalidRequestError(f"policy {config.name!r} needs an acceptance head: pass --head PATH")
     if config.k is not None and config.k < 1:
         raise InvalidRequestError(f"k must be at least 1, got {config.k}")
+    if config.k is not None and not traits.uses_draft:  # (a value no policy reads is refused, not ignored)
+        raise InvalidRequestError(f"{named} drafts nothing: k does not apply")
     if config.threshold is not None and not 0.0 < config.threshold < 1.0:
         raise InvalidRequestError(f"threshold must be in (0, 1), got {config.threshold}")
+    if config.threshold is not None and not traits.reads_threshold:
+        readers = ", ".join(name for name in POLICY_NAMES if policy_traits(name).reads_threshold)
+        raise InvalidRequestError(f"{named} reads no threshold (those that do: {readers})")
     return config
 
 

@@ -79,6 +79,9 @@ class PolicyTraits:
     # Stops on q_i itself (its entropy, its top probability): a model-free draft's q is one-hot, on
     # which it would never stop (models/suffix.py).
     stops_on_q: bool = False
+    # Reads a request's `threshold` (h, an entropy or a probability level); `k` means something to
+    # every policy that drafts (K, the initial K, or the cap per round).
+    reads_threshold: bool = False
 
     @property
     def servable(self) -> bool:

@@ -8,7 +8,7 @@ class Confidence(StoppingPolicy):
     token drafted while the draft's top probability was below the threshold."""
 
     name = "confidence"
-    traits = PolicyTraits(reads_distribution=True, stops_on_q=True)
+    traits = PolicyTraits(reads_distribution=True, stops_on_q=True, reads_threshold=True)
     DEFAULT_THRESHOLD, DEFAULT_MAX_K = 0.4, 20  # HF's defaults
 
     def __init__(self, threshold: float = DEFAULT_THRESHOLD, max_candidates: int = DEFAULT_MAX_K):

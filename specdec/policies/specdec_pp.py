@@ -109,7 +109,7 @@ class SpecDecPP(StoppingPolicy):
     `hidden+distribution` head it is y_i (`judged_acceptance`)."""
 
     name = "specdec++"
-    traits = PolicyTraits(needs_head=True, reads_distribution=True)
+    traits = PolicyTraits(needs_head=True, reads_distribution=True, reads_threshold=True)
     DEFAULT_THRESHOLD = 0.7  # the paper's robust choice (D=3, w_rej=6, h=0.7), for a head without its own
     DEFAULT_MAX_K = PAPER_MAX_CANDIDATES
 

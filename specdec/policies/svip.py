@@ -18,7 +18,7 @@ class SVIP(StoppingPolicy):
     function of the draft entropy; stop once sqrt(gamma * H(q_i)) > threshold."""
 
     name = "svip"
-    traits = PolicyTraits(reads_distribution=True, stops_on_q=True)
+    traits = PolicyTraits(reads_distribution=True, stops_on_q=True, reads_threshold=True)
     DEFAULT_GAMMA, DEFAULT_THRESHOLD, DEFAULT_MAX_K = 0.15, 0.3, 40  # the official defaults
 
     def __init__(self, threshold: float = DEFAULT_THRESHOLD, gamma: float = DEFAULT_GAMMA,

@@ -139,7 +139,7 @@ class ResponseSection(Strict):
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=seed)
 
     def policy_config(self) -> PolicyConfig:
-        return PolicyConfig(name=self.policy, k=self.k)
+        return PolicyConfig(name=self.policy, k=self.k if policy_traits(self.policy).uses_draft else None)
 
 
 class LabelsSection(Strict):

@@ -11,7 +11,7 @@ from specdec.errors import InvalidRequestError
 from specdec.head import AcceptanceHead, HeadConfig
 from specdec.policies import (
     POLICY_NAMES, SVIP, Confidence, Decision, DraftStep, FixedK, Heuristic, Oracle, PolicyConfig, SpecDecPP,
-    TargetOnly, make_policy, resolve_policy,
+    TargetOnly, make_policy, policy_traits, resolve_policy,
 )
 from specdec.policies.specdec_pp_cost import SpecDecPPCost
 from specdec.policies.specdec_pp import rejection_probability
@@ -212,12 +212,18 @@ BAD_CONFIGS = [
     (PolicyConfig(name="fixed", k=0), "k must be at least 1"),
     (PolicyConfig(name="svip", k=-3), "k must be at least 1"),
     (PolicyConfig(name="heuristic", k=0), "k must be at least 1"),
+    (PolicyConfig(name="target-only", k=5), "policy 'target-only' drafts nothing: k does not apply"),
+    (PolicyConfig(name="fixed", threshold=0.5), "policy 'fixed' reads no threshold (those that do: specdec++, svip"),
+    (PolicyConfig(threshold=0.3), "policy 'specdec++cost' (the default) reads no threshold"),  # (it was ignored)
 ]
 
 
 def test_resolve_policy_accepts_good_configs():
     for name in POLICY_NAMES:
-        resolve_policy(PolicyConfig(name=name, k=3, threshold=0.5), has_head=True)
+        traits = policy_traits(name)
+        resolve_policy(PolicyConfig(name=name, k=3 if traits.uses_draft else None,
+                                    threshold=0.5 if traits.reads_threshold else None), has_head=True)
+    assert [name for name in POLICY_NAMES if policy_traits(name).reads_threshold] == ["specdec++", "svip", "confidence"]
     resolve_policy(PolicyConfig(), has_head=False)
 
 
