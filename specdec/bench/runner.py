@@ -75,6 +75,7 @@ class BenchConfig(BaseModel):
                 "target": engine.target, "draft_format": engine.draft_format,
                 "target_format": engine.target_format, "draft_vocab": vocab_setting(engine.draft_vocab),
                 "draft_quant": resolve_draft_quant(engine), "device": engine.device, "threads": engine.threads,
+                "dtype": engine.dtype, "kv_cache": engine.kv_cache, "cuda_graphs": engine.cuda_graphs,
                 "prompts": self.prompts,
                 "max_new_tokens": self.max_new_tokens, "seed": self.seed, "concurrency": self.concurrency}
 
@@ -461,7 +462,9 @@ def run_bench(config: BenchConfig, progress: bool = True, report_only: bool = Fa
         raise InvalidRequestError(f"--report-only: no records in {config.out}")
     store.check_settings(config.settings(), added={**SETTINGS_BEFORE_DRAFT_VOCAB, "concurrency": 1, "drafts": {},
                                                     "runtime": "torch",  # the only runtime before llama.cpp's
-                                                    "draft_quant": SHIPPED})
+                                                    "draft_quant": SHIPPED,
+                                                    # (runs before these were kept: their defaults)
+                                                    "dtype": "auto", "kv_cache": "auto", "cuda_graphs": True})
     prompts = load_prompts(config.prompts, config.limit)
     if report_only:
         notes = read_notes(config.out)

@@ -86,6 +86,8 @@ def test_bench_end_to_end_then_resume(tiny_pair, prompt_file, tmp_path, capsys, 
     # Other settings in the same directory are refused; --report-only rewrites the files only.
     assert main(bench_args(tiny_pair, prompt_file, out, POLICIES, "--seed", "7")) == 2
     assert "pass another --out" in capsys.readouterr().err
+    assert main(bench_args(tiny_pair, prompt_file, out, POLICIES, "--kv-cache", "reference")) == 2  # (was resumed)
+    assert "records made with kv_cache='auto', not 'reference'" in capsys.readouterr().err
     (out / "summary.md").unlink()
     assert main(bench_args(tiny_pair, prompt_file, out, POLICIES, "--report-only")) == 0
     assert (out / "summary.md").is_file() and record_lines(out) == 26
