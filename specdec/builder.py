@@ -62,7 +62,7 @@ class EngineConfig(BaseModel):
     cache_dir: str | None = None
     draft_format: WeightFormat = "auto"
     target_format: WeightFormat = "auto"
-    # The draft's output vocabulary: "full", "ascii" or a JSON list of ids (models/vocab.py).
+    # The draft's output vocabulary: "full", "ascii" or a JSON file listing token ids (models/vocab.py).
     draft_vocab: str = "full"
     threads: int | None = Field(None, ge=1)  # torch intra-op threads; None keeps torch's default (all cores)
     # Where each model runs: "auto" = the first GPU when there is one, else the CPU; or a torch

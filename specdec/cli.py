@@ -39,7 +39,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft-format", default="auto", choices=["auto", "fp32", "onednn", "int8"], help="draft weight format and kernels")
     group.add_argument("--target-format", default="auto", choices=["auto", "fp32", "onednn", "int8"], help="target weight format and kernels")
     group.add_argument("--draft-vocab", default="full",
-                       help="tokens the draft's LM head scores: full, ascii, or a JSON list of ids (lossless either way)")
+                       help="tokens the draft's LM head scores: full, ascii, or a JSON file listing token ids (lossless either way)")
     group.add_argument("--runtime", default="auto", choices=["auto", "torch", "llamacpp"],
                        help="kernels: llamacpp reads GGUF files as they are; torch runs HF models (GGUF converted "
                             "to fp32 once); auto = llamacpp for default and .gguf on CPU, else torch")

@@ -100,7 +100,7 @@ def resolve_draft_vocab(vocab: str, vocab_size: int, load_tokenizer=None) -> lis
     try:
         ids = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise ModelSourceError(f"--draft-vocab {vocab!r}: expected 'full', 'ascii' or a JSON list of token ids "
+        raise ModelSourceError(f"--draft-vocab {vocab!r}: expected 'full', 'ascii' or a JSON file listing token ids "
                                f"({type(exc).__name__})") from None
     if not isinstance(ids, list) or not ids or not all(type(i) is int and 0 <= i < vocab_size for i in ids):
         raise ModelSourceError(f"--draft-vocab {vocab}: must be a non-empty JSON list of token ids in "
