@@ -88,7 +88,7 @@ def test_a_vocabulary_file_must_list_valid_ids(tmp_path):
         bad.write_text(json.dumps(ids))
         with pytest.raises(ModelSourceError, match=r"token ids in \[0, 10\)"):
             resolve_draft_vocab(str(bad), vocab_size=10)
-    with pytest.raises(ModelSourceError, match="expected 'full', 'ascii' or a JSON list"):
+    with pytest.raises(ModelSourceError, match="expected 'full', 'ascii' or a JSON file"):
         resolve_draft_vocab(str(tmp_path / "missing.json"), vocab_size=10)
     with pytest.raises(ModelSourceError, match=r"token ids in \[0, 4\)"):
         TrimmedLMHead(nn.Linear(8, 4), torch.tensor([1, 4]))
