@@ -160,9 +160,9 @@ def check_runtime_settings(config: EngineConfig) -> None:
     drafts = draft_configs(config).values()
     target = backend_for(config, "target").name
     runs = {target} | {backend_for(each, "draft").name for each in drafts}
-    on_torch = runs & {"torch", "feature"}
-    if not on_torch:
-        given = [flag for field, flag in TORCH_ONLY.items() if getattr(config, field) != EngineConfig.model_fields[field].default]
+    if not runs & {"torch", "feature"}:
+        given = [flag for field, flag in TORCH_ONLY.items()
+                 if getattr(config, field) != EngineConfig.model_fields[field].default]
         if config.device not in ("auto", "cpu"):
             given.append(f"--device {config.device}")
         if given:

@@ -62,7 +62,7 @@ def resolve_policy(config: PolicyConfig, has_head: bool) -> PolicyConfig:
     """A request's policy flags checked before any model work (raises InvalidRequestError) and its
     name filled in (a request that names no policy gets the default): where a request is accepted,
     once; what runs it trusts the result."""
-    named = f"policy {config.name!r}" if config.name else f"policy {default_policy_name(has_head)!r} (the default)"
+    default = "" if config.name else " (the default)"
     config = config if config.name else config.model_copy(update={"name": default_policy_name(has_head)})
     traits = policy_traits(config.name)
     if traits.needs_head and not has_head:
@@ -70,12 +70,12 @@ def resolve_policy(config: PolicyConfig, has_head: bool) -> PolicyConfig:
     if config.k is not None and config.k < 1:
         raise InvalidRequestError(f"k must be at least 1, got {config.k}")
     if config.k is not None and not traits.uses_draft:  # (a value no policy reads is refused, not ignored)
-        raise InvalidRequestError(f"{named} drafts nothing: k does not apply")
+        raise InvalidRequestError(f"policy {config.name!r}{default} drafts nothing: k does not apply")
     if config.threshold is not None and not 0.0 < config.threshold < 1.0:
         raise InvalidRequestError(f"threshold must be in (0, 1), got {config.threshold}")
     if config.threshold is not None and not traits.reads_threshold:
         readers = ", ".join(name for name in POLICY_NAMES if policy_traits(name).reads_threshold)
-        raise InvalidRequestError(f"{named} reads no threshold (those that do: {readers})")
+        raise InvalidRequestError(f"policy {config.name!r}{default} reads no threshold (those that do: {readers})")
     return config
 
 
