@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from specdec.errors import IncompatibleModelsError, ModelSourceError
-from specdec.models.cache import Feed, KVSession, RaggedBatch, SlotBuffers, SlotCache, ragged_attention
+from specdec.models.cache import KVSession, RaggedBatch, SlotBuffers, SlotCache, ragged_attention
 from specdec.models.static import StaticKV, static_attention
 
 FORMAT_VERSION = 1
