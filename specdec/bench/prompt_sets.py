@@ -59,15 +59,17 @@ def load_prompts(source: str, limit: int | None = None) -> list[str | list[dict]
 
 def _file_prompts(path: Path) -> list[str]:
     if not path.is_file():
-        raise InvalidRequestError(f"--prompts {path}: no such file; use {', '.join(PROMPT_SETS)} or a file")
+        what = "a directory" if path.is_dir() else "no such file"
+        raise InvalidRequestError(f"--prompts {path}: {what}; use {', '.join(PROMPT_SETS)} or a file")
     try:
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        lines = [(number, line) for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                 if line.strip()]
     except UnicodeDecodeError:
         raise InvalidRequestError(f"--prompts {path}: not UTF-8 text") from None
     if path.suffix != ".jsonl":
-        return lines
+        return [line for _, line in lines]
     prompts = []
-    for number, line in enumerate(lines, 1):
+    for number, line in lines:  # (numbered as an editor numbers them, blank lines counted)
         try:
             item = json.loads(line)
         except json.JSONDecodeError:
@@ -75,5 +77,7 @@ def _file_prompts(path: Path) -> list[str]:
         prompt = item.get("prompt") if isinstance(item, dict) else item
         if not isinstance(prompt, str):
             raise InvalidRequestError(f"--prompts {path}:{number}: expected a string or an object with \"prompt\"")
+        if not prompt.strip():
+            raise InvalidRequestError(f"--prompts {path}:{number}: the prompt is empty")
         prompts.append(prompt)
     return prompts

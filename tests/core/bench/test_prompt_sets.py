@@ -61,3 +61,15 @@ def test_a_prompts_file_that_is_not_text_and_a_limit_below_one_are_refused_in_on
         load_prompts(str(binary))
     with pytest.raises(InvalidRequestError, match="--limit must be at least 1, got -1"):
         load_prompts("prose", limit=-1)
+
+
+def test_a_prompts_files_bad_line_is_named_by_its_line_number_and_a_directory_as_one(tmp_path):
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text('{"prompt": "hi"}\n\n{"prompt": "  "}\n')
+    with pytest.raises(InvalidRequestError, match=r"prompts.jsonl:3: the prompt is empty"):  # (blank line 2 counted)
+        load_prompts(str(jsonl))
+    jsonl.write_text('"hi"\n\nnot json\n')
+    with pytest.raises(InvalidRequestError, match=r"prompts.jsonl:3: not JSON"):
+        load_prompts(str(jsonl))
+    with pytest.raises(InvalidRequestError, match="a directory; use humaneval"):
+        load_prompts(str(tmp_path))
