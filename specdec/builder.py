@@ -112,7 +112,7 @@ def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -
     tokenizer = load_tokenizer(target_dir)
     heads = {}
     for (name, (draft, draft_dir)), each in zip(drafts.items(), draft_configs(config).values()):
-        check_same_tokenizer(draft_dir, tokenizer)
+        check_same_tokenizer(draft_dir, tokenizer, each.draft)
         heads[name] = build_head(each, draft)
     (draft, _), head = drafts.pop(DEFAULT_DRAFT), heads.pop(DEFAULT_DRAFT)
     return SpecDecEngine(draft, target, tokenizer, head,
@@ -459,7 +459,7 @@ def build_rules(config: EngineConfig, progress: bool = True) -> RequestRules:
         draft_dir = model_dir(each, "draft", progress)
         draft_config = AutoConfig.from_pretrained(draft_dir)
         check_vocabularies(draft_config.vocab_size, target_config.vocab_size)
-        check_same_tokenizer(draft_dir, tokenizer)
+        check_same_tokenizer(draft_dir, tokenizer, each.draft)
         limits += [backend_for(each, "draft").context_limit(each), draft_config.max_position_embeddings]
         drafts[name] = DraftTraits(has_head=has_head(each), reads_features=is_feature_draft(each.draft),
                                    model_free=is_suffix_draft(each.draft), fused=each.fuse_suffix)
@@ -523,15 +523,16 @@ def load_tokenizer(model_dir: Path):
         raise ModelSourceError(f"cannot load the tokenizer from {model_dir}: {one_line(exc)}") from None
 
 
-def check_same_tokenizer(draft_dir: Path, target_tokenizer) -> None:
-    """Draft and target must map text to the same ids, or verification compares different tokens."""
+def check_same_tokenizer(draft_dir: Path, target_tokenizer, source: str) -> None:
+    """Draft and target must map text to the same ids, or verification compares different tokens.
+    `source`: the draft as the user named it."""
     try:
         draft_tokenizer = AutoTokenizer.from_pretrained(draft_dir)
     except Exception:
         return  # a draft directory without a tokenizer: the vocabulary-size check still applies
     if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
         raise IncompatibleModelsError(
-            f"the draft ({draft_dir}) and target tokenizers have different vocabularies; "
+            f"the draft ({source}) and target tokenizers have different vocabularies; "
             "speculative decoding needs one shared vocabulary")
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdec.builder import EngineConfig, build_engine, check_sources, draft_configs, resolve_runtime
+from specdec.builder import EngineConfig, build_engine, build_rules, check_sources, draft_configs, resolve_runtime
 from specdec.engine import SpecDecEngine
 from specdec.errors import IncompatibleModelsError, ModelSourceError
 from specdec.head import AcceptanceHead, HeadConfig
@@ -379,3 +379,17 @@ def test_a_suffix_draft_beside_keeps_no_weight_setting_of_the_first(gguf_pair):
                           draft_quant="q4_0", drafts={"s": "suffix"})
     assert draft_configs(config)["s"].draft_quant == "auto"  # (the suffix refused q4_0: it has no weights)
     check_sources(config)
+
+
+def test_a_draft_with_another_tokenizer_is_named_as_the_user_gave_it(gguf_pair, tmp_path):
+    """(The message named the draft's metadata folder in the model cache.)"""
+    draft, target = gguf_pair
+    tokens = byte_level_tokens()
+    tokens[0], tokens[1] = tokens[1], tokens[0]  # the same size, other ids
+    other = write_tiny_gguf(tmp_path / "other.gguf", noisy_weights(tiny_gguf_weights(len(tokens), HIDDEN, layers=2,
+                                                                                   ffn=64, seed=3), 0.05, seed=4),
+                            tokens=tokens)
+    config = EngineConfig(draft=str(other), target=str(target), runtime="llamacpp", head="none", llamacpp=options(),
+                          cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(IncompatibleModelsError, match=re.escape(f"the draft ({other}) and target tokenizers")):
+        build_rules(config, progress=False)
