@@ -160,7 +160,8 @@ def test_every_policy_s_step_keeps_to_the_device(tracked, kv, dtype):
             names = [name for name in POLICY_NAMES if sampling.greedy or not policy_traits(name).greedy_only]
             results = engine.generate_many(
                 [[1, 2, 0], [5]] * len(names),
-                [params.model_copy(update={"policy": PolicyConfig(name=name, k=3)}) for name in names for _ in range(2)],
+                [params.model_copy(update={"policy": PolicyConfig(name=name, k=3 if policy_traits(name).uses_draft else None)})
+                 for name in names for _ in range(2)],
                 references=[[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]] * 2 * len(names))
             assert [r.stats.generated_tokens for r in results] == [24] * len(results)
     assert tracked.errors == []
