@@ -14,11 +14,13 @@ NO_LIMIT_S = 1e6  # a timeout this long or longer (inf included) is none: the tr
 class ClientError(SpecDecError):
     """A call failed: `code` is the gRPC status name ("INVALID_ARGUMENT"), "HTTP <status>", or
     "UNAVAILABLE" when the server cannot be reached; str() is the server's one-line reason;
-    `retry_after_s` the server's Retry-After, when it sent one."""
+    `retry_after_s` the server's Retry-After, when it sent one; `lost`: Serve's proxy answered for
+    an ingress replica that died under the call (gRPC INTERNAL "The actor died unexpectedly", a
+    plain-text HTTP 500), which a retry reaches another replica for."""
 
-    def __init__(self, code: str, message: str, retry_after_s: float | None = None):
+    def __init__(self, code: str, message: str, retry_after_s: float | None = None, lost: bool = False):
         super().__init__(message)
-        self.code, self.message, self.retry_after_s = code, message, retry_after_s
+        self.code, self.message, self.retry_after_s, self.lost = code, message, retry_after_s, lost
 
 
 def resolve_api_key(value: str | None) -> str | None:

@@ -30,6 +30,7 @@ DEFAULT_TIMEOUT_S = 600.0  # a whole generation: hundreds of tokens on CPU take 
 # Text (chat template applied unless chat_template=False), token ids, or chat messages ({"role", "content"}).
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 Metadata = tuple[tuple[str, str], ...]
+ACTOR_DIED = "The actor died unexpectedly"  # Ray's text, which Serve's gRPC proxy sends when the ingress replica died
 
 
 class GenerationOptions(TypedDict, total=False):
@@ -77,12 +78,15 @@ def client_error(exc: grpc.RpcError, address: str) -> ClientError:
     code, details = exc.code(), one_line(exc.details() or "")  # type: ignore[attr-defined]
     if code == grpc.StatusCode.UNAVAILABLE and any(word in details.lower() for word in ("connect", "dns", "resolv")):
         return ClientError(code.name, f"cannot reach {address}: is `specdec serve` running?")
-    return ClientError(code.name, details or code.name)
+    lost = code == grpc.StatusCode.INTERNAL and details.startswith(ACTOR_DIED)
+    return ClientError(code.name, details or code.name, lost=lost)
 
 
 def retriable(error: ClientError) -> bool:
     """At capacity, or the serving replica died; not: the server is not there, or the message was
     over gRPC's size limit (also RESOURCE_EXHAUSTED)."""
+    if error.lost:
+        return True
     if error.code == "RESOURCE_EXHAUSTED":
         return "larger than max" not in error.message
     return error.code == "UNAVAILABLE" and not error.message.startswith("cannot reach")

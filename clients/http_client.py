@@ -80,15 +80,17 @@ def parse_sse_line(line: str) -> dict | str | None:
 def response_error(response: httpx.Response) -> ClientError:
     """An error status as ClientError("HTTP <status>", the server's one-line message); the
     Retry-After header, if any, as `retry_after_s`."""
+    lost = False
     try:
         message = response.json()["error"]["message"]
     except (ValueError, KeyError, TypeError):  # not our error body (a proxy's page, a wrong path)
         message = f"{response.status_code} {response.reason_phrase} at {response.url}"
+        lost = response.status_code == 500  # Serve's proxy: the ingress replica died under the call
     try:
         retry_after_s = float(response.headers.get("retry-after", ""))
     except ValueError:
         retry_after_s = None
-    return ClientError(f"HTTP {response.status_code}", message, retry_after_s)
+    return ClientError(f"HTTP {response.status_code}", message, retry_after_s, lost=lost)
 
 
 def connection(base_url: str, timeout_s: float | None, key: str | None) -> dict[str, Any]:
@@ -105,7 +107,7 @@ def connection(base_url: str, timeout_s: float | None, key: str | None) -> dict[
 
 def retry_delay(policy: RetryPolicy, error: ClientError, attempt: int) -> float | None:
     """Seconds to wait before the next attempt, or None to give up."""
-    if attempt >= policy.retries or error.code not in RETRIABLE:
+    if attempt >= policy.retries or not (error.code in RETRIABLE or error.lost):
         return None
     return policy.delay(attempt, error.retry_after_s)
 

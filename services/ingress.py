@@ -132,9 +132,10 @@ def ingress_class(config: AppConfig) -> type:
     def make_http_app():
         from services.openai_api import create_app
 
-        def backend():
+        def backend():  # (the deployment bound to the ingress, by its name: the builder has no `self`)
             app_name = serve.get_replica_context().app_name
-            return CoordinatorBackend(serve.get_deployment_handle("Coordinator", app_name=app_name))
+            loop = "Verifier" if config.loop_placement == "verifier" else "Coordinator"  # where the round loop runs
+            return CoordinatorBackend(serve.get_deployment_handle(loop, app_name=app_name))
         return create_app(backend, config.model_name, prometheus_text, api_key=config.key,
                           max_body_bytes=config.max_request_bytes)
 

@@ -13,7 +13,7 @@ from ray.serve.config import gRPCOptions
 
 from services.app import build_app
 from services.config import GRPC_SERVICER_FUNCTIONS, AppConfig
-from specdec.errors import InvalidRequestError
+from specdec.errors import InvalidRequestError, SpecDecError
 
 APP_NAME = "specdec"
 DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT = 8000, 9000  # Serve's defaults
@@ -36,8 +36,29 @@ def start(config: AppConfig, host: str = "127.0.0.1", http_port: int = DEFAULT_H
     serve.start(http_options={"host": host, "port": http_port},
                 grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS,
                                          enable_reflection=config.key is None))
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-    return {"grpc": f"{host}:{grpc_port}", "http": f"http://{host}:{http_port}"}
+    try:
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    except RuntimeError:  # "Deploying application specdec failed": say why, as the replicas said it
+        raise SpecDecError(f"the app did not start: {deploy_failure()}") from None
+    return client_addresses(host, http_port, grpc_port)
+
+
+def deploy_failure() -> str:
+    """The first failed deployment and its replicas' reason: the last line of the error Serve
+    recorded (a traceback), without the exception's module path."""
+    deployments = serve.status().applications[APP_NAME].deployments
+    for name, deployment in deployments.items():
+        lines = [line for line in deployment.message.splitlines() if line.strip()]
+        if lines and deployment.status != "HEALTHY":
+            kind, sep, reason = lines[-1].partition(": ")
+            return f"{name}: {reason if sep and ' ' not in kind else lines[-1]}"
+    return "a deployment failed (see the replica logs)"
+
+
+def client_addresses(host: str, http_port: int, grpc_port: int) -> dict[str, str]:
+    """Where clients reach the app: a gRPC target and an HTTP URL (an IPv6 literal in brackets)."""
+    shown = f"[{host}]" if ":" in host else host
+    return {"grpc": f"{shown}:{grpc_port}", "http": f"http://{shown}:{http_port}"}
 
 
 def check_ports(host: str, http_port: int, grpc_port: int) -> None:
@@ -64,7 +85,12 @@ def check_ports(host: str, http_port: int, grpc_port: int) -> None:
 def serve_forever(config: AppConfig, host: str, http_port: int, grpc_port: int) -> int:
     check_ports(host, http_port, grpc_port)
     print("starting Ray and the app (loading both models)...", file=sys.stderr)
-    addresses = start(config, host, http_port, grpc_port)
+    try:
+        addresses = start(config, host, http_port, grpc_port)
+    except SpecDecError:
+        serve.shutdown()
+        ray.shutdown()
+        raise
     print(f"gRPC  {addresses['grpc']}  (specdec.v1.Generation)\n"
           f"HTTP  {addresses['http']}  (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)\n"
           "Ctrl-C stops.", flush=True)

@@ -104,6 +104,7 @@ def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -
     if config.threads:
         torch.set_num_threads(config.threads)
     check_sources(config)
+    check_runtime_settings(config)
     drafts = {}
     for name, each in draft_configs(config).items():
         draft, draft_dir = build_draft(each, progress)
@@ -141,12 +142,10 @@ def unfused(config: EngineConfig) -> EngineConfig:
 
 def check_sources(config: EngineConfig) -> None:
     """Every model source checked (models/sources.py `check_source`) before any is fetched,
-    converted or loaded: a mistyped --target fails at once, not after minutes of draft loading;
-    and every setting against the runtimes the models run on."""
+    converted or loaded: a mistyped --target fails at once, not after minutes of draft loading."""
     check_source_of(config, "target")
     for each in draft_configs(config).values():
         check_source_of(each, "draft")
-    check_runtime_settings(config)
 
 
 # Settings only the torch runtime reads (at their defaults otherwise), by the flag that sets them.
@@ -156,7 +155,8 @@ TORCH_ONLY = {"dtype": "--dtype", "kv_cache": "--kv-cache", "cuda_graphs": "--no
 def check_runtime_settings(config: EngineConfig) -> None:
     """A setting that no model of this engine reads is refused rather than ignored: torch's
     (formats, dtype, cache, graphs, a GPU) where every model runs on llama.cpp, llama.cpp's where
-    none does, and a head beside the suffix draft, which makes its own estimates."""
+    none does, and a head beside the suffix draft, which makes its own estimates. (In process only:
+    a served app's replicas may run on other machines, where `auto` resolves otherwise.)"""
     drafts = draft_configs(config).values()
     target = backend_for(config, "target").name
     runs = {target} | {backend_for(each, "draft").name for each in drafts}

@@ -155,7 +155,7 @@ def prompt_texts(args: argparse.Namespace) -> list[str]:
 def cmd_generate(args: argparse.Namespace) -> int:
     """One prompt, one sample: the text streams as rounds commit. Several prompts (or samples) run
     at once, sharing every forward pass, and print when all are done."""
-    from specdec.builder import build_engine, build_rules, check_sources
+    from specdec.builder import build_engine, build_rules, check_runtime_settings, check_sources
     from specdec.metrics import aggregate_summary
     from specdec.policies import resolve_policy
 
@@ -164,6 +164,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     resolve_policy(params.policy, has_head=has_head(args))  # its flags checked before minutes of model loading
     config = engine_config(args)
     check_sources(config)
+    check_runtime_settings(config)
     rules = build_rules(config, progress=not args.json)  # the tokenizers and configs, no weights:
     prompts = [rules.encode_prompt(text, params.chat_template) for text in texts]
     for prompt_ids in prompts:  # each prompt and its policy checked before the models load
@@ -211,14 +212,19 @@ def print_costs(engine, args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from specdec.builder import check_sources
     from specdec.policies import PolicyConfig, resolve_policy
     from services.config import AppConfig, ReplicaConfig
     from services.launch import serve_forever
 
+    for flag, replicas in (("--draft-replicas", args.draft_replicas), ("--verifier-replicas", args.verifier_replicas)):
+        if replicas < 1:
+            raise InvalidRequestError(f"{flag} must be at least 1, got {replicas}")
     policy = PolicyConfig(**{k: v for k, v in
                              (("name", args.policy), ("k", args.k), ("threshold", args.threshold)) if v is not None})
     resolve_policy(policy, has_head=has_head(args))  # its flags checked before the replicas load
     engine = engine_config(args)
+    check_sources(engine)  # a mistyped source fails here, not in the replicas after Ray started
     engine.batch = engine.batch.model_copy(update={"lanes": args.lanes})
     config = AppConfig(
         models=engine.model_copy(update={"threads": None}), policy=policy, model_name=args.model_name,

@@ -244,6 +244,8 @@ def test_workers_this_machine_can_never_place_are_refused_not_waited_for(tmp_pat
     (["--http-port", "9000"], "--http-port and --grpc-port are both 9000"),
     (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid'"),
     (["--http-port", "TAKEN"], "Address already in use"),
+    (["--verifier-replicas", "0"], "--verifier-replicas must be at least 1, got 0"),  # (it named num-replicas)
+    (["--draft", "/no/such/draft"], "no such"),  # (the replicas failed after Ray started, with a traceback)
 ])
 def test_serve_refuses_what_it_could_not_serve_before_ray_starts(tiny_pair, capsys, monkeypatch, flags, reason):
     import socket

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 
+import grpc
 import pytest
 
 from clients import ClientError
@@ -224,3 +225,50 @@ def test_pinned_seed_only_for_unseeded_sampling_with_retries():
     assert pinned_seed({"temperature": 0.7, "seed": 3}, RetryPolicy()) == {"temperature": 0.7, "seed": 3}
     assert pinned_seed({"temperature": 0.0}, RetryPolicy()) == {"temperature": 0.0}
     assert pinned_seed({"temperature": 0.7}, RetryPolicy(retries=0)) == {"temperature": 0.7}
+
+
+class IngressDiesOnce(GenerationServicer):
+    """As Serve's gRPC proxy answers when the ingress replica died under the call (Ray 2.60)."""
+
+    async def Generate(self, request, context):
+        if not getattr(self, "died", False):
+            self.died = True
+            await context.abort(grpc.StatusCode.INTERNAL, "The actor died unexpectedly before finishing this task.\n"
+                                                           "\tclass_name: ServeReplica:specdec:Ingress\n\tpid: 9780")
+        return await super().Generate(request, context)
+
+
+def test_an_ingress_replica_lost_under_the_call_is_retried(tiny_engine):
+    """Serve's proxies answer gRPC INTERNAL with Ray's "actor died" text, or a plain-text HTTP 500,
+    where docs/reliability.md promises a retriable loss: the clients retry them (our own 500s, bugs,
+    are JSON and are not retried)."""
+    import http.server
+    import json
+    import threading
+
+    with grpc_server(IngressDiesOnce(EngineBackend(tiny_engine))) as address, \
+            GrpcClient(address, timeout_s=60, retries=FAST) as client:
+        assert client.generate(PROMPT, **FIELDS).completions[0].token_ids == engine_ids(tiny_engine, PROMPT, **FIELDS)
+
+    answers = [(500, "text/plain", b"Internal Server Error"), (200, "application/json", json.dumps({"status": "ok"}).encode())]
+
+    class Proxy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            status, kind, body = answers.pop(0)
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with HttpClient(f"http://127.0.0.1:{server.server_address[1]}", retries=FAST) as client:
+            assert client.health() == {"status": "ok"} and not answers
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -12,6 +12,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from clients.grpc_client import GrpcClient
+from clients.http_client import HttpClient
 from engine_backend import local_serve
 from services.config import AppConfig, ReplicaConfig
 from specdec.builder import EngineConfig, build_engine
@@ -98,6 +99,10 @@ def test_served_feature_draft_survives_killed_replicas(feature_engine, served):
     assert ids == expected and list(response.completions[0].token_ids) == expected
     assert response.stats.draft_tokens > response.stats.rounds
     assert (response.stats.transport_bytes > 0) != beside  # beside the target with the loop, nothing crosses
+    with HttpClient(served["http"], timeout_s=300, retries=PATIENT if beside else 0) as http:  # (500s beside)
+        body = http.complete(PROMPT, max_tokens=LONG["max_new_tokens"], policy="fixed", k=3, draft="feature")
+    assert body["choices"][0]["text"] == feature_engine.generate(
+        PROMPT, build_params(**LONG, chat_template=False)).completions[0].text
     for deployment, before in kills:
         wait_replaced(deployment, before)
     assert bool(replica_names("Draft-feature")) == (served["placement"] == "separate")  # no Draft replicas beside

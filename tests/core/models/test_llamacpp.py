@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdec.builder import EngineConfig, build_engine, build_rules, check_sources, draft_configs, resolve_runtime
+from specdec.builder import (EngineConfig, build_engine, build_rules, check_runtime_settings, check_sources,
+                             draft_configs, resolve_runtime)
 from specdec.engine import SpecDecEngine
 from specdec.errors import IncompatibleModelsError, ModelSourceError
 from specdec.head import AcceptanceHead, HeadConfig
@@ -369,8 +370,8 @@ def test_a_setting_no_model_reads_is_refused_before_any_loads(gguf_pair, update,
     draft, target = gguf_pair
     config = EngineConfig(draft=str(draft), target=str(target), runtime="llamacpp", head="none", llamacpp=options())
     with pytest.raises(ModelSourceError, match=re.escape(reason)):
-        check_sources(config.model_copy(update=update))
-    check_sources(config)  # (as it is: nothing refused)
+        check_runtime_settings(config.model_copy(update=update))
+    check_runtime_settings(config)  # (as it is: nothing refused)
 
 
 def test_a_suffix_draft_beside_keeps_no_weight_setting_of_the_first(gguf_pair):
@@ -378,7 +379,7 @@ def test_a_suffix_draft_beside_keeps_no_weight_setting_of_the_first(gguf_pair):
     config = EngineConfig(draft=str(draft), target=str(target), runtime="llamacpp", head="none", llamacpp=options(),
                           draft_quant="q4_0", drafts={"s": "suffix"})
     assert draft_configs(config)["s"].draft_quant == "auto"  # (the suffix refused q4_0: it has no weights)
-    check_sources(config)
+    check_sources(config), check_runtime_settings(config)
 
 
 def test_a_draft_with_another_tokenizer_is_named_as_the_user_gave_it(gguf_pair, tmp_path):

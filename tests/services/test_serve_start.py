@@ -1,0 +1,30 @@
+"""`services.launch.start` when the app cannot start: one line with the replicas' own reason (Serve
+raised "Deploying application specdec failed: Failed to update the deployments [...]" and the reason
+was only in the replica logs), and the addresses it prints for clients."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_backend import local_serve
+from services.config import AppConfig, ReplicaConfig
+from services.launch import client_addresses
+from specdec.builder import EngineConfig
+from specdec.errors import SpecDecError
+
+
+def test_an_app_whose_replicas_cannot_load_says_why_in_one_line(tiny_pair):
+    models = EngineConfig(draft=str(tiny_pair[0]), target=str(tiny_pair[1]), head="/no/such/head")
+    config = AppConfig(models=models, draft=ReplicaConfig(num_cpus=0.1, threads=1),
+                       verifier=ReplicaConfig(num_cpus=0.1, threads=1), coordinator=ReplicaConfig(num_cpus=0.0),
+                       ingress=ReplicaConfig(num_cpus=0.0))
+    with pytest.raises(SpecDecError) as info:
+        with local_serve(config):
+            pass
+    message = str(info.value)
+    assert message.startswith("the app did not start: ") and "/no/such/head" in message and "\n" not in message
+
+
+def test_client_addresses_write_an_ipv6_host_in_brackets():
+    assert client_addresses("::1", 8000, 9000) == {"grpc": "[::1]:9000", "http": "http://[::1]:8000"}
+    assert client_addresses("127.0.0.1", 8000, 9000) == {"grpc": "127.0.0.1:9000", "http": "http://127.0.0.1:8000"}
