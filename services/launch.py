@@ -13,7 +13,7 @@ from ray.serve.config import gRPCOptions
 
 from services.app import build_app
 from services.config import GRPC_SERVICER_FUNCTIONS, AppConfig
-from specdec.errors import InvalidRequestError, SpecDecError
+from specdec.errors import InvalidRequestError, SpecDecError, one_line
 
 APP_NAME = "specdec"
 DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT = 8000, 9000  # Serve's defaults
@@ -38,21 +38,21 @@ def start(config: AppConfig, host: str = "127.0.0.1", http_port: int = DEFAULT_H
                                          enable_reflection=config.key is None))
     try:
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-    except RuntimeError:  # "Deploying application specdec failed": say why, as the replicas said it
-        raise SpecDecError(f"the app did not start: {deploy_failure()}") from None
+    except RuntimeError as error:  # "Deploying application specdec failed": say why, as the replicas said it
+        raise SpecDecError(f"the app did not start: {deploy_failure() or one_line(error)}") from None
     return client_addresses(host, http_port, grpc_port)
 
 
-def deploy_failure() -> str:
+def deploy_failure() -> str | None:
     """The first failed deployment and its replicas' reason: the last line of the error Serve
-    recorded (a traceback), without the exception's module path."""
-    deployments = serve.status().applications[APP_NAME].deployments
-    for name, deployment in deployments.items():
+    recorded (a traceback), without the exception's module path; None where none recorded one."""
+    app = serve.status().applications.get(APP_NAME)
+    for name, deployment in (app.deployments if app else {}).items():
         lines = [line for line in deployment.message.splitlines() if line.strip()]
         if lines and deployment.status != "HEALTHY":
             kind, sep, reason = lines[-1].partition(": ")
             return f"{name}: {reason if sep and ' ' not in kind else lines[-1]}"
-    return "a deployment failed (see the replica logs)"
+    return None
 
 
 def client_addresses(host: str, http_port: int, grpc_port: int) -> dict[str, str]:
