@@ -115,7 +115,7 @@ class EventReplay:
         self.texts: dict[int, list[str]] = {}  # the text delivered per sample, in its chunks
         self.finished: set[int] = set()
         self.started: set[int] = set()
-        self.usage_sent = False
+        self.done = False  # the usage chunk, the last of a complete attempt, was delivered
         self.restart()
 
     def restart(self) -> None:
@@ -124,7 +124,7 @@ class EventReplay:
 
     def fresh(self, event: dict) -> dict | None:
         if not event.get("choices"):  # the usage chunk: once (an attempt cut after it is not counted twice)
-            fresh, self.usage_sent = not self.usage_sent, True
+            fresh, self.done = not self.done, True
             return event if fresh else None
         choices = [c for c in (self._fresh_choice(choice) for choice in event["choices"]) if c is not None]
         return event | {"choices": choices} if choices else None

@@ -158,8 +158,8 @@ def check_runtime_settings(config: EngineConfig) -> None:
     none does, and a head beside the suffix draft, which makes its own estimates. (In process only:
     a served app's replicas may run on other machines, where `auto` resolves otherwise.)"""
     drafts = draft_configs(config).values()
-    target = backend_for(config, "target").name
-    runs = {target} | {backend_for(each, "draft").name for each in drafts}
+    target, on_drafts = backend_for(config, "target").name, {backend_for(each, "draft").name for each in drafts}
+    runs = {target} | on_drafts
     if not runs & {"torch", "feature"}:
         given = [flag for field, flag in TORCH_ONLY.items()
                  if getattr(config, field) != EngineConfig.model_fields[field].default]
@@ -169,14 +169,13 @@ def check_runtime_settings(config: EngineConfig) -> None:
             raise ModelSourceError(f"{', '.join(given)}: only the torch runtime reads it, and these models run on "
                                    "llama.cpp (on the CPU); use --runtime torch for them")
     formats = {"--target-format": config.target_format != "auto" and target != "torch",
-               "--draft-format": config.draft_format != "auto" and not any(
-                   backend_for(each, "draft").name == "torch" for each in drafts)}
+               "--draft-format": config.draft_format != "auto" and "torch" not in on_drafts}
     if given := [flag for flag, ignored in formats.items() if ignored]:
         raise ModelSourceError(f"{', '.join(given)}: the torch runtime's weight formats; that model does not run on it")
     if "llamacpp" not in runs and config.llamacpp != LlamaCppOptions():
         raise ModelSourceError("--llamacpp-context (the llamacpp settings): no model of this engine runs on llama.cpp")
     if "llamacpp" in runs:
-        llamacpp_options(config)
+        llamacpp_options(config)  # (for its check of --max-pass-tokens against llama.cpp's sequences)
     for each in drafts:
         if is_suffix_draft(each.draft) and each.head not in ("auto", "none", None):
             raise ModelSourceError(f"--head {each.head}: the suffix draft estimates acceptance from its matches "

@@ -242,33 +242,15 @@ def test_an_ingress_replica_lost_under_the_call_is_retried(tiny_engine):
     """Serve's proxies answer gRPC INTERNAL with Ray's "actor died" text, or a plain-text HTTP 500,
     where docs/reliability.md promises a retriable loss: the clients retry them (our own 500s, bugs,
     are JSON and are not retried)."""
-    import http.server
-    import json
-    import threading
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, PlainTextResponse
+    from starlette.routing import Route
 
     with grpc_server(IngressDiesOnce(EngineBackend(tiny_engine))) as address, \
             GrpcClient(address, timeout_s=60, retries=FAST) as client:
         assert client.generate(PROMPT, **FIELDS).completions[0].token_ids == engine_ids(tiny_engine, PROMPT, **FIELDS)
 
-    answers = [(500, "text/plain", b"Internal Server Error"), (200, "application/json", json.dumps({"status": "ok"}).encode())]
-
-    class Proxy(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            status, kind, body = answers.pop(0)
-            self.send_response(status)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        with HttpClient(f"http://127.0.0.1:{server.server_address[1]}", retries=FAST) as client:
-            assert client.health() == {"status": "ok"} and not answers
-    finally:
-        server.shutdown()
-        server.server_close()
+    answers = [PlainTextResponse("Internal Server Error", status_code=500), JSONResponse({"status": "ok"})]
+    proxy = Starlette(routes=[Route("/health", lambda request: answers.pop(0))])
+    with http_server(proxy) as url, HttpClient(url, retries=FAST) as client:
+        assert client.health() == {"status": "ok"} and not answers
