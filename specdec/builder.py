@@ -53,8 +53,8 @@ class EngineConfig(BaseModel):
     draft: str = DEFAULT_DRAFT_SOURCE
     # More drafts beside it, by the name a request picks one with (`draft` in a request), each a
     # source as `draft` with its shipped head (`head: auto`) and the same kernels and formats:
-    # e.g. {"feature": "~/.cache/specdec/training/feature-draft/fused-3"}. Their sessions share the
-    # steps with the first draft's (specdec/loop.py).
+    # e.g. {"feature": "default-feature"} (the feature draft shipped for the default target). Their
+    # sessions share the steps with the first draft's (specdec/loop.py).
     drafts: dict[str, str] = {}
     target: str = "default"
     # Acceptance head: "auto" = the head shipped for the draft (specdec/heads/), if any; "none"; a path.
