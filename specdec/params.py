@@ -71,4 +71,6 @@ def validation_message(exc: ValidationError) -> str:
     """The first pydantic error as one line: `max_new_tokens: Input should be greater than or equal to 1`."""
     error = exc.errors()[0]
     where = ".".join(str(part) for part in error["loc"] if part not in ("sampling", "policy"))
-    return f"{where.replace('_', '-') or 'request'}: {error['msg']}"
+    # A validator's own ValueError: its text, without pydantic's "Value error, " before it.
+    message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+    return f"{where.replace('_', '-')}: {message}" if where else message

@@ -110,7 +110,8 @@ def test_several_prompts_run_together(tiny_pair, tmp_path, capsys):
     (["--also-draft", "default=x"], "'default' names the first draft"),
     (["--also-draft", "=suffix"], "--also-draft takes NAME=SOURCE"),
     (["--threads", "0"], "threads: Input should be greater than or equal to 1"),  # (pydantic's, one line)
-    (["--llamacpp-context", "32"], "one per sequence"),  # llama.cpp aborted the process
+    # llama.cpp aborted the process; the reason stands alone (not "request: Value error, ...")
+    (["--llamacpp-context", "32"], "error: a context and a batch of at least 64 tokens (one per sequence)"),
     (["--llamacpp-context", "1"], "context: Input should be greater than or equal to 16"),
     (["--stop", ""], "stop.0: String should have at least 1 character"),
     (["--prompts", "humaneval", "--limit", "-1"], "--limit must be at least 1"),
