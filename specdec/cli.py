@@ -239,6 +239,9 @@ def check_answers(address: str, timeout_s: float = 5.0) -> None:
     once: Ray's own client retries the GCS for minutes before it gives up."""
     import socket
 
+    if address.startswith(("http://", "https://")):  # $RAY_ADDRESS as Ray's job docs set it, for `ray job submit`
+        raise SpecDecError(f"Ray at {address!r}: that is the dashboard's (Jobs) address; give the cluster's "
+                           "host:6379 or ray://host:10001, or run the command with `ray job submit`")
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not port.isdigit():
         return  # `auto`, `local` and malformed addresses: Ray's own answer is quick and says why
@@ -291,19 +294,21 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
 
 def cmd_train_head(args: argparse.Namespace) -> int:
     from specdec.training.config import load_config
-    from specdec.training.train import check_dataset, sweep_heads, train_head
+    from specdec.training.train import sweep_heads, train_head
 
     config = load_config(args.config)
     train = config.require_train()
-    check_dataset(config)  # a foreign, empty or corrupt dataset fails before Ray starts
-    start_ray(args.address, config.scaling)
+
+    def connect() -> None:  # once the job's checks passed (a foreign, empty or corrupt dataset, other settings)
+        start_ray(args.address, config.scaling)
+
     if args.sweep:
-        summary = sweep_heads(config)
+        summary = sweep_heads(config, connect)
         best = summary["best"]
         print(f"best of {len(summary['runs'])} runs by validation {summary['select_by']}: D={best['depth']} "
               f"w_rej={best['w_rej']:g}; head saved to {train.output}", file=sys.stderr)
         return 0
-    final = train_head(config)["epochs"][-1]
+    final = train_head(config, connect)["epochs"][-1]
     print(f"head saved to {train.output}: epoch {final['epoch']}, validation AUROC {final['val_auroc']:.3f}, "
           f"ECE {final['val_ece']:.3f}, KL {final['val_kl']:.4f}", file=sys.stderr)
     return 0
@@ -311,12 +316,11 @@ def cmd_train_head(args: argparse.Namespace) -> int:
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
     from specdec.training.config import load_config
-    from specdec.training.draft import check_draft_data, train_draft
+    from specdec.training.draft import train_draft
 
     config = load_config(args.config)
-    check_draft_data(config)  # a foreign, empty or corrupt dataset, a missing target, fail before Ray starts
-    start_ray(args.address, config.scaling)
-    report = train_draft(config)
+    # a foreign, empty or corrupt dataset, a missing target or init, a run name's other settings: before Ray starts
+    report = train_draft(config, lambda: start_ray(args.address, config.scaling))
     final = report["final"]
     accepted = ", ".join(f"{k.removeprefix('val_acc_')} {v:.3f}" for k, v in final.items() if k.startswith("val_acc_"))
     print(f"feature draft saved to {config.draft.output}: {report['parameters']:,} parameters, "

@@ -206,7 +206,9 @@ def test_train_head_without_data_fails_before_ray(tmp_path, tiny_pair):
 @pytest.mark.parametrize("address, reason", [("bogus", "Invalid address format"),
                                              ("auto", "Could not find any running Ray instance"),
                                              (f"127.0.0.1:{free_port()}", "nothing answers there"),
-                                             ("ray://127.0.0.1:99999", "nothing answers there")])
+                                             ("ray://127.0.0.1:99999", "nothing answers there"),
+                                             # (Ray's job docs export this one; it said "nothing answers")
+                                             ("http://127.0.0.1:8265", "that is the dashboard's (Jobs) address")])
 def test_a_ray_address_that_does_not_answer_is_one_line(tmp_path, monkeypatch, capsys, address, reason):
     import ray
 

@@ -1,13 +1,18 @@
-"""The Ray Train checkpoint of both training jobs (the head's, train.py; the feature draft's,
-draft.py): a state file and the metrics history, written by rank 0, read back on resume."""
+"""What both training jobs (the head's, train.py; the feature draft's, draft.py) share: the Ray
+Train checkpoint (a state file and the metrics history, written by rank 0, read back on resume), the
+run settings a resume must keep, and Ray itself, started once their checks passed."""
 
 from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from pydantic import BaseModel
+
+from specdec.training.config import ConfigError
 
 STATE_FILE, HISTORY_FILE = "state.pt", "history.json"
 
@@ -16,6 +21,44 @@ def has_checkpoint(storage: str, run: str) -> bool:
     """Whether run `run` under `storage` reported a checkpoint (Ray Train's `checkpoint_*` folders):
     a run that failed before its first has nothing to resume, so its settings bind nothing."""
     return any(Path(storage).resolve().joinpath(run).glob("checkpoint_*"))
+
+
+def connect_ray(connect: Callable[[], None] | None) -> None:
+    """Ray for a job whose checks passed: `connect` (the CLI's: `--address`, else a private local
+    instance), else `ray.init()`; nothing where Ray is up."""
+    import ray
+
+    if not ray.is_initialized():
+        (connect or ray.init)()
+
+
+def check_run_settings(storage: str, name: str, section: str, settings: BaseModel, resumable: tuple[str, ...],
+                       data: dict) -> None:
+    """A run name resumes only the run it started: refuse (ConfigError) other settings of its config
+    section (`section`: `train` or `draft`, but the `resumable` ones) or other data under it, then
+    record these. A run without a checkpoint binds nothing (it failed before its first)."""
+    path = Path(storage).resolve() / f"{name}.settings.json"
+    wanted = {section: settings.model_dump(exclude=set(resumable)), "data": data}
+    if path.is_file() and has_checkpoint(storage, name):
+        found = json.loads(path.read_text())
+        # a setting added after the run started reads as its default there; head runs before
+        # 2026-12-05 recorded their section alone, and no data
+        fields = type(settings).model_fields
+        was = {k: fields[k].default for k in wanted[section]} | found.get(section, found)
+        changed = sorted(k for k in wanted[section] if was[k] != wanted[section][k])
+        if found.get("data", data) != data:
+            changed.append("data")
+        if changed:
+            raise ConfigError(f"run {name!r} in {storage} was started with other settings ({', '.join(changed)}); "
+                              f"choose another {section}.name to start a new run")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(wanted, indent=2) + "\n")
+
+
+def latest_history(storage: str, run: str) -> list[dict]:
+    """The metrics history of run `run`'s newest checkpoint under `storage` ([] without one)."""
+    found = sorted(Path(storage).resolve().joinpath(run).glob(f"checkpoint_*/{HISTORY_FILE}"))
+    return json.loads(found[-1].read_text()) if found else []
 
 
 def resume(load_model, optimizer, model_key: str, progress_key: str) -> tuple[int, list[dict]]:

@@ -10,6 +10,8 @@ forbids unknown keys, and a bad file fails as one line before any Ray or model w
 from __future__ import annotations
 
 import math
+import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -48,9 +50,12 @@ class Strict(BaseModel):
 
 def _folder(path: str | None) -> str | None:
     """A folder's path, `~` expanded. What of it exists must be folders: a file there would fail the
-    job with a traceback at its first write, minutes in."""
+    job with a traceback at its first write, minutes in. A URI (`s3://...`) is refused: the jobs
+    write through the file system, which would make it a local folder named `s3:`."""
     if path is None:
         return None
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", path):
+        raise ValueError(f"{path!r} is a URI; the jobs read and write folders: mount the storage and give its path")
     try:
         if "\0" in path:
             raise ValueError("a NUL character")
@@ -61,6 +66,17 @@ def _folder(path: str | None) -> str | None:
     if not existing.is_dir():
         raise ValueError(f"{path}: {existing} is a file, not a folder")
     return str(expanded)
+
+
+def _writable_folder(path: str | None) -> str | None:
+    """A folder a job writes (`_folder`), refused where it could not: a read-only file system or no
+    permission would fail it at its first write, after the work."""
+    path = _folder(path)
+    if path is not None:
+        existing = next(p for p in (Path(path), *Path(path).parents) if p.exists())
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"{path}: {existing} is not writable")
+    return path
 
 
 def _run_name(name: str) -> str:
@@ -246,7 +262,7 @@ class TrainSection(Strict):
     # passes over the data are most of train-head's time (a feature draft's: seconds a sequence here).
     max_sequences: int | None = Field(None, ge=1)
 
-    _folder_paths = field_validator("storage", "output")(_folder)
+    _folder_paths = field_validator("storage", "output")(_writable_folder)
     _name_is_a_folder = field_validator("name")(_run_name)
 
     @model_validator(mode="after")
@@ -289,7 +305,8 @@ class DraftTrainSection(Strict):
     # weights and its vocabulary; its target, inputs and shape must be this run's.
     init: str | None = Field(None, min_length=1, description="a saved feature draft directory to start from")
 
-    _folder_paths = field_validator("storage", "output", "init")(_folder)
+    _folder_paths = field_validator("storage", "output")(_writable_folder)
+    _init_folder = field_validator("init")(_folder)
     _name_is_a_folder = field_validator("name")(_run_name)
 
 

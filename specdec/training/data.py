@@ -548,7 +548,12 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
     selected = select_prompts(data, sources)
 
     reused = reusable_responses(reuse, settings) if reuse is not None else {}
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DatasetError(f"data.dir {out}: {exc.strerror or exc}") from None
+    if not os.access(out, os.W_OK | os.X_OK):  # (a read-only file system, no permission)
+        raise DatasetError(f"data.dir {out} is not writable")
     if (out / MANIFEST_FILE).is_file() and shard_paths(out):  # (a run that wrote no shard binds nothing)
         _check_same_settings(out, read_manifest(out).get("settings", {}), settings)
     tables = {path: read_shard(path, columns=ENTRY_COLUMNS[data.kind]) for path in shard_paths(out)}

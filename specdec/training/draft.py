@@ -24,6 +24,7 @@ import json
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -370,7 +371,12 @@ def check_draft_data(config: PipelineConfig) -> tuple[dict, str, str]:
     from specdec.errors import ModelSourceError
     from specdec.models.sources import model_identity, resolve_model
 
-    config.require_draft()
+    draft = config.require_draft()
+    if draft.init:  # named by its key, before the data load
+        try:
+            read_config(draft.init)
+        except ModelSourceError as exc:
+            raise ConfigError(f"draft.init: {exc}") from None
     manifest = read_manifest(Path(config.data.dir))
     if manifest.get("kind") != "features":
         raise DatasetError(f"dataset {config.data.dir} is not a features dataset (data.kind: features)")
@@ -388,24 +394,6 @@ def check_draft_data(config: PipelineConfig) -> tuple[dict, str, str]:
         raise SpecDecError(f"dataset {config.data.dir} needs sequences in both splits "
                            f"(train {splits['train']}, validation {splits['validation']})")
     return manifest, identity, str(target_dir)
-
-
-def check_run_settings(draft: DraftTrainSection, data_settings: dict) -> None:
-    """A run name resumes only the run it started: refuse other settings or other data under it."""
-    path = Path(draft.storage).resolve() / f"{draft.name}.settings.json"
-    wanted = {"draft": draft.model_dump(exclude=set(RESUMABLE_CHANGES)), "data": data_settings}
-    if path.is_file() and checkpoints.has_checkpoint(draft.storage, draft.name):
-        found = json.loads(path.read_text())
-        # a setting newer than the run reads as its default there
-        was = {k: DraftTrainSection.model_fields[k].default for k in wanted["draft"]} | found.get("draft", {})
-        changed = sorted(k for k in wanted["draft"] if was[k] != wanted["draft"][k])
-        if found.get("data") != data_settings:
-            changed.append("data")
-        if changed:
-            raise ConfigError(f"run {draft.name!r} in {draft.storage} was started with other settings "
-                              f"({', '.join(changed)}); choose another draft.name to start a new run")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(wanted, indent=2) + "\n")
 
 
 def init_state(directory: str) -> dict[str, torch.Tensor]:
@@ -442,9 +430,9 @@ def check_trainable(draft: DraftTrainSection, workers: int, examples: list[Examp
                           "no vocabulary to draft")
 
 
-def train_draft(config: PipelineConfig) -> dict:
-    """`specdec train-draft`: check, choose the vocabulary, train, save. Returns the report."""
-    import ray
+def train_draft(config: PipelineConfig, connect: Callable[[], None] | None = None) -> dict:
+    """`specdec train-draft`: check, choose the vocabulary, start Ray (`connect`,
+    checkpoints.connect_ray), train, save. Returns the report."""
     from ray.train import CheckpointConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -460,9 +448,8 @@ def train_draft(config: PipelineConfig) -> dict:
     else:
         vocab_ids = trimmed_vocabulary(examples, draft.vocab_coverage, draft.vocab_size)
     data_settings = {**manifest["settings"], "sequences": manifest["counts"]["sequences"]}
-    check_run_settings(draft, data_settings)
-    if not ray.is_initialized():
-        ray.init()
+    checkpoints.check_run_settings(draft.storage, draft.name, "draft", draft, RESUMABLE_CHANGES, data_settings)
+    checkpoints.connect_ray(connect)
     scaling = config.scaling
     loop_config = {"draft": draft.model_dump(), "vocab_ids": vocab_ids.tolist(), "data_dir": data_dir,
                    "layers": manifest["settings"]["layers"], "target_dir": target_dir, "target_identity": identity,

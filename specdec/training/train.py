@@ -32,6 +32,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -65,7 +66,7 @@ FEATURE_DTYPE = torch.float16  # halves the cache; the head trains in fp32
 FEATURE_FORMAT = 3
 CHECKPOINTS_TO_KEEP = 2
 # Settings that may change when a run resumes (all others would make the checkpoint meaningless).
-RESUMABLE_CHANGES = ("epochs", "output")
+RESUMABLE_CHANGES = ("epochs", "output", "calibrate")  # calibration is applied at saving
 
 
 # -- features ------------------------------------------------------------------------------------
@@ -367,20 +368,15 @@ def ensure_features(config: PipelineConfig, manifest: dict, draft_identity: str)
     return ray.get(task.remote(config, data_dir, str(path), draft_identity))
 
 
-def check_run_settings(train: TrainSection) -> None:
-    """A run name resumes only the run it started: refuse other settings under the same name."""
-    path = Path(train.storage).resolve() / f"{train.name}.settings.json"
-    wanted = train.model_dump(exclude=set(RESUMABLE_CHANGES))
-    if path.is_file() and checkpoints.has_checkpoint(train.storage, train.name):
-        found = json.loads(path.read_text())
-        # a setting added after the run started holds its default there
-        defaults = {k: TrainSection.model_fields[k].default for k in wanted}
-        changed = sorted(k for k in wanted if found.get(k, defaults[k]) != wanted[k])
-        if changed:
-            raise ConfigError(f"run {train.name!r} in {train.storage} was started with other settings "
-                              f"({', '.join(changed)}); choose another train.name to start a new run")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(wanted, indent=2) + "\n")
+def check_run(train: TrainSection, identity: str, manifest: dict) -> None:
+    """Before Ray: a run name resumes only its own run (other settings, another draft or other
+    data refused), and never past a lower `train.epochs`."""
+    data = {"draft_identity": identity, "shards": [shard["sha256"] for shard in manifest["shards"]]}
+    checkpoints.check_run_settings(train.storage, train.name, "train", train, RESUMABLE_CHANGES, data)
+    done = len(checkpoints.latest_history(train.storage, train.name))
+    if done > train.epochs:
+        raise ConfigError(f"run {train.name!r} in {train.storage} has trained {done} epochs, more than train.epochs "
+                          f"{train.epochs}; raise it, or choose another train.name to start a new run")
 
 
 def fit_head(config: PipelineConfig, train: TrainSection, features: str):
@@ -388,7 +384,6 @@ def fit_head(config: PipelineConfig, train: TrainSection, features: str):
     from ray.train import CheckpointConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    check_run_settings(train)
     scaling = config.scaling
     trainer = TorchTrainer(
         train_loop,
@@ -442,15 +437,14 @@ def temperature_report(logits: torch.Tensor, val_set: dict) -> dict[str, dict]:
     return report
 
 
-def train_head(config: PipelineConfig) -> dict:
-    """`specdec train-head`: check, cache features, train, save. Returns the training report."""
-    import ray
-
+def train_head(config: PipelineConfig, connect: Callable[[], None] | None = None) -> dict:
+    """`specdec train-head`: check, start Ray (`connect`, checkpoints.connect_ray), cache features,
+    train, save. Returns the training report."""
     train = config.require_train()
-    manifest, identity, name = check_dataset(config)  # bad data fail here, before Ray starts
+    manifest, identity, name = check_dataset(config)  # bad data and settings fail here, before Ray starts
+    check_run(train, identity, manifest)
     manifest["dir"] = config.data.dir
-    if not ray.is_initialized():
-        ray.init()
+    checkpoints.connect_ray(connect)
     features = ensure_features(config, manifest, identity)
     return save_result(fit_head(config, train, features), train, identity, name, manifest, features)
 
@@ -463,30 +457,29 @@ def select_run(runs: list[dict], metric: str) -> dict:
     return (max if SELECT_BY[metric] == "max" else min)(scored, key=lambda r: r[f"val_{metric}"])
 
 
-def sweep_heads(config: PipelineConfig) -> dict:
+def sweep_heads(config: PipelineConfig, connect: Callable[[], None] | None = None) -> dict:
     """`specdec train-head --sweep`: one run per (D, w_rej) on the same cached features; the head
     with the best final validation metric (`sweep.select_by`) is saved to `train.output`.
 
     The default criterion is AUROC: w_rej > 1 shifts predictions down on purpose, so calibration
     metrics (KL, ECE) always favour w_rej = 1, while the threshold h, chosen later on validation
     prompts, can absorb a shift but not a poor ranking."""
-    import ray
-
     train = config.require_train()
     manifest, identity, name = check_dataset(config)
-    manifest["dir"] = config.data.dir
-    if not ray.is_initialized():
-        ray.init()
-    features = ensure_features(config, manifest, identity)
     sweep, runs, metric = config.sweep, [], config.sweep.select_by
-    for depth in sweep.depths:
-        for w_rej in sweep.w_rej:
-            run = train.model_copy(update={"depth": depth, "w_rej": w_rej, "name": f"{train.name}-D{depth}-wrej{w_rej:g}",
-                                           "output": str(Path(train.output) / "sweep" / f"D{depth}-wrej{w_rej:g}")})
-            report = save_result(fit_head(config, run, features), run, identity, name, manifest, features)
-            value = report["epochs"][-1][f"val_{metric}"]
-            runs.append({"depth": depth, "w_rej": w_rej, "output": run.output, f"val_{metric}": value,
-                         **{k: report["epochs"][-1][k] for k in ("val_kl", "val_auroc", "val_ece", "val_loss")}})
+    grid = [train.model_copy(update={"depth": depth, "w_rej": w_rej, "name": f"{train.name}-D{depth}-wrej{w_rej:g}",
+                                     "output": str(Path(train.output) / "sweep" / f"D{depth}-wrej{w_rej:g}")})
+            for depth in sweep.depths for w_rej in sweep.w_rej]
+    for run in grid:
+        check_run(run, identity, manifest)
+    manifest["dir"] = config.data.dir
+    checkpoints.connect_ray(connect)
+    features = ensure_features(config, manifest, identity)
+    for run in grid:
+        report = save_result(fit_head(config, run, features), run, identity, name, manifest, features)
+        value = report["epochs"][-1][f"val_{metric}"]
+        runs.append({"depth": run.depth, "w_rej": run.w_rej, "output": run.output, f"val_{metric}": value,
+                     **{k: report["epochs"][-1][k] for k in ("val_kl", "val_auroc", "val_ece", "val_loss")}})
     best = select_run(runs, metric)
     chosen = train.model_copy(update={"depth": best["depth"], "w_rej": best["w_rej"]})
     from specdec.head import load_head

@@ -172,6 +172,27 @@ def test_empty_prompt_sources_and_feature_layers_are_refused():
         parse_config({**MINIMAL, "data": {"dir": "d", "kind": "features", "features": {"layers": []}}})
 
 
+@pytest.mark.parametrize("section, key", [("data", "dir"), ("train", "storage"), ("train", "output")])
+def test_a_uri_is_refused_not_made_a_local_folder(section, key):
+    # (s3://b/runs was written to ./s3:/b/runs: on a cluster, checkpoints per node or lost with the job)
+    with pytest.raises(ConfigError, match=f"{section}.{key}: .*'s3://bucket/x' is a URI"):
+        parse_config(with_change(section, key, "s3://bucket/x"))
+
+
+@pytest.mark.parametrize("key", ["storage", "output"])
+def test_a_folder_the_job_cannot_write_is_refused_before_it_starts(tmp_path, monkeypatch, key):
+    import specdec.training.config as config_module
+
+    locked = tmp_path / "read-only"
+    locked.mkdir()
+    # (root passes permission bits, so the read-only file system is played by os.access)
+    real_access = config_module.os.access
+    monkeypatch.setattr(config_module.os, "access", lambda path, mode: Path(path) != locked and real_access(path, mode))
+    with pytest.raises(ConfigError, match=f"train.{key}: .*read-only is not writable"):
+        parse_config(with_change("train", key, str(locked / "runs")))
+    assert parse_config(with_change("data", "dir", str(locked / "data"))) is not None  # data are only read there
+
+
 def test_a_folder_under_a_file_is_refused(tmp_path):
     (tmp_path / "a-file").write_text("")
     with pytest.raises(ConfigError, match="train.output: .*a-file is a file, not a folder"):

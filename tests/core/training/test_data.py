@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -210,6 +211,19 @@ def test_other_settings_in_the_same_directory_are_refused(tiny_dataset):
     changed = {**raw, "data": {**raw["data"], "labels": {"temperatures": [0.5]}}}
     with pytest.raises(DatasetError, match="made with other settings \\(labels differs\\)"):
         generate_dataset(parse_config(changed), prompts=TINY_PROMPTS, progress=False)
+
+
+def test_a_data_dir_it_cannot_write_is_one_line(tiny_dataset, tmp_path, monkeypatch):
+    import specdec.training.data as data_module
+
+    raw, _ = tiny_dataset
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    # (root passes permission bits, so the read-only file system is played by os.access)
+    monkeypatch.setattr(data_module.os, "access", lambda path, mode: Path(path) != locked)
+    with pytest.raises(DatasetError, match="data.dir .*locked is not writable"):
+        generate_dataset(parse_config({**raw, "data": {**raw["data"], "dir": str(locked)}}), prompts=TINY_PROMPTS,
+                         progress=False)
 
 
 def test_a_run_that_wrote_no_shard_binds_no_settings(tiny_dataset, tmp_path):

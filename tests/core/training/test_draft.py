@@ -299,6 +299,8 @@ def test_a_missing_or_other_target_is_one_line(feature_dataset, tmp_path):
         check_draft_data(parse_config({**raw, "models": {**raw["models"], "target": str(other)}}))
     with pytest.raises(ModelSourceError, match="models.target"):
         check_draft_data(parse_config({**raw, "models": {**raw["models"], "target": str(tmp_path / "nowhere")}}))
+    with pytest.raises(ConfigError, match="draft.init: no feature draft at .*nowhere"):  # (was found after Ray started)
+        check_draft_data(parse_config({**raw, "draft": {**raw["draft"], "init": str(tmp_path / "nowhere")}}))
     labels = {**raw, "data": {**raw["data"], "kind": "labels"}}
     with pytest.raises(ConfigError, match="data.kind must be `features`"):
         check_draft_data(parse_config(labels))

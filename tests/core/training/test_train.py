@@ -25,7 +25,7 @@ from specdec.training.mixing import mixing_generator
 from specdec.training.train import (
     FEATURE_FORMAT,
     REPORT_FILE,
-    check_run_settings,
+    check_run,
     head_inputs,
     load_features,
     new_head,
@@ -136,13 +136,33 @@ def test_training_refuses_a_foreign_dataset(tiny_dataset, tmp_path):
 
 
 def test_changed_settings_under_the_same_run_name(tmp_path):
-    train = TrainSection(storage=str(tmp_path), output="o", depth=2)
-    check_run_settings(train)
-    check_run_settings(train.model_copy(update={"depth": 1}))  # no checkpoint yet (it failed first): a new run
-    (tmp_path / "head" / "checkpoint_000000").mkdir(parents=True)  # (Ray Train's name for one)
-    check_run_settings(train.model_copy(update={"depth": 1, "epochs": 20}))  # more epochs: a resume
+    train, data = TrainSection(storage=str(tmp_path), output="o", depth=2), {"shards": [{"sha256": "a"}]}
+    check_run(train, "draft", data)
+    check_run(train.model_copy(update={"depth": 1}), "draft", data)  # no checkpoint yet (it failed first): a new run
+    checkpoint = tmp_path / "head" / "checkpoint_000000"  # (Ray Train's name for one)
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "history.json").write_text(json.dumps([{"epoch": 1}, {"epoch": 2}]))
+    resumed = train.model_copy(update={"depth": 1, "epochs": 20, "calibrate": False})
+    check_run(resumed, "draft", data)  # more epochs, another calibration: a resume
     with pytest.raises(ConfigError, match="run 'head' .* started with other settings \\(depth\\)"):
-        check_run_settings(train.model_copy(update={"depth": 3}))
+        check_run(train.model_copy(update={"depth": 3}), "draft", data)
+    # other data or another draft under the name resumed silently (a head trained on both, reported on one)
+    with pytest.raises(ConfigError, match="started with other settings \\(data\\)"):
+        check_run(resumed, "draft", {"shards": [{"sha256": "a"}, {"sha256": "b"}]})
+    with pytest.raises(ConfigError, match="started with other settings \\(data\\)"):
+        check_run(resumed, "another draft", data)
+    # fewer epochs than the checkpoint has saved the longer-trained head, reported as the shorter
+    with pytest.raises(ConfigError, match="has trained 2 epochs, more than train.epochs 1"):
+        check_run(resumed.model_copy(update={"epochs": 1}), "draft", data)
+
+
+def test_a_head_run_recorded_before_its_data_were_resumes(tmp_path):
+    train, data = TrainSection(storage=str(tmp_path), output="o"), {"shards": [{"sha256": "a"}]}
+    (tmp_path / "head.settings.json").write_text(json.dumps(train.model_dump(exclude={"epochs", "output"})))
+    (tmp_path / "head" / "checkpoint_000000").mkdir(parents=True)
+    check_run(train, "draft", data)
+    with pytest.raises(ConfigError, match="other settings \\(depth\\)"):
+        check_run(train.model_copy(update={"depth": 0}), "draft", data)
 
 
 def test_sweep_selection():
