@@ -111,6 +111,14 @@ class TextPrinter:
         sys.stdout.write(text)
         sys.stdout.flush()
 
+    def __enter__(self) -> TextPrinter:
+        return self
+
+    def __exit__(self, error_type, *_) -> None:
+        if error_type is not None and self.current is not None:  # cut short: its error on a line of its own
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+
     def finish(self, stats: dict | None) -> int:
         sys.stdout.write("\n")
         if stats:
@@ -137,16 +145,17 @@ def generate_grpc(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(proto_dict(client.generate(args.prompt, **options))))
             return 0
-        printer, stats = TextPrinter(args.n or 1), None
-        if args.stream:
-            for chunk in client.generate_stream(args.prompt, **options):
-                printer.write(chunk.index, chunk.text)
-                stats = chunk.stats if chunk.HasField("stats") else stats
-        else:
-            response = client.generate(args.prompt, **options)
-            for completion in response.completions:
-                printer.write(completion.index, completion.text)
-            stats = response.stats
+        with TextPrinter(args.n or 1) as printer:
+            stats = None
+            if args.stream:
+                for chunk in client.generate_stream(args.prompt, **options):
+                    printer.write(chunk.index, chunk.text)
+                    stats = chunk.stats if chunk.HasField("stats") else stats
+            else:
+                response = client.generate(args.prompt, **options)
+                for completion in response.completions:
+                    printer.write(completion.index, completion.text)
+                stats = response.stats
     return printer.finish(proto_dict(stats) if stats is not None else None)
 
 
@@ -162,11 +171,12 @@ def generate_http(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(unary(prompt, **fields)))
             return 0
-        printer, stats = TextPrinter(args.n or 1), None
-        for body in (stream(prompt, **fields) if args.stream else [unary(prompt, **fields)]):
-            for choice in body["choices"]:
-                printer.write(choice["index"], choice_text(choice))
-            stats = body.get("specdec", stats)
+        with TextPrinter(args.n or 1) as printer:
+            stats = None
+            for body in (stream(prompt, **fields) if args.stream else [unary(prompt, **fields)]):
+                for choice in body["choices"]:
+                    printer.write(choice["index"], choice_text(choice))
+                stats = body.get("specdec", stats)
     return printer.finish(stats)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from ray.serve.config import AutoscalingConfig
 
 from specdec.builder import EngineConfig, draft_configs
@@ -64,6 +64,14 @@ class ReplicaConfig(BaseModel):
                              f"{sorted(AutoscalingConfig.model_fields)}")
         AutoscalingConfig.model_validate(value)
         return value
+
+    @model_validator(mode="after")
+    def _one_way_to_size(self) -> ReplicaConfig:
+        # (Serve refuses both at deploy time; the config dropped num_replicas without a word)
+        if self.autoscaling is not None and "num_replicas" in self.model_fields_set:
+            raise ValueError("num_replicas and autoscaling both set: with autoscaling, size it by its "
+                             "min_replicas / max_replicas (or initial_replicas)")
+        return self
 
     @field_validator("env")
     @classmethod
@@ -151,6 +159,13 @@ class AppConfig(BaseModel):
             check_served_policy(resolve_policy(value, has_head=True))
         except InvalidRequestError as error:
             raise ValueError(str(error)) from None
+        return value
+
+    @field_validator("models")
+    @classmethod
+    def _threads_per_deployment(cls, value: EngineConfig) -> EngineConfig:
+        if value.threads is not None:  # each replica sets its own (it was accepted and never read)
+            raise ValueError("models.threads is not read when served: set draft.threads and verifier.threads")
         return value
 
     @field_validator("max_queued_requests")

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 
 import ray
 from ray import serve
 from ray.serve.config import gRPCOptions
 
-from services.app import build_app
-from services.config import GRPC_SERVICER_FUNCTIONS, AppConfig
+from services.app import build_app, draft_replicas, loop_host
+from services.config import GRPC_SERVICER_FUNCTIONS, AppConfig, ReplicaConfig
+from specdec.builder import draft_configs
 from specdec.errors import InvalidRequestError, SpecDecError, one_line
 
 APP_NAME = "specdec"
@@ -21,6 +24,8 @@ DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT = 8000, 9000  # Serve's defaults
 # request or response. Requests are refused beyond AppConfig.max_request_bytes anyway; responses of
 # n samples of a long context need more.
 PROXY_MAX_MESSAGE_ENV, PROXY_MAX_MESSAGE_BYTES = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", 32 * 1024 * 1024
+# ray.init's options for a served app: the replicas' logs stay in Ray's log files
+RAY_OPTIONS = {"include_dashboard": False, "logging_level": "WARNING", "log_to_driver": False, "configure_logging": False}
 
 
 def start(config: AppConfig, host: str = "127.0.0.1", http_port: int = DEFAULT_HTTP_PORT,
@@ -30,8 +35,7 @@ def start(config: AppConfig, host: str = "127.0.0.1", http_port: int = DEFAULT_H
     environment); on a cluster set it where `ray start` runs (docs/reliability.md)."""
     if not ray.is_initialized():
         os.environ.setdefault(PROXY_MAX_MESSAGE_ENV, str(PROXY_MAX_MESSAGE_BYTES))
-        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING",
-                 log_to_driver=False, configure_logging=False)
+        ray.init(num_cpus=num_cpus, **RAY_OPTIONS)
     # With an API key, reflection (which would list our services to anyone) is off.
     serve.start(http_options={"host": host, "port": http_port},
                 grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS,
@@ -82,23 +86,58 @@ def check_ports(host: str, http_port: int, grpc_port: int) -> None:
                 raise InvalidRequestError(f"{flag} {port} on {host}: {error.strerror}") from None
 
 
-def serve_forever(config: AppConfig, host: str, http_port: int, grpc_port: int) -> int:
+def replicas_at_start(replicas: ReplicaConfig) -> int:
+    """How many replicas a deployment starts with (autoscaling: its initial or least number)."""
+    if not replicas.autoscaling:
+        return replicas.num_replicas
+    scaling = replicas.autoscaling
+    return scaling.get("initial_replicas") or scaling.get("min_replicas", 1)
+
+
+def resources_at_start(config: AppConfig) -> dict[str, float]:
+    """The CPUs and GPUs the app's replicas reserve when it starts (as services/app.py deploys them)."""
+    groups = [config.ingress]
+    if config.loop_placement == "verifier":
+        groups.append(loop_host(config.verifier, config.coordinator))
+    else:
+        groups += [config.verifier, config.coordinator]
+    colocated = config.colocated_drafts()
+    groups += [draft_replicas(config.draft, each) for name, each in draft_configs(config.models).items()
+               if name not in colocated]
+    return {"CPU": sum(g.num_cpus * replicas_at_start(g) for g in groups),
+            "GPU": sum(g.num_gpus * replicas_at_start(g) for g in groups)}
+
+
+def serve_forever(config: AppConfig, host: str, http_port: int, grpc_port: int,
+                  connect: Callable[[dict[str, float]], bool]) -> int:
+    """`specdec serve` until Ctrl-C or SIGTERM (`kill`, `docker stop`), either of which lets the
+    requests in flight finish (Serve's graceful shutdown) before it stops. `connect(need)` starts
+    or joins Ray (specdec.cli.start_ray: `need`, the CPUs and GPUs the replicas reserve at start,
+    refused where a private instance could never place them); it returns whether it joined a
+    cluster, where only this app is stopped and another app of its name is not replaced."""
     check_ports(host, http_port, grpc_port)
     print("starting Ray and the app (loading both models)...", file=sys.stderr)
+    os.environ.setdefault(PROXY_MAX_MESSAGE_ENV, str(PROXY_MAX_MESSAGE_BYTES))
+    joined = connect(resources_at_start(config))
+    deployed = False
     try:
+        if joined and APP_NAME in serve.status().applications:
+            raise SpecDecError(f"an app named {APP_NAME!r} already runs on that cluster: stop it first "
+                               "(serve shutdown), or serve from another cluster")
+        # after ray.init, whose handler exits the process mid-call (a crash dump, rc 134): as Ctrl-C
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        deployed = True
         addresses = start(config, host, http_port, grpc_port)
-    except SpecDecError:
-        serve.shutdown()
-        ray.shutdown()
-        raise
-    print(f"gRPC  {addresses['grpc']}  (specdec.v1.Generation)\n"
-          f"HTTP  {addresses['http']}  (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)\n"
-          "Ctrl-C stops.", flush=True)
-    try:
+        print(f"gRPC  {addresses['grpc']}  (specdec.v1.Generation)\n"
+              f"HTTP  {addresses['http']}  (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)\n"
+              "Ctrl-C stops.", flush=True)
         threading.Event().wait()
     except KeyboardInterrupt:
-        pass
+        print("stopping: the requests in flight finish first", file=sys.stderr, flush=True)
     finally:
-        serve.shutdown()
+        if deployed:
+            serve.delete(APP_NAME)  # drains: each replica waits for its requests in flight
+        if not joined:
+            serve.shutdown()
         ray.shutdown()
     return 0

@@ -215,7 +215,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specdec.builder import check_sources
     from specdec.policies import PolicyConfig, resolve_policy
     from services.config import AppConfig, ReplicaConfig
-    from services.launch import serve_forever
+    from services.launch import RAY_OPTIONS, serve_forever
 
     for flag, replicas in (("--draft-replicas", args.draft_replicas), ("--verifier-replicas", args.verifier_replicas)):
         if replicas < 1:
@@ -231,7 +231,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         target_shards=args.target_shards,
         draft=ReplicaConfig(num_replicas=args.draft_replicas, threads=args.threads),
         verifier=ReplicaConfig(num_replicas=args.verifier_replicas, threads=args.threads))
-    return serve_forever(config, args.host, args.http_port, args.grpc_port)
+    return serve_forever(config, args.host, args.http_port, args.grpc_port,
+                         lambda need: start_ray(args.address, need, "the replicas (--draft-replicas, "
+                                                "--verifier-replicas) ask", RAY_OPTIONS))
 
 
 def check_answers(address: str, timeout_s: float = 5.0) -> None:
@@ -251,31 +253,46 @@ def check_answers(address: str, timeout_s: float = 5.0) -> None:
         raise SpecDecError(f"Ray at {address!r}: nothing answers there ({one_line(error)})") from None
 
 
-def start_ray(address: str | None, scaling: ScalingSection) -> None:
-    """Connect to `address` (ray job submit sets $RAY_ADDRESS), else start a private local instance:
-    never attach to some other Ray that happens to run on this machine. That instance has no
-    autoscaler: workers it can never place (`scaling`) are refused, where Ray would wait forever."""
+def start_ray(address: str | None, need: dict[str, float], asking: str, options: dict,
+              local: dict | None = None) -> bool:
+    """Connect to `address` (else $RAY_ADDRESS, which ray job submit sets), else start a private
+    local instance (`local`: its own ray.init options): never attach to some other Ray that happens
+    to run on this machine (a bare `ray.init()` joins one `ray start` left). That instance has no
+    autoscaler: what it could never place (`need`, {"CPU": n, "GPU": n}; `asking` names who asks,
+    e.g. "scaling (4 workers) asks") is refused, where Ray would wait forever. Returns whether it joined a cluster."""
     import os
 
     import ray
 
-    if ray.is_initialized():
-        return
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         check_answers(address)
         try:
-            ray.init(address=address, log_to_driver=True)
+            ray.init(address=address, **options)
         except (ValueError, ConnectionError) as error:  # a malformed address; none answering there
             raise SpecDecError(f"Ray at {address!r}: {one_line(error)}") from None
-    else:  # Ray starts workers at nice 15; here they are the job, so they must not yield to everything else
-        ray.init(address="local", log_to_driver=True, _system_config={"worker_niceness": 0})
-        have = ray.cluster_resources()
-        cpus, gpus = scaling.num_workers * scaling.cpus_per_worker, scaling.num_workers * scaling.use_gpu
-        if cpus > have.get("CPU", 0) or gpus > have.get("GPU", 0):
-            ray.shutdown()
-            raise SpecDecError(f"scaling asks {cpus:g} CPUs and {gpus} GPUs ({scaling.num_workers} workers); this "
-                               f"machine has {have.get('CPU', 0):g} and {have.get('GPU', 0):g}")
+        return True
+    try:
+        ray.init(address="local", **options, **(local or {}))
+    except (RuntimeError, ConnectionError) as error:  # e.g. "The current node timed out during startup"
+        raise SpecDecError(f"Ray did not start: {one_line(error)}") from None
+    have = ray.cluster_resources()
+    if any(need[kind] > have.get(kind, 0) + 1e-9 for kind in need):
+        ray.shutdown()
+        raise SpecDecError(f"{asking} {need['CPU']:g} CPUs and {need['GPU']:g} GPUs; this machine has "
+                           f"{have.get('CPU', 0):g} and {have.get('GPU', 0):g}")
+    return False
+
+
+def start_training_ray(address: str | None, scaling: ScalingSection) -> None:
+    """Ray for a training job (`start_ray`); its workers log to the driver."""
+    import ray
+
+    if not ray.is_initialized():  # Ray starts workers at nice 15; here they are the job: not below everything else
+        start_ray(address, {"CPU": scaling.num_workers * scaling.cpus_per_worker,
+                            "GPU": scaling.num_workers * scaling.use_gpu},
+                  f"scaling ({scaling.num_workers} workers) asks", {"log_to_driver": True},
+                  local={"_system_config": {"worker_niceness": 0}})
 
 
 def cmd_gen_data(args: argparse.Namespace) -> int:
@@ -283,7 +300,7 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
     from specdec.training.data import generate_dataset
 
     config = load_config(args.config)
-    start_ray(args.address, config.scaling)
+    start_training_ray(args.address, config.scaling)
     manifest = generate_dataset(config, reuse=args.reuse_responses)
     counts = manifest["counts"]
     print(f"{config.data.dir}: {counts['sequences']} sequences, {counts['positions']} response tokens, "
@@ -300,7 +317,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     train = config.require_train()
 
     def connect() -> None:  # once the job's checks passed (a foreign, empty or corrupt dataset, other settings)
-        start_ray(args.address, config.scaling)
+        start_training_ray(args.address, config.scaling)
 
     if args.sweep:
         summary = sweep_heads(config, connect)
@@ -320,7 +337,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     # a foreign, empty or corrupt dataset, a missing target or init, a run name's other settings: before Ray starts
-    report = train_draft(config, lambda: start_ray(args.address, config.scaling))
+    report = train_draft(config, lambda: start_training_ray(args.address, config.scaling))
     final = report["final"]
     accepted = ", ".join(f"{k.removeprefix('val_acc_')} {v:.3f}" for k, v in final.items() if k.startswith("val_acc_"))
     print(f"feature draft saved to {config.draft.output}: {report['parameters']:,} parameters, "
@@ -443,6 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--http-port", type=int, default=8000)
     group.add_argument("--grpc-port", type=int, default=9000)
     group.add_argument("--model-name", default="specdec", help="the model id the OpenAI routes answer to")
+    group.add_argument("--address", default=None,
+                       help="Ray cluster to serve on (default $RAY_ADDRESS, else a new local instance)")
     group.add_argument("--draft-replicas", type=int, default=1)
     group.add_argument("--verifier-replicas", type=int, default=1)
     group.add_argument("--target-shards", type=int, default=1, help="devices per verifier replica")

@@ -235,8 +235,27 @@ def test_workers_this_machine_can_never_place_are_refused_not_waited_for(tmp_pat
         config.write_text(f"data: {{dir: {tmp_path / 'data'}}}\nscaling: {scaling}\n")
         assert main(["gen-data", "--config", str(config)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert err[-1].startswith("error: scaling asks ") and "this machine has" in err[-1]
+        assert err[-1].startswith("error: scaling (") and "this machine has" in err[-1]
         assert not ray.is_initialized() and not (tmp_path / "data").exists()
+
+
+def test_serve_refuses_replicas_this_machine_could_never_place(tiny_pair, capsys, monkeypatch):
+    """On its private Ray: Serve waited for the third replica's CPU forever, saying nothing."""
+    import os
+
+    import ray
+    import services.launch
+
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(services.launch, "start", lambda *args: pytest.fail("the app was deployed"))
+    code = main(["serve", *tiny_flags(tiny_pair), "--draft-replicas", str(os.cpu_count()), "--http-port",
+                 str(free_port()), "--grpc-port", str(free_port())])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and not ray.is_initialized()
+    assert err[-1].startswith(f"error: the replicas (--draft-replicas, --verifier-replicas) ask {os.cpu_count() + 1} "
+                              f"CPUs and 0 GPUs; this machine has {os.cpu_count()}")
 
 
 @pytest.mark.parametrize("flags, reason", [
@@ -249,6 +268,9 @@ def test_workers_this_machine_can_never_place_are_refused_not_waited_for(tmp_pat
     (["--http-port", "TAKEN"], "Address already in use"),
     (["--verifier-replicas", "0"], "--verifier-replicas must be at least 1, got 0"),  # (it named num-replicas)
     (["--draft", "/no/such/draft"], "no such"),  # (the replicas failed after Ray started, with a traceback)
+    # (it joined whatever Ray `ray start` left on the machine, and served where the flags did not say)
+    (["--address", f"127.0.0.1:{free_port()}"], "nothing answers there"),
+    (["--address", "http://127.0.0.1:8265"], "that is the dashboard's (Jobs) address"),
 ])
 def test_serve_refuses_what_it_could_not_serve_before_ray_starts(tiny_pair, capsys, monkeypatch, flags, reason):
     import socket

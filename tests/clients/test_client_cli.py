@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from clients import ClientError
-from clients.cli import add_client_parser, stats_summary
+from clients.cli import TextPrinter, add_client_parser, stats_summary
 from specdec.cli import EXIT_USAGE, add_generation_flags
 from specdec.errors import SpecDecError
 from specdec.params import build_params
@@ -157,3 +157,15 @@ def test_stats_summary_from_wire_dict():
     line = stats_summary(stats)
     assert "10 tokens in 2.0s (5.00 tok/s)" in line and "acceptance 75.0%" in line
     assert "mean accepted length 2.50" in line and line.endswith("transport 0.50s")
+
+
+def test_a_stream_cut_short_ends_its_line_before_the_error(capsys):
+    # (the error was printed on the text's line: "...searching for thiserror: cannot reach ...")
+    with pytest.raises(ConnectionError):
+        with TextPrinter(1) as printer:
+            printer.write(0, "partial")
+            raise ConnectionError
+    with pytest.raises(ConnectionError):
+        with TextPrinter(1):
+            raise ConnectionError
+    assert capsys.readouterr().out == "partial\n"

@@ -84,3 +84,12 @@ def test_a_default_policy_no_request_could_run_is_refused_where_the_app_is_built
 def test_values_serve_would_refuse_at_deploy_time_are_refused_in_the_config(field):
     with pytest.raises(ValidationError):
         AppConfig(**field)
+
+
+def test_replicas_sized_two_ways_or_threads_no_replica_reads_are_refused():
+    # Serve refuses the first at deploy time (the config dropped num_replicas); the second was never read
+    with pytest.raises(ValidationError, match="num_replicas and autoscaling both set"):
+        AppConfig(coordinator={"num_replicas": 3, "autoscaling": {"min_replicas": 1, "max_replicas": 2}})
+    assert AppConfig(coordinator={"autoscaling": {"min_replicas": 1, "max_replicas": 2}}).coordinator.num_replicas == 1
+    with pytest.raises(ValidationError, match="models.threads is not read when served: set draft.threads"):
+        AppConfig(models={"threads": 2})

@@ -4,9 +4,14 @@ was only in the replica logs), and the addresses it prints for clients."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 
-from engine_backend import local_serve
+from engine_backend import free_ports, local_serve
 from services.config import AppConfig, ReplicaConfig
 from services.launch import client_addresses
 from specdec.builder import EngineConfig
@@ -28,3 +33,24 @@ def test_an_app_whose_replicas_cannot_load_says_why_in_one_line(tiny_pair):
 def test_client_addresses_write_an_ipv6_host_in_brackets():
     assert client_addresses("::1", 8000, 9000) == {"grpc": "[::1]:9000", "http": "http://[::1]:8000"}
     assert client_addresses("127.0.0.1", 8000, 9000) == {"grpc": "127.0.0.1:9000", "http": "http://127.0.0.1:8000"}
+
+
+def test_sigterm_stops_specdec_serve_as_ctrl_c_does(tiny_pair):
+    """`kill`, `docker stop`, systemd: SIGTERM aborted the process with a crash dump (rc 134, Ray's
+    handler) and never shut Serve down."""
+    http_port, grpc_port = free_ports(2)
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    server = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--draft", str(tiny_pair[0]),
+                               "--target", str(tiny_pair[1]), "--threads", "1", "--http-port", str(http_port),
+                               "--grpc-port", str(grpc_port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in server.stdout:  # the addresses, once every replica is up
+            if line.startswith("Ctrl-C stops."):
+                break
+        server.send_signal(signal.SIGTERM)
+        _, err = server.communicate(timeout=120)
+    finally:
+        server.kill()
+    assert server.returncode == 0, err[-2000:]
+    assert "stopping: the requests in flight finish first" in err and "SIGTERM received" not in err
