@@ -110,7 +110,7 @@ class AppConfig(BaseModel):
     # The policy of requests that name none (and its k/threshold for requests that name it too).
     policy: PolicyConfig = PolicyConfig()
     # The name the OpenAI routes answer to (`model` in requests, /v1/models).
-    model_name: str = "specdec"
+    model_name: str = Field("specdec", min_length=1)
     # Target shards per verifier replica (accelerate device map over its GPUs; 1 on CPU).
     target_shards: int = Field(1, ge=1)
     draft: ReplicaConfig = ReplicaConfig()

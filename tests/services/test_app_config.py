@@ -93,3 +93,5 @@ def test_replicas_sized_two_ways_or_threads_no_replica_reads_are_refused():
     assert AppConfig(coordinator={"autoscaling": {"min_replicas": 1, "max_replicas": 2}}).coordinator.num_replicas == 1
     with pytest.raises(ValidationError, match="models.threads is not read when served: set draft.threads"):
         AppConfig(models={"threads": 2})
+    with pytest.raises(ValidationError, match="model_name"):  # (/v1/models listed a model without a name)
+        AppConfig(model_name="")
