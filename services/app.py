@@ -89,23 +89,36 @@ def draft_deployment_name(name: str) -> str:
     return "Draft" if name == DEFAULT_DRAFT else f"Draft-{name}"
 
 
+def deployment_replicas(config: AppConfig) -> dict[str, ReplicaConfig]:
+    """Each deployment the app runs, by its name, with its replicas: a Draft deployment per draft
+    not colocated with the target, the Verifier (running the loop with `loop_placement: verifier`),
+    the Coordinator otherwise, the Ingress."""
+    colocated = config.colocated_drafts()
+    replicas = {draft_deployment_name(name): draft_replicas(config.draft, each)
+                for name, each in draft_configs(config.models).items() if name not in colocated}
+    if config.loop_placement == "verifier":
+        return replicas | {"Verifier": loop_host(config.verifier, config.coordinator), "Ingress": config.ingress}
+    return replicas | {"Verifier": config.verifier, "Coordinator": config.coordinator, "Ingress": config.ingress}
+
+
 def build_app(args: dict | AppConfig | None = None) -> serve.Application:
     """`serve run services.app:build_app [key=value ...]` or a config file's `args:`."""
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     colocated = config.colocated_drafts()  # decided here, once: the replicas take it as given
-    drafts = {name: _deployment(Draft, draft_deployment_name(name), draft_replicas(config.draft, each),
+    replicas = deployment_replicas(config)
+    drafts = {name: _deployment(Draft, draft_deployment_name(name), replicas[draft_deployment_name(name)],
                                 round_service=True).bind(config, name)
-              for name, each in draft_configs(config.models).items() if name not in colocated}
+              for name in draft_configs(config.models) if name not in colocated}
     # At capacity a request is refused at once (HTTP 429 + Retry-After, gRPC RESOURCE_EXHAUSTED),
     # whether the proxies' queue for the ingress or the ingress's queue for a coordinator is full.
     bounded = {"max_queued_requests": config.max_queued_requests,
                "backpressure_config": BackpressureConfig(status_code=TABLE[Overloaded].http,
                                                          retry_after_s=RETRY_AFTER_S[Overloaded])}
     if config.loop_placement == "verifier":  # each Verifier replica runs the loop of the requests it is sent
-        coordinator = _deployment(Verifier, "Verifier", loop_host(config.verifier, config.coordinator),
+        coordinator = _deployment(Verifier, "Verifier", replicas["Verifier"],
                                   round_service=True, **bounded).bind(config, colocated, drafts)
     else:
-        verifier = _deployment(Verifier, "Verifier", config.verifier, round_service=True).bind(config, colocated)
-        coordinator = _deployment(CoordinatorDeployment, "Coordinator", config.coordinator,
+        verifier = _deployment(Verifier, "Verifier", replicas["Verifier"], round_service=True).bind(config, colocated)
+        coordinator = _deployment(CoordinatorDeployment, "Coordinator", replicas["Coordinator"],
                                   **bounded).bind(drafts, verifier, config, colocated)
-    return _deployment(ingress_class(config), "Ingress", config.ingress, **bounded).bind(coordinator, config)
+    return _deployment(ingress_class(config), "Ingress", replicas["Ingress"], **bounded).bind(coordinator, config)

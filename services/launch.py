@@ -13,9 +13,8 @@ import ray
 from ray import serve
 from ray.serve.config import gRPCOptions
 
-from services.app import build_app, draft_replicas, loop_host
+from services.app import build_app, deployment_replicas
 from services.config import GRPC_SERVICER_FUNCTIONS, AppConfig, ReplicaConfig
-from specdec.builder import draft_configs
 from specdec.errors import InvalidRequestError, SpecDecError, one_line
 
 APP_NAME = "specdec"
@@ -25,7 +24,8 @@ DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT = 8000, 9000  # Serve's defaults
 # n samples of a long context need more.
 PROXY_MAX_MESSAGE_ENV, PROXY_MAX_MESSAGE_BYTES = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", 32 * 1024 * 1024
 # ray.init's options for a served app: the replicas' logs stay in Ray's log files
-RAY_OPTIONS = {"include_dashboard": False, "logging_level": "WARNING", "log_to_driver": False, "configure_logging": False}
+RAY_OPTIONS = {"include_dashboard": False, "logging_level": "WARNING", "log_to_driver": False,
+               "configure_logging": False}
 
 
 def start(config: AppConfig, host: str = "127.0.0.1", http_port: int = DEFAULT_HTTP_PORT,
@@ -95,15 +95,8 @@ def replicas_at_start(replicas: ReplicaConfig) -> int:
 
 
 def resources_at_start(config: AppConfig) -> dict[str, float]:
-    """The CPUs and GPUs the app's replicas reserve when it starts (as services/app.py deploys them)."""
-    groups = [config.ingress]
-    if config.loop_placement == "verifier":
-        groups.append(loop_host(config.verifier, config.coordinator))
-    else:
-        groups += [config.verifier, config.coordinator]
-    colocated = config.colocated_drafts()
-    groups += [draft_replicas(config.draft, each) for name, each in draft_configs(config.models).items()
-               if name not in colocated]
+    """The CPUs and GPUs the app's replicas reserve when it starts."""
+    groups = deployment_replicas(config).values()
     return {"CPU": sum(g.num_cpus * replicas_at_start(g) for g in groups),
             "GPU": sum(g.num_gpus * replicas_at_start(g) for g in groups)}
 

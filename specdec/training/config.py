@@ -48,7 +48,7 @@ class Strict(BaseModel):
         return value
 
 
-def _folder(path: str | None) -> str | None:
+def _folder(path: str | None, writable: bool = False) -> str | None:
     """A folder's path, `~` expanded. What of it exists must be folders: a file there would fail the
     job with a traceback at its first write, minutes in. A URI (`s3://...`) is refused: the jobs
     write through the file system, which would make it a local folder named `s3:`."""
@@ -65,18 +65,15 @@ def _folder(path: str | None) -> str | None:
         raise ValueError(f"{path!r} is not a usable path ({one_line(error)})") from None
     if not existing.is_dir():
         raise ValueError(f"{path}: {existing} is a file, not a folder")
+    if writable and not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{path}: {existing} is not writable")
     return str(expanded)
 
 
 def _writable_folder(path: str | None) -> str | None:
     """A folder a job writes (`_folder`), refused where it could not: a read-only file system or no
     permission would fail it at its first write, after the work."""
-    path = _folder(path)
-    if path is not None:
-        existing = next(p for p in (Path(path), *Path(path).parents) if p.exists())
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise ValueError(f"{path}: {existing} is not writable")
-    return path
+    return _folder(path, writable=True)
 
 
 def _run_name(name: str) -> str:

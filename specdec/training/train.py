@@ -441,7 +441,7 @@ def train_head(config: PipelineConfig, connect: Callable[[], None] | None = None
     """`specdec train-head`: check, start Ray (`connect`, checkpoints.connect_ray), cache features,
     train, save. Returns the training report."""
     train = config.require_train()
-    manifest, identity, name = check_dataset(config)  # bad data and settings fail here, before Ray starts
+    manifest, identity, name = check_dataset(config)  # bad data and settings fail here, before Ray starts:
     check_run(train, identity, manifest)
     manifest["dir"] = config.data.dir
     checkpoints.connect_ray(connect)
@@ -461,7 +461,7 @@ def sweep_heads(config: PipelineConfig, connect: Callable[[], None] | None = Non
     """`specdec train-head --sweep`: one run per (D, w_rej) on the same cached features; the head
     with the best final validation metric (`sweep.select_by`) is saved to `train.output`.
 
-    The default criterion is AUROC: w_rej > 1 shifts predictions down on purpose, so calibration
+    The shipped configs choose by AUROC: w_rej > 1 shifts predictions down on purpose, so calibration
     metrics (KL, ECE) always favour w_rej = 1, while the threshold h, chosen later on validation
     prompts, can absorb a shift but not a poor ranking."""
     train = config.require_train()
