@@ -197,6 +197,12 @@ class AppConfig(BaseModel):
                              "feature_draft_placement: separate")
         return names
 
+    def model_devices(self) -> dict[str, str]:
+        """Where `models.device: auto` puts each role's models: on the GPU Ray gives a replica that
+        asks for one (the coordinator, which may have none, takes its context limit from theirs)."""
+        return {role: "cuda" if replicas.num_gpus > 0 else "cpu"
+                for role, replicas in (("target", self.verifier), ("draft", self.draft))}
+
     @property
     def key(self) -> str | None:
         """The API key in clear, or None when authentication is off."""

@@ -213,8 +213,9 @@ def draft_worker(config: AppConfig, name: str, threads: int | None) -> DraftWork
 
 def coordinator(config: AppConfig, transport: RoundTransport) -> Coordinator:
     """The round loop over `transport`, wherever it runs."""
-    return Coordinator(transport, build_rules(config.models, progress=False), config.policy,
-                       observer=RayRoundMetrics(), batch=config.models.batch, api_key=config.key)
+    rules = build_rules(config.models, progress=False, devices=config.model_devices())
+    return Coordinator(transport, rules, config.policy, observer=RayRoundMetrics(), batch=config.models.batch,
+                       api_key=config.key)
 
 
 class CoordinatorDeployment(LoopHost):

@@ -192,12 +192,12 @@ def check_source_of(config: EngineConfig, role: Role) -> None:
         check_source(source, role)
 
 
-def resolve_runtime(config: EngineConfig, source: str) -> str:
-    """The runtime a model source runs on (see EngineConfig.runtime)."""
+def resolve_runtime(config: EngineConfig, source: str, here: bool = True) -> str:
+    """The runtime a model source runs on (see EngineConfig.runtime). `here`: see resolve_device."""
     if config.runtime != "auto":
         return config.runtime
     is_gguf = source == "default" or source.lower().endswith(".gguf")
-    on_cpu = resolve_device(config.device).type == "cpu"
+    on_cpu = resolve_device(config.device, here).type == "cpu"
     return "llamacpp" if is_gguf and on_cpu and RUNTIMES["llamacpp"].available() else "torch"
 
 
@@ -237,7 +237,7 @@ class TorchBackend(RuntimeBackend):
         return resolve_model(source, role=role, cache=config.cache_dir, progress=progress)
 
     def context_limit(self, config: EngineConfig) -> int | None:
-        return StaticOptions().capacity if resolve_kv_cache(config) == "static" else None
+        return StaticOptions().capacity if resolve_kv_cache(config, here=False) == "static" else None
 
     def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]:
         if quant != SHIPPED:
@@ -346,8 +346,9 @@ RUNTIMES: dict[str, RuntimeBackend] = {backend.name: backend for backend in (
     TorchBackend(), LlamaCppBackend(), FeatureDraftBackend(), SuffixDraftBackend())}
 
 
-def backend_for(config: EngineConfig, role: Role) -> RuntimeBackend:
-    """A feature draft runs beside a torch target: its passes hand over the states the draft reads."""
+def backend_for(config: EngineConfig, role: Role, here: bool = True) -> RuntimeBackend:
+    """A feature draft runs beside a torch target: its passes hand over the states the draft reads.
+    `here`: see resolve_device."""
     config = unfused(config) if role == "draft" else config
     if role == "draft" and is_suffix_draft(config.draft):
         return RUNTIMES["suffix"]
@@ -357,7 +358,7 @@ def backend_for(config: EngineConfig, role: Role) -> RuntimeBackend:
             raise ModelSourceError("a feature draft reads the target's hidden states, which the llamacpp runtime "
                                    "does not hand out: use --runtime torch (or auto)")
         return RUNTIMES["feature" if role == "draft" else "torch"]
-    return RUNTIMES[resolve_runtime(config, config.draft if role == "draft" else config.target)]
+    return RUNTIMES[resolve_runtime(config, config.draft if role == "draft" else config.target, here)]
 
 
 def model_dir(config: EngineConfig, role: Role, progress: bool = True) -> Path:
@@ -421,11 +422,12 @@ def runtime_options(config: EngineConfig) -> dict:
             "static": StaticOptions(graphs=config.cuda_graphs)}
 
 
-def resolve_kv_cache(config: EngineConfig) -> str:
-    """EngineConfig.kv_cache on the models' device: "auto" is static on a GPU, slots elsewhere."""
+def resolve_kv_cache(config: EngineConfig, here: bool = True) -> str:
+    """EngineConfig.kv_cache on the models' device: "auto" is static on a GPU, slots elsewhere.
+    `here`: see resolve_device."""
     if config.kv_cache != "auto":
         return config.kv_cache
-    return "static" if resolve_device(config.device).type == "cuda" else "slots"
+    return "static" if resolve_device(config.device, here).type == "cuda" else "slots"
 
 
 def head_path(config: EngineConfig) -> str | None:
@@ -446,27 +448,36 @@ def build_head(config: EngineConfig, draft: DraftRole) -> AcceptanceHead | Match
     return load_head(path, draft_identity=draft.identity, hidden_size=draft.hidden_size)
 
 
-def build_rules(config: EngineConfig, progress: bool = True) -> RequestRules:
+def build_rules(config: EngineConfig, progress: bool = True, devices: dict[Role, str] | None = None) -> RequestRules:
     """A request's rules without loading weights (the coordinator): tokenizer, EOS, context,
-    vocabulary, and each draft's traits."""
+    vocabulary, and each draft's traits. `devices`: where `device: auto` puts each role's models
+    when they load in other processes (a served app's replicas: a GPU where Ray gives them one),
+    whose runtimes then set the context limit; the files are read as this process resolves them."""
+    def context_limit(each: EngineConfig, role: Role) -> int | None:
+        if devices is not None and each.device == "auto":
+            each = each.model_copy(update={"device": devices[role]})
+        return backend_for(each, role, here=False).context_limit(each)
+
     target_dir = model_dir(config, "target", progress)
     target_config = AutoConfig.from_pretrained(target_dir)
     tokenizer = load_tokenizer(target_dir)
-    limits = [backend_for(config, "target").context_limit(config), target_config.max_position_embeddings]
+    limits = [context_limit(config, "target"), target_config.max_position_embeddings]
     drafts = {}
     for name, each in draft_configs(config).items():
         draft_dir = model_dir(each, "draft", progress)
         draft_config = AutoConfig.from_pretrained(draft_dir)
         check_vocabularies(draft_config.vocab_size, target_config.vocab_size)
         check_same_tokenizer(draft_dir, tokenizer, each.draft)
-        limits += [backend_for(each, "draft").context_limit(each), draft_config.max_position_embeddings]
+        limits += [context_limit(each, "draft"), draft_config.max_position_embeddings]
         drafts[name] = DraftTraits(has_head=has_head(each), reads_features=is_feature_draft(each.draft),
                                    model_free=is_suffix_draft(each.draft), fused=each.fuse_suffix)
     return RequestRules(tokenizer, eos_token_ids_of(load_generation_config(target_dir), tokenizer),
                         min(limit for limit in limits if limit is not None), target_config.vocab_size, drafts)
 
 
-def resolve_device(device: str = "auto") -> torch.device:
+def resolve_device(device: str = "auto", here: bool = True) -> torch.device:
+    """`here`: the models load in this process, so a GPU it names must be visible to it (False:
+    where the device only decides a setting, e.g. the context limit of replicas elsewhere)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -475,7 +486,7 @@ def resolve_device(device: str = "auto") -> torch.device:
         resolved = None
     if resolved is None or resolved.type not in ("cpu", "cuda"):
         raise ModelSourceError(f"unknown device {device!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
-    if resolved.type == "cuda" and not torch.cuda.is_available():
+    if here and resolved.type == "cuda" and not torch.cuda.is_available():
         raise ModelSourceError(f"device {device!r}: no CUDA GPU is visible to this process")
     return resolved
 

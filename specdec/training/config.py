@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specdec.builder import EngineConfig
+from specdec.drafts import draft_dir
 from specdec.errors import SpecDecError, one_line
 from specdec.features import FEATURES_HIDDEN, FeatureKind
 from specdec.head import MAX_DEPTH
@@ -300,10 +301,11 @@ class DraftTrainSection(Strict):
     seed: int = Field(0, ge=0, le=MAX_SEED)
     # A saved feature draft to start from (a longer run on more data without starting over): its
     # weights and its vocabulary; its target, inputs and shape must be this run's.
-    init: str | None = Field(None, min_length=1, description="a saved feature draft directory to start from")
+    init: str | None = Field(None, min_length=1, description="a saved feature draft directory to start from, "
+                             "or a shipped one's name (default-feature)")
 
     _folder_paths = field_validator("storage", "output")(_writable_folder)
-    _init_folder = field_validator("init")(_folder)
+    _init_folder = field_validator("init")(lambda path: None if path is None else _folder(str(draft_dir(path))))
     _name_is_a_folder = field_validator("name")(_run_name)
 
 

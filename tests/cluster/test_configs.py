@@ -6,6 +6,7 @@ resource a replica asks for is advertised by some node type, in an amount that f
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import jsonschema
@@ -110,6 +111,14 @@ def test_multi_gpu_verifier_takes_one_gpu_per_shard():
     assert set(args.draft.resources).isdisjoint(args.verifier.resources)
 
 
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
+def test_the_coordinator_limits_requests_as_the_replicas_devices_do(path):
+    # (the coordinator has no GPU in these configs: builder.build_rules takes the replicas' limits)
+    args = app_args(load(path))
+    gpus = args.verifier.num_gpus > 0
+    assert args.model_devices() == ({"target": "cuda", "draft": "cuda"} if gpus else {"target": "cpu", "draft": "cpu"})
+
+
 def test_gpu_replicas_fit_one_gpu_at_full_scale():
     args = app_args(load(CLUSTER / "serve" / "gpu.yaml"))
     used = sum(r.num_gpus * r.autoscaling["max_replicas"] for r in (args.draft, args.verifier))
@@ -172,6 +181,9 @@ def test_rayjob_runs_data_generation_then_head_training():
     assert job["kind"] == "RayJob" and job["metadata"]["name"]
     entrypoint = spec["entrypoint"]
     assert entrypoint.index("specdec gen-data --config") < entrypoint.index("specdec train-head --config")
+    # KubeRay's submitter pastes the entrypoint unquoted into a shell line: an operator outside
+    # quotes would run what follows it in the submitter pod, not on the cluster.
+    assert not {"&&", "||", ";", "|", "&"} & set(shlex.split(entrypoint)), entrypoint
     cluster = spec["rayClusterSpec"]
     assert cluster["rayVersion"] == ray.__version__ and cluster["headGroupSpec"]["template"]["spec"]["containers"]
     assert all(gpu_limit(g["template"]) >= 1 for g in cluster["workerGroupSpecs"])
@@ -185,5 +197,5 @@ def test_kuberay_images_are_the_one_the_dockerfile_builds():
         spec = kuberay(name)["spec"]
         cluster = spec.get("rayClusterConfig") or spec["rayClusterSpec"]
         templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
-        images = {c["image"] for t in templates for c in t["spec"]["containers"]}
+        images = {c["image"] for t in templates for c in t["spec"]["containers"] + t["spec"].get("initContainers", [])}
         assert len(images) == 1, (name, images)

@@ -106,3 +106,23 @@ def test_a_shipped_feature_draft_is_named_and_its_own_head_found(tiny_pair, tmp_
     assert engine.draft.reads_features and engine.draft.name == "default-feature" and engine.head is None
     shutil.copytree(specdec.heads.SHIPPED["default"], tmp_path / "shipped" / "head")  # any head: the name finds it
     assert resolve_head("auto", "default-feature") == str(tmp_path / "shipped" / "head")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="resolves `auto` as a process without a GPU does")
+def test_the_coordinator_takes_the_context_limit_of_its_replicas_on_a_gpu(tmp_path):
+    """A served app's coordinator often has no GPU: `runtime: auto` resolves to llama.cpp (8192
+    positions) there, while its replicas on a GPU run torch on the static cache (4096): it must
+    refuse what they cannot hold, not accept it and fail mid-request."""
+    from specdec.builder import build_rules
+    from specdec.models.llamacpp import LlamaCppOptions
+    from specdec.models.static import StaticOptions
+    from tiny import byte_level_tokens, tiny_gguf_weights, write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_gguf_weights(len(byte_level_tokens())), context=32768)
+    config = EngineConfig(draft=str(gguf), target=str(gguf), kv_cache="static", cache_dir=str(tmp_path / "cache"))
+    here = build_rules(config, progress=False)
+    assert here.max_context == LlamaCppOptions().context
+    on_cpus = build_rules(config, progress=False, devices={"target": "cpu", "draft": "cpu"})
+    assert on_cpus.max_context == LlamaCppOptions().context
+    on_gpus = build_rules(config, progress=False, devices={"target": "cuda", "draft": "cuda"})
+    assert on_gpus.max_context == StaticOptions().capacity < LlamaCppOptions().context

@@ -197,3 +197,17 @@ def test_a_folder_under_a_file_is_refused(tmp_path):
     (tmp_path / "a-file").write_text("")
     with pytest.raises(ConfigError, match="train.output: .*a-file is a file, not a folder"):
         parse_config(with_change("train", "output", str(tmp_path / "a-file" / "head")))
+
+
+def test_the_feature_draft_config_continues_the_shipped_draft():
+    """`init: default-feature` names the draft shipped in the package (a folder of a run nobody
+    kept would refuse the command the README gives)."""
+    from specdec.drafts import SHIPPED_FEATURE_DRAFTS
+    from specdec.models.feature_files import read_config
+
+    draft = load_config(SHIPPED[0].parent / "feature-draft.yaml").require_draft()
+    assert Path(draft.init) == SHIPPED_FEATURE_DRAFTS["default-feature"]
+    assert read_config(draft.init).inputs == draft.inputs
+    assert Path(parse_config({**MINIMAL, "data": {"dir": "d", "kind": "features"},
+                              "draft": {"storage": "s", "output": "o", "init": "~/x"}}).require_draft().init) == \
+        Path("~/x").expanduser()
