@@ -28,6 +28,9 @@ from services.convert import params_from_request, prompt_ids_from_request, stats
 # distribution (~1 MB on a 152k-token vocabulary), so K bounds a round call's size; the adaptive
 # policies' own caps are at most this.
 MAX_CANDIDATES_PER_ROUND = 64
+# A request's own id travels in every chunk of its stream: a long one would multiply what the
+# server sends (a 1 MB id, 484 chunks: 484 MB).
+MAX_REQUEST_ID_CHARS = 128
 
 
 def check_served_policy(policy: PolicyConfig) -> None:
@@ -55,6 +58,9 @@ class Coordinator:
 
     def prepare(self, request: generation_pb2.GenerateRequest) -> tuple[list[int], GenerationParams]:
         """Parse and validate a request before any model work; raises InvalidRequestError."""
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, "
+                                      f"got {len(request.request_id)}")
         params = params_from_request(request, self.default_policy, self.api_key)
         prompt_ids = prompt_ids_from_request(request, self.rules, params)
         params = self.rules.validate(prompt_ids, params)  # resolved: the policy is named

@@ -2,7 +2,7 @@
 this app on the Serve ingress, the tests mount it on the in-process engine.
 
     POST /v1/completions, /v1/chat/completions   (stream=true: server-sent events, `data: [DONE]` last)
-    GET  /v1/models, /health, /metrics
+    GET  /v1/models, /v1/models/{model}, /health, /metrics
 
 Where this differs from OpenAI's API, on purpose:
 - temperature unset = 0 (greedy), as `specdec generate` (OpenAI's default is 1); max_tokens unset = 128;
@@ -11,6 +11,7 @@ Where this differs from OpenAI's API, on purpose:
   reads the earlier responses of the server's API key: GenerateRequest.suffix_cache); the
   speculative ones also grouped as `speculative: {draft, policy, k, threshold, suffix_cache}` (e.g.
   `{"draft": "suffix"}` on a server with the suffix draft), the same field twice with two values refused;
+- stream_options without stream is refused (400), as OpenAI and vLLM do; a flag sent as null is false;
 - fields that would change the output and that we cannot honour (echo, logprobs, suffix, logit_bias,
   presence/frequency penalties, best_of != n), and unknown fields, are refused with 400, never ignored;
 - every result carries "specdec": the request's Stats (protos/specdec/v1/generation.proto), on the
@@ -87,6 +88,8 @@ Text = Annotated[str, AfterValidator(unicode_text)]
 # A policy's or a draft's name: "" names none. (A string with constraints is checked as Unicode by
 # pydantic itself: "Input should be a valid string, unable to parse raw data as a unicode string".)
 Name = Annotated[str, Field(min_length=1)]
+# A flag sent as null is its default (OpenAI's schema takes `boolean | null`; clients send every field).
+Flag = Annotated[bool, BeforeValidator(lambda value: False if value is None else value)]
 
 
 def single_prompt(value: Any) -> Any:
@@ -118,7 +121,7 @@ def text_content(value: Any) -> Any:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool = False
+    include_usage: Flag = False
 
 
 class GenerationFields(BaseModel):
@@ -133,7 +136,7 @@ class GenerationFields(BaseModel):
     n: int | None = Field(None, ge=1, le=MAX_SAMPLES_PER_REQUEST)
     stop: Annotated[list[Text] | None, BeforeValidator(lambda value: [value] if isinstance(value, str) else value)] = None
     seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
-    stream: bool = False
+    stream: Flag = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # ignored
     presence_penalty: float | None = None
@@ -192,6 +195,8 @@ def check_supported(body: GenerationFields) -> None:
         # (a completion's `logprobs: 0` still asks for the sampled tokens' log-probabilities)
         if value or (name == "logprobs" and isinstance(body, CompletionRequest) and value is not None):
             raise ApiError(400, f"{name} is not supported by this server", param=name)
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
     best_of = getattr(body, "best_of", None)
     if best_of is not None and best_of != (body.n or 1):
         raise ApiError(400, "best_of is not supported by this server (only best_of = n)", param="best_of")
@@ -416,10 +421,14 @@ def create_app(backend_factory: Callable[[], GenerationBackend], model_name: str
         except Exception as exc:  # noqa: BLE001 - every failure becomes OpenAI's error JSON
             return error_response(exc)
 
+    def check_model(name: str) -> None:
+        if name != model_name:
+            shown = name.encode("unicode_escape").decode()  # one line whatever the client sent
+            raise ApiError(404, f"The model `{shown}` does not exist.", param="model", code="model_not_found")
+
     async def generate(body: GenerationFields, request: generation_pb2.GenerateRequest, chat: bool) -> Response:
-        if body.model is not None and body.model != model_name:
-            name = body.model.encode("unicode_escape").decode()  # one line whatever the client sent
-            raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        if body.model is not None:
+            check_model(body.model)
         def head(request_id: str, object_: str) -> dict:
             return {"id": ("chatcmpl-" if chat else "cmpl-") + request_id, "object": object_,
                     "created": int(time.time()), "model": model_name}
@@ -444,10 +453,18 @@ def create_app(backend_factory: Callable[[], GenerationBackend], model_name: str
     async def chat_completions(body: ChatRequest) -> Response:
         return await respond(lambda: generate(body, chat_to_proto(body, uuid.uuid4().hex), chat=True))
 
+    model = {"id": model_name, "object": "model", "created": created, "owned_by": "specdec"}
+
     @app.get("/v1/models")
     async def models() -> Response:
-        model = {"id": model_name, "object": "model", "created": created, "owned_by": "specdec"}
         return JSONResponse({"object": "list", "data": [model]})
+
+    @app.get("/v1/models/{name:path}")  # (`path`: a model's name may hold a slash, e.g. org/model)
+    async def retrieve_model(name: str) -> Response:
+        async def found() -> Response:
+            check_model(name)
+            return JSONResponse(model)
+        return await respond(found)
 
     @app.get("/health")
     async def health() -> Response:

@@ -60,7 +60,7 @@ class RequestStats:
         self.k_histogram[num_candidates] += 1
         if num_candidates:
             _add_prefix_counts(self.drafted_per_position, num_candidates)
-            _add_prefix_counts(self.accepted_per_position, num_accepted)
+            _add_prefix_counts(self.accepted_per_position, num_accepted, len(self.drafted_per_position))
 
     def merge(self, other: RequestStats) -> None:
         for name in ("generated_tokens", "draft_forward_passes", "target_forward_passes", "rounds",
@@ -95,7 +95,8 @@ class RequestStats:
 
     @property
     def acceptance_by_position(self) -> list[float]:
-        return [_ratio(a, d) for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+        accepted = self.accepted_per_position
+        return [_ratio(accepted[j] if j < len(accepted) else 0, d) for j, d in enumerate(self.drafted_per_position)]
 
     @property
     def tokens_per_s(self) -> float:
@@ -157,9 +158,10 @@ def predicted_latency_per_token(t_draft: float, t_target: float, discard_rate: f
     return t_draft + t_draft * discard_rate + (t_target - t_draft) * verification_rate
 
 
-def _add_prefix_counts(counts: list[int], length: int) -> None:
-    """counts[j] += 1 for j < length."""
-    counts.extend([0] * (length - len(counts)))
+def _add_prefix_counts(counts: list[int], length: int, width: int = 0) -> None:
+    """counts[j] += 1 for j < length; `counts` at least `width` long (a position drafted and never
+    accepted counts 0, not nothing)."""
+    counts.extend([0] * (max(length, width) - len(counts)))
     for j in range(length):
         counts[j] += 1
 

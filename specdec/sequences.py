@@ -10,7 +10,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from specdec.errors import InvalidRequestError
+import jinja2
+
+from specdec.errors import InvalidRequestError, one_line
 from specdec.metrics import RequestStats
 from specdec.params import DEFAULT_DRAFT, FINISH_LENGTH, FINISH_STOP, GenerationParams
 from specdec.policies import PolicyTraits, check_model_free, policy_traits, resolve_policy
@@ -170,8 +172,11 @@ class RequestRules:
             if not raw_fallback:
                 raise InvalidRequestError("this model's tokenizer has no chat template: send a prompt")
             return list(tokenizer.encode("\n".join(m["content"] for m in messages), add_special_tokens=False))
-        ids = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
-                                            add_generation_prompt=True, tokenize=True, return_dict=False)
+        try:
+            ids = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+                                                add_generation_prompt=True, tokenize=True, return_dict=False)
+        except jinja2.TemplateError as exc:  # the model's rules: raise_exception("roles must alternate ...")
+            raise InvalidRequestError(f"the model's chat template refuses these messages: {one_line(exc)}") from None
         return list(ids)
 
     def _tokenizer(self):

@@ -71,8 +71,18 @@ def test_merge_equals_recording_everything_in_one():
     expected.draft_time_s, expected.target_time_s, expected.wall_time_s = 1.5, 3.5, 6.0
     assert merged == expected
     assert merged.drafted_per_position == [5, 4, 3, 1, 1]
-    assert merged.accepted_per_position == [4, 2, 2, 1]
-    assert merged.acceptance_by_position == pytest.approx([4 / 5, 2 / 4, 2 / 3, 1])
+    assert merged.accepted_per_position == [4, 2, 2, 1, 0]
+    assert merged.acceptance_by_position == pytest.approx([4 / 5, 2 / 4, 2 / 3, 1, 0])
+
+
+def test_positions_drafted_and_never_accepted_count_zero():
+    """A dashboard reads position j's acceptance at [j]: a round whose candidates were all rejected
+    still has its positions, at 0."""
+    stats = stats_of([(4, 0)])
+    assert stats.drafted_per_position == [1, 1, 1, 1] and stats.accepted_per_position == [0, 0, 0, 0]
+    assert stats.acceptance_by_position == [0.0, 0.0, 0.0, 0.0]
+    short = RequestStats(drafted_per_position=[2, 1], accepted_per_position=[1])  # (as older replies carry them)
+    assert short.acceptance_by_position == [0.5, 0.0]
 
 
 def test_merge_into_empty_stats_copies_position_counts():

@@ -38,3 +38,20 @@ def test_a_stop_string_before_a_half_character_cuts_in_the_same_round():
     assert sample.finish_reason == FINISH_STOP
     assert sample.text == "ab" and text == ""
     assert sample.generated == before + stop and new_ids == stop
+
+
+def test_a_chat_template_that_refuses_the_messages_is_the_requests_error():
+    """Templates of Gemma, Mistral or Llama-2 raise on a system turn or roles that do not alternate:
+    the client's input, a one-line 400 / INVALID_ARGUMENT, not an internal error."""
+    import pytest
+
+    from specdec.errors import InvalidRequestError
+
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                               "{{ raise_exception('System role not supported') }}{% endif %}"
+                               "{{ m['content'] }}{% endfor %}")
+    rules = RequestRules(tokenizer, eos_token_ids=(), max_context=256, vocab_size=len(tokenizer))
+    assert rules.encode_messages([{"role": "user", "content": "hi"}]) == ids("hi")
+    with pytest.raises(InvalidRequestError, match="chat template refuses these messages: System role not supported$"):
+        rules.encode_messages([{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}])

@@ -195,6 +195,8 @@ def test_stream_without_usage_and_n2(client):
      "messages[0].content: only text content parts are supported", "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True},
      "logprobs is not supported", "logprobs"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options is only allowed when stream is true",
+     "stream_options"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi \udfff"}]},
      "messages[0].content: must be valid Unicode", "messages"),
 ])
@@ -210,8 +212,12 @@ def test_bad_requests(client, route, body, message, param):
 
 def test_neutral_values_of_unsupported_fields_are_accepted(client):
     body = {"prompt": PROMPTS[0], "max_tokens": 4, "echo": False, "logprobs": None, "presence_penalty": 0,
-            "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1, "user": "someone", "top_k": -1}
-    assert client.post("/v1/completions", json=body).status_code == 200
+            "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1, "user": "someone", "top_k": -1,
+            "stream": None, "stream_options": None}  # (OpenAI's schema: `stream: boolean | null`)
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200 and response.json()["object"] == "text_completion"
+    streamed = client.post("/v1/completions", json=body | {"stream": True, "stream_options": {"include_usage": None}})
+    assert streamed.status_code == 200 and '"usage"' not in streamed.text
 
 
 def test_a_key_with_a_newline_is_quoted_in_the_one_line_error(client):
@@ -237,6 +243,9 @@ def test_models_health_metrics(client, tiny_engine):
     models = client.get("/v1/models").json()
     assert models["object"] == "list"
     assert [(m["id"], m["object"], m["owned_by"]) for m in models["data"]] == [(MODEL, "model", "specdec")]
+    assert client.get(f"/v1/models/{MODEL}").json() == models["data"][0]  # (the client's models.retrieve)
+    unknown = client.get("/v1/models/org/gpt-4o")
+    assert unknown.status_code == 404 and unknown.json()["error"]["message"] == "The model `org/gpt-4o` does not exist."
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/metrics").status_code == 404
     assert client.get("/nowhere").json()["error"]["message"] == "Not Found"

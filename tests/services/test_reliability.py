@@ -122,6 +122,7 @@ GRPC_BAD = {
     "n negative": (req(n=-1), "n:"),
     "n huge": (req(n=2**31 - 1), "n:"),
     "request over the size limit": (req(text="x" * (MAX_REQUEST_BYTES + 1)), "the limit is 65536"),
+    "request id over 128 characters": (req(request_id="x" * 129), "request_id must be at most 128 characters"),
 }
 RAW_BAD = {  # wire bytes the generated stubs would refuse to send
     "non-UTF-8 text": (b"\x0a\x02\xff\xfe", "UTF-8"),
