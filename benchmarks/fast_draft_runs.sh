@@ -14,7 +14,7 @@ for set in "humaneval 40" "prose 20"; do
   read -r name limit <<< "$set"
   [[ -n "${ONLY:-}" && "$name" != "$ONLY" ]] && continue  # ONLY=humaneval: that set alone
   for quant in ${QUANTS:-iq4_nl shipped}; do
-    specdec bench --runtime llamacpp --draft-quant "$quant" --prompts "$name" --limit "$limit" --temperatures 0 \
+    specdec bench --runtime llamacpp --draft default --draft-quant "$quant" --prompts "$name" --limit "$limit" --temperatures 0 \
       --policies target-only specdec++cost fixed:3 --chosen specdec++cost --max-new-tokens 128 \
       --forward-ks 1 2 4 --no-progress --out "$OUT/bench-$name-$quant"
   done

@@ -5,7 +5,7 @@
 # an interruption. Hours on a 2-core CPU (docs/benchmarks.md, "Issue 19: the goal runs").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-B="specdec bench --runtime torch --max-new-tokens 128 --no-progress --chosen specdec++cost"
+B="specdec bench --runtime torch --draft default --max-new-tokens 128 --no-progress --chosen specdec++cost"
 # greedy: the chosen default (specdec++cost), the paper's rule at the validation h, the baselines, the oracle
 G="target-only specdec++:0.5 fixed:4 fixed:6 fixed:8 fixed:10 fixed:12 fixed:14 svip:0.2 svip:0.3 svip:0.4
    confidence:0.4 confidence:0.6 confidence:0.8 specdec++cost oracle"

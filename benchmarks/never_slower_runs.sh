@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=docs/results/never-slower
-B="specdec bench --max-new-tokens 128 --no-progress --chosen specdec++cost"
+B="specdec bench --draft default --max-new-tokens 128 --no-progress --chosen specdec++cost"
 for runtime in ${RUNTIMES:-llamacpp torch}; do
   for set in "humaneval 40" "prose 20"; do
     read -r name limit <<< "$set"
@@ -26,6 +26,6 @@ if [[ " ${RUNTIMES:-llamacpp torch} " == *" torch "* ]]; then
 fi
 for runtime in ${CONCURRENCY_RUNTIMES-llamacpp torch}; do  # CONCURRENCY_RUNTIMES="": none
   [[ -f "$OUT/concurrency-$runtime.json" ]] && continue
-  python -m benchmarks.concurrency --runtime "$runtime" --concurrency 2 4 8 16 \
+  python -m benchmarks.concurrency --runtime "$runtime" --draft default --concurrency 2 4 8 16 \
     --policies specdec++cost fixed:2 fixed:4 --out "$OUT/concurrency-$runtime.json" | tee "$OUT/concurrency-$runtime.md"
 done

@@ -399,12 +399,14 @@ def add_bench_parser(commands) -> None:
 
     from specdec.bench.specs import DEFAULT_POLICIES
 
-    bench = commands.add_parser("bench", help="every policy, the HF peer and the oracle on HumanEval (resumable)")
+    bench = commands.add_parser("bench", help="every policy, the oracle and the peers on HumanEval (resumable)")
     add_model_flags(bench)
     group = bench.add_argument_group("benchmark")
     group.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), metavar="SPEC",
-                       help="policy specs: target-only, fixed:K, specdec++:H, svip:T, confidence:T, heuristic[:K], "
-                            "oracle, hf-heuristic[:K], hf-dynamic[:T] (default: the issue's full sweep)")
+                       help="policy specs: target-only, fixed:K, specdec++:H, specdec++cost, svip:T, confidence:T, "
+                            "heuristic[:K], oracle; the peers hf-heuristic[:K], hf-dynamic[:T] (--runtime torch) and "
+                            "llamacpp-lookup[:N] (llama.cpp); SPEC@NAME runs on --also-draft NAME (default: the issue's "
+                            "full sweep)")
     group.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     group.add_argument("--prompts", default="humaneval",
                        help="humaneval (default), validation (stdlib validation split, for choosing thresholds), "

@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 from specdec.errors import SpecDecError
+from specdec.files import write_atomically
 from specdec.metrics import RequestStats
 
 RECORDS_FILE, RUN_FILE = "records.jsonl", "run.json"
@@ -45,17 +46,23 @@ class RecordStore:
             self._load()
 
     def _load(self) -> None:
-        with self.path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:  # a line cut short when a run was killed mid-write
-                    print(f"warning: {self.path}:{number}: unreadable record skipped (it will be redone)",
-                          file=sys.stderr)
-                    continue
-                self.records[record_key(record["spec"], record["temperature"], record["prompt"])] = record
+        text = self.path.read_text(encoding="utf-8")
+        torn = not text.endswith("\n") and bool(text)
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short when a run was killed mid-write
+                print(f"warning: {self.path}:{number}: unreadable record skipped (it will be redone)", file=sys.stderr)
+                torn = True
+                continue
+            self.records[record_key(record["spec"], record["temperature"], record["prompt"])] = record
+        if torn:  # rewritten whole, so that the next record does not go on the end of a cut one
+            self._rewrite()
+
+    def _rewrite(self) -> None:
+        write_atomically(self.path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in self.records.values()))
 
     def __contains__(self, key: RecordKey) -> bool:
         return key in self.records
@@ -84,8 +91,7 @@ class RecordStore:
             full[t] = max(full[t], count)
         dropped = sorted(key for key, count in per_prompt.items() if count < full[key[0]])
         self.records = {k: r for k, r in self.records.items() if (k[1], k[2]) not in dropped}
-        with self.path.open("w", encoding="utf-8") as out:
-            out.writelines(json.dumps(r, separators=(",", ":")) + "\n" for r in self.records.values())
+        self._rewrite()
         return dropped
 
     def check_settings(self, settings: dict, added: dict | None = None) -> None:
@@ -93,7 +99,7 @@ class RecordStore:
         `added`: settings newer than some runs, with the value a run.json without them was made with."""
         run_file = self.directory / RUN_FILE
         if run_file.is_file():
-            stored = {**(added or {}), **json.loads(run_file.read_text())}
+            stored = {**(added or {}), **read_json(run_file)}
             changed = {k: (stored.get(k), v) for k, v in settings.items() if stored.get(k) != v}
             if changed and self.records:
                 name, (before, now) = next(iter(changed.items()))
@@ -102,9 +108,22 @@ class RecordStore:
                     "pass another --out (or the same settings to resume)")
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            run_file.write_text(json.dumps(settings, indent=1, sort_keys=True) + "\n")
+            write_atomically(run_file, json.dumps(settings, indent=1, sort_keys=True) + "\n")
         except OSError as exc:
             raise SpecDecError(f"--out {self.directory}: {exc.strerror or exc}") from None
+
+
+def read_json(path: Path) -> dict:
+    """A run's JSON file (run.json, notes.json), or a one-line error where it does not parse (one
+    cut short by a run killed while writing it, before these were written atomically)."""
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        found = None
+    if not isinstance(found, dict):
+        raise SpecDecError(f"{path} is not a JSON object (cut short?): delete it to go on with this run's "
+                           "settings, or pass another --out")
+    return found
 
 
 def stats_from_dict(data: dict) -> RequestStats:

@@ -23,20 +23,21 @@ from pathlib import Path
 from typing import Annotated
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tqdm import tqdm
 
-from specdec.bench.prompt_sets import load_prompts
-from specdec.bench.records import RecordStore, divergence_key, record_key, temperature_key
+from specdec.bench.prompt_sets import PROMPT_SETS, load_prompts
+from specdec.bench.records import RecordStore, divergence_key, read_json, record_key, temperature_key
 from specdec.bench.specs import BASELINE, DEFAULT_POLICIES, LOOKUP_PEER, PolicySpec, parse_specs, with_baseline
 from specdec.builder import EngineConfig, resolve_draft_quant, resolve_runtime, unfused
 from specdec.errors import InvalidRequestError
 from specdec.models.runtime import common_prefix_length
+from specdec.files import file_setting, write_atomically
 from specdec.models.sources import SHIPPED
 from specdec.models.suffix import is_suffix_draft
 from specdec.models.vocab import SETTINGS_BEFORE_DRAFT_VOCAB, vocab_setting
 from specdec.params import DEFAULT_DRAFT, GenerationParams
-from specdec.policies import HEAD_POLICIES, PolicyConfig
+from specdec.policies import HEAD_POLICIES, POLICIES, PolicyConfig
 from specdec.sampling import SamplingParams
 
 # The largest |logit| difference a runtime showed between passes of different sizes over the same
@@ -66,6 +67,15 @@ class BenchConfig(BaseModel):
     chosen: list[str] = Field(default_factory=list)  # specs chosen on validation prompts (the goals use them)
     concurrency: int = Field(1, ge=1)  # prompts of one policy decoded at once (they share the batch)
 
+    @field_validator("temperatures")
+    @classmethod
+    def _once_each(cls, temperatures: list[float]) -> list[float]:
+        """`--temperatures 0 0.0` is one temperature (its records share a key): run once."""
+        once: dict[str, float] = {}
+        for temperature in temperatures:
+            once.setdefault(temperature_key(temperature), temperature)
+        return list(once.values())
+
     def settings(self) -> dict:
         """What every record depends on: a resumed run must match these. (The head only matters to
         specdec++ records, which carry its fingerprint: a new head redoes them and keeps the rest.)"""
@@ -76,18 +86,18 @@ class BenchConfig(BaseModel):
                 "target_format": engine.target_format, "draft_vocab": vocab_setting(engine.draft_vocab),
                 "draft_quant": resolve_draft_quant(engine), "device": engine.device, "threads": engine.threads,
                 "dtype": engine.dtype, "kv_cache": engine.kv_cache, "cuda_graphs": engine.cuda_graphs,
-                "prompts": self.prompts,
+                "prompts": self.prompts if self.prompts in PROMPT_SETS else file_setting(self.prompts),
                 "max_new_tokens": self.max_new_tokens, "seed": self.seed, "concurrency": self.concurrency}
 
 
 def read_notes(out: Path) -> dict:
     path = out / NOTES_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return read_json(path) if path.is_file() else {}
 
 
 def write_notes(out: Path, notes: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / NOTES_FILE).write_text(json.dumps(notes, indent=1, sort_keys=True) + "\n")
+    write_atomically(out / NOTES_FILE, json.dumps(notes, indent=1, sort_keys=True) + "\n")
 
 
 def head_fingerprints(engine: EngineConfig) -> dict[str, str | None]:
@@ -155,6 +165,7 @@ class BenchRun:
         self.engine = build_engine(self.config.engine, progress=self.progress)
         self._note_head()
         self._note_peers()
+        self._note_one_hot()
         prompt_ids = self._prompt_ids = self._encode_prompts()
         todo = self._todo(prompt_ids)
         if todo:
@@ -219,6 +230,15 @@ class BenchRun:
                 skipped[spec.key] = "HF's assisted generation runs transformers models: needs --runtime torch"
             elif spec.is_peer:
                 skipped.pop(spec.key, None)
+
+    def _note_one_hot(self) -> None:
+        """svip and confidence stop on the draft's q, which a model-free draft's is one-hot
+        (policies.check_model_free): skipped up front, not refused at their first generation."""
+        skipped = self.notes.setdefault("skipped_specs", {})
+        for spec in self.specs:
+            if (spec.name in POLICIES and POLICIES[spec.name].traits.stops_on_q
+                    and self.engine.rules.drafts[spec.draft or DEFAULT_DRAFT].model_free):
+                skipped[spec.key] = "stops on the draft's distribution, and the suffix draft's is one-hot"
 
     def _note_head(self) -> None:
         """specdec++ and specdec++cost need a head; a head that records its validation-chosen h makes

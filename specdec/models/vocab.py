@@ -17,7 +17,6 @@ Vocabularies (`--draft-vocab`):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import string
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from specdec.errors import ModelSourceError
+from specdec.files import file_setting
 
 FULL, ASCII = "full", "ascii"
 # The setting a bench run or dataset that records no `draft_vocab` was made with: the full vocabulary.
@@ -109,13 +109,6 @@ def resolve_draft_vocab(vocab: str, vocab_size: int, load_tokenizer=None) -> lis
 
 
 def vocab_setting(vocab: str) -> str:
-    """How a run records its draft vocabulary: the name, or a file's absolute path and content hash
-    (an edited list is another vocabulary)."""
-    if vocab in (FULL, ASCII):
-        return vocab
-    path = Path(vocab).expanduser().resolve()
-    try:
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-    except OSError:
-        digest = "missing"
-    return f"{path}#{digest}"
+    """How a run records its draft vocabulary: the name, or the file's `file_setting` (an edited
+    list is another vocabulary)."""
+    return vocab if vocab in (FULL, ASCII) else file_setting(vocab)

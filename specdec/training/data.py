@@ -72,6 +72,7 @@ from pathlib import Path
 import torch
 
 from specdec.errors import IncompatibleModelsError, ModelSourceError, SpecDecError, one_line
+from specdec.files import write_atomically
 from specdec.models.feature_files import pack_states
 from specdec.models.vocab import SETTINGS_BEFORE_DRAFT_VOCAB, vocab_setting
 from specdec.sampling import SamplingParams, probs_from_logits
@@ -457,10 +458,7 @@ def read_manifest(directory: Path) -> dict:
 
 
 def write_manifest(directory: Path, manifest: dict) -> None:
-    path = directory / MANIFEST_FILE
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(partial, path)
+    write_atomically(directory / MANIFEST_FILE, json.dumps(manifest, indent=2) + "\n")
 
 
 def summarise(shards: list[dict]) -> dict:

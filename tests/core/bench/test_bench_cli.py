@@ -184,10 +184,12 @@ def test_several_drafts_run_side_by_side_in_one_bench(tiny_pair, prompt_file, tm
 def test_bench_runs_on_the_suffix_draft_alone(tiny_pair, prompt_file, tmp_path, capsys, one_thread):
     """`--draft suffix` times the target's passes and reads the draft's as free: it runs none (the
     forward-time curve timed a pass of it and failed before)."""
-    args = bench_args(tiny_pair, prompt_file, tmp_path / "run", ["target-only", "specdec++cost"])
+    args = bench_args(tiny_pair, prompt_file, tmp_path / "run", ["target-only", "specdec++cost", "svip:0.3"])
     args[args.index("--draft") + 1] = "suffix"
     assert main(args) == 0
     results = json.loads((tmp_path / "run" / "results.json").read_text())
+    # (svip stops on q, one-hot here: skipped before any generation, not refused after the baseline's)
+    assert "one-hot" in results["skipped_specs"]["svip:0.3"] and "svip:0.3" not in results["by_temperature"]["0"]["policies"]
     forward = results["forward_times"]
     assert forward["draft_s"] == {"1": 0.0, "2": 0.0} and all(t > 0 for t in forward["target_s"].values())
     assert results["by_temperature"]["0"]["policies"]["specdec++cost"]["lossless"]["equal"]

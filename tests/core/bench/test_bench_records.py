@@ -68,6 +68,10 @@ def test_store_round_trip_and_a_torn_last_line(tmp_path, capsys):
     again = RecordStore(tmp_path)
     assert len(again) == 2 and record_key("fixed:4", 1, 0) in again
     assert "unreadable record skipped" in capsys.readouterr().err
+    again.append(record("fixed:4", 0.0, 1))  # the next record is not written onto the end of the cut one
+    third = RecordStore(tmp_path)
+    assert len(third) == 3 and record_key("fixed:4", 0.0, 1) in third
+    assert "unreadable" not in capsys.readouterr().err  # (warned once: the file was mended)
     stats = stats_from_dict(again.get(record_key("fixed:4", 0.0, 0))["stats"])
     assert (stats.rounds, stats.accepted_tokens, stats.discarded_tokens, stats.k_histogram[3]) == (1, 2, 1, 1)
 
@@ -79,6 +83,30 @@ def test_settings_mismatch_is_refused(tmp_path):
     store.check_settings({"max_new_tokens": 128})  # the same settings resume
     with pytest.raises(SpecDecError, match="max_new_tokens=128, not 64"):
         RecordStore(tmp_path).check_settings({"max_new_tokens": 64})
+
+
+def test_a_run_file_cut_short_is_a_one_line_refusal(tmp_path):
+    store = RecordStore(tmp_path)
+    store.check_settings({"max_new_tokens": 128})
+    store.append(record("fixed:4", 0.0, 0))
+    (tmp_path / "run.json").write_text('{"max_new_tok')
+    with pytest.raises(SpecDecError, match="run.json is not a JSON object \\(cut short\\?\\): delete it"):
+        RecordStore(tmp_path).check_settings({"max_new_tokens": 128})
+
+
+def test_a_prompts_file_is_recorded_by_its_content(tmp_path):
+    """An edited prompt file is another prompt set: its records must not mix with the old ones'."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\n")
+    first = BenchConfig(prompts=str(prompts)).settings()["prompts"]
+    assert first.startswith(str(prompts.resolve()) + "#")
+    prompts.write_text("one\nthree\n")
+    assert BenchConfig(prompts=str(prompts)).settings()["prompts"] != first
+    assert BenchConfig(prompts="humaneval").settings()["prompts"] == "humaneval"  # (a set by its name, as before)
+
+
+def test_a_temperature_given_twice_runs_once():
+    assert BenchConfig(temperatures=[0, 1, 0.0, 0.5, 1.0]).temperatures == [0.0, 1.0, 0.5]
 
 
 def test_a_setting_newer_than_the_run_reads_as_its_old_value(tmp_path):

@@ -1,0 +1,27 @@
+"""Small file helpers the runs share: how a file a run reads is recorded, and writing a file so
+that a run killed mid-write leaves the old one or the new one, never half of either."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+
+def file_setting(path: str | Path) -> str:
+    """How a run records a file it reads (a vocabulary, a prompt list): its absolute path and a
+    content hash, so that an edited file is another setting."""
+    path = Path(path).expanduser().resolve()
+    try:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    except OSError:
+        digest = "missing"
+    return f"{path}#{digest}"
+
+
+def write_atomically(path: str | Path, text: str) -> None:
+    """`path` holds `text`, written under a temporary name and renamed over it."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)
