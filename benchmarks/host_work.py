@@ -29,6 +29,7 @@ from specdec.bench.forward import TimedForward, synthetic_tokens
 from specdec.bench.specs import parse_spec
 from specdec.builder import EngineConfig, load_tokenizer, model_dir
 from specdec.cost_profile import PROFILE_ENV
+from specdec.errors import InvalidRequestError, one_line
 from specdec.engine import SpecDecEngine
 from specdec.head import AcceptanceHead, HeadConfig
 from specdec.loop import BatchConfig
@@ -75,6 +76,15 @@ def main() -> None:
                              "the model draft: the path's own host work (the states handed over every step)")
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args()
+    if min(args.concurrency + [args.repeats, args.vocab]) < 1:
+        parser.error("--concurrency, --repeats and --vocab take numbers of at least 1")
+    try:
+        policy = parse_spec(args.policy).policy_config()
+        if args.out:  # before the minutes of measuring, not after
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.touch()
+    except (InvalidRequestError, OSError) as exc:
+        parser.error(one_line(exc))
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tokenizer = load_tokenizer(model_dir(EngineConfig(), "target"))
     target_model = tiny_model(32, 2, seed=2, vocab=args.vocab)
@@ -91,7 +101,6 @@ def main() -> None:
                            batch=BatchConfig(max_sessions_per_step=max(args.concurrency)))
     # the draft's passes (a feature draft's run through `_outputs`), then the target's: timers[-1] counts the steps
     timers = (TimedForward(draft, "_outputs") if args.feature_draft else TimedForward(draft)), TimedForward(target)
-    policy = parse_spec(args.policy).policy_config()
     rows = {}
     print(f"host ms per step ({args.policy}, {NEW_TOKENS} new tokens, least of {args.repeats} runs)")
     print("| concurrency | " + " | ".join(f"T = {t:g}" for t in args.temperatures) + " |")
@@ -111,7 +120,6 @@ def main() -> None:
             cells.append(f"{row['host_ms_per_step']:.1f}")
         print(f"| {c} | " + " | ".join(cells) + " |", flush=True)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"policy": args.policy, "self_draft": args.self_draft,
                                         "feature_draft": args.feature_draft,
                                         "cost_profile": os.environ.get(PROFILE_ENV), "prompt_tokens": PROMPT_TOKENS,
