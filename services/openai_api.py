@@ -312,7 +312,7 @@ def error_of(exc: Exception) -> tuple[int, dict, dict[str, str]]:
     """(status, body, headers) for any exception (services/errors.py's table); bugs are logged
     there and never described to the client."""
     if isinstance(exc, ApiError):
-        return exc.status, error_json(exc.message, param=exc.param, code=exc.code), {}
+        return exc.status, error_json(one_line(exc.message), param=exc.param, code=exc.code), {}
     status, reason = describe(exc)
     wait = retry_after(exc)
     return status.http, error_json(reason, status.kind), {} if wait is None else {"Retry-After": str(wait)}

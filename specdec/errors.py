@@ -32,10 +32,16 @@ class Unavailable(SpecDecError):
     Retriable at once: a greedy or seeded request gives the same result again."""
 
 
+# A reason quotes what the client sent (a draft's or a policy's name): cut, a long one cannot
+# outgrow gRPC's 16 KiB trailers (the status was lost: RESOURCE_EXHAUSTED) or reflect a body back.
+MAX_REASON_CHARS = 1000
+
+
 def one_line(message: object, default: str = "") -> str:
     """The first line of a message (an exception: its text, else its class name), for a user-facing
-    reason: a status detail, an error field, a log line."""
+    reason: a status detail, an error field, a log line; at most MAX_REASON_CHARS."""
     text = str(message).strip()
     if text:
-        return text.splitlines()[0]
+        line = text.splitlines()[0]
+        return line if len(line) <= MAX_REASON_CHARS else line[:MAX_REASON_CHARS - 1] + "…"
     return type(message).__name__ if isinstance(message, BaseException) and not default else default

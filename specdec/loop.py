@@ -38,6 +38,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -52,6 +53,7 @@ from specdec.params import FINISH_LENGTH, GenerationParams, validation_message
 from specdec.planner import RoundOutcome, StepPlanner, lane_planners
 from specdec.protocol import Proposal, StepPlan, request_seed
 from specdec.sequences import LoopSample, Request, RequestRules, RoundObserver, SampleState, UpdateCallback
+from specdec.sessions import DEFAULT_MAX_SESSIONS
 from specdec.verification import Verdict
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,11 @@ class BatchConfig(BaseModel):
 
     # Sessions one step advances at most; the others wait for the next step (round robin).
     max_sessions_per_step: int = Field(16, ge=1)
+    # Sessions the loop decodes at once; samples past it wait until one finishes. At most what the
+    # workers' session stores hold (a served app's sessions.max_sessions): past it each step would
+    # evict the sessions the next one serves (round robin over LRU stores), and every round would
+    # resend and prefill its session's whole history.
+    max_live_sessions: int = Field(DEFAULT_MAX_SESSIONS, ge=1)
     # Tokens one forward pass feeds at most (a longer batch runs as several passes; a single
     # session's feed is never split). None: no limit. Read by the runtimes (builder.py).
     max_tokens_per_pass: int | None = Field(None, ge=1)
@@ -118,6 +125,7 @@ class RoundLoop:
         # each draft's live profile, shared by the lanes (the workers' probes seed it)
         self.costs = {draft: planner.costs for draft, planner in self._planners[0].items()}
         self._lanes: list[list[LoopSample]] = [[] for _ in range(batch.lanes)]
+        self._waiting: deque[LoopSample] = deque()  # past max_live_sessions, in arrival order
         self._tasks: list[asyncio.Task | None] = [None] * batch.lanes
         self._releasing: dict[asyncio.Task, list[LoopSample]] = {}  # retired samples' releases, off the step path
 
@@ -172,10 +180,17 @@ class RoundLoop:
         return GenerationResult(completions, request.stats, prompt_tokens=len(prompt_ids))
 
     def submit(self, sample: LoopSample) -> None:
-        """The sample joins the lane with the fewest sessions, at its next step."""
+        """The sample joins the lane with the fewest sessions, at its next step; past
+        max_live_sessions it waits for a session to finish."""
         running_loop = asyncio.get_running_loop()
         if any(t is not None and not t.done() and t.get_loop() is not running_loop for t in self._tasks):
             raise RuntimeError("a RoundLoop serves one event loop at a time")
+        if self._waiting or sum(map(len, self._lanes)) >= self.batch.max_live_sessions:
+            self._waiting.append(sample)
+        else:
+            self._join(sample, running_loop)
+
+    def _join(self, sample: LoopSample, running_loop: asyncio.AbstractEventLoop) -> None:
         lane = min(range(len(self._lanes)), key=lambda i: len(self._lanes[i]))
         self._lanes[lane].append(sample)
         task = self._tasks[lane]
@@ -184,6 +199,8 @@ class RoundLoop:
 
     def cancel(self, sample: LoopSample) -> None:
         """The sample leaves at the next step boundary (its caches are freed then); a no-op once it is done."""
+        if sample in self._waiting:
+            self._waiting.remove(sample)
         if not sample.done.done():
             sample.done.cancel()
         elif not sample.done.cancelled():
@@ -315,6 +332,9 @@ class RoundLoop:
             running.remove(s)
         for planner in planners:
             planner.forget(leaving)
+        running_loop = asyncio.get_running_loop()
+        while self._waiting and sum(map(len, self._lanes)) < self.batch.max_live_sessions:
+            self._join(self._waiting.popleft(), running_loop)
         task = asyncio.get_running_loop().create_task(self._release(leaving))
         self._releasing[task] = leaving
         task.add_done_callback(self._releasing.pop)

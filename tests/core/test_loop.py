@@ -91,6 +91,31 @@ def test_a_request_joins_running_sessions_between_steps(tiny_engine):
     assert second.completions[0].token_ids == expected(tiny_engine, PROMPTS[1])
 
 
+def test_sessions_past_what_the_workers_hold_wait_instead_of_evicting_each_other(tiny_engine):
+    """Found by a bug hunt: a request with n past the workers' session stores made every step evict
+    the sessions the next one served (round robin over LRU stores), so each round resent and
+    prefilled its whole history. Past max_live_sessions the samples wait their turn instead."""
+    from specdec.sessions import SessionStore
+
+    transport = CountingTransport(tiny_engine)
+    transport.draft.sessions, transport.verifier.sessions = SessionStore(4), SessionStore(4)
+    full = []
+    forward = transport.verify
+
+    async def verify(items, probe_tokens=0):
+        full.extend(item.session_id for item in items if item.history.full)
+        return await forward(items, probe_tokens)
+
+    transport.verify = verify
+    loop = RoundLoop(transport, tiny_engine.rules, BatchConfig(max_sessions_per_step=2, max_live_sessions=4))
+    params = build_params(policy="fixed", k=2, max_new_tokens=16, n=7)
+    (result,) = run(loop, [(PROMPTS[1], params)])
+    assert sorted(full) == sorted(set(full)) and len(full) == 7  # each session's history sent once, in full
+    assert [c.token_ids for c in result.completions] == [expected(tiny_engine, PROMPTS[1], params)] * 7
+    assert max(len(ids) for role, ids in transport.calls if role == "verifier") == 2
+    assert loop.live_sessions == 0 and not loop._waiting
+
+
 def test_two_lanes_split_the_sessions_and_change_no_output(tiny_engine):
     transport = CountingTransport(tiny_engine)
     loop = RoundLoop(transport, tiny_engine.rules, BatchConfig(lanes=2))

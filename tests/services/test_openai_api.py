@@ -244,6 +244,8 @@ def test_models_health_metrics(client, tiny_engine):
     assert models["object"] == "list"
     assert [(m["id"], m["object"], m["owned_by"]) for m in models["data"]] == [(MODEL, "model", "specdec")]
     assert client.get(f"/v1/models/{MODEL}").json() == models["data"][0]  # (the client's models.retrieve)
+    long = client.post("/v1/completions", json={"model": "m" * 100_000, "prompt": "x"})  # (not reflected whole)
+    assert long.status_code == 404 and len(long.json()["error"]["message"]) <= 1000
     unknown = client.get("/v1/models/org/gpt-4o")
     assert unknown.status_code == 404 and unknown.json()["error"]["message"] == "The model `org/gpt-4o` does not exist."
     assert client.get("/health").json() == {"status": "ok"}

@@ -123,6 +123,8 @@ GRPC_BAD = {
     "n huge": (req(n=2**31 - 1), "n:"),
     "request over the size limit": (req(text="x" * (MAX_REQUEST_BYTES + 1)), "the limit is 65536"),
     "request id over 128 characters": (req(request_id="x" * 129), "request_id must be at most 128 characters"),
+    # (quoted whole, the reason outgrew gRPC's 16 KiB trailers: the client got RESOURCE_EXHAUSTED)
+    "a draft name of 20,000 characters": (req(draft="x" * 20_000), "unknown draft 'xxx"),
 }
 RAW_BAD = {  # wire bytes the generated stubs would refuse to send
     "non-UTF-8 text": (b"\x0a\x02\xff\xfe", "UTF-8"),
