@@ -33,7 +33,9 @@ def resolve_api_key(value: str | None) -> str | None:
 
 
 def time_limit(seconds: float | None) -> float | None:
-    """A whole call's time limit in seconds, None for none (inf or past NO_LIMIT_S)."""
+    """An attempt's time limit in seconds, None for none (inf or past NO_LIMIT_S): a gRPC attempt's
+    deadline; over HTTP httpx's limit on each connect, read and write (a stream goes on while its
+    chunks keep coming). Retries each get their own."""
     if seconds is None or seconds >= NO_LIMIT_S:
         return None
     if not seconds > 0:  # (NaN too)

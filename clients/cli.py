@@ -11,15 +11,17 @@ protocol's response (gRPC: GenerateResponse with proto field names; HTTP: OpenAI
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from google.protobuf import json_format
 
+from clients import ClientError
 from clients.grpc_client import DEFAULT_ADDRESS, DEFAULT_TIMEOUT_S, GrpcClient
 from clients.http_client import DEFAULT_BASE_URL, HttpClient
 from specdec.errors import InvalidRequestError
@@ -50,7 +52,8 @@ def add_client_parser(commands: argparse._SubParsersAction,
 
 def add_connection_flags(parser: argparse.ArgumentParser, address_help: str) -> None:
     parser.add_argument("--address", default=None, help=address_help)
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds for the whole call")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds an attempt may take (gRPC: its deadline; HTTP: each connect and read, so a stream "
+                             "goes on while chunks keep coming, as the openai package's timeout)")
     parser.add_argument("--api-key", default=None, help="the server's API key (default: $SPECDEC_API_KEY)")
     parser.add_argument("--retries", type=int, default=2,
                         help="retries when the server is at capacity or a replica died (default 2)")
@@ -171,7 +174,7 @@ def generate_http(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(unary(prompt, **fields)))
             return 0
-        with TextPrinter(args.n or 1) as printer:
+        with TextPrinter(args.n or 1) as printer, openai_shaped("answer"):
             stats = None
             for body in (stream(prompt, **fields) if args.stream else [unary(prompt, **fields)]):
                 for choice in body["choices"]:
@@ -189,12 +192,26 @@ def choice_text(choice: dict) -> str:
 
 def cmd_models(args: argparse.Namespace) -> int:
     with HttpClient(http_url(args.address), args.timeout, args.api_key, args.retries) as client:
-        for model in client.models()["data"]:
-            print(model["id"])
+        models = client.models()
+        with openai_shaped("/v1/models answer"):
+            for model in models["data"]:
+                print(model["id"])
     return 0
 
 
 def cmd_health(args: argparse.Namespace) -> int:
     with HttpClient(http_url(args.address), args.timeout, args.api_key, args.retries) as client:
-        print(client.health().get("status", "ok"))
+        health = client.health()
+        with openai_shaped("/health answer"):
+            print(health.get("status", "ok"))
     return 0
+
+
+@contextlib.contextmanager
+def openai_shaped(what: str) -> Iterator[None]:
+    """Reading a server's JSON as the API's shape: another shape (another server, a proxy's JSON) is
+    a one-line BAD_RESPONSE, not a KeyError's traceback."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise ClientError("BAD_RESPONSE", f"the server's {what} is not the shape of the OpenAI API's") from None

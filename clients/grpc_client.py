@@ -13,6 +13,7 @@ Calls that failed retriably are retried (clients/retry.py); a retried stream res
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import TypedDict, Unpack
@@ -76,7 +77,9 @@ def build_request(prompt: Prompt,
 
 def client_error(exc: grpc.RpcError, address: str) -> ClientError:
     code, details = exc.code(), one_line(exc.details() or "")  # type: ignore[attr-defined]
-    if code == grpc.StatusCode.UNAVAILABLE and any(word in details.lower() for word in ("connect", "dns", "resolv")):
+    # (gRPC's words for a server that is not there; "Connection reset" under a call is retried)
+    if code == grpc.StatusCode.UNAVAILABLE and any(words in details.lower() for words in (
+            "failed to connect", "connection refused", "dns", "resolv")):
         return ClientError(code.name, f"cannot reach {address}: is `specdec serve` running?")
     lost = code == grpc.StatusCode.INTERNAL and details.startswith(ACTOR_DIED)
     return ClientError(code.name, details or code.name, lost=lost)
@@ -92,16 +95,31 @@ def retriable(error: ClientError) -> bool:
     return error.code == "UNAVAILABLE" and not error.message.startswith("cannot reach")
 
 
+def grpc_address(address: str) -> str:
+    """HOST:PORT (or a gRPC target such as `unix:PATH`, `dns:///HOST:PORT`), checked before any
+    call: a mistyped one failed at its first call as UNKNOWN or "cannot reach"."""
+    try:
+        address.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequestError(f"{ascii(address)} is not an address: it is not valid UTF-8") from None
+    if not address.isprintable() or " " in address:
+        raise InvalidRequestError(f"{ascii(address)} is not an address: it holds spaces or control characters")
+    if address.startswith(("http://", "https://")):
+        raise InvalidRequestError(f"{address} is an HTTP URL; the gRPC address is HOST:PORT (e.g. localhost:9000)")
+    if re.match(r"(unix|unix-abstract|dns|ipv4|ipv6|vsock):", address):
+        return address
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidRequestError(f"{address!r} is not an address: expected HOST:PORT (e.g. localhost:9000)")
+    return address
+
+
 class _Options:
     """What both clients share: the address, the key, the retry policy, building a call."""
 
     def __init__(self, address: str, timeout_s: float | None, api_key: str | None,
                  retries: int | RetryPolicy | None):
-        try:
-            address.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidRequestError(f"{ascii(address)} is not an address: it is not valid UTF-8") from None
-        self.address, self.timeout_s = address, time_limit(timeout_s)
+        self.address, self.timeout_s = grpc_address(address), time_limit(timeout_s)
         self.api_key = resolve_api_key(api_key)
         self.retry = retry_policy(retries)
 

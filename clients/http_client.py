@@ -18,6 +18,8 @@ retried stream resumes where it was.
 from __future__ import annotations
 
 import asyncio
+import datetime
+import email.utils
 import json
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -62,6 +64,23 @@ def json_of(text: str | bytes) -> Any:
         raise ClientError("BAD_RESPONSE", f"the server's answer is not JSON: {one_line(text[:200])!r}") from None
 
 
+class EventLines:
+    """An event stream's lines to its events: an event counts at the blank line that ends it (SSE's
+    rule), so a stream cut inside one drops it and reads as cut short, not as a malformed answer."""
+
+    def __init__(self):
+        self._data: str | None = None
+
+    def feed(self, line: str) -> dict | str | None:
+        """A chunk or DONE where `line` ends an event, else None (comments, other fields)."""
+        if line.startswith("data:"):
+            self._data = line
+        elif not line and self._data is not None:
+            data, self._data = self._data, None
+            return parse_sse_line(data)
+        return None
+
+
 def parse_sse_line(line: str) -> dict | str | None:
     """One line of an event stream: a chunk, DONE, or None (blank lines, comments, other fields).
     An error event raises ClientError."""
@@ -86,20 +105,38 @@ def response_error(response: httpx.Response) -> ClientError:
     except (ValueError, KeyError, TypeError):  # not our error body (a proxy's page, a wrong path)
         message = f"{response.status_code} {response.reason_phrase} at {response.url}"
         lost = response.status_code == 500  # Serve's proxy: the ingress replica died under the call
+    return ClientError(f"HTTP {response.status_code}", message, retry_after(response.headers.get("retry-after")),
+                       lost=lost)
+
+
+def retry_after(value: str | None) -> float | None:
+    """Retry-After's seconds: a number, or an HTTP date (RFC 9110); None where it is neither."""
+    if not value:
+        return None
     try:
-        retry_after_s = float(response.headers.get("retry-after", ""))
+        return float(value)
     except ValueError:
-        retry_after_s = None
-    return ClientError(f"HTTP {response.status_code}", message, retry_after_s, lost=lost)
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:  # (an HTTP date is GMT)
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
 
 
 def connection(base_url: str, timeout_s: float | None, key: str | None) -> dict[str, Any]:
     """httpx client arguments: the server's root URL checked, the time limit and the key's header."""
     base_url = base_url.rstrip("/").removesuffix("/v1")
     try:
-        httpx.URL(base_url)
+        url = httpx.URL(base_url)
     except (httpx.InvalidURL, UnicodeError) as exc:
         raise InvalidRequestError(f"{ascii(base_url)} is not a URL: {one_line(str(exc))}") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise InvalidRequestError(f"{ascii(base_url)} is not an http:// or https:// URL (e.g. {DEFAULT_BASE_URL})")
+    if url.port is not None and not 0 < url.port < 65536:
+        raise InvalidRequestError(f"{ascii(base_url)}: port {url.port} is not a port")
     key = resolve_api_key(key)
     return {"base_url": base_url, "timeout": time_limit(timeout_s),
             "headers": {"Authorization": f"Bearer {key}"} if key else {}}
@@ -161,13 +198,15 @@ class HttpClient:
 
     def _send(self, method: str, path: str, body: bytes | None = None) -> dict:
         for attempt in range(self.retry.retries + 1):
-            with transport_errors(self.base_url):
-                response = self._http.request(method, path, content=body, headers=JSON_BODY if body else None)
-            if not response.is_error:
-                return json_of(response.text)
-            error = response_error(response)
-            if (delay := retry_delay(self.retry, error, attempt)) is None:
-                raise error
+            try:
+                with transport_errors(self.base_url):
+                    response = self._http.request(method, path, content=body, headers=JSON_BODY if body else None)
+                if not response.is_error:
+                    return json_of(response.text)
+                raise response_error(response)
+            except ClientError as error:  # (a connection dropped under the call: TRANSPORT, as a stream's)
+                if (delay := retry_delay(self.retry, error, attempt)) is None:
+                    raise
             time.sleep(delay)
         raise AssertionError("unreachable")
 
@@ -191,8 +230,9 @@ class HttpClient:
             if response.is_error:
                 response.read()
                 raise response_error(response)
+            lines = EventLines()
             for line in response.iter_lines():
-                if (event := parse_sse_line(line)) == DONE:
+                if (event := lines.feed(line)) == DONE:
                     return
                 if event is not None:
                     yield event
@@ -240,13 +280,16 @@ class AsyncHttpClient:
 
     async def _send(self, method: str, path: str, body: bytes | None = None) -> dict:
         for attempt in range(self.retry.retries + 1):
-            with transport_errors(self.base_url):
-                response = await self._http.request(method, path, content=body, headers=JSON_BODY if body else None)
-            if not response.is_error:
-                return json_of(response.text)
-            error = response_error(response)
-            if (delay := retry_delay(self.retry, error, attempt)) is None:
-                raise error
+            try:
+                with transport_errors(self.base_url):
+                    response = await self._http.request(method, path, content=body,
+                                                        headers=JSON_BODY if body else None)
+                if not response.is_error:
+                    return json_of(response.text)
+                raise response_error(response)
+            except ClientError as error:
+                if (delay := retry_delay(self.retry, error, attempt)) is None:
+                    raise
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
@@ -271,8 +314,9 @@ class AsyncHttpClient:
                 if response.is_error:
                     await response.aread()
                     raise response_error(response)
+                lines = EventLines()
                 async for line in response.aiter_lines():
-                    if (event := parse_sse_line(line)) == DONE:
+                    if (event := lines.feed(line)) == DONE:
                         return
                     if event is not None:
                         yield event

@@ -24,6 +24,7 @@ from specdec.errors import InvalidRequestError
 from specdec.v1 import generation_pb2
 
 SEED_BITS = 62  # fits the proto's int64 and OpenAI's seed
+MAX_RETRY_AFTER_S = 60.0  # the longest wait a server's Retry-After may ask for
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,13 @@ class RetryPolicy:
             raise InvalidRequestError("backoffs must be finite, 0 <= first_backoff_s <= max_backoff_s")
 
     def delay(self, attempt: int, retry_after_s: float | None = None) -> float:
-        backoff = min(self.first_backoff_s * 2 ** attempt, self.max_backoff_s)
-        return max(backoff, retry_after_s or 0.0)
+        """The backoff, or the server's Retry-After where it asks for longer, up to
+        MAX_RETRY_AFTER_S (longer, negative or not a number: the backoff; the openai package too
+        ignores a Retry-After past a minute)."""
+        backoff = min(self.first_backoff_s * 2.0 ** min(attempt, 64), self.max_backoff_s)
+        if retry_after_s is not None and 0 < retry_after_s <= MAX_RETRY_AFTER_S:
+            return max(backoff, retry_after_s)
+        return backoff
 
 
 NO_RETRIES = RetryPolicy(retries=0)

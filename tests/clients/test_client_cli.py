@@ -120,7 +120,13 @@ def test_unreachable_server(capsys, protocol):
 
 @pytest.mark.parametrize("protocol, address, message", [("http", "http://[::1", "is not a URL"),
                                                        ("http", "\udcff:1", "is not a URL"),
-                                                       ("grpc", "\udcff:1", "is not an address")])
+                                                       ("grpc", "\udcff:1", "is not an address"),
+                                                       # (each failed at its first call, UNKNOWN or "cannot reach")
+                                                       ("grpc", "localhost:99999", "is not an address"),
+                                                       ("grpc", "http://localhost:9000", "is an HTTP URL"),
+                                                       ("grpc", "a\nb:1", "is not an address"),
+                                                       ("http", "ftp://x", "is not an http:// or https:// URL"),
+                                                       ("http", "http://localhost:99999", "is not a port")])
 def test_a_malformed_address_is_one_line(capsys, protocol, address, message):
     code = run(["client", "generate", PROMPT, "--protocol", protocol, "--address", address, "--timeout", "10"])
     err = capsys.readouterr().err
@@ -138,6 +144,21 @@ def test_models_and_health(servers, capsys):
     assert run(["client", "models", "--address", servers["http"]]) == 0
     assert run(["client", "health", "--address", servers["http"]]) == 0
     assert capsys.readouterr().out == "specdec\nok\n"
+
+
+def test_an_answer_of_another_shape_is_one_line(capsys):
+    """Another server's JSON (a proxy's, another API's) printed a KeyError's traceback."""
+    from fastapi import FastAPI
+
+    other = FastAPI()
+    other.get("/v1/models")(lambda: {"object": "list"})
+    other.get("/health")(lambda: ["up"])
+    other.post("/v1/chat/completions")(lambda: {"id": "x"})
+    with http_server(other) as url:
+        for argv in (["models"], ["health"], ["generate", PROMPT, "--protocol", "http"]):
+            assert run(["client", *argv, "--address", url, "--retries", "0"]) == EXIT_USAGE
+            err = capsys.readouterr().err
+            assert err.startswith("error: the server's") and "not the shape" in err and err.count("\n") == 1, err
 
 
 def test_stream_and_json_exclude_each_other(capsys):

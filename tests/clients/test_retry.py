@@ -254,3 +254,72 @@ def test_an_ingress_replica_lost_under_the_call_is_retried(tiny_engine):
     proxy = Starlette(routes=[Route("/health", lambda request: answers.pop(0))])
     with http_server(proxy) as url, HttpClient(url, retries=FAST) as client:
         assert client.health() == {"status": "ok"} and not answers
+
+
+# ------------------------------------------------------------------------------------------------
+# Found by a bug hunt of the clients
+
+class RpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_a_connection_reset_under_a_call_is_retried_and_a_refused_one_is_not():
+    """"Connection reset" holds "connect": it read as a server that is not there, never retried."""
+    from clients.grpc_client import client_error, retriable
+
+    reset = client_error(RpcError(grpc.StatusCode.UNAVAILABLE, "Stream removed (recvmsg:Connection reset by peer (104))"),
+                         "h:1")
+    assert retriable(reset) and "reset" in reset.message
+    for details in ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Connection refused",
+                    "DNS resolution failed for nosuchhost.invalid:9000"):
+        refused = client_error(RpcError(grpc.StatusCode.UNAVAILABLE, details), "h:1")
+        assert not retriable(refused) and refused.message.startswith("cannot reach h:1")
+
+
+def test_retry_after_is_honoured_up_to_a_minute_and_read_as_a_date_too():
+    import email.utils
+    import time
+
+    from clients.http_client import retry_after
+
+    policy = RetryPolicy(retries=5, first_backoff_s=0.5, max_backoff_s=8.0)
+    assert policy.delay(0, 2.0) == 2.0 and policy.delay(0, 0.1) == 0.5
+    for absurd in (3600.0, float("inf"), float("nan"), -5.0):  # (an hour's sleep, an OverflowError before)
+        assert policy.delay(0, absurd) == 0.5
+    assert RetryPolicy(retries=5000).delay(1100) == 8.0  # (2 ** 1100 overflowed)
+    in_4_s = email.utils.formatdate(time.time() + 4, usegmt=True)
+    assert 2.0 < retry_after(in_4_s) <= 4.0 and retry_after("7") == 7.0
+    assert retry_after("soon") is None and retry_after(None) is None
+
+
+def test_an_event_is_read_at_the_blank_line_that_ends_it():
+    """A stream cut inside an event reads as cut short (retried), not as a malformed answer."""
+    from clients.http_client import DONE, EventLines
+
+    lines = EventLines()
+    assert [lines.feed(line) for line in ('data: {"a": 1}', "", ": a comment", "data: [DONE]", "")] == \
+        [None, {"a": 1}, None, None, DONE]
+    assert EventLines().feed('data: {"choices": [{"te') is None
+
+
+def test_an_http_call_whose_connection_drops_is_retried():
+    import httpx
+
+    answers = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        answers.append(request.url.path)
+        if len(answers) == 1:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return httpx.Response(200, json={"object": "list", "data": []})
+
+    client = HttpClient("http://server", retries=FAST)
+    client._http = httpx.Client(base_url="http://server", transport=httpx.MockTransport(handler))
+    assert client.models() == {"object": "list", "data": []} and answers == ["/v1/models", "/v1/models"]
