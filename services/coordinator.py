@@ -31,6 +31,10 @@ MAX_CANDIDATES_PER_ROUND = 64
 # A request's own id travels in every chunk of its stream: a long one would multiply what the
 # server sends (a 1 MB id, 484 chunks: 484 MB).
 MAX_REQUEST_ID_CHARS = 128
+# A request larger than this is tokenized off the event loop: 1 MB of text takes the default
+# tokenizer 0.6-0.7 s here, which stalled every stream of the coordinator (a small one stays inline:
+# no thread hop).
+PREPARE_INLINE_BYTES = 16 * 1024
 
 
 def check_served_policy(policy: PolicyConfig) -> None:
@@ -88,7 +92,10 @@ class Coordinator:
         """Chunks as rounds commit; the samples' chunks interleave. The last chunk carries the stats.
         Raises InvalidRequestError before the first chunk. A consumer that stops early cancels the
         request: its sessions leave the loop at the next step and their caches are freed."""
-        prompt_ids, params = self.prepare(request)
+        if request.ByteSize() > PREPARE_INLINE_BYTES:  # (the tokenizer lets the GIL go while it encodes)
+            prompt_ids, params = await asyncio.to_thread(self.prepare, request)
+        else:
+            prompt_ids, params = self.prepare(request)
         request_id = request.request_id or uuid.uuid4().hex
         queue: asyncio.Queue[generation_pb2.GenerateChunk | None] = asyncio.Queue()
 

@@ -1092,3 +1092,46 @@ def test_a_bad_distribution_beside_the_verifier_refuses_its_item_alone(tiny_engi
     reply = asyncio.run(transport.verify(items))
     assert isinstance(reply.answers[0], Refused) and "sum to 1" in reply.answers[0].reason
     assert isinstance(reply.answers[1], Verdict) and [c.indices for c in reply.calls] == [[1]]
+
+
+def test_a_large_request_is_tokenized_off_the_event_loop(tiny_engine, monkeypatch):
+    """Found by a bug hunt: 1 MB of text took the tokenizer most of a second on the coordinator's
+    event loop, and every stream there stalled for it (the request was refused anyway)."""
+    import services.coordinator as coordinator_module
+    from services.coordinator import PREPARE_INLINE_BYTES, Coordinator
+    from specdec.v1 import generation_pb2
+
+    encode = coordinator_module.prompt_ids_from_request
+
+    def slow_encode(request, rules, params):
+        if len(request.text) > PREPARE_INLINE_BYTES:
+            time.sleep(0.6)  # (as the default pair's tokenizer on 1 MB, which lets the GIL go)
+            raise InvalidRequestError("prompt is longer than the models' context")
+        return encode(request, rules, params)
+
+    monkeypatch.setattr(coordinator_module, "prompt_ids_from_request", slow_encode)
+    coordinator = Coordinator(tiny_engine.loop.calls.transport, tiny_engine.rules)
+    gaps = []
+
+    async def ticker(done: asyncio.Event):  # what every other stream's task sees of the event loop
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    async def scenario():
+        done = asyncio.Event()
+        ticking = asyncio.create_task(ticker(done))
+        small = generation_pb2.GenerateRequest(text="hello", chat_template=False, max_new_tokens=4)
+        assert [c async for c in coordinator.generate_stream(small)]  # (inline, as before)
+        large = generation_pb2.GenerateRequest(text="ab " * (PREPARE_INLINE_BYTES // 2), chat_template=False)
+        with pytest.raises(InvalidRequestError):
+            async for _ in coordinator.generate_stream(large):
+                pass
+        done.set()
+        await ticking
+
+    asyncio.run(scenario())
+    assert max(gaps) < 0.3, max(gaps)
