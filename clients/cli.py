@@ -52,8 +52,9 @@ def add_client_parser(commands: argparse._SubParsersAction,
 
 def add_connection_flags(parser: argparse.ArgumentParser, address_help: str) -> None:
     parser.add_argument("--address", default=None, help=address_help)
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds an attempt may take (gRPC: its deadline; HTTP: each connect and read, so a stream "
-                             "goes on while chunks keep coming, as the openai package's timeout)")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                        help="seconds an attempt may take (gRPC: its deadline; HTTP: each connect and read, so a "
+                             "stream goes on while chunks keep coming, as the openai package's timeout)")
     parser.add_argument("--api-key", default=None, help="the server's API key (default: $SPECDEC_API_KEY)")
     parser.add_argument("--retries", type=int, default=2,
                         help="retries when the server is at capacity or a replica died (default 2)")

@@ -31,8 +31,8 @@ from specdec.bench.records import RecordStore, divergence_key, read_json, record
 from specdec.bench.specs import BASELINE, DEFAULT_POLICIES, LOOKUP_PEER, PolicySpec, parse_specs, with_baseline
 from specdec.builder import EngineConfig, resolve_draft_quant, resolve_runtime, unfused
 from specdec.errors import InvalidRequestError
-from specdec.models.runtime import common_prefix_length
 from specdec.files import file_setting, write_atomically
+from specdec.models.runtime import common_prefix_length
 from specdec.models.sources import SHIPPED
 from specdec.models.suffix import is_suffix_draft
 from specdec.models.vocab import SETTINGS_BEFORE_DRAFT_VOCAB, vocab_setting
