@@ -299,7 +299,11 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
     from specdec.training.config import load_config
     from specdec.training.data import generate_dataset
 
+    from specdec.models.sources import check_source
+
     config = load_config(args.config)
+    for role in ("draft", "target"):  # a mistyped source fails here, not after Ray started
+        check_source(getattr(config.models, role), role)
     start_training_ray(args.address, config.scaling)
     manifest = generate_dataset(config, reuse=args.reuse_responses)
     counts = manifest["counts"]

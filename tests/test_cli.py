@@ -239,6 +239,20 @@ def test_workers_this_machine_can_never_place_are_refused_not_waited_for(tmp_pat
         assert not ray.is_initialized() and not (tmp_path / "data").exists()
 
 
+def test_gen_data_refuses_a_model_source_that_is_not_one_before_ray_starts(tmp_path, monkeypatch, capsys):
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"models: {{draft: {tmp_path / 'nowhere'}}}\ndata: {{dir: {tmp_path / 'data'}}}\n")
+    assert main(["gen-data", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "no such directory or file" in err[-1]
+    assert not ray.is_initialized()  # (a private Ray started first: 5 s, then the same refusal)
+
+
 def test_serve_refuses_replicas_this_machine_could_never_place(tiny_pair, capsys, monkeypatch):
     """On its private Ray: Serve waited for the third replica's CPU forever, saying nothing."""
     import os
