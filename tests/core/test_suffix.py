@@ -212,7 +212,10 @@ SAMPLES = 1024
 def test_sampled_outputs_with_the_suffix_draft_follow_the_target_distribution(target, policy, sampling_name):
     """A one-hot q: y accepted with probability p(y), a rejection drawn from p without y."""
     sampling = SAMPLINGS[sampling_name]
-    completions = sample_all(suffix_engine(target), PROMPT, policy, sampling, seed=500)
+    # (A fixed seed: a change to the loop's schedule draws other samples. Seed 500 drew p = 2.8e-4 at
+    # 3 tokens for specdec++ once 1,024 samples no longer ran at once past the stores' 256 sessions;
+    # 24 other seeds gave 0.04-0.99 there, as a right distribution does.)
+    completions = sample_all(suffix_engine(target), PROMPT, policy, sampling, seed=1500)
     assert_target_distribution(target, PROMPT, sampling, completions)
 
 
