@@ -101,9 +101,32 @@ def deployment_replicas(config: AppConfig) -> dict[str, ReplicaConfig]:
     return replicas | {"Verifier": config.verifier, "Coordinator": config.coordinator, "Ingress": config.ingress}
 
 
+def live_sessions_cap(config: AppConfig) -> AppConfig:
+    """`config` with each round loop's `batch.max_live_sessions` at most what the replicas' session
+    stores hold for it: `sessions.max_sessions` on each of the fewest draft and verifier replicas
+    there may be, shared by the most loops (coordinator replicas, or verifier ones where the loop
+    runs there). Past it each step evicts the sessions the next one serves, and every round
+    re-prefills."""
+    replicas = deployment_replicas(config)
+
+    def fewest(r: ReplicaConfig) -> int:
+        return max(1, r.autoscaling["min_replicas"] if r.autoscaling else r.num_replicas)
+
+    def most(r: ReplicaConfig) -> int:
+        return r.autoscaling["max_replicas"] if r.autoscaling else r.num_replicas
+
+    loops = most(replicas["Verifier" if config.loop_placement == "verifier" else "Coordinator"])
+    holders = min(fewest(r) for name, r in replicas.items() if name not in ("Coordinator", "Ingress"))
+    batch = config.models.batch
+    cap = min(batch.max_live_sessions, max(1, config.sessions.max_sessions * holders // loops))
+    return config.model_copy(update={"models": config.models.model_copy(
+        update={"batch": batch.model_copy(update={"max_live_sessions": cap})})})
+
+
 def build_app(args: dict | AppConfig | None = None) -> serve.Application:
     """`serve run services.app:build_app [key=value ...]` or a config file's `args:`."""
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    config = live_sessions_cap(config)  # decided here, once, as the placement below
     colocated = config.colocated_drafts()  # decided here, once: the replicas take it as given
     replicas = deployment_replicas(config)
     drafts = {name: _deployment(Draft, draft_deployment_name(name), replicas[draft_deployment_name(name)],

@@ -8,6 +8,11 @@ custom metric, `record_autoscaling_stats` in services/replicas.py) and `round_ca
 the default rule to the larger of the two counts: Serve's (the `serve-grpc` and `actor` transports
 carry the same calls through it) and the replicas' own. Serve applies the config's bounds, delays
 and scaling factors to the result as it does to its own rule's.
+
+A step sends a replica one batched call per coordinator lane whatever its sessions, so the calls in
+flight, averaged over the look-back window, are the share of the time its callers keep it busy
+(at most the coordinators' lanes): a round deployment's target_ongoing_requests is such a share
+(0.7 in the GPU configs), never a count of sessions.
 """
 
 from __future__ import annotations

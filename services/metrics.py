@@ -15,10 +15,13 @@ import httpx
 import ray
 from ray.serve import metrics
 
-from specdec.cost_profile import CostProfile
+from specdec.cost_profile import CostProfile, bucket
 from specdec.metrics import RequestStats
 
 PREFIX = "specdec_"  # no colon: Ray exports through OpenTelemetry, whose instrument names refuse one
+# Accepted positions past this share one label value ("17+"): a request's k or rounds must not grow
+# the series without bound.
+MAX_POSITION_LABEL = 16
 MS_BUCKETS = [0.5, 1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500]
 K_BUCKETS = [0.5, 1.5, 2.5, 3.5, 4.5, 6.5, 8.5, 12.5, 16.5, 24.5, 32.5]  # K + 0.5: bucket edges between integers
 
@@ -49,10 +52,12 @@ class RayRoundMetrics:
         self.call_bytes = metrics.Counter(PREFIX + "round_call_bytes", description="Round request + reply bytes",
                                           tag_keys=("role",))
         self.cost_ms = metrics.Gauge(PREFIX + "cost_profile_ms", description="Live cost profile: a drafting step by "
-                                     "sessions, a target pass by tokens (ms)", tag_keys=("role", "tokens"))
+                                     "sessions, a target pass by tokens (ms; tokens: the timing bucket's)",
+                                     tag_keys=("draft", "role", "tokens"))
         self.drafting = metrics.Gauge(PREFIX + "drafting_pays", description="1 while some allocation of candidates "
-                                      "beats plain decoding at the measured costs, else 0 (the draft is off)")
-        self._profile: CostProfile | None = None
+                                      "beats plain decoding at the measured costs, else 0 (the draft is off)",
+                                      tag_keys=("draft",))
+        self._profiles: dict[str, CostProfile] = {}
 
     def on_round(self, num_candidates: int, num_accepted: int, policy: str, held: str | None = None) -> None:
         tags = {"policy": policy}
@@ -67,8 +72,11 @@ class RayRoundMetrics:
             self.discarded_tokens.inc(num_candidates - num_accepted, tags)
         if num_accepted:
             self.accepted_tokens.inc(num_accepted, tags)
-            for position in range(1, num_accepted + 1):
+            for position in range(1, min(num_accepted, MAX_POSITION_LABEL) + 1):
                 self.accepted_per_pos.inc(1, {"policy": policy, "position": str(position)})
+            if num_accepted > MAX_POSITION_LABEL:
+                self.accepted_per_pos.inc(num_accepted - MAX_POSITION_LABEL,
+                                          {"policy": policy, "position": f"{MAX_POSITION_LABEL + 1}+"})
 
     def on_call(self, role: str, compute_ms: float, transport_ms: float, num_bytes: int) -> None:
         self.call_ms.observe(compute_ms, {"role": role, "part": "compute"})
@@ -76,17 +84,17 @@ class RayRoundMetrics:
         if num_bytes:
             self.call_bytes.inc(num_bytes, {"role": role})
 
-    def on_costs(self, profile: CostProfile, drafting: bool) -> None:
-        self.drafting.set(1.0 if drafting else 0.0)
-        if profile is self._profile:  # a snapshot is rebuilt only when a timing came in
+    def on_costs(self, profile: CostProfile, drafting: bool, draft: str) -> None:
+        self.drafting.set(1.0 if drafting else 0.0, {"draft": draft})
+        if profile is self._profiles.get(draft):  # a snapshot is rebuilt only when a timing came in
             return
-        self._profile = profile
+        self._profiles[draft] = profile
         for role, curve in (("draft", profile.t_draft_rows_ms or {1: profile.t_draft_ms}), ("verifier", profile.t_target_ms)):
-            for tokens, ms in curve.items():
-                self.cost_ms.set(ms, {"role": role, "tokens": str(tokens)})
+            for tokens, ms in curve.items():  # (by bucket: a bucket's median tokens move as it is timed)
+                self.cost_ms.set(ms, {"draft": draft, "role": role, "tokens": str(bucket(tokens))})
 
-    def on_request(self, stats: RequestStats, policy: str, ok: bool) -> None:
-        self.requests.inc(1, {"policy": policy, "outcome": "ok" if ok else "error"})
+    def on_request(self, stats: RequestStats, policy: str, outcome: str) -> None:
+        self.requests.inc(1, {"policy": policy, "outcome": outcome})
         if stats.generated_tokens:
             self.generated_tokens.inc(stats.generated_tokens, {"policy": policy})
 

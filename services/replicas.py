@@ -214,9 +214,9 @@ def draft_worker(config: AppConfig, name: str, threads: int | None) -> DraftWork
 def coordinator(config: AppConfig, transport: RoundTransport) -> Coordinator:
     """The round loop over `transport`, wherever it runs."""
     rules = build_rules(config.models, progress=False, devices=config.model_devices())
-    batch = config.models.batch  # (no more live sessions than a replica's stores hold)
-    batch = batch.model_copy(update={"max_live_sessions": min(batch.max_live_sessions, config.sessions.max_sessions)})
-    return Coordinator(transport, rules, config.policy, observer=RayRoundMetrics(), batch=batch, api_key=config.key)
+    # (models.batch.max_live_sessions: what the replicas' stores hold for this loop, app.live_sessions_cap)
+    return Coordinator(transport, rules, config.policy, observer=RayRoundMetrics(), batch=config.models.batch,
+                       api_key=config.key)
 
 
 class CoordinatorDeployment(LoopHost):

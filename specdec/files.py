@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from pathlib import Path
 
 
@@ -20,8 +21,13 @@ def file_setting(path: str | Path) -> str:
 
 
 def write_atomically(path: str | Path, text: str) -> None:
-    """`path` holds `text`, written under a temporary name and renamed over it."""
+    """`path` holds `text`, written under a temporary name of its own (two writers never share one;
+    the file takes the umask's mode, as a plain write) and renamed over it."""
     path = Path(path)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text, encoding="utf-8")
-    os.replace(partial, path)
+    partial = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.partial")
+    try:
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise

@@ -143,19 +143,20 @@ class RoundLoop:
     # Requests
 
     async def generate(self, prompt_ids: Sequence[int], params: GenerationParams,
-                       on_update: UpdateCallback | None = None, reference: Sequence[int] | None = None
-                       ) -> GenerationResult:
+                       on_update: UpdateCallback | None = None, reference: Sequence[int] | None = None,
+                       counted: bool = True) -> GenerationResult:
         """Decode a request's samples in the shared batch. Raises InvalidRequestError before any
         model work, or the first sample's error. `reference`: the oracle's hindsight, the target's
         greedy tokens for this prompt and budget, when the caller has them (else decoded here,
-        untimed)."""
+        untimed, and not `counted` as a request of its own by the observer)."""
         prompt_ids = list(prompt_ids)
         params = self.rules.validate(prompt_ids, params)
         if params.policy.name != "oracle":
             reference = None
         elif reference is None:
-            alone = params.model_copy(update={"policy": params.policy.model_copy(update={"name": "target-only"}), "n": 1})
-            reference = (await self.generate(prompt_ids, alone)).completions[0].token_ids
+            target_only = params.policy.model_copy(update={"name": "target-only", "k": None, "threshold": None})
+            alone = params.model_copy(update={"policy": target_only, "n": 1})
+            reference = (await self.generate(prompt_ids, alone, counted=False)).completions[0].token_ids
         request = Request(params, request_seed(params.sampling.seed), on_update=on_update,
                           reference=list(reference) if reference else None)
         session = uuid.uuid4().hex  # ours, never the client's request id: two requests must not share caches
@@ -163,18 +164,21 @@ class RoundLoop:
         samples = [LoopSample(f"{session}/{i}", i, request, SampleState(prompt_ids), loop.create_future())
                    for i in range(params.n)]
         start = time.perf_counter()
-        ok = False
+        outcome = "error"
         try:
             for s in samples:
                 self.submit(s)
             await asyncio.gather(*(s.done for s in samples))
-            ok = True
+            outcome = "ok"
+        except asyncio.CancelledError:  # its client went away: no fault of the server's
+            outcome = "cancelled"
+            raise
         finally:
             for s in samples:
                 self.cancel(s)
             request.stats.wall_time_s = time.perf_counter() - start
-            if self.observer:
-                self.observer.on_request(request.stats, params.policy.name, ok)
+            if self.observer and counted:
+                self.observer.on_request(request.stats, params.policy.name, outcome)
         completions = [Completion(s.sample.text, s.sample.generated, s.sample.finish_reason or FINISH_LENGTH)
                        for s in samples]
         return GenerationResult(completions, request.stats, prompt_tokens=len(prompt_ids))
@@ -185,10 +189,14 @@ class RoundLoop:
         running_loop = asyncio.get_running_loop()
         if any(t is not None and not t.done() and t.get_loop() is not running_loop for t in self._tasks):
             raise RuntimeError("a RoundLoop serves one event loop at a time")
-        if self._waiting or sum(map(len, self._lanes)) >= self.batch.max_live_sessions:
-            self._waiting.append(sample)
-        else:
-            self._join(sample, running_loop)
+        self._waiting.append(sample)
+        self._admit()
+
+    def _admit(self) -> None:
+        """Waiting samples join, in arrival order, while fewer than max_live_sessions are live."""
+        running_loop = asyncio.get_running_loop()
+        while self._waiting and sum(map(len, self._lanes)) < self.batch.max_live_sessions:
+            self._join(self._waiting.popleft(), running_loop)
 
     def _join(self, sample: LoopSample, running_loop: asyncio.AbstractEventLoop) -> None:
         lane = min(range(len(self._lanes)), key=lambda i: len(self._lanes[i]))
@@ -226,6 +234,8 @@ class RoundLoop:
                 if not s.done.done():
                     s.done.set_exception(exc if isinstance(exc, Exception) else RuntimeError("the round loop stopped"))
             running.clear()
+            # the waiting samples go on once this task has ended (a lane's next task starts then)
+            asyncio.get_running_loop().call_soon(self._admit)
             raise
 
     async def _step(self, planners: dict[str, StepPlanner], batch: list[LoopSample]) -> None:
@@ -332,9 +342,7 @@ class RoundLoop:
             running.remove(s)
         for planner in planners:
             planner.forget(leaving)
-        running_loop = asyncio.get_running_loop()
-        while self._waiting and sum(map(len, self._lanes)) < self.batch.max_live_sessions:
-            self._join(self._waiting.popleft(), running_loop)
+        self._admit()
         task = asyncio.get_running_loop().create_task(self._release(leaving))
         self._releasing[task] = leaving
         task.add_done_callback(self._releasing.pop)

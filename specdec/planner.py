@@ -232,7 +232,7 @@ class StepPlanner:
         self.drafting = decision.pays
         self._probe_interval = decision.probe_interval
         if self.observer:
-            self.observer.on_costs(profile, self.drafting)
+            self.observer.on_costs(profile, self.drafting, self.draft)
         return decision
 
     async def _walk_curve(self, batch: Sequence[LoopSample], drafting: Sequence[LoopSample]) -> bool:

@@ -119,6 +119,28 @@ def test_the_coordinator_limits_requests_as_the_replicas_devices_do(path):
     assert args.model_devices() == ({"target": "cuda", "draft": "cuda"} if gpus else {"target": "cpu", "draft": "cpu"})
 
 
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
+def test_round_replicas_can_scale_to_their_most(path):
+    """A replica's round calls in flight are at most the coordinators' lanes calling it (one batched
+    call a step each): a target above what they can reach never added a replica (4 with 4 coordinators)."""
+    args = app_args(load(path))
+    callers = (args.coordinator.autoscaling or {}).get("max_replicas", args.coordinator.num_replicas)
+    for role in ("draft", "verifier"):
+        scaling = getattr(args, role).autoscaling
+        if scaling and scaling["max_replicas"] > 1:
+            reachable = callers * args.models.batch.lanes / scaling["target_ongoing_requests"]
+            assert reachable >= scaling["max_replicas"], (role, reachable)
+
+
+def test_each_loop_decodes_no_more_sessions_than_the_replicas_hold_for_it():
+    """Up to 4 coordinators share gpu.yaml's one verifier (256 sessions): 64 each, not 256 each."""
+    from services.app import live_sessions_cap
+
+    gpu = app_args(load(CLUSTER / "serve" / "gpu.yaml"))
+    assert live_sessions_cap(gpu).models.batch.max_live_sessions == gpu.sessions.max_sessions // 4
+    assert live_sessions_cap(AppConfig()).models.batch.max_live_sessions == AppConfig().sessions.max_sessions
+
+
 def test_gpu_replicas_fit_one_gpu_at_full_scale():
     args = app_args(load(CLUSTER / "serve" / "gpu.yaml"))
     used = sum(r.num_gpus * r.autoscaling["max_replicas"] for r in (args.draft, args.verifier))

@@ -116,6 +116,40 @@ def test_sessions_past_what_the_workers_hold_wait_instead_of_evicting_each_other
     assert loop.live_sessions == 0 and not loop._waiting
 
 
+def test_a_step_that_fails_fails_its_sessions_and_the_waiting_ones_go_on(tiny_engine):
+    """Found by a review: a failed step left the samples waiting past max_live_sessions waiting for
+    good, and every later request behind them."""
+    loop = RoundLoop(CountingTransport(tiny_engine), tiny_engine.rules, BatchConfig(max_live_sessions=1))
+    planner = loop.planners[0]
+    plan, calls = planner.plan, []
+
+    async def failing_once(batch):
+        calls.append(len(batch))
+        if len(calls) == 1:
+            raise RuntimeError("a bug in a step")
+        return await plan(batch)
+
+    planner.plan = failing_once
+
+    async def scenario():
+        first = asyncio.create_task(loop.generate(PROMPTS[0], PARAMS))
+        second = asyncio.create_task(loop.generate(PROMPTS[1], PARAMS))
+        with pytest.raises(RuntimeError, match="a bug in a step"):
+            await asyncio.wait_for(first, 30)
+        waited = await asyncio.wait_for(second, 30)  # (no other request comes to wake the loop)
+        return waited, await asyncio.wait_for(loop.generate(PROMPTS[2], PARAMS), 30)
+
+    second, later = asyncio.run(scenario())
+    assert second.completions[0].token_ids == expected(tiny_engine, PROMPTS[1])
+    assert later.completions[0].token_ids == expected(tiny_engine, PROMPTS[2])
+
+
+def test_the_oracle_takes_a_cap_k(tiny_engine):
+    """Its hindsight run (target-only) kept the request's k and was refused: k does not apply."""
+    params = build_params(policy="oracle", k=2, max_new_tokens=12)
+    assert tiny_engine.generate_ids(PROMPTS[1], params).completions[0].token_ids == expected(tiny_engine, PROMPTS[1], params)
+
+
 def test_two_lanes_split_the_sessions_and_change_no_output(tiny_engine):
     transport = CountingTransport(tiny_engine)
     loop = RoundLoop(transport, tiny_engine.rules, BatchConfig(lanes=2))
