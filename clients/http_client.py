@@ -18,6 +18,7 @@ retried stream resumes where it was.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import email.utils
 import json
@@ -113,10 +114,8 @@ def retry_after(value: str | None) -> float | None:
     """Retry-After's seconds: a number, or an HTTP date (RFC 9110); None where it is neither."""
     if not value:
         return None
-    try:
+    with contextlib.suppress(ValueError):
         return float(value)
-    except ValueError:
-        pass
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError):

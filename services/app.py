@@ -108,15 +108,8 @@ def live_sessions_cap(config: AppConfig) -> AppConfig:
     runs there). Past it each step evicts the sessions the next one serves, and every round
     re-prefills."""
     replicas = deployment_replicas(config)
-
-    def fewest(r: ReplicaConfig) -> int:
-        return max(1, r.autoscaling["min_replicas"] if r.autoscaling else r.num_replicas)
-
-    def most(r: ReplicaConfig) -> int:
-        return r.autoscaling["max_replicas"] if r.autoscaling else r.num_replicas
-
-    loops = most(replicas["Verifier" if config.loop_placement == "verifier" else "Coordinator"])
-    holders = min(fewest(r) for name, r in replicas.items() if name not in ("Coordinator", "Ingress"))
+    _, _, loops = replicas["Verifier" if config.loop_placement == "verifier" else "Coordinator"].replicas()
+    holders = max(1, min(r.replicas()[1] for name, r in replicas.items() if name not in ("Coordinator", "Ingress")))
     batch = config.models.batch
     cap = min(batch.max_live_sessions, max(1, config.sessions.max_sessions * holders // loops))
     return config.model_copy(update={"models": config.models.model_copy(

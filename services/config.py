@@ -65,6 +65,14 @@ class ReplicaConfig(BaseModel):
         AutoscalingConfig.model_validate(value)
         return value
 
+    def replicas(self) -> tuple[int, int, int]:
+        """(at start, fewest, most): `num_replicas` thrice, or with autoscaling its initial, min and
+        max replicas, Serve's defaults where unset."""
+        if not self.autoscaling:
+            return (self.num_replicas,) * 3
+        scaling = AutoscalingConfig.model_validate(self.autoscaling)
+        return scaling.initial_replicas or scaling.min_replicas, scaling.min_replicas, scaling.max_replicas
+
     @model_validator(mode="after")
     def _one_way_to_size(self) -> ReplicaConfig:
         # (Serve refuses both at deploy time; the config dropped num_replicas without a word)

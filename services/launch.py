@@ -14,7 +14,7 @@ from ray import serve
 from ray.serve.config import gRPCOptions
 
 from services.app import build_app, deployment_replicas
-from services.config import GRPC_SERVICER_FUNCTIONS, AppConfig, ReplicaConfig
+from services.config import GRPC_SERVICER_FUNCTIONS, AppConfig
 from specdec.errors import InvalidRequestError, SpecDecError, one_line
 
 APP_NAME = "specdec"
@@ -86,19 +86,11 @@ def check_ports(host: str, http_port: int, grpc_port: int) -> None:
                 raise InvalidRequestError(f"{flag} {port} on {host}: {error.strerror}") from None
 
 
-def replicas_at_start(replicas: ReplicaConfig) -> int:
-    """How many replicas a deployment starts with (autoscaling: its initial or least number)."""
-    if not replicas.autoscaling:
-        return replicas.num_replicas
-    scaling = replicas.autoscaling
-    return scaling.get("initial_replicas") or scaling.get("min_replicas", 1)
-
-
 def resources_at_start(config: AppConfig) -> dict[str, float]:
     """The CPUs and GPUs the app's replicas reserve when it starts."""
     groups = deployment_replicas(config).values()
-    return {"CPU": sum(g.num_cpus * replicas_at_start(g) for g in groups),
-            "GPU": sum(g.num_gpus * replicas_at_start(g) for g in groups)}
+    return {"CPU": sum(g.num_cpus * g.replicas()[0] for g in groups),
+            "GPU": sum(g.num_gpus * g.replicas()[0] for g in groups)}
 
 
 def serve_forever(config: AppConfig, host: str, http_port: int, grpc_port: int,

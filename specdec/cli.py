@@ -296,10 +296,9 @@ def start_training_ray(address: str | None, scaling: ScalingSection) -> None:
 
 
 def cmd_gen_data(args: argparse.Namespace) -> int:
+    from specdec.models.sources import check_source
     from specdec.training.config import load_config
     from specdec.training.data import generate_dataset
-
-    from specdec.models.sources import check_source
 
     config = load_config(args.config)
     for role in ("draft", "target"):  # a mistyped source fails here, not after Ray started

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel
 
+from specdec.files import write_atomically
 from specdec.training.config import ConfigError
 
 STATE_FILE, HISTORY_FILE = "state.pt", "history.json"
@@ -52,7 +53,7 @@ def check_run_settings(storage: str, name: str, section: str, settings: BaseMode
             raise ConfigError(f"run {name!r} in {storage} was started with other settings ({', '.join(changed)}); "
                               f"choose another {section}.name to start a new run")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(wanted, indent=2) + "\n")
+    write_atomically(path, json.dumps(wanted, indent=2) + "\n")
 
 
 def latest_history(storage: str, run: str) -> list[dict]:
