@@ -221,6 +221,11 @@ class RuntimeBackend(ABC):
         """Positions a session may hold beyond the model's own limit (None: none)."""
         return None
 
+    def session_limit(self, config: EngineConfig) -> int | None:
+        """Sessions its caches hold at once, past which a pass takes another session's cache (its
+        runtime's `max_pass_sessions`; None: as many as memory holds)."""
+        return None
+
     @abstractmethod
     def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]: ...
 
@@ -238,6 +243,9 @@ class TorchBackend(RuntimeBackend):
 
     def context_limit(self, config: EngineConfig) -> int | None:
         return StaticOptions().capacity if resolve_kv_cache(config, here=False) == "static" else None
+
+    def session_limit(self, config: EngineConfig) -> int | None:
+        return StaticOptions().slots if resolve_kv_cache(config, here=False) == "static" else None
 
     def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]:
         if quant != SHIPPED:
@@ -273,6 +281,9 @@ class LlamaCppBackend(RuntimeBackend):
     def context_limit(self, config: EngineConfig) -> int | None:
         return config.llamacpp.context
 
+    def session_limit(self, config: EngineConfig) -> int | None:
+        return config.llamacpp.sequences
+
     def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]:
         if config.draft_vocab != FULL_VOCAB:
             raise ModelSourceError("--draft-vocab needs the torch runtime (llama.cpp's output layer is its own)")
@@ -297,6 +308,9 @@ class FeatureDraftBackend(RuntimeBackend):
 
     def meta_dir(self, config: EngineConfig, source: str, role: Role, progress: bool) -> Path:
         return RUNTIMES["torch"].meta_dir(config, config.target, "target", progress)
+
+    def session_limit(self, config: EngineConfig) -> int | None:
+        return StaticOptions().slots if resolve_device(config.device, here=False).type == "cuda" else None
 
     def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]:
         if quant != SHIPPED or config.draft_vocab != FULL_VOCAB:
@@ -454,8 +468,7 @@ def build_rules(config: EngineConfig, progress: bool = True, devices: dict[Role,
     when they load in other processes (a served app's replicas: a GPU where Ray gives them one),
     whose runtimes then set the context limit; the files are read as this process resolves them."""
     def context_limit(each: EngineConfig, role: Role) -> int | None:
-        if devices is not None and each.device == "auto":
-            each = each.model_copy(update={"device": devices[role]})
+        each = placed(each, role, devices)
         return backend_for(each, role, here=False).context_limit(each)
 
     target_dir = model_dir(config, "target", progress)
@@ -473,6 +486,23 @@ def build_rules(config: EngineConfig, progress: bool = True, devices: dict[Role,
                                    model_free=is_suffix_draft(each.draft), fused=each.fuse_suffix)
     return RequestRules(tokenizer, eos_token_ids_of(load_generation_config(target_dir), tokenizer),
                         min(limit for limit in limits if limit is not None), target_config.vocab_size, drafts)
+
+
+def session_limit(config: EngineConfig, devices: dict[Role, str] | None = None) -> int | None:
+    """The fewest sessions any of the config's runtimes (the target's, every draft's) holds a cache
+    for at once (None: no limit but memory), read from the settings without loading a model;
+    `devices` as build_rules'. The loaded roles say the same (`max_pass_sessions`)."""
+    limits = [backend_for(each, role, here=False).session_limit(each)
+              for role, each in [("target", placed(config, "target", devices))]
+              + [("draft", placed(each, "draft", devices)) for each in draft_configs(config).values()]]
+    return min((limit for limit in limits if limit is not None), default=None)
+
+
+def placed(config: EngineConfig, role: Role, devices: dict[Role, str] | None) -> EngineConfig:
+    """`config` with `device: auto` resolved as where the role's models load (`devices`: build_rules)."""
+    if devices is not None and config.device == "auto":
+        return config.model_copy(update={"device": devices[role]})
+    return config
 
 
 def resolve_device(device: str = "auto", here: bool = True) -> torch.device:

@@ -73,6 +73,11 @@ class SpecDecEngine:
         self.max_context = self.rules.max_context
         self.draft_workers = {name: DraftWorker(d, h) for name, (d, h) in drafts.items()}
         self.draft_worker, self.verifier_worker = self.draft_workers[DEFAULT_DRAFT], VerifierWorker(target)
+        # The loop decodes at most the sessions every runtime holds a cache for (static rows, llama.cpp
+        # sequences): past them each step would evict the caches of sessions waiting their turn.
+        held = [role.max_pass_sessions for role in (target, *(d for d, _ in drafts.values())) if role.max_pass_sessions]
+        if held and min(held) < batch.max_live_sessions:
+            batch = batch.model_copy(update={"max_live_sessions": min(held)})
         self.loop = RoundLoop(LocalTransport(self.draft_workers, self.verifier_worker), self.rules, batch)
         # Costs measured here: a short probe of every model (the drafts', then the target's) seeds
         # each draft's live profile.

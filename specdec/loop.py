@@ -67,9 +67,10 @@ class BatchConfig(BaseModel):
     # Sessions one step advances at most; the others wait for the next step (round robin).
     max_sessions_per_step: int = Field(16, ge=1)
     # Sessions the loop decodes at once; samples past it wait until one finishes. At most what the
-    # workers' session stores hold (a served app's sessions.max_sessions): past it each step would
-    # evict the sessions the next one serves (round robin over LRU stores), and every round would
-    # resend and prefill its session's whole history.
+    # workers hold: their session stores (a served app's sessions.max_sessions) and their runtimes'
+    # caches (static rows, llama.cpp sequences; the engine and app.live_sessions_cap cap it): past
+    # it each step would evict the sessions the next one serves (round robin over LRU stores and
+    # slots), and every round would resend or re-prefill its session's whole history.
     max_live_sessions: int = Field(DEFAULT_MAX_SESSIONS, ge=1)
     # Tokens one forward pass feeds at most (a longer batch runs as several passes; a single
     # session's feed is never split). None: no limit. Read by the runtimes (builder.py).

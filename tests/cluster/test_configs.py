@@ -133,12 +133,30 @@ def test_round_replicas_can_scale_to_their_most(path):
 
 
 def test_each_loop_decodes_no_more_sessions_than_the_replicas_hold_for_it():
-    """Up to 4 coordinators share gpu.yaml's one verifier (256 sessions): 64 each, not 256 each."""
+    """Up to 4 coordinators share gpu.yaml's one verifier: its store holds 256 sessions, its static
+    cache 64 rows, so 16 each. On the CPU the llama.cpp runtime's 64 sequences bound one loop."""
     from services.app import live_sessions_cap
+    from specdec.models.static import DEFAULT_SLOTS
 
     gpu = app_args(load(CLUSTER / "serve" / "gpu.yaml"))
-    assert live_sessions_cap(gpu).models.batch.max_live_sessions == gpu.sessions.max_sessions // 4
-    assert live_sessions_cap(AppConfig()).models.batch.max_live_sessions == AppConfig().sessions.max_sessions
+    assert live_sessions_cap(gpu).models.batch.max_live_sessions == DEFAULT_SLOTS // 4
+    cpu = AppConfig()
+    assert live_sessions_cap(cpu).models.batch.max_live_sessions == min(cpu.sessions.max_sessions,
+                                                                        cpu.models.llamacpp.sequences)
+    slots = cpu.model_copy(update={"models": cpu.models.model_copy(update={"runtime": "torch"})})
+    assert live_sessions_cap(slots).models.batch.max_live_sessions == cpu.sessions.max_sessions
+
+
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
+def test_a_coordinator_at_its_live_cap_asks_for_another(path):
+    """A coordinator past its live cap queues the rest: it autoscales at that many requests, so
+    the waiting requests bring another coordinator rather than wait behind a full one."""
+    from services.app import live_sessions_cap
+
+    args = app_args(load(path))
+    if args.coordinator.autoscaling:
+        cap = live_sessions_cap(args).models.batch.max_live_sessions
+        assert args.coordinator.autoscaling["target_ongoing_requests"] <= cap
 
 
 def test_gpu_replicas_fit_one_gpu_at_full_scale():

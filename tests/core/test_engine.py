@@ -128,3 +128,40 @@ def test_oracle_reuses_a_given_reference(tiny_engine):
 
     assert counts(reused.stats) == counts(decoded.stats)
     assert reused.stats.discarded_tokens == 0  # the hindsight is exact: nothing drafted is thrown away
+
+
+def test_an_engine_decodes_no_more_sessions_than_its_caches_hold():
+    """Found by a bug hunt: the loop decoded up to 256 sessions at once (its stores' size) while a
+    runtime's caches hold fewer (the static cache's 64 rows, llama.cpp's 64 sequences): past them a
+    step's passes took the caches of sessions waiting their turn, and each of those re-prefilled its
+    history at its next round. The engine caps the loop at what every runtime holds; the rest wait."""
+    from tiny import tiny_model
+    from specdec.engine import SpecDecEngine
+    from specdec.loop import BatchConfig
+    from specdec.models.pool import SlotPool
+    from specdec.models.runtime import DraftRuntime, TargetRuntime
+    from specdec.models.static import StaticOptions
+
+    static = StaticOptions(slots=3, capacity=128)
+    target, draft = tiny_model(64, hidden_size=16, layers=1, seed=1), tiny_model(64, hidden_size=16, layers=1, seed=2)
+    engine = SpecDecEngine(DraftRuntime(draft, identity="d", kv="static", static=static),
+                           TargetRuntime(target, kv="static", static=static), batch=BatchConfig(max_sessions_per_step=2))
+    assert engine.loop.batch.max_live_sessions == 3
+    evicted = []
+    evict_one = SlotPool.evict_one
+
+    def counting(pool, keep):
+        taken = evict_one(pool, keep)
+        evicted.append(taken)
+        return taken
+
+    params = build_params(policy="fixed", k=2, max_new_tokens=12)
+    prompts = [[1 + i, 2, 3, 4, 5] for i in range(7)]
+    alone = [engine.generate_ids(prompt, params).completions[0].token_ids for prompt in prompts]
+    SlotPool.evict_one = counting
+    try:
+        together = [r.completions[0].token_ids for r in engine.generate_many(prompts, params)]
+    finally:
+        SlotPool.evict_one = evict_one
+    assert together == alone
+    assert not any(evicted)  # a slot was taken only from sessions that had finished
