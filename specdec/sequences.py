@@ -269,8 +269,10 @@ class RequestRules:
 
     def _truncate_at_stop_string(self, seq: SampleState, new_ids: list[int], stops: Sequence[str],
                                  held: str = "") -> bool:
-        """Cut the text (with what decoding `held` back) before the first stop string, and the ids
-        after the token completing it."""
+        """Cut the ids after the token completing the first stop string, and the text (with what
+        decoding `held` back) before the stop strings that text holds: what a round of one token at
+        a time leaves, however many tokens the round commits (a stop starting earlier but completed
+        by a later token of the round does not count)."""
         search_from = max(seq.emitted_chars - max(len(s) for s in stops), 0)
         found = seq.text + held
         hits = [i for i in (found.find(s, search_from) for s in stops) if i >= 0]
@@ -279,9 +281,11 @@ class RequestRules:
         first_new = len(seq.generated) - len(new_ids)
         for keep in range(first_new + 1, len(seq.generated) + 1):
             text = self.tokenizer.decode(seq.generated[:keep], skip_special_tokens=True)
-            if any(s in text[search_from:] for s in stops):
+            completed = [i for i in (text.find(s, search_from) for s in stops) if i >= 0]
+            if completed:
                 del new_ids[keep - first_new:]
                 del seq.generated[keep:]
+                hits = completed
                 break
         seq.text = found[:min(hits)]
         return True

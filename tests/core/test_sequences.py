@@ -40,6 +40,31 @@ def test_a_stop_string_before_a_half_character_cuts_in_the_same_round():
     assert sample.generated == before + stop and new_ids == stop
 
 
+def committed(tokens: list[int], per_round: int, stops: tuple[str, ...]) -> tuple[str, list[int], str]:
+    """(text, ids, streamed text) of `tokens` committed `per_round` at a time."""
+    params = GenerationParams(max_new_tokens=len(tokens), stop=stops)
+    sample, streamed = SampleState([1]), ""
+    for start in range(0, len(tokens), per_round):
+        streamed += RULES.commit(sample, tokens[start:start + per_round], params)[1]
+        if sample.finish_reason:
+            break
+    return sample.text, sample.generated, streamed
+
+
+def test_the_stop_string_completed_first_decides_however_many_tokens_a_round_commits():
+    """Found by a bug hunt: a round committing several tokens cut at the earliest start of any stop
+    string in its text, while one token at a time stops at the first stop string completed:
+    greedy output with stops changed with K (its policy, its costs, the load). "o" is completed
+    at "hello" before "lo w" is."""
+    tokens = ids("hello world")
+    alone = committed(tokens, 1, ("lo w", "o"))
+    assert alone == ("hell", ids("hello"), "hell")
+    for per_round in (2, 4, 11):
+        assert committed(tokens, per_round, ("lo w", "o")) == alone, per_round
+    # both complete on the same token: the text stops before the earlier start, as one at a time
+    assert committed(tokens, 11, ("lo", "o")) == committed(tokens, 1, ("lo", "o")) == ("hel", ids("hello"), "hel")
+
+
 def test_a_chat_template_that_refuses_the_messages_is_the_requests_error():
     """Templates of Gemma, Mistral or Llama-2 raise on a system turn or roles that do not alternate:
     the client's input, a one-line 400 / INVALID_ARGUMENT, not an internal error."""
