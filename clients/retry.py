@@ -5,9 +5,11 @@ Retried: the server is at capacity (gRPC RESOURCE_EXHAUSTED, HTTP 429) or the re
 request died (UNAVAILABLE, HTTP 503, an `unavailable_error` event or a stream cut short). A server
 that cannot be reached at all, bad input and bugs are not retried.
 
-A retried request is computed again from the start. Greedy and seeded requests give the same
-tokens again (the server derives every round's randomness from the seed), so a retried stream
-skips what was already delivered, checks that it matches, and goes on. For that a sampled request
+A retried request is computed again from the start. Greedy requests give the same tokens again,
+and seeded ones where their rounds repeat (the server derives every round's randomness from the
+seed; under the cost-aware default or the suffix draft the rounds' lengths follow live measures:
+docs/reliability.md), so a retried stream skips what was already delivered, checks that it
+matches, and goes on, or fails with DATA_LOSS where it does not match. For that a sampled request
 without a seed gets a random one from the client when retries are on: the same distribution as
 the server's fresh seed, but fixed across attempts.
 """

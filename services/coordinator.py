@@ -69,9 +69,11 @@ class Coordinator:
         prompt_ids = prompt_ids_from_request(request, self.rules, params)
         params = self.rules.validate(prompt_ids, params)  # resolved: the policy is named
         check_served_policy(params.policy)
-        if params.max_new_tokens > self.rules.max_context:
-            raise InvalidRequestError(f"max-new-tokens {params.max_new_tokens} exceeds the models' context of "
-                                      f"{self.rules.max_context} tokens")
+        # A length asked for must fit after the prompt (as OpenAI and vLLM refuse it); the default
+        # one stops at the context ("length").
+        if request.HasField("max_new_tokens") and len(prompt_ids) + params.max_new_tokens > self.rules.max_context:
+            raise InvalidRequestError(f"the models' context holds {self.rules.max_context} tokens: the prompt's "
+                                      f"{len(prompt_ids)} and max-new-tokens {params.max_new_tokens} do not fit")
         return prompt_ids, params
 
     async def generate(self, request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateResponse:

@@ -89,7 +89,7 @@ Text = Annotated[str, AfterValidator(unicode_text)]
 # pydantic itself: "Input should be a valid string, unable to parse raw data as a unicode string".)
 Name = Annotated[str, Field(min_length=1)]
 # A flag sent as null is its default (OpenAI's schema takes `boolean | null`; clients send every field).
-Flag = Annotated[bool, BeforeValidator(lambda value: False if value is None else value)]
+Flag = Annotated[bool, Field(strict=True), BeforeValidator(lambda value: False if value is None else value)]
 
 
 def single_prompt(value: Any) -> Any:
@@ -130,12 +130,12 @@ class GenerationFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)  # unset = 128
-    temperature: float | None = Field(None, ge=0)  # unset = 0, greedy
-    top_p: float | None = Field(None, gt=0, le=1)
-    n: int | None = Field(None, ge=1, le=MAX_SAMPLES_PER_REQUEST)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, strict=True)  # unset = 128
+    temperature: float | None = Field(None, ge=0, strict=True, allow_inf_nan=False)  # unset = 0, greedy
+    top_p: float | None = Field(None, gt=0, le=1, strict=True, allow_inf_nan=False)
+    n: int | None = Field(None, ge=1, le=MAX_SAMPLES_PER_REQUEST, strict=True)
     stop: Annotated[list[Text] | None, BeforeValidator(lambda value: [value] if isinstance(value, str) else value)] = None
-    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX, strict=True)
     stream: Flag = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # ignored
@@ -143,12 +143,12 @@ class GenerationFields(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # Extensions (vLLM-style extra_body)
-    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX, strict=True)
     policy: Name | None = None
-    k: int | None = Field(None, ge=-INT32_MAX - 1, le=INT32_MAX)
-    threshold: float | None = None
+    k: int | None = Field(None, ge=-INT32_MAX - 1, le=INT32_MAX, strict=True)
+    threshold: float | None = Field(None, strict=True)
     draft: Name | None = None
-    suffix_cache: bool | None = None
+    suffix_cache: bool | None = Field(None, strict=True)
     speculative: SpeculativeOptions | None = None
 
 
@@ -159,9 +159,9 @@ class SpeculativeOptions(BaseModel):
 
     draft: Name | None = None
     policy: Name | None = None
-    k: int | None = Field(None, ge=-INT32_MAX - 1, le=INT32_MAX)
-    threshold: float | None = None
-    suffix_cache: bool | None = None
+    k: int | None = Field(None, ge=-INT32_MAX - 1, le=INT32_MAX, strict=True)
+    threshold: float | None = Field(None, strict=True)
+    suffix_cache: bool | None = Field(None, strict=True)
 
 
 SPECULATIVE_FIELDS = tuple(SpeculativeOptions.model_fields)

@@ -151,10 +151,10 @@ class RequestRules:
         editing set's multi-turn prompts are) through the chat template."""
         if not isinstance(prompt, str):  # without the template: the turns' contents joined, as a model without one
             return self.encode_messages(prompt, raw_fallback=True, template=chat_template)
-        if not prompt or not prompt.strip():
-            raise InvalidRequestError("prompt is empty")
-        if chat_template:
+        if chat_template:  # (a message of blanks only is refused as empty there)
             return self.encode_messages([{"role": "user", "content": prompt}], raw_fallback=True)
+        if not prompt:  # raw text of blanks is tokens to continue, as OpenAI's completions take it
+            raise InvalidRequestError("prompt is empty")
         return list(self._tokenizer().encode(prompt, add_special_tokens=False))
 
     def encode_messages(self, messages: Sequence[dict], raw_fallback: bool = False, template: bool = True) -> list[int]:

@@ -80,3 +80,16 @@ def test_a_chat_template_that_refuses_the_messages_is_the_requests_error():
     assert rules.encode_messages([{"role": "user", "content": "hi"}]) == ids("hi")
     with pytest.raises(InvalidRequestError, match="chat template refuses these messages: System role not supported$"):
         rules.encode_messages([{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}])
+
+
+def test_raw_text_of_blanks_is_a_prompt_a_conversation_of_blanks_is_not():
+    """Found by a bug hunt: a raw prompt of blanks (" ", "\\n": code to continue) was refused as
+    empty, where OpenAI's completions take it; a chat turn of blanks says nothing."""
+    import pytest
+
+    from specdec.errors import InvalidRequestError
+
+    assert RULES.encode_prompt(" \n", chat_template=False) == ids(" \n")
+    for prompt, template in (("", False), ("", True), ("  ", True)):
+        with pytest.raises(InvalidRequestError, match="prompt is empty"):
+            RULES.encode_prompt(prompt, chat_template=template)
