@@ -21,10 +21,10 @@ from pydantic import ValidationError
 
 from services.auth import cache_scope
 from specdec.cost_profile import CostProfile, PassTiming
-from specdec.errors import InvalidRequestError, one_line
+from specdec.errors import InvalidRequestError, one_line, validation_message
 from specdec.metrics import RequestStats
 from specdec.models.feature_files import pack_states, unpack_states
-from specdec.params import GenerationParams, build_params, validation_message
+from specdec.params import GenerationParams, build_params
 from specdec.policies import PolicyConfig
 from specdec.protocol import (HistoryDelta, Proposal, ProposeItem, Refused, RoundSeed, SessionMissing, StepPlan,
                               VerifyItem, q_travels)

@@ -67,8 +67,8 @@ class Coordinator:
                                       f"got {len(request.request_id)}")
         params = params_from_request(request, self.default_policy, self.api_key)
         prompt_ids = prompt_ids_from_request(request, self.rules, params)
+        check_served_policy(params.policy)  # (its k cap before the context's)
         params = self.rules.validate(prompt_ids, params)  # resolved: the policy is named
-        check_served_policy(params.policy)
         # A length asked for must fit after the prompt (as OpenAI and vLLM refuse it); the default
         # one stops at the context ("length").
         if request.HasField("max_new_tokens") and len(prompt_ids) + params.max_new_tokens > self.rules.max_context:

@@ -505,7 +505,7 @@ def user_error(exc: Exception) -> str | None:
         return str(exc)
     from pydantic import ValidationError
 
-    from specdec.params import validation_message
+    from specdec.errors import validation_message
 
     return validation_message(exc) if isinstance(exc, ValidationError) else None
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from specdec.errors import InvalidRequestError, one_line
+from specdec.errors import InvalidRequestError, one_line, validation_message
 from specdec.metrics import MS_PER_S
 
 PROFILE_ENV = "SPECDEC_COST_PROFILE"
@@ -48,7 +48,8 @@ PROFILE_ENV = "SPECDEC_COST_PROFILE"
 class CostProfile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    t_draft_ms: float = Field(ge=0.0, description="one drafting step of one session (one token through the draft)")
+    t_draft_ms: float = Field(ge=0.0, allow_inf_nan=False,
+                              description="one drafting step of one session (one token through the draft)")
     t_target_ms: dict[int, float] = Field(min_length=1, description="one target pass, by tokens it feeds")
     # A drafting step by the sessions it advances (one token each); empty: t_draft_ms per session.
     t_draft_rows_ms: dict[int, float] = Field(default_factory=dict)
@@ -99,6 +100,8 @@ class CostProfile(BaseModel):
         try:
             raw = json.loads(path.read_text())
             if isinstance(raw, dict) and raw.get("live_profile"):
+                if not isinstance(raw["live_profile"], dict):
+                    raise ValueError("live_profile must be an object")
                 live = {k: v for k, v in raw["live_profile"].items() if k != "drafting"}
                 return cls.model_validate({**live, "source": f"{live.get('source', '')} ({path})".strip()})
             if isinstance(raw, dict) and raw.get("cost_profile"):
@@ -108,7 +111,9 @@ class CostProfile(BaseModel):
             return cls.model_validate(raw)
         except OSError as exc:
             raise InvalidRequestError(f"cannot read cost profile {path}: {exc.strerror or exc}") from None
-        except (ValueError, KeyError, TypeError, ValidationError) as exc:
+        except ValidationError as exc:
+            raise InvalidRequestError(f"bad cost profile {path}: {validation_message(exc)}") from None
+        except (ValueError, KeyError, TypeError) as exc:
             raise InvalidRequestError(f"bad cost profile {path}: {one_line(exc)}") from None
 
 
@@ -141,7 +146,8 @@ class Curve:
     measured: a dip where the kernels batch well stays). Past the last point it grows at the steeper
     of its last segment and its whole span's mean slope, never less: a noisy last point (a live
     bucket of few timings) must not make longer passes look cheap, let alone free. Before the first
-    point, along the first segment."""
+    point, along the first segment, but never below the first point's cost per token (a curve
+    measured from 16 tokens on, steep at first, made shorter passes free)."""
 
     def __init__(self, points: dict[int, float]):
         self.k_list, self.t_list = [float(k) for k in points], [float(t) for t in points.values()]
@@ -161,7 +167,7 @@ class Curve:
             ks, ts = self.ks, self.ts
             y = np.where(x > ks[-1], ts[-1] + self.slope * (x - ks[-1]), np.interp(x, ks, ts))
             if x.size and x.min() < ks[0]:
-                y = np.where(x < ks[0], np.maximum(self.first_slope * (x - ks[0]) + ts[0], 0.0), y)
+                y = np.where(x < ks[0], np.maximum(self.first_slope * (x - ks[0]) + ts[0], ts[0] * x / ks[0]), y)
         return y if y.ndim else float(y)
 
     def _at(self, x: float) -> float:
@@ -173,7 +179,7 @@ class Curve:
         if x > ks[-1]:
             return ts[-1] + self.slope * (x - ks[-1])
         if x < ks[0]:
-            return max(self.first_slope * (x - ks[0]) + ts[0], 0.0)
+            return max(self.first_slope * (x - ks[0]) + ts[0], ts[0] * x / ks[0])
         j = bisect_right(ks, x) - 1
         if ks[j] == x:
             return ts[j]

@@ -45,3 +45,12 @@ def one_line(message: object, default: str = "") -> str:
         line = text.splitlines()[0]
         return line if len(line) <= MAX_REASON_CHARS else line[:MAX_REASON_CHARS - 1] + "…"
     return type(message).__name__ if isinstance(message, BaseException) and not default else default
+
+
+def validation_message(exc) -> str:
+    """The first error of a pydantic ValidationError as one line: `max_new_tokens: Input should be greater than or equal to 1`."""
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"] if part not in ("sampling", "policy"))
+    # A validator's own ValueError: its text, without pydantic's "Value error, " before it.
+    message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+    return f"{where.replace('_', '-')}: {message}" if where else message

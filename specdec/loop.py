@@ -47,9 +47,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specdec.budget import PROBE_SHARE
 from specdec.calls import NO_PROPOSAL, RetryPolicy, RoundCalls, RoundTransport, calls_overlap
-from specdec.errors import InvalidRequestError
+from specdec.errors import InvalidRequestError, validation_message
 from specdec.metrics import MS_PER_S, RequestStats
-from specdec.params import FINISH_LENGTH, GenerationParams, validation_message
+from specdec.params import FINISH_LENGTH, GenerationParams
 from specdec.planner import RoundOutcome, StepPlanner, lane_planners
 from specdec.protocol import Proposal, StepPlan, request_seed
 from specdec.sequences import LoopSample, Request, RequestRules, RoundObserver, SampleState, UpdateCallback

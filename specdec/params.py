@@ -7,7 +7,7 @@ from typing import Annotated, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specdec.errors import InvalidRequestError, ModelSourceError
+from specdec.errors import InvalidRequestError, ModelSourceError, validation_message
 from specdec.policies import PolicyConfig
 from specdec.sampling import MAX_SAMPLES_PER_REQUEST, SamplingParams
 
@@ -65,12 +65,3 @@ def build_params(**flags) -> GenerationParams:
         return GenerationParams(sampling=SamplingParams(**sampling), policy=PolicyConfig(**policy), **given)
     except ValidationError as exc:
         raise InvalidRequestError(validation_message(exc)) from None
-
-
-def validation_message(exc: ValidationError) -> str:
-    """The first pydantic error as one line: `max_new_tokens: Input should be greater than or equal to 1`."""
-    error = exc.errors()[0]
-    where = ".".join(str(part) for part in error["loc"] if part not in ("sampling", "policy"))
-    # A validator's own ValueError: its text, without pydantic's "Value error, " before it.
-    message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
-    return f"{where.replace('_', '-')}: {message}" if where else message

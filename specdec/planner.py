@@ -183,7 +183,7 @@ class StepPlanner:
             self._idle = None  # priced again with what the probe measured
         ready = [s for s in budgeted if s.sample.length >= self._state(s).rests_until]
         key = (tuple(s.session_id for s in batch), tuple(s.session_id for s in ready),
-               max(s.request.params.policy.k or MAX_CANDIDATES for s in budgeted))
+               max(candidate_cap(s) for s in budgeted))
         if self._idle is not None and self._idle.key == key and self._idle.age < REPRICE_STEPS:
             self._idle.age += 1
             profile, joins = self._idle.profile, [False] * len(ready)
@@ -242,7 +242,7 @@ class StepPlanner:
         profile = self.profile(len(batch))
         if profile is None or not drafting:
             return False
-        wanted = len(batch) + sum(s.request.params.policy.k or MAX_CANDIDATES for s in drafting)
+        wanted = len(batch) + sum(candidate_cap(s) for s in drafting)
         if size := self._curve_probe(curve_probe(profile, wanted), profile, len(batch)):
             self.costs.observe(await self._time_target(size), sessions=len(batch))
         return bool(size)
@@ -360,6 +360,14 @@ class StepPlanner:
         if state is None:
             state = self._sessions[s.session_id] = SessionPlan()
         return state
+
+
+def candidate_cap(s: LoopSample) -> int:
+    """The most candidates a budgeted round of `s` may be priced for: its request's k (MAX_CANDIDATES
+    where it gives none), never past the tokens the request may generate (a k of a million made
+    every step's price grid a million wide). Fixed per request: the reprice cache keys on it."""
+    params = s.request.params
+    return min(params.policy.k or MAX_CANDIDATES, params.max_new_tokens)
 
 
 def lane_planners(lanes: int, drafts: Sequence[str] = (DEFAULT_DRAFT,), time_target: TimeTarget | None = None,

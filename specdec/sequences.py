@@ -210,6 +210,9 @@ class RequestRules:
         if params.cache_scope is not None and not (traits.model_free or traits.fused):
             raise InvalidRequestError(f"a cache of earlier responses needs the suffix draft: draft {params.draft!r} "
                                       f"has none (--draft suffix or suffix+SRC)")
+        if params.policy.k is not None and params.policy.k > self.max_context:  # (no round drafts past it)
+            raise InvalidRequestError(f"k must be at most the models' context of {self.max_context} tokens, "
+                                      f"got {params.policy.k}")
         if policy_traits(name).greedy_only and not params.sampling.greedy:
             raise InvalidRequestError(f"policy {name!r} is defined for greedy decoding (temperature 0) only")
         if not prompt_ids:

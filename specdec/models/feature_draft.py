@@ -26,6 +26,7 @@ its files models/feature_files.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,7 @@ class FeatureDraftConfig(BaseModel):
     format_version: int = FORMAT_VERSION
     target_identity: str  # models/sources.py model_identity of the target it was trained on
     target_name: str = ""  # how it was named when trained ("default", a path), for messages
-    inputs: str = FUSED  # FUSED or OUTPUT_STATE
+    inputs: Literal["fused", "output"] = FUSED  # FUSED or OUTPUT_STATE
     layers: list[int] = []  # the target's decoder layers read when FUSED (0-based)
     layer_config: dict  # the target's transformers config with one layer and the draft's MLP width
     vocab_size: int  # the target's full vocabulary (q is scattered into it)

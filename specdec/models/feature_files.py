@@ -8,9 +8,10 @@ import json
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 
 from specdec.drafts import draft_dir
-from specdec.errors import IncompatibleModelsError, ModelSourceError, one_line
+from specdec.errors import IncompatibleModelsError, ModelSourceError, one_line, validation_message
 from specdec.models.feature_draft import FeatureDraft, FeatureDraftConfig
 
 CONFIG_FILE, WEIGHTS_FILE, REPORT_FILE = "config.json", "model.safetensors", "report.json"
@@ -58,6 +59,8 @@ def read_config(directory: str | Path) -> FeatureDraftConfig:
         return FeatureDraftConfig.model_validate_json(path.read_text())
     except OSError as exc:
         raise ModelSourceError(f"no feature draft at {directory}: {exc.strerror or exc}") from None
+    except ValidationError as exc:
+        raise ModelSourceError(f"{path} is not a feature draft's config: {validation_message(exc)}") from None
     except ValueError as exc:
         raise ModelSourceError(f"{path} is not a feature draft's config: {one_line(exc)}") from None
 
@@ -99,9 +102,24 @@ def load_feature_draft(directory: str | Path, target_dir: str | Path, target_ide
     if config.target_identity != target_identity:
         raise IncompatibleModelsError(f"the feature draft at {directory} was trained on another target "
                                       f"({config.target_identity[:24]}), not {target_identity[:24]}")
-    weights = load_file(str(directory / WEIGHTS_FILE))
-    vocab_ids = weights["vocab_ids"]
-    embed, head = target_tensors(target_dir, vocab_ids, dtype)
-    model = FeatureDraft(config, embed, head, vocab_ids)
-    model.load_own_state({k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()})
+    target = json.loads((Path(target_dir) / CONFIG_FILE).read_text())
+    layers, width = target.get("num_hidden_layers"), target.get("hidden_size")
+    if layers is not None and any(not 0 <= layer < layers for layer in config.layers):
+        raise IncompatibleModelsError(f"the feature draft at {directory} reads layers {config.layers}; its target has "
+                               f"{layers}")
+    if width is not None and config.layer_config.get("hidden_size") != width:
+        raise IncompatibleModelsError(f"the feature draft at {directory} is {config.layer_config.get('hidden_size')} wide; "
+                               f"its target's states are {width}")
+    try:  # a weights file missing (left out of a copy, a Git LFS pointer), cut short or of another shape
+        weights = load_file(str(directory / WEIGHTS_FILE))
+        vocab_ids = weights["vocab_ids"]
+        embed, head = target_tensors(target_dir, vocab_ids, dtype)
+        model = FeatureDraft(config, embed, head, vocab_ids)
+        model.load_own_state({k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()})
+    except ModelSourceError:
+        raise
+    except Exception as exc:  # safetensors' own error class, KeyError, RuntimeError (sizes), OSError
+        reason = f"no {exc.args[0]!r} tensor" if isinstance(exc, KeyError) else one_line(exc)
+        raise ModelSourceError(f"cannot load the feature draft's weights at {directory / WEIGHTS_FILE}: "
+                               f"{reason}") from None
     return model.to(device=device, dtype=dtype).eval()

@@ -14,6 +14,7 @@ import contextlib
 import fnmatch
 import gc
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -400,8 +401,14 @@ def _resolve_gguf_file(path: Path, root: Path, progress: bool) -> Path:
 
 
 def _check_model_dir(path: Path) -> Path:
-    if not (path / "config.json").is_file():
+    config = path / "config.json"
+    if not config.is_file():
         raise ModelSourceError(f"{path}: not a Hugging Face model directory (no config.json)")
+    try:
+        if not isinstance(json.loads(config.read_text()), dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        raise ModelSourceError(f"{config}: unreadable ({_one_line(str(exc))})") from None
     return path
 
 

@@ -23,9 +23,9 @@ def reference_interpolate(curve: dict[int, float], x: float) -> float:
         k0, t0 = points[-2]
         slope = max((t_last - t0) / (k_last - k0), (t_last - t_first) / (k_last - k_first), 0.0)
         return t_last + slope * (x - k_last)
-    if x < k_first:  # along the first segment
+    if x < k_first:  # along the first segment, at least the first point's cost per token
         (k1, t1) = points[1]
-        return max((t1 - t_first) / (k1 - k_first) * (x - k_first) + t_first, 0.0)
+        return max((t1 - t_first) / (k1 - k_first) * (x - k_first) + t_first, t_first * x / k_first)
     for (k0, t0), (k1, t1) in zip(points, points[1:]):  # np.interp's arithmetic
         if x == k0:
             return t0

@@ -9,7 +9,7 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from specdec.budget import drafting_pays
+from specdec.budget import decide_step, drafting_pays
 from specdec.cost_profile import CostProfile, LiveCosts, PassTiming, bucket
 from specdec.errors import InvalidRequestError
 
@@ -64,8 +64,21 @@ def test_load_a_profile_or_a_bench_run(tmp_path):
     assert str(bench) in loaded.source
 
 
+def test_a_curve_measured_from_many_tokens_on_prices_shorter_passes_above_nothing():
+    """Found by a bug hunt: a hand-given curve starting at 16 tokens and steep at first was extended
+    back along its first segment to 0 ms at 8 tokens and less (clamped there), and the planner
+    divided by the free pass. Before its first point a pass costs at least that point's cost per
+    token."""
+    profile = CostProfile(t_draft_ms=2.0, t_target_ms={16: 10.0, 32: 30.0})
+    assert [profile.pass_ms(n) for n in (1, 8)] == [10.0 / 16, 5.0]
+    concave = CostProfile(t_draft_ms=2.0, t_target_ms={4: 10.0, 8: 12.0})
+    assert concave.pass_ms(2) == pytest.approx(9.0)  # along the first segment where it is dearer
+    decide_step(profile, sessions=1, cap=8, acceptance=0.8, upper=0.9, lags=[0], left=[100], stop_rate=0.0)
+
+
 @pytest.mark.parametrize("text", ["{", json.dumps({"t_draft_ms": 1}), json.dumps({**LLAMA_CPP, "t_target_ms": {"0": 5}}),
-                                  json.dumps({**LLAMA_CPP, "extra": 1})])
+                                  json.dumps({**LLAMA_CPP, "extra": 1}), json.dumps({"live_profile": [1, 2]}),
+                                  '{"t_draft_ms": Infinity, "t_target_ms": {"1": 5}}'])
 def test_a_bad_profile_is_one_line(tmp_path, text):
     path = tmp_path / "profile.json"
     path.write_text(text)

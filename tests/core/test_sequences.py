@@ -93,3 +93,25 @@ def test_raw_text_of_blanks_is_a_prompt_a_conversation_of_blanks_is_not():
     for prompt, template in (("", False), ("", True), ("  ", True)):
         with pytest.raises(InvalidRequestError, match="prompt is empty"):
             RULES.encode_prompt(prompt, chat_template=template)
+
+
+def test_a_k_past_the_context_is_refused():
+    """Found by a bug hunt: `--k 100000000` in process built the step planner's price grid that wide
+    (a 2.24 GiB array, then a traceback). No round drafts past the context."""
+    import pytest
+
+    from specdec.errors import InvalidRequestError
+    from specdec.params import build_params
+    from specdec.planner import candidate_cap
+
+    with pytest.raises(InvalidRequestError, match="k must be at most the models' context of 256 tokens, got 257"):
+        RULES.validate(ids("hi"), build_params(policy="fixed", k=257))
+    assert RULES.validate(ids("hi"), build_params(policy="fixed", k=256)).policy.k == 256
+
+    class Sample:  # what the planner reads of a session
+        def __init__(self, params):
+            self.request = type("Request", (), {"params": params})()
+
+    # and a budgeted round is priced no wider than the tokens its request may generate
+    assert candidate_cap(Sample(build_params(policy="specdec++cost", k=200, max_new_tokens=16))) == 16
+    assert candidate_cap(Sample(build_params(policy="specdec++cost", k=4, max_new_tokens=16))) == 4

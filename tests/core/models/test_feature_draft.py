@@ -184,3 +184,62 @@ def test_a_bfloat16_draft_takes_the_targets_states_in_its_own_dtype():
     params = GenerationParams(max_new_tokens=12, chat_template=False, policy=PolicyConfig(name="fixed", k=3))
     result = engine.generate_ids([1, 2, 3, 4], params)
     assert result.completions[0].finish_reason == "length" and result.stats.draft_tokens > 0
+
+
+def _edited_copy(source, target, edit):
+    import shutil
+
+    shutil.copytree(source, target)
+    edit(target)
+    return target
+
+
+def _edit_config(**changes):
+    import json
+
+    def edit(directory):
+        config = json.loads((directory / "config.json").read_text())
+        for key, value in changes.items():
+            if key == "hidden_size":
+                config["layer_config"]["hidden_size"] = value
+            else:
+                config[key] = value
+        (directory / "config.json").write_text(json.dumps(config))
+    return edit
+
+
+def _drop_vocab_ids(directory):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(directory / "model.safetensors"))
+    weights.pop("vocab_ids")
+    save_file(weights, str(directory / "model.safetensors"))
+
+
+BROKEN_FEATURE_DRAFTS = {  # found by a bug hunt: each was a traceback (or a misleading reason) after the target loaded
+    "no weights": (lambda d: (d / "model.safetensors").unlink(), ModelSourceError, "cannot load the feature draft's weights"),
+    "weights cut short": (lambda d: open(d / "model.safetensors", "r+b").truncate(200), ModelSourceError,
+                          "cannot load the feature draft's weights"),
+    "no vocabulary": (_drop_vocab_ids, ModelSourceError, "no 'vocab_ids' tensor"),
+    "layers past the target's": (_edit_config(layers=[0, 7]), IncompatibleModelsError, r"reads layers \[0, 7\]; its target has 2"),
+    "another width": (_edit_config(hidden_size=64), IncompatibleModelsError, "is 64 wide; its target's states are"),
+    "unknown inputs": (_edit_config(inputs="nonsense"), ModelSourceError, "inputs: Input should be 'fused' or 'output'"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN_FEATURE_DRAFTS)
+def test_a_broken_feature_draft_is_one_line(case, tiny_pair, tmp_path):
+    from transformers import AutoConfig
+
+    _, target_dir = tiny_pair
+    target = AutoConfig.from_pretrained(target_dir)
+    vocab_ids = torch.tensor([3, 5, 8])
+    config = FeatureDraftConfig(target_identity="tiny-target", layers=[0, 1], vocab_size=target.vocab_size,
+                                layer_config=layer_config_of(target))
+    save_feature_draft(FeatureDraft(config, *target_tensors(target_dir, vocab_ids), vocab_ids), tmp_path / "good",
+                       dtype=torch.float32)
+    edit, error, reason = BROKEN_FEATURE_DRAFTS[case]
+    broken = _edited_copy(tmp_path / "good", tmp_path / "broken", edit)
+    with pytest.raises(error, match=reason) as info:
+        load_feature_draft(broken, target_dir, "tiny-target")
+    assert "\n" not in str(info.value)

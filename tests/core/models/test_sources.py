@@ -301,6 +301,18 @@ def test_local_directory_without_config_json(tmp_path):
         resolve_model(str(tmp_path), "draft", cache=tmp_path / "cache")
 
 
+@pytest.mark.parametrize("text", ["{", "[1, 2]", "\udcff"])
+def test_a_local_directory_whose_config_json_is_unreadable(tmp_path, text):
+    """Found by a bug hunt: a corrupt config.json was a traceback from transformers after the
+    checks, where every other bad source is one line before any model loads."""
+    from specdec.models.sources import check_source
+
+    (tmp_path / "config.json").write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(ModelSourceError, match="config.json: unreadable") as info:
+        check_source(str(tmp_path), "draft")
+    assert "\n" not in str(info.value)
+
+
 def test_hub_failure_is_a_one_line_model_source_error(monkeypatch, tmp_path):
     import huggingface_hub
 
