@@ -20,7 +20,7 @@ from __future__ import annotations
 from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
-from specdec.builder import EngineConfig, draft_configs, session_limit
+from specdec.builder import EngineConfig, cache_limits, draft_configs
 from specdec.models.suffix import is_suffix_draft
 from specdec.errors import Overloaded
 from specdec.params import DEFAULT_DRAFT
@@ -102,21 +102,21 @@ def deployment_replicas(config: AppConfig) -> dict[str, ReplicaConfig]:
 
 
 def live_sessions_cap(config: AppConfig) -> AppConfig:
-    """`config` with each round loop's `batch.max_live_sessions` at most what the replicas hold for
-    it: the sessions a draft or verifier replica keeps (its store's `sessions.max_sessions`, its
-    runtimes' caches: the static cache's rows, llama.cpp's sequences) on each of the fewest such
-    replicas there may be, shared by the most loops (coordinator replicas, or verifier ones where
-    the loop runs there). Past it each step evicts the sessions the next one serves, and every
-    round re-prefills."""
+    """`config` with each round loop's `batch.max_live_sessions` (and `max_live_positions`) at most
+    what the replicas hold for it: the sessions a draft or verifier replica keeps (its store's
+    `sessions.max_sessions`, its runtimes' caches: the static cache's rows, llama.cpp's sequences
+    and its unified cache's positions) on each of the fewest such replicas there may be, shared by
+    the most loops (coordinator replicas, or verifier ones where the loop runs there). Past it each
+    step evicts the sessions the next one serves, and every round re-prefills (or, past a shared
+    cache's positions, a step whose sessions all feed fails)."""
     replicas = deployment_replicas(config)
     _, _, loops = replicas["Verifier" if config.loop_placement == "verifier" else "Coordinator"].replicas()
     holders = max(1, min(r.replicas()[1] for name, r in replicas.items() if name not in ("Coordinator", "Ingress")))
-    held = min(limit for limit in (config.sessions.max_sessions, session_limit(config.models, config.model_devices()))
-               if limit is not None)
-    batch = config.models.batch
-    cap = min(batch.max_live_sessions, max(1, held * holders // loops))
-    return config.model_copy(update={"models": config.models.model_copy(
-        update={"batch": batch.model_copy(update={"max_live_sessions": cap})})})
+    sessions, positions = cache_limits(config.models, config.model_devices())
+    held = min(limit for limit in (config.sessions.max_sessions, sessions) if limit is not None)
+    batch = config.models.batch.within(max(1, held * holders // loops),
+                                       None if positions is None else max(1, positions * holders // loops))
+    return config.model_copy(update={"models": config.models.model_copy(update={"batch": batch})})
 
 
 def build_app(args: dict | AppConfig | None = None) -> serve.Application:

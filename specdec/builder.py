@@ -221,10 +221,11 @@ class RuntimeBackend(ABC):
         """Positions a session may hold beyond the model's own limit (None: none)."""
         return None
 
-    def session_limit(self, config: EngineConfig) -> int | None:
-        """Sessions its caches hold at once, past which a pass takes another session's cache (its
-        runtime's `max_pass_sessions`; None: as many as memory holds)."""
-        return None
+    def cache_limits(self, config: EngineConfig) -> tuple[int | None, int | None]:
+        """(sessions its caches hold at once, past which a pass takes another session's cache;
+        positions they hold in all where they share one cache): its runtime's `max_pass_sessions`
+        and `max_cached_positions`, None where only memory limits them."""
+        return None, None
 
     @abstractmethod
     def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]: ...
@@ -244,8 +245,8 @@ class TorchBackend(RuntimeBackend):
     def context_limit(self, config: EngineConfig) -> int | None:
         return StaticOptions().capacity if resolve_kv_cache(config, here=False) == "static" else None
 
-    def session_limit(self, config: EngineConfig) -> int | None:
-        return StaticOptions().slots if resolve_kv_cache(config, here=False) == "static" else None
+    def cache_limits(self, config: EngineConfig) -> tuple[int | None, int | None]:
+        return StaticOptions().slots if resolve_kv_cache(config, here=False) == "static" else None, None
 
     def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]:
         if quant != SHIPPED:
@@ -281,8 +282,8 @@ class LlamaCppBackend(RuntimeBackend):
     def context_limit(self, config: EngineConfig) -> int | None:
         return config.llamacpp.context
 
-    def session_limit(self, config: EngineConfig) -> int | None:
-        return config.llamacpp.sequences
+    def cache_limits(self, config: EngineConfig) -> tuple[int | None, int | None]:
+        return config.llamacpp.sequences, config.llamacpp.context
 
     def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]:
         if config.draft_vocab != FULL_VOCAB:
@@ -309,8 +310,8 @@ class FeatureDraftBackend(RuntimeBackend):
     def meta_dir(self, config: EngineConfig, source: str, role: Role, progress: bool) -> Path:
         return RUNTIMES["torch"].meta_dir(config, config.target, "target", progress)
 
-    def session_limit(self, config: EngineConfig) -> int | None:
-        return StaticOptions().slots if resolve_device(config.device, here=False).type == "cuda" else None
+    def cache_limits(self, config: EngineConfig) -> tuple[int | None, int | None]:
+        return StaticOptions().slots if resolve_device(config.device, here=False).type == "cuda" else None, None
 
     def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]:
         if quant != SHIPPED or config.draft_vocab != FULL_VOCAB:
@@ -488,14 +489,17 @@ def build_rules(config: EngineConfig, progress: bool = True, devices: dict[Role,
                         min(limit for limit in limits if limit is not None), target_config.vocab_size, drafts)
 
 
-def session_limit(config: EngineConfig, devices: dict[Role, str] | None = None) -> int | None:
-    """The fewest sessions any of the config's runtimes (the target's, every draft's) holds a cache
-    for at once (None: no limit but memory), read from the settings without loading a model;
-    `devices` as build_rules'. The loaded roles say the same (`max_pass_sessions`)."""
-    limits = [backend_for(each, role, here=False).session_limit(each)
+def cache_limits(config: EngineConfig, devices: dict[Role, str] | None = None) -> tuple[int | None, int | None]:
+    """The fewest sessions, and positions in all, any of the config's runtimes (the target's, every
+    draft's) holds caches for at once (None: no limit but memory), read from the settings without
+    loading a model; `devices` as build_rules'. The loaded roles say the same (`max_pass_sessions`,
+    `max_cached_positions`)."""
+    limits = [backend_for(each, role, here=False).cache_limits(each)
               for role, each in [("target", placed(config, "target", devices))]
               + [("draft", placed(each, "draft", devices)) for each in draft_configs(config).values()]]
-    return min((limit for limit in limits if limit is not None), default=None)
+    sessions, positions = zip(*limits)
+    return (min((n for n in sessions if n is not None), default=None),
+            min((n for n in positions if n is not None), default=None))
 
 
 def placed(config: EngineConfig, role: Role, devices: dict[Role, str] | None) -> EngineConfig:

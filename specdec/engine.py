@@ -74,10 +74,11 @@ class SpecDecEngine:
         self.draft_workers = {name: DraftWorker(d, h) for name, (d, h) in drafts.items()}
         self.draft_worker, self.verifier_worker = self.draft_workers[DEFAULT_DRAFT], VerifierWorker(target)
         # The loop decodes at most the sessions every runtime holds a cache for (static rows, llama.cpp
-        # sequences): past them each step would evict the caches of sessions waiting their turn.
-        held = [role.max_pass_sessions for role in (target, *(d for d, _ in drafts.values())) if role.max_pass_sessions]
-        if held and min(held) < batch.max_live_sessions:
-            batch = batch.model_copy(update={"max_live_sessions": min(held)})
+        # sequences; past them each step would evict the caches of sessions waiting their turn), and
+        # the positions a shared cache holds (llama.cpp's).
+        roles = (target, *(d for d, _ in drafts.values()))
+        batch = batch.within(min((r.max_pass_sessions for r in roles if r.max_pass_sessions), default=None),
+                             min((r.max_cached_positions for r in roles if r.max_cached_positions), default=None))
         self.loop = RoundLoop(LocalTransport(self.draft_workers, self.verifier_worker), self.rules, batch)
         # Costs measured here: a short probe of every model (the drafts', then the target's) seeds
         # each draft's live profile.

@@ -72,6 +72,11 @@ class BatchConfig(BaseModel):
     # it each step would evict the sessions the next one serves (round robin over LRU stores and
     # slots), and every round would resend or re-prefill its session's whole history.
     max_live_sessions: int = Field(DEFAULT_MAX_SESSIONS, ge=1)
+    # Positions the live sessions may hold in all: each reserves its prompt and max_new_tokens (at
+    # most the context) and a sample that does not fit waits, as TGI's max_batch_total_tokens. Set
+    # where the workers' caches share one budget (llama.cpp's unified cache: past it a step whose
+    # sessions all fed failed every one of them). None: no limit.
+    max_live_positions: int | None = Field(None, ge=1)
     # Tokens one forward pass feeds at most (a longer batch runs as several passes; a single
     # session's feed is never split). None: no limit. Read by the runtimes (builder.py).
     max_tokens_per_pass: int | None = Field(None, ge=1)
@@ -81,6 +86,16 @@ class BatchConfig(BaseModel):
     # Draft a session's next round while its round verifies (PEARL's post-verify): `auto` where the
     # planner measures that it saves time (a draft on a device or process of its own), `on`, `off`.
     overlap: Literal["auto", "on", "off"] = "auto"
+
+    def within(self, sessions: int | None, positions: int | None) -> BatchConfig:
+        """This config with its live sessions and positions at most what the workers' caches hold
+        (None: no limit there)."""
+        update = {}
+        if sessions is not None and sessions < self.max_live_sessions:
+            update["max_live_sessions"] = sessions
+        if positions is not None and (self.max_live_positions is None or positions < self.max_live_positions):
+            update["max_live_positions"] = positions
+        return self.model_copy(update=update)
 
     @classmethod
     def from_flags(cls, **flags) -> BatchConfig:
@@ -194,10 +209,21 @@ class RoundLoop:
         self._admit()
 
     def _admit(self) -> None:
-        """Waiting samples join, in arrival order, while fewer than max_live_sessions are live."""
+        """Waiting samples join, in arrival order, while fewer than max_live_sessions are live and
+        the positions they reserve fit max_live_positions."""
         running_loop = asyncio.get_running_loop()
+        most = self.batch.max_live_positions
+        held = sum(self._reserved(s) for lane in self._lanes for s in lane) if most else 0
         while self._waiting and sum(map(len, self._lanes)) < self.batch.max_live_sessions:
+            if most and held and held + self._reserved(self._waiting[0]) > most:
+                break  # (a sample alone always joins: the context bounds what it reserves)
+            if most:
+                held += self._reserved(self._waiting[0])
             self._join(self._waiting.popleft(), running_loop)
+
+    def _reserved(self, s: LoopSample) -> int:
+        """The cache positions a sample may come to hold: its prompt and its tokens, at most the context."""
+        return min(len(s.sample.prompt) + s.request.params.max_new_tokens, self.rules.max_context)
 
     def _join(self, sample: LoopSample, running_loop: asyncio.AbstractEventLoop) -> None:
         lane = min(range(len(self._lanes)), key=lambda i: len(self._lanes[i]))

@@ -222,6 +222,7 @@ class LlamaCppRuntime(Runtime):
         self.identity, self.name = identity, name
         self.forward_passes = 0
         self.sequences = self.max_pass_sessions = options.sequences
+        self.max_cached_positions = self.llama.n_ctx
         self.pool = SlotPool(options.sequences, free=lambda seq: self.llama.remove(seq, 0))  # sessions' sequences
 
     @property

@@ -147,6 +147,9 @@ class Runtime(ABC):
     sets_up_per_shape: bool = False
     # Most sessions one pass holds without taking another's cache (llama.cpp: its sequences); None: any.
     max_pass_sessions: int | None = None
+    # Positions its sessions' caches hold in all where they share one (llama.cpp's unified cache);
+    # None: each session has its own (the static cache's rows, slots that grow).
+    max_cached_positions: int | None = None
     # A target whose passes also return the states a feature draft reads (`read_features`).
     returns_features: bool = False
 

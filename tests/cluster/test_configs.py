@@ -143,6 +143,10 @@ def test_each_loop_decodes_no_more_sessions_than_the_replicas_hold_for_it():
     cpu = AppConfig()
     assert live_sessions_cap(cpu).models.batch.max_live_sessions == min(cpu.sessions.max_sessions,
                                                                         cpu.models.llamacpp.sequences)
+    assert live_sessions_cap(cpu).models.batch.max_live_positions == cpu.models.llamacpp.context  # its unified cache
+    local = app_args(load(CLUSTER / "serve" / "local.yaml"))  # up to 2 coordinators share its one verifier
+    assert live_sessions_cap(local).models.batch.max_live_positions == local.models.llamacpp.context // 2
+    assert live_sessions_cap(gpu).models.batch.max_live_positions is None  # a row of its own per session
     slots = cpu.model_copy(update={"models": cpu.models.model_copy(update={"runtime": "torch"})})
     assert live_sessions_cap(slots).models.batch.max_live_sessions == cpu.sessions.max_sessions
 

@@ -228,6 +228,21 @@ def test_greedy_sessions_batched_together_equal_each_alone(llama_engine):
         assert result.completions[0].token_ids == alone.completions[0].token_ids
 
 
+def test_sessions_that_together_outgrow_the_cache_take_turns(gguf_pair):
+    """Found by a bug hunt: four sessions of 60 + 30 tokens on a 256-position cache all fed in one
+    step, nothing outside the pass to evict: the decode failed, and with it every sample, after
+    all their work (`--n 16 --max-new-tokens 512` of the default pair on its 8192 positions). Each
+    sample reserves its prompt and tokens; those that do not fit wait."""
+    draft, target = gguf_pair
+    engine = build_engine(EngineConfig(draft=str(draft), target=str(target), runtime="llamacpp", head="none",
+                                       threads=1, llamacpp=options(context=256)), progress=False)
+    assert engine.loop.batch.max_live_positions == 256
+    prompts = [[1 + i] + list(range(20, 79)) for i in range(4)]
+    params = GenerationParams(max_new_tokens=30, policy=PolicyConfig(name="fixed", k=3))
+    together = [r.completions[0].token_ids for r in engine.generate_many(prompts, params)]
+    assert together == [generate(engine, p, PolicyConfig(name="target-only"), 30) for p in prompts]
+
+
 # -- lossless on llama.cpp: sampled outputs follow the target as llama.cpp runs it ------------------------
 
 SMALL_TOKENS = ["Ċ", "a", "b", "c", "Ġ", "t", "Ġt", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
