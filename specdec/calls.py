@@ -297,6 +297,10 @@ class RoundCalls:
             if self.observer:
                 self.observer.on_call(role, call.compute_s * MS_PER_S, transport_s * MS_PER_S, call.num_bytes)
 
+    def forget_all(self) -> None:
+        """Drop every session's wire state (the engine after a call cut short: none is live)."""
+        self._wire.clear()
+
     async def release(self, leaving: Sequence[LoopSample]) -> None:
         """Free the sessions' caches wherever they may be held. Best effort: a replica that lost the
         session (or is gone) has nothing to free."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -485,8 +486,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class OneLineFormatter(logging.Formatter):
+    """A log record as its message alone: the error it logs is printed once, in one line, where
+    the command ends (--debug keeps tracebacks)."""
+
+    def formatException(self, exc_info) -> str:
+        return ""
+
+    def formatStack(self, stack_info) -> str:
+        return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not args.debug and not logging.getLogger().handlers:  # (Python's last-resort handler prints tracebacks)
+        handler = logging.StreamHandler()
+        handler.setFormatter(OneLineFormatter("%(levelname)s: %(message)s"))
+        logging.basicConfig(level=logging.WARNING, handlers=[handler])
     try:
         return args.func(args)
     except KeyboardInterrupt:

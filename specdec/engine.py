@@ -12,7 +12,10 @@ One round is the paper's MDP step:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from specdec.cost_profile import CostProfile
 from specdec.errors import IncompatibleModelsError
@@ -23,6 +26,8 @@ from specdec.models.runtime import DraftRole, TargetRole
 from specdec.params import DEFAULT_DRAFT, GenerationParams, named_drafts
 from specdec.sequences import DraftTraits, RequestRules, UpdateCallback
 from specdec.workers import DraftWorker, VerifierWorker
+
+T = TypeVar("T")
 
 __all__ = ["Completion", "GenerationResult", "SpecDecEngine", "UpdateCallback"]
 
@@ -65,6 +70,7 @@ class SpecDecEngine:
         for each, _ in drafts.values():
             check_pair(each, target)
         self.draft, self.target, self.tokenizer, self.head = draft, target, tokenizer, head
+        self._lock = threading.Lock()  # one generate call at a time (`_run`)
         self.rules = RequestRules(tokenizer, eos_token_ids, min(*(d.max_context for d, _ in drafts.values()),
                                                                 target.max_context),
                                   target.vocab_size, {name: DraftTraits(h is not None, d.reads_features, d.model_free,
@@ -127,7 +133,7 @@ class SpecDecEngine:
         """One request (its n samples share the batch). `reference`: the oracle's hindsight, the
         target's greedy tokens for this prompt and budget, when the caller has them already (the
         bench reuses target-only's); else decoded here, untimed."""
-        return asyncio.run(self.loop.generate(prompt_ids, params, on_update, reference))
+        return self._run(lambda: self.loop.generate(prompt_ids, params, on_update, reference))
 
     def generate_many(self, prompts: Sequence[Sequence[int]],
                       params: GenerationParams | Sequence[GenerationParams] = GenerationParams(),
@@ -138,6 +144,9 @@ class SpecDecEngine:
         A failed request raises its error after the others finish."""
         references = references or [None] * len(prompts)
         each = [params] * len(prompts) if isinstance(params, GenerationParams) else list(params)
+        if not len(each) == len(references) == len(prompts):
+            raise ValueError(f"{len(prompts)} prompts need as many params and references, got {len(each)} and "
+                             f"{len(references)}")
 
         async def run_all() -> list[GenerationResult]:
             def update_for(i: int):
@@ -151,4 +160,27 @@ class SpecDecEngine:
                     raise result
             return results
 
-        return asyncio.run(run_all())
+        return self._run(run_all)
+
+    def _run(self, work: Callable[[], Awaitable[T]]) -> T:
+        """The loop's `work()` run to its end. One call at a time: the loop serves one event loop at
+        a time, so another thread's call waits its turn. Where this thread runs an event loop
+        already (Jupyter, an async app, where `asyncio.run` refuses), on a thread of its own; an
+        async caller that wants to share the batch awaits `engine.loop.generate` instead."""
+        with self._lock:
+            try:
+                try:
+                    asyncio.get_running_loop()
+                except RuntimeError:
+                    return asyncio.run(work())
+                with ThreadPoolExecutor(1, thread_name_prefix="specdec-engine") as pool:
+                    return pool.submit(lambda: asyncio.run(work())).result()
+            except BaseException:  # cut short (Ctrl-C cancels the releases too): no request is live now
+                self._release_all()
+                raise
+
+    def _release_all(self) -> None:
+        """Every session the workers hold, and the loop's wire state of them: orphans once no call runs."""
+        for worker in (*self.draft_workers.values(), self.verifier_worker):
+            worker.release(worker.sessions.ids())
+        self.loop.calls.forget_all()

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 import time
 import uuid
 from collections import deque
@@ -167,6 +168,7 @@ class RoundLoop:
         untimed, and not `counted` as a request of its own by the observer)."""
         prompt_ids = list(prompt_ids)
         params = self.rules.validate(prompt_ids, params)
+        prompt_ids = [operator.index(t) for t in prompt_ids]  # numpy's and torch's integers as Python's
         if params.policy.name != "oracle":
             reference = None
         elif reference is None:
@@ -256,13 +258,18 @@ class RoundLoop:
                 if len(running) > len(batch):  # round robin: the others go first next step
                     running[:] = running[len(batch):] + batch
                 await self._step(planners, batch)
-        except BaseException as exc:  # a bug in the loop: every sample fails rather than hangs
+        except BaseException as exc:  # a bug in the loop, or its event loop torn down (Ctrl-C): every sample fails rather than hangs
+            leaving = list(running)
             for s in running:
                 if not s.done.done():
                     s.done.set_exception(exc if isinstance(exc, Exception) else RuntimeError("the round loop stopped"))
             running.clear()
             # the waiting samples go on once this task has ended (a lane's next task starts then)
             asyncio.get_running_loop().call_soon(self._admit)
+            try:  # their workers' caches go too (an interrupted engine kept them until their TTL)
+                await self.calls.release(leaving)
+            except Exception:
+                logger.warning("releasing the sessions of a stopped lane failed", exc_info=True)
             raise
 
     async def _step(self, planners: dict[str, StepPlanner], batch: list[LoopSample]) -> None:

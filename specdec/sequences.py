@@ -6,6 +6,7 @@ round's tokens (EOS, token budget, context, stop strings, streamable text).
 from __future__ import annotations
 
 import asyncio
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -22,6 +23,17 @@ if TYPE_CHECKING:
     from specdec.protocol import Proposal, Role
 
 CHAT_ROLES = ("system", "user", "assistant")
+
+
+def is_token_id(value) -> bool:
+    """An integer (Python's, numpy's, a torch scalar's: `operator.index`), not a bool."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 @dataclass
@@ -220,6 +232,8 @@ class RequestRules:
         if len(prompt_ids) >= self.max_context:
             raise InvalidRequestError(
                 f"prompt has {len(prompt_ids)} tokens; the models' context holds {self.max_context}")
+        if not all(is_token_id(t) for t in prompt_ids):  # (a float or a bool failed the whole step's pass)
+            raise InvalidRequestError(f"prompt token ids must be integers, got {next(t for t in prompt_ids if not is_token_id(t))!r}")
         if any(not 0 <= t < self.vocab_size for t in prompt_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
         return params

@@ -76,6 +76,10 @@ class SessionStore(Generic[T]):
         with self._lock:
             self._entries.clear()
 
+    def ids(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)

@@ -300,3 +300,25 @@ def test_serve_refuses_what_it_could_not_serve_before_ray_starts(tiny_pair, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert err[-1].startswith("error: ") and reason in err[-1]
+
+
+def test_an_error_logged_on_the_way_prints_one_line_without_debug():
+    """Found by a bug hunt: a failed round call logged its traceback through Python's last-resort
+    handler before the command's own one-line error; --debug is what shows tracebacks."""
+    import subprocess
+    import sys
+
+    script = ("import logging, sys, specdec.cli as cli\n"
+              "def failing(args):\n"
+              "    try:\n"
+              "        raise RuntimeError('boom')\n"
+              "    except RuntimeError:\n"
+              "        logging.getLogger('specdec.calls').exception('verifier call failed')\n"
+              "    return 0\n"
+              "cli.cmd_generate = failing\n"
+              "sys.exit(cli.main(sys.argv[1:]))\n")
+    quiet = subprocess.run([sys.executable, "-c", script, "generate", "x"], capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 0 and quiet.stderr.strip() == "ERROR: verifier call failed"
+    debug = subprocess.run([sys.executable, "-c", script, "generate", "x", "--debug"], capture_output=True, text=True,
+                           timeout=120)
+    assert "Traceback" in debug.stderr and "RuntimeError: boom" in debug.stderr

@@ -165,3 +165,65 @@ def test_an_engine_decodes_no_more_sessions_than_its_caches_hold():
         SlotPool.evict_one = evict_one
     assert together == alone
     assert not any(evicted)  # a slot was taken only from sessions that had finished
+
+
+# Found by a bug hunt of the library API (each a test that failed before its fix)
+
+def test_generate_many_refuses_params_or_references_that_do_not_match_the_prompts(tiny_engine):
+    params = build_params(policy="fixed", k=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match="3 prompts need as many params and references, got 2 and 3"):
+        tiny_engine.generate_many([[5, 6]] * 3, [params] * 2)  # the third was dropped without a word
+    with pytest.raises(ValueError, match="got 3 and 1"):
+        tiny_engine.generate_many([[5, 6]] * 3, params, references=[[1]])
+
+
+def test_a_prompt_id_that_is_not_an_integer_fails_its_request_alone(tiny_engine):
+    """A float id passed validation and failed the whole step's pass on llama.cpp, the requests
+    beside it included; numpy's integers still count."""
+    import numpy as np
+
+    params = build_params(policy="fixed", k=2, max_new_tokens=6)
+    alone = tiny_engine.generate_ids([5, 72, 101], params).completions[0].token_ids
+    for bad in ([104.0, 101.0], [True, 5], ["5"]):
+        with pytest.raises(InvalidRequestError, match="prompt token ids must be integers, got"):
+            tiny_engine.generate_many([[5, 72, 101], bad], params)
+    assert tiny_engine.generate_ids(np.array([5, 72, 101]), params).completions[0].token_ids == alone
+
+
+def test_calls_from_two_threads_take_turns_and_a_running_event_loop_is_no_obstacle(tiny_engine):
+    """A second thread's call raised "a RoundLoop serves one event loop at a time"; a call made
+    where an event loop runs (Jupyter, an async app) raised asyncio.run's refusal."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    params = build_params(policy="fixed", k=2, max_new_tokens=12)
+    alone = tiny_engine.generate_ids([5, 72, 101], params).completions[0].token_ids
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: tiny_engine.generate_ids([5, 72, 101], params), range(2)))
+    assert [r.completions[0].token_ids for r in results] == [alone, alone]
+
+    async def in_a_running_loop():
+        return tiny_engine.generate_ids([5, 72, 101], params)
+    assert asyncio.run(in_a_running_loop()).completions[0].token_ids == alone
+
+
+def test_a_call_cut_short_leaves_no_session_in_the_workers(tiny_engine):
+    """Ctrl-C during a call cancelled the loop's releases too: each interrupt left its sessions'
+    caches in the draft and the verifier until their TTL."""
+    import os
+    import signal
+
+    params = build_params(policy="fixed", k=2, max_new_tokens=40, n=2)
+
+    def interrupt(*_):  # Ctrl-C once tokens flow (asyncio.run cancels the call, then raises KeyboardInterrupt)
+        if not interrupted:
+            interrupted.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    interrupted = []
+
+    with pytest.raises(KeyboardInterrupt):
+        tiny_engine.generate_ids([5, 72, 101], params, on_update=interrupt)
+    held = [len(w.sessions) for w in (tiny_engine.draft_worker, tiny_engine.verifier_worker)]
+    assert held == [0, 0] and not tiny_engine.loop.calls._wire
+    assert len(tiny_engine.generate_ids([5, 72, 101], params).completions) == 2
