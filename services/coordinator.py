@@ -40,7 +40,7 @@ PREPARE_INLINE_BYTES = 16 * 1024
 def check_served_policy(policy: PolicyConfig) -> None:
     """What a server refuses of a named policy beyond `resolve_policy` (raises InvalidRequestError):
     a request's, and the app's default where the app is built (services/config.py)."""
-    if not policy_traits(policy.name).servable:
+    if policy.name is not None and not policy_traits(policy.name).servable:  # (None: the default, servable)
         raise InvalidRequestError(f"policy {policy.name!r} needs the target's continuation in advance and "
                                   "runs in process only (specdec generate, benchmarks/)")
     if policy.k is not None and policy.k > MAX_CANDIDATES_PER_ROUND:

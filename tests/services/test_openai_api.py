@@ -175,7 +175,7 @@ def test_stream_without_usage_and_n2(client):
     ("completions", {"presence_penalty": 0.5}, "presence_penalty is not supported", "presence_penalty"),
     ("completions", {"prompt": ["a", "b"]}, "prompt: batched prompts are not supported", "prompt"),
     ("completions", {"prompt": 5}, "prompt: must be a string or a list of token ids", "prompt"),
-    ("completions", {"prompt": " "}, "prompt is empty", None),
+    ("completions", {"prompt": ""}, "prompt is empty", None),  # (raw text of blanks is a prompt, as OpenAI's)
     ("completions", {"prompt": [[4294967296]]}, "prompt: token ids must be in [0, 2147483647]", "prompt"),
     ("completions", {"prompt": "hi \ud800"}, "prompt: must be valid Unicode (it holds a lone UTF-16 surrogate)",
      "prompt"),
