@@ -206,7 +206,7 @@ def draft_worker(config: AppConfig, name: str, threads: int | None) -> DraftWork
     models = draft_configs(config.models)[name].model_copy(update={"threads": threads})
     draft, _ = build_draft(models, progress=False)
     sessions = SessionStore(config.sessions.max_sessions, config.sessions.ttl_s)
-    worker = DraftWorker(draft, build_head(models, draft), sessions, sparsifier(config.sparsify_below))
+    worker = DraftWorker(draft, build_head(models, draft, name), sessions, sparsifier(config.sparsify_below))
     worker.probe_at_first_batch()  # its timings seed the coordinator's live costs with the first reply
     return worker
 

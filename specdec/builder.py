@@ -15,8 +15,8 @@ from transformers.utils import logging as hf_logging
 
 from specdec.engine import SpecDecEngine, check_vocabularies
 from specdec.loop import BatchConfig
-from specdec.errors import IncompatibleModelsError, ModelSourceError, one_line
-from specdec.head import AcceptanceHead, load_head
+from specdec.errors import IncompatibleModelsError, ModelSourceError, SpecDecError, one_line
+from specdec.head import AcceptanceHead, load_head, read_head_config
 from specdec.drafts import draft_dir
 from specdec.heads import resolve_head
 from specdec.models.formats import WeightFormat, apply_weight_format
@@ -114,7 +114,7 @@ def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -
     heads = {}
     for (name, (draft, draft_dir)), each in zip(drafts.items(), draft_configs(config).values()):
         check_same_tokenizer(draft_dir, tokenizer, each.draft)
-        heads[name] = build_head(each, draft)
+        heads[name] = build_head(each, draft, name)
     (draft, _), head = drafts.pop(DEFAULT_DRAFT), heads.pop(DEFAULT_DRAFT)
     return SpecDecEngine(draft, target, tokenizer, head,
                          eos_token_ids=eos_token_ids_of(load_generation_config(target_dir), tokenizer),
@@ -141,11 +141,14 @@ def unfused(config: EngineConfig) -> EngineConfig:
 
 
 def check_sources(config: EngineConfig) -> None:
-    """Every model source checked (models/sources.py `check_source`) before any is fetched,
-    converted or loaded: a mistyped --target fails at once, not after minutes of draft loading."""
+    """Every model source checked (models/sources.py `check_source`), and every head's files,
+    before any is fetched, converted or loaded: a mistyped --target or --head fails at once, not
+    after minutes of loading."""
     check_source_of(config, "target")
     for each in draft_configs(config).values():
         check_source_of(each, "draft")
+        if not is_suffix_draft(each.draft) and (path := head_path(each)) is not None:
+            read_head_config(path)
 
 
 # Settings only the torch runtime reads (at their defaults otherwise), by the flag that sets them.
@@ -454,13 +457,21 @@ def has_head(config: EngineConfig) -> bool:
     return is_suffix_draft(config.draft) or head_path(config) is not None
 
 
-def build_head(config: EngineConfig, draft: DraftRole) -> AcceptanceHead | MatchHead | None:
+def build_head(config: EngineConfig, draft: DraftRole, name: str = DEFAULT_DRAFT) -> AcceptanceHead | MatchHead | None:
+    """`name`: the draft's (a draft besides the first reads the head in its own directory)."""
     if is_suffix_draft(config.draft):  # its estimates come from its matches (models/suffix.py)
         return MatchHead()
     path = head_path(config)
     if path is None:
         return None
-    return load_head(path, draft_identity=draft.identity, hidden_size=draft.hidden_size)
+    if name == DEFAULT_DRAFT:
+        return load_head(path, draft_identity=draft.identity, hidden_size=draft.hidden_size)
+    try:
+        return load_head(path, draft_identity=draft.identity, hidden_size=draft.hidden_size,
+                         instead=f"a draft besides the first reads the head in its own directory: move {path} "
+                                 "out of it, or train one for this draft there")
+    except SpecDecError as exc:
+        raise type(exc)(f"draft {name!r}: {exc}") from None
 
 
 def build_rules(config: EngineConfig, progress: bool = True, devices: dict[Role, str] | None = None) -> RequestRules:

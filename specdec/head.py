@@ -178,28 +178,36 @@ class AcceptanceHead(nn.Module):
         return directory
 
 
-def load_head(
-    directory: str | Path,
-    draft_identity: str | None = None,
-    hidden_size: int | None = None,
-) -> AcceptanceHead:
-    """Load a head and check that it belongs to the draft (identity and hidden size) when given."""
+def read_head_config(directory: str | Path) -> HeadConfig:
+    """A head's config, its files checked (the builder reads it before any model loads)."""
     directory = Path(directory)
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     if not config_path.is_file() or not weights_path.is_file():
         raise ModelSourceError(f"no acceptance head at {directory} (expected {CONFIG_FILE} and {WEIGHTS_FILE})")
     try:
-        config = HeadConfig.model_validate(json.loads(config_path.read_text()))
+        return HeadConfig.model_validate(json.loads(config_path.read_text()))
     except ValueError as exc:
         raise ModelSourceError(f"corrupt head config {config_path}: {one_line(exc)}") from None
+
+
+def load_head(
+    directory: str | Path,
+    draft_identity: str | None = None,
+    hidden_size: int | None = None,
+    instead: str = "pass --head none or a head trained for this draft",
+) -> AcceptanceHead:
+    """Load a head and check that it belongs to the draft (identity and hidden size) when given;
+    `instead`: what the user may do where it does not."""
+    directory = Path(directory)
+    weights_path = directory / WEIGHTS_FILE
+    config = read_head_config(directory)
     if hidden_size is not None and config.hidden_size != hidden_size:
         raise IncompatibleModelsError(
             f"head {directory} expects hidden size {config.hidden_size} but the draft has {hidden_size}")
     if draft_identity is not None and not config.serves(draft_identity):
         raise IncompatibleModelsError(
             f"head {directory} was trained for another draft model ({config.draft_name or 'identity'} "
-            f"{_short(config.draft_identity)}), not this one ({_short(draft_identity)}); pass --head none "
-            "or a head trained for this draft")
+            f"{_short(config.draft_identity)}), not this one ({_short(draft_identity)}); {instead}")
     head = AcceptanceHead(config)
     try:
         head.load_state_dict(load_file(weights_path))

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -126,3 +128,33 @@ def test_the_coordinator_takes_the_context_limit_of_its_replicas_on_a_gpu(tmp_pa
     assert on_cpus.max_context == LlamaCppOptions().context
     on_gpus = build_rules(config, progress=False, devices={"target": "cuda", "draft": "cuda"})
     assert on_gpus.max_context == StaticOptions().capacity < LlamaCppOptions().context
+
+
+def test_a_head_that_is_not_one_is_refused_before_any_model_loads(tiny_pair, tmp_path, monkeypatch):
+    """Found by a bug hunt: a mistyped --head was reported after both models loaded (with the
+    default pair: after the 1.6 GB fetch and the requantization)."""
+    import specdec.builder
+
+    draft, target = tiny_pair
+    monkeypatch.setattr(specdec.builder, "build_draft", lambda *a, **k: pytest.fail("a model loaded first"))
+    with pytest.raises(ModelSourceError, match="no acceptance head at"):
+        build_engine(EngineConfig(draft=str(draft), target=str(target), head=str(tmp_path / "nowhere")), progress=False)
+
+
+def test_a_second_drafts_foreign_head_names_the_draft_and_what_to_do(tiny_pair, tmp_path):
+    """Found by a bug hunt: a draft of --also-draft whose directory holds another draft's head/
+    failed with "pass --head none", which applies to the first draft only."""
+    import shutil
+
+    from specdec.errors import IncompatibleModelsError
+    from specdec.head import AcceptanceHead, HeadConfig
+
+    draft, target = tiny_pair
+    second = tmp_path / "second"
+    shutil.copytree(draft, second)
+    hidden = json.loads((draft / "config.json").read_text())["hidden_size"]
+    AcceptanceHead(HeadConfig(hidden_size=hidden, depth=1, draft_identity="b" * 64)).save(second / "head")
+    with pytest.raises(IncompatibleModelsError, match=r"^draft 'h': head .* was trained for another draft .*; "
+                                                      r"a draft besides the first reads the head in its own directory"):
+        build_engine(EngineConfig(draft=str(draft), target=str(target), head="none", drafts={"h": str(second)}),
+                     progress=False)
