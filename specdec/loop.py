@@ -258,7 +258,7 @@ class RoundLoop:
                 if len(running) > len(batch):  # round robin: the others go first next step
                     running[:] = running[len(batch):] + batch
                 await self._step(planners, batch)
-        except BaseException as exc:  # a bug in the loop, or its event loop torn down (Ctrl-C): every sample fails rather than hangs
+        except BaseException as exc:  # a bug in the loop, or Ctrl-C: every sample fails rather than hangs
             leaving = list(running)
             for s in running:
                 if not s.done.done():

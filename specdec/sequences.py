@@ -233,7 +233,8 @@ class RequestRules:
             raise InvalidRequestError(
                 f"prompt has {len(prompt_ids)} tokens; the models' context holds {self.max_context}")
         if not all(is_token_id(t) for t in prompt_ids):  # (a float or a bool failed the whole step's pass)
-            raise InvalidRequestError(f"prompt token ids must be integers, got {next(t for t in prompt_ids if not is_token_id(t))!r}")
+            bad = next(t for t in prompt_ids if not is_token_id(t))
+            raise InvalidRequestError(f"prompt token ids must be integers, got {bad!r}")
         if any(not 0 <= t < self.vocab_size for t in prompt_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
         return params

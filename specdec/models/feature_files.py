@@ -105,11 +105,11 @@ def load_feature_draft(directory: str | Path, target_dir: str | Path, target_ide
     target = json.loads((Path(target_dir) / CONFIG_FILE).read_text())
     layers, width = target.get("num_hidden_layers"), target.get("hidden_size")
     if layers is not None and any(not 0 <= layer < layers for layer in config.layers):
-        raise IncompatibleModelsError(f"the feature draft at {directory} reads layers {config.layers}; its target has "
-                               f"{layers}")
+        raise IncompatibleModelsError(f"the feature draft at {directory} reads layers {config.layers}; its target "
+                                      f"has {layers}")
     if width is not None and config.layer_config.get("hidden_size") != width:
-        raise IncompatibleModelsError(f"the feature draft at {directory} is {config.layer_config.get('hidden_size')} wide; "
-                               f"its target's states are {width}")
+        raise IncompatibleModelsError(f"the feature draft at {directory} is {config.layer_config.get('hidden_size')} "
+                                      f"wide; its target's states are {width}")
     try:  # a weights file missing (left out of a copy, a Git LFS pointer), cut short or of another shape
         weights = load_file(str(directory / WEIGHTS_FILE))
         vocab_ids = weights["vocab_ids"]
