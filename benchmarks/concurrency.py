@@ -389,8 +389,7 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    batch = BatchConfig.from_flags(max_sessions_per_step=args.max_batch_sessions,
-                                   max_tokens_per_pass=args.max_pass_tokens)
+    batch = BatchConfig.from_flags(args.max_batch_sessions, args.max_pass_tokens)
     prompts = humaneval_prompts(args.prompts)
     if args.tiny:
         from tests.tiny import save_tiny_pair

@@ -109,9 +109,15 @@ def engine_config(args: argparse.Namespace):
 
     from specdec.models.llamacpp import LlamaCppOptions
 
-    batch = BatchConfig.from_flags(max_sessions_per_step=args.max_batch_sessions,
-                                   max_tokens_per_pass=args.max_pass_tokens, overlap=args.overlap)
-    llamacpp = LlamaCppOptions(**({"context": args.llamacpp_context} if args.llamacpp_context is not None else {}))
+    from pydantic import ValidationError
+
+    from specdec.errors import validation_message
+
+    batch = BatchConfig.from_flags(args.max_batch_sessions, args.max_pass_tokens, args.overlap)
+    try:
+        llamacpp = LlamaCppOptions(**({"context": args.llamacpp_context} if args.llamacpp_context is not None else {}))
+    except ValidationError as exc:
+        raise InvalidRequestError(validation_message(exc, {"context": "llamacpp-context"})) from None
     pairs = [named.split("=", 1) for named in args.also_draft or []]
     if any(len(pair) != 2 or not pair[0] for pair in pairs):
         raise InvalidRequestError("--also-draft takes NAME=SOURCE")

@@ -1,6 +1,8 @@
 """Errors a user can cause and fix. The command line prints them as one line; the services map them
 to INVALID_ARGUMENT / HTTP 400. Anything else is a bug and keeps its traceback."""
 
+from collections.abc import Mapping
+
 
 class SpecDecError(Exception):
     """Base class: the message is a one-line reason meant for the user."""
@@ -47,10 +49,13 @@ def one_line(message: object, default: str = "") -> str:
     return type(message).__name__ if isinstance(message, BaseException) and not default else default
 
 
-def validation_message(exc) -> str:
-    """The first error of a pydantic ValidationError as one line: `max_new_tokens: Input should be greater than or equal to 1`."""
+def validation_message(exc, names: Mapping[str, str] | None = None) -> str:
+    """The first error of a pydantic ValidationError as one line: `max-new-tokens: Input should be
+    greater than or equal to 1`; `names` renames a field for the user (a flag that sets it)."""
     error = exc.errors()[0]
     where = ".".join(str(part) for part in error["loc"] if part not in ("sampling", "policy"))
+    where = where.replace("_", "-")
+    where = (names or {}).get(where, where)
     # A validator's own ValueError: its text, without pydantic's "Value error, " before it.
     message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
-    return f"{where.replace('_', '-')}: {message}" if where else message
+    return f"{where}: {message}" if where else message

@@ -99,12 +99,17 @@ class BatchConfig(BaseModel):
         return self.model_copy(update=update)
 
     @classmethod
-    def from_flags(cls, **flags) -> BatchConfig:
-        """From command-line flags (None: the default); raises InvalidRequestError in one line."""
+    def from_flags(cls, max_batch_sessions: int | None = None, max_pass_tokens: int | None = None,
+                   overlap: str | None = None) -> BatchConfig:
+        """From the command line's flags (None: the default); raises InvalidRequestError in one line
+        that names the flag."""
+        flags = {"max_sessions_per_step": max_batch_sessions, "max_tokens_per_pass": max_pass_tokens,
+                 "overlap": overlap}
         try:
             return cls(**{key: value for key, value in flags.items() if value is not None})
         except ValidationError as exc:
-            raise InvalidRequestError(validation_message(exc)) from None
+            names = {"max-sessions-per-step": "max-batch-sessions", "max-tokens-per-pass": "max-pass-tokens"}
+            raise InvalidRequestError(validation_message(exc, names)) from None
 
 
 @dataclass

@@ -112,7 +112,10 @@ def test_several_prompts_run_together(tiny_pair, tmp_path, capsys):
     (["--threads", "0"], "threads: Input should be greater than or equal to 1"),  # (pydantic's, one line)
     # llama.cpp aborted the process; the reason stands alone (not "request: Value error, ...")
     (["--llamacpp-context", "32"], "error: a context and a batch of at least 64 tokens (one per sequence)"),
-    (["--llamacpp-context", "1"], "context: Input should be greater than or equal to 16"),
+    # a flag's error names the flag, not the config key it sets (max-sessions-per-step, context)
+    (["--llamacpp-context", "1"], "error: llamacpp-context: Input should be greater than or equal to 16"),
+    (["--max-batch-sessions", "0"], "error: max-batch-sessions: Input should be greater than or equal to 1"),
+    (["--max-pass-tokens", "0"], "error: max-pass-tokens: Input should be greater than or equal to 1"),
     (["--stop", ""], "stop.0: String should have at least 1 character"),
     (["--prompts", "humaneval", "--limit", "-1"], "--limit must be at least 1"),
     (["--limit", "3"], "give --prompts too"),  # (it was ignored)
