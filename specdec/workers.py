@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -232,6 +233,16 @@ class DraftWorker(Worker):
         self.draft, self.proposer = draft, proposer_for(draft, logits_filter)
         self.head = head.to(draft.device) if head is not None else None  # it reads the draft's states where they are
         self.sessions: SessionStore[DraftSession] = sessions if sessions is not None else SessionStore()
+        self._ended: deque[DraftSession] = deque()  # released, their proposer's `end` not yet run
+
+    def _before_batch(self) -> None:
+        # A released session's end runs here, on the thread that drafts: Release arrives on others (a
+        # gRPC server's, a replica's event loop) while a batch may be walking what `end` changes (the
+        # suffix draft adds the response to its scope's shared index).
+        while self._ended:
+            entry = self._ended.popleft()
+            self.proposer.end(entry.kv, entry.history)  # (the last round's tokens are not seen)
+        super()._before_batch()
 
     def _probe(self, sizes: Sequence[int], context: int) -> list[PassTiming]:
         if self.draft.model_free:  # nothing to set up or catch up
@@ -246,9 +257,7 @@ class DraftWorker(Worker):
 
     def release(self, session_ids: list[str]) -> list[bool]:
         entries = [self.sessions.pop(session_id) for session_id in session_ids]
-        for entry in entries:
-            if entry is not None:
-                self.proposer.end(entry.kv, entry.history)  # (the last round's tokens are not seen)
+        self._ended.extend(entry for entry in entries if entry is not None)
         return [entry is not None for entry in entries]
 
     def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan()) -> list[Proposal | SessionMissing | Refused]:
@@ -404,5 +413,6 @@ class FeatureLink:
         """Drop what waits for sessions neither in `sessions` (the verifier's) nor held by a draft
         (a replica's health check, after both let idle sessions expire: what waits for a session
         its caches evicted is taken when it comes back, so it is kept while either holds it)."""
-        self.forget([session_id for session_id in self._waiting if session_id not in sessions
+        # (a copy of the keys: the torch thread may hand states over meanwhile)
+        self.forget([session_id for session_id in list(self._waiting) if session_id not in sessions
                      and not any(session_id in worker.sessions for worker in self.drafts)])

@@ -325,6 +325,7 @@ def test_a_cache_of_earlier_responses_is_read_within_its_scope_only(target):
         assert result.completions[0].token_ids == plain.completions[0].token_ids
     assert again.stats.accepted_tokens > other.stats.accepted_tokens
     assert again.stats.target_forward_passes < other.stats.target_forward_passes
+    run(None)  # (a released session's response joins at the draft's next batch)
     assert sorted(engine.draft.cache) == ["a", "b"]  # each scope's own responses
 
 
@@ -397,11 +398,36 @@ def test_a_draft_worker_of_the_suffix_draft_learns_every_round_remembers_what_it
     [probe] = worker.propose([suffix_item("s", HistoryDelta(len(prompt) + 3, taken, False), probe=True)])
     assert probe.candidates == [] and draft.stats.verified  # learnt, though nothing walked
     assert worker.release(["s"]) == [True]
-    assert draft.cache["a"].tokens == taken  # the response past the prompt, tokens after the last walk included
+    assert "a" not in draft.cache  # not yet: it joins on the thread that drafts, at the next batch
     answers = worker.propose([suffix_item("t", HistoryDelta(len(prompt), prompt, True), ahead=True),
                               suffix_item("u", HistoryDelta(len(prompt), prompt, True))])
+    assert draft.cache["a"].tokens == taken  # the response past the prompt, tokens after the last walk included
     assert isinstance(answers[0], Refused) and "ahead" in answers[0].reason and "\n" not in answers[0].reason
     assert answers[1].candidates == [3, 4, 1, 2]
+
+
+def test_a_release_from_another_thread_changes_the_shared_cache_on_the_thread_that_drafts():
+    """Release arrives on a gRPC server's thread or a replica's event loop while the torch thread may
+    be walking the scope's cache: adding the response there raced the walk (an IndexError failed
+    the whole draft call). The response joins on the drafting thread, at its next batch."""
+    import threading
+
+    from specdec.protocol import HistoryDelta
+    from specdec.workers import DraftWorker
+
+    draft = SuffixDraft(VOCAB)
+    worker = DraftWorker(draft, MatchHead())
+    prompt = [1, 2, 3, 4, 1, 2]
+    worker.propose([suffix_item("s", HistoryDelta(len(prompt), prompt, True), cache_scope="a")])
+    worker.propose([suffix_item("s", HistoryDelta(len(prompt) + 2, [3, 5], False))])
+    remembered_on = []
+    remember = draft.remember
+    draft.remember = lambda *args: (remembered_on.append(threading.current_thread()), remember(*args))
+    releasing = threading.Thread(target=worker.release, args=(["s"],))
+    releasing.start()
+    releasing.join()
+    worker.propose([suffix_item("t", HistoryDelta(len(prompt), prompt, True), cache_scope="a")])
+    assert remembered_on == [threading.current_thread()] and draft.cache["a"].tokens == [3, 5]
 
 
 def test_how_often_a_candidate_followed_counts_where_the_two_end_a_text():

@@ -946,6 +946,24 @@ def test_states_waiting_for_sessions_both_workers_let_go_are_dropped(feature_eng
     assert set(link._waiting) == {"verifying", "drafting"}
 
 
+def test_states_handed_over_during_the_health_checks_sweep_do_not_fail_it(feature_engine):
+    """The health check sweeps the link on the replica's event loop while the torch thread may hand
+    a verdict's states over: the sweep iterated the dict being grown (a RuntimeError fails the
+    health check, and Serve restarts the replica)."""
+    servers = Colocated(feature_engine)
+    servers.stop()
+    link, states = servers.verifier.worker.link, torch.zeros(2, 2, feature_engine.target.hidden_size)
+    link._waiting["gone"] = [(states, 0)]
+
+    class Verifying(dict):
+        def __contains__(self, session_id):  # the torch thread hands states over mid-sweep
+            link._waiting.setdefault("new", [(states, 0)])
+            return session_id == "new"
+
+    link.keep(Verifying())
+    assert set(link._waiting) == {"new"}
+
+
 def test_bad_features_are_refused_one_by_one(feature_engine):
     servers = Servers(feature_engine)
     try:
