@@ -336,7 +336,7 @@ def params_from_request(request: generation_pb2.GenerateRequest, default_policy:
             raise InvalidRequestError("a cache of earlier responses is kept per API key: this server has none "
                                       "(api_key, SPECDEC_API_KEY)")
         scope = cache_scope(api_key)
-    policy = given("policy") or default_policy.name
+    policy = given("policy") if request.HasField("policy") else default_policy.name  # ("" is refused)
     same_policy = policy == default_policy.name
     return build_params(
         policy=policy,

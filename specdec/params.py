@@ -64,4 +64,4 @@ def build_params(**flags) -> GenerationParams:
     try:
         return GenerationParams(sampling=SamplingParams(**sampling), policy=PolicyConfig(**policy), **given)
     except ValidationError as exc:
-        raise InvalidRequestError(validation_message(exc)) from None
+        raise InvalidRequestError(validation_message(exc, {"name": "policy"})) from None

@@ -222,6 +222,11 @@ class RequestRules:
         if params.cache_scope is not None and not (traits.model_free or traits.fused):
             raise InvalidRequestError(f"a cache of earlier responses needs the suffix draft: draft {params.draft!r} "
                                       f"has none (--draft suffix or suffix+SRC)")
+        if params.cache_scope is not None and traits.fused and not policy_traits(name).budgeted:
+            # (proposers.py FusedProposer: other policies draft with the model alone; taken, the
+            # option was half-honoured, the response written to the cache and nothing read)
+            raise InvalidRequestError(f"draft {params.draft!r} reads a cache of earlier responses under "
+                                      f"specdec++cost only: policy {name!r} drafts with its model alone")
         if params.policy.k is not None and params.policy.k > self.max_context:  # (no round drafts past it)
             raise InvalidRequestError(f"k must be at most the models' context of {self.max_context} tokens, "
                                       f"got {params.policy.k}")

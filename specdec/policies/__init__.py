@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.errors import InvalidRequestError
 from specdec.head import AcceptanceHead
@@ -42,7 +42,7 @@ class PolicyConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str | None = None
+    name: str | None = Field(None, min_length=1)
     k: int | None = None
     threshold: float | None = None
 

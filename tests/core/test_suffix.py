@@ -450,6 +450,18 @@ def test_a_cache_of_earlier_responses_needs_the_suffix_draft_in_one_line(tiny_en
     assert "\n" not in str(caught.value)
 
 
+def test_a_cache_of_earlier_responses_on_the_fused_draft_needs_the_policy_that_walks_it(tiny_pair):
+    """The fused draft walks its suffix under specdec++cost only: with another policy the option was
+    taken, each response written to the cache and nothing read from it."""
+    from specdec.builder import EngineConfig, build_rules
+
+    draft_dir, target_dir = tiny_pair
+    rules = build_rules(EngineConfig(draft=f"suffix+{draft_dir}", target=str(target_dir)), progress=False)
+    for policy in (PolicyConfig(name="fixed", k=2), PolicyConfig(name="target-only")):
+        with pytest.raises(InvalidRequestError, match="reads a cache of earlier responses under specdec..cost only"):
+            rules.validate([5, 6, 7], GenerationParams(max_new_tokens=2, cache_scope="a", policy=policy))
+
+
 def test_match_statistics_stay_bounded_and_follow_recent_walks():
     from specdec.models.suffix import STATS_WINDOW
 

@@ -113,6 +113,7 @@ GRPC_BAD = {
     "top-p NaN": (req(top_p=NAN), "top-p"),
     "top-k negative": (req(top_k=-1), "top-k"),
     "unknown policy": (req(policy="nope"), "unknown policy 'nope'"),
+    "empty policy": (req(policy=""), "policy: String should have at least 1 character"),  # (ran the default)
     "oracle": (req(policy="oracle"), "oracle"),
     "specdec++ without a head": (req(policy="specdec++"), "acceptance head"),
     "k 0": (req(policy="fixed", k=0), "k must be at least 1"),
