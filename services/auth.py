@@ -37,6 +37,19 @@ def env_api_key() -> str | None:
     return os.environ.get(API_KEY_ENV) or None
 
 
+def check_api_key(key: str) -> None:
+    """Raises ValueError for a key no client could present: empty, blank at either end (a secret
+    file's newline: the server strips what is presented) or not printable ASCII (what HTTP headers
+    and gRPC metadata carry)."""
+    if not key:
+        raise ValueError(f"must not be empty (leave it and {API_KEY_ENV} unset for no authentication)")
+    if key != key.strip():
+        raise ValueError(f"has blanks at its ends (a file's newline?), which no request can present (the "
+                         f"config's key, else {API_KEY_ENV})")
+    if not all(" " <= c <= "~" for c in key):
+        raise ValueError(f"must be printable ASCII, which requests present (the config's key, else {API_KEY_ENV})")
+
+
 def bearer(api_key: str) -> str:
     return f"Bearer {api_key}"
 

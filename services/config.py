@@ -12,7 +12,7 @@ from specdec.builder import EngineConfig, draft_configs
 from specdec.models.feature_files import is_feature_draft
 from specdec.errors import InvalidRequestError
 from specdec.policies import PolicyConfig, resolve_policy
-from services.auth import env_api_key
+from services.auth import check_api_key, env_api_key
 from services.coordinator import check_served_policy
 from specdec.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_TTL_S
 
@@ -183,16 +183,19 @@ class AppConfig(BaseModel):
             raise ValueError("max_queued_requests must be -1 (unbounded) or at least 1")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _key_from_the_environment(cls, data):
+        if isinstance(data, dict) and data.get("api_key") is None and env_api_key():
+            data = {**data, "api_key": env_api_key()}
+        return data
+
     @field_validator("api_key", mode="after")
     @classmethod
-    def _not_empty(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None and not value.get_secret_value():
-            raise ValueError("api_key must not be empty (leave it unset for no authentication)")
+    def _presentable(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            check_api_key(value.get_secret_value())
         return value
-
-    def model_post_init(self, _context) -> None:
-        if self.api_key is None and env_api_key():
-            self.api_key = SecretStr(env_api_key())
 
     def colocated_drafts(self) -> list[str]:
         """The drafts that run in the verifier's replicas (at most one: a replica's gRPC server

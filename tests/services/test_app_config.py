@@ -95,3 +95,20 @@ def test_replicas_sized_two_ways_or_threads_no_replica_reads_are_refused():
         AppConfig(models={"threads": 2})
     with pytest.raises(ValidationError, match="model_name"):  # (/v1/models listed a model without a name)
         AppConfig(model_name="")
+
+
+@pytest.mark.parametrize("key, reason", [
+    ("", "must not be empty"),
+    ("s3cret\n", "blanks at its ends"),  # (a secret file's newline: every request was refused)
+    (" s3cret", "blanks at its ends"),
+    ("sécret", "printable ASCII"),  # (an HTTP header carries latin-1, gRPC metadata ASCII)
+])
+def test_a_key_no_client_could_present_is_refused_given_or_from_the_environment(key, reason, monkeypatch):
+    with pytest.raises(ValidationError, match=reason):
+        AppConfig(api_key=key)
+    monkeypatch.setenv("SPECDEC_API_KEY", key)
+    if key:  # (an empty variable is no key)
+        with pytest.raises(ValidationError, match=reason):
+            AppConfig()
+    monkeypatch.setenv("SPECDEC_API_KEY", "two words")
+    assert AppConfig().api_key.get_secret_value() == "two words"
