@@ -58,16 +58,18 @@ class RoundServicer:
             self.streams_opened += not refused
         if refused:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, STREAMS_REFUSED)
-        context.send_initial_metadata(())  # accepted: the caller writes only once it knows
-        return self._answers(requests, call, context)
 
-    def _answers(self, requests: Iterator, call: Callable, context) -> Iterator:
-        try:
-            for request in requests:
-                yield call(request, context)
-        finally:
+        def closed() -> None:
             with self._calls_lock:
                 self.streams -= 1
+
+        # Counted free when the RPC ends, however it ends: a stream cancelled before its first
+        # answer was asked for never runs its generator, so a `finally` there never ran (sixteen of
+        # them, and the replica refused every stream).
+        if not context.add_callback(closed):  # (it ended already)
+            closed()
+        context.send_initial_metadata(())  # accepted: the caller writes only once it knows
+        return (call(request, context) for request in requests)
 
     def _serve(self, messages, convert: Callable, run: Callable[[list], list], context) -> tuple[list, float]:
         """(the answers for `messages`, in order; the milliseconds it took). A call that fails as a

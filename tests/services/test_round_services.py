@@ -477,6 +477,31 @@ def test_a_refused_stream_says_why_every_time(tiny_engine, monkeypatch, refusal)
     assert outcomes == Counter({"UNAUTHENTICATED" if refusal == "no key" else "unary": 40})
 
 
+def test_streams_cancelled_as_they_open_free_their_place(tiny_engine):
+    """A stream its caller cancels before the first answer never runs the servicer's generator: the
+    count was lowered in its `finally`, so such streams stayed counted until the replica refused
+    every stream (MAX_STREAMS), though none was open."""
+    import queue
+
+    servers = Servers(tiny_engine)
+    try:
+        stub = draft_pb2_grpc.DraftStub(grpc.insecure_channel(servers.addresses[0]))
+        for _ in range(8 * servicers.MAX_STREAMS):
+            waiting = queue.Queue()
+            call = stub.ProposeStream(iter(waiting.get, None))
+            call.cancel()
+            waiting.put(None)
+        for _ in range(200):  # the server sees the cancels on its own threads
+            if servers.draft.streams == 0:
+                break
+            time.sleep(0.05)
+        assert servers.draft.streams == 0 and servers.draft.streams_opened > servicers.MAX_STREAMS
+        replies = list(stub.ProposeStream(iter([draft_pb2.ProposeBatch(items=[propose_item()])])))
+        assert len(replies) == 1 and replies[0].proposals[0].candidates
+    finally:
+        servers.stop()
+
+
 def test_a_replica_that_holds_its_most_streams_is_called_unary(tiny_engine, monkeypatch):
     """A replica refuses a stream past its most (services/servicers.py MAX_STREAMS): the calls go
     unary there and the output is the same."""
