@@ -12,7 +12,9 @@ correctness.
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -37,6 +39,8 @@ from specdec.verification import Verdict
 # 1e-6 keeps the argmax of any vocabulary under 10^6 tokens (max q >= 1/V) and, on Qwen-sized
 # vocabularies, trims the long tail that carries almost no mass but most of the bytes.
 SPARSE_MIN_PROB = 1e-6
+
+logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -102,6 +106,8 @@ def features_to_proto(states: torch.Tensor, start: int = 0) -> common_pb2.Featur
 def features_from_proto(msg: common_pb2.Features) -> torch.Tensor:
     """-> [tokens, reads, H] bfloat16; raises InvalidRequestError when the bytes do not fit the shape."""
     expected = msg.tokens * msg.reads * msg.hidden * 2
+    if not msg.tokens:
+        raise InvalidRequestError("features must hold at least one token's states")
     if not msg.reads or not msg.hidden or len(msg.data) != expected:
         raise InvalidRequestError(f"features of {msg.tokens} x {msg.reads} x {msg.hidden} need {expected} bytes, "
                                   f"got {len(msg.data)}")
@@ -198,7 +204,7 @@ def verify_item_from_proto(msg: verifier_pb2.VerifyRequest, vocab_size: int) -> 
     sampling = sampling_from_proto(msg.sampling)
     return VerifyItem(
         session_id=msg.session_id, history=delta_from_proto(msg.history), candidates=list(msg.candidates),
-        draft_probs=unpack_draft_probs(msg.draft_probs, sampling, vocab_size),
+        draft_probs=unpack_draft_probs(msg.draft_probs, msg.candidates, sampling, vocab_size),
         sampling=sampling, seed=seed_from_proto(msg.seed),
         features_from=msg.features_from if msg.HasField("features_from") else None)
 
@@ -209,12 +215,20 @@ def unpacked_for_verifier(item: VerifyItem, vocab_size: int) -> VerifyItem:
     replica sent them packed. Raises InvalidRequestError as that does."""
     if not any(isinstance(q, common_pb2.Distribution) for q in item.draft_probs):
         return item
-    return replace(item, draft_probs=unpack_draft_probs(item.draft_probs, item.sampling, vocab_size))
+    return replace(item, draft_probs=unpack_draft_probs(item.draft_probs, item.candidates, item.sampling, vocab_size))
 
 
-def unpack_draft_probs(packed, sampling: SamplingParams, vocab_size: int) -> list[torch.Tensor]:
-    """A round's q_i as the verifier reads them: none where they need not travel (greedy)."""
-    return [unpack_distribution(q, vocab_size) for q in packed] if q_travels(sampling) else []
+def unpack_draft_probs(packed, candidates: Sequence[int], sampling: SamplingParams,
+                       vocab_size: int) -> list[torch.Tensor]:
+    """A round's q_i as the verifier reads them: none where they need not travel (greedy). A
+    candidate its q gives no probability is refused: no draft drew it, and p / q is not defined."""
+    if not q_travels(sampling):
+        return []
+    draft_probs = [unpack_distribution(q, vocab_size) for q in packed]
+    for i, (q, y) in enumerate(zip(draft_probs, candidates), start=1):
+        if 0 <= y < vocab_size and not q[y] > 0:
+            raise InvalidRequestError(f"candidate {i} has draft probability 0: no draft could have drawn it")
+    return draft_probs
 
 
 def verdict_to_proto(answer) -> verifier_pb2.Verdict:
@@ -248,6 +262,9 @@ def convert_items(messages, convert) -> tuple[list, dict[int, Refused]]:
             items.append(convert(msg))
         except InvalidRequestError as exc:
             refused[i] = Refused(str(exc))
+        except Exception as exc:  # noqa: BLE001 - a check missed: the item alone fails, not its call
+            logger.exception("converting a round item failed")
+            refused[i] = Refused(f"malformed item: {one_line(exc)}")
     return items, refused
 
 
@@ -279,6 +296,8 @@ def pack_distributions(rows: list[torch.Tensor]) -> list[common_pb2.Distribution
 
 def unpack_distribution(msg: common_pb2.Distribution, vocab_size: int) -> torch.Tensor:
     """-> q [V] fp32; raises InvalidRequestError on a malformed distribution."""
+    if not msg.probs:
+        raise InvalidRequestError("a draft distribution needs its probs")
     if len(msg.probs) % 4 or len(msg.token_ids) % 4:
         raise InvalidRequestError("a draft distribution's bytes must hold whole float32 / int32 values")
     probs = torch.frombuffer(bytearray(msg.probs), dtype=torch.float32)  # [nnz] or [V]

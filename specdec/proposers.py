@@ -84,14 +84,19 @@ class FeatureProposer(ModelProposer):
         self.link: WaitingStates | None = None  # in process: the states come from the verifier, not in items
 
     def take_inputs(self, kv: KVSession, item: ProposeItem, history: list[int]) -> bool:
-        if self.link is not None:  # what it holds is the target's; what waits joins it
-            self.link.take(item.session_id, self.draft, kv)
-        elif item.history.full:  # a rebuilt entry: served, the items carry the states again from where they start
-            self.draft.clear_features(kv)
-        if item.features is not None:
+        if item.features is not None:  # checked before anything held changes: a refused item changes nothing
             if not 0 <= item.features_start <= len(history):
                 raise InvalidRequestError(f"features start at position {item.features_start}, past the history's "
                                           f"{len(history)} tokens")
+            self.draft.check_features(item.features)
+        if self.link is not None:  # what it holds is the target's; what waits joins it
+            self.link.take(item.session_id, self.draft, kv)
+        elif item.history.full:  # a rebuilt entry: served, the items carry the states again from where they start
+            if item.features is not None and item.features_start > 0:
+                raise InvalidRequestError(f"features start at position {item.features_start}, but a rebuilt "
+                                          "session holds none")
+            self.draft.clear_features(kv)
+        if item.features is not None:
             self.draft.add_features(kv, item.features, item.features_start)
         return self.draft.can_draft(kv, history)
 

@@ -86,6 +86,8 @@ def history_from_delta(held: list[int] | None, delta: HistoryDelta, vocab_size: 
             raise InvalidRequestError(f"a full history must send all {delta.length} tokens, got {len(delta.tail)}")
         return list(delta.tail)
     base = delta.length - len(delta.tail)
+    if base < 0:  # (held[:base] would have cut from the end and served a history of another length)
+        raise InvalidRequestError(f"a history of {delta.length} tokens cannot end with {len(delta.tail)} new ones")
     if held is None or len(held) != base + delta.drop:
         return None
     return held[:base] + list(delta.tail)

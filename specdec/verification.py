@@ -92,7 +92,7 @@ def verify_sampled_batch(batch: RoundBatch, draft_token_probs: torch.Tensor, tar
     (`final_distributions`).
     Returns (num_accepted [B], next_token [B]) long. The output sequence is distributed as the target's."""
     ratio = (target_token_probs / draft_token_probs).double()  # [B, K_max]; q_i(y_i) > 0 since y_i ~ q_i
-    rejected = (uniforms[:, :-1] >= ratio) | ~batch.real
+    rejected = ~(uniforms[:, :-1] < ratio) | ~batch.real  # (a NaN ratio, 0 / 0, rejects)
     num_accepted = _first_true_rows(rejected)
     draw = uniforms.gather(1, batch.num_candidates[:, None]).squeeze(1)  # [B]: the uniform at column K_b
     return num_accepted, sample(final_probs(num_accepted), draw)

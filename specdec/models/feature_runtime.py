@@ -102,12 +102,16 @@ class FeatureDraftRuntime(DraftRole):
         of small kernels for each session of every step."""
         if start > session.held:
             raise InvalidRequestError(f"features start at position {start}, but the draft holds {session.held}")
-        if states.ndim != 3 or states.shape[1:] != (self.model.config.reads, self.hidden_size):
-            raise InvalidRequestError(f"features of shape {list(states.shape)}, not [tokens, "
-                                      f"{self.model.config.reads}, {self.hidden_size}]")
+        self.check_features(states)
         self._queued.append((session, states, start))
         session.held = start + len(states)
         session.exact = min(session.exact, start)
+
+    def check_features(self, states: torch.Tensor) -> None:
+        """Raises InvalidRequestError where `states` are not [tokens, reads, H] of this draft's target."""
+        if states.ndim != 3 or states.shape[1:] != (self.model.config.reads, self.hidden_size):
+            raise InvalidRequestError(f"features of shape {list(states.shape)}, not [tokens, "
+                                      f"{self.model.config.reads}, {self.hidden_size}]")
 
     def features_held(self, session: FeatureSession) -> int:
         """Positions of the target's states the session holds."""

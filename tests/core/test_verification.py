@@ -144,6 +144,17 @@ def test_sampled_rejects_a_candidate_the_target_cannot_produce():
         assert verdict.num_accepted == 0 and verdict.next_token in (1, 2)
 
 
+def test_sampled_rejects_a_candidate_neither_could_produce():
+    """p / q = 0 / 0 is NaN, and `r >= NaN` is false: the candidate was accepted (a peer can send one;
+    the services refuse it, services/convert.py `unpack_draft_probs`)."""
+    p = torch.tensor([[0.0, 0.2, 0.8], [0.2, 0.3, 0.5]])
+    q = torch.tensor([[0.0, 0.5, 0.5]])
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        verdict = verify_sampled(torch.tensor([0]), q, p, generator)
+        assert verdict.num_accepted == 0 and verdict.next_token == 2
+
+
 def test_sampled_without_candidates_draws_from_the_first_row():
     p = torch.tensor([[0.1, 0.0, 0.6, 0.3]])
     generator = torch.Generator().manual_seed(5)

@@ -690,9 +690,16 @@ def test_bad_items_are_refused_one_by_one(stubs, servers):
             token_ids=np.array([3, 3], dtype=np.int32).tobytes(), probs=np.array([0.5, 0.5], dtype=np.float32).tobytes())]),
         verify_item(session_id="v4", candidates=[10 ** 6], sampling=common_pb2.SamplingParams(top_p=1.0)),
         verify_item(session_id="v5", sampling=common_pb2.SamplingParams(top_p=1.0)),
+        # an empty distribution failed the whole call (INTERNAL), v5 with it
+        verify_item(session_id="v6", draft_probs=[common_pb2.Distribution()]),
+        verify_item(session_id="v7", draft_probs=[common_pb2.Distribution(token_ids=np.array([3], np.int32).tobytes())]),
+        # a candidate its q gives nothing: p / q was 0 / 0, and NaN accepted it
+        verify_item(session_id="v8", draft_probs=[common_pb2.Distribution(
+            token_ids=np.array([4], dtype=np.int32).tobytes(), probs=np.array([1.0], dtype=np.float32).tobytes())]),
     ]))
     for answer, fragment in zip(reply.verdicts, ["temperature", "one draft distribution per candidate", "distinct",
-                                                 "candidate token ids", None]):
+                                                 "candidate token ids", None, "needs its probs", "needs its probs",
+                                                 "candidate 1 has draft probability 0"], strict=True):
         if fragment is None:
             assert not answer.error and not answer.session_missing
         else:
@@ -804,6 +811,9 @@ def test_history_delta_worked_example():
         history_from_delta(held, HistoryDelta(9, [5], full=False, drop=-1), vocab_size=100)
     with pytest.raises(InvalidRequestError, match="full history"):
         history_from_delta(None, HistoryDelta(3, [3, 4], full=True), vocab_size=100)
+    # more new tokens than the history holds: served as a history of 10 where 2 were declared
+    with pytest.raises(InvalidRequestError, match="a history of 2 tokens cannot end with 5 new ones"):
+        history_from_delta(held + [8], HistoryDelta(2, [1, 2, 3, 4, 5], full=False, drop=11), vocab_size=100)
 
 
 def test_packed_distributions_round_trip_exactly_sparse_or_dense():
@@ -1002,12 +1012,20 @@ def test_bad_features_are_refused_one_by_one(feature_engine):
             propose_item(session_id="a", features=truncated), propose_item(session_id="b", features=wide),
             propose_item(session_id="c", features=common_pb2.Features(start=5, tokens=2, reads=reads, hidden=hidden,
                                                                        data=whole.data)),
+            propose_item(session_id="d", features=common_pb2.Features(start=0, tokens=0, reads=reads, hidden=hidden)),
             propose_item(session_id="good", features=whole)]))
-        for answer, fragment in zip(reply.proposals, ["need", "not [tokens", "past the history", None]):
+        for answer, fragment in zip(reply.proposals, ["need", "not [tokens", "past the history", "at least one token",
+                                                      None], strict=True):
             if fragment is None:
                 assert not answer.error and len(answer.candidates) == 3
             else:
                 assert_refused(answer, fragment)
+        # a refused rebuild changes nothing: it cleared the states the session held, then refused
+        worker = servers.draft.worker
+        held = worker.draft.features_held(worker.sessions.get("good").kv)
+        for bad in (wide, common_pb2.Features(start=1, tokens=2, reads=reads, hidden=hidden, data=whole.data)):
+            [answer] = draft.Propose(draft_pb2.ProposeBatch(items=[propose_item(session_id="good", features=bad)])).proposals
+            assert answer.error and worker.draft.features_held(worker.sessions.get("good").kv) == held > 0
         history, greedy = common_pb2.HistoryDelta(history_length=2, tail=[1, 2], full=True), common_pb2.SamplingParams(top_p=1.0)
         reply = verifier.Verify(verifier_pb2.VerifyBatch(items=[
             verifier_pb2.VerifyRequest(session_id="v1", history=history, sampling=greedy, features_from=7),
