@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -46,9 +46,11 @@ class ModelProposer:
     def check_policy(self, policy: StoppingPolicy) -> None:
         """Raises InvalidRequestError where this draft cannot run the policy: a model's runs any."""
 
-    def end(self, kv: KVSession, history: list[int]) -> None:
-        """A session released (its request ended) after `history`, as far as the draft saw it:
-        nothing to keep of it."""
+    def ended(self, kv: KVSession, history: list[int]) -> Callable[[], None] | None:
+        """What is left to do of a session released (its request ended) after `history`, as far as
+        the draft saw it, to run on the drafting thread; it holds nothing of `kv` (its cache is
+        freed at once). None: nothing to keep of it."""
+        return None
 
     def take_inputs(self, kv: KVSession, item: ProposeItem, history: list[int]) -> bool:
         """What the item brings besides its history into the session's cache `kv`; whether the
@@ -139,9 +141,12 @@ class SuffixProposer:
         if item.history.full:
             kv.scope, kv.prompt_length = item.cache_scope, len(history) - item.num_generated
 
-    def end(self, kv: SuffixSession, history: list[int]) -> None:
+    def ended(self, kv: SuffixSession, history: list[int]) -> Callable[[], None] | None:
         """A session released: its response joins its scope's earlier responses."""
-        self.draft.remember(kv, history)
+        if kv.scope is None:
+            return None
+        scope, response = kv.scope, history[kv.prompt_length:]
+        return lambda: self.draft.remember(scope, response)
 
     def propose(self, rows: list[DraftRow], plan: StepPlan, timings: list[PassTiming]) -> list[Proposal]:
         start = time.perf_counter()
@@ -318,9 +323,8 @@ class FusedProposer:
         self.suffix.open(kv.suffix, item, history)
         return self.model.take_inputs(kv, item, history)
 
-    def end(self, kv: KVSession, history: list[int]) -> None:
-        if kv.suffix is not None:
-            self.suffix.end(kv.suffix, history)
+    def ended(self, kv: KVSession, history: list[int]) -> Callable[[], None] | None:
+        return self.suffix.ended(kv.suffix, history) if kv.suffix is not None else None
 
     def propose(self, rows: list[DraftRow], plan: StepPlan, timings: list[PassTiming]) -> list[Proposal]:
         walked = [b for b, row in enumerate(rows) if row.policy.traits.budgeted]

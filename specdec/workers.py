@@ -233,15 +233,14 @@ class DraftWorker(Worker):
         self.draft, self.proposer = draft, proposer_for(draft, logits_filter)
         self.head = head.to(draft.device) if head is not None else None  # it reads the draft's states where they are
         self.sessions: SessionStore[DraftSession] = sessions if sessions is not None else SessionStore()
-        self._ended: deque[DraftSession] = deque()  # released, their proposer's `end` not yet run
+        self._ended: deque[Callable[[], None]] = deque()  # what released sessions left to do
 
     def _before_batch(self) -> None:
-        # A released session's end runs here, on the thread that drafts: Release arrives on others (a
-        # gRPC server's, a replica's event loop) while a batch may be walking what `end` changes (the
-        # suffix draft adds the response to its scope's shared index).
+        # What a released session left to do runs here, on the thread that drafts: Release arrives on
+        # others (a gRPC server's, a replica's event loop) while a batch may be walking what it
+        # changes (the suffix draft adds the response to its scope's shared index).
         while self._ended:
-            entry = self._ended.popleft()
-            self.proposer.end(entry.kv, entry.history)  # (the last round's tokens are not seen)
+            self._ended.popleft()()
         super()._before_batch()
 
     def _probe(self, sizes: Sequence[int], context: int) -> list[PassTiming]:
@@ -257,7 +256,9 @@ class DraftWorker(Worker):
 
     def release(self, session_ids: list[str]) -> list[bool]:
         entries = [self.sessions.pop(session_id) for session_id in session_ids]
-        self._ended.extend(entry for entry in entries if entry is not None)
+        for entry in entries:  # (the last round's tokens are not seen)
+            if entry is not None and (left := self.proposer.ended(entry.kv, entry.history)) is not None:
+                self._ended.append(left)
         return [entry is not None for entry in entries]
 
     def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan()) -> list[Proposal | SessionMissing | Refused]:

@@ -340,16 +340,15 @@ class SuffixDraft(DraftRole):
             self.cache.move_to_end(scope)
         return index
 
-    def remember(self, session: SuffixSession, history: list[int]) -> None:
-        """A session that ended adds its response (`history` past its prompt) to its scope's earlier
-        responses: the most recent CACHE_TOKENS of each of the CACHE_SCOPES scopes used last are
-        kept, each response a document of its own."""
-        response = history[session.prompt_length:]
-        if session.scope is None or not response:
+    def remember(self, scope: str, response: list[int]) -> None:
+        """A session that ended adds its response to its scope's earlier responses: the most recent
+        CACHE_TOKENS of each of the CACHE_SCOPES scopes used last are kept, each response a
+        document of its own."""
+        if not response:
             return
-        index = self.cache.get(session.scope)
+        index = self.cache.get(scope)
         if index is None:
-            index = self.cache[session.scope] = SuffixIndex()
+            index = self.cache[scope] = SuffixIndex()
             while len(self.cache) > CACHE_SCOPES:
                 self.cache.popitem(last=False)
         response = response[-(CACHE_TOKENS // 2):]
@@ -360,11 +359,11 @@ class SuffixDraft(DraftRole):
                     break
                 kept.append(document)
                 total += len(document)
-            index = self.cache[session.scope] = SuffixIndex()
+            index = self.cache[scope] = SuffixIndex()
             for document in reversed(kept):
                 index.add_document(document)
         index.add_document(response)
-        self.cache.move_to_end(session.scope)
+        self.cache.move_to_end(scope)
 
     @property
     def vocab_size(self) -> int:

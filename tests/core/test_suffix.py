@@ -330,19 +330,15 @@ def test_a_cache_of_earlier_responses_is_read_within_its_scope_only(target):
 
 
 def test_the_cache_of_earlier_responses_stays_bounded():
-    from specdec.models.suffix import CACHE_SCOPES, CACHE_TOKENS, SuffixSession
+    from specdec.models.suffix import CACHE_SCOPES, CACHE_TOKENS
 
     draft = SuffixDraft(VOCAB)
     for scope in range(CACHE_SCOPES + 2):
-        session = SuffixSession()
-        session.scope, session.prompt_length = str(scope), 3
-        draft.remember(session, [1, 2, 3] + [4, 5] * 10)
+        draft.remember(str(scope), [4, 5] * 10)
     assert list(draft.cache) == [str(scope) for scope in range(2, CACHE_SCOPES + 2)]  # the least recent dropped
-    assert draft.cache["2"].tokens == [4, 5] * 10  # the response only
-    session = SuffixSession()
-    session.scope = "2"
+    assert draft.cache["2"].tokens == [4, 5] * 10
     for response in ([3] * (CACHE_TOKENS // 4 + 1), [0] * (CACHE_TOKENS // 4), [1] * (CACHE_TOKENS // 2)):
-        draft.remember(session, response)
+        draft.remember("2", response)
     cache = draft.cache["2"]
     assert len(cache) <= CACHE_TOKENS
     # built again from whole responses, each still a document of its own: "0" was never followed by 1
@@ -360,10 +356,8 @@ def test_a_copy_from_earlier_responses_ends_with_its_response():
     from specdec.rounds import DraftRow
 
     draft = SuffixDraft(60)
-    session = SuffixSession()
-    session.scope = "a"
     for response in ([1, 2, 3, 4], [4, 50, 51, 52]):
-        draft.remember(session, response)
+        draft.remember("a", response)
     cache = draft.cache["a"]
     assert not cache.goes_on(3) and cache.goes_on(4) and not cache.goes_on(7)
     assert cache.run([9, 3, 4], [], 4) == 0  # "3 4" ends the first response: the second's 4 follows nothing
@@ -428,6 +422,25 @@ def test_a_release_from_another_thread_changes_the_shared_cache_on_the_thread_th
     releasing.join()
     worker.propose([suffix_item("t", HistoryDelta(len(prompt), prompt, True), cache_scope="a")])
     assert remembered_on == [threading.current_thread()] and draft.cache["a"].tokens == [3, 5]
+
+
+def test_a_released_session_leaves_nothing_of_its_cache_behind():
+    """What a released session leaves for the drafting thread holds nothing of its cache (its KV was
+    kept until the draft's next batch, an idle replica's for good); one without a scope leaves nothing."""
+    import gc
+    import weakref
+
+    from specdec.protocol import HistoryDelta
+    from specdec.workers import DraftWorker
+
+    worker = DraftWorker(SuffixDraft(VOCAB), MatchHead())
+    prompt = [1, 2, 3, 4, 1, 2]
+    worker.propose([suffix_item("s", HistoryDelta(len(prompt), prompt, True), cache_scope="a"),
+                    suffix_item("t", HistoryDelta(len(prompt), prompt, True))])
+    sessions = [weakref.ref(worker.sessions.get(name).kv) for name in ("s", "t")]
+    worker.release(["s", "t"])
+    gc.collect()
+    assert [session() for session in sessions] == [None, None] and len(worker._ended) == 1  # s's response
 
 
 def test_how_often_a_candidate_followed_counts_where_the_two_end_a_text():
