@@ -114,8 +114,9 @@ class RoundReplica:
         return replies[self.role].SerializeToString()
 
     async def live_sessions(self) -> int:
-        """Sessions whose cache this replica holds (tests and the load benchmark read it)."""
-        return len(self.servicer.sessions)
+        """Sessions whose cache this replica holds, a draft's beside the verifier included (tests and
+        the load benchmark read it)."""
+        return sum(len(servicer.sessions) for servicer in self.servicers.values())
 
     def check_health(self) -> None:
         """Serve calls this every few seconds: also when idle sessions' caches are freed."""

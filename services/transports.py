@@ -352,26 +352,34 @@ class DirectTransport(GrpcTransport):
         self._handles[VERIFIER] = verifier
         self._owners: dict[tuple[Service, str], str] = {}
 
-    def _key(self, served_by: Service, session_id: str) -> tuple[Service, str]:
-        """Whose owner a call looks up: a colocated draft's session is the verifier's."""
-        return (VERIFIER if served_by in self._colocated else served_by), session_id
+    def _beside(self, served_by: Service) -> list[Service]:
+        """The services whose sessions share a replica with `served_by`'s: the verifier and the
+        drafts beside it."""
+        return [VERIFIER, *self._colocated] if served_by == VERIFIER or served_by in self._colocated else [served_by]
 
     async def _owner(self, served_by: Service, session_id: str) -> str:
-        key = self._key(served_by, session_id)
-        if key not in self._owners:
-            handle = self._handles[key[0]].options(session_id=session_id)
-            self._owners[key] = await own_request(lambda: handle.address.remote())
-        return self._owners[key]
+        if (owner := self._known_owner(served_by, session_id)) is None:
+            handle = self._handles[served_by].options(session_id=session_id)  # (a colocated draft's: the verifier's)
+            owner = await own_request(lambda: handle.address.remote())
+        # Kept for each service apart, each forgotten by its own release: one kept for both, the
+        # first release forgot it and the other sent none (its sessions waited for their TTL).
+        self._owners[served_by, session_id] = owner
+        return owner
 
     def _known_owner(self, served_by: Service, session_id: str) -> str | None:
-        return self._owners.get(self._key(served_by, session_id))
+        """Its own, else the replica of a service beside it (a draft beside the verifier goes where the
+        session's verifier is, and the other way round)."""
+        for each in (served_by, *self._beside(served_by)):
+            if (owner := self._owners.get((each, session_id))) is not None:
+                return owner
+        return None
 
     def _forget(self, served_by: Service, session_id: str) -> None:
-        self._owners.pop(self._key(served_by, session_id), None)
+        for each in self._beside(served_by):  # the replica is gone, for the services beside it too
+            self._owners.pop((each, session_id), None)
 
     def _forget_released(self, served_by: Service, session_id: str) -> None:
-        if served_by not in self._colocated:  # the verifier's release forgets the owner they share
-            self._forget(served_by, session_id)
+        self._owners.pop((served_by, session_id), None)
 
 
 class HandleTransport(DirectTransport):

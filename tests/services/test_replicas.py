@@ -71,3 +71,54 @@ def test_verifier_loads_and_verifies_on_one_thread(tiny_pair):
     assert len(asyncio.run(verify()).verdicts) == 1
     assert len(recording.threads["load"]) == 1
     assert recording.threads["call"] == recording.threads["load"]
+
+
+class AddressOnly:
+    """A Serve deployment handle as far as DirectTransport asks it: the owner's address."""
+
+    def __init__(self, address: str):
+        self._address = address
+
+    def options(self, **_):
+        return self
+
+    @property
+    def address(self):
+        address = self._address
+
+        class Call:
+            def remote(self):
+                async def answer():
+                    return address
+                return answer()
+        return Call()
+
+
+def test_a_draft_beside_the_verifier_is_released_whichever_release_goes_first():
+    """The verifier and a draft beside it share the session's replica: the owner was kept once for
+    both, the first release forgot it and the other sent none (the draft's sessions stayed until
+    their TTL), and one only proposed (cancelled in its first Propose) was never forgotten."""
+    from services.transports import VERIFIER, DirectTransport, service
+
+    feature = service("draft", "feature")
+
+    class Recording(DirectTransport):
+        async def _send(self, served_by, owner, method, request, routing_key):
+            self.sent.append((served_by.role, owner, method, list(request.session_ids)))
+
+    for releases in ([VERIFIER, feature], [feature, VERIFIER]):
+        transport = Recording({"default": AddressOnly("draft:1")}, AddressOnly("verifier:1"), colocated=["feature"])
+        transport.sent = []
+
+        async def run():
+            assert await transport._owner(feature, "both") == "verifier:1"  # proposed, then verified
+            assert await transport._owner(VERIFIER, "both") == "verifier:1"
+            await transport._owner(feature, "proposed")
+            for served_by in releases:
+                sessions = ["both"] + (["proposed"] if served_by == feature else [])
+                await transport.release(served_by.role, sessions, served_by.draft)
+
+        asyncio.run(run())
+        assert sorted(transport.sent) == [("draft", "verifier:1", "Release", ["both", "proposed"]),
+                                          ("verifier", "verifier:1", "Release", ["both"])]
+        assert transport._owners == {}
