@@ -269,8 +269,13 @@ class RoundLoop:
                 if not s.done.done():
                     s.done.set_exception(exc if isinstance(exc, Exception) else RuntimeError("the round loop stopped"))
             running.clear()
-            # the waiting samples go on once this task has ended (a lane's next task starts then)
-            asyncio.get_running_loop().call_soon(self._admit)
+            for planner in planners.values():
+                planner.forget(leaving)
+            # The waiting samples go on in the lane's next task, started now: admitted while this one
+            # still released, they joined a task that was ending and waited for the next request.
+            if self._tasks[lane] is asyncio.current_task():
+                self._tasks[lane] = None
+            self._admit()
             try:  # their workers' caches go too (an interrupted engine kept them until their TTL)
                 await self.calls.release(leaving)
             except Exception:

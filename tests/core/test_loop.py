@@ -118,14 +118,16 @@ def test_sessions_past_what_the_workers_hold_wait_instead_of_evicting_each_other
 
 def test_a_step_that_fails_fails_its_sessions_and_the_waiting_ones_go_on(tiny_engine):
     """Found by a review: a failed step left the samples waiting past max_live_sessions waiting for
-    good, and every later request behind them."""
+    good, and every later request behind them. Failing once the workers hold its session (its
+    release then takes a while), the waiting sample joined the ending task and waited for the next
+    request, and the planner kept the failed session's state."""
     loop = RoundLoop(CountingTransport(tiny_engine), tiny_engine.rules, BatchConfig(max_live_sessions=1))
     planner = loop.planners[0]
     plan, calls = planner.plan, []
 
     async def failing_once(batch):
         calls.append(len(batch))
-        if len(calls) == 1:
+        if len(calls) == 3:
             raise RuntimeError("a bug in a step")
         return await plan(batch)
 
@@ -142,6 +144,7 @@ def test_a_step_that_fails_fails_its_sessions_and_the_waiting_ones_go_on(tiny_en
     second, later = asyncio.run(scenario())
     assert second.completions[0].token_ids == expected(tiny_engine, PROMPTS[1])
     assert later.completions[0].token_ids == expected(tiny_engine, PROMPTS[2])
+    assert not planner._sessions
 
 
 def test_the_oracle_takes_a_cap_k(tiny_engine):
