@@ -127,7 +127,13 @@ def lookahead_bound(acc: torch.Tensor, t: int, n: int, lam: float, costs: list[f
 
 
 def newest_cache() -> Path:
-    return max(CACHE.glob("*.pt"), key=lambda p: p.stat().st_mtime)
+    """The newest feature cache of the default pair's head training; exits in one line without one."""
+    caches = list(CACHE.glob("*.pt"))
+    if not caches:
+        raise SystemExit(f"no feature cache in {CACHE}: `specdec train-head --config "
+                         "cluster/training/default-pair.yaml` makes it (benchmarks.replay_rules also takes "
+                         "--config or --features)")
+    return max(caches, key=lambda p: p.stat().st_mtime)
 
 
 def label_sets(features: dict) -> list[tuple[int, int]]:

@@ -140,3 +140,13 @@ def test_a_replayed_batch_pays_each_drafting_step_by_its_rows_and_one_pass_for_a
     assert alone == pytest.approx(4 / (2 * 1.0 + 10.5 + 1.0 + 10.0) * 1000)
     hosted, _ = replay(fixed2, [table], profile, sampled=False, host_ms=0.5)  # the loop's own work, once a step
     assert hosted == pytest.approx(4 / (2 * 1.0 + 10.5 + 1.0 + 10.0 + 2 * 0.5) * 1000)
+
+
+def test_the_replays_without_a_feature_cache_say_how_to_make_one(tmp_path, monkeypatch):
+    """benchmarks.replay_rules and probe_target_features read the newest head feature cache: without
+    one they printed max()'s traceback."""
+    import benchmarks.replay_rules as replay_rules
+
+    monkeypatch.setattr(replay_rules, "CACHE", tmp_path)
+    with pytest.raises(SystemExit, match="no feature cache in .*specdec train-head --config"):
+        replay_rules.newest_cache()
