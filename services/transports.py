@@ -351,25 +351,26 @@ class DirectTransport(GrpcTransport):
         self._handles |= {colocated_draft: verifier for colocated_draft in self._colocated}
         self._handles[VERIFIER] = verifier
         self._owners: dict[tuple[Service, str], str] = {}
+        self._sharing = [VERIFIER, *self._colocated]  # the services whose sessions share a replica
 
     def _beside(self, served_by: Service) -> list[Service]:
-        """The services whose sessions share a replica with `served_by`'s: the verifier and the
-        drafts beside it."""
-        return [VERIFIER, *self._colocated] if served_by == VERIFIER or served_by in self._colocated else [served_by]
+        """The services whose sessions share a replica with `served_by`'s, itself included."""
+        return self._sharing if served_by in self._sharing else [served_by]
 
     async def _owner(self, served_by: Service, session_id: str) -> str:
-        if (owner := self._known_owner(served_by, session_id)) is None:
-            handle = self._handles[served_by].options(session_id=session_id)  # (a colocated draft's: the verifier's)
-            owner = await own_request(lambda: handle.address.remote())
         # Kept for each service apart, each forgotten by its own release: one kept for both, the
         # first release forgot it and the other sent none (its sessions waited for their TTL).
-        self._owners[served_by, session_id] = owner
+        if (owner := self._owners.get((served_by, session_id))) is None:
+            if (owner := self._known_owner(served_by, session_id)) is None:
+                handle = self._handles[served_by].options(session_id=session_id)  # (a colocated draft's: the verifier's)
+                owner = await own_request(lambda: handle.address.remote())
+            self._owners[served_by, session_id] = owner
         return owner
 
     def _known_owner(self, served_by: Service, session_id: str) -> str | None:
         """Its own, else the replica of a service beside it (a draft beside the verifier goes where the
         session's verifier is, and the other way round)."""
-        for each in (served_by, *self._beside(served_by)):
+        for each in self._beside(served_by):
             if (owner := self._owners.get((each, session_id))) is not None:
                 return owner
         return None
