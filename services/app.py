@@ -49,7 +49,13 @@ def _deployment(cls: type, name: str, replicas: ReplicaConfig, round_service: bo
     # No OMP_WAIT_POLICY: PASSIVE made every parallel region wake a sleeping thread, and a 2-thread
     # draft step then cost as much as a 1-thread one; libgomp's default short spin is faster here
     # even though the draft and the verifier take turns on the same cores (docs/benchmarks.md).
-    env = {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(MAX_ROUND_MESSAGE_BYTES), **replicas.env}
+    env = {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(MAX_ROUND_MESSAGE_BYTES)}
+    if not replicas.num_gpus:
+        # Ray (since 2.5x) no longer hides the node's GPUs from a replica that asks for none, where
+        # `models.device: auto` would take one nobody gave it, and the coordinator's context limit
+        # (AppConfig.model_devices) would be the CPU runtime's.
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    env |= replicas.env
     if replicas.threads:
         env["OMP_NUM_THREADS"] = str(replicas.threads)
     actor_options = {"num_cpus": replicas.num_cpus, "num_gpus": replicas.num_gpus, "runtime_env": {"env_vars": env}}

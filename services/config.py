@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
@@ -63,6 +64,8 @@ class ReplicaConfig(BaseModel):
             raise ValueError(f"unknown autoscaling keys {unknown}; Serve's autoscaling_config takes "
                              f"{sorted(AutoscalingConfig.model_fields)}")
         AutoscalingConfig.model_validate(value)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in value.values()):
+            raise ValueError("autoscaling values must be finite numbers")  # (Serve's model takes inf)
         return value
 
     def replicas(self) -> tuple[int, int, int]:
@@ -111,6 +114,18 @@ class SessionConfig(BaseModel):
     ttl_s: float = Field(DEFAULT_TTL_S, gt=0)
 
 
+# The defaults of each role's replicas, beside ReplicaConfig's. Draft and Verifier replicas run their
+# torch work off the event loop, so they answer health checks mid-pass (Serve's 30 s timeout leaves
+# little room on a loaded CPU); one being stopped waits a minute for its calls in flight (a session
+# it drops re-prefills on another, losslessly). Coordinator and Ingress replicas run no model (no
+# CPU reserved) and hold whole generations: stopped (Ctrl-C, downscale, upgrade) they let them
+# finish, for up to 15 minutes (2,048 tokens at a few tokens/s on a CPU; Serve's default is 20 s).
+MODEL_REPLICAS = {"health_check_period_s": 10.0, "health_check_timeout_s": 60.0, "graceful_shutdown_timeout_s": 60.0}
+REQUEST_REPLICAS = {"num_cpus": 0.0, "max_ongoing_requests": 256, "graceful_shutdown_timeout_s": 900.0}
+ROLE_DEFAULTS = {"draft": MODEL_REPLICAS, "verifier": MODEL_REPLICAS,
+                 "coordinator": REQUEST_REPLICAS, "ingress": REQUEST_REPLICAS}
+
+
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -121,10 +136,11 @@ class AppConfig(BaseModel):
     model_name: str = Field("specdec", min_length=1)
     # Target shards per verifier replica (accelerate device map over its GPUs; 1 on CPU).
     target_shards: int = Field(1, ge=1)
+    # Each role's replicas; what a role's section leaves out is its ROLE_DEFAULTS, then ReplicaConfig's.
     draft: ReplicaConfig = ReplicaConfig()
     verifier: ReplicaConfig = ReplicaConfig()
-    coordinator: ReplicaConfig = ReplicaConfig(num_cpus=0.0, max_ongoing_requests=256)
-    ingress: ReplicaConfig = ReplicaConfig(num_cpus=0.0, max_ongoing_requests=256)
+    coordinator: ReplicaConfig = ReplicaConfig()
+    ingress: ReplicaConfig = ReplicaConfig()
     sessions: SessionConfig = SessionConfig()
     # Send sampled draft distributions without entries at or below this probability (0 = exact).
     sparsify_below: float = Field(0.0, ge=0, lt=1)
@@ -176,12 +192,38 @@ class AppConfig(BaseModel):
             raise ValueError("models.threads is not read when served: set draft.threads and verifier.threads")
         return value
 
+    @model_validator(mode="after")
+    def _a_gpu_per_shard(self) -> AppConfig:
+        # (each verifier replica splits the target over the GPUs Ray gives it: a shard without one
+        # failed at load, or took a GPU Ray had given nobody)
+        if self.target_shards > 1 and self.verifier.num_gpus != self.target_shards:
+            raise ValueError(f"target_shards {self.target_shards} needs verifier.num_gpus {self.target_shards} "
+                             f"(a GPU per shard), got {self.verifier.num_gpus:g}")
+        return self
+
     @field_validator("max_queued_requests")
     @classmethod
     def _serve_queue(cls, value: int) -> int:
         if value == 0:  # (Serve's own check, at deploy time, would end `serve run` with a traceback)
             raise ValueError("max_queued_requests must be -1 (unbounded) or at least 1")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _role_defaults(cls, data):
+        """A role's section, given or not, starts from its ROLE_DEFAULTS: `coordinator:
+        {autoscaling: ...}` alone keeps the coordinator's 0 CPUs and long shutdown."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for role, defaults in ROLE_DEFAULTS.items():
+            given = data.get(role, {})
+            if isinstance(given, ReplicaConfig):
+                data[role] = given.model_copy(update={key: value for key, value in defaults.items()
+                                                      if key not in given.model_fields_set})
+            elif isinstance(given, dict):
+                data[role] = defaults | given
+        return data
 
     @model_validator(mode="before")
     @classmethod

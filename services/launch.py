@@ -113,7 +113,9 @@ def serve_forever(config: AppConfig, host: str, http_port: int, grpc_port: int,
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         deployed = True
         addresses = start(config, host, http_port, grpc_port)
-        print(f"gRPC  {addresses['grpc']}  (specdec.v1.Generation)\n"
+        exposed = ("; Serve listens on every interface: set SPECDEC_API_KEY to require a key"
+                   if config.key is None and host not in ("0.0.0.0", "::") else "")
+        print(f"gRPC  {addresses['grpc']}  (specdec.v1.Generation{exposed})\n"
               f"HTTP  {addresses['http']}  (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)\n"
               "Ctrl-C stops.", flush=True)
         threading.Event().wait()

@@ -219,7 +219,9 @@ def print_costs(engine, args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from specdec.builder import check_sources
+    import os
+
+    from specdec.builder import check_runtime_settings, check_sources
     from specdec.policies import PolicyConfig, resolve_policy
     from services.config import AppConfig, ReplicaConfig
     from services.launch import RAY_OPTIONS, serve_forever
@@ -232,12 +234,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     resolve_policy(policy, has_head=has_head(args))  # its flags checked before the replicas load
     engine = engine_config(args)
     check_sources(engine)  # a mistyped source fails here, not in the replicas after Ray started
+    if not (args.address or os.environ.get("RAY_ADDRESS")) and args.target_shards == 1:
+        # The replicas run here, on the CPU: Ray gives them no GPU (services/app.py). What their
+        # models would not read is refused, not ignored, as in process.
+        if engine.device not in ("auto", "cpu"):
+            raise InvalidRequestError(f"--device {engine.device}: specdec serve runs its models on the CPU "
+                                      "(--target-shards N puts the target on N GPUs); to serve on a GPU, use a "
+                                      "Serve config (cluster/serve/gpu.yaml)")
+        check_runtime_settings(engine.model_copy(update={"device": "cpu"}))
     engine.batch = engine.batch.model_copy(update={"lanes": args.lanes})
     config = AppConfig(
         models=engine.model_copy(update={"threads": None}), policy=policy, model_name=args.model_name,
         target_shards=args.target_shards,
         draft=ReplicaConfig(num_replicas=args.draft_replicas, threads=args.threads),
-        verifier=ReplicaConfig(num_replicas=args.verifier_replicas, threads=args.threads))
+        verifier=ReplicaConfig(num_replicas=args.verifier_replicas, threads=args.threads,
+                               num_gpus=args.target_shards if args.target_shards > 1 else 0))
     return serve_forever(config, args.host, args.http_port, args.grpc_port,
                          lambda need: start_ray(args.address, need, "the replicas (--draft-replicas, "
                                                 "--verifier-replicas) ask", RAY_OPTIONS))
@@ -468,7 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--policy", default=None, help=f"default stopping policy: {', '.join(POLICY_NAMES)}")
     group.add_argument("--k", type=int, default=None, help="default k (see specdec generate --help)")
     group.add_argument("--threshold", type=float, default=None, help="default threshold (see specdec generate --help)")
-    group.add_argument("--host", default="127.0.0.1", help="address the proxies listen on (0.0.0.0 for all)")
+    group.add_argument("--host", default="127.0.0.1",
+                       help="address the HTTP proxy listens on (0.0.0.0 for all); Serve's gRPC proxy listens on "
+                            "every interface whatever this says (docs/reliability.md, \"Access\")")
     group.add_argument("--http-port", type=int, default=8000)
     group.add_argument("--grpc-port", type=int, default=9000)
     group.add_argument("--model-name", default="specdec", help="the model id the OpenAI routes answer to")
@@ -476,7 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Ray cluster to serve on (default $RAY_ADDRESS, else a new local instance)")
     group.add_argument("--draft-replicas", type=int, default=1)
     group.add_argument("--verifier-replicas", type=int, default=1)
-    group.add_argument("--target-shards", type=int, default=1, help="devices per verifier replica")
+    group.add_argument("--target-shards", type=int, default=1,
+                       help="GPUs per verifier replica, the target split over them (1: every replica on the CPU)")
     group.add_argument("--lanes", type=int, default=1, choices=range(1, 9), metavar="N",
                        help="batches in flight: 2 lets the draft work on one while the verifier checks the other "
                             "(pays where they run on different devices; docs/benchmarks.md)")

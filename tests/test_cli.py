@@ -275,6 +275,28 @@ def test_serve_refuses_replicas_this_machine_could_never_place(tiny_pair, capsys
                               f"CPUs and 0 GPUs; this machine has {os.cpu_count()}")
 
 
+def test_serve_lets_the_requests_in_flight_finish_and_asks_a_gpu_per_shard(tiny_pair, monkeypatch, capsys):
+    """Ctrl-C said "the requests in flight finish first" and Serve gave a coordinator 20 s;
+    `--target-shards 2` reserved no GPU for its shards."""
+    import services.launch
+    from services.config import REQUEST_REPLICAS
+
+    built = []
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(services.launch, "serve_forever", lambda config, *args: built.append(config) or 0)
+    for shards in (1, 2):
+        assert main(["serve", *tiny_flags(tiny_pair), "--target-shards", str(shards)]) == 0
+    one, two = built
+    assert one.coordinator.graceful_shutdown_timeout_s == REQUEST_REPLICAS["graceful_shutdown_timeout_s"]
+    assert one.ingress.graceful_shutdown_timeout_s == REQUEST_REPLICAS["graceful_shutdown_timeout_s"]
+    assert one.verifier.health_check_timeout_s == 60 and one.coordinator.num_cpus == 0
+    assert (one.verifier.num_gpus, two.verifier.num_gpus, two.draft.num_gpus) == (0, 2, 0)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # a GPU machine: its replicas would see none
+    capsys.readouterr()
+    assert main(["serve", *tiny_flags(tiny_pair), "--device", "cuda"]) == 2
+    assert "specdec serve runs its models on the CPU" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flags, reason", [
     (["--policy", "oracle"], "runs in process only"),
     (["--policy", "fixed", "--k", "65"], "k must be at most 64"),
@@ -285,6 +307,8 @@ def test_serve_refuses_replicas_this_machine_could_never_place(tiny_pair, capsys
     (["--http-port", "TAKEN"], "Address already in use"),
     (["--verifier-replicas", "0"], "--verifier-replicas must be at least 1, got 0"),  # (it named num-replicas)
     (["--draft", "/no/such/draft"], "no such"),  # (the replicas failed after Ray started, with a traceback)
+    # (accepted and ignored: refused in process, the replicas here read nothing of them)
+    (["--llamacpp-context", "4096"], "no model of this engine runs on llama.cpp"),
     # (it joined whatever Ray `ray start` left on the machine, and served where the flags did not say)
     (["--address", f"127.0.0.1:{free_port()}"], "nothing answers there"),
     (["--address", "http://127.0.0.1:8265"], "that is the dashboard's (Jobs) address"),

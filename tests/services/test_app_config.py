@@ -25,10 +25,51 @@ def test_resources_are_custom_and_non_negative(resources):
         ReplicaConfig(resources=resources)
 
 
-def test_defaults_leave_serves_defaults_alone():
-    replicas = AppConfig().draft
-    assert replicas.resources == {} and replicas.health_check_timeout_s is None
-    assert replicas.graceful_shutdown_timeout_s is None
+def test_each_role_keeps_its_defaults_however_much_of_its_section_is_given():
+    """Serve's defaults (20 s to shut down) cut off a coordinator's generations when `specdec serve`
+    stopped, which said it let them finish; a section given in part (`coordinator: {autoscaling:
+    ...}`) took ReplicaConfig's defaults, a whole CPU for a coordinator included."""
+    from ray.serve._private.build_app import build_app as flatten_app
+
+    from services.app import build_app
+    from services.config import MODEL_REPLICAS, REQUEST_REPLICAS
+
+    scaling = {"min_replicas": 1, "max_replicas": 2}
+    for config in (AppConfig(), AppConfig.model_validate({"coordinator": {"autoscaling": scaling},
+                                                          "ingress": ReplicaConfig(num_replicas=2),
+                                                          "verifier": {"num_cpus": 2}})):
+        deployments = {d.name: d for d in flatten_app(build_app(config), name="specdec").deployments}
+        for role, defaults in (("draft", MODEL_REPLICAS), ("verifier", MODEL_REPLICAS),
+                               ("coordinator", REQUEST_REPLICAS), ("ingress", REQUEST_REPLICAS)):
+            replicas = getattr(config, role)
+            assert {key: getattr(replicas, key) for key in defaults} == defaults, role
+            deployed = deployments[role.capitalize()]._deployment_config
+            assert deployed.graceful_shutdown_timeout_s == defaults["graceful_shutdown_timeout_s"], role
+        assert deployments["Verifier"]._deployment_config.health_check_timeout_s == 60
+    assert REQUEST_REPLICAS["graceful_shutdown_timeout_s"] >= 900  # 2,048 tokens at a few tokens/s
+    given = AppConfig(draft=ReplicaConfig(graceful_shutdown_timeout_s=5, health_check_timeout_s=None)).draft
+    assert (given.graceful_shutdown_timeout_s, given.health_check_timeout_s) == (5, None)  # None: Serve's
+
+
+def test_a_replica_without_a_gpu_of_its_own_sees_none():
+    """Ray 2.60 no longer hides a node's GPUs from an actor that asks for none: `device: auto` took
+    one nobody had given it, and the coordinator priced the CPU runtime's context."""
+    from ray.serve._private.build_app import build_app as flatten_app
+
+    from services.app import build_app
+
+    config = AppConfig(verifier=ReplicaConfig(num_gpus=1), draft=ReplicaConfig(env={"CUDA_VISIBLE_DEVICES": "1"}))
+    env = {d.name: d.ray_actor_options["runtime_env"]["env_vars"]
+           for d in flatten_app(build_app(config), name="specdec").deployments}
+    assert "CUDA_VISIBLE_DEVICES" not in env["Verifier"] and env["Draft"]["CUDA_VISIBLE_DEVICES"] == "1"
+    assert env["Coordinator"]["CUDA_VISIBLE_DEVICES"] == env["Ingress"]["CUDA_VISIBLE_DEVICES"] == ""
+    assert config.model_devices() == {"target": "cuda", "draft": "cpu"}
+
+
+def test_a_sharded_target_asks_a_gpu_per_shard():
+    with pytest.raises(ValidationError, match="target_shards 2 needs verifier.num_gpus 2"):
+        AppConfig(target_shards=2)
+    assert AppConfig(target_shards=2, verifier=ReplicaConfig(num_gpus=2)).target_shards == 2
 
 
 def test_a_replicas_environment_reaches_its_processes_and_leaves_the_apps_own_alone():
@@ -80,7 +121,8 @@ def test_a_default_policy_no_request_could_run_is_refused_where_the_app_is_built
 
 @pytest.mark.parametrize("field", [{"max_queued_requests": 0}, {"draft": {"num_cpus": float("inf")}},
                                    {"verifier": {"health_check_period_s": float("inf")}},
-                                   {"sessions": {"ttl_s": float("inf")}}])
+                                   {"sessions": {"ttl_s": float("inf")}},
+                                   {"coordinator": {"autoscaling": {"target_ongoing_requests": float("inf")}}}])
 def test_values_serve_would_refuse_at_deploy_time_are_refused_in_the_config(field):
     with pytest.raises(ValidationError):
         AppConfig(**field)
