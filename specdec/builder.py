@@ -158,8 +158,9 @@ TORCH_ONLY = {"dtype": "--dtype", "kv_cache": "--kv-cache", "cuda_graphs": "--no
 def check_runtime_settings(config: EngineConfig) -> None:
     """A setting that no model of this engine reads is refused rather than ignored: torch's
     (formats, dtype, cache, graphs, a GPU) where every model runs on llama.cpp, llama.cpp's where
-    none does, and a head beside the suffix draft, which makes its own estimates. (In process only:
-    a served app's replicas may run on other machines, where `auto` resolves otherwise.)"""
+    none does, and a head beside the suffix draft, which makes its own estimates. (In process, and by
+    `specdec serve` on its own Ray, whose replicas run here on the CPU; a Serve config's replicas may
+    run on other machines, where `auto` resolves otherwise.)"""
     drafts = draft_configs(config).values()
     target, on_drafts = backend_for(config, "target").name, {backend_for(each, "draft").name for each in drafts}
     runs = {target} | on_drafts
