@@ -174,8 +174,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_runtime_settings(config)
     rules = build_rules(config, progress=not args.json)  # the tokenizers and configs, no weights:
     prompts = [rules.encode_prompt(text, params.chat_template) for text in texts]
-    for prompt_ids in prompts:  # each prompt and its policy checked before the models load
-        rules.validate(prompt_ids, params)
+    for number, prompt_ids in enumerate(prompts, 1):  # each prompt and its policy checked before the models load
+        try:
+            rules.validate(prompt_ids, params)
+        except InvalidRequestError as error:
+            raise InvalidRequestError(f"prompt {number}: {error}" if len(prompts) > 1 else str(error)) from None
     engine = build_engine(config, progress=not args.json)
 
     if len(prompts) == 1 and params.n == 1 and not args.json:

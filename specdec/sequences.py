@@ -177,6 +177,9 @@ class RequestRules:
         if not messages:
             raise InvalidRequestError("messages is empty")
         for message in messages:
+            if not isinstance(message, dict):  # (a list of token ids: AttributeError before)
+                raise InvalidRequestError(f"a message is an object with role and content, got {type(message).__name__}"
+                                          " (token ids go to generate_ids)")
             if message.get("role") not in CHAT_ROLES:
                 raise InvalidRequestError(f"message role must be one of {', '.join(CHAT_ROLES)}, got {message.get('role')!r}")
         if not any(str(m.get("content", "")).strip() for m in messages):

@@ -155,6 +155,9 @@ def test_empty_and_too_long_prompt(tiny_pair, capsys):
     assert "prompt is empty" in capsys.readouterr().err
     assert main(["generate", "y" * 400, *tiny_flags(tiny_pair), "--no-chat-template"]) == 2
     assert "context holds" in capsys.readouterr().err
+    # (among several, which: the error did not say)
+    assert main(["generate", "x", "y" * 400, *tiny_flags(tiny_pair), "--no-chat-template"]) == 2
+    assert "error: prompt 2: prompt has 400 tokens" in capsys.readouterr().err
 
 
 def test_missing_and_corrupt_models(tiny_pair, tmp_path, capsys):

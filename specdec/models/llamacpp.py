@@ -166,8 +166,10 @@ class LlamaCppModel:
         self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
         self.n_embd = lib.llama_model_n_embd(self.model)
         self.n_ctx_train = lib.llama_model_n_ctx_train(self.model)
-        # (llama.cpp caps a batch at the context: a chunk longer than the batch it took aborts the process)
-        self.n_ctx = lib.llama_n_ctx(self.context)
+        # The cells asked for: llama.cpp rounds its context up to a multiple of 256, and the builder,
+        # the CLI's checks and a served coordinator limit sessions to `options.context` as given.
+        self.n_ctx = min(lib.llama_n_ctx(self.context), options.context)
+        # (llama.cpp caps a batch at its context: a chunk longer than the batch it took aborts the process)
         self.n_batch = min(lib.llama_n_batch(self.context), lib.llama_n_ubatch(self.context))
         self.hidden_on = hidden
         self._batch = lib.llama_batch_init(options.batch, 0, 1)

@@ -82,6 +82,17 @@ def test_a_chat_template_that_refuses_the_messages_is_the_requests_error():
         rules.encode_messages([{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}])
 
 
+def test_token_ids_given_as_a_prompt_say_where_they_go():
+    """engine.generate(ids) failed with AttributeError: 'int' object has no attribute 'get'."""
+    import pytest
+
+    from specdec.errors import InvalidRequestError
+
+    rules = RequestRules(byte_tokenizer(), eos_token_ids=(), max_context=256, vocab_size=256)
+    with pytest.raises(InvalidRequestError, match=r"got int \(token ids go to generate_ids\)"):
+        rules.encode_prompt([5, 6, 7])
+
+
 def test_raw_text_of_blanks_is_a_prompt_a_conversation_of_blanks_is_not():
     """Found by a bug hunt: a raw prompt of blanks (" ", "\\n": code to continue) was refused as
     empty, where OpenAI's completions take it; a chat turn of blanks says nothing."""

@@ -243,6 +243,22 @@ def test_sessions_that_together_outgrow_the_cache_take_turns(gguf_pair):
     assert together == [generate(engine, p, PolicyConfig(name="target-only"), 30) for p in prompts]
 
 
+def test_a_context_llamacpp_rounds_up_holds_what_was_asked(gguf_pair):
+    """Found by a bug hunt: llama.cpp rounds its context up to a multiple of 256, and the engine took
+    300 positions as 512 (a 400-token prompt was accepted, and 128 tokens generated where a served
+    coordinator, which takes the limit as given, stopped at 300)."""
+    from specdec.builder import build_rules
+
+    draft, target = gguf_pair
+    config = EngineConfig(draft=str(draft), target=str(target), runtime="llamacpp", head="none", threads=1,
+                          llamacpp=options(context=200))  # (the tiny model's own context: 256)
+    engine = build_engine(config, progress=False)
+    assert engine.max_context == build_rules(config).max_context == 200
+    assert engine.loop.batch.max_live_positions == 200
+    result = engine.generate_ids(list(range(1, 191)), GenerationParams(max_new_tokens=100))
+    assert len(result.completions[0].token_ids) == 10 and result.completions[0].finish_reason == "length"
+
+
 # -- lossless on llama.cpp: sampled outputs follow the target as llama.cpp runs it ------------------------
 
 SMALL_TOKENS = ["Ċ", "a", "b", "c", "Ġ", "t", "Ġt", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
