@@ -287,6 +287,35 @@ def test_a_draft_that_never_proposes_some_tokens_stays_lossless(monkeypatch):
         assert pvalue > SIGNIFICANCE, f"first {length} token(s): chi-squared p = {pvalue:.2e}"
 
 
+def test_a_draft_sending_a_sparsified_q_stays_lossless():
+    """A served draft drops its q's entries at or below `sparsify_below` before it samples
+    (services/convert.py), so the q it sends is the one it drew from; the served tests compare
+    served output with this draft in process at one seed. Here its outputs follow the target."""
+    from services.convert import sparsifier
+
+    engine = make_engine(SAMPLED_VOCAB, layers=1, model_seed=0, noise=0.1, noise_seed=100)
+    dropped, sparsify = [0], sparsifier(0.12)
+
+    def counting(sampling):
+        truncate = sparsify(sampling)
+
+        def counted(logits):
+            truncated = truncate(logits)
+            dropped[0] += int(torch.isinf(truncated).sum() - torch.isinf(logits).sum())
+            return truncated
+        return counted
+
+    engine.draft_worker.proposer.logits_filter = counting
+    sampling = SAMPLINGS["temperature-1"]
+    completions, stats = sample_completions(engine, policy_config("fixed", "temperature-1"), sampling,
+                                            SAMPLES_PER_CASE, seed=2500)
+    assert dropped[0] > 0 and stats.accepted_tokens > 0 and stats.discarded_tokens > 0
+    for length in (1, 2, 3):
+        expected = target_joint(engine.target.model, SAMPLED_PROMPT, sampling, length)
+        pvalue = chi2_pvalue(prefix_counts(completions, length, SAMPLED_VOCAB), expected)
+        assert pvalue > SIGNIFICANCE, f"first {length} token(s): chi-squared p = {pvalue:.2e}"
+
+
 def test_sessions_with_different_k_in_one_pass_stay_lossless(sampled_engine):
     """Requests with K = 1, K = 3 and SVIP's adaptive K at once: every verification pass mixes
     sessions of different K, and each request's samples follow the target."""
