@@ -415,6 +415,11 @@ def test_chi2_helper_rejects_a_wrong_distribution():
     assert chi2_pvalue(observed, np.array([0.4, 0.35, 0.15, 0.1, 0.0])) < SIGNIFICANCE
     with pytest.raises(AssertionError, match="probability 0"):
         chi2_pvalue(observed, np.array([0.5, 0.3, 0.2, 0.0, 0.0]))
+    # a long tail (a real vocabulary): its cells expected far below once are pooled, not left
+    rng = np.random.default_rng(0)
+    tail = np.concatenate([np.full(20, 0.8 / 20), np.full(19980, 0.2 / 19980)])  # (the old pooling: p = 7e-7)
+    counts = [np.bincount(rng.choice(len(tail), size=2048, p=tail), minlength=len(tail)) for _ in range(5)]
+    assert min(chi2_pvalue(c, tail) for c in counts) > SIGNIFICANCE
 
 
 def test_seeded_requests_are_reproducible(sampled_engine):
