@@ -254,7 +254,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                num_gpus=args.target_shards if args.target_shards > 1 else 0))
     return serve_forever(config, args.host, args.http_port, args.grpc_port,
                          lambda need: start_ray(args.address, need, "the replicas (--draft-replicas, "
-                                                "--verifier-replicas) ask", RAY_OPTIONS))
+                                                "--verifier-replicas, --target-shards) ask", RAY_OPTIONS))
 
 
 def check_answers(address: str, timeout_s: float = 5.0) -> None:

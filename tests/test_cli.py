@@ -274,7 +274,8 @@ def test_serve_refuses_replicas_this_machine_could_never_place(tiny_pair, capsys
                  str(free_port()), "--grpc-port", str(free_port())])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and not ray.is_initialized()
-    assert err[-1].startswith(f"error: the replicas (--draft-replicas, --verifier-replicas) ask {os.cpu_count() + 1} "
+    assert err[-1].startswith(f"error: the replicas (--draft-replicas, --verifier-replicas, --target-shards) ask "
+                              f"{os.cpu_count() + 1} "
                               f"CPUs and 0 GPUs; this machine has {os.cpu_count()}")
 
 
