@@ -63,6 +63,7 @@ import functools
 import hashlib
 import itertools
 import json
+import logging
 import os
 import sys
 from collections.abc import Iterable, Sequence
@@ -93,6 +94,7 @@ KIND_COLUMNS = {"labels": SHARD_COLUMNS, "features": FEATURE_COLUMNS}
 ENTRY_COLUMNS = {"labels": ("prompt_id", "split", "response_ids", "labels"),
                  "features": ("prompt_id", "split", "prompt_ids", "response_ids")}
 SEED_BITS = 63
+logger = logging.getLogger(__name__)
 FINISH_TOO_LONG = "prompt_too_long"  # a row with no response: over max_prompt_tokens or the models' context
 WORKER_RESTARTS = 3  # per gen-data worker, then the run stops (rerun it: it resumes from the shards)
 FINISH_REFERENCE = "reference"  # a row whose response is the prompt's reference answer, not the target's
@@ -554,7 +556,14 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
         raise DatasetError(f"data.dir {out} is not writable")
     if (out / MANIFEST_FILE).is_file() and shard_paths(out):  # (a run that wrote no shard binds nothing)
         _check_same_settings(out, read_manifest(out).get("settings", {}), settings)
-    tables = {path: read_shard(path, columns=ENTRY_COLUMNS[data.kind]) for path in shard_paths(out)}
+    tables = {}
+    for path in shard_paths(out):
+        try:
+            tables[path] = read_shard(path, columns=ENTRY_COLUMNS[data.kind])
+        except DatasetError as error:  # cut short (a machine that crashed, a copy cut off): its prompts again
+            aside = path.with_name(path.name + ".corrupt")
+            os.replace(path, aside)
+            logger.warning("%s: moved to %s, its prompts are generated again", error, aside.name)
     shards = [shard_entry(path, table) for path, table in tables.items()]
     done = {pid for table in tables.values() for pid in table.column("prompt_id").to_pylist()}
     # reused responses and references first: each costs one teacher-forced pass, so the dataset grows fastest

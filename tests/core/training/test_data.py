@@ -175,6 +175,26 @@ def test_resume_generates_only_missing_prompts(tiny_dataset, tmp_path):
     assert again["counts"] == manifest["counts"] and len(shard_paths(directory)) == 3
 
 
+@pytest.mark.parametrize("cut", [0, 100])
+def test_a_shard_cut_short_is_generated_again(tiny_dataset, tmp_path, cut):
+    """Found by a bug hunt: a shard a crashed machine (or a copy cut off) left short was refused
+    ("corrupt or not parquet") on every rerun, where docs/resuming.md says it is redone."""
+    raw, _ = tiny_dataset
+    directory = tmp_path / "data"
+    shutil.copytree(raw["data"]["dir"], directory)
+    raw = {**raw, "data": {**raw["data"], "dir": str(directory)}}
+    cut_short = shard_paths(directory)[1]
+    ids = set(pq.read_table(cut_short).column("prompt_id").to_pylist())
+    cut_short.write_bytes(cut_short.read_bytes()[:cut])
+
+    manifest = generate_dataset(parse_config(raw), prompts=TINY_PROMPTS, progress=False)
+    assert manifest["counts"]["sequences"] == 7 and manifest["complete"]
+    assert cut_short.with_name(cut_short.name + ".corrupt").stat().st_size == cut  # kept aside, not read
+    redone = {p.name: set(pq.read_table(p).column("prompt_id").to_pylist()) for p in shard_paths(directory)}
+    assert ids in redone.values() and len(redone) == 3
+    load_dataset(directory)
+
+
 def test_a_worker_killed_mid_run_is_restarted_and_nothing_is_lost(tiny_dataset, tmp_path):
     """A gen-data worker killed once its first shard is written is restarted, its chunk sent again:
     the run completes with the rows an undisturbed run writes (the seeds are per prompt)."""
