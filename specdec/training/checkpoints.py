@@ -57,9 +57,16 @@ def check_run_settings(storage: str, name: str, section: str, settings: BaseMode
 
 
 def latest_history(storage: str, run: str) -> list[dict]:
-    """The metrics history of run `run`'s newest checkpoint under `storage` ([] without one)."""
-    found = sorted(Path(storage).resolve().joinpath(run).glob(f"checkpoint_*/{HISTORY_FILE}"))
-    return json.loads(found[-1].read_text()) if found else []
+    """The metrics history of run `run`'s newest readable checkpoint under `storage` ([] without
+    one). Ray Train copies a checkpoint into its folder under its final name: one a worker killed
+    mid-copy left cut short (Ray never recorded it, and resumes from the one before) was read as
+    the newest, a traceback on every rerun."""
+    for history in sorted(Path(storage).resolve().joinpath(run).glob(f"checkpoint_*/{HISTORY_FILE}"), reverse=True):
+        try:
+            return json.loads(history.read_text())
+        except (OSError, ValueError):
+            continue
+    return []
 
 
 def resume(load_model, optimizer, model_key: str, progress_key: str) -> tuple[int, list[dict]]:

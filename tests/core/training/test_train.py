@@ -154,6 +154,13 @@ def test_changed_settings_under_the_same_run_name(tmp_path):
     # fewer epochs than the checkpoint has saved the longer-trained head, reported as the shorter
     with pytest.raises(ConfigError, match="has trained 2 epochs, more than train.epochs 1"):
         check_run(resumed.model_copy(update={"epochs": 1}), "draft", data)
+    # a newer checkpoint a worker killed mid-copy left cut short: a traceback on every rerun
+    cut = tmp_path / "head" / "checkpoint_000001"
+    cut.mkdir()
+    (cut / "history.json").write_text('[{"epoch": 1}, {"ep')
+    check_run(resumed, "draft", data)
+    with pytest.raises(ConfigError, match="has trained 2 epochs"):
+        check_run(resumed.model_copy(update={"epochs": 1}), "draft", data)
 
 
 def test_a_head_run_recorded_before_its_data_were_resumes(tmp_path):
