@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -23,11 +25,20 @@ def file_setting(path: str | Path) -> str:
 def write_atomically(path: str | Path, text: str) -> None:
     """`path` holds `text`, written under a temporary name of its own (two writers never share one;
     the file takes the umask's mode, as a plain write) and renamed over it."""
-    path = Path(path)
-    partial = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.partial")
-    try:
+    with written_together(path) as (partial,):
         partial.write_text(text, encoding="utf-8")
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+
+
+@contextmanager
+def written_together(*paths: str | Path) -> Iterator[list[Path]]:
+    """Temporary names for `paths`, to write them under; once all are written, each is renamed over
+    its path, one right after the other (a model's weights and its config: a run killed while
+    writing them left new weights beside the old config, or weights cut short)."""
+    partials = [Path(p).with_name(f"{Path(p).name}.{os.getpid()}-{threading.get_ident()}.partial") for p in paths]
+    try:
+        yield partials
+        for partial, path in zip(partials, paths):
+            os.replace(partial, path)
+    finally:
+        for partial in partials:
+            partial.unlink(missing_ok=True)

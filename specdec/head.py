@@ -40,6 +40,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specdec.errors import IncompatibleModelsError, ModelSourceError, one_line
+from specdec.files import written_together
 from specdec.features import FEATURES_DISTRIBUTION, FEATURES_HIDDEN, NUM_SCALAR_FEATURES, FeatureKind, join_head_inputs
 
 WEIGHTS_FILE, CONFIG_FILE = "head.safetensors", "head.json"
@@ -173,8 +174,9 @@ class AcceptanceHead(nn.Module):
     def save(self, directory: str | Path) -> Path:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, directory / WEIGHTS_FILE)
-        (directory / CONFIG_FILE).write_text(self.config.model_dump_json(indent=2) + "\n")
+        with written_together(directory / WEIGHTS_FILE, directory / CONFIG_FILE) as (weights, config):
+            save_file({k: v.contiguous() for k, v in self.state_dict().items()}, weights)
+            config.write_text(self.config.model_dump_json(indent=2) + "\n")
         return directory
 
 

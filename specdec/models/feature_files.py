@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from specdec.drafts import draft_dir
 from specdec.errors import IncompatibleModelsError, ModelSourceError, one_line, validation_message
+from specdec.files import written_together
 from specdec.models.feature_draft import FeatureDraft, FeatureDraftConfig
 
 CONFIG_FILE, WEIGHTS_FILE, REPORT_FILE = "config.json", "model.safetensors", "report.json"
@@ -37,9 +38,10 @@ def save_feature_draft(model: FeatureDraft, directory: str | Path, dtype: torch.
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in model.own_state().items()}
-    save_file(state, str(directory / WEIGHTS_FILE))
     config = model.config.model_copy(update={"dtype": str(dtype).removeprefix("torch.")})
-    (directory / CONFIG_FILE).write_text(json.dumps(config.model_dump(), indent=2) + "\n")
+    with written_together(directory / WEIGHTS_FILE, directory / CONFIG_FILE) as (weights, config_path):
+        save_file(state, str(weights))
+        config_path.write_text(json.dumps(config.model_dump(), indent=2) + "\n")
     return directory
 
 

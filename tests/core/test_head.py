@@ -152,6 +152,23 @@ def test_truncated_weights_are_a_source_error(saved):
     assert "\n" not in str(info.value)
 
 
+def test_a_save_cut_short_leaves_the_head_it_replaces(saved, monkeypatch):
+    """Found by a bug hunt: a run killed between writing a head's weights and its config left the
+    new weights beside the old config (its calibration), loaded without a word."""
+    head, directory = saved
+    before = {name: (directory / name).read_bytes() for name in (WEIGHTS_FILE, CONFIG_FILE)}
+    retrained = make_head(seed=1)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(HeadConfig, "model_dump_json", killed)
+    with pytest.raises(KeyboardInterrupt):
+        retrained.save(directory)
+    assert {name: (directory / name).read_bytes() for name in before} == before
+    assert sorted(p.name for p in directory.iterdir()) == sorted(before)  # nothing half written left
+
+
 def test_weights_of_another_depth_are_a_source_error(tmp_path):
     directory = make_head(depth=1).save(tmp_path / "head")
     config = json.loads((directory / CONFIG_FILE).read_text())
