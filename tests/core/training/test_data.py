@@ -156,10 +156,7 @@ def test_shards_and_manifest(tiny_dataset, tiny_pair):
 
 
 def test_resume_generates_only_missing_prompts(tiny_dataset, tmp_path):
-    raw, _ = tiny_dataset
-    directory = tmp_path / "data"
-    shutil.copytree(raw["data"]["dir"], directory)
-    raw = {**raw, "data": {**raw["data"], "dir": str(directory)}}
+    raw, directory = resumable_copy(tiny_dataset, tmp_path)
     removed = shard_paths(directory)[1]
     removed_ids = set(pq.read_table(removed).column("prompt_id").to_pylist())
     kept = {p.name: p.read_bytes() for p in shard_paths(directory) if p != removed}
@@ -179,10 +176,7 @@ def test_resume_generates_only_missing_prompts(tiny_dataset, tmp_path):
 def test_a_shard_cut_short_is_generated_again(tiny_dataset, tmp_path, cut):
     """Found by a bug hunt: a shard a crashed machine (or a copy cut off) left short was refused
     ("corrupt or not parquet") on every rerun, where docs/resuming.md says it is redone."""
-    raw, _ = tiny_dataset
-    directory = tmp_path / "data"
-    shutil.copytree(raw["data"]["dir"], directory)
-    raw = {**raw, "data": {**raw["data"], "dir": str(directory)}}
+    raw, directory = resumable_copy(tiny_dataset, tmp_path)
     cut_short = shard_paths(directory)[1]
     ids = set(pq.read_table(cut_short).column("prompt_id").to_pylist())
     cut_short.write_bytes(cut_short.read_bytes()[:cut])
@@ -263,6 +257,12 @@ def copy_dataset(tiny_dataset, tmp_path):
     directory = tmp_path / "data"
     shutil.copytree(raw["data"]["dir"], directory)
     return directory
+
+
+def resumable_copy(tiny_dataset, tmp_path):
+    """(the config writing into a copy of the dataset, the copy)"""
+    raw, directory = tiny_dataset[0], copy_dataset(tiny_dataset, tmp_path)
+    return {**raw, "data": {**raw["data"], "dir": str(directory)}}, directory
 
 
 def test_dataset_made_with_another_draft(tiny_dataset, tmp_path):
