@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -222,8 +223,6 @@ def print_costs(engine, args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import os
-
     from specdec.builder import check_runtime_settings, check_sources
     from specdec.policies import PolicyConfig, resolve_policy
     from services.config import AppConfig, ReplicaConfig
@@ -237,7 +236,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     resolve_policy(policy, has_head=has_head(args))  # its flags checked before the replicas load
     engine = engine_config(args)
     check_sources(engine)  # a mistyped source fails here, not in the replicas after Ray started
-    if not (args.address or os.environ.get("RAY_ADDRESS")) and args.target_shards == 1:
+    if not ray_address(args.address) and args.target_shards == 1:
         # The replicas run here, on the CPU: Ray gives them no GPU (services/app.py). What their
         # models would not read is refused, not ignored, as in process.
         if engine.device not in ("auto", "cpu"):
@@ -274,6 +273,12 @@ def check_answers(address: str, timeout_s: float = 5.0) -> None:
         raise SpecDecError(f"Ray at {address!r}: nothing answers there ({one_line(error)})") from None
 
 
+def ray_address(address: str | None) -> str | None:
+    """The cluster a command joins: `address`, else $RAY_ADDRESS (which ray job submit sets); None:
+    a private local instance."""
+    return address or os.environ.get("RAY_ADDRESS")
+
+
 def start_ray(address: str | None, need: dict[str, float], asking: str, options: dict,
               local: dict | None = None) -> bool:
     """Connect to `address` (else $RAY_ADDRESS, which ray job submit sets), else start a private
@@ -281,11 +286,9 @@ def start_ray(address: str | None, need: dict[str, float], asking: str, options:
     to run on this machine (a bare `ray.init()` joins one `ray start` left). That instance has no
     autoscaler: what it could never place (`need`, {"CPU": n, "GPU": n}; `asking` names who asks,
     e.g. "scaling (4 workers) asks") is refused, where Ray would wait forever. Returns whether it joined a cluster."""
-    import os
-
     import ray
 
-    address = address or os.environ.get("RAY_ADDRESS")
+    address = ray_address(address)
     if address:
         check_answers(address)
         try:
