@@ -21,7 +21,7 @@ from specdec.builder import build_draft, build_head, build_rules, build_target, 
 from specdec.calls import LocalTransport, RoundTransport
 from specdec.params import DEFAULT_DRAFT
 from specdec.sessions import SessionStore
-from specdec.v1 import common_pb2, draft_pb2, generation_pb2, verifier_pb2
+from specdec.v1 import draft_pb2, generation_pb2, verifier_pb2
 from specdec.workers import DraftWorker, FeatureLink, VerifierWorker
 from services.autoscaling import ROUND_CALLS
 from services.config import AppConfig
@@ -101,17 +101,12 @@ class RoundReplica:
         if self._server is not None:
             self._server.stop(grace=None)
 
-    async def _serve(self, method: Callable, request_type, payload: bytes) -> bytes:
-        """A handle call: off the event loop; the servicer hands the batch to the torch thread."""
+    async def _serve(self, method: Callable, request_type, payload: bytes) -> tuple[str, bytes]:
+        """A handle call (the `serve-grpc` and `actor` transports): off the event loop, the servicer
+        hands the batch to the torch thread. The answer names this replica: the router may have sent
+        the call elsewhere than the replica the caller took for the sessions' (HandleTransport)."""
         reply = await asyncio.to_thread(method, request_type.FromString(payload), None)
-        return reply.SerializeToString()
-
-    async def release(self, payload: bytes) -> bytes:
-        """A handle call's Release: every role here lets the sessions go (a draft beside the
-        verifier holds them under the same ids); the answer is this replica's own role's."""
-        refs = common_pb2.SessionRefs.FromString(payload)
-        replies = {role: servicer.Release(refs, None) for role, servicer in self.servicers.items()}
-        return replies[self.role].SerializeToString()
+        return self._address, reply.SerializeToString()
 
     async def live_sessions(self) -> int:
         """Sessions whose cache this replica holds, a draft's beside the verifier included (tests and
@@ -142,7 +137,7 @@ class Draft(RoundReplica):
         set_threads(config.draft.threads)
         return DraftServicer(draft_worker(config, self.name, config.draft.threads), self._executor)
 
-    async def propose(self, payload: bytes) -> bytes:
+    async def propose(self, payload: bytes) -> tuple[str, bytes]:
         return await self._serve(self.servicer.Propose, draft_pb2.ProposeBatch, payload)
 
 
@@ -189,7 +184,7 @@ class Verifier(RoundReplica, LoopHost):
             self.draft_servicer = DraftServicer(draft, self._executor)
         return VerifierServicer(worker, self._executor)
 
-    async def verify(self, payload: bytes) -> bytes:
+    async def verify(self, payload: bytes) -> tuple[str, bytes]:
         return await self._serve(self.servicer.Verify, verifier_pb2.VerifyBatch, payload)
 
     def check_health(self) -> None:
@@ -197,7 +192,7 @@ class Verifier(RoundReplica, LoopHost):
         if (link := self.servicer.worker.link) is not None:  # states waiting for sessions both let go
             link.keep(self.servicer.sessions)
 
-    async def propose(self, payload: bytes) -> bytes:
+    async def propose(self, payload: bytes) -> tuple[str, bytes]:
         """The colocated draft's Propose, as a handle call."""
         return await self._serve(self.draft_servicer.Propose, draft_pb2.ProposeBatch, payload)
 

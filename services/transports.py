@@ -362,10 +362,14 @@ class DirectTransport(GrpcTransport):
         # first release forgot it and the other sent none (its sessions waited for their TTL).
         if (owner := self._owners.get((served_by, session_id))) is None:
             if (owner := self._known_owner(served_by, session_id)) is None:
-                handle = self._handles[served_by].options(session_id=session_id)  # (a colocated draft's: the verifier's)
-                owner = await own_request(lambda: handle.address.remote())
+                owner = await self._look_up(served_by, session_id)
             self._owners[served_by, session_id] = owner
         return owner
+
+    async def _look_up(self, served_by: Service, session_id: str) -> str:
+        """Ask the router which replica a session goes to (a colocated draft's: the verifier's)."""
+        handle = self._handles[served_by].options(session_id=session_id)
+        return await own_request(lambda: handle.address.remote())
 
     def _known_owner(self, served_by: Service, session_id: str) -> str | None:
         """Its own, else the replica of a service beside it (a draft beside the verifier goes where the
@@ -384,24 +388,75 @@ class DirectTransport(GrpcTransport):
 
 
 class HandleTransport(DirectTransport):
-    """Every round call through the deployment handle, routed by the consistent hash router on one
-    of the group's sessions (all of a group's sessions live on that replica), carrying our
-    protobuf bytes over Serve's gRPC transport (`grpc_transport`) or as Ray actor calls."""
+    """Every round call through the deployment handle, carrying our protobuf bytes over Serve's
+    gRPC transport (`grpc_transport`) or as Ray actor calls. The consistent hash router places a
+    call by one session id, so a group goes by an id the router last sent to the replica holding
+    the group's sessions (`_routes`): once a replica is added or replaced the ring changes and a
+    session's own id may lead elsewhere (a group routed by its first session's id moved whole each
+    time that session changed). A replica answers with its address; where that is not the group's
+    owner, the group's sessions stay where they landed (their caches rebuilt) and their copies at
+    the old owner are released there. Releases go straight to the owner's own gRPC server."""
 
-    def __init__(self, draft, verifier, grpc_transport: bool = True, colocated: Sequence[str] = ()):
+    def __init__(self, draft, verifier, api_key: str | None = None, grpc_transport: bool = True,
+                 colocated: Sequence[str] = ()):
         drafts = draft if isinstance(draft, dict) else {DEFAULT_DRAFT: draft}
         super().__init__({name: handle.options(_by_reference=not grpc_transport) for name, handle in drafts.items()},
-                         verifier and verifier.options(_by_reference=not grpc_transport), colocated=colocated)
+                         verifier and verifier.options(_by_reference=not grpc_transport), api_key,
+                         colocated=colocated)
+        self._routes: dict[str, str] = {}  # a replica's address -> a session id the router last sent there
+        self._releases: set[asyncio.Task] = set()  # old copies being released (kept: tasks are weakly held)
+
+    async def _look_up(self, served_by: Service, session_id: str) -> str:
+        owner = await super()._look_up(served_by, session_id)
+        self._routes[owner] = session_id
+        return owner
 
     async def _send(self, served_by: Service, owner: str, method: str, request: Message, routing_key: str) -> Any:
-        handle = self._handles[served_by].options(session_id=routing_key)  # affinity is per hop: set it every call
+        if method not in STREAMED:  # a Release: to the replica that holds the sessions
+            return await super()._send(served_by, owner, method, request, routing_key)
+        key = self._routes.get(owner, routing_key)
+        handle = self._handles[served_by].options(session_id=key)  # affinity is per hop: set it every call
         try:
-            payload = await asyncio.wait_for(
+            answered, payload = await asyncio.wait_for(
                 own_request(lambda: getattr(handle, method.lower()).remote(request.SerializeToString())),
                 self.timeout_s)
         except TimeoutError:
+            self._routes.pop(owner, None)
             raise ReplicaGone(f"{served_by}: no answer in {self.timeout_s:g} s") from None
+        except self.retryable:
+            self._routes.pop(owner, None)
+            raise
+        if answered != owner:
+            if self._routes.get(owner) == key:
+                del self._routes[owner]  # that id leads elsewhere now
+            self._moved(served_by, owner, answered, [item.session_id for item in request.items])
+        self._routes[answered] = key
         return REPLIES[method].FromString(payload)
+
+    def _moved(self, served_by: Service, owner: str, answered: str, session_ids: list[str]) -> None:
+        """The router sent the sessions of `owner` to the replica at `answered`, which rebuilt their
+        caches: they stay there, and what `owner` holds of them is released (in the background,
+        best effort: `owner` may be gone)."""
+        moved: dict[Service, list[str]] = {}
+        for session_id in session_ids:
+            for each in self._beside(served_by):  # a draft beside the verifier moved with it
+                if self._owners.get((each, session_id)) == owner:
+                    self._owners[each, session_id] = answered
+                    moved.setdefault(each, []).append(session_id)
+        for each, ids in moved.items():
+            task = asyncio.create_task(self._release_at(each, owner, ids))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+
+    async def _release_at(self, served_by: Service, owner: str, session_ids: list[str]) -> None:
+        try:
+            await self._send(served_by, owner, "Release", common_pb2.SessionRefs(session_ids=session_ids), session_ids[0])
+        except Exception as exc:  # noqa: BLE001 - the copies then wait for their TTL
+            logger.debug("release of moved sessions on the %s at %s failed: %s", served_by, owner, exc)
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._releases)  # (each swallows its own failure)
+        await super().close()
 
 
 class BesideTransport:
@@ -446,4 +501,4 @@ def round_transport(kind: str, draft, verifier, api_key: str | None = None, colo
     `verifier` None: the drafts' calls only (the loop beside the verifier: `BesideTransport`)."""
     if kind == "direct":
         return DirectTransport(draft, verifier, api_key, colocated=colocated)
-    return HandleTransport(draft, verifier, grpc_transport=kind == "serve-grpc", colocated=colocated)
+    return HandleTransport(draft, verifier, api_key, grpc_transport=kind == "serve-grpc", colocated=colocated)

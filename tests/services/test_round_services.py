@@ -18,7 +18,7 @@ from services.convert import pack_distribution, sparsifier, sparsify_logits, unp
 from services.server import start_server
 from services import servicers
 from services.servicers import DraftServicer, VerifierServicer
-from services.transports import GrpcTransport, RoundStreams, service
+from services.transports import GrpcTransport, HandleTransport, RoundStreams, service
 from specdec.sequences import DraftTraits
 from specdec.engine import SpecDecEngine
 from specdec.errors import InvalidRequestError
@@ -553,6 +553,83 @@ def test_a_replica_that_fails_for_good_fails_only_its_own_sessions(servers, tiny
         if not isinstance(result, Exception):
             assert result.completions[0].token_ids == engine_ids(tiny_engine, prompt, params)[0]
     assert len(servers.draft.sessions) == len(servers.verifier.sessions) == 0
+
+
+class Ring:
+    """A Serve deployment handle over real round servers, as HandleTransport calls it: each call goes
+    to the replica the consistent hash router picks for its session id (`place`: the index of a
+    server, swapped to change the ring), and a replica's answer names it (services/replicas.py).
+    `answered` records each round call: (the answering address, its sessions)."""
+
+    def __init__(self, servicers: dict[str, DraftServicer | VerifierServicer], place=lambda session_id: 0):
+        self.servicers, self.place, self.answered = servicers, place, []
+
+    def options(self, session_id: str | None = None, **_):
+        ring, address = self, list(self.servicers)[self.place(session_id)]
+
+        class Method:
+            def __init__(self, name: str):
+                self.name = name
+
+            def remote(self, payload: bytes | None = None):
+                async def answer():
+                    if self.name == "address":
+                        return address
+                    servicer = ring.servicers[address]
+                    request_type = draft_pb2.ProposeBatch if self.name == "propose" else verifier_pb2.VerifyBatch
+                    request = request_type.FromString(payload)
+                    reply = await asyncio.to_thread(getattr(servicer, self.name.capitalize()), request, None)
+                    ring.answered.append((address, [item.session_id for item in request.items]))
+                    return address, reply.SerializeToString()
+                return answer()
+
+        class Handle:
+            def options(self, session_id: str | None = None, **_):
+                return ring.options(session_id)
+
+            def __getattr__(self, name):
+                return Method(name)
+
+        return Handle()
+
+
+def test_handle_calls_follow_a_changed_ring_and_release_what_they_left(tiny_engine):
+    """`serve-grpc` / `actor`: a replica is added or replaced, and the router sends each session's id
+    to another replica than the one holding it. Each group of a step moves once, to where the router
+    sends it, and the copies it leaves are released there (they waited for their TTL, and a group
+    routed by its first session's id moved whole again each time that session changed)."""
+    draft = DraftServicer(DraftWorker(tiny_engine.draft, tiny_engine.head))
+    verifiers = [VerifierServicer(VerifierWorker(tiny_engine.target)) for _ in range(2)]
+    servers = [start_server(draft=draft)] + [start_server(verifier=verifier) for verifier in verifiers]
+    addresses = [address for _, address in servers]
+    swapped = []
+    ring = Ring(dict(zip(addresses[1:], verifiers)), lambda session_id: (hash(session_id) + len(swapped)) % 2)
+
+    class Swapping(HandleTransport):
+        async def verify(self, items, probe_tokens=0):
+            reply = await super().verify(items, probe_tokens)
+            if len(ring.answered) >= 6 and not swapped:
+                swapped.append(len(ring.answered))  # every id now leads to the other replica
+            return reply
+
+    transport = Swapping(Ring({addresses[0]: draft}), ring)
+    params = build_params(policy="fixed", k=3, max_new_tokens=MAX_NEW_TOKENS)
+    try:
+        results = run(RoundLoop(transport, tiny_engine.rules), [(p, params) for p in PROMPTS])
+        asyncio.run(transport.close())
+    finally:
+        for server, _ in servers:
+            server.stop(None)
+    for prompt, result in zip(PROMPTS, results):
+        assert result.completions[0].token_ids == engine_ids(tiny_engine, prompt, params)[0]
+    where: dict[str, list[str]] = {}
+    for address, session_ids in ring.answered:
+        for session_id in session_ids:
+            if where.setdefault(session_id, [address])[-1] != address:
+                where[session_id].append(address)
+    assert swapped and len(where) == len(PROMPTS)
+    assert sorted(len(addresses) for addresses in where.values()) == [2] * len(PROMPTS)  # each moved once
+    assert [len(verifier.sessions) for verifier in verifiers] == [0, 0] and len(draft.sessions) == 0
 
 
 def test_a_cancelled_session_leaves_the_others_unchanged(servers, tiny_engine):
