@@ -44,7 +44,7 @@ def add_client_parser(commands: argparse._SubParsersAction,
     generate.set_defaults(func=cmd_generate)
 
     for name, func, help_ in (("models", cmd_models, "list the served model (HTTP)"),
-                              ("health", cmd_health, "check the server answers (HTTP)")):
+                              ("health", cmd_health, "check the server can serve (HTTP)")):
         parser = subcommands.add_parser(name, help=help_)
         add_connection_flags(parser, f"HTTP URL (default {DEFAULT_BASE_URL})")
         parser.set_defaults(func=func)

@@ -124,6 +124,18 @@ class GrpcIngress:
             raise RuntimeError(details) from None  # Serve keeps the code and details set above
 
 
+async def app_ready() -> None:
+    """Raises Unavailable where a deployment of this replica's app has no replica running (one that
+    died and is being replaced, or not started yet): a request would wait for it or fail. Serve's
+    own /-/healthz says only that its proxy answers."""
+    app_name = serve.get_replica_context().app_name
+    status = await asyncio.to_thread(serve.status)  # (a call to Serve's controller)
+    waiting = sorted(name for name, deployment in status.applications[app_name].deployments.items()
+                     if not deployment.replica_states.get("RUNNING"))
+    if waiting:
+        raise Unavailable(f"no replica of {', '.join(waiting)} is running yet")
+
+
 def ingress_class(config: AppConfig) -> type:
     """The ingress: GrpcIngress plus the OpenAI HTTP routes, in one deployment (one Serve app, so
     gRPC clients need no `application` metadata)."""
@@ -137,7 +149,7 @@ def ingress_class(config: AppConfig) -> type:
             loop = "Verifier" if config.loop_placement == "verifier" else "Coordinator"  # where the round loop runs
             return CoordinatorBackend(serve.get_deployment_handle(loop, app_name=app_name))
         return create_app(backend, config.model_name, prometheus_text, api_key=config.key,
-                          max_body_bytes=config.max_request_bytes)
+                          max_body_bytes=config.max_request_bytes, readiness=app_ready)
 
     @serve.ingress(make_http_app)
     class Ingress(GrpcIngress):

@@ -402,11 +402,13 @@ class BodyLimit:
 
 def create_app(backend_factory: Callable[[], GenerationBackend], model_name: str,
                metrics_text: Callable[[], Awaitable[str]] | None = None, api_key: str | None = None,
-               max_body_bytes: int | None = None) -> FastAPI:
+               max_body_bytes: int | None = None, readiness: Callable[[], Awaitable[None]] | None = None
+               ) -> FastAPI:
     """`backend_factory` is called once, on the first request that needs it (inside a Serve replica
     it looks up a deployment handle, which needs the running replica). With `api_key` every path
     (the OpenAPI docs, /health and /metrics included) answers 401 without it; `max_body_bytes` caps
-    request bodies (413)."""
+    request bodies (413). `readiness` raises services.errors' Unavailable, with why, where a request
+    could not be served now (/health then answers 503; None: the process answering is enough)."""
     app = FastAPI(title="specdec")
     if max_body_bytes is not None:
         app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
@@ -468,7 +470,11 @@ def create_app(backend_factory: Callable[[], GenerationBackend], model_name: str
 
     @app.get("/health")
     async def health() -> Response:
-        return JSONResponse({"status": "ok"})
+        async def ready() -> Response:
+            if readiness is not None:
+                await readiness()
+            return JSONResponse({"status": "ok"})
+        return await respond(ready)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -14,7 +14,7 @@ from specdec.errors import InvalidRequestError
 from specdec.params import build_params
 from specdec.v1 import generation_pb2
 from services.openai_api import create_app
-from specdec.errors import Overloaded
+from specdec.errors import Overloaded, Unavailable
 from engine_backend import EngineBackend, http_server
 
 PROMPTS = ["def fibonacci(n):", "Write a haiku about caches.", "SELECT name FROM users WHERE"]
@@ -275,6 +275,24 @@ class FailingBackend:
         for _ in range(self.before):
             yield generation_pb2.GenerateChunk(index=0, text="ab", token_ids=[97, 98])
         raise self.error
+
+
+def test_health_answers_503_with_why_while_the_app_cannot_serve(tiny_engine):
+    """/health asks the app whether a request could be served now (a served app: every deployment
+    has a replica running); where not, a 503 says why, with the retry the error table gives."""
+    waiting = ["Verifier"]
+
+    async def readiness() -> None:
+        if waiting:
+            raise Unavailable(f"no replica of {waiting[0]} is running yet")
+
+    with TestClient(create_app(lambda: EngineBackend(tiny_engine), MODEL, readiness=readiness)) as test_client:
+        response = test_client.get("/health")
+        assert response.status_code == 503 and response.headers["retry-after"] == "0"
+        assert response.json()["error"] == {"message": "no replica of Verifier is running yet",
+                                             "type": "unavailable_error", "param": None, "code": None}
+        waiting.clear()
+        assert test_client.get("/health").json() == {"status": "ok"}
 
 
 def test_backend_is_built_lazily_once(tiny_engine):

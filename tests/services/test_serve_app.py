@@ -294,6 +294,24 @@ def test_replicas_killed_while_four_sessions_share_steps(tiny_engine, served):
     assert wait_until_idle(APP_NAME) == {"Coordinator": 0, "Draft": 0, "Verifier": 0}
 
 
+def test_health_is_503_naming_the_deployment_while_none_of_its_replicas_runs(served):
+    """Every verifier killed: /health answers 503 naming the Verifier until a replacement runs (it said
+    200 throughout, while every request failed or waited), then 200."""
+    before = kill_all("Verifier")
+    deadline = time.time() + 120
+    while (response := httpx.get(f"{served['http']}/health", timeout=30)).status_code == 200:
+        assert time.time() < deadline, "/health never said the verifier was gone"
+        time.sleep(0.2)
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["message"] == "no replica of Verifier is running yet"
+    wait_replaced("Verifier", before)
+    deadline = time.time() + 180
+    while (response := httpx.get(f"{served['http']}/health", timeout=30)).status_code != 200:
+        assert time.time() < deadline, response.text
+        time.sleep(0.5)
+    assert response.json() == {"status": "ok"}
+
+
 def test_killed_coordinator_is_retried_to_the_same_result(tiny_engine, served):
     """Twice in one gRPC stream, once in a unary call, once in an HTTP stream: each call fails with
     a retriable status (UNAVAILABLE / 503: the clients retry nothing else), and the retry gives
