@@ -15,6 +15,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
+from ray.serve.schema import DeploymentStatus, ReplicaState
 
 from specdec.errors import InvalidRequestError, Overloaded, Unavailable
 from specdec.v1 import generation_pb2
@@ -124,15 +125,21 @@ class GrpcIngress:
             raise RuntimeError(details) from None  # Serve keeps the code and details set above
 
 
+def not_serving(deployments: dict) -> list[str]:
+    """The deployments (serve.status()'s, by name) with no replica running where they should have one:
+    one that died and is being replaced, or still loading. A deployment autoscaled to zero replicas
+    (min_replicas 0) is HEALTHY with none, and starts one for the next request."""
+    return sorted(name for name, deployment in deployments.items()
+                  if not deployment.replica_states.get(ReplicaState.RUNNING)
+                  and deployment.status != DeploymentStatus.HEALTHY)
+
+
 async def app_ready() -> None:
-    """Raises Unavailable where a deployment of this replica's app has no replica running (one that
-    died and is being replaced, or not started yet): a request would wait for it or fail. Serve's
-    own /-/healthz says only that its proxy answers."""
+    """Raises Unavailable, naming them, where deployments of this replica's app cannot serve (Serve's
+    own /-/healthz says only that its proxy answers)."""
     app_name = serve.get_replica_context().app_name
     status = await asyncio.to_thread(serve.status)  # (a call to Serve's controller)
-    waiting = sorted(name for name, deployment in status.applications[app_name].deployments.items()
-                     if not deployment.replica_states.get("RUNNING"))
-    if waiting:
+    if waiting := not_serving(status.applications[app_name].deployments):
         raise Unavailable(f"no replica of {', '.join(waiting)} is running yet")
 
 

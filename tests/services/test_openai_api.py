@@ -295,6 +295,23 @@ def test_health_answers_503_with_why_while_the_app_cannot_serve(tiny_engine):
         assert test_client.get("/health").json() == {"status": "ok"}
 
 
+def test_the_app_is_ready_where_each_deployment_runs_a_replica_or_needs_none():
+    """services.ingress.app_ready reads Serve's status: a deployment being replaced or still loading
+    holds the app back; one autoscaled to zero replicas (min_replicas 0) does not."""
+    from ray.serve.schema import DeploymentStatus as S, DeploymentStatusOverview, DeploymentStatusTrigger, ReplicaState
+
+    from services.ingress import not_serving
+
+    def deployment(status: S, **replicas: int) -> DeploymentStatusOverview:
+        return DeploymentStatusOverview(status, DeploymentStatusTrigger.UNSPECIFIED,
+                                        {ReplicaState[state]: n for state, n in replicas.items()}, "")
+
+    assert not_serving({"Draft": deployment(S.HEALTHY, RUNNING=1), "Verifier": deployment(S.UPSCALING, RUNNING=1),
+                        "Idle": deployment(S.HEALTHY)}) == []
+    assert not_serving({"Verifier": deployment(S.UNHEALTHY, STARTING=2), "Draft": deployment(S.UPDATING),
+                        "Coordinator": deployment(S.UPSCALING, STARTING=1)}) == ["Coordinator", "Draft", "Verifier"]
+
+
 def test_backend_is_built_lazily_once(tiny_engine):
     built = []
 
