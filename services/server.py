@@ -4,11 +4,16 @@ in deployment)."""
 from __future__ import annotations
 
 from concurrent import futures
+from typing import NamedTuple
 
 import grpc
 
+from google.protobuf.message import DecodeError
+
+from specdec.errors import InvalidRequestError, one_line
 from specdec.v1 import draft_pb2_grpc, verifier_pb2_grpc
 from services.auth import ApiKeyInterceptor
+from services.errors import grpc_status
 from services.servicers import MAX_STREAMS, DraftServicer, VerifierServicer
 
 # The server's threads. A servicer runs its worker on the replica's one torch thread when given one
@@ -22,6 +27,45 @@ UNARY_THREADS = 4
 MAX_ROUND_MESSAGE_BYTES = 2**31 - 1
 
 
+class Malformed(NamedTuple):
+    """A request that did not parse as its method's message, and why."""
+
+    reason: str
+
+
+class MalformedRequests(grpc.ServerInterceptor):
+    """A request that does not parse as its method's message (a peer built on another version of
+    protos/, a corrupt frame) is INVALID_ARGUMENT with one line saying so: gRPC's own answer is
+    INTERNAL, "Exception deserializing request!", after logging a traceback."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse, method = handler.request_deserializer, handler_call_details.method
+
+        def deserialize(data: bytes):
+            try:
+                return parse(data)
+            except DecodeError as exc:
+                return Malformed(one_line(f"the request to {method} does not parse ({exc})"))
+
+        def checked(request, context):
+            if isinstance(request, Malformed):
+                context.abort(*grpc_status(InvalidRequestError(request.reason)))
+            return request
+
+        kind = ("stream" if handler.request_streaming else "unary") + ("_stream" if handler.response_streaming else "_unary")
+        serve = getattr(handler, kind)
+        if handler.request_streaming:  # (the round streams) each message checked as it comes
+            def behaviour(requests, context):
+                return serve((checked(request, context) for request in requests), context)
+        else:
+            def behaviour(request, context):
+                return serve(checked(request, context), context)
+        return handler._replace(request_deserializer=deserialize, **{kind: behaviour})
+
+
 def start_server(draft: DraftServicer | None = None, verifier: VerifierServicer | None = None,
                  address: str = "127.0.0.1:0", max_workers: int | None = None,
                  executor: futures.ThreadPoolExecutor | None = None,
@@ -32,7 +76,7 @@ def start_server(draft: DraftServicer | None = None, verifier: VerifierServicer 
     (services.auth)."""
     threads = max_workers or UNARY_THREADS + MAX_STREAMS * ((draft is not None) + (verifier is not None))
     server = grpc.server(executor or futures.ThreadPoolExecutor(max_workers=threads),
-                         interceptors=[ApiKeyInterceptor(api_key)] if api_key else None,
+                         interceptors=([ApiKeyInterceptor(api_key)] if api_key else []) + [MalformedRequests()],
                          options=[("grpc.max_receive_message_length", MAX_ROUND_MESSAGE_BYTES)])
     if draft is not None:
         draft_pb2_grpc.add_DraftServicer_to_server(draft, server)

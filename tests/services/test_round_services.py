@@ -785,6 +785,25 @@ def test_bad_items_are_refused_one_by_one(stubs, servers):
     assert len(servers.draft.sessions) == len(servers.verifier.sessions) == 0
 
 
+@pytest.mark.parametrize("method", ["/specdec.v1.Verifier/Verify", "/specdec.v1.Verifier/VerifyStream"])
+def test_bytes_that_are_not_the_message_are_invalid_argument_in_one_line(servers, method):
+    """A peer built on another version of protos/, or a corrupt frame: gRPC said INTERNAL
+    ("Exception deserializing request!") after logging a traceback. The server serves on."""
+    garbage = b"\x0a\xff\xff\xff\xff\x0f"  # field 1, a length past the message's end
+    with grpc.insecure_channel(servers.addresses[1]) as channel:
+        if method.endswith("Stream"):
+            call = lambda: list(channel.stream_stream(method)(iter([garbage]), timeout=30))  # noqa: E731
+        else:
+            call = lambda: channel.unary_unary(method)(garbage, timeout=30)  # noqa: E731
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        assert stub.Verify(verifier_pb2.VerifyBatch(), timeout=30).verdicts == []
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = info.value.details()
+    assert details.startswith(f"the request to {method} does not parse (") and "\n" not in details, details
+
+
 def test_a_bad_cost_profile_fails_the_call_with_one_line(stubs, servers):
     """The plan is the call's, not an item's: a malformed profile is INVALID_ARGUMENT for the call."""
     draft, _ = stubs
