@@ -9,6 +9,7 @@ import asyncio
 import random
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import httpx
@@ -260,6 +261,35 @@ def test_draft_and_verifier_killed_at_random_rounds_keep_the_output(tiny_engine,
     print(f"\nfaults: {replicas} draft/verifier replicas killed at tokens {points}; {len(ids)} tokens, 0 lost")
 
 
+def streams_with_a_kill(address: str, prompts: list[str], kill_at: int, kill: Callable[[], object],
+                        leaves: tuple[int, int] | None = None) -> dict[int, list[int]]:
+    """Greedy streams of `prompts` (LONG) at once, each a client of its own without retries; `kill()`
+    runs once, when the first stream has `kill_at` tokens; `leaves` (i, n): client i goes away after
+    n tokens. Each stream's token ids by its index."""
+    results: dict[int, list[int]] = {}
+    killed = threading.Event()
+
+    def stream(i: int) -> None:
+        ids = []
+        with GrpcClient(address, timeout_s=300, retries=0) as client:
+            for chunk in client.generate_stream(prompts[i], **LONG):
+                ids.extend(chunk.token_ids)
+                if leaves is not None and i == leaves[0] and len(ids) >= leaves[1]:
+                    break  # the client goes away: its session leaves the batch
+                if i == 0 and len(ids) >= kill_at and not killed.is_set():
+                    killed.set()
+                    kill()
+        results[i] = ids
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert killed.is_set()
+    return results
+
+
 def test_replicas_killed_while_four_sessions_share_steps(tiny_engine, served):
     """Four greedy streams at once share the coordinator's steps (one batched call per role per
     step, split over the two verifier replicas). One client goes away midway; the draft and every
@@ -267,26 +297,10 @@ def test_replicas_killed_while_four_sessions_share_steps(tiny_engine, served):
     session is left anywhere."""
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(4)]
     expected = [engine_ids(tiny_engine, prompt, **LONG) for prompt in prompts]
-    results: dict[int, list[int]] = {}
     killed: list[str] = []
-
-    def stream(i: int) -> None:
-        ids = []
-        with GrpcClient(served["grpc"], timeout_s=300, retries=0) as client:
-            for chunk in client.generate_stream(prompts[i], **LONG):
-                ids.extend(chunk.token_ids)
-                if i == 1 and len(ids) >= 20:
-                    break  # the client goes away: its session leaves the batch
-                if i == 0 and len(ids) >= 50 and not killed:
-                    killed.extend(kill_all("Draft") + kill_all("Verifier"))
-        results[i] = ids
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert killed and len(results[1]) >= 20
+    results = streams_with_a_kill(served["grpc"], prompts, 50, lambda: killed.extend(kill_all("Draft") + kill_all("Verifier")),
+                                  leaves=(1, 20))
+    assert len(results[1]) >= 20
     for i in (0, 2, 3):
         assert results[i] == expected[i], i
     for deployment in ("Draft", "Verifier"):

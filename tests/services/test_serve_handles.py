@@ -5,20 +5,18 @@ move there once, and nothing is left behind (services/transports.py, HandleTrans
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import ray
 from ray import serve
 
-from clients.grpc_client import GrpcClient
 from engine_backend import local_serve
 from services.config import AppConfig, ReplicaConfig
 from services.launch import APP_NAME
 from specdec.builder import EngineConfig
 from specdec.params import build_params
-from test_serve_app import LONG, PROMPTS, replica_names
+from test_serve_app import LONG, PROMPTS, replica_names, streams_with_a_kill
 
 
 @pytest.fixture(scope="module")
@@ -51,26 +49,13 @@ def test_a_replaced_verifier_leaves_no_session_behind(tiny_engine, served):
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
     expected = {prompt: tiny_engine.generate(prompt, build_params(**LONG)).completions[0].token_ids
                 for prompt in set(prompts)}
-    results: dict[int, list[int]] = {}
     killed: list[str] = []
 
-    def stream(i: int) -> None:
-        ids = []
-        with GrpcClient(served["grpc"], timeout_s=300, retries=0) as client:
-            for chunk in client.generate_stream(prompts[i], **LONG):
-                ids.extend(chunk.token_ids)
-                if i == 0 and len(ids) >= 40 and not killed:
-                    victim = replica_names("Verifier")[0]
-                    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
-                    killed.append(victim)
-        results[i] = ids
+    def kill_one() -> None:
+        killed.append(replica_names("Verifier")[0])
+        ray.kill(ray.get_actor(killed[0], namespace="serve"), no_restart=True)
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert killed
+    results = streams_with_a_kill(served["grpc"], prompts, 40, kill_one)
     for i, prompt in enumerate(prompts):
         assert results[i] == expected[prompt], i
     deadline = time.monotonic() + 180  # the replacement started, known to this process's router, and
