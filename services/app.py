@@ -44,7 +44,12 @@ def _deployment(cls: type, name: str, replicas: ReplicaConfig, round_service: bo
     else:
         options["num_replicas"] = replicas.num_replicas
     if round_service:
-        options["request_router_config"] = RequestRouterConfig(request_router_class=CONSISTENT_HASH_ROUTER)
+        # Strict affinity: a call waits for its session's replica rather than going to the next in the
+        # ring when that one is at max_ongoing_requests (Serve's default, 2 fallbacks), which moved
+        # sessions and rebuilt their caches over `serve-grpc` / `actor` (and placed a `direct`
+        # session's cache on a replica its id does not lead to).
+        options["request_router_config"] = RequestRouterConfig(request_router_class=CONSISTENT_HASH_ROUTER,
+                                                               request_router_kwargs={"num_fallback_replicas": 0})
     # Serve's inter-deployment gRPC (round_transport serve-grpc) receives at most 4 MiB by default.
     # No OMP_WAIT_POLICY: PASSIVE made every parallel region wake a sleeping thread, and a 2-thread
     # draft step then cost as much as a 1-thread one; libgomp's default short spin is faster here

@@ -25,6 +25,7 @@ from services.errors import Unauthenticated, grpc_status, user_error
 
 logger = logging.getLogger(__name__)
 
+READY_TIMEOUT_S = 5.0  # /health's wait for Serve's status
 # A coordinator replica that died (or none up yet): the request's work is lost, not wrong.
 COORDINATOR_LOST = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
 
@@ -138,7 +139,10 @@ async def app_ready() -> None:
     """Raises Unavailable, naming them, where deployments of this replica's app cannot serve (Serve's
     own /-/healthz says only that its proxy answers)."""
     app_name = serve.get_replica_context().app_name
-    status = await asyncio.to_thread(serve.status)  # (a call to Serve's controller)
+    try:  # (a call to Serve's controller, 40-250 ms; none answers while it restarts)
+        status = await asyncio.wait_for(asyncio.to_thread(serve.status), READY_TIMEOUT_S)
+    except TimeoutError:
+        raise Unavailable(f"Serve's controller did not answer in {READY_TIMEOUT_S:g} s") from None
     if waiting := not_serving(status.applications[app_name].deployments):
         raise Unavailable(f"no replica of {', '.join(waiting)} is running yet")
 

@@ -101,12 +101,13 @@ class RoundReplica:
         if self._server is not None:
             self._server.stop(grace=None)
 
-    async def _serve(self, method: Callable, request_type, payload: bytes) -> tuple[str, bytes]:
+    async def _serve(self, method: Callable, request_type, payload: bytes) -> bytes:
         """A handle call (the `serve-grpc` and `actor` transports): off the event loop, the servicer
-        hands the batch to the torch thread. The answer names this replica: the router may have sent
-        the call elsewhere than the replica the caller took for the sessions' (HandleTransport)."""
+        hands the batch to the torch thread. The answer names this replica (`replica`): the router
+        may have sent the call elsewhere than the replica the caller took for its sessions'."""
         reply = await asyncio.to_thread(method, request_type.FromString(payload), None)
-        return self._address, reply.SerializeToString()
+        reply.replica = self._address
+        return reply.SerializeToString()
 
     async def live_sessions(self) -> int:
         """Sessions whose cache this replica holds, a draft's beside the verifier included (tests and
@@ -137,7 +138,7 @@ class Draft(RoundReplica):
         set_threads(config.draft.threads)
         return DraftServicer(draft_worker(config, self.name, config.draft.threads), self._executor)
 
-    async def propose(self, payload: bytes) -> tuple[str, bytes]:
+    async def propose(self, payload: bytes) -> bytes:
         return await self._serve(self.servicer.Propose, draft_pb2.ProposeBatch, payload)
 
 
@@ -184,7 +185,7 @@ class Verifier(RoundReplica, LoopHost):
             self.draft_servicer = DraftServicer(draft, self._executor)
         return VerifierServicer(worker, self._executor)
 
-    async def verify(self, payload: bytes) -> tuple[str, bytes]:
+    async def verify(self, payload: bytes) -> bytes:
         return await self._serve(self.servicer.Verify, verifier_pb2.VerifyBatch, payload)
 
     def check_health(self) -> None:
@@ -192,7 +193,7 @@ class Verifier(RoundReplica, LoopHost):
         if (link := self.servicer.worker.link) is not None:  # states waiting for sessions both let go
             link.keep(self.servicer.sessions)
 
-    async def propose(self, payload: bytes) -> tuple[str, bytes]:
+    async def propose(self, payload: bytes) -> bytes:
         """The colocated draft's Propose, as a handle call."""
         return await self._serve(self.draft_servicer.Propose, draft_pb2.ProposeBatch, payload)
 

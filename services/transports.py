@@ -390,12 +390,15 @@ class DirectTransport(GrpcTransport):
 class HandleTransport(DirectTransport):
     """Every round call through the deployment handle, carrying our protobuf bytes over Serve's
     gRPC transport (`grpc_transport`) or as Ray actor calls. The consistent hash router places a
-    call by one session id, so a group goes by an id the router last sent to the replica holding
-    the group's sessions (`_routes`): once a replica is added or replaced the ring changes and a
-    session's own id may lead elsewhere (a group routed by its first session's id moved whole each
-    time that session changed). A replica answers with its address; where that is not the group's
-    owner, the group's sessions stay where they landed (their caches rebuilt) and their copies at
-    the old owner are released there. Releases go straight to the owner's own gRPC server."""
+    call by one session id (strictly: no fallback to another replica, services/app.py), so a group
+    goes by an id the router last sent to the replica holding the group's sessions (`_routes`).
+    Once a replica is added or replaced the ring changes, and a call may land elsewhere (a group
+    routed by its first session's id moved whole each time that session changed, and left its
+    copies until their TTL). A reply names the replica that answered (`replica`); where that is not
+    the group's, each of its sessions is looked up by its own id, as a new one is, and its copies
+    elsewhere are released. Releases go straight to the owner's own gRPC server."""
+
+    RELEASE_TIMEOUT_S = 5.0  # a moved session's old copy: best effort, its TTL frees it otherwise
 
     def __init__(self, draft, verifier, api_key: str | None = None, grpc_transport: bool = True,
                  colocated: Sequence[str] = ()):
@@ -417,7 +420,7 @@ class HandleTransport(DirectTransport):
         key = self._routes.get(owner, routing_key)
         handle = self._handles[served_by].options(session_id=key)  # affinity is per hop: set it every call
         try:
-            answered, payload = await asyncio.wait_for(
+            payload = await asyncio.wait_for(
                 own_request(lambda: getattr(handle, method.lower()).remote(request.SerializeToString())),
                 self.timeout_s)
         except TimeoutError:
@@ -426,36 +429,52 @@ class HandleTransport(DirectTransport):
         except self.retryable:
             self._routes.pop(owner, None)
             raise
-        if answered != owner:
+        reply = REPLIES[method].FromString(payload)
+        answered = reply.replica or owner  # (a replica of an earlier release names none)
+        if answered == owner:
+            self._routes[owner] = key
+        else:
             if self._routes.get(owner) == key:
                 del self._routes[owner]  # that id leads elsewhere now
-            self._moved(served_by, owner, answered, [item.session_id for item in request.items])
-        self._routes[answered] = key
-        return REPLIES[method].FromString(payload)
+            await self._moved(served_by, owner, answered, [item.session_id for item in request.items])
+        return reply
 
-    def _moved(self, served_by: Service, owner: str, answered: str, session_ids: list[str]) -> None:
-        """The router sent the sessions of `owner` to the replica at `answered`, which rebuilt their
-        caches: they stay there, and what `owner` holds of them is released (in the background,
-        best effort: `owner` may be gone)."""
-        moved: dict[Service, list[str]] = {}
-        for session_id in session_ids:
-            for each in self._beside(served_by):  # a draft beside the verifier moved with it
-                if self._owners.get((each, session_id)) == owner:
-                    self._owners[each, session_id] = answered
-                    moved.setdefault(each, []).append(session_id)
-        for each, ids in moved.items():
-            task = asyncio.create_task(self._release_at(each, owner, ids))
+    async def _moved(self, served_by: Service, owner: str, answered: str, session_ids: list[str]) -> None:
+        """The router sent the sessions of `owner` to `answered`, which rebuilt their caches: the
+        ring changed. Each session now belongs where its own id leads (looked up). Its copy at
+        `owner` is a round behind and is released, as is the one at `answered` unless the session
+        stays there (in the background, best effort: a replica may be gone). A lookup that fails
+        leaves the session to be looked up next time."""
+        beside = self._beside(served_by)  # a draft beside the verifier moves with it
+        moving = [s for s in session_ids if any(self._owners.get((each, s)) == owner for each in beside)]
+        homes = await asyncio.gather(*(self._look_up(served_by, s) for s in moving), return_exceptions=True)
+        stale: dict[tuple[Service, str], list[str]] = {}
+        for session_id, home in zip(moving, homes):
+            home = None if isinstance(home, BaseException) else home
+            for each in beside:
+                if self._owners.get((each, session_id)) != owner:
+                    continue
+                if home is None:
+                    del self._owners[each, session_id]
+                else:
+                    self._owners[each, session_id] = home
+                for address in {owner} | ({answered} - {home}):
+                    stale.setdefault((each, address), []).append(session_id)
+        for (each, address), ids in stale.items():
+            task = asyncio.create_task(self._release_at(each, address, ids))
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
 
-    async def _release_at(self, served_by: Service, owner: str, session_ids: list[str]) -> None:
+    async def _release_at(self, served_by: Service, address: str, session_ids: list[str]) -> None:
         try:
-            await self._send(served_by, owner, "Release", common_pb2.SessionRefs(session_ids=session_ids), session_ids[0])
+            await asyncio.wait_for(self._send(served_by, address, "Release",
+                                              common_pb2.SessionRefs(session_ids=session_ids), session_ids[0]),
+                                   self.RELEASE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - the copies then wait for their TTL
-            logger.debug("release of moved sessions on the %s at %s failed: %s", served_by, owner, exc)
+            logger.debug("release of moved sessions on the %s at %s failed: %s", served_by, address, exc)
 
     async def close(self) -> None:
-        await asyncio.gather(*self._releases)  # (each swallows its own failure)
+        await asyncio.gather(*self._releases)  # (each bounded, each swallowing its own failure)
         await super().close()
 
 

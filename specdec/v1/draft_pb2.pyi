@@ -22,14 +22,16 @@ class ProposeBatch(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ..., costs: _Optional[_Union[_common_pb2.CostProfile, _Mapping]] = ..., other_sessions: _Optional[int] = ..., acceptance: _Optional[float] = ...) -> None: ...
 
 class ProposalBatch(_message.Message):
-    __slots__ = ("proposals", "draft_ms", "passes")
+    __slots__ = ("proposals", "draft_ms", "passes", "replica")
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     PASSES_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     proposals: _containers.RepeatedCompositeFieldContainer[Proposal]
     draft_ms: float
     passes: _containers.RepeatedCompositeFieldContainer[_common_pb2.PassTiming]
-    def __init__(self, proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., draft_ms: _Optional[float] = ..., passes: _Optional[_Iterable[_Union[_common_pb2.PassTiming, _Mapping]]] = ...) -> None: ...
+    replica: str
+    def __init__(self, proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., draft_ms: _Optional[float] = ..., passes: _Optional[_Iterable[_Union[_common_pb2.PassTiming, _Mapping]]] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class PolicyConfig(_message.Message):
     __slots__ = ("name", "k", "threshold")

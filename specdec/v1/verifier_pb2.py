@@ -27,7 +27,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"M\n\x0bVerifyBatch\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.specdec.v1.VerifyRequest\x12\x14\n\x0cprobe_tokens\x18\x02 \x01(\r\"p\n\x0cVerdictBatch\x12%\n\x08verdicts\x18\x01 \x03(\x0b\x32\x13.specdec.v1.Verdict\x12\x11\n\ttarget_ms\x18\x02 \x01(\x01\x12&\n\x06passes\x18\x03 \x03(\x0b\x32\x16.specdec.v1.PassTiming\"\xb3\x02\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x07history\x18\x02 \x01(\x0b\x32\x18.specdec.v1.HistoryDelta\x12\x12\n\ncandidates\x18\x03 \x03(\x05\x12-\n\x0b\x64raft_probs\x18\x04 \x03(\x0b\x32\x18.specdec.v1.Distribution\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12#\n\x04seed\x18\x06 \x01(\x0b\x32\x15.specdec.v1.RoundSeed\x12\x1a\n\rfeatures_from\x18\t \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_features_fromJ\x04\x08\x07\x10\x08J\x04\x08\x08\x10\tR\x05probeR\x0cprobe_tokens\"\x89\x01\n\x07Verdict\x12\x17\n\x0fsession_missing\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\x05\x12\x12\n\nnext_token\x18\x03 \x01(\x05\x12&\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x14.specdec.v1.FeaturesJ\x04\x08\x04\x10\x05\x32\xcf\x01\n\x08Verifier\x12;\n\x06Verify\x12\x17.specdec.v1.VerifyBatch\x1a\x18.specdec.v1.VerdictBatch\x12\x45\n\x0cVerifyStream\x12\x17.specdec.v1.VerifyBatch\x1a\x18.specdec.v1.VerdictBatch(\x01\x30\x01\x12?\n\x07Release\x12\x17.specdec.v1.SessionRefs\x1a\x1b.specdec.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"M\n\x0bVerifyBatch\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.specdec.v1.VerifyRequest\x12\x14\n\x0cprobe_tokens\x18\x02 \x01(\r\"\x81\x01\n\x0cVerdictBatch\x12%\n\x08verdicts\x18\x01 \x03(\x0b\x32\x13.specdec.v1.Verdict\x12\x11\n\ttarget_ms\x18\x02 \x01(\x01\x12&\n\x06passes\x18\x03 \x03(\x0b\x32\x16.specdec.v1.PassTiming\x12\x0f\n\x07replica\x18\x04 \x01(\t\"\xb3\x02\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x07history\x18\x02 \x01(\x0b\x32\x18.specdec.v1.HistoryDelta\x12\x12\n\ncandidates\x18\x03 \x03(\x05\x12-\n\x0b\x64raft_probs\x18\x04 \x03(\x0b\x32\x18.specdec.v1.Distribution\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12#\n\x04seed\x18\x06 \x01(\x0b\x32\x15.specdec.v1.RoundSeed\x12\x1a\n\rfeatures_from\x18\t \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_features_fromJ\x04\x08\x07\x10\x08J\x04\x08\x08\x10\tR\x05probeR\x0cprobe_tokens\"\x89\x01\n\x07Verdict\x12\x17\n\x0fsession_missing\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\x05\x12\x12\n\nnext_token\x18\x03 \x01(\x05\x12&\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x14.specdec.v1.FeaturesJ\x04\x08\x04\x10\x05\x32\xcf\x01\n\x08Verifier\x12;\n\x06Verify\x12\x17.specdec.v1.VerifyBatch\x1a\x18.specdec.v1.VerdictBatch\x12\x45\n\x0cVerifyStream\x12\x17.specdec.v1.VerifyBatch\x1a\x18.specdec.v1.VerdictBatch(\x01\x30\x01\x12?\n\x07Release\x12\x17.specdec.v1.SessionRefs\x1a\x1b.specdec.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,12 +36,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFYBATCH']._serialized_start=66
   _globals['_VERIFYBATCH']._serialized_end=143
-  _globals['_VERDICTBATCH']._serialized_start=145
-  _globals['_VERDICTBATCH']._serialized_end=257
-  _globals['_VERIFYREQUEST']._serialized_start=260
-  _globals['_VERIFYREQUEST']._serialized_end=567
-  _globals['_VERDICT']._serialized_start=570
-  _globals['_VERDICT']._serialized_end=707
-  _globals['_VERIFIER']._serialized_start=710
-  _globals['_VERIFIER']._serialized_end=917
+  _globals['_VERDICTBATCH']._serialized_start=146
+  _globals['_VERDICTBATCH']._serialized_end=275
+  _globals['_VERIFYREQUEST']._serialized_start=278
+  _globals['_VERIFYREQUEST']._serialized_end=585
+  _globals['_VERDICT']._serialized_start=588
+  _globals['_VERDICT']._serialized_end=725
+  _globals['_VERIFIER']._serialized_start=728
+  _globals['_VERIFIER']._serialized_end=935
 # @@protoc_insertion_point(module_scope)

@@ -18,14 +18,16 @@ class VerifyBatch(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ..., probe_tokens: _Optional[int] = ...) -> None: ...
 
 class VerdictBatch(_message.Message):
-    __slots__ = ("verdicts", "target_ms", "passes")
+    __slots__ = ("verdicts", "target_ms", "passes", "replica")
     VERDICTS_FIELD_NUMBER: _ClassVar[int]
     TARGET_MS_FIELD_NUMBER: _ClassVar[int]
     PASSES_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     verdicts: _containers.RepeatedCompositeFieldContainer[Verdict]
     target_ms: float
     passes: _containers.RepeatedCompositeFieldContainer[_common_pb2.PassTiming]
-    def __init__(self, verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., target_ms: _Optional[float] = ..., passes: _Optional[_Iterable[_Union[_common_pb2.PassTiming, _Mapping]]] = ...) -> None: ...
+    replica: str
+    def __init__(self, verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., target_ms: _Optional[float] = ..., passes: _Optional[_Iterable[_Union[_common_pb2.PassTiming, _Mapping]]] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "history", "candidates", "draft_probs", "sampling", "seed", "features_from")

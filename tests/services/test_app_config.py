@@ -46,6 +46,9 @@ def test_each_role_keeps_its_defaults_however_much_of_its_section_is_given():
             deployed = deployments[role.capitalize()]._deployment_config
             assert deployed.graceful_shutdown_timeout_s == defaults["graceful_shutdown_timeout_s"], role
         assert deployments["Verifier"]._deployment_config.health_check_timeout_s == 60
+        for name in ("Draft", "Verifier"):  # a round call waits for its session's replica, never another's
+            routing = deployments[name]._deployment_config.request_router_config
+            assert routing.request_router_kwargs == {"num_fallback_replicas": 0}, name
     assert REQUEST_REPLICAS["graceful_shutdown_timeout_s"] >= 900  # 2,048 tokens at a few tokens/s
     given = AppConfig(draft=ReplicaConfig(graceful_shutdown_timeout_s=5, health_check_timeout_s=None)).draft
     assert (given.graceful_shutdown_timeout_s, given.health_check_timeout_s) == (5, None)  # None: Serve's

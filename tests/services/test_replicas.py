@@ -49,8 +49,7 @@ def test_draft_loads_and_drafts_on_one_thread_off_the_event_loop(tiny_pair):
         max_candidates=3, seed=common_pb2.RoundSeed(request_seed=1)) for i in range(2)])
 
     async def rounds():
-        return [draft_pb2.ProposalBatch.FromString((await replica.propose(request.SerializeToString()))[1])
-                for _ in range(3)]
+        return [draft_pb2.ProposalBatch.FromString(await replica.propose(request.SerializeToString())) for _ in range(3)]
 
     batches = asyncio.run(rounds())
     assert all(len(proposal.candidates) == 3 for batch in batches for proposal in batch.proposals)
@@ -67,11 +66,10 @@ def test_verifier_loads_and_verifies_on_one_thread(tiny_pair):
         candidates=[43, 44], sampling=common_pb2.SamplingParams(top_p=1.0), seed=common_pb2.RoundSeed(request_seed=1))])
 
     async def verify():
-        address, payload = await replica.verify(request.SerializeToString())
-        assert address == replica._address  # the answer names its replica (HandleTransport)
-        return verifier_pb2.VerdictBatch.FromString(payload)
+        return verifier_pb2.VerdictBatch.FromString(await replica.verify(request.SerializeToString()))
 
-    assert len(asyncio.run(verify()).verdicts) == 1
+    reply = asyncio.run(verify())
+    assert len(reply.verdicts) == 1 and reply.replica == replica._address  # named: HandleTransport
     assert len(recording.threads["load"]) == 1
     assert recording.threads["call"] == recording.threads["load"]
 

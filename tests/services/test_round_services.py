@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import zlib
 from collections import Counter
 
 import grpc
@@ -564,7 +565,7 @@ class Ring:
     def __init__(self, servicers: dict[str, DraftServicer | VerifierServicer], place=lambda session_id: 0):
         self.servicers, self.place, self.answered = servicers, place, []
 
-    def options(self, session_id: str | None = None, **_):
+    def options(self, session_id: str = "", **_):
         ring, address = self, list(self.servicers)[self.place(session_id)]
 
         class Method:
@@ -580,11 +581,12 @@ class Ring:
                     request = request_type.FromString(payload)
                     reply = await asyncio.to_thread(getattr(servicer, self.name.capitalize()), request, None)
                     ring.answered.append((address, [item.session_id for item in request.items]))
-                    return address, reply.SerializeToString()
+                    reply.replica = address
+                    return reply.SerializeToString()
                 return answer()
 
         class Handle:
-            def options(self, session_id: str | None = None, **_):
+            def options(self, session_id: str = "", **_):
                 return ring.options(session_id)
 
             def __getattr__(self, name):
@@ -593,42 +595,60 @@ class Ring:
         return Handle()
 
 
-def test_handle_calls_follow_a_changed_ring_and_release_what_they_left(tiny_engine):
-    """`serve-grpc` / `actor`: a replica is added or replaced, and the router sends each session's id
-    to another replica than the one holding it. Each group of a step moves once, to where the router
-    sends it, and the copies it leaves are released there (they waited for their TTL, and a group
-    routed by its first session's id moved whole again each time that session changed)."""
+@pytest.mark.parametrize("change", ["swap", "reshuffle"])
+def test_handle_calls_follow_a_changed_ring_and_release_what_they_left(tiny_engine, change):
+    """`serve-grpc` / `actor`: a replica is added or replaced, and the router sends session ids to
+    other replicas than before (`swap`: every id to the other one; `reshuffle`: the ids the groups
+    go by to the other one, the others as a new hash says).
+    A group that lands elsewhere is rebuilt there; then each of its sessions goes where its own id
+    leads, and every copy it leaves is released (they waited for their TTL, and a group routed by its first
+    session's id moved whole again each time that session changed)."""
     draft = DraftServicer(DraftWorker(tiny_engine.draft, tiny_engine.head))
     verifiers = [VerifierServicer(VerifierWorker(tiny_engine.target)) for _ in range(2)]
     servers = [start_server(draft=draft)] + [start_server(verifier=verifier) for verifier in verifiers]
     addresses = [address for _, address in servers]
-    swapped = []
-    ring = Ring(dict(zip(addresses[1:], verifiers)), lambda session_id: (hash(session_id) + len(swapped)) % 2)
+    changed: list[set[str]] = []  # once changed: the ids the groups went by
 
-    class Swapping(HandleTransport):
+    def place(session_id: str) -> int:
+        before = zlib.crc32(session_id.encode()) % 2
+        if not changed:
+            return before
+        if change == "swap" or session_id in changed[0]:
+            return 1 - before
+        return zlib.crc32(session_id.encode() + b"+") % 2
+
+    ring = Ring(dict(zip(addresses[1:], verifiers)), place)
+
+    class Changing(HandleTransport):
         async def verify(self, items, probe_tokens=0):
             reply = await super().verify(items, probe_tokens)
-            if len(ring.answered) >= 6 and not swapped:
-                swapped.append(len(ring.answered))  # every id now leads to the other replica
+            if len(ring.answered) >= 6 and not changed:
+                changed.append(set(self._routes.values()))
             return reply
 
-    transport = Swapping(Ring({addresses[0]: draft}), ring)
+    transport = Changing(Ring({addresses[0]: draft}), ring)
     params = build_params(policy="fixed", k=3, max_new_tokens=MAX_NEW_TOKENS)
+    prompts = PROMPTS * 2  # 8 sessions, so that some stay and some move under `reshuffle`
     try:
-        results = run(RoundLoop(transport, tiny_engine.rules), [(p, params) for p in PROMPTS])
+        results = run(RoundLoop(transport, tiny_engine.rules), [(p, params) for p in prompts])
         asyncio.run(transport.close())
     finally:
         for server, _ in servers:
             server.stop(None)
-    for prompt, result in zip(PROMPTS, results):
+    for prompt, result in zip(prompts, results):
         assert result.completions[0].token_ids == engine_ids(tiny_engine, prompt, params)[0]
     where: dict[str, list[str]] = {}
     for address, session_ids in ring.answered:
         for session_id in session_ids:
             if where.setdefault(session_id, [address])[-1] != address:
                 where[session_id].append(address)
-    assert swapped and len(where) == len(PROMPTS)
-    assert sorted(len(addresses) for addresses in where.values()) == [2] * len(PROMPTS)  # each moved once
+    assert changed and len(where) == len(prompts)
+    for session_id, replicas in where.items():  # one that moved ends where its own id leads (one that
+        if len(replicas) > 1:                    # stayed went where its group's id still leads)
+            assert replicas[-1] == addresses[1 + place(session_id)] and len(replicas) <= 3, replicas
+    assert all(len(replicas) > 1 for replicas in where.values())  # every group landed elsewhere
+    if change == "swap":
+        assert all(len(replicas) == 2 for replicas in where.values())
     assert [len(verifier.sessions) for verifier in verifiers] == [0, 0] and len(draft.sessions) == 0
 
 
