@@ -430,7 +430,7 @@ class HandleTransport(DirectTransport):
             self._routes.pop(owner, None)
             raise
         reply = REPLIES[method].FromString(payload)
-        answered = reply.replica or owner  # (a replica of an earlier release names none)
+        answered = reply.replica or owner  # (a replica of an earlier version names none)
         if answered == owner:
             self._routes[owner] = key
         else:

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -309,7 +310,8 @@ def start_ray(address: str | None, need: dict[str, float], asking: str, options:
 
 
 def start_training_ray(address: str | None, scaling: ScalingSection) -> None:
-    """Ray for a training job (`start_ray`); its workers log to the driver."""
+    """Ray for a training job (`start_ray`); its workers log to the driver. From here SIGTERM stops
+    the job as Ctrl-C does (sigterm_as_ctrl_c)."""
     import ray
 
     if not ray.is_initialized():  # Ray starts workers at nice 15; here they are the job: not below everything else
@@ -317,6 +319,15 @@ def start_training_ray(address: str | None, scaling: ScalingSection) -> None:
                             "GPU": scaling.num_workers * scaling.use_gpu},
                   f"scaling ({scaling.num_workers} workers) asks", {"log_to_driver": True},
                   local={"_system_config": {"worker_niceness": 0}})
+        # after ray.init, whose handler exits the process mid-call (a crash dump, rc 134)
+        signal.signal(signal.SIGTERM, sigterm_as_ctrl_c)
+
+
+def sigterm_as_ctrl_c(signum, frame) -> None:
+    """SIGTERM (`kill`, `ray job stop`) does what Ctrl-C does at that moment: Ray Train's graceful
+    abort inside fit() (its SIGINT handler then; training.checkpoints.fit), else KeyboardInterrupt."""
+    handler = signal.getsignal(signal.SIGINT)
+    (handler if callable(handler) else signal.default_int_handler)(signum, frame)
 
 
 def cmd_gen_data(args: argparse.Namespace) -> int:
@@ -372,6 +383,10 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+# what a training command prints when Ctrl-C or SIGTERM stopped it (`interrupted`, read by main)
+RESUME_TRAINING = "interrupted: run the same command again to resume from the last checkpoint (docs/resuming.md)"
+
+
 def add_training_parsers(commands) -> None:
     gen = commands.add_parser("gen-data", help="generate training data on Ray (resumable): the acceptance head's "
                                                "labels or the feature draft's target states (data.kind)")
@@ -381,7 +396,8 @@ def add_training_parsers(commands) -> None:
                      help="label the responses of an older dataset (same target and response settings) again "
                           "instead of regenerating them")
     gen.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
-    gen.set_defaults(func=cmd_gen_data)
+    gen.set_defaults(func=cmd_gen_data, interrupted="interrupted: the shards written are kept; run the same command "
+                                                    "again to generate the rest (docs/resuming.md)")
 
     train = commands.add_parser("train-head", help="train the acceptance head with Ray Train (resumable)")
     train.add_argument("--config", required=True, help="pipeline YAML (see cluster/training/)")
@@ -389,13 +405,13 @@ def add_training_parsers(commands) -> None:
                                                             "and keep the best on validation")
     train.add_argument("--address", default=None, help="Ray address (default $RAY_ADDRESS, else a new local instance)")
     train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
-    train.set_defaults(func=cmd_train_head)
+    train.set_defaults(func=cmd_train_head, interrupted=RESUME_TRAINING)
 
     draft = commands.add_parser("train-draft", help="train the feature draft with Ray Train (resumable)")
     draft.add_argument("--config", required=True, help="pipeline YAML with data.kind features and a draft section")
     draft.add_argument("--address", default=None, help="Ray address (default $RAY_ADDRESS, else a new local instance)")
     draft.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
-    draft.set_defaults(func=cmd_train_draft)
+    draft.set_defaults(func=cmd_train_draft, interrupted=RESUME_TRAINING)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -531,7 +547,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.WARNING, handlers=[handler])
     try:
         return args.func(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, and SIGTERM where a command routes it so (start_training_ray)
+        if hint := getattr(args, "interrupted", None):  # how to go on, where a rerun resumes
+            print(hint, file=sys.stderr)
         return 130
     except Exception as exc:
         if (message := user_error(exc)) is None or args.debug:

@@ -5,6 +5,7 @@ run settings a resume must keep, and Ray itself, started once their checks passe
 from __future__ import annotations
 
 import json
+import signal
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +32,22 @@ def connect_ray(connect: Callable[[], None] | None) -> None:
 
     if not ray.is_initialized():
         (connect or ray.init)()
+
+
+def fit(trainer):
+    """`trainer.fit()` (its Result), where Ctrl-C raises KeyboardInterrupt. Ray Train's SIGINT handler,
+    set inside fit(), aborts the run (the workers stop; a rerun resumes from the last checkpoint Ray
+    Train recorded) and then exits from within fit(): a SystemExit (code 1 whatever it asked), the
+    only one fit() raises (a failed run raises TrainingFailedError). That handler outlives fit(),
+    where it would swallow Ctrl-C (it aborts a run that ended): the one before is put back."""
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        return trainer.fit()
+    except SystemExit:
+        raise KeyboardInterrupt from None
+    finally:
+        if signal.getsignal(signal.SIGINT) is not before:  # (only on the main thread: Ray Train sets it there alone)
+            signal.signal(signal.SIGINT, before)
 
 
 def check_run_settings(storage: str, name: str, section: str, settings: BaseModel, resumable: tuple[str, ...],

@@ -460,7 +460,7 @@ def train_draft(config: PipelineConfig, connect: Callable[[], None] | None = Non
                                      resources_per_worker={"CPU": scaling.cpus_per_worker}),
         run_config=RunConfig(name=draft.name, storage_path=str(Path(draft.storage).resolve()),
                              checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_TO_KEEP)))
-    result = trainer.fit()
+    result = checkpoints.fit(trainer)
     state, history, _ = checkpoints.read_final(result, draft.name)
     model = build_draft(loop_config, target_dir, vocab_ids)
     model.load_own_state(state["model"])

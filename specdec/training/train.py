@@ -393,7 +393,7 @@ def fit_head(config: PipelineConfig, train: TrainSection, features: str):
         run_config=RunConfig(name=train.name, storage_path=str(Path(train.storage).resolve()),
                              checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_TO_KEEP)),
     )
-    return trainer.fit()
+    return checkpoints.fit(trainer)
 
 
 def save_result(result, train: TrainSection, draft_identity: str, draft_name: str, manifest: dict,

@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 from specdec.builder import EngineConfig, build_draft
+from specdec.cli import RESUME_TRAINING
 from specdec.errors import IncompatibleModelsError, SpecDecError
 from specdec.features import (
     FEATURES_DISTRIBUTION, FEATURES_HIDDEN, NUM_SCALAR_FEATURES, SCALAR_FEATURES, distribution_features,
@@ -19,6 +26,7 @@ from specdec.policies import FixedK
 from specdec.policies.specdec_pp import judged_acceptance
 from specdec.rounds import DraftRow, propose
 from specdec.sampling import SamplingParams
+from specdec.training.checkpoints import latest_history
 from specdec.training.config import ConfigError, TrainSection, parse_config
 from specdec.training.mixing import mix_tokens
 from specdec.training.mixing import mixing_generator
@@ -117,6 +125,44 @@ def test_train_resume_and_saved_head(tiny_dataset, tiny_pair, tmp_path):
     calibration = report["calibration"]  # train.calibrate is on by default: fitted and saved with the head
     assert (head.config.calibration.scale, head.config.calibration.bias) == (calibration["scale"], calibration["bias"])
     assert {"ece_before", "ece_after", "reliability_before", "reliability_after"} <= set(calibration)
+
+
+def test_sigterm_stops_train_head_as_ctrl_c_does_and_a_rerun_resumes(tiny_dataset, ray_local, tmp_path):
+    """`kill`, `ray job stop`: SIGTERM ended `specdec train-head` in Ray's crash dump (rc 134), and
+    Ctrl-C in rc 1 and no word. Both abort the run as Ray Train does on Ctrl-C: rc 130 and one line
+    saying how to resume, which the rerun then does (in this process: its Ray is up already)."""
+    raw, _ = tiny_dataset
+    runs = tmp_path / "runs"
+    raw = {**raw, "scaling": {"num_workers": 1, "threads": 1},  # epochs: more than it could ever train here
+           "train": {**raw["train"], "storage": str(runs), "output": str(tmp_path / "head"), "epochs": 10_000}}
+    config = tmp_path / "train.yaml"
+    config.write_text(json.dumps(raw))  # (JSON is YAML)
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    address = ray_local.get_runtime_context().gcs_address  # joins this process's Ray: none to start (~10 s)
+    job = subprocess.Popen([sys.executable, "-m", "specdec.cli", "train-head", "--config", str(config),
+                            "--address", address],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        # a checkpoint Ray Train recorded (its controller polls the workers every 2 s): the one a rerun resumes
+        while not (runs / "head" / "checkpoint_manager_snapshot.json").is_file():
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
+            time.sleep(0.1)
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 130, err[-3000:]
+    # its own lines, not those Ray forwards from its processes ("(RayTrainWorker pid=N) ...")
+    own = [line for line in err.splitlines() if line.strip() and not re.match(r"(\x1b\[\d+m)?\(", line)]
+    assert own[-1] == RESUME_TRAINING and err.count(RESUME_TRAINING) == 1, err[-3000:]
+    assert not any("Traceback" in line or "SIGTERM received" in line for line in own), err[-5000:]
+
+    done = len(latest_history(str(runs), "head"))
+    raw["train"]["epochs"] = done + 1  # (a resumable change) one more epoch, on the interrupted run's checkpoint
+    report = train_head(parse_config(raw))
+    assert [e["epoch"] for e in report["epochs"]] == list(range(1, done + 2))
+    assert report["epochs"][-1]["resumed_from_epoch"] >= 1
 
 
 def test_training_refuses_a_foreign_dataset(tiny_dataset, tmp_path):
