@@ -139,7 +139,7 @@ async def app_ready() -> None:
     """Raises Unavailable, naming them, where deployments of this replica's app cannot serve (Serve's
     own /-/healthz says only that its proxy answers)."""
     app_name = serve.get_replica_context().app_name
-    try:  # (a call to Serve's controller, 40-250 ms; none answers while it restarts)
+    try:  # (a call to Serve's controller, which none answers while it restarts)
         status = await asyncio.wait_for(asyncio.to_thread(serve.status), READY_TIMEOUT_S)
     except TimeoutError:
         raise Unavailable(f"Serve's controller did not answer in {READY_TIMEOUT_S:g} s") from None

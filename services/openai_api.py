@@ -407,7 +407,7 @@ def create_app(backend_factory: Callable[[], GenerationBackend], model_name: str
     """`backend_factory` is called once, on the first request that needs it (inside a Serve replica
     it looks up a deployment handle, which needs the running replica). With `api_key` every path
     (the OpenAPI docs, /health and /metrics included) answers 401 without it; `max_body_bytes` caps
-    request bodies (413). `readiness` raises services.errors' Unavailable, with why, where a request
+    request bodies (413). `readiness` raises specdec.errors' Unavailable, with why, where a request
     could not be served now (/health then answers 503; None: the process answering is enough)."""
     app = FastAPI(title="specdec")
     if max_body_bytes is not None:
