@@ -4,7 +4,6 @@ in deployment)."""
 from __future__ import annotations
 
 from concurrent import futures
-from typing import NamedTuple
 
 import grpc
 
@@ -27,12 +26,6 @@ UNARY_THREADS = 4
 MAX_ROUND_MESSAGE_BYTES = 2**31 - 1
 
 
-class Malformed(NamedTuple):
-    """A request that did not parse as its method's message, and why."""
-
-    reason: str
-
-
 class MalformedRequests(grpc.ServerInterceptor):
     """A request that does not parse as its method's message (a peer built on another version of
     protos/, a corrupt frame) is INVALID_ARGUMENT with one line saying so: gRPC's own answer is
@@ -44,15 +37,15 @@ class MalformedRequests(grpc.ServerInterceptor):
             return handler
         parse, method = handler.request_deserializer, handler_call_details.method
 
-        def deserialize(data: bytes):
+        def deserialize(data: bytes):  # (raising here, gRPC answers INTERNAL: the error is handed on)
             try:
                 return parse(data)
             except DecodeError as exc:
-                return Malformed(one_line(f"the request to {method} does not parse ({exc})"))
+                return InvalidRequestError(one_line(f"the request to {method} does not parse ({exc})"))
 
         def checked(request, context):
-            if isinstance(request, Malformed):
-                context.abort(*grpc_status(InvalidRequestError(request.reason)))
+            if isinstance(request, InvalidRequestError):
+                context.abort(*grpc_status(request))
             return request
 
         kind = ("stream" if handler.request_streaming else "unary") + ("_stream" if handler.response_streaming else "_unary")
