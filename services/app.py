@@ -25,7 +25,7 @@ from specdec.models.suffix import is_suffix_draft
 from specdec.errors import Overloaded
 from specdec.params import DEFAULT_DRAFT
 from services.autoscaling import POLICY as ROUND_CALLS_POLICY
-from services.config import CONSISTENT_HASH_ROUTER, AppConfig, ReplicaConfig
+from services.config import CONSISTENT_HASH_ROUTER, AppConfig, LiveCap, ReplicaConfig
 from services.errors import RETRY_AFTER_S, TABLE
 from services.ingress import ingress_class
 from services.replicas import CoordinatorDeployment, Draft, Verifier
@@ -112,28 +112,22 @@ def deployment_replicas(config: AppConfig) -> dict[str, ReplicaConfig]:
     return replicas | {"Verifier": config.verifier, "Coordinator": config.coordinator, "Ingress": config.ingress}
 
 
-def live_sessions_cap(config: AppConfig) -> AppConfig:
-    """`config` with each round loop's `batch.max_live_sessions` (and `max_live_positions`) at most
-    what the replicas hold for it: the sessions a draft or verifier replica keeps (its store's
-    `sessions.max_sessions`, its runtimes' caches: the static cache's rows, llama.cpp's sequences
-    and its unified cache's positions) on each of the fewest such replicas there may be, shared by
-    the most loops (coordinator replicas, or verifier ones where the loop runs there). Past it each
-    step evicts the sessions the next one serves, and every round re-prefills (or, past a shared
-    cache's positions, a step whose sessions all feed fails)."""
+def live_cap(config: AppConfig) -> LiveCap:
+    """What each round loop keeps live (services/config.py LiveCap): the replicas holding sessions
+    are the Draft deployments' and the Verifier's."""
     replicas = deployment_replicas(config)
-    _, _, loops = replicas["Verifier" if config.loop_placement == "verifier" else "Coordinator"].replicas()
-    holders = max(1, min(r.replicas()[1] for name, r in replicas.items() if name not in ("Coordinator", "Ingress")))
+    _, _, loops = replicas[config.loop_deployment].replicas()
+    holders = {name: r.replicas() for name, r in replicas.items() if name not in ("Coordinator", "Ingress")}
     sessions, positions = cache_limits(config.models, config.model_devices())
     held = min(limit for limit in (config.sessions.max_sessions, sessions) if limit is not None)
-    batch = config.models.batch.within(max(1, held * holders // loops),
-                                       None if positions is None else max(1, positions * holders // loops))
-    return config.model_copy(update={"models": config.models.model_copy(update={"batch": batch})})
+    return LiveCap(held, positions, tuple(sorted(holders)), fewest=max(1, min(r[1] for r in holders.values())),
+                   most=max(1, min(r[2] for r in holders.values())), loops=loops)
 
 
 def build_app(args: dict | AppConfig | None = None) -> serve.Application:
     """`serve run services.app:build_app [key=value ...]` or a config file's `args:`."""
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
-    config = live_sessions_cap(config)  # decided here, once, as the placement below
+    cap = live_cap(config)
     colocated = config.colocated_drafts()  # decided here, once: the replicas take it as given
     replicas = deployment_replicas(config)
     drafts = {name: _deployment(Draft, draft_deployment_name(name), replicas[draft_deployment_name(name)],
@@ -146,9 +140,9 @@ def build_app(args: dict | AppConfig | None = None) -> serve.Application:
                                                          retry_after_s=RETRY_AFTER_S[Overloaded])}
     if config.loop_placement == "verifier":  # each Verifier replica runs the loop of the requests it is sent
         coordinator = _deployment(Verifier, "Verifier", replicas["Verifier"],
-                                  round_service=True, **bounded).bind(config, colocated, drafts)
+                                  round_service=True, **bounded).bind(config, colocated, drafts, cap)
     else:
         verifier = _deployment(Verifier, "Verifier", replicas["Verifier"], round_service=True).bind(config, colocated)
         coordinator = _deployment(CoordinatorDeployment, "Coordinator", replicas["Coordinator"],
-                                  **bounded).bind(drafts, verifier, config, colocated)
+                                  **bounded).bind(drafts, verifier, config, colocated, cap)
     return _deployment(ingress_class(config), "Ingress", replicas["Ingress"], **bounded).bind(coordinator, config)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
@@ -12,6 +13,7 @@ from ray.serve.config import AutoscalingConfig
 from specdec.builder import EngineConfig, draft_configs
 from specdec.models.feature_files import is_feature_draft
 from specdec.errors import InvalidRequestError
+from specdec.loop import BatchConfig
 from specdec.policies import PolicyConfig, resolve_policy
 from services.auth import check_api_key, env_api_key
 from services.coordinator import check_served_policy
@@ -112,6 +114,40 @@ class SessionConfig(BaseModel):
 
     max_sessions: int = Field(DEFAULT_MAX_SESSIONS, ge=1)
     ttl_s: float = Field(DEFAULT_TTL_S, gt=0)
+
+
+# Where the sessions spread over several replicas of a deployment (Serve's hash ring on the session
+# id, 100 virtual nodes a replica), the busiest replica took up to 1.45x the mean (50 draws each of
+# 2, 4 and 8 replicas at 64 sessions a replica): the loops fill them to this share on average.
+RING_FILL = 2 / 3
+
+
+@dataclass(frozen=True)
+class LiveCap:
+    """What each round loop of a served app keeps live (its BatchConfig's `max_live_sessions`,
+    `max_live_positions`): what one replica of the deployments holding sessions keeps (`held`
+    sessions: its store's `sessions.max_sessions` and its runtime's cache, the static cache's rows
+    or llama.cpp's sequences; `positions`: llama.cpp's unified cache), times their replicas, over the
+    most loops there may be (Coordinator replicas, or Verifier ones where the loop runs there), at
+    RING_FILL where a session's replica is one of several. Past it each step evicts the caches of
+    the sessions the next one serves, and every round re-prefills (past a shared cache's positions,
+    a step whose sessions all feed fails). The replicas count at their fewest (`fewest`, of the
+    holders `holders`) until a loop sees more of them running (`batch(asked, running)`, at most
+    `most`); the loops count at their most, since each raises its own cap without knowing the others'."""
+
+    held: int
+    positions: int | None
+    holders: tuple[str, ...]
+    fewest: int
+    most: int
+    loops: int
+
+    def batch(self, asked: BatchConfig, running: int = 0) -> BatchConfig:
+        """`asked` capped for one loop, with `running` replicas of each holder (the fewest where fewer)."""
+        replicas = min(max(self.fewest, running), self.most)
+        share = 1.0 if replicas == 1 else replicas * RING_FILL
+        return asked.within(max(1, int(self.held * share) // self.loops),
+                            None if self.positions is None else max(1, int(self.positions * share) // self.loops))
 
 
 # The defaults of each role's replicas, beside ReplicaConfig's. Draft and Verifier replicas run their
@@ -255,6 +291,11 @@ class AppConfig(BaseModel):
         asks for one (the coordinator, which may have none, takes its context limit from theirs)."""
         return {role: "cuda" if replicas.num_gpus > 0 else "cpu"
                 for role, replicas in (("target", self.verifier), ("draft", self.draft))}
+
+    @property
+    def loop_deployment(self) -> str:
+        """The deployment whose replicas run the round loop."""
+        return "Verifier" if self.loop_placement == "verifier" else "Coordinator"
 
     @property
     def key(self) -> str | None:

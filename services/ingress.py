@@ -135,15 +135,21 @@ def not_serving(deployments: dict) -> list[str]:
                   and deployment.status != DeploymentStatus.HEALTHY)
 
 
-async def app_ready() -> None:
-    """Raises Unavailable, naming them, where deployments of this replica's app cannot serve (Serve's
-    own /-/healthz says only that its proxy answers)."""
+async def app_deployments() -> dict:
+    """serve.status()'s deployments of this replica's app, by name; raises Unavailable where Serve's
+    controller does not answer in READY_TIMEOUT_S (none does while it restarts)."""
     app_name = serve.get_replica_context().app_name
-    try:  # (a call to Serve's controller, which none answers while it restarts)
+    try:
         status = await asyncio.wait_for(asyncio.to_thread(serve.status), READY_TIMEOUT_S)
     except TimeoutError:
         raise Unavailable(f"Serve's controller did not answer in {READY_TIMEOUT_S:g} s") from None
-    if waiting := not_serving(status.applications[app_name].deployments):
+    return status.applications[app_name].deployments
+
+
+async def app_ready() -> None:
+    """Raises Unavailable, naming them, where deployments of this replica's app cannot serve (Serve's
+    own /-/healthz says only that its proxy answers)."""
+    if waiting := not_serving(await app_deployments()):
         raise Unavailable(f"no replica of {', '.join(waiting)} is running yet")
 
 
@@ -157,8 +163,7 @@ def ingress_class(config: AppConfig) -> type:
 
         def backend():  # (the deployment bound to the ingress, by its name: the builder has no `self`)
             app_name = serve.get_replica_context().app_name
-            loop = "Verifier" if config.loop_placement == "verifier" else "Coordinator"  # where the round loop runs
-            return CoordinatorBackend(serve.get_deployment_handle(loop, app_name=app_name))
+            return CoordinatorBackend(serve.get_deployment_handle(config.loop_deployment, app_name=app_name))
         return create_app(backend, config.model_name, prometheus_text, api_key=config.key,
                           max_body_bytes=config.max_request_bytes, readiness=app_ready)
 

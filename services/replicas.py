@@ -10,28 +10,37 @@ requests sent to it, and no Coordinator replica is deployed.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
 import torch
+from ray.serve.schema import ReplicaState
 
 from specdec.builder import build_draft, build_head, build_rules, build_target, draft_configs, resolve_dtype
 from specdec.calls import LocalTransport, RoundTransport
+from specdec.loop import BatchConfig
 from specdec.params import DEFAULT_DRAFT
 from specdec.sessions import SessionStore
 from specdec.v1 import draft_pb2, generation_pb2, verifier_pb2
 from specdec.workers import DraftWorker, FeatureLink, VerifierWorker
 from services.autoscaling import ROUND_CALLS
-from services.config import AppConfig
+from services.config import AppConfig, LiveCap
 from services.convert import sparsifier
 from services.coordinator import Coordinator
+from services.ingress import app_deployments
 from services.metrics import RayRoundMetrics
 from services.server import start_server
 from services.servicers import DraftServicer, VerifierServicer
 from services.transports import BesideTransport, round_transport
 
+logger = logging.getLogger(__name__)
+
+# How often a loop whose session-holding replicas autoscale reads how many run (LiveCap): their
+# replicas start in tens of seconds at the soonest (Serve's upscale delay, a model's loading).
+LIVE_CAP_REFRESH_S = 10.0
 
 def set_threads(threads: int | None) -> None:
     """torch's intra-op threads in a replica; None: every core. (Ray sets OMP_NUM_THREADS to a
@@ -41,17 +50,49 @@ def set_threads(threads: int | None) -> None:
 
 class LoopHost:
     """A replica that runs the round loop (`coordinator`): the ingress's handle calls these, the
-    request and its answer as protobuf bytes."""
+    request and its answer as protobuf bytes. Where the replicas holding its sessions autoscale, its
+    live cap follows how many of them run (services/config.py LiveCap), from its first request on."""
 
     coordinator: Coordinator | None
+    live_cap: LiveCap
+    asked: BatchConfig  # the config's batch, before the cap
+    _following: asyncio.Task | None = None
+
+    def _run_loop(self, config: AppConfig, transport: RoundTransport, cap: LiveCap) -> None:
+        self.live_cap, self.asked = cap, config.models.batch
+        self.coordinator = coordinator(config, transport, cap.batch(self.asked))
 
     async def generate(self, payload: bytes) -> bytes:
+        self._follow_replicas()
         response = await self.coordinator.generate(generation_pb2.GenerateRequest.FromString(payload))
         return response.SerializeToString()
 
     async def generate_stream(self, payload: bytes) -> AsyncIterator[bytes]:
+        self._follow_replicas()
         async for chunk in self.coordinator.generate_stream(generation_pb2.GenerateRequest.FromString(payload)):
             yield chunk.SerializeToString()
+
+    async def live_limits(self) -> tuple[int, int | None]:
+        """(max_live_sessions, max_live_positions) of this replica's loop now (tests read it)."""
+        batch = self.coordinator.loop.batch
+        return batch.max_live_sessions, batch.max_live_positions
+
+    def _follow_replicas(self) -> None:
+        if self._following is None and self.live_cap.most > self.live_cap.fewest:
+            self._following = asyncio.get_running_loop().create_task(self._follow())
+
+    async def _follow(self) -> None:
+        """Every LIVE_CAP_REFRESH_S, the loop's cap for the holders' replicas running; kept as it
+        was while Serve's controller does not answer."""
+        while True:
+            try:
+                deployments = await app_deployments()
+                running = min(deployments[name].replica_states.get(ReplicaState.RUNNING, 0)
+                              for name in self.live_cap.holders)
+                self.coordinator.loop.set_live_limits(self.live_cap.batch(self.asked, running))
+            except Exception:  # noqa: BLE001 - the cap stays as it was; the next read may do
+                logger.warning("the live cap could not follow the replicas", exc_info=True)
+            await asyncio.sleep(LIVE_CAP_REFRESH_S)
 
 
 class RoundReplica:
@@ -147,18 +188,20 @@ class Verifier(RoundReplica, LoopHost):
 
     role = "verifier"
 
-    def __init__(self, config: AppConfig, colocated: Sequence[str] = (), drafts: dict | None = None):
-        """`drafts`: the other drafts' deployment handles by name where the round loop runs here
-        (AppConfig.loop_placement "verifier"; None: it runs on the Coordinator's replicas)."""
+    def __init__(self, config: AppConfig, colocated: Sequence[str] = (), drafts: dict | None = None,
+                 cap: LiveCap | None = None):
+        """`drafts`: the other drafts' deployment handles by name, and `cap` its live cap, where the
+        round loop runs here (AppConfig.loop_placement "verifier"; None: it runs on the Coordinator's
+        replicas)."""
         self.colocated = list(colocated)
         self.draft_servicer: DraftServicer | None = None
         super().__init__(config)
         self.coordinator: Coordinator | None = None
         if drafts is not None:
             local = {name: self.draft_servicer.worker for name in self.colocated}
-            self.coordinator = coordinator(config, BesideTransport(
-                LocalTransport(local, self.servicer.worker, self._executor),
-                round_transport(config.round_transport, drafts, None, config.key)))
+            self._run_loop(config, BesideTransport(LocalTransport(local, self.servicer.worker, self._executor),
+                                                   round_transport(config.round_transport, drafts, None, config.key)),
+                           cap)
 
     @property
     def servicers(self) -> dict[str, DraftServicer | VerifierServicer]:
@@ -208,22 +251,19 @@ def draft_worker(config: AppConfig, name: str, threads: int | None) -> DraftWork
     return worker
 
 
-def coordinator(config: AppConfig, transport: RoundTransport) -> Coordinator:
-    """The round loop over `transport`, wherever it runs."""
+def coordinator(config: AppConfig, transport: RoundTransport, batch: BatchConfig) -> Coordinator:
+    """The round loop over `transport`, wherever it runs (`batch`: the config's, capped for it)."""
     rules = build_rules(config.models, progress=False, devices=config.model_devices())
-    # (models.batch.max_live_sessions: what the replicas' stores hold for this loop, app.live_sessions_cap)
-    return Coordinator(transport, rules, config.policy, observer=RayRoundMetrics(), batch=config.models.batch,
-                       api_key=config.key)
+    return Coordinator(transport, rules, config.policy, observer=RayRoundMetrics(), batch=batch, api_key=config.key)
 
 
 class CoordinatorDeployment(LoopHost):
     """A Serve replica is an async Ray actor: this one runs the round loop for every session routed to it."""
 
-    def __init__(self, drafts: dict, verifier, config: AppConfig, colocated: Sequence[str] = ()):
+    def __init__(self, drafts: dict, verifier, config: AppConfig, colocated: Sequence[str], cap: LiveCap):
         """`drafts`: each draft's deployment handle by name; `colocated`: the draft served by the
-        verifier's replicas."""
-        self.coordinator = coordinator(config, round_transport(config.round_transport, drafts, verifier, config.key,
-                                                               colocated))
+        verifier's replicas; `cap`: its loop's live cap."""
+        self._run_loop(config, round_transport(config.round_transport, drafts, verifier, config.key, colocated), cap)
 
     async def live_sessions(self) -> int:
         """Samples this replica is decoding (tests and the load benchmark read it)."""

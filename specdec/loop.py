@@ -69,7 +69,7 @@ class BatchConfig(BaseModel):
     max_sessions_per_step: int = Field(16, ge=1)
     # Sessions the loop decodes at once; samples past it wait until one finishes. At most what the
     # workers hold: their session stores (a served app's sessions.max_sessions) and their runtimes'
-    # caches (static rows, llama.cpp sequences; the engine and app.live_sessions_cap cap it): past
+    # caches (static rows, llama.cpp sequences; the engine and a served app's LiveCap cap it): past
     # it each step would evict the sessions the next one serves (round robin over LRU stores and
     # slots), and every round would resend or re-prefill its session's whole history.
     max_live_sessions: int = Field(DEFAULT_MAX_SESSIONS, ge=1)
@@ -213,6 +213,13 @@ class RoundLoop:
         if any(t is not None and not t.done() and t.get_loop() is not running_loop for t in self._tasks):
             raise RuntimeError("a RoundLoop serves one event loop at a time")
         self._waiting.append(sample)
+        self._admit()
+
+    def set_live_limits(self, batch: BatchConfig) -> None:
+        """`batch`'s live limits from now on (a served loop's, as the replicas holding its sessions
+        scale): waiting samples join where they now fit; live ones stay past a lowered limit."""
+        self.batch = self.batch.model_copy(update={"max_live_sessions": batch.max_live_sessions,
+                                                   "max_live_positions": batch.max_live_positions})
         self._admit()
 
     def _admit(self) -> None:

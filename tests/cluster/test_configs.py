@@ -17,7 +17,8 @@ from ray.serve._private.build_app import build_app as flatten_app
 from ray.serve.schema import ServeDeploySchema
 
 from services.app import build_app
-from services.config import GRPC_SERVICER_FUNCTIONS, AppConfig
+from services.config import GRPC_SERVICER_FUNCTIONS, AppConfig, ReplicaConfig
+from specdec.loop import BatchConfig
 
 CLUSTER = Path(__file__).parents[2] / "cluster"
 SERVE_CONFIGS = sorted((CLUSTER / "serve").glob("*.yaml"))
@@ -132,35 +133,60 @@ def test_round_replicas_can_scale_to_their_most(path):
             assert reachable >= scaling["max_replicas"], (role, reachable)
 
 
+def capped(args: AppConfig, running: int = 0):
+    from services.app import live_cap
+
+    return live_cap(args).batch(args.models.batch, running)
+
+
 def test_each_loop_decodes_no_more_sessions_than_the_replicas_hold_for_it():
     """Up to 4 coordinators share gpu.yaml's one verifier: its store holds 256 sessions, its static
     cache 64 rows, so 16 each. On the CPU the llama.cpp runtime's 64 sequences bound one loop."""
-    from services.app import live_sessions_cap
     from specdec.models.static import DEFAULT_SLOTS
 
     gpu = app_args(load(CLUSTER / "serve" / "gpu.yaml"))
-    assert live_sessions_cap(gpu).models.batch.max_live_sessions == DEFAULT_SLOTS // 4
+    assert capped(gpu).max_live_sessions == DEFAULT_SLOTS // 4
     cpu = AppConfig()
-    assert live_sessions_cap(cpu).models.batch.max_live_sessions == min(cpu.sessions.max_sessions,
-                                                                        cpu.models.llamacpp.sequences)
-    assert live_sessions_cap(cpu).models.batch.max_live_positions == cpu.models.llamacpp.context  # its unified cache
+    assert capped(cpu).max_live_sessions == min(cpu.sessions.max_sessions, cpu.models.llamacpp.sequences)
+    assert capped(cpu).max_live_positions == cpu.models.llamacpp.context  # its unified cache
     local = app_args(load(CLUSTER / "serve" / "local.yaml"))  # up to 2 coordinators share its one verifier
-    assert live_sessions_cap(local).models.batch.max_live_positions == local.models.llamacpp.context // 2
-    assert live_sessions_cap(gpu).models.batch.max_live_positions is None  # a row of its own per session
+    assert capped(local).max_live_positions == local.models.llamacpp.context // 2
+    assert capped(gpu).max_live_positions is None  # a row of its own per session
     slots = cpu.model_copy(update={"models": cpu.models.model_copy(update={"runtime": "torch"})})
-    assert live_sessions_cap(slots).models.batch.max_live_sessions == cpu.sessions.max_sessions
+    assert capped(slots).max_live_sessions == cpu.sessions.max_sessions
+
+
+def test_the_live_cap_follows_the_holders_running_and_leaves_room_for_the_rings_spread():
+    """multi-gpu.yaml: 8 coordinators share draft and verifier replicas of 64 static rows each,
+    autoscaled from 1 to 8. At one replica each loop keeps 8 sessions (the 64 rows over the most
+    loops); as more run, more, up to 8 x 64 x RING_FILL / 8 = 42 (Serve's hash ring gives one replica up to
+    1.45x the mean: filled to 64 on average, the busiest would evict the caches its steps read).
+    A config with two replicas from the start gives them RING_FILL too."""
+    from services.config import RING_FILL
+    from specdec.models.static import DEFAULT_SLOTS
+
+    multi = app_args(load(CLUSTER / "serve" / "multi-gpu.yaml"))
+    assert [capped(multi, running).max_live_sessions for running in (0, 1, 2, 8, 9)] == \
+        [8, 8, int(DEFAULT_SLOTS * 2 * RING_FILL) // 8, int(DEFAULT_SLOTS * 8 * RING_FILL) // 8,
+         int(DEFAULT_SLOTS * 8 * RING_FILL) // 8]
+    assert capped(multi, 8).max_live_sessions == 42
+    two = AppConfig(verifier=ReplicaConfig(num_replicas=2), draft=ReplicaConfig(num_replicas=3),
+                    coordinator=ReplicaConfig(num_replicas=1))
+    cpu = AppConfig()
+    held = min(cpu.sessions.max_sessions, cpu.models.llamacpp.sequences)
+    assert capped(two).max_live_sessions == int(held * 2 * RING_FILL)
+    assert capped(two).max_live_positions == int(cpu.models.llamacpp.context * 2 * RING_FILL)
+    asked = two.model_copy(update={"models": two.models.model_copy(update={"batch": BatchConfig(max_live_sessions=5)})})
+    assert capped(asked, 2).max_live_sessions == 5  # never past what the config asks
 
 
 @pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
 def test_a_coordinator_at_its_live_cap_asks_for_another(path):
     """A coordinator past its live cap queues the rest: it autoscales at that many requests, so
     the waiting requests bring another coordinator rather than wait behind a full one."""
-    from services.app import live_sessions_cap
-
     args = app_args(load(path))
     if args.coordinator.autoscaling:
-        cap = live_sessions_cap(args).models.batch.max_live_sessions
-        assert args.coordinator.autoscaling["target_ongoing_requests"] <= cap
+        assert args.coordinator.autoscaling["target_ongoing_requests"] <= capped(args).max_live_sessions
 
 
 def test_gpu_replicas_fit_one_gpu_at_full_scale():

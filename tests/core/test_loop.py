@@ -147,6 +147,25 @@ def test_a_step_that_fails_fails_its_sessions_and_the_waiting_ones_go_on(tiny_en
     assert not planner._sessions
 
 
+def test_a_raised_live_limit_lets_the_waiting_samples_join_at_once(tiny_engine):
+    """A served loop's cap rises as the replicas holding its sessions scale (services/config.py
+    LiveCap): the samples waiting past the old limit join then, not when a live one ends."""
+    transport = CountingTransport(tiny_engine)
+    loop = RoundLoop(transport, tiny_engine.rules, BatchConfig(max_live_sessions=1))
+
+    async def scenario():
+        requests = [asyncio.create_task(loop.generate(prompt, PARAMS)) for prompt in PROMPTS[:3]]
+        await asyncio.sleep(0)
+        assert loop.live_sessions == 1 and len(loop._waiting) == 2
+        loop.set_live_limits(BatchConfig(max_live_sessions=3))
+        assert loop.live_sessions == 3 and not loop._waiting
+        return await asyncio.wait_for(asyncio.gather(*requests), 60)
+
+    results = asyncio.run(scenario())
+    assert [r.completions[0].token_ids for r in results] == [expected(tiny_engine, p) for p in PROMPTS[:3]]
+    assert max(len(ids) for _, ids in transport.calls) == 3  # the three in one step
+
+
 def test_the_oracle_takes_a_cap_k(tiny_engine):
     """Its hindsight run (target-only) kept the request's k and was refused: k does not apply."""
     params = build_params(policy="oracle", k=2, max_new_tokens=12)
