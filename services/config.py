@@ -116,9 +116,9 @@ class SessionConfig(BaseModel):
     ttl_s: float = Field(DEFAULT_TTL_S, gt=0)
 
 
-# Where the sessions spread over several replicas of a deployment (Serve's hash ring on the session
-# id, 100 virtual nodes a replica), the busiest replica took up to 1.45x the mean (50 draws each of
-# 2, 4 and 8 replicas at 64 sessions a replica): the loops fill them to this share on average.
+# Where the sessions spread over several replicas of a deployment, Serve's hash ring on the session
+# id loads the busiest above the mean: filled to what they hold on average, the busiest is past it
+# almost always; filled to this share, seldom (benchmarks/ring_spread.py, docs/operations.md "Scale").
 RING_FILL = 2 / 3
 
 

@@ -159,9 +159,9 @@ def test_each_loop_decodes_no_more_sessions_than_the_replicas_hold_for_it():
 def test_the_live_cap_follows_the_holders_running_and_leaves_room_for_the_rings_spread():
     """multi-gpu.yaml: 8 coordinators share draft and verifier replicas of 64 static rows each,
     autoscaled from 1 to 8. At one replica each loop keeps 8 sessions (the 64 rows over the most
-    loops); as more run, more, up to 8 x 64 x RING_FILL / 8 = 42 (Serve's hash ring gives one replica up to
-    1.45x the mean: filled to 64 on average, the busiest would evict the caches its steps read).
-    A config with two replicas from the start gives them RING_FILL too."""
+    loops); as more run, more, up to 8 x 64 x RING_FILL / 8 = 42 (filled to 64 on average, the
+    busiest replica on Serve's hash ring would hold more than its rows and evict the caches its
+    steps read). A config with two replicas from the start gives them RING_FILL too."""
     from services.config import RING_FILL
     from specdec.models.static import DEFAULT_SLOTS
 
