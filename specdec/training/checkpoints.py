@@ -4,10 +4,13 @@ run settings a resume must keep, and Ray itself, started once their checks passe
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import signal
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -48,6 +51,30 @@ def fit(trainer):
     finally:
         if signal.getsignal(signal.SIGINT) is not before:  # (only on the main thread: Ray Train sets it there alone)
             signal.signal(signal.SIGINT, before)
+
+
+@contextmanager
+def runs_held(storage: str, names: Iterable[str], section: str) -> Iterator[None]:
+    """Runs `names` under `storage` held by this process for the block: a second training of one of
+    them at once, whose checkpoints and settings would land among this one's (the same folder, the
+    same resume key), is refused in one line (ConfigError). A lock file's flock: the kernel lets go
+    of it however the process ends, so a killed run leaves nothing to clean up."""
+    with ExitStack() as stack:
+        for name in names:
+            path = Path(storage).resolve() / f"{name}.lock"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lock = stack.enter_context(path.open("a+"))
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.seek(0)
+                holder = lock.read().strip() or "another process"
+                raise ConfigError(f"run {name!r} in {storage} is being trained by {holder}; wait for it to end, "
+                                  f"or choose another {section}.name") from None
+            lock.truncate(0)
+            lock.write(f"process {os.getpid()}\n")
+            lock.flush()
+        yield
 
 
 def check_run_settings(storage: str, name: str, section: str, settings: BaseModel, resumable: tuple[str, ...],

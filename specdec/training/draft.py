@@ -448,29 +448,30 @@ def train_draft(config: PipelineConfig, connect: Callable[[], None] | None = Non
     else:
         vocab_ids = trimmed_vocabulary(examples, draft.vocab_coverage, draft.vocab_size)
     data_settings = {**manifest["settings"], "sequences": manifest["counts"]["sequences"]}
-    checkpoints.check_run_settings(draft.storage, draft.name, "draft", draft, RESUMABLE_CHANGES, data_settings)
-    checkpoints.connect_ray(connect)
-    scaling = config.scaling
-    loop_config = {"draft": draft.model_dump(), "vocab_ids": vocab_ids.tolist(), "data_dir": data_dir,
-                   "layers": manifest["settings"]["layers"], "target_dir": target_dir, "target_identity": identity,
-                   "target_name": config.models.target, "threads": config.scaling.threads}
-    trainer = TorchTrainer(
-        train_loop, train_loop_config=loop_config,
-        scaling_config=ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu,
-                                     resources_per_worker={"CPU": scaling.cpus_per_worker}),
-        run_config=RunConfig(name=draft.name, storage_path=str(Path(draft.storage).resolve()),
-                             checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_TO_KEEP)))
-    result = checkpoints.fit(trainer)
-    state, history, _ = checkpoints.read_final(result, draft.name)
-    model = build_draft(loop_config, target_dir, vocab_ids)
-    model.load_own_state(state["model"])
-    save_feature_draft(model, draft.output)
-    report = {"draft": draft.model_dump(), "data": {"dir": config.data.dir, "counts": manifest["counts"],
-                                                    "layers": manifest["settings"]["layers"],
-                                                    "prompt_source": manifest.get("prompt_source")},
-              "vocabulary": {"ids": len(vocab_ids), "coverage_train": coverage_of(examples, vocab_ids, "train"),
-                             "coverage_validation": coverage_of(examples, vocab_ids, "validation")},
-              "parameters": sum(p.numel() for p in model.parameters()), "history": history,
-              "final": history[-1] if history else {}}
-    (Path(draft.output) / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
-    return report
+    with checkpoints.runs_held(draft.storage, [draft.name], "draft"):
+        checkpoints.check_run_settings(draft.storage, draft.name, "draft", draft, RESUMABLE_CHANGES, data_settings)
+        checkpoints.connect_ray(connect)
+        scaling = config.scaling
+        loop_config = {"draft": draft.model_dump(), "vocab_ids": vocab_ids.tolist(), "data_dir": data_dir,
+                       "layers": manifest["settings"]["layers"], "target_dir": target_dir, "target_identity": identity,
+                       "target_name": config.models.target, "threads": config.scaling.threads}
+        trainer = TorchTrainer(
+            train_loop, train_loop_config=loop_config,
+            scaling_config=ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu,
+                                         resources_per_worker={"CPU": scaling.cpus_per_worker}),
+            run_config=RunConfig(name=draft.name, storage_path=str(Path(draft.storage).resolve()),
+                                 checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_TO_KEEP)))
+        result = checkpoints.fit(trainer)
+        state, history, _ = checkpoints.read_final(result, draft.name)
+        model = build_draft(loop_config, target_dir, vocab_ids)
+        model.load_own_state(state["model"])
+        save_feature_draft(model, draft.output)
+        report = {"draft": draft.model_dump(), "data": {"dir": config.data.dir, "counts": manifest["counts"],
+                                                        "layers": manifest["settings"]["layers"],
+                                                        "prompt_source": manifest.get("prompt_source")},
+                  "vocabulary": {"ids": len(vocab_ids), "coverage_train": coverage_of(examples, vocab_ids, "train"),
+                                 "coverage_validation": coverage_of(examples, vocab_ids, "validation")},
+                  "parameters": sum(p.numel() for p in model.parameters()), "history": history,
+                  "final": history[-1] if history else {}}
+        (Path(draft.output) / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+        return report

@@ -442,11 +442,12 @@ def train_head(config: PipelineConfig, connect: Callable[[], None] | None = None
     train, save. Returns the training report."""
     train = config.require_train()
     manifest, identity, name = check_dataset(config)  # bad data and settings fail here, before Ray starts:
-    check_run(train, identity, manifest)
-    manifest["dir"] = config.data.dir
-    checkpoints.connect_ray(connect)
-    features = ensure_features(config, manifest, identity)
-    return save_result(fit_head(config, train, features), train, identity, name, manifest, features)
+    with checkpoints.runs_held(train.storage, [train.name], "train"):
+        check_run(train, identity, manifest)
+        manifest["dir"] = config.data.dir
+        checkpoints.connect_ray(connect)
+        features = ensure_features(config, manifest, identity)
+        return save_result(fit_head(config, train, features), train, identity, name, manifest, features)
 
 
 def select_run(runs: list[dict], metric: str) -> dict:
@@ -470,16 +471,17 @@ def sweep_heads(config: PipelineConfig, connect: Callable[[], None] | None = Non
     grid = [train.model_copy(update={"depth": depth, "w_rej": w_rej, "name": f"{train.name}-D{depth}-wrej{w_rej:g}",
                                      "output": str(Path(train.output) / "sweep" / f"D{depth}-wrej{w_rej:g}")})
             for depth in sweep.depths for w_rej in sweep.w_rej]
-    for run in grid:
-        check_run(run, identity, manifest)
-    manifest["dir"] = config.data.dir
-    checkpoints.connect_ray(connect)
-    features = ensure_features(config, manifest, identity)
-    for run in grid:
-        report = save_result(fit_head(config, run, features), run, identity, name, manifest, features)
-        value = report["epochs"][-1][f"val_{metric}"]
-        runs.append({"depth": run.depth, "w_rej": run.w_rej, "output": run.output, f"val_{metric}": value,
-                     **{k: report["epochs"][-1][k] for k in ("val_kl", "val_auroc", "val_ece", "val_loss")}})
+    with checkpoints.runs_held(train.storage, [run.name for run in grid], "train"):
+        for run in grid:
+            check_run(run, identity, manifest)
+        manifest["dir"] = config.data.dir
+        checkpoints.connect_ray(connect)
+        features = ensure_features(config, manifest, identity)
+        for run in grid:
+            report = save_result(fit_head(config, run, features), run, identity, name, manifest, features)
+            value = report["epochs"][-1][f"val_{metric}"]
+            runs.append({"depth": run.depth, "w_rej": run.w_rej, "output": run.output, f"val_{metric}": value,
+                         **{k: report["epochs"][-1][k] for k in ("val_kl", "val_auroc", "val_ece", "val_loss")}})
     best = select_run(runs, metric)
     chosen = train.model_copy(update={"depth": best["depth"], "w_rej": best["w_rej"]})
     from specdec.head import load_head

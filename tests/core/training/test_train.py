@@ -148,6 +148,9 @@ def test_sigterm_stops_train_head_as_ctrl_c_does_and_a_rerun_resumes(tiny_datase
         while not (runs / "head" / "checkpoint_manager_snapshot.json").is_file():
             assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
             time.sleep(0.1)
+        # the same run trained again meanwhile (its checkpoints would land among the job's): refused
+        with pytest.raises(ConfigError, match=rf"run 'head' in .* is being trained by process {job.pid}; wait"):
+            train_head(parse_config(raw))
         job.send_signal(signal.SIGTERM)
         _, err = job.communicate(timeout=120)
     finally:
@@ -163,6 +166,18 @@ def test_sigterm_stops_train_head_as_ctrl_c_does_and_a_rerun_resumes(tiny_datase
     report = train_head(parse_config(raw))
     assert [e["epoch"] for e in report["epochs"]] == list(range(1, done + 2))
     assert report["epochs"][-1]["resumed_from_epoch"] >= 1
+
+
+def test_a_run_held_by_one_training_is_refused_to_another_until_it_ends(tmp_path):
+    from specdec.training.checkpoints import runs_held
+
+    with runs_held(str(tmp_path), ["a", "b"], "draft"):
+        with pytest.raises(ConfigError, match=r"run 'b' in .* is being trained by process \d+; wait for it to end, "
+                                              r"or choose another draft.name"):
+            with runs_held(str(tmp_path), ["c", "b"], "draft"):
+                pass
+    with runs_held(str(tmp_path), ["b", "c"], "draft"):  # let go when the block ends, a refused one's too
+        pass
 
 
 def test_training_refuses_a_foreign_dataset(tiny_dataset, tmp_path):
