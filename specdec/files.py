@@ -1,8 +1,10 @@
-"""Small file helpers the runs share: how a file a run reads is recorded, and writing a file so
-that a run killed mid-write leaves the old one or the new one, never half of either."""
+"""Small file helpers the runs share: how a file a run reads is recorded, writing a file so that a
+run killed mid-write leaves the old one or the new one, never half of either, and a lock a run
+holds on what it writes."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import threading
@@ -42,3 +44,30 @@ def written_together(*paths: str | Path) -> Iterator[list[Path]]:
     finally:
         for partial in partials:
             partial.unlink(missing_ok=True)
+
+
+class Held(Exception):
+    """A lock file another process holds (`holder`: "process PID", as it wrote it)."""
+
+    def __init__(self, holder: str):
+        super().__init__(holder)
+        self.holder = holder
+
+
+@contextmanager
+def held(path: str | Path) -> Iterator[None]:
+    """The lock file `path` held by this process for the block, or Held at once where another has
+    it. An flock: the kernel lets go of it however the process ends, so a run killed leaves
+    nothing to clean up."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            raise Held(lock.read().strip() or "another process") from None
+        lock.truncate(0)
+        lock.write(f"process {os.getpid()}\n")
+        lock.flush()
+        yield

@@ -4,9 +4,7 @@ run settings a resume must keep, and Ray itself, started once their checks passe
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import signal
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -16,7 +14,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel
 
-from specdec.files import write_atomically
+from specdec.files import Held, held, write_atomically
 from specdec.training.config import ConfigError
 
 STATE_FILE, HISTORY_FILE = "state.pt", "history.json"
@@ -55,25 +53,16 @@ def fit(trainer):
 
 @contextmanager
 def runs_held(storage: str, names: Iterable[str], section: str) -> Iterator[None]:
-    """Runs `names` under `storage` held by this process for the block: a second training of one of
-    them at once, whose checkpoints and settings would land among this one's (the same folder, the
-    same resume key), is refused in one line (ConfigError). A lock file's flock: the kernel lets go
-    of it however the process ends, so a killed run leaves nothing to clean up."""
+    """Runs `names` under `storage` held by this process for the block (`<storage>/<name>.lock`): a
+    second training of one of them at once, whose checkpoints and settings would land among this
+    one's, is refused in one line (ConfigError)."""
     with ExitStack() as stack:
         for name in names:
-            path = Path(storage).resolve() / f"{name}.lock"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            lock = stack.enter_context(path.open("a+"))
             try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                lock.seek(0)
-                holder = lock.read().strip() or "another process"
-                raise ConfigError(f"run {name!r} in {storage} is being trained by {holder}; wait for it to end, "
-                                  f"or choose another {section}.name") from None
-            lock.truncate(0)
-            lock.write(f"process {os.getpid()}\n")
-            lock.flush()
+                stack.enter_context(held(Path(storage).resolve() / f"{name}.lock"))
+            except Held as other:
+                raise ConfigError(f"run {name!r} in {storage} is being trained by {other.holder}; wait for it to "
+                                  f"end, or choose another {section}.name") from None
         yield
 
 

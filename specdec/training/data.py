@@ -66,14 +66,15 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from specdec.errors import IncompatibleModelsError, ModelSourceError, SpecDecError, one_line
-from specdec.files import write_atomically
+from specdec.files import Held, held, write_atomically
 from specdec.models.feature_files import pack_states
 from specdec.models.vocab import SETTINGS_BEFORE_DRAFT_VOCAB, vocab_setting
 from specdec.sampling import SamplingParams, probs_from_logits
@@ -84,6 +85,7 @@ from specdec.training.stdlib_prompts import Prompt
 # 1: one label set per row (draft_ids [N], labels [N]), an int8 draft on CPU. 2: label sets [L][N].
 FORMAT_VERSION = 2
 MANIFEST_FILE = "manifest.json"
+LOCK_FILE = "gen-data.lock"  # held by the gen-data writing the folder (data_dir_held)
 SHARD_PREFIX, SHARD_SUFFIX = "shard-", ".parquet"
 SPLITS = ("train", "validation")
 SHARD_COLUMNS = ("prompt_id", "split", "prompt_ids", "response_ids", "label_temperatures", "draft_ids", "labels",
@@ -554,62 +556,75 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
         raise DatasetError(f"data.dir {out}: {exc.strerror or exc}") from None
     if not os.access(out, os.W_OK | os.X_OK):  # (a read-only file system, no permission)
         raise DatasetError(f"data.dir {out} is not writable")
-    if (out / MANIFEST_FILE).is_file() and shard_paths(out):  # (a run that wrote no shard binds nothing)
-        _check_same_settings(out, read_manifest(out).get("settings", {}), settings)
-    tables = {}
-    for path in shard_paths(out):
+    with data_dir_held(out):
+        if (out / MANIFEST_FILE).is_file() and shard_paths(out):  # (a run that wrote no shard binds nothing)
+            _check_same_settings(out, read_manifest(out).get("settings", {}), settings)
+        tables = {}
+        for path in shard_paths(out):
+            try:
+                tables[path] = read_shard(path, columns=ENTRY_COLUMNS[data.kind])
+            except DatasetError as error:  # cut short (a machine that crashed, a copy cut off): its prompts again
+                aside = path.with_name(path.name + ".corrupt")
+                os.replace(path, aside)
+                logger.warning("%s: moved to %s, its prompts are generated again", error, aside.name)
+        shards = [shard_entry(path, table) for path, table in tables.items()]
+        done = {pid for table in tables.values() for pid in table.column("prompt_id").to_pylist()}
+        # reused responses and references first: each costs one teacher-forced pass, so the dataset grows fastest
+        pending = sorted((p for p in selected if p.id not in done),
+                         key=lambda p: p.id not in reused and not takes_reference(data.response, p))
+        manifest = {"settings": settings, "kind": data.kind, "draft": draft, "target": target, "prompt_source": source,
+                    "python": sys.version.split()[0],
+                    "prompts_selected": {s: sum(p.split == s for p in selected) for s in SPLITS},
+                    "shards": shards, "counts": summarise(shards), "complete": not pending}
+        write_manifest(out, manifest)
+        if not pending:
+            return manifest
+
+        chunks = [pending[i:i + data.shard_size] for i in range(0, len(pending), data.shard_size)]
+        if not ray.is_initialized():
+            ray.init()
+        # A worker that dies (killed, out of memory, a node lost) is restarted and its chunk sent again:
+        # rows are written here, by the driver, so a chunk done twice is written once.
+        worker = ray.remote(FeatureWriter if data.kind == "features" else ExampleWriter).options(
+            num_cpus=scaling.cpus_per_worker, num_gpus=1 if scaling.use_gpu else 0,
+            max_restarts=WORKER_RESTARTS, max_task_retries=WORKER_RESTARTS)
+        actors = [worker.remote(config.models, data, scaling.threads) for _ in range(min(scaling.num_workers, len(chunks)))]
+        pool = ActorPool(actors)
+        next_index = max((int(p.name[len(SHARD_PREFIX):-len(SHARD_SUFFIX)]) for p in tables), default=-1) + 1
+        bar = tqdm(total=len(selected), initial=len(selected) - len(pending), unit="prompt", desc="gen-data",
+                   disable=not progress, file=sys.stderr)
         try:
-            tables[path] = read_shard(path, columns=ENTRY_COLUMNS[data.kind])
-        except DatasetError as error:  # cut short (a machine that crashed, a copy cut off): its prompts again
-            aside = path.with_name(path.name + ".corrupt")
-            os.replace(path, aside)
-            logger.warning("%s: moved to %s, its prompts are generated again", error, aside.name)
-    shards = [shard_entry(path, table) for path, table in tables.items()]
-    done = {pid for table in tables.values() for pid in table.column("prompt_id").to_pylist()}
-    # reused responses and references first: each costs one teacher-forced pass, so the dataset grows fastest
-    pending = sorted((p for p in selected if p.id not in done),
-                     key=lambda p: p.id not in reused and not takes_reference(data.response, p))
-    manifest = {"settings": settings, "kind": data.kind, "draft": draft, "target": target, "prompt_source": source,
-                "python": sys.version.split()[0],
-                "prompts_selected": {s: sum(p.split == s for p in selected) for s in SPLITS},
-                "shards": shards, "counts": summarise(shards), "complete": not pending}
-    write_manifest(out, manifest)
-    if not pending:
+            def submit(actor, chunk):
+                return actor.rows.remote(chunk, {p.id: reused[p.id] for p in chunk if p.id in reused})
+
+            for rows in pool.map_unordered(submit, chunks):
+                path = write_shard(out, next_index, rows, data.kind,
+                                   data.features.compute if data.kind == "features" else None)
+                next_index += 1
+                shards.append(shard_entry(path, read_shard(path, columns=ENTRY_COLUMNS[data.kind])))
+                manifest["shards"], manifest["counts"] = shards, summarise(shards)
+                write_manifest(out, manifest)
+                bar.update(len(rows))
+                bar.set_postfix(tokens=manifest["counts"]["tokens"])
+        finally:
+            bar.close()
+            for actor in actors:
+                ray.kill(actor)
+        manifest["complete"] = True
+        write_manifest(out, manifest)
         return manifest
 
-    chunks = [pending[i:i + data.shard_size] for i in range(0, len(pending), data.shard_size)]
-    if not ray.is_initialized():
-        ray.init()
-    # A worker that dies (killed, out of memory, a node lost) is restarted and its chunk sent again:
-    # rows are written here, by the driver, so a chunk done twice is written once.
-    worker = ray.remote(FeatureWriter if data.kind == "features" else ExampleWriter).options(
-        num_cpus=scaling.cpus_per_worker, num_gpus=1 if scaling.use_gpu else 0,
-        max_restarts=WORKER_RESTARTS, max_task_retries=WORKER_RESTARTS)
-    actors = [worker.remote(config.models, data, scaling.threads) for _ in range(min(scaling.num_workers, len(chunks)))]
-    pool = ActorPool(actors)
-    next_index = max((int(p.name[len(SHARD_PREFIX):-len(SHARD_SUFFIX)]) for p in tables), default=-1) + 1
-    bar = tqdm(total=len(selected), initial=len(selected) - len(pending), unit="prompt", desc="gen-data",
-               disable=not progress, file=sys.stderr)
-    try:
-        def submit(actor, chunk):
-            return actor.rows.remote(chunk, {p.id: reused[p.id] for p in chunk if p.id in reused})
 
-        for rows in pool.map_unordered(submit, chunks):
-            path = write_shard(out, next_index, rows, data.kind,
-                               data.features.compute if data.kind == "features" else None)
-            next_index += 1
-            shards.append(shard_entry(path, read_shard(path, columns=ENTRY_COLUMNS[data.kind])))
-            manifest["shards"], manifest["counts"] = shards, summarise(shards)
-            write_manifest(out, manifest)
-            bar.update(len(rows))
-            bar.set_postfix(tokens=manifest["counts"]["tokens"])
-    finally:
-        bar.close()
-        for actor in actors:
-            ray.kill(actor)
-    manifest["complete"] = True
-    write_manifest(out, manifest)
-    return manifest
+@contextmanager
+def data_dir_held(out: Path) -> Iterator[None]:
+    """`data.dir` held by this gen-data for the block (LOCK_FILE in it): a second one writing it at
+    once would number its shards as this one's and generate the same prompts; refused in one line."""
+    try:
+        with held(out / LOCK_FILE):
+            yield
+    except Held as other:
+        raise DatasetError(f"data.dir {out} is being written by {other.holder}; wait for it to end, "
+                           "or use another data.dir") from None
 
 
 def _check_same_settings(directory: Path, found: dict, wanted: dict) -> None:

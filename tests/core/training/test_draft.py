@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,8 @@ from specdec.errors import IncompatibleModelsError, ModelSourceError
 from specdec.models.feature_files import REPORT_FILE, load_feature_draft, save_feature_draft
 from specdec.models.sources import model_identity
 from specdec.training.config import ConfigError, DraftTrainSection, parse_config
-from specdec.training.data import DatasetError, generate_dataset, read_manifest, target_states
+from specdec.files import held
+from specdec.training.data import LOCK_FILE, DatasetError, generate_dataset, read_manifest, target_states
 from specdec.training.draft import (Example, batch_loss, build_draft, check_draft_data, check_trainable,
                                     epoch_examples, epoch_order, load_examples, make_batch, train_draft,
                                     trimmed_vocabulary)
@@ -84,6 +87,9 @@ def test_a_rerun_generates_nothing_and_other_layers_are_refused(feature_dataset)
     raw, manifest = feature_dataset
     again = generate_dataset(parse_config(raw), prompts=TINY_PROMPTS, progress=False)
     assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in manifest["shards"]]
+    with held(Path(raw["data"]["dir"]) / LOCK_FILE):  # a gen-data writing it meanwhile
+        with pytest.raises(DatasetError, match=rf"data.dir .* is being written by process {os.getpid()}; wait"):
+            generate_dataset(parse_config(raw), prompts=TINY_PROMPTS, progress=False)
     other = {**raw, "data": {**raw["data"], "features": {"layers": [1]}}}
     with pytest.raises(DatasetError, match="other settings \\(layers differs\\)"):
         generate_dataset(parse_config(other), prompts=TINY_PROMPTS, progress=False)
