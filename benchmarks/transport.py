@@ -73,6 +73,7 @@ from specdec.policies import PolicyConfig
 from specdec.sampling import SamplingParams
 
 PROMPT_TOKENS, K = 64, 4
+SHARE_PASSES = "SPECDEC_BENCH_SHARE_PASSES"  # "0": a verifier replica answers each Verify call alone
 BARE_CALLS = 200
 
 
@@ -134,12 +135,18 @@ def serve_role(roles: tuple[str, ...], pair: Pair, threads: int, pipe) -> None:
             (VerifierServicer, "Verify", "verify")
         servicers[role] = servicer = make(workers[role], executor)
         timed(role, workers[role], work, servicer, method, records)
+    if "verifier" in servicers:  # benchmarks/shared_passes.py's baseline: each Verify call alone
+        servicers["verifier"].batcher.share = os.environ.get(SHARE_PASSES, "1") != "0"
     server, address = start_server(**servicers)
     pipe.send(address)
     with contextlib.suppress(EOFError):
-        while pipe.recv() == "records":
-            pipe.send(records[:])
-            records.clear()
+        while (asked := pipe.recv()) in ("records", "batcher"):
+            if asked == "records":
+                pipe.send(records[:])
+                records.clear()
+            else:  # the verifier's Verify calls and the passes they took so far
+                batcher = servicers["verifier"].batcher
+                pipe.send({"calls": batcher.calls, "passes": batcher.passes})
     server.stop(None)
 
 

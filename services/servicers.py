@@ -4,7 +4,10 @@ convert is refused on its own; the others are served. A failure of the whole cal
 with services/errors.py's status (INTERNAL, "internal error"), never a traceback.
 
 The worker's model runs on `torch_executor` when one is given (a replica's one torch thread, so the
-process holds one OpenMP team: services/replicas.py); Release never waits for it.
+process holds one OpenMP team: services/replicas.py); Release never waits for it. Verify calls
+that wait for that thread together (several coordinators, or lanes, calling one verifier) run as
+one pass when it frees (`VerifyBatcher`): on a GPU a pass costs about the same for 1 session as
+for 64, so each caller's pass of its own few sessions cost a whole pass.
 
 The coordinator's per-step calls arrive on streams kept open across steps (`ProposeStream`,
 `VerifyStream`): a unary call pays for a new HTTP/2 stream, its headers and a server thread's
@@ -15,19 +18,25 @@ than its unary calls need: services/server.py) and refuses the next; the caller 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
 
 import grpc
 
+from specdec.cost_profile import PassTiming
 from specdec.metrics import MS_PER_S
+from specdec.protocol import VerifyItem
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specdec.workers import DraftWorker, VerifierWorker
 from services.convert import (convert_items, merge_answers, plan_from_proto, propose_item_from_proto,
                               proposal_to_proto, timings_to_proto, verdict_to_proto, verify_item_from_proto)
 from services.errors import grpc_status
+
+logger = logging.getLogger(__name__)
 
 MAX_STREAMS = 16  # a replica's open round streams: 8 lanes (loop.py BatchConfig) of two coordinators
 STREAMS_REFUSED = "round streams: this replica holds its most"
@@ -71,16 +80,23 @@ class RoundServicer:
         context.send_initial_metadata(())  # accepted: the caller writes only once it knows
         return (call(request, context) for request in requests)
 
-    def _serve(self, messages, convert: Callable, run: Callable[[list], list], context) -> tuple[list, float]:
-        """(the answers for `messages`, in order; the milliseconds it took). A call that fails as a
-        whole aborts with its status (a Serve handle call, without a gRPC context, raises)."""
+    def _on_torch(self, run: Callable[[], object]):
+        """`run()` on the torch thread (here without one), its result."""
+        return self._executor.submit(run).result() if self._executor else run()
+
+    def _serve(self, messages, convert: Callable, run: Callable[[list], tuple[list, list[PassTiming]]],
+               context) -> tuple[list, list[PassTiming], float]:
+        """(the answers for `messages`, in order; the passes timed for them; the milliseconds it
+        took). `run` gets the items that converted and answers them with the timings of their
+        passes, taken on the torch thread (other calls' passes run there too). A call that fails
+        as a whole aborts with its status (a Serve handle call, without a gRPC context, raises)."""
         start = time.perf_counter()
         with self._calls_lock:
             self.round_calls += 1
         try:
             items, refused = convert_items(messages, convert)
-            answers = self._executor.submit(run, items).result() if self._executor else run(items)
-            return merge_answers(len(messages), answers, refused), (time.perf_counter() - start) * MS_PER_S
+            answers, timings = run(items)
+            return merge_answers(len(messages), answers, refused), timings, (time.perf_counter() - start) * MS_PER_S
         except Exception as exc:
             if context is None:
                 raise
@@ -94,24 +110,114 @@ class DraftServicer(RoundServicer, draft_pb2_grpc.DraftServicer):
     worker: DraftWorker
 
     def Propose(self, request: draft_pb2.ProposeBatch, context) -> draft_pb2.ProposalBatch:
-        answers, ms = self._serve(request.items, propose_item_from_proto,
-                                  lambda items: self.worker.propose(items, plan_from_proto(request)), context)
+        def run(items):
+            return self._on_torch(lambda: (self.worker.propose(items, plan_from_proto(request)),
+                                           self.worker.take_timings()))
+
+        answers, timings, ms = self._serve(request.items, propose_item_from_proto, run, context)
         return draft_pb2.ProposalBatch(proposals=[proposal_to_proto(a) for a in answers], draft_ms=ms,
-                                       passes=timings_to_proto(self.worker.take_timings()))
+                                       passes=timings_to_proto(timings))
 
     def ProposeStream(self, requests, context):
         return self._stream(requests, self.Propose, context)
 
 
+@dataclass
+class _WaitingVerify:
+    items: list[VerifyItem]
+    probe_tokens: int
+    done: Future = field(default_factory=Future)  # (answers, timings)
+
+
+class VerifyBatcher:
+    """Verify calls that wait for the torch thread together run as one pass when it frees, as a
+    serving engine's continuous batching does: the first call schedules a run there, and every call
+    arriving before it starts joins it. A call arriving alone runs alone, at once: nothing waits for
+    company. Each call gets its own verdicts and the timings of the pass they shared (the pass a
+    caller waited for; its own probe's besides). Sessions never meet: each row has its own cache
+    and its own seeded generator. A shared pass that fails runs each call again alone, so that one
+    caller's failure is not another's (a row whose history had moved on then answers
+    session-missing, and its caller resends its history)."""
+
+    def __init__(self, worker: VerifierWorker, executor: Executor | None):
+        self.worker, self._executor = worker, executor
+        self._lock = threading.Lock()
+        self._waiting: list[_WaitingVerify] = []
+        self.share = True  # False: each call alone (benchmarks/shared_passes.py's baseline)
+        self.calls = self.passes = 0  # Verify calls answered, and the passes they took
+        self.shared_calls = 0  # calls that shared their pass with another
+
+    def verify(self, items: list[VerifyItem], probe_tokens: int) -> tuple[list, list[PassTiming]]:
+        call = _WaitingVerify(items, probe_tokens)
+        with self._lock:
+            self._waiting.append(call)
+            first = len(self._waiting) == 1
+        if first:
+            if not self._executor:
+                self._run()
+            else:
+                try:
+                    self._executor.submit(self._run)
+                except RuntimeError as exc:  # (the replica stopping: its executor shut down)
+                    with self._lock:
+                        calls, self._waiting = self._waiting, []
+                    for each in calls:  # the calls that joined this one, which no run would answer
+                        each.done.set_exception(exc)
+        return call.done.result()
+
+    def _run(self) -> None:
+        with self._lock:
+            calls, self._waiting = self._waiting, []
+        self.calls += len(calls)
+        if len(calls) == 1 or not self.share:
+            for call in calls:
+                self._alone(call)
+            return
+        try:
+            self.passes += 1
+            answers = self.worker.verify([item for call in calls for item in call.items])
+            shared = self.worker.take_timings()
+        except Exception:  # noqa: BLE001 - each call alone, below, fails on its own if it does
+            logger.warning("a shared verification pass failed: its %d calls run alone", len(calls), exc_info=True)
+            self.worker.take_timings()
+            for call in calls:
+                self._alone(call)
+            return
+        self.shared_calls += len(calls)
+        start = 0
+        for call in calls:
+            own = answers[start:start + len(call.items)]
+            start += len(call.items)
+            try:
+                probed = []
+                if call.probe_tokens > 0:
+                    self.worker.probe((call.probe_tokens,))
+                    probed = self.worker.take_timings()
+                call.done.set_result((own, shared + probed))
+            except Exception as exc:  # noqa: BLE001 - its probe failed: its call fails, as alone
+                call.done.set_exception(exc)
+
+    def _alone(self, call: _WaitingVerify) -> None:
+        self.passes += 1
+        try:
+            call.done.set_result((self.worker.verify(call.items, call.probe_tokens), self.worker.take_timings()))
+        except Exception as exc:  # noqa: BLE001 - handed to its caller, which answers its status
+            call.done.set_exception(exc)
+
+
 class VerifierServicer(RoundServicer, verifier_pb2_grpc.VerifierServicer):
     worker: VerifierWorker
 
+    def __init__(self, worker: VerifierWorker, torch_executor: Executor | None = None):
+        super().__init__(worker, torch_executor)
+        self.batcher = VerifyBatcher(worker, torch_executor)
+
     def Verify(self, request: verifier_pb2.VerifyBatch, context) -> verifier_pb2.VerdictBatch:
         vocab = self.worker.target.vocab_size
-        answers, ms = self._serve(request.items, lambda msg: verify_item_from_proto(msg, vocab),
-                                  lambda items: self.worker.verify(items, request.probe_tokens), context)
+        answers, timings, ms = self._serve(request.items, lambda msg: verify_item_from_proto(msg, vocab),
+                                           lambda items: self.batcher.verify(items, request.probe_tokens), context)
         return verifier_pb2.VerdictBatch(verdicts=[verdict_to_proto(a) for a in answers], target_ms=ms,
-                                         passes=timings_to_proto(self.worker.take_timings()))
+                                         passes=timings_to_proto(timings))
 
     def VerifyStream(self, requests, context):
         return self._stream(requests, self.Verify, context)

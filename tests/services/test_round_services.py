@@ -162,6 +162,101 @@ def test_concurrent_requests_share_calls_and_equal_the_engine(servers, tiny_engi
     assert len(servers.draft.sessions) == len(servers.verifier.sessions) == 0
 
 
+def test_loops_calling_one_verifier_at_once_share_its_passes_and_equal_the_engine(tiny_engine):
+    """Three coordinators' loops (in one event loop) call one verifier (its torch thread, as a replica's): the Verify
+    calls that wait for that thread together run as one pass (VerifyBatcher), and every output
+    equals the engine's. Each pass is slowed so that the calls meet."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    class Slow(VerifierWorker):
+        passes = 0
+
+        def verify(self, items, probe_tokens=0):
+            Slow.passes += 1
+            time.sleep(0.02)
+            return super().verify(items, probe_tokens)
+
+    executor = ThreadPoolExecutor(max_workers=1)
+    verifier = VerifierServicer(Slow(tiny_engine.target), executor)
+    draft = DraftServicer(DraftWorker(tiny_engine.draft, tiny_engine.head))
+    servers = [start_server(draft=draft), start_server(verifier=verifier)]
+    transports = [RecordingTransport(servers[0][1], servers[1][1]) for _ in range(3)]
+    params = build_params(policy="fixed", k=2, max_new_tokens=MAX_NEW_TOKENS)
+
+    async def coordinator(i: int) -> list:
+        loop = RoundLoop(transports[i], tiny_engine.rules)
+        return await asyncio.gather(*(loop.generate(prompt, params) for prompt in (PROMPTS[i], PROMPTS[3])))
+
+    async def coordinators() -> list:  # (one event loop: grpc.aio serves one a process)
+        return await asyncio.gather(*(coordinator(i) for i in range(3)))
+
+    try:
+        results = asyncio.run(coordinators())
+    finally:
+        for server, _ in servers:
+            server.stop(None)
+        executor.shutdown()
+    for i in range(3):
+        assert [r.completions[0].token_ids for r in results[i]] == \
+            [engine_ids(tiny_engine, prompt, params)[0] for prompt in (PROMPTS[i], PROMPTS[3])]
+    calls = sum(t.calls["verifier"] for t in transports)
+    assert verifier.batcher.shared_calls > 0 and Slow.passes < calls, (verifier.batcher.shared_calls, Slow.passes, calls)
+    assert len(verifier.sessions) == len(draft.sessions) == 0
+
+
+def test_a_shared_verification_pass_that_fails_runs_each_call_alone():
+    """Calls that waited together share a pass; where it fails, each runs alone: the call that
+    fails alone fails, the others are answered (a worker stand-in: items are strings)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    class Worker:
+        def __init__(self):
+            self.passes, self.timings = [], []
+
+        def verify(self, items, probe_tokens=0):
+            self.passes.append(list(items))
+            self.timings.append(f"pass {len(self.passes)}")
+            if "poison" in items:
+                raise RuntimeError("a bad pass")
+            return [f"verdict {item}" for item in items]
+
+        def take_timings(self):
+            taken, self.timings = self.timings, []
+            return taken
+
+    for calls in ([["a1", "a2"], ["b1"]], [["a1", "a2"], ["poison"], ["b1"]]):
+        worker, executor, release = Worker(), ThreadPoolExecutor(max_workers=1), threading.Event()
+        batcher = servicers.VerifyBatcher(worker, executor)
+        executor.submit(release.wait)  # the torch thread busy while the calls arrive
+        answers = {}
+
+        def call(items):
+            try:
+                answers[tuple(items)] = batcher.verify(items, 0)
+            except RuntimeError as exc:
+                answers[tuple(items)] = str(exc)
+
+        threads = [threading.Thread(target=call, args=(items,)) for items in calls]
+        for thread in threads:
+            thread.start()
+        while len(batcher._waiting) < len(calls):
+            time.sleep(0.01)
+        release.set()
+        for thread in threads:
+            thread.join(10)
+        executor.shutdown()
+        assert sorted(map(sorted, worker.passes[:1])) == [sorted(sum(calls, []))]  # one pass for all first
+        if "poison" not in sum(calls, []):
+            assert len(worker.passes) == 1 and batcher.shared_calls == 2
+            assert answers == {("a1", "a2"): (["verdict a1", "verdict a2"], ["pass 1"]),
+                               ("b1",): (["verdict b1"], ["pass 1"])}
+        else:
+            assert sorted(map(tuple, worker.passes[1:])) == sorted(map(tuple, calls)) and batcher.shared_calls == 0
+            assert answers[("poison",)] == "a bad pass"
+            assert answers[("a1", "a2")][0] == ["verdict a1", "verdict a2"] and answers[("b1",)][0] == ["verdict b1"]
+            assert {answers[("a1", "a2")][1][0], answers[("b1",)][1][0]} <= {"pass 2", "pass 3", "pass 4"}
+
+
 class PlanRecordingTransport(GrpcTransport):
     """Records the plan every Propose carries, and its items."""
 
