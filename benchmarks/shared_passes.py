@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import time
 from pathlib import Path
-
-import torch
 
 from benchmarks.models import VOCAB
 from benchmarks.transport import K, PROMPT_TOKENS, SHARE_PASSES, replicas, tiny_pair
@@ -70,17 +69,22 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5, help="timed runs per mode (after one warm-up each)")
     parser.add_argument("--new-tokens", type=int, default=80)
     parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of each replica (1: one core each; more, and on 2 cores their OpenMP "
+                             "teams spin on each other's cores)")
+    parser.add_argument("--pad", type=int, default=0,
+                        help="layers added to the target that change nothing but its cost (models.py `padded`)")
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args()
-    pair = tiny_pair(args.vocab)
+    pair = dataclasses.replace(tiny_pair(args.vocab), pad=args.pad)
     from specdec.engine import SpecDecEngine
 
     rules = SpecDecEngine(*pair.runtimes()).rules
     tokens = args.loops * args.sessions * args.new_tokens
     modes = {"shared": "1", "alone": "0"}
     figures = {mode: {"tokens_per_s": [], "passes_per_call": []} for mode in modes}
-    with replicas(pair, torch.get_num_threads(), {SHARE_PASSES: "1"}) as (shared, shared_pipes), \
-            replicas(pair, torch.get_num_threads(), {SHARE_PASSES: "0"}) as (alone, alone_pipes):
+    with replicas(pair, args.threads, {SHARE_PASSES: "1"}) as (shared, shared_pipes), \
+            replicas(pair, args.threads, {SHARE_PASSES: "0"}) as (alone, alone_pipes):
         served = {"shared": (shared, shared_pipes[1]), "alone": (alone, alone_pipes[1])}
         for run in range(args.runs + 1):  # the first warms up both
             for mode in (modes if run % 2 == 0 else reversed(list(modes))):  # alternate who goes first
@@ -97,8 +101,7 @@ def main() -> None:
                                                         max(1, after["calls"] - before["calls"]))
                 print(f"run {run} {mode:>6}: {tokens / seconds:8.1f} tok/s, "
                       f"{figures[mode]['passes_per_call'][-1]:.2f} passes a Verify call", flush=True)
-    result = {"settings": vars(args) | {"out": str(args.out) if args.out else None, "torch_threads":
-                                        torch.get_num_threads()},
+    result = {"settings": vars(args) | {"out": str(args.out) if args.out else None},
               **{mode: {name: spread(values) for name, values in f.items()} for mode, f in figures.items()}}
     for mode in modes:
         row = result[mode]
