@@ -113,15 +113,18 @@ def deployment_replicas(config: AppConfig) -> dict[str, ReplicaConfig]:
 
 
 def live_cap(config: AppConfig) -> LiveCap:
-    """What each round loop keeps live (services/config.py LiveCap): the replicas holding sessions
-    are the Draft deployments' and the Verifier's."""
+    """What each round loop keeps live (services/config.py LiveCap): the replicas the loops share are
+    the Draft deployments' and the Verifier's, but where the loop runs in the Verifier's replicas
+    (each then holds its own loop's sessions alone)."""
     replicas = deployment_replicas(config)
-    _, _, loops = replicas[config.loop_deployment].replicas()
-    holders = {name: r.replicas() for name, r in replicas.items() if name not in ("Coordinator", "Ingress")}
+    loop = config.loop_deployment
+    _, _, loops = replicas[loop].replicas()
+    shared = {name: r.replicas() for name, r in replicas.items() if name not in ("Coordinator", "Ingress", loop)}
     sessions, positions = cache_limits(config.models, config.model_devices())
     held = min(limit for limit in (config.sessions.max_sessions, sessions) if limit is not None)
-    return LiveCap(held, positions, tuple(sorted(holders)), fewest=max(1, min(r[1] for r in holders.values())),
-                   most=max(1, min(r[2] for r in holders.values())), loops=loops)
+    fewest = max(1, min((r[1] for r in shared.values()), default=1))
+    most = max(1, min((r[2] for r in shared.values()), default=1))
+    return LiveCap(held, positions, tuple(sorted(shared)), fewest, most, loops, own=loop == "Verifier")
 
 
 def build_app(args: dict | AppConfig | None = None) -> serve.Application:

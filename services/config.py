@@ -125,14 +125,16 @@ RING_FILL = 2 / 3
 @dataclass(frozen=True)
 class LiveCap:
     """What each round loop of a served app keeps live (its BatchConfig's `max_live_sessions`,
-    `max_live_positions`): what one replica of the deployments holding sessions keeps (`held`
-    sessions: its store's `sessions.max_sessions` and its runtime's cache, the static cache's rows
-    or llama.cpp's sequences; `positions`: llama.cpp's unified cache), times their replicas, over the
-    most loops there may be (Coordinator replicas, or Verifier ones where the loop runs there), at
-    RING_FILL where a session's replica is one of several. Past it each step evicts the caches of
-    the sessions the next one serves, and every round re-prefills (past a shared cache's positions,
-    a step whose sessions all feed fails). The replicas count at their fewest (`fewest`, of the
-    holders `holders`) until a loop sees more of them running (`batch(asked, running)`, at most
+    `max_live_positions`): what one replica holding sessions keeps (`held` sessions: its store's
+    `sessions.max_sessions` and its runtime's cache, the static cache's rows or llama.cpp's
+    sequences; `positions`: llama.cpp's unified cache), on each of the replicas the loops share (of
+    the deployments `holders`: the Draft deployments, and the Verifier where the loop runs on
+    Coordinator replicas), times their replicas, over the most loops there may be, at RING_FILL
+    where a session's replica is one of several; and where the loop runs in a Verifier replica
+    (`own`), at most what that one holds: its sessions are all its own. Past it each step evicts
+    the caches of the sessions the next one serves, and every round re-prefills (past a shared
+    cache's positions, a step whose sessions all feed fails). The shared replicas count at their
+    fewest (`fewest`) until a loop sees more of them running (`batch(asked, running)`, at most
     `most`); the loops count at their most, since each raises its own cap without knowing the others'."""
 
     held: int
@@ -141,13 +143,34 @@ class LiveCap:
     fewest: int
     most: int
     loops: int
+    own: bool = False
 
     def batch(self, asked: BatchConfig, running: int = 0) -> BatchConfig:
         """`asked` capped for one loop, with `running` replicas of each holder (the fewest where fewer)."""
+        if not self.holders:
+            return asked.within(self.held, self.positions)
         replicas = min(max(self.fewest, running), self.most)
         share = 1.0 if replicas == 1 else replicas * RING_FILL
-        return asked.within(max(1, int(self.held * share) // self.loops),
-                            None if self.positions is None else max(1, int(self.positions * share) // self.loops))
+        sessions = max(1, int(self.held * share) // self.loops)
+        positions = None if self.positions is None else max(1, int(self.positions * share) // self.loops)
+        if self.own:
+            sessions = min(sessions, self.held)
+            positions = None if positions is None else min(positions, self.positions)
+        return asked.within(sessions, positions)
+
+
+def toward(current: BatchConfig, target: BatchConfig, live: int, retired: int) -> BatchConfig:
+    """The live limits a loop moves to on its way to `target` (LiveCap): down at once; up at once
+    where it holds no session (`live`), else by at most the sessions that left it since it last
+    moved (`retired`). Raised at once, the sessions it admits spread over every replica running
+    while its live ones stay on the fewer they are on, which would then hold more than they can."""
+    if target.max_live_sessions <= current.max_live_sessions or not live:
+        return target
+    sessions = min(target.max_live_sessions, current.max_live_sessions + retired)
+    positions = target.max_live_positions
+    if positions is not None:
+        positions = max(current.max_live_positions or 0, positions * sessions // target.max_live_sessions)
+    return target.model_copy(update={"max_live_sessions": sessions, "max_live_positions": positions})
 
 
 # The defaults of each role's replicas, beside ReplicaConfig's. Draft and Verifier replicas run their

@@ -27,7 +27,7 @@ from specdec.sessions import SessionStore
 from specdec.v1 import draft_pb2, generation_pb2, verifier_pb2
 from specdec.workers import DraftWorker, FeatureLink, VerifierWorker
 from services.autoscaling import ROUND_CALLS
-from services.config import AppConfig, LiveCap
+from services.config import AppConfig, LiveCap, toward
 from services.convert import sparsifier
 from services.coordinator import Coordinator
 from services.ingress import app_deployments
@@ -82,14 +82,18 @@ class LoopHost:
             self._following = asyncio.get_running_loop().create_task(self._follow())
 
     async def _follow(self) -> None:
-        """Every LIVE_CAP_REFRESH_S, the loop's cap for the holders' replicas running; kept as it
-        was while Serve's controller does not answer."""
+        """Every LIVE_CAP_REFRESH_S, the loop's cap toward the one for the holders' replicas running
+        (raised as its sessions leave: services/config.py `toward`); kept as it was while Serve's
+        controller does not answer."""
+        loop, retired = self.coordinator.loop, 0
         while True:
             try:
                 deployments = await app_deployments()
                 running = min(deployments[name].replica_states.get(ReplicaState.RUNNING, 0)
                               for name in self.live_cap.holders)
-                self.coordinator.loop.set_live_limits(self.live_cap.batch(self.asked, running))
+                loop.set_live_limits(toward(loop.batch, self.live_cap.batch(self.asked, running),
+                                            loop.live_sessions, loop.retired - retired))
+                retired = loop.retired
             except Exception:  # noqa: BLE001 - the cap stays as it was; the next read may do
                 logger.warning("the live cap could not follow the replicas", exc_info=True)
             await asyncio.sleep(LIVE_CAP_REFRESH_S)

@@ -157,31 +157,63 @@ class VerifyBatcher:
                 self._run()
             else:
                 try:
-                    self._executor.submit(self._run)
+                    self._executor.submit(self._run).add_done_callback(self._never_ran)
                 except RuntimeError as exc:  # (the replica stopping: its executor shut down)
-                    with self._lock:
-                        calls, self._waiting = self._waiting, []
-                    for each in calls:  # the calls that joined this one, which no run would answer
-                        each.done.set_exception(exc)
+                    self._fail_waiting(exc)
         return call.done.result()
+
+    def _never_ran(self, run: Future) -> None:
+        if run.cancelled():  # (an executor shut down with its pending work cancelled)
+            self._fail_waiting(RuntimeError("the verifier's torch thread stopped"))
+
+    def _fail_waiting(self, exc: BaseException) -> None:
+        """Fail the calls waiting for a run that will not come."""
+        with self._lock:
+            calls, self._waiting = self._waiting, []
+        for call in calls:
+            call.done.set_exception(exc)
 
     def _run(self) -> None:
         with self._lock:
             calls, self._waiting = self._waiting, []
         self.calls += len(calls)
-        if len(calls) == 1 or not self.share:
+        try:
+            for group in self._passes(calls):
+                if len(group) == 1 or not self.share:
+                    for call in group:
+                        self._alone(call)
+                else:
+                    self._shared(group)
+        finally:  # whatever went wrong, no caller waits for good
             for call in calls:
-                self._alone(call)
-            return
+                if not call.done.done():
+                    call.done.set_exception(RuntimeError("the verification pass did not answer"))
+
+    @staticmethod
+    def _passes(calls: list[_WaitingVerify]) -> list[list[_WaitingVerify]]:
+        """The calls in order, cut where a call names a session that one before it in the pass does
+        (a call retried while the one it gave up on still waits): a pass holds a session once."""
+        groups, held = [], set()
+        for call in calls:
+            ids = {item.session_id for item in call.items}
+            if not groups or ids & held:
+                groups.append([])
+                held = set()
+            groups[-1].append(call)
+            held |= ids
+        return groups
+
+    def _shared(self, calls: list[_WaitingVerify]) -> None:
         try:
             self.passes += 1
             answers = self.worker.verify([item for call in calls for item in call.items])
             shared = self.worker.take_timings()
         except Exception:  # noqa: BLE001 - each call alone, below, fails on its own if it does
             logger.warning("a shared verification pass failed: its %d calls run alone", len(calls), exc_info=True)
-            self.worker.take_timings()
+            # the start-up probe's timings, if this was the first pass, go to the first call answered
+            probes = [timing for timing in self.worker.take_timings() if timing.probe]
             for call in calls:
-                self._alone(call)
+                probes = self._alone(call, probes)
             return
         self.shared_calls += len(calls)
         start = 0
@@ -197,12 +229,18 @@ class VerifyBatcher:
             except Exception as exc:  # noqa: BLE001 - its probe failed: its call fails, as alone
                 call.done.set_exception(exc)
 
-    def _alone(self, call: _WaitingVerify) -> None:
+    def _alone(self, call: _WaitingVerify, carried: list[PassTiming] = ()) -> list[PassTiming]:
+        """Run `call` as a pass of its own, its answer with `carried` timings before its own; returns
+        what is still to carry (all of it where the call failed)."""
         self.passes += 1
         try:
-            call.done.set_result((self.worker.verify(call.items, call.probe_tokens), self.worker.take_timings()))
+            call.done.set_result((self.worker.verify(call.items, call.probe_tokens),
+                                  list(carried) + self.worker.take_timings()))
+            return []
         except Exception as exc:  # noqa: BLE001 - handed to its caller, which answers its status
+            self.worker.take_timings()
             call.done.set_exception(exc)
+            return list(carried)
 
 
 class VerifierServicer(RoundServicer, verifier_pb2_grpc.VerifierServicer):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,7 +48,7 @@ def written_together(*paths: str | Path) -> Iterator[list[Path]]:
 
 
 class Held(Exception):
-    """A lock file another process holds (`holder`: "process PID", as it wrote it)."""
+    """A lock file another process holds (`holder`: "process PID on HOST", as it wrote it)."""
 
     def __init__(self, holder: str):
         super().__init__(holder)
@@ -57,8 +58,9 @@ class Held(Exception):
 @contextmanager
 def held(path: str | Path) -> Iterator[None]:
     """The lock file `path` held by this process for the block, or Held at once where another has
-    it. An flock: the kernel lets go of it however the process ends, so a run killed leaves
-    nothing to clean up."""
+    it (OSError where the file system locks nothing: NFS without its lock service). An flock: the
+    kernel lets go of it however the process ends, so a run killed leaves nothing to clean up. On
+    NFS it holds between the hosts that mount it only where they lock through the server."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a+") as lock:
@@ -68,6 +70,6 @@ def held(path: str | Path) -> Iterator[None]:
             lock.seek(0)
             raise Held(lock.read().strip() or "another process") from None
         lock.truncate(0)
-        lock.write(f"process {os.getpid()}\n")
+        lock.write(f"process {os.getpid()} on {socket.gethostname()}\n")
         lock.flush()
         yield

@@ -150,6 +150,7 @@ class RoundLoop:
         self._waiting: deque[LoopSample] = deque()  # past max_live_sessions, in arrival order
         self._tasks: list[asyncio.Task | None] = [None] * batch.lanes
         self._releasing: dict[asyncio.Task, list[LoopSample]] = {}  # retired samples' releases, off the step path
+        self.retired = 0  # samples that have left the lanes, ever
 
     @property
     def planners(self) -> list[StepPlanner]:
@@ -391,6 +392,7 @@ class RoundLoop:
             return
         for s in leaving:
             running.remove(s)
+        self.retired += len(leaving)
         for planner in planners:
             planner.forget(leaving)
         self._admit()

@@ -58,11 +58,14 @@ def runs_held(storage: str, names: Iterable[str], section: str) -> Iterator[None
     one's, is refused in one line (ConfigError)."""
     with ExitStack() as stack:
         for name in names:
+            path = Path(storage).resolve() / f"{name}.lock"
             try:
-                stack.enter_context(held(Path(storage).resolve() / f"{name}.lock"))
+                stack.enter_context(held(path))
             except Held as other:
                 raise ConfigError(f"run {name!r} in {storage} is being trained by {other.holder}; wait for it to "
                                   f"end, or choose another {section}.name") from None
+            except OSError as exc:
+                raise ConfigError(f"{path}: cannot lock it ({exc.strerror or exc})") from None
         yield
 
 

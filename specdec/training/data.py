@@ -67,7 +67,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -619,12 +619,15 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
 def data_dir_held(out: Path) -> Iterator[None]:
     """`data.dir` held by this gen-data for the block (LOCK_FILE in it): a second one writing it at
     once would number its shards as this one's and generate the same prompts; refused in one line."""
-    try:
-        with held(out / LOCK_FILE):
-            yield
-    except Held as other:
-        raise DatasetError(f"data.dir {out} is being written by {other.holder}; wait for it to end, "
-                           "or use another data.dir") from None
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(held(out / LOCK_FILE))
+        except Held as other:
+            raise DatasetError(f"data.dir {out} is being written by {other.holder}; wait for it to end, "
+                               "or use another data.dir") from None
+        except OSError as exc:
+            raise DatasetError(f"{out / LOCK_FILE}: cannot lock it ({exc.strerror or exc})") from None
+        yield
 
 
 def _check_same_settings(directory: Path, found: dict, wanted: dict) -> None:

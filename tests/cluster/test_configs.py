@@ -17,7 +17,8 @@ from ray.serve._private.build_app import build_app as flatten_app
 from ray.serve.schema import ServeDeploySchema
 
 from services.app import build_app
-from services.config import GRPC_SERVICER_FUNCTIONS, AppConfig, ReplicaConfig
+from services.config import GRPC_SERVICER_FUNCTIONS, AppConfig, ReplicaConfig, SessionConfig
+from specdec.builder import EngineConfig
 from specdec.loop import BatchConfig
 
 CLUSTER = Path(__file__).parents[2] / "cluster"
@@ -178,6 +179,38 @@ def test_the_live_cap_follows_the_holders_running_and_leaves_room_for_the_rings_
     assert capped(two).max_live_positions == int(cpu.models.llamacpp.context * 2 * RING_FILL)
     asked = two.model_copy(update={"models": two.models.model_copy(update={"batch": BatchConfig(max_live_sessions=5)})})
     assert capped(asked, 2).max_live_sessions == 5  # never past what the config asks
+
+
+def test_a_loop_raises_its_cap_as_its_sessions_leave():
+    """Raised at once, a full loop's new sessions would spread over every replica running while its
+    live ones stay where they are: one replica scaled to two, the first would take 64 + 8. It rises
+    by the sessions that left since it last moved; where it holds none, at once; down, at once."""
+    from services.config import toward
+
+    now, target = BatchConfig(max_live_sessions=8, max_live_positions=800), BatchConfig(max_live_sessions=10,
+                                                                                        max_live_positions=1000)
+    assert toward(now, target, live=0, retired=0) == target
+    assert (toward(now, target, live=8, retired=1).max_live_sessions, toward(now, target, 8, 1).max_live_positions) \
+        == (9, 900)
+    assert toward(now, target, live=8, retired=5) == target
+    assert toward(target, now, live=10, retired=0) == now
+
+
+def test_a_loop_in_a_verifier_replica_keeps_what_that_replica_holds():
+    """`loop_placement: verifier`: a loop's target sessions are all on its own replica, whatever the
+    loops; only the draft's replicas are shared. With the feature draft beside the target nothing
+    is: the loop keeps all the replica holds (before, the 4 loops there might be split it in 4)."""
+    scaling = {"autoscaling": {"min_replicas": 1, "max_replicas": 4}}
+    sessions = SessionConfig(max_sessions=64)  # (below the 256 asked)
+    alone = AppConfig(models=EngineConfig(draft="default-feature", runtime="torch"), loop_placement="verifier",
+                      verifier=ReplicaConfig(**scaling), sessions=sessions)
+    assert alone.colocated_drafts() == ["default"]
+    held = 64
+    assert capped(alone).max_live_sessions == capped(alone, 4).max_live_sessions == held
+    shared = AppConfig(models=EngineConfig(runtime="torch"), loop_placement="verifier", verifier=ReplicaConfig(**scaling),
+                       draft=ReplicaConfig(autoscaling={"min_replicas": 1, "max_replicas": 8}), sessions=sessions)
+    assert capped(shared).max_live_sessions == held // 4  # one draft replica shared by 4 loops
+    assert capped(shared, 8).max_live_sessions == held  # 8 of them: at most what the loop's own replica holds
 
 
 @pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)

@@ -206,8 +206,18 @@ def test_loops_calling_one_verifier_at_once_share_its_passes_and_equal_the_engin
 
 def test_a_shared_verification_pass_that_fails_runs_each_call_alone():
     """Calls that waited together share a pass; where it fails, each runs alone: the call that
-    fails alone fails, the others are answered (a worker stand-in: items are strings)."""
+    fails alone fails, the others are answered. A call naming a session that one before it does (a
+    call retried while the one it gave up on waits) goes in a pass of its own. (A worker stand-in:
+    items are their session ids.)"""
     from concurrent.futures import ThreadPoolExecutor
+
+    class Item(str):
+        @property
+        def session_id(self) -> str:
+            return str(self)
+
+    class Timing(str):
+        probe = False
 
     class Worker:
         def __init__(self):
@@ -215,7 +225,7 @@ def test_a_shared_verification_pass_that_fails_runs_each_call_alone():
 
         def verify(self, items, probe_tokens=0):
             self.passes.append(list(items))
-            self.timings.append(f"pass {len(self.passes)}")
+            self.timings.append(Timing(f"pass {len(self.passes)}"))
             if "poison" in items:
                 raise RuntimeError("a bad pass")
             return [f"verdict {item}" for item in items]
@@ -224,19 +234,20 @@ def test_a_shared_verification_pass_that_fails_runs_each_call_alone():
             taken, self.timings = self.timings, []
             return taken
 
-    for calls in ([["a1", "a2"], ["b1"]], [["a1", "a2"], ["poison"], ["b1"]]):
+    for calls in ([["a1", "a2"], ["b1"]], [["a1", "a2"], ["poison"], ["b1"]], [["a1"], ["a1"]]):
+        calls = [[Item(item) for item in call] for call in calls]
         worker, executor, release = Worker(), ThreadPoolExecutor(max_workers=1), threading.Event()
         batcher = servicers.VerifyBatcher(worker, executor)
         executor.submit(release.wait)  # the torch thread busy while the calls arrive
         answers = {}
 
-        def call(items):
+        def call(i, items):
             try:
-                answers[tuple(items)] = batcher.verify(items, 0)
+                answers[i] = batcher.verify(items, 0)
             except RuntimeError as exc:
-                answers[tuple(items)] = str(exc)
+                answers[i] = str(exc)
 
-        threads = [threading.Thread(target=call, args=(items,)) for items in calls]
+        threads = [threading.Thread(target=call, args=(i, items)) for i, items in enumerate(calls)]
         for thread in threads:
             thread.start()
         while len(batcher._waiting) < len(calls):
@@ -245,16 +256,19 @@ def test_a_shared_verification_pass_that_fails_runs_each_call_alone():
         for thread in threads:
             thread.join(10)
         executor.shutdown()
+        if calls[0] == calls[1]:  # one session in two calls: a pass each, both answered
+            assert worker.passes == calls and batcher.shared_calls == 0
+            assert sorted(answers.values()) == [(["verdict a1"], ["pass 1"]), (["verdict a1"], ["pass 2"])]
+            continue
         assert sorted(map(sorted, worker.passes[:1])) == [sorted(sum(calls, []))]  # one pass for all first
         if "poison" not in sum(calls, []):
             assert len(worker.passes) == 1 and batcher.shared_calls == 2
-            assert answers == {("a1", "a2"): (["verdict a1", "verdict a2"], ["pass 1"]),
-                               ("b1",): (["verdict b1"], ["pass 1"])}
+            assert answers == {0: (["verdict a1", "verdict a2"], ["pass 1"]), 1: (["verdict b1"], ["pass 1"])}
         else:
             assert sorted(map(tuple, worker.passes[1:])) == sorted(map(tuple, calls)) and batcher.shared_calls == 0
-            assert answers[("poison",)] == "a bad pass"
-            assert answers[("a1", "a2")][0] == ["verdict a1", "verdict a2"] and answers[("b1",)][0] == ["verdict b1"]
-            assert {answers[("a1", "a2")][1][0], answers[("b1",)][1][0]} <= {"pass 2", "pass 3", "pass 4"}
+            assert answers[1] == "a bad pass"
+            assert answers[0][0] == ["verdict a1", "verdict a2"] and answers[2][0] == ["verdict b1"]
+            assert {answers[0][1][0], answers[2][1][0]} <= {"pass 2", "pass 3", "pass 4"}
 
 
 class PlanRecordingTransport(GrpcTransport):

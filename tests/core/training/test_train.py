@@ -149,7 +149,7 @@ def test_sigterm_stops_train_head_as_ctrl_c_does_and_a_rerun_resumes(tiny_datase
             assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
             time.sleep(0.1)
         # the same run trained again meanwhile (its checkpoints would land among the job's): refused
-        with pytest.raises(ConfigError, match=rf"run 'head' in .* is being trained by process {job.pid}; wait"):
+        with pytest.raises(ConfigError, match=rf"run 'head' in .* is being trained by process {job.pid} on .*; wait"):
             train_head(parse_config(raw))
         job.send_signal(signal.SIGTERM)
         _, err = job.communicate(timeout=120)
@@ -172,8 +172,8 @@ def test_a_run_held_by_one_training_is_refused_to_another_until_it_ends(tmp_path
     from specdec.training.checkpoints import runs_held
 
     with runs_held(str(tmp_path), ["a", "b"], "draft"):
-        with pytest.raises(ConfigError, match=r"run 'b' in .* is being trained by process \d+; wait for it to end, "
-                                              r"or choose another draft.name"):
+        with pytest.raises(ConfigError, match=r"run 'b' in .* is being trained by process \d+ on .*; wait for it "
+                                              r"to end, or choose another draft.name"):
             with runs_held(str(tmp_path), ["c", "b"], "draft"):
                 pass
     with runs_held(str(tmp_path), ["b", "c"], "draft"):  # let go when the block ends, a refused one's too
