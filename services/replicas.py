@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 # replicas start in tens of seconds at the soonest (Serve's upscale delay, a model's loading).
 LIVE_CAP_REFRESH_S = 10.0
 
+
 def set_threads(threads: int | None) -> None:
     """torch's intra-op threads in a replica; None: every core. (Ray sets OMP_NUM_THREADS to a
     replica's num_cpus, 1 for a fractional one, which would leave a CPU model on one core.)"""
