@@ -471,7 +471,8 @@ def sweep_heads(config: PipelineConfig, connect: Callable[[], None] | None = Non
     grid = [train.model_copy(update={"depth": depth, "w_rej": w_rej, "name": f"{train.name}-D{depth}-wrej{w_rej:g}",
                                      "output": str(Path(train.output) / "sweep" / f"D{depth}-wrej{w_rej:g}")})
             for depth in sweep.depths for w_rej in sweep.w_rej]
-    with checkpoints.runs_held(train.storage, [run.name for run in grid], "train"):
+    # train.name too: a plain run of it writes train.output, as the sweep's choice does
+    with checkpoints.runs_held(train.storage, [train.name] + [run.name for run in grid], "train"):
         for run in grid:
             check_run(run, identity, manifest)
         manifest["dir"] = config.data.dir
@@ -482,13 +483,13 @@ def sweep_heads(config: PipelineConfig, connect: Callable[[], None] | None = Non
             value = report["epochs"][-1][f"val_{metric}"]
             runs.append({"depth": run.depth, "w_rej": run.w_rej, "output": run.output, f"val_{metric}": value,
                          **{k: report["epochs"][-1][k] for k in ("val_kl", "val_auroc", "val_ece", "val_loss")}})
-    best = select_run(runs, metric)
-    chosen = train.model_copy(update={"depth": best["depth"], "w_rej": best["w_rej"]})
-    from specdec.head import load_head
+        best = select_run(runs, metric)
+        chosen = train.model_copy(update={"depth": best["depth"], "w_rej": best["w_rej"]})
+        from specdec.head import load_head
 
-    load_head(best["output"]).save(chosen.output)
-    summary = {"select_by": metric, "best": best, "runs": runs}
-    report = json.loads((Path(best["output"]) / REPORT_FILE).read_text())
-    report["sweep"] = summary
-    (Path(chosen.output) / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
-    return summary
+        load_head(best["output"]).save(chosen.output)
+        summary = {"select_by": metric, "best": best, "runs": runs}
+        report = json.loads((Path(best["output"]) / REPORT_FILE).read_text())
+        report["sweep"] = summary
+        (Path(chosen.output) / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+        return summary

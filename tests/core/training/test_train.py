@@ -38,6 +38,7 @@ from specdec.training.train import (
     load_features,
     new_head,
     select_run,
+    sweep_heads,
     mixed_sequence_features,
     response_features,
     train_epoch,
@@ -178,6 +179,20 @@ def test_a_run_held_by_one_training_is_refused_to_another_until_it_ends(tmp_path
                 pass
     with runs_held(str(tmp_path), ["b", "c"], "draft"):  # let go when the block ends, a refused one's too
         pass
+
+
+def test_a_sweep_holds_train_name_beside_its_runs(tiny_dataset, tmp_path):
+    """A sweep saves its choice to train.output, as a plain run of train.name does: it holds that
+    name too, so one of them running refuses the other (before any features or training)."""
+    from specdec.files import held
+
+    raw, _ = tiny_dataset
+    runs = tmp_path / "runs"
+    raw = {**raw, "train": {**raw["train"], "storage": str(runs)}, "sweep": {"depths": [1], "w_rej": [1.0]}}
+    with held(runs / "head.lock"):  # a `train-head` of the name running
+        with pytest.raises(ConfigError, match=r"run 'head' in .* is being trained by process \d+ on .*; wait"):
+            sweep_heads(parse_config(raw))
+    assert not any(runs.glob("head-D*"))
 
 
 def test_training_refuses_a_foreign_dataset(tiny_dataset, tmp_path):
