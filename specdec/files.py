@@ -47,28 +47,28 @@ def written_together(*paths: str | Path) -> Iterator[list[Path]]:
             partial.unlink(missing_ok=True)
 
 
-class Held(Exception):
-    """A lock file another process holds (`holder`: "process PID on HOST", as it wrote it)."""
-
-    def __init__(self, holder: str):
-        super().__init__(holder)
-        self.holder = holder
-
-
 @contextmanager
-def held(path: str | Path) -> Iterator[None]:
-    """The lock file `path` held by this process for the block, or Held at once where another has
-    it (OSError where the file system locks nothing: NFS without its lock service). An flock: the
+def held(path: str | Path, error: type[Exception], what: str, instead: str) -> Iterator[None]:
+    """The lock file `path` held by this process for the block. Where another process holds it,
+    `error("<what> by <that process>; wait for it to end, or <instead>")` at once; where it cannot
+    be locked (NFS without its lock service, another user's file), `error` saying so. An flock: the
     kernel lets go of it however the process ends, so a run killed leaves nothing to clean up. On
     NFS it holds between the hosts that mount it only where they lock through the server."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a+") as lock:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = path.open("a+")
+    except OSError as exc:
+        raise error(f"{path}: cannot lock it ({exc.strerror or exc})") from None
+    with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.seek(0)
-            raise Held(lock.read().strip() or "another process") from None
+            holder = lock.read().strip() or "another process"
+            raise error(f"{what} by {holder}; wait for it to end, or {instead}") from None
+        except OSError as exc:
+            raise error(f"{path}: cannot lock it ({exc.strerror or exc})") from None
         lock.truncate(0)
         lock.write(f"process {os.getpid()} on {socket.gethostname()}\n")
         lock.flush()

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel
 
-from specdec.files import Held, held, write_atomically
+from specdec.files import held, write_atomically
 from specdec.training.config import ConfigError
 
 STATE_FILE, HISTORY_FILE = "state.pt", "history.json"
@@ -58,14 +58,8 @@ def runs_held(storage: str, names: Iterable[str], section: str) -> Iterator[None
     one's, is refused in one line (ConfigError)."""
     with ExitStack() as stack:
         for name in names:
-            path = Path(storage).resolve() / f"{name}.lock"
-            try:
-                stack.enter_context(held(path))
-            except Held as other:
-                raise ConfigError(f"run {name!r} in {storage} is being trained by {other.holder}; wait for it to "
-                                  f"end, or choose another {section}.name") from None
-            except OSError as exc:
-                raise ConfigError(f"{path}: cannot lock it ({exc.strerror or exc})") from None
+            stack.enter_context(held(Path(storage).resolve() / f"{name}.lock", ConfigError,
+                                     f"run {name!r} in {storage} is being trained", f"choose another {section}.name"))
         yield
 
 

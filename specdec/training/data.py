@@ -66,15 +66,14 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from specdec.errors import IncompatibleModelsError, ModelSourceError, SpecDecError, one_line
-from specdec.files import Held, held, write_atomically
+from specdec.files import held, write_atomically
 from specdec.models.feature_files import pack_states
 from specdec.models.vocab import SETTINGS_BEFORE_DRAFT_VOCAB, vocab_setting
 from specdec.sampling import SamplingParams, probs_from_logits
@@ -85,7 +84,7 @@ from specdec.training.stdlib_prompts import Prompt
 # 1: one label set per row (draft_ids [N], labels [N]), an int8 draft on CPU. 2: label sets [L][N].
 FORMAT_VERSION = 2
 MANIFEST_FILE = "manifest.json"
-LOCK_FILE = "gen-data.lock"  # held by the gen-data writing the folder (data_dir_held)
+LOCK_FILE = "gen-data.lock"  # held by the gen-data writing the folder
 SHARD_PREFIX, SHARD_SUFFIX = "shard-", ".parquet"
 SPLITS = ("train", "validation")
 SHARD_COLUMNS = ("prompt_id", "split", "prompt_ids", "response_ids", "label_temperatures", "draft_ids", "labels",
@@ -556,7 +555,8 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
         raise DatasetError(f"data.dir {out}: {exc.strerror or exc}") from None
     if not os.access(out, os.W_OK | os.X_OK):  # (a read-only file system, no permission)
         raise DatasetError(f"data.dir {out} is not writable")
-    with data_dir_held(out):
+    # a second gen-data into the folder at once would number its shards as this one's
+    with held(out / LOCK_FILE, DatasetError, f"data.dir {out} is being written", "use another data.dir"):
         if (out / MANIFEST_FILE).is_file() and shard_paths(out):  # (a run that wrote no shard binds nothing)
             _check_same_settings(out, read_manifest(out).get("settings", {}), settings)
         tables = {}
@@ -613,21 +613,6 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
         manifest["complete"] = True
         write_manifest(out, manifest)
         return manifest
-
-
-@contextmanager
-def data_dir_held(out: Path) -> Iterator[None]:
-    """`data.dir` held by this gen-data for the block (LOCK_FILE in it): a second one writing it at
-    once would number its shards as this one's and generate the same prompts; refused in one line."""
-    with ExitStack() as stack:
-        try:
-            stack.enter_context(held(out / LOCK_FILE))
-        except Held as other:
-            raise DatasetError(f"data.dir {out} is being written by {other.holder}; wait for it to end, "
-                               "or use another data.dir") from None
-        except OSError as exc:
-            raise DatasetError(f"{out / LOCK_FILE}: cannot lock it ({exc.strerror or exc})") from None
-        yield
 
 
 def _check_same_settings(directory: Path, found: dict, wanted: dict) -> None:

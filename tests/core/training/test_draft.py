@@ -87,7 +87,7 @@ def test_a_rerun_generates_nothing_and_other_layers_are_refused(feature_dataset)
     raw, manifest = feature_dataset
     again = generate_dataset(parse_config(raw), prompts=TINY_PROMPTS, progress=False)
     assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in manifest["shards"]]
-    with held(Path(raw["data"]["dir"]) / LOCK_FILE):  # a gen-data writing it meanwhile
+    with held(Path(raw["data"]["dir"]) / LOCK_FILE, DatasetError, "", ""):  # a gen-data writing it meanwhile
         with pytest.raises(DatasetError, match=rf"data.dir .* is being written by process {os.getpid()} on .*; wait"):
             generate_dataset(parse_config(raw), prompts=TINY_PROMPTS, progress=False)
     other = {**raw, "data": {**raw["data"], "features": {"layers": [1]}}}

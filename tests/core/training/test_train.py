@@ -184,12 +184,12 @@ def test_a_run_held_by_one_training_is_refused_to_another_until_it_ends(tmp_path
 def test_a_sweep_holds_train_name_beside_its_runs(tiny_dataset, tmp_path):
     """A sweep saves its choice to train.output, as a plain run of train.name does: it holds that
     name too, so one of them running refuses the other (before any features or training)."""
-    from specdec.files import held
+    from specdec.training.checkpoints import runs_held
 
     raw, _ = tiny_dataset
     runs = tmp_path / "runs"
     raw = {**raw, "train": {**raw["train"], "storage": str(runs)}, "sweep": {"depths": [1], "w_rej": [1.0]}}
-    with held(runs / "head.lock"):  # a `train-head` of the name running
+    with runs_held(str(runs), ["head"], "train"):  # a `train-head` of the name running
         with pytest.raises(ConfigError, match=r"run 'head' in .* is being trained by process \d+ on .*; wait"):
             sweep_heads(parse_config(raw))
     assert not any(runs.glob("head-D*"))
