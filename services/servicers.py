@@ -178,7 +178,7 @@ class VerifyBatcher:
             calls, self._waiting = self._waiting, []
         self.calls += len(calls)
         try:
-            for group in self._passes(calls):
+            for group in [calls] if len(calls) == 1 else self._passes(calls):  # (alone: nothing to cut)
                 if len(group) == 1 or not self.share:
                     for call in group:
                         self._alone(call)
