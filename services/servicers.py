@@ -177,6 +177,7 @@ class VerifyBatcher:
         with self._lock:
             calls, self._waiting = self._waiting, []
         self.calls += len(calls)
+        failure: BaseException | None = None
         try:
             for group in [calls] if len(calls) == 1 else self._passes(calls):  # (alone: nothing to cut)
                 if len(group) == 1 or not self.share:
@@ -184,10 +185,15 @@ class VerifyBatcher:
                         self._alone(call)
                 else:
                     self._shared(group)
-        finally:  # whatever went wrong, no caller waits for good
+        except BaseException as exc:  # (a bug here ends on the executor's future, which no one reads)
+            failure = exc
+            raise
+        finally:  # whatever went wrong, no caller waits for good, and its error names why
             for call in calls:
                 if not call.done.done():
-                    call.done.set_exception(RuntimeError("the verification pass did not answer"))
+                    error = RuntimeError("the verification pass did not answer")
+                    error.__cause__ = failure
+                    call.done.set_exception(error)
 
     @staticmethod
     def _passes(calls: list[_WaitingVerify]) -> list[list[_WaitingVerify]]:

@@ -271,6 +271,41 @@ def test_a_shared_verification_pass_that_fails_runs_each_call_alone():
             assert {answers[0][1][0], answers[2][1][0]} <= {"pass 2", "pass 3", "pass 4"}
 
 
+def test_a_verification_run_that_breaks_names_its_cause_to_every_caller(monkeypatch):
+    """A bug in the batcher's own run (here its cut into passes) fails every call that waited for
+    it, each with the bug as its error's cause: the run's executor future, where the bug itself
+    would end, is read by no one, so without it the logs show only that no pass answered."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def broken_cut(calls):
+        raise ValueError("a broken cut")
+
+    monkeypatch.setattr(servicers.VerifyBatcher, "_passes", staticmethod(broken_cut))
+    executor, release = ThreadPoolExecutor(max_workers=1), threading.Event()
+    batcher = servicers.VerifyBatcher(None, executor)  # (the cut breaks before any worker is called)
+    executor.submit(release.wait)  # the torch thread busy while the calls arrive
+    errors = {}
+
+    def call(i):
+        try:
+            batcher.verify([VerifyItem(f"s{i}", HistoryDelta(1, [1], True), [], [], SamplingParams(),
+                                       RoundSeed(0, 0, 0))], 0)
+        except RuntimeError as exc:
+            errors[i] = exc
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    while len(batcher._waiting) < len(threads):
+        time.sleep(0.01)
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    executor.shutdown()
+    assert sorted(errors) == [0, 1]
+    assert all(isinstance(exc.__cause__, ValueError) for exc in errors.values()), errors
+
+
 class PlanRecordingTransport(GrpcTransport):
     """Records the plan every Propose carries, and its items."""
 
