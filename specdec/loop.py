@@ -277,6 +277,7 @@ class RoundLoop:
                 if not s.done.done():
                     s.done.set_exception(exc if isinstance(exc, Exception) else RuntimeError("the round loop stopped"))
             running.clear()
+            self.retired += len(leaving)  # they left as surely as ended ones: a raised cap counts them
             for planner in planners.values():
                 planner.forget(leaving)
             # The waiting samples go on in the lane's next task, started now: admitted while this one

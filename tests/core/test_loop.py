@@ -147,6 +147,34 @@ def test_a_step_that_fails_fails_its_sessions_and_the_waiting_ones_go_on(tiny_en
     assert not planner._sessions
 
 
+def test_samples_a_failed_step_drops_count_as_retired(tiny_engine):
+    """A served loop raises its live cap by the samples that left it since it last moved
+    (services/config.py `toward`): those whose step failed left too. Before, only those that ended
+    counted, so a loop whose step failed (its waiting samples admitted at once) rose more slowly."""
+    loop = RoundLoop(CountingTransport(tiny_engine), tiny_engine.rules, BatchConfig(max_live_sessions=2))
+    planner = loop.planners[0]
+    plan, calls = planner.plan, []
+
+    async def failing_once(batch):
+        calls.append(len(batch))
+        if len(calls) == 2:
+            raise RuntimeError("a bug in a step")
+        return await plan(batch)
+
+    planner.plan = failing_once
+
+    async def scenario():
+        failed = [asyncio.create_task(loop.generate(prompt, PARAMS)) for prompt in PROMPTS[:2]]
+        waiting = asyncio.create_task(loop.generate(PROMPTS[2], PARAMS))
+        outcomes = await asyncio.wait_for(asyncio.gather(*failed, return_exceptions=True), 30)
+        assert all(isinstance(outcome, RuntimeError) for outcome in outcomes)
+        assert loop.retired == 2  # the two failed; the waiting one joined in their place
+        await asyncio.wait_for(waiting, 30)
+        return loop.retired
+
+    assert asyncio.run(scenario()) == 3
+
+
 def test_a_raised_live_limit_lets_the_waiting_samples_join_at_once(tiny_engine):
     """A served loop's cap rises as the replicas holding its sessions scale (services/config.py
     LiveCap): the samples waiting past the old limit join then, not when a live one ends."""
