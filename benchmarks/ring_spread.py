@@ -44,7 +44,7 @@ def main() -> None:
         for fill in (1.0, RING_FILL):
             loads = [busiest(replicas, int(args.held * replicas * fill)) for _ in range(args.draws)]
             over = sum(load > args.held for load in loads) / args.draws
-            print(f"{replicas:>8} {fill:>5.2f} {over:>18.3f} {statistics.median(loads):>15.0f} {max(loads):>5}")
+            print(f"{replicas:>8} {float(fill):>5.2f} {over:>18.3f} {statistics.median(loads):>15.0f} {max(loads):>5}")
 
 
 if __name__ == "__main__":

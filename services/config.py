@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
@@ -119,7 +120,8 @@ class SessionConfig(BaseModel):
 # Where the sessions spread over several replicas of a deployment, Serve's hash ring on the session
 # id loads the busiest above the mean: filled to what they hold on average, the busiest is past it
 # almost always; filled to this share, seldom (benchmarks/ring_spread.py, docs/operations.md "Scale").
-RING_FILL = 2 / 3
+# A fraction, not a float: 9 rows x (5 replicas x 2/3) came to 29.999... and its cap to 29.
+RING_FILL = Fraction(2, 3)
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,7 @@ class LiveCap:
         if not self.holders:
             return asked.within(self.held, self.positions)
         replicas = min(max(self.fewest, running), self.most)
-        share = 1.0 if replicas == 1 else replicas * RING_FILL
+        share = Fraction(1) if replicas == 1 else replicas * RING_FILL
         sessions = max(1, int(self.held * share) // self.loops)
         positions = None if self.positions is None else max(1, int(self.positions * share) // self.loops)
         if self.own:

@@ -181,6 +181,17 @@ def test_the_live_cap_follows_the_holders_running_and_leaves_room_for_the_rings_
     assert capped(asked, 2).max_live_sessions == 5  # never past what the config asks
 
 
+def test_two_thirds_of_the_replicas_rows_are_counted_exactly():
+    """9 rows on each of 5 replicas, two thirds full: 30 sessions (4,095 positions on each: 13,650).
+    Counted in floats, 9 x (5 x 2/3) came to 29.999... and the cap to 29."""
+    from services.config import LiveCap
+
+    nine = LiveCap(held=9, positions=None, holders=("Verifier",), fewest=5, most=5, loops=1)
+    assert nine.batch(BatchConfig()).max_live_sessions == 30
+    assert LiveCap(15, 4095, ("Verifier",), 5, 5, 1).batch(BatchConfig()).max_live_positions == 13650
+    assert LiveCap(64, None, ("Verifier",), 8, 8, 8).batch(BatchConfig()).max_live_sessions == 42
+
+
 def test_a_loop_raises_its_cap_as_its_sessions_leave():
     """Raised at once, a full loop's new sessions would spread over every replica running while its
     live ones stay where they are: one replica scaled to two, the first would take 64 + 8. It rises
