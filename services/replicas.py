@@ -86,17 +86,22 @@ class LoopHost:
         """Every LIVE_CAP_REFRESH_S, the loop's cap toward the one for the holders' replicas running
         (raised as its sessions leave: services/config.py `toward`); kept as it was while Serve's
         controller does not answer."""
-        loop, retired = self.coordinator.loop, 0
+        loop, retired, first = self.coordinator.loop, 0, True
         while True:
             try:
                 deployments = await app_deployments()
                 running = min(deployments[name].replica_states.get(ReplicaState.RUNNING, 0)
                               for name in self.live_cap.holders)
+                # The first read comes with the loop's first requests: the sessions live by then were
+                # placed on the replicas running now, not on fewer, so the cap moves at once (a
+                # coordinator added under load kept the fewest replicas' cap until its sessions left).
+                live = 0 if first else loop.live_sessions
                 loop.set_live_limits(toward(loop.batch, self.live_cap.batch(self.asked, running),
-                                            loop.live_sessions, loop.retired - retired))
+                                            live, loop.retired - retired))
                 retired = loop.retired
             except Exception:  # noqa: BLE001 - the cap stays as it was; the next read may do
                 logger.warning("the live cap could not follow the replicas", exc_info=True)
+            first = False
             await asyncio.sleep(LIVE_CAP_REFRESH_S)
 
 

@@ -1,0 +1,107 @@
+"""A served loop's live cap following the replicas running (services/replicas.py LoopHost._follow),
+outside Serve: Serve's status and the loop stand in, the arithmetic is services/config.py's."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from ray.serve.schema import ReplicaState
+
+import services.replicas as replicas
+from services.config import LiveCap
+from specdec.loop import BatchConfig
+
+
+class FakeLoop:
+    """What the follower reads of a RoundLoop: its batch, live sessions and retired count."""
+
+    def __init__(self, batch: BatchConfig, live: int = 0):
+        self.batch, self.live_sessions, self.retired = batch, live, 0
+
+    def set_live_limits(self, batch: BatchConfig) -> None:
+        self.batch = self.batch.model_copy(update={"max_live_sessions": batch.max_live_sessions,
+                                                   "max_live_positions": batch.max_live_positions})
+
+
+def host(cap: LiveCap, live: int) -> replicas.LoopHost:
+    loop_host = replicas.LoopHost()
+    loop_host.live_cap, loop_host.asked = cap, BatchConfig()
+    loop_host.coordinator = SimpleNamespace(loop=FakeLoop(cap.batch(loop_host.asked), live))
+    return loop_host
+
+
+def status(running: int) -> dict:
+    return {"Draft": SimpleNamespace(replica_states={ReplicaState.RUNNING: running}),
+            "Verifier": SimpleNamespace(replica_states={ReplicaState.RUNNING: running})}
+
+
+CAP = LiveCap(held=64, positions=None, holders=("Draft", "Verifier"), fewest=1, most=8, loops=8)
+
+
+class Status:
+    """Serve's status, one read at a time: each read waits for the replicas running the test gives."""
+
+    def __init__(self):
+        self.asked, self.answered, self.answers = 0, 0, asyncio.Queue()
+
+    async def deployments(self) -> dict:
+        self.asked += 1
+        return status(await self.answers.get())
+
+    async def read(self, running: int) -> None:
+        """Answers the follower's read with `running`, once it asks, and waits until it asks again
+        (its cap set from this one)."""
+        while self.asked == self.answered:
+            await asyncio.sleep(0)
+        self.answered += 1
+        self.answers.put_nowait(running)
+        while self.asked == self.answered:
+            await asyncio.sleep(0)
+
+
+@pytest.fixture
+def serve_status(monkeypatch) -> Status:
+    serve_status = Status()
+    monkeypatch.setattr(replicas, "app_deployments", serve_status.deployments)
+    monkeypatch.setattr(replicas, "LIVE_CAP_REFRESH_S", 0)
+    return serve_status
+
+
+def test_the_first_read_moves_a_busy_loop_to_the_replicas_running_at_once(serve_status):
+    """The follower starts with the loop's first request: the sessions live by its first read were
+    placed on the replicas running then (8 here, the loop's cap still at the fewest), not on fewer
+    ones, so nothing holds the cap back. Before, a coordinator added under load (its first requests
+    arriving together) kept its fewest-replica cap (8) until its sessions left, 10 s at a time."""
+    loop_host = host(CAP, live=8)
+    loop = loop_host.coordinator.loop
+    assert loop.batch.max_live_sessions == 8
+
+    async def scenario():
+        loop_host._follow_replicas()
+        await serve_status.read(8)
+        loop_host._following.cancel()
+
+    asyncio.run(scenario())
+    assert loop.batch.max_live_sessions == CAP.batch(BatchConfig(), 8).max_live_sessions == 42
+
+
+def test_later_reads_raise_a_busy_loops_cap_as_its_sessions_leave(serve_status):
+    """After the first read the ramp holds: replicas added later take new sessions only, while the
+    live ones stay where they are."""
+    loop_host = host(CAP, live=8)
+    loop = loop_host.coordinator.loop
+
+    async def scenario():
+        loop_host._follow_replicas()
+        caps = []
+        for running, retired in ((1, 0), (8, 0), (8, 3), (8, 0)):
+            loop.retired += retired
+            await serve_status.read(running)
+            caps.append(loop.batch.max_live_sessions)
+        loop_host._following.cancel()
+        return caps
+
+    assert asyncio.run(scenario()) == [8, 8, 11, 11]  # one replica; eight, none left; 3 left: 8 + 3
+
