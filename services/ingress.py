@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from google.protobuf.message import DecodeError
 from ray import serve
@@ -135,12 +136,24 @@ def not_serving(deployments: dict) -> list[str]:
                   and deployment.status != DeploymentStatus.HEALTHY)
 
 
+# serve.status() blocks while Serve's controller restarts (its calls are retried until it is back):
+# one read at a time, on a thread of its own, which the callers in the meantime wait for. A read per
+# caller left a blocked thread each time it timed out, and /health's probes and the live cap's
+# follower (services/replicas.py) took every thread of a replica's default executor within a minute
+# or two (5 where the replica reserves no CPU), where its prompts are tokenized.
+_STATUS_READS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="serve-status")
+_status_read: Future | None = None
+
+
 async def app_deployments() -> dict:
     """serve.status()'s deployments of this replica's app, by name; raises Unavailable where Serve's
     controller does not answer in READY_TIMEOUT_S (none does while it restarts)."""
+    global _status_read
     app_name = serve.get_replica_context().app_name
-    try:
-        status = await asyncio.wait_for(asyncio.to_thread(serve.status), READY_TIMEOUT_S)
+    if _status_read is None or _status_read.done():
+        _status_read = _STATUS_READS.submit(serve.status)
+    try:  # (shielded: a caller that stops waiting leaves the read to the others)
+        status = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(_status_read)), READY_TIMEOUT_S)
     except TimeoutError:
         raise Unavailable(f"Serve's controller did not answer in {READY_TIMEOUT_S:g} s") from None
     return status.applications[app_name].deployments

@@ -4,6 +4,7 @@ outside Serve: Serve's status and the loop stand in, the arithmetic is services/
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -105,3 +106,36 @@ def test_later_reads_raise_a_busy_loops_cap_as_its_sessions_leave(serve_status):
 
     assert asyncio.run(scenario()) == [8, 8, 11, 11]  # one replica; eight, none left; 3 left: 8 + 3
 
+
+def test_a_status_read_that_hangs_is_waited_for_not_started_again(monkeypatch):
+    """Serve's status blocks while its controller restarts (its calls are retried until it is back).
+    Each read that timed out left its thread blocked, and the follower started another every 15 s
+    (/health, each probe): a coordinator's 5 default-executor threads (num_cpus 0) were all taken
+    within 75 s, and its prompts tokenized off the event loop waited for the controller. One read is
+    in flight at a time, on a thread of its own; the callers meanwhile wait for it."""
+    import services.ingress as ingress
+    from specdec.errors import Unavailable
+
+    started, back = [], threading.Event()
+
+    def blocking_status():
+        started.append(threading.get_ident())
+        back.wait(30)
+        return SimpleNamespace(applications={"app": SimpleNamespace(deployments=status(2))})
+
+    monkeypatch.setattr(ingress.serve, "status", blocking_status)
+    monkeypatch.setattr(ingress.serve, "get_replica_context", lambda: SimpleNamespace(app_name="app"))
+    monkeypatch.setattr(ingress, "READY_TIMEOUT_S", 0.05)
+
+    async def scenario():
+        for _ in range(3):
+            with pytest.raises(Unavailable):
+                await ingress.app_deployments()
+        assert len(started) == 1
+        in_use = await asyncio.to_thread(lambda: "the default executor answers")
+        back.set()
+        return in_use, await ingress.app_deployments()
+
+    in_use, deployments = asyncio.run(scenario())
+    assert in_use == "the default executor answers"
+    assert deployments["Draft"].replica_states[ReplicaState.RUNNING] == 2
