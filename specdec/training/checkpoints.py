@@ -14,16 +14,39 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel
 
+from specdec.errors import one_line
 from specdec.files import held, write_atomically
 from specdec.training.config import ConfigError
 
 STATE_FILE, HISTORY_FILE = "state.pt", "history.json"
+# Ray Train's record of a run's checkpoints, in the run's folder: what a rerun resumes from
+SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
+
+
+def recorded_checkpoint(storage: str, run: str) -> Path | None:
+    """The folder of the checkpoint Ray Train resumes run `run` under `storage` from (the latest its
+    snapshot records), None where it records none. Not the newest `checkpoint_*` folder: a worker
+    copies a checkpoint into its folder, then the controller (polling every 2 s) records it, so a run
+    killed mid-copy or before the poll leaves a folder Ray Train never resumes from, which was
+    counted as trained (a rerun refused as past train.epochs, or its settings bound by a run that
+    had nothing to resume)."""
+    directory = Path(storage).resolve() / run
+    if not (directory / SNAPSHOT_FILE).is_file():
+        return None
+    from ray.train import Result
+
+    try:
+        checkpoint = Result.from_path(directory).checkpoint
+    except Exception as exc:  # (a snapshot of another Ray version, or cut short): Ray Train's fit() would fail on it
+        raise ConfigError(f"run {run!r} in {storage}: Ray Train cannot resume it ({one_line(exc)}); "
+                          "start a new run under another name") from None
+    return Path(checkpoint.path) if checkpoint else None
 
 
 def has_checkpoint(storage: str, run: str) -> bool:
-    """Whether run `run` under `storage` reported a checkpoint (Ray Train's `checkpoint_*` folders):
-    a run that failed before its first has nothing to resume, so its settings bind nothing."""
-    return any(Path(storage).resolve().joinpath(run).glob("checkpoint_*"))
+    """Whether Ray Train recorded a checkpoint of run `run` under `storage`: a run that failed before
+    its first has nothing to resume, so its settings bind nothing."""
+    return recorded_checkpoint(storage, run) is not None
 
 
 def connect_ray(connect: Callable[[], None] | None) -> None:
@@ -87,16 +110,10 @@ def check_run_settings(storage: str, name: str, section: str, settings: BaseMode
 
 
 def latest_history(storage: str, run: str) -> list[dict]:
-    """The metrics history of run `run`'s newest readable checkpoint under `storage` ([] without
-    one). Ray Train copies a checkpoint into its folder under its final name: one a worker killed
-    mid-copy left cut short (Ray never recorded it, and resumes from the one before) was read as
-    the newest, a traceback on every rerun."""
-    for history in sorted(Path(storage).resolve().joinpath(run).glob(f"checkpoint_*/{HISTORY_FILE}"), reverse=True):
-        try:
-            return json.loads(history.read_text())
-        except (OSError, ValueError):
-            continue
-    return []
+    """The metrics history of the checkpoint Ray Train resumes run `run` under `storage` from
+    (recorded_checkpoint; [] without one)."""
+    checkpoint = recorded_checkpoint(storage, run)
+    return json.loads((checkpoint / HISTORY_FILE).read_text()) if checkpoint else []
 
 
 def resume(load_model, optimizer, model_key: str, progress_key: str) -> tuple[int, list[dict]]:

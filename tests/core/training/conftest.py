@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from specdec.training.stdlib_prompts import Prompt
 
 TINY_PROMPTS = [Prompt(f"tiny:{i}", f"Write a function number {i} that adds {i}.", "validation" if i < 2 else "train")
                 for i in range(7)]
+
+
+def record_checkpoint(run: Path, name: str, history: list[dict]) -> Path:
+    """A checkpoint folder `name` of run folder `run` holding `history`, recorded as Ray Train's
+    controller records one (its snapshot, in Ray 2.60's format): a rerun resumes from it."""
+    import ray
+
+    folder = run / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "history.json").write_text(json.dumps(history))
+    result = {"version": 0, "checkpoint_dir_name": name, "metrics": history[-1] if history else {}}
+    snapshot = {"ray_version": ray.__version__, "checkpoint_results": [result], "checkpoint_report_indices": [0],
+                "latest_checkpoint_result": result, "pending_training_results": [], "pending_validation_specs": [],
+                "current_report_index": 1, "validated_checkpoint_dir_names": [],
+                "timed_out_validation_checkpoint_dir_names": [], "failed_validation_checkpoint_dir_names": []}
+    (run / "checkpoint_manager_snapshot.json").write_text(json.dumps(snapshot))
+    return folder
 
 
 def start_local_ray():

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from conftest import record_checkpoint
 
 from specdec.builder import EngineConfig, build_draft
 from specdec.cli import RESUME_TRAINING
@@ -33,6 +34,7 @@ from specdec.training.mixing import mixing_generator
 from specdec.training.train import (
     FEATURE_FORMAT,
     REPORT_FILE,
+    check_dataset,
     check_run,
     head_inputs,
     load_features,
@@ -103,6 +105,17 @@ def test_train_resume_and_saved_head(tiny_dataset, tiny_pair, tmp_path):
     assert [e["epoch"] for e in first["epochs"]] == [1] and first["epochs"][0]["resumed_from_epoch"] == 0
     features = list((tmp_path / "runs" / "features").glob("*.pt"))
     assert len(features) == 1
+    # a newer checkpoint Ray Train never recorded: a worker's copy cut short by a kill, or whole but
+    # killed before the controller's poll (every 2 s). It counted as a trained epoch: the run's
+    # rerun with epochs 1 was refused ("has trained 2 epochs"); Ray Train resumes from the one before.
+    recorded, = (tmp_path / "runs" / "head").glob("checkpoint_*/")
+    orphan = recorded.with_name("checkpoint_9999-12-31_23-59-59.999999")  # after any name Ray Train gives
+    orphan.mkdir()
+    (orphan / "history.json").write_text(json.dumps(first["epochs"] + [{**first["epochs"][0], "epoch": 2}]))
+    (orphan / "state.pt").write_bytes((recorded / "state.pt").read_bytes()[:100])
+    assert latest_history(str(tmp_path / "runs"), "head") == first["epochs"]
+    manifest, identity, _ = check_dataset(parse_config(raw))
+    check_run(parse_config(raw).train, identity, manifest)
 
     raw["train"]["epochs"] = 2
     second = train_head(parse_config(raw))
@@ -215,10 +228,14 @@ def test_changed_settings_under_the_same_run_name(tmp_path):
     train, data = TrainSection(storage=str(tmp_path), output="o", depth=2), {"shards": [{"sha256": "a"}]}
     check_run(train, "draft", data)
     check_run(train.model_copy(update={"depth": 1}), "draft", data)  # no checkpoint yet (it failed first): a new run
-    checkpoint = tmp_path / "head" / "checkpoint_000000"  # (Ray Train's name for one)
-    checkpoint.mkdir(parents=True)
-    (checkpoint / "history.json").write_text(json.dumps([{"epoch": 1}, {"epoch": 2}]))
-    resumed = train.model_copy(update={"depth": 1, "epochs": 20, "calibrate": False})
+    # a folder a worker copied a checkpoint into before the run was killed, which Ray Train never
+    # recorded (its controller polls every 2 s): nothing to resume, so it binds nothing either
+    unrecorded = tmp_path / "head" / "checkpoint_2026-12-01_10-00-00.000000"
+    unrecorded.mkdir(parents=True)
+    (unrecorded / "history.json").write_text(json.dumps([{"epoch": 1}]))
+    check_run(train, "draft", data)  # (depth 2 again, not the depth 1 that run started with)
+    record_checkpoint(tmp_path / "head", "checkpoint_2026-12-01_10-00-01.000000", [{"epoch": 1}, {"epoch": 2}])
+    resumed = train.model_copy(update={"epochs": 20, "calibrate": False})
     check_run(resumed, "draft", data)  # more epochs, another calibration: a resume
     with pytest.raises(ConfigError, match="run 'head' .* started with other settings \\(depth\\)"):
         check_run(train.model_copy(update={"depth": 3}), "draft", data)
@@ -230,19 +247,35 @@ def test_changed_settings_under_the_same_run_name(tmp_path):
     # fewer epochs than the checkpoint has saved the longer-trained head, reported as the shorter
     with pytest.raises(ConfigError, match="has trained 2 epochs, more than train.epochs 1"):
         check_run(resumed.model_copy(update={"epochs": 1}), "draft", data)
-    # a newer checkpoint a worker killed mid-copy left cut short: a traceback on every rerun
-    cut = tmp_path / "head" / "checkpoint_000001"
+    # newer folders Ray Train never recorded, cut short or whole: what it resumes from counts alone
+    cut = tmp_path / "head" / "checkpoint_2026-12-01_10-00-02.000000"
     cut.mkdir()
     (cut / "history.json").write_text('[{"epoch": 1}, {"ep')
-    check_run(resumed, "draft", data)
+    whole = tmp_path / "head" / "checkpoint_2026-12-01_10-00-03.000000"
+    whole.mkdir()
+    (whole / "history.json").write_text(json.dumps([{"epoch": 1}, {"epoch": 2}, {"epoch": 3}]))
+    check_run(resumed.model_copy(update={"epochs": 2}), "draft", data)
     with pytest.raises(ConfigError, match="has trained 2 epochs"):
         check_run(resumed.model_copy(update={"epochs": 1}), "draft", data)
+
+
+def test_a_run_ray_train_cannot_resume_is_refused_in_one_line(tmp_path):
+    """A snapshot cut short (Ray Train writes it in place) or of another Ray version: fit() would fail
+    on it with a traceback; refused before Ray starts."""
+    train, data = TrainSection(storage=str(tmp_path), output="o"), {"shards": [{"sha256": "a"}]}
+    check_run(train, "draft", data)
+    record_checkpoint(tmp_path / "head", "checkpoint_2026-12-01_10-00-00.000000", [{"epoch": 1}])
+    snapshot = tmp_path / "head" / "checkpoint_manager_snapshot.json"
+    snapshot.write_text(snapshot.read_text()[:40])
+    with pytest.raises(ConfigError, match=r"^run 'head' in .*: Ray Train cannot resume it \(.*\); start a new run "
+                                          r"under another name$"):
+        check_run(train, "draft", data)
 
 
 def test_a_head_run_recorded_before_its_data_were_resumes(tmp_path):
     train, data = TrainSection(storage=str(tmp_path), output="o"), {"shards": [{"sha256": "a"}]}
     (tmp_path / "head.settings.json").write_text(json.dumps(train.model_dump(exclude={"epochs", "output"})))
-    (tmp_path / "head" / "checkpoint_000000").mkdir(parents=True)
+    record_checkpoint(tmp_path / "head", "checkpoint_2026-12-01_10-00-00.000000", [{"epoch": 1}])
     check_run(train, "draft", data)
     with pytest.raises(ConfigError, match="other settings \\(depth\\)"):
         check_run(train.model_copy(update={"depth": 0}), "draft", data)
