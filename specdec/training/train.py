@@ -31,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from specdec.features import (
     FEATURES_DISTRIBUTION, FEATURES_HIDDEN, NUM_SCALAR_FEATURES, distribution_features, join_head_inputs,
     round_positions,
 )
+from specdec.files import written_together
 from specdec.head import AcceptanceHead, HeadConfig
 from specdec.sampling import SamplingParams, probs_from_logits
 from specdec.training import checkpoints
@@ -231,9 +231,10 @@ def compute_features(config: PipelineConfig, data_dir: str, out_path: str, draft
     features["hidden_size"] = hidden_size
     features["draft_identity"] = draft_identity
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-    partial = out_path + ".partial"
-    torch.save(features, partial)
-    os.replace(partial, out_path)
+    # under a name of this process's own: runs of other names (not held by each other) may compute
+    # the same cache at once, and a shared name had one rename the other's half-written file
+    with written_together(out_path) as (partial,):
+        torch.save(features, partial)
     return out_path
 
 

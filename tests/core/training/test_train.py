@@ -325,6 +325,24 @@ def test_rich_features_in_training_equal_what_the_policy_sees(tiny_pair):
     assert cached["scalars"][:, SCALAR_FEATURES.index("greedy")].tolist() == [0.0] * 6
 
 
+def test_two_runs_computing_one_feature_cache_leave_each_other_alone(tiny_dataset, tmp_path):
+    """Runs of other names are not held by each other, and on the same data and feature settings they
+    share a feature cache: both computed it through `<key>.pt.partial`, where the first to finish
+    renamed the other's half-written file in place of its own (a cache cut short, read next) and the
+    second's rename then failed (FileNotFoundError, after the work)."""
+    from specdec.training.train import compute_features
+
+    raw, _ = tiny_dataset
+    out = tmp_path / "features" / "key.pt"
+    out.parent.mkdir()
+    theirs = out.with_name(out.name + ".partial")  # the other run's, mid-write
+    theirs.write_bytes(b"half of it")
+    compute_features(parse_config(raw), raw["data"]["dir"], str(out), "identity")
+    assert load_features(out)["draft_identity"] == "identity"
+    assert theirs.read_bytes() == b"half of it"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["key.pt", theirs.name]  # nothing of this one's left
+
+
 def test_the_feature_cache_refuses_another_format(tmp_path):
     path = tmp_path / "features.pt"
     torch.save({"hidden_size": 4, "train": {}}, path)  # format 1 wrote no "format"
