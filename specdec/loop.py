@@ -198,8 +198,7 @@ class RoundLoop:
             outcome = "cancelled"
             raise
         finally:
-            for s in samples:
-                self.cancel(s)
+            self.cancel(*samples)  # at once: none of them joins as a sibling waiting ahead of it leaves
             request.stats.wall_time_s = time.perf_counter() - start
             if self.observer and counted:
                 self.observer.on_request(request.stats, params.policy.name, outcome)
@@ -247,14 +246,19 @@ class RoundLoop:
         if task is None or task.done():
             self._tasks[lane] = running_loop.create_task(self._run(lane))
 
-    def cancel(self, sample: LoopSample) -> None:
-        """The sample leaves at the next step boundary (its caches are freed then); a no-op once it is done."""
-        if sample in self._waiting:
-            self._waiting.remove(sample)
-        if not sample.done.done():
-            sample.done.cancel()
-        elif not sample.done.cancelled():
-            sample.done.exception()  # retrieved: a sample that failed beside another needs no warning
+    def cancel(self, *samples: LoopSample) -> None:
+        """The samples leave: waiting ones at once, live ones at the next step boundary (their caches
+        are freed then); a no-op for those that are done."""
+        waited = [s for s in samples if s in self._waiting]
+        for s in waited:
+            self._waiting.remove(s)
+        for s in samples:
+            if not s.done.done():
+                s.done.cancel()
+            elif not s.done.cancelled():
+                s.done.exception()  # retrieved: a sample that failed beside another needs no warning
+        if waited:  # one that did not fit max_live_positions kept those behind it waiting: they may fit now
+            self._admit()
 
     # ----------------------------------------------------------------------------------------
     # The loop

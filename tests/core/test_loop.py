@@ -194,6 +194,31 @@ def test_a_raised_live_limit_lets_the_waiting_samples_join_at_once(tiny_engine):
     assert max(len(ids) for _, ids in transport.calls) == 3  # the three in one step
 
 
+def test_a_sample_cancelled_while_waiting_lets_the_samples_behind_it_join(tiny_engine):
+    """Found by a review: the samples wait in arrival order, so one past max_live_positions keeps
+    those behind it waiting even where they fit. When its client went away while it waited, the
+    samples behind it still waited until a live session ended (a whole long generation), not at once."""
+    transport = CountingTransport(tiny_engine)
+    loop = RoundLoop(transport, tiny_engine.rules, BatchConfig(max_live_positions=80))
+    long = build_params(policy="fixed", k=2, max_new_tokens=60)
+    short = build_params(policy="fixed", k=2, max_new_tokens=5)
+
+    async def scenario():
+        live = asyncio.create_task(loop.generate(PROMPTS[0], long))  # reserves 4 + 60 positions
+        blocked = asyncio.create_task(loop.generate(PROMPTS[1], long))  # 21 + 60: not beside it
+        behind = asyncio.create_task(loop.generate(PROMPTS[2], short))  # 4 + 5 would fit, waits its turn
+        await asyncio.sleep(0)
+        assert loop.live_sessions == 1 and len(loop._waiting) == 2
+        blocked.cancel()
+        await asyncio.gather(blocked, return_exceptions=True)
+        assert not loop._waiting and loop.live_sessions == 2  # it joins now, beside the live one
+        return await asyncio.wait_for(asyncio.gather(live, behind), 60)
+
+    live, behind = asyncio.run(scenario())
+    assert live.completions[0].token_ids == expected(tiny_engine, PROMPTS[0], long)
+    assert behind.completions[0].token_ids == expected(tiny_engine, PROMPTS[2], short)
+
+
 def test_the_oracle_takes_a_cap_k(tiny_engine):
     """Its hindsight run (target-only) kept the request's k and was refused: k does not apply."""
     params = build_params(policy="oracle", k=2, max_new_tokens=12)
