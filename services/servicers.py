@@ -26,6 +26,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.message import Message
 
 from specdec.cost_profile import PassTiming
 from specdec.metrics import MS_PER_S
@@ -85,18 +86,22 @@ class RoundServicer:
         return self._executor.submit(run).result() if self._executor else run()
 
     def _serve(self, messages, convert: Callable, run: Callable[[list], tuple[list, list[PassTiming]]],
-               context) -> tuple[list, list[PassTiming], float]:
-        """(the answers for `messages`, in order; the passes timed for them; the milliseconds it
-        took). `run` gets the items that converted and answers them with the timings of their
-        passes, taken on the torch thread (other calls' passes run there too). A call that fails
-        as a whole aborts with its status (a Serve handle call, without a gRPC context, raises)."""
+               reply: Callable[[list, list[PassTiming], float], Message], context) -> Message:
+        """`reply` of (the answers for `messages`, in order; the passes timed for them; the
+        milliseconds it took). `run` gets the items that converted and answers them with the timings
+        of their passes, taken on the torch thread (other calls' passes run there too). A call that
+        fails as a whole aborts with its status (a Serve handle call, without a gRPC context, raises),
+        building the reply included: an answer that did not convert back (a bug), raised past here,
+        was gRPC's UNKNOWN with the exception's text, which the coordinator takes for a replica gone
+        (it retried the sessions for a minute, then failed them as UNAVAILABLE)."""
         start = time.perf_counter()
         with self._calls_lock:
             self.round_calls += 1
         try:
             items, refused = convert_items(messages, convert)
             answers, timings = run(items)
-            return merge_answers(len(messages), answers, refused), timings, (time.perf_counter() - start) * MS_PER_S
+            ms = (time.perf_counter() - start) * MS_PER_S
+            return reply(merge_answers(len(messages), answers, refused), timings, ms)
         except Exception as exc:
             if context is None:
                 raise
@@ -114,9 +119,10 @@ class DraftServicer(RoundServicer, draft_pb2_grpc.DraftServicer):
             return self._on_torch(lambda: (self.worker.propose(items, plan_from_proto(request)),
                                            self.worker.take_timings()))
 
-        answers, timings, ms = self._serve(request.items, propose_item_from_proto, run, context)
-        return draft_pb2.ProposalBatch(proposals=[proposal_to_proto(a) for a in answers], draft_ms=ms,
-                                       passes=timings_to_proto(timings))
+        return self._serve(request.items, propose_item_from_proto, run,
+                           lambda answers, timings, ms: draft_pb2.ProposalBatch(
+                               proposals=[proposal_to_proto(a) for a in answers], draft_ms=ms,
+                               passes=timings_to_proto(timings)), context)
 
     def ProposeStream(self, requests, context):
         return self._stream(requests, self.Propose, context)
@@ -258,10 +264,11 @@ class VerifierServicer(RoundServicer, verifier_pb2_grpc.VerifierServicer):
 
     def Verify(self, request: verifier_pb2.VerifyBatch, context) -> verifier_pb2.VerdictBatch:
         vocab = self.worker.target.vocab_size
-        answers, timings, ms = self._serve(request.items, lambda msg: verify_item_from_proto(msg, vocab),
-                                           lambda items: self.batcher.verify(items, request.probe_tokens), context)
-        return verifier_pb2.VerdictBatch(verdicts=[verdict_to_proto(a) for a in answers], target_ms=ms,
-                                         passes=timings_to_proto(timings))
+        return self._serve(request.items, lambda msg: verify_item_from_proto(msg, vocab),
+                           lambda items: self.batcher.verify(items, request.probe_tokens),
+                           lambda answers, timings, ms: verifier_pb2.VerdictBatch(
+                               verdicts=[verdict_to_proto(a) for a in answers], target_ms=ms,
+                               passes=timings_to_proto(timings)), context)
 
     def VerifyStream(self, requests, context):
         return self._stream(requests, self.Verify, context)

@@ -700,6 +700,35 @@ def test_a_replica_that_fails_for_good_fails_only_its_own_sessions(servers, tiny
     assert len(servers.draft.sessions) == len(servers.verifier.sessions) == 0
 
 
+@pytest.mark.parametrize("streams", [True, False], ids=["on a stream", "unary"])
+def test_an_answer_that_does_not_convert_back_fails_its_call_once(tiny_engine, monkeypatch, streams):
+    """A verifier replica whose answers do not convert back to the wire (a bug) fails the call as any
+    bug does (INTERNAL, "internal error"), once: building the reply raised past the servicer's
+    handling, and gRPC answered UNKNOWN with the exception's text, which the coordinator took for a
+    replica gone and retried until its retries ran out (then UNAVAILABLE: the client retried it all)."""
+    if not streams:
+        monkeypatch.setattr(servicers, "MAX_STREAMS", 0)
+
+    class Garbled(VerifierWorker):
+        calls = 0
+
+        def verify(self, items, probe_tokens=0):
+            Garbled.calls += bool(items)  # (a curve probe carries none)
+            return [object() for _ in items]  # no verdict, no refusal: verdict_to_proto raises
+
+    servers = Servers(tiny_engine)
+    server, address = start_server(verifier=VerifierServicer(Garbled(tiny_engine.target)))
+    params = build_params(policy="fixed", k=3, max_new_tokens=MAX_NEW_TOKENS)
+    try:
+        [result] = run(RoundLoop(GrpcTransport(servers.addresses[0], address), tiny_engine.rules, retry=FAST_RETRY),
+                       [(PROMPTS[0], params)])
+    finally:
+        server.stop(None)
+        servers.stop()
+    assert isinstance(result, RuntimeError) and str(result) == "INTERNAL: internal error"
+    assert Garbled.calls == 1
+
+
 class Ring:
     """A Serve deployment handle over real round servers, as HandleTransport calls it: each call goes
     to the replica the consistent hash router picks for its session id (`place`: the index of a
