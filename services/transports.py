@@ -185,7 +185,13 @@ class GrpcTransport:
             if owner is None:
                 return BatchReply([], [], [])
             request = verifier_pb2.VerifyBatch(probe_tokens=probe_tokens)
-            reply = await self._send(VERIFIER, owner, "Verify", request, PROBE_ROUTING_KEY)
+            try:
+                reply = await self._send(VERIFIER, owner, "Verify", request, PROBE_ROUTING_KEY)
+            except self.retryable:
+                # Forgotten as a session's replica is (`_batched`): kept, every later probe went to
+                # the gone replica (each failed, or hung its lane's step for the call timeout).
+                self._forget(VERIFIER, PROBE_ROUTING_KEY)
+                raise
             return BatchReply([], [], timings_from_proto(reply.passes))
         return await self._batched(
             VERIFIER, items, lambda group: verifier_pb2.VerifyBatch(

@@ -1067,6 +1067,42 @@ def test_round_server_with_a_key_refuses_calls_without_it(tiny_engine):
         servers.stop()
 
 
+def test_a_probe_whose_verifier_went_looks_up_another(tiny_engine):
+    """The curve probe goes to a verifier replica looked up like a session's (`direct`); once that
+    replica is gone the next probe asks again: its owner was never forgotten, and every later probe
+    went to the gone replica (failing, or hanging its lane's step for the call timeout)."""
+    from services.transports import DirectTransport, ReplicaGone
+
+    primary, backup = Servers(tiny_engine), Servers(tiny_engine)
+
+    class Routed(DirectTransport):  # the router's answers, without Serve: the primary, then the backup
+        def __init__(self):
+            super().__init__(None, None)
+            self.lookups = 0
+
+        async def _look_up(self, served_by, session_id):
+            self.lookups += 1
+            return (primary if self.lookups == 1 else backup).addresses[1]
+
+    async def probe_around_a_loss() -> list:
+        transport = Routed()
+        outcomes = [bool((await transport.verify([], probe_tokens=8)).passes)]
+        primary.stop()
+        for _ in range(2):
+            try:
+                outcomes.append(bool((await transport.verify([], probe_tokens=8)).passes))
+            except ReplicaGone:
+                outcomes.append("gone")
+        await transport.close()
+        return outcomes
+
+    try:
+        outcomes = asyncio.run(probe_around_a_loss())
+    finally:
+        backup.stop()
+    assert outcomes == [True, "gone", True]
+
+
 def test_a_probe_of_a_pass_size_travels_and_comes_back_timed(servers):
     """A Verify batch may ask for a scratch pass of a given size, with items (the probes while the
     draft is off) or without (the loop's curve probes): the replica times one after the batch and the
