@@ -26,6 +26,7 @@ import contextvars
 import logging
 import time
 from dataclasses import replace
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -119,6 +120,13 @@ class RoundStreams:
             elif stream is not None:
                 stream.cancel()
 
+    def drop(self, address: str) -> None:
+        """Close the idle streams to `address` and forget its refusal (its replica is gone)."""
+        for key in [key for key in self._idle if key[0] == address]:
+            for stream in self._idle.pop(key):
+                stream.cancel()
+        self._refused.pop(address, None)
+
     def close(self) -> None:
         for streams in self._idle.values():
             for stream in streams:
@@ -166,6 +174,9 @@ class GrpcTransport:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._streams = RoundStreams()
         self._metadata, self.timeout_s = call_metadata(api_key), timeout_s
+        self._in_flight: Counter[str] = Counter()  # calls under way, by address
+        self._gone: set[str] = set()  # addresses with calls under way whose latest found no replica
+        self._closing: set[asyncio.Task] = set()  # channels let go, closing (kept: tasks are weakly held)
 
     # ----------------------------------------------------------------------------------------
     # The calls
@@ -303,6 +314,33 @@ class GrpcTransport:
         return self._channels[address]
 
     async def _send(self, served_by: Service, owner: str, method: str, request: Message, routing_key: str) -> Any:
+        """The call to `owner`, raising ReplicaGone where no replica answered there. Once no call to
+        an address is under way and the latest found its replica gone, its channel and streams are
+        let go: kept, each gone replica's channel tried to reconnect every two minutes or so for the
+        coordinator's life (the address is not called again: its sessions moved) and its streams
+        stayed listed. A later call to that address opens them again."""
+        self._in_flight[owner] += 1
+        gone = None
+        try:
+            reply = await self._call(served_by, owner, method, request)
+            gone = False
+            return reply
+        except ReplicaGone:
+            gone = True
+            raise
+        except Exception:  # a final status: a replica answered there
+            gone = False
+            raise
+        finally:
+            if gone is not None:
+                (self._gone.add if gone else self._gone.discard)(owner)
+            self._in_flight[owner] -= 1
+            if not self._in_flight[owner]:
+                del self._in_flight[owner]
+                if owner in self._gone:
+                    self._let_go(owner)
+
+    async def _call(self, served_by: Service, owner: str, method: str, request: Message) -> Any:
         stub = STUBS[served_by.role](self._channel(owner))
         try:
             if method in STREAMED and self._streams.open(owner):
@@ -310,18 +348,27 @@ class GrpcTransport:
                 if reply is not None:
                     return reply
             return await getattr(stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
-        except grpc.aio.AioRpcError as exc:  # the channel stays: grpc reconnects, and other calls share it
+        except grpc.aio.AioRpcError as exc:  # the channel stays while other calls share it (`_send`)
             if exc.code() in FINAL_CODES:
                 raise from_grpc(exc.code(), exc.details()) from None
             raise ReplicaGone(f"{served_by} at {owner}: {exc.code().name}") from None
         except TimeoutError:
             raise ReplicaGone(f"{served_by} at {owner}: no answer in {self.timeout_s:g} s") from None
 
+    def _let_go(self, address: str) -> None:
+        self._gone.discard(address)
+        self._streams.drop(address)
+        if (channel := self._channels.pop(address, None)) is not None:
+            task = asyncio.get_running_loop().create_task(channel.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
     async def close(self) -> None:
         self._streams.close()
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+        await asyncio.gather(*self._closing)
 
 
 def own_request(call: Callable[[], Any]) -> Any:

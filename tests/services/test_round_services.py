@@ -542,6 +542,40 @@ def test_a_lost_draft_replica_mid_batch_costs_a_retry_not_tokens(tiny_engine, in
         assert result.completions[0].token_ids == tiny_engine.generate_ids(prompt, params).completions[0].token_ids
 
 
+def test_a_gone_replicas_channel_and_streams_are_let_go(tiny_engine):
+    """The draft replica goes mid-generation and its sessions move to another: the transport keeps
+    no channel or stream to the gone one's address. Kept, each replica that went (a restart, a
+    downscale) left a channel trying to reconnect every two minutes or so for the coordinator's life."""
+    primary, backup = Servers(tiny_engine), Servers(tiny_engine)
+    transport = FailoverTransport([primary.addresses[0], backup.addresses[0]], primary.addresses[1])
+    gone, steps = primary.addresses[0], 0
+
+    class Killing(RoundLoop):
+        async def _step(self, planner, batch):
+            nonlocal steps
+            steps += 1
+            if steps == 3:
+                primary.servers[0][0].stop(None)
+            await super()._step(planner, batch)
+
+    async def generate():
+        loop = Killing(transport, tiny_engine.rules, retry=FAST_RETRY)
+        params = build_params(policy="fixed", k=3, max_new_tokens=MAX_NEW_TOKENS)
+        results = await asyncio.gather(*(loop.generate(prompt, params) for prompt in PROMPTS[:2]))
+        held = (set(transport._channels), {address for address, _ in transport._streams._idle})
+        await transport.close()
+        return results, held
+
+    try:
+        results, (channels, streams) = asyncio.run(generate())
+    finally:
+        primary.stop()
+        backup.stop()
+    assert transport.moved and all(result.completions[0].token_ids for result in results)
+    assert gone not in channels and gone not in streams
+    assert backup.addresses[0] in channels and backup.addresses[0] in streams  # the live ones stay
+
+
 def test_the_round_calls_go_on_one_stream_per_replica_kept_across_steps(tiny_engine):
     """Every step's Propose and Verify are messages on one stream per replica, open for the whole
     request and closed with the transport: the server's thread comes back."""
