@@ -293,7 +293,10 @@ class RoundLoop:
                 await self.calls.release(leaving)
             except Exception:
                 logger.warning("releasing the sessions of a stopped lane failed", exc_info=True)
-            raise
+            if not isinstance(exc, Exception):  # Ctrl-C, a cancelled task: on to whoever stops
+                raise
+            # an error is its samples' now, answered by their requests: raised here, where no one awaits
+            # the lane's task, asyncio logged each failed step again ("Task exception was never retrieved")
 
     async def _step(self, planners: dict[str, StepPlanner], batch: list[LoopSample]) -> None:
         plans = {draft: await planner.plan(batch) for draft, planner in planners.items()}

@@ -194,6 +194,33 @@ def test_a_raised_live_limit_lets_the_waiting_samples_join_at_once(tiny_engine):
     assert max(len(ids) for _, ids in transport.calls) == 3  # the three in one step
 
 
+def test_a_failed_step_leaves_no_task_exception_unretrieved(tiny_engine):
+    """A step that fails hands its error to its samples, whose requests answer it; the lane's task
+    re-raised it too, where no one awaits the task, and asyncio logged every failed step once more as
+    "Task exception was never retrieved", with its traceback."""
+    import gc
+
+    loop = RoundLoop(CountingTransport(tiny_engine), tiny_engine.rules, BatchConfig())
+    planner = loop.planners[0]
+
+    async def failing(batch):
+        raise RuntimeError("a verifier gone")
+
+    planner.plan = failing
+    unretrieved = []
+
+    async def scenario():
+        asyncio.get_running_loop().set_exception_handler(lambda _, context: unretrieved.append(context))
+        outcome = await asyncio.wait_for(asyncio.gather(loop.generate(PROMPTS[0], PARAMS), return_exceptions=True), 30)
+        await asyncio.sleep(0)
+        gc.collect()
+        return outcome
+
+    outcome, = asyncio.run(scenario())
+    assert isinstance(outcome, RuntimeError) and str(outcome) == "a verifier gone"
+    assert not unretrieved, unretrieved
+
+
 def test_a_sample_cancelled_while_waiting_lets_the_samples_behind_it_join(tiny_engine):
     """Found by a review: the samples wait in arrival order, so one past max_live_positions keeps
     those behind it waiting even where they fit. When its client went away while it waited, the
