@@ -235,6 +235,9 @@ class RequestRules:
                                       f"got {params.policy.k}")
         if policy_traits(name).greedy_only and not params.sampling.greedy:
             raise InvalidRequestError(f"policy {name!r} is defined for greedy decoding (temperature 0) only")
+        if params.stop and self.tokenizer is None:  # (commit matches stop strings on the decoded text:
+            # without a tokenizer they were ignored, the output ran past them and ended "length")
+            raise InvalidRequestError("stop strings need a tokenizer: this engine has none")
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty")
         if len(prompt_ids) >= self.max_context:

@@ -126,3 +126,17 @@ def test_a_k_past_the_context_is_refused():
     # and a budgeted round is priced no wider than the tokens its request may generate
     assert candidate_cap(Sample(build_params(policy="specdec++cost", k=200, max_new_tokens=16))) == 16
     assert candidate_cap(Sample(build_params(policy="specdec++cost", k=4, max_new_tokens=16))) == 4
+
+
+def test_stop_strings_without_a_tokenizer_are_refused_not_ignored():
+    """Found by a bug hunt: an engine of token ids only (no tokenizer) skipped the stop-string check
+    while committing, so a request with stop strings ran on past them to max_new_tokens and finished
+    "length", with no error."""
+    import pytest
+
+    from specdec.errors import InvalidRequestError
+
+    rules = RequestRules(None, eos_token_ids=(), max_context=256, vocab_size=256)
+    assert rules.validate([1, 2], GenerationParams(max_new_tokens=4)).stop == ()
+    with pytest.raises(InvalidRequestError, match="stop strings need a tokenizer"):
+        rules.validate([1, 2], GenerationParams(max_new_tokens=4, stop=("\n",)))
