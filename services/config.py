@@ -163,10 +163,10 @@ class LiveCap:
 
 def toward(current: BatchConfig, target: BatchConfig, live: int, retired: int) -> BatchConfig:
     """The live limits a loop moves to on its way to `target` (LiveCap): down at once; up at once
-    where it holds no session (`live`; a follower's first read passes 0: LoopHost._follow), else by
-    at most the sessions that left it since it last moved (`retired`). Raised at once, the sessions
-    it admits spread over every replica running while its live ones stay on the fewer they are on,
-    which would then hold more than they can."""
+    where it holds no session (`live`), else by at most the sessions that left it since it last
+    moved (`retired`). Raised at once, the sessions it admits spread over every replica running
+    while its live ones stay on the fewer they are on, which would then hold more than they can
+    (a follower's first read takes its target whole: LoopHost._follow)."""
     if target.max_live_sessions <= current.max_live_sessions or not live:
         return target
     sessions = min(target.max_live_sessions, current.max_live_sessions + retired)

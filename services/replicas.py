@@ -92,12 +92,12 @@ class LoopHost:
                 deployments = await app_deployments()
                 running = min(deployments[name].replica_states.get(ReplicaState.RUNNING, 0)
                               for name in self.live_cap.holders)
+                target = self.live_cap.batch(self.asked, running)
                 # The first read comes with the loop's first requests: the sessions live by then were
                 # placed on the replicas running now, not on fewer, so the cap moves at once (a
                 # coordinator added under load kept the fewest replicas' cap until its sessions left).
-                live = 0 if first else loop.live_sessions
-                loop.set_live_limits(toward(loop.batch, self.live_cap.batch(self.asked, running),
-                                            live, loop.retired - retired))
+                loop.set_live_limits(target if first else toward(loop.batch, target, loop.live_sessions,
+                                                                  loop.retired - retired))
                 retired = loop.retired
             except Exception:  # noqa: BLE001 - the cap stays as it was; the next read may do
                 logger.warning("the live cap could not follow the replicas", exc_info=True)

@@ -320,20 +320,14 @@ class GrpcTransport:
         coordinator's life (the address is not called again: its sessions moved) and its streams
         stayed listed. A later call to that address opens them again."""
         self._in_flight[owner] += 1
-        gone = None
         try:
             reply = await self._call(served_by, owner, method, request)
-            gone = False
+            self._gone.discard(owner)
             return reply
-        except ReplicaGone:
-            gone = True
-            raise
-        except Exception:  # a final status: a replica answered there
-            gone = False
+        except Exception as exc:  # (any other: a final status, a replica answered there)
+            (self._gone.add if isinstance(exc, ReplicaGone) else self._gone.discard)(owner)
             raise
         finally:
-            if gone is not None:
-                (self._gone.add if gone else self._gone.discard)(owner)
             self._in_flight[owner] -= 1
             if not self._in_flight[owner]:
                 del self._in_flight[owner]

@@ -62,6 +62,21 @@ def expected(engine, prompt, params=PARAMS) -> list[int]:
     return engine.generate_ids(prompt, params).completions[0].token_ids
 
 
+def fail_step(loop: RoundLoop, at: int, message: str = "a bug in a step"):
+    """The loop's planner raises at its `at`-th step (from 1), as a bug in a step would; returns it."""
+    planner = loop.planners[0]
+    plan, steps = planner.plan, []
+
+    async def failing(batch):
+        steps.append(len(batch))
+        if len(steps) == at:
+            raise RuntimeError(message)
+        return await plan(batch)
+
+    planner.plan = failing
+    return planner
+
+
 def test_a_step_takes_at_most_max_sessions_and_every_session_gets_its_turn(tiny_engine):
     transport = CountingTransport(tiny_engine)
     loop = RoundLoop(transport, tiny_engine.rules, BatchConfig(max_sessions_per_step=2))
@@ -122,16 +137,7 @@ def test_a_step_that_fails_fails_its_sessions_and_the_waiting_ones_go_on(tiny_en
     release then takes a while), the waiting sample joined the ending task and waited for the next
     request, and the planner kept the failed session's state."""
     loop = RoundLoop(CountingTransport(tiny_engine), tiny_engine.rules, BatchConfig(max_live_sessions=1))
-    planner = loop.planners[0]
-    plan, calls = planner.plan, []
-
-    async def failing_once(batch):
-        calls.append(len(batch))
-        if len(calls) == 3:
-            raise RuntimeError("a bug in a step")
-        return await plan(batch)
-
-    planner.plan = failing_once
+    planner = fail_step(loop, 3)
 
     async def scenario():
         first = asyncio.create_task(loop.generate(PROMPTS[0], PARAMS))
@@ -152,16 +158,7 @@ def test_samples_a_failed_step_drops_count_as_retired(tiny_engine):
     (services/config.py `toward`): those whose step failed left too. Before, only those that ended
     counted, so a loop whose step failed (its waiting samples admitted at once) rose more slowly."""
     loop = RoundLoop(CountingTransport(tiny_engine), tiny_engine.rules, BatchConfig(max_live_sessions=2))
-    planner = loop.planners[0]
-    plan, calls = planner.plan, []
-
-    async def failing_once(batch):
-        calls.append(len(batch))
-        if len(calls) == 2:
-            raise RuntimeError("a bug in a step")
-        return await plan(batch)
-
-    planner.plan = failing_once
+    fail_step(loop, 2)
 
     async def scenario():
         failed = [asyncio.create_task(loop.generate(prompt, PARAMS)) for prompt in PROMPTS[:2]]
@@ -201,12 +198,7 @@ def test_a_failed_step_leaves_no_task_exception_unretrieved(tiny_engine):
     import gc
 
     loop = RoundLoop(CountingTransport(tiny_engine), tiny_engine.rules, BatchConfig())
-    planner = loop.planners[0]
-
-    async def failing(batch):
-        raise RuntimeError("a verifier gone")
-
-    planner.plan = failing
+    fail_step(loop, 1, "a verifier gone")
     unretrieved = []
 
     async def scenario():

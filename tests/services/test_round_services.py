@@ -204,12 +204,40 @@ def test_loops_calling_one_verifier_at_once_share_its_passes_and_equal_the_engin
     assert len(verifier.sessions) == len(draft.sessions) == 0
 
 
+def verify_together(worker, calls: list[list]) -> tuple[servicers.VerifyBatcher, dict]:
+    """Each of `calls` made to a VerifyBatcher over `worker` from a thread of its own while the torch
+    thread is held, so that all of them wait for it together, then the thread freed; the batcher, and
+    each call's answer or RuntimeError by its index."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    executor, release = ThreadPoolExecutor(max_workers=1), threading.Event()
+    batcher = servicers.VerifyBatcher(worker, executor)
+    executor.submit(release.wait)  # the torch thread busy while the calls arrive
+    answers = {}
+
+    def call(i, items):
+        try:
+            answers[i] = batcher.verify(items, 0)
+        except RuntimeError as exc:
+            answers[i] = exc
+
+    threads = [threading.Thread(target=call, args=(i, items)) for i, items in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    while len(batcher._waiting) < len(calls):
+        time.sleep(0.01)
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    executor.shutdown()
+    return batcher, answers
+
+
 def test_a_shared_verification_pass_that_fails_runs_each_call_alone():
     """Calls that waited together share a pass; where it fails, each runs alone: the call that
     fails alone fails, the others are answered. A call naming a session that one before it does (a
     call retried while the one it gave up on waits) goes in a pass of its own. (A worker stand-in:
     items are their session ids.)"""
-    from concurrent.futures import ThreadPoolExecutor
 
     class Item(str):
         @property
@@ -236,26 +264,9 @@ def test_a_shared_verification_pass_that_fails_runs_each_call_alone():
 
     for calls in ([["a1", "a2"], ["b1"]], [["a1", "a2"], ["poison"], ["b1"]], [["a1"], ["a1"]]):
         calls = [[Item(item) for item in call] for call in calls]
-        worker, executor, release = Worker(), ThreadPoolExecutor(max_workers=1), threading.Event()
-        batcher = servicers.VerifyBatcher(worker, executor)
-        executor.submit(release.wait)  # the torch thread busy while the calls arrive
-        answers = {}
-
-        def call(i, items):
-            try:
-                answers[i] = batcher.verify(items, 0)
-            except RuntimeError as exc:
-                answers[i] = str(exc)
-
-        threads = [threading.Thread(target=call, args=(i, items)) for i, items in enumerate(calls)]
-        for thread in threads:
-            thread.start()
-        while len(batcher._waiting) < len(calls):
-            time.sleep(0.01)
-        release.set()
-        for thread in threads:
-            thread.join(10)
-        executor.shutdown()
+        worker = Worker()
+        batcher, answers = verify_together(worker, calls)
+        answers = {i: str(a) if isinstance(a, RuntimeError) else a for i, a in answers.items()}
         if calls[0] == calls[1]:  # one session in two calls: a pass each, both answered
             assert worker.passes == calls and batcher.shared_calls == 0
             assert sorted(answers.values()) == [(["verdict a1"], ["pass 1"]), (["verdict a1"], ["pass 2"])]
@@ -275,34 +286,13 @@ def test_a_verification_run_that_breaks_names_its_cause_to_every_caller(monkeypa
     """A bug in the batcher's own run (here its cut into passes) fails every call that waited for
     it, each with the bug as its error's cause: the run's executor future, where the bug itself
     would end, is read by no one, so without it the logs show only that no pass answered."""
-    from concurrent.futures import ThreadPoolExecutor
-
     def broken_cut(calls):
         raise ValueError("a broken cut")
 
     monkeypatch.setattr(servicers.VerifyBatcher, "_passes", staticmethod(broken_cut))
-    executor, release = ThreadPoolExecutor(max_workers=1), threading.Event()
-    batcher = servicers.VerifyBatcher(None, executor)  # (the cut breaks before any worker is called)
-    executor.submit(release.wait)  # the torch thread busy while the calls arrive
-    errors = {}
-
-    def call(i):
-        try:
-            batcher.verify([VerifyItem(f"s{i}", HistoryDelta(1, [1], True), [], [], SamplingParams(),
-                                       RoundSeed(0, 0, 0))], 0)
-        except RuntimeError as exc:
-            errors[i] = exc
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    while len(batcher._waiting) < len(threads):
-        time.sleep(0.01)
-    release.set()
-    for thread in threads:
-        thread.join(10)
-    executor.shutdown()
-    assert sorted(errors) == [0, 1]
+    _, errors = verify_together(None, [[VerifyItem(f"s{i}", HistoryDelta(1, [1], True), [], [], SamplingParams(),
+                                                   RoundSeed(0, 0, 0))] for i in range(2)])  # (no worker called)
+    assert sorted(errors) == [0, 1] and all(isinstance(exc, RuntimeError) for exc in errors.values())
     assert all(isinstance(exc.__cause__, ValueError) for exc in errors.values()), errors
 
 
