@@ -294,11 +294,12 @@ class StepPlanner:
         each committed round's outcome (its draft's sessions' only)."""
         self.costs.observe(timings, sessions=sessions)
         for o in (o for o in outcomes if o.session.draft == self.draft):
+            # (a rest counts from the history's length now: the round's own token is committed already)
             if o.session.session_id in self._walked:  # its suffix walked: rest it after empty rounds
                 state = self._state(o.session)
                 state.empty_walks = 0 if o.candidates else state.empty_walks + 1
                 if not o.candidates:
-                    state.walks_rest_until = o.session.sample.length + 1 + rest_after(state.empty_walks)
+                    state.walks_rest_until = o.session.sample.length + rest_after(state.empty_walks)
             if o.draft_passes:  # the draft caught up with the history and fed y_1 .. y_{K-1}
                 state = self._state(o.session)
                 state.drafted_at = o.drafted_after + max(o.candidates - 1, 0)
@@ -306,7 +307,7 @@ class StepPlanner:
                     state.empty_rounds = 0
                 elif o.session.traits.budgeted:  # a draft pass spent for an empty round
                     state.empty_rounds += 1
-                    state.rests_until = o.session.sample.length + 1 + rest_after(state.empty_rounds)
+                    state.rests_until = o.session.sample.length + rest_after(state.empty_rounds)
             if o.candidates and (o.draft_passes or not self.fused):  # (a fused draft's: the model's rounds)
                 # n accepted, then one rejected unless all K were
                 self._accepted = self._accepted * ACCEPTANCE_DECAY + o.accepted

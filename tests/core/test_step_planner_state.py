@@ -1,0 +1,49 @@
+"""The step planner's state across steps (specdec/planner.py), driven directly with a profile given
+by hand: no model, no clock."""
+
+from __future__ import annotations
+
+import asyncio
+
+from specdec.cost_profile import CostProfile, LiveCosts
+from specdec.params import build_params
+from specdec.planner import RoundOutcome, StepPlanner
+from specdec.sequences import LoopSample, Request, SampleState
+
+# A draft step almost free and a pass of 64 tokens barely dearer than one: every round pays.
+PAYS = CostProfile(t_draft_ms=0.01, t_target_ms={1: 100.0, 64: 101.0})
+
+
+def session(loop: asyncio.AbstractEventLoop, policy: str = "specdec++cost", name: str = "s/0") -> LoopSample:
+    params = build_params(policy=policy, k=4, max_new_tokens=200).model_copy(update={"draft": "default"})
+    return LoopSample(name, 0, Request(params, 0), SampleState([1, 2]), loop.create_future())
+
+
+def drafting_steps(model_free: bool) -> str:
+    """40 steps of one session whose every round verifies nothing: 'D' where it called the draft."""
+
+    async def steps() -> str:
+        s, planner = session(asyncio.get_running_loop()), StepPlanner(LiveCosts(), given=PAYS, model_free=model_free)
+        called = ""
+        for _ in range(40):
+            plan = await planner.plan([s])
+            calls = s.session_id in plan.drafting
+            drafted_after = s.sample.length
+            s.sample.generated.append(7)  # the round commits its one token: the target's
+            planner.observe([RoundOutcome(s, drafted_after, 0, 0, int(calls and not model_free))], [], 1)
+            called += "D" if calls else "."
+        return called
+
+    return asyncio.run(steps())
+
+
+def rests(called: str) -> list[int]:
+    return [len(gap) for gap in called.split("D")[1:-1]]
+
+
+def test_a_session_rests_the_tokens_rest_after_says_after_empty_rounds():
+    """After its 1st, 2nd, 3rd ... empty round a session decodes 1, 2, 4 ... tokens without its draft
+    (budget.rest_after), its model draft's and its suffix walk's alike. The planner observes a round
+    after it committed: its token is in the history already and is no token of the rest."""
+    assert rests(drafting_steps(model_free=False)) == [1, 2, 4, 8, 16], drafting_steps(model_free=False)
+    assert rests(drafting_steps(model_free=True)) == [1, 2, 4, 8, 16], drafting_steps(model_free=True)
