@@ -308,7 +308,9 @@ class StepPlanner:
                 elif o.session.traits.budgeted:  # a draft pass spent for an empty round
                     state.empty_rounds += 1
                     state.rests_until = o.session.sample.length + rest_after(state.empty_rounds)
-            if o.candidates and (o.draft_passes or not self.fused):  # (a fused draft's: the model's rounds)
+            # (a fused draft's: the model's rounds; not the oracle's, which drops each candidate the
+            # target would reject before it is verified: its rounds never show a rejection)
+            if o.candidates and (o.draft_passes or not self.fused) and not o.session.traits.needs_reference:
                 # n accepted, then one rejected unless all K were
                 self._accepted = self._accepted * ACCEPTANCE_DECAY + o.accepted
                 self._verified = self._verified * ACCEPTANCE_DECAY + o.accepted + (o.accepted < o.candidates)

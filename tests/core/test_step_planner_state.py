@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from specdec.cost_profile import CostProfile, LiveCosts
 from specdec.params import build_params
 from specdec.planner import RoundOutcome, StepPlanner
@@ -47,3 +49,21 @@ def test_a_session_rests_the_tokens_rest_after_says_after_empty_rounds():
     after it committed: its token is in the history already and is no token of the rest."""
     assert rests(drafting_steps(model_free=False)) == [1, 2, 4, 8, 16], drafting_steps(model_free=False)
     assert rests(drafting_steps(model_free=True)) == [1, 2, 4, 8, 16], drafting_steps(model_free=True)
+
+
+def test_the_oracles_rounds_do_not_move_the_acceptance_estimate():
+    """The oracle drops each candidate the target would reject before it is verified (it reads the
+    target's tokens in advance), so its rounds never show a rejection: counted, they pushed the
+    estimate the next budgeted request is planned at towards 1 (`specdec bench` runs every policy's
+    rounds through one engine). A fixed-K round that verifies its candidates counts."""
+
+    async def observed(policy: str) -> float:
+        s, planner = session(asyncio.get_running_loop(), policy), StepPlanner(LiveCosts(), given=PAYS)
+        for _ in range(50):
+            drafted_after = s.sample.length
+            s.sample.generated += [7] * 5
+            planner.observe([RoundOutcome(s, drafted_after, 4, 4, 4)], [], 1)
+        return planner.acceptance
+
+    assert asyncio.run(observed("oracle")) == pytest.approx(0.8)
+    assert asyncio.run(observed("fixed")) > 0.95
