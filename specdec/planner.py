@@ -137,6 +137,12 @@ class StepPlanner:
     # only where the model is held (`ProposeItem.held`); the plan carries the model's acceptance.
     fused: bool = False
 
+    def __post_init__(self):
+        # the off-probe's interval divides by it (budget.probe_interval): 0 failed the first step with
+        # the draft off, a negative share probed every step; above 1 is an off-probe every such step
+        if not self.probe_share > 0:
+            raise ValueError(f"probe_share must be above 0 (a share of the plain steps), not {self.probe_share}")
+
     @property
     def acceptance(self) -> float:
         """P(a candidate is accepted | the ones before were) over recent rounds, from PRIOR_ACCEPTANCE."""

@@ -67,3 +67,14 @@ def test_the_oracles_rounds_do_not_move_the_acceptance_estimate():
 
     assert asyncio.run(observed("oracle")) == pytest.approx(0.8)
     assert asyncio.run(observed("fixed")) > 0.95
+
+
+@pytest.mark.parametrize("share", [0.0, -0.01, float("nan")])
+def test_a_probe_share_that_prices_no_probe_is_refused_when_the_planner_is_built(share):
+    """The off-probe's interval is its cost over `probe_share` of a plain step: a share of 0 raised
+    ZeroDivisionError in the first step the draft was off (every session of it failed), NaN a
+    ValueError there, a negative one probed every step. Refused where it is given, not steps later."""
+    with pytest.raises(ValueError, match="probe_share"):
+        StepPlanner(LiveCosts(), probe_share=share)
+    StepPlanner(LiveCosts(), probe_share=1e9)  # above 1: an off-probe every step the draft is off
+
