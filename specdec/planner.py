@@ -21,8 +21,8 @@ Four things are called a probe:
   while the draft is off.
 - a curve probe: where the decision weighs a target pass longer than the measured curve reaches,
   the verifier times one of the next power of two before the step is decided again with it (a
-  Verify of no items): each size once per power of two of sessions, paid for by CURVE_PROBE_SHARE
-  of the plain steps.
+  Verify of no items): each size once per power of two of sessions (again where it failed), paid
+  for by CURVE_PROBE_SHARE of the plain steps.
 - `Worker.probe(sizes)`: the scratch passes the other three are made of.
 
 After the step's Propose, `ahead` decides who drafts its next round while the step verifies
@@ -223,7 +223,7 @@ class StepPlanner:
         decision = self._decide(profile, len(batch), ready, key[2])
         size = self._curve_probe(decision.curve_probe, profile, len(batch))
         if size:
-            self.costs.observe(await self._time_target(size), sessions=len(batch))
+            self.costs.observe(await self._time_target(size, len(batch)), sessions=len(batch))
             profile = self.profile(len(batch))
             decision = self._decide(profile, len(batch), ready, key[2])
         self._idle = _Idle(key, profile) if not any(decision.joins) and not size else None
@@ -250,7 +250,7 @@ class StepPlanner:
             return False
         wanted = len(batch) + sum(candidate_cap(s) for s in drafting)
         if size := self._curve_probe(curve_probe(profile, wanted), profile, len(batch)):
-            self.costs.observe(await self._time_target(size), sessions=len(batch))
+            self.costs.observe(await self._time_target(size, len(batch)), sessions=len(batch))
         return bool(size)
 
     def _walk_rests(self, s: LoopSample) -> bool:
@@ -273,12 +273,16 @@ class StepPlanner:
         self._curve_credit_ms = 0.0
         return size
 
-    async def _time_target(self, tokens: int) -> list[PassTiming]:
-        """A curve probe that fails fails no session: the step is decided without it."""
+    async def _time_target(self, tokens: int, sessions: int) -> list[PassTiming]:
+        """A curve probe that fails fails no session: the step is decided without it, and the size
+        is probed again once the plain steps pay for it (marked done, a probe that failed while
+        the verifier was away left the size unmeasured for good, and the draft off where only the
+        measured pass makes a round pay)."""
         try:
             return await self.time_target(tokens)
         except Exception:  # noqa: BLE001 - a failed probe costs only its measurement
             logger.warning("the verifier's probe of a %d-token pass failed", tokens, exc_info=True)
+            self._curve_probed.discard((tokens, sessions.bit_length()))
             return []
 
     def _off_probe(self, budgeted: list[LoopSample], profile: CostProfile | None) -> LoopSample | None:

@@ -78,3 +78,35 @@ def test_a_probe_share_that_prices_no_probe_is_refused_when_the_planner_is_built
         StepPlanner(LiveCosts(), probe_share=share)
     StepPlanner(LiveCosts(), probe_share=1e9)  # above 1: an off-probe every step the draft is off
 
+
+
+def test_a_curve_probe_that_failed_is_tried_again():
+    """8 sessions on a CPU-like target curve (the second token of a pass costs 150 ms, every later
+    one 5): extrapolated past the 1-8 tokens measured, no round pays, so the planner times a 16-token
+    pass. Where that probe fails (the verifier between replicas) it is tried again once the plain
+    steps have paid for it: marked as done, that size was never timed at this load, and the draft
+    stayed off for good."""
+    from specdec.cost_profile import PassTiming
+
+    costs = LiveCosts()
+    costs.observe([PassTiming("draft", n, 3.0 * n, probe=True) for n in (1, 2, 16)]
+                  + [PassTiming("verifier", n, 50.0 if n == 1 else 200.0 + 5.0 * (n - 2), probe=True)
+                     for n in range(1, 9)])
+    probes = []
+
+    async def time_target(tokens: int) -> list[PassTiming]:
+        probes.append(tokens)
+        if len(probes) == 1:
+            raise ConnectionError("the verifier is gone")
+        return [PassTiming("verifier", tokens, 200.0 + 5.0 * (tokens - 2), probe=True)]
+
+    async def steps() -> StepPlanner:
+        loop = asyncio.get_running_loop()
+        batch = [session(loop, name=f"s/{i}") for i in range(8)]
+        planner = StepPlanner(costs, time_target=time_target)
+        for _ in range(60):
+            await planner.plan(batch)
+        return planner
+
+    planner = asyncio.run(steps())
+    assert probes[:2] == [16, 16] and planner.drafting, probes
