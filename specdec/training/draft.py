@@ -437,18 +437,20 @@ def train_draft(config: PipelineConfig, connect: Callable[[], None] | None = Non
     from ray.train.torch import TorchTrainer
 
     draft = config.require_draft()
-    manifest, identity, target_dir = check_draft_data(config)
-    data_dir = str(Path(config.data.dir).resolve())
-    _, examples = load_examples(data_dir, draft.max_tokens, states="skip")  # the workers read the states
-    check_trainable(draft, config.scaling.num_workers, examples, manifest["target"]["vocab_size"])
-    if draft.init:
-        from transformers import AutoConfig
-
-        vocab_ids = init_vocabulary(draft, identity, manifest["settings"]["layers"], AutoConfig.from_pretrained(target_dir))
-    else:
-        vocab_ids = trimmed_vocabulary(examples, draft.vocab_coverage, draft.vocab_size)
-    data_settings = {**manifest["settings"], "sequences": manifest["counts"]["sequences"]}
+    # the run held first: a run another process trains is refused before the data are hashed
     with checkpoints.runs_held(draft.storage, [draft.name], "draft"):
+        manifest, identity, target_dir = check_draft_data(config)
+        data_dir = str(Path(config.data.dir).resolve())
+        _, examples = load_examples(data_dir, draft.max_tokens, states="skip")  # the workers read the states
+        check_trainable(draft, config.scaling.num_workers, examples, manifest["target"]["vocab_size"])
+        if draft.init:
+            from transformers import AutoConfig
+
+            vocab_ids = init_vocabulary(draft, identity, manifest["settings"]["layers"],
+                                        AutoConfig.from_pretrained(target_dir))
+        else:
+            vocab_ids = trimmed_vocabulary(examples, draft.vocab_coverage, draft.vocab_size)
+        data_settings = {**manifest["settings"], "sequences": manifest["counts"]["sequences"]}
         checkpoints.check_run_settings(draft.storage, draft.name, "draft", draft, RESUMABLE_CHANGES, data_settings)
         checkpoints.connect_ray(connect)
         scaling = config.scaling

@@ -1,6 +1,7 @@
 """Training the acceptance head as a Ray Train job (paper §3.3; `specdec train-head`).
 
-Steps, each its own function:
+Steps, each its own function, all under the run's lock (checkpoints.runs_held: a run another
+process trains is refused before step 1 reads the data):
 
 1. `check_dataset`: the manifest's draft identity must be the draft being trained, every shard
    non-empty and intact (sha256) -- all before any Ray work.
@@ -442,8 +443,9 @@ def train_head(config: PipelineConfig, connect: Callable[[], None] | None = None
     """`specdec train-head`: check, start Ray (`connect`, checkpoints.connect_ray), cache features,
     train, save. Returns the training report."""
     train = config.require_train()
-    manifest, identity, name = check_dataset(config)  # bad data and settings fail here, before Ray starts:
+    # the run held first: a run another process trains is refused before the data are hashed
     with checkpoints.runs_held(train.storage, [train.name], "train"):
+        manifest, identity, name = check_dataset(config)  # bad data and settings fail here, before Ray starts
         check_run(train, identity, manifest)
         manifest["dir"] = config.data.dir
         checkpoints.connect_ray(connect)
@@ -467,13 +469,14 @@ def sweep_heads(config: PipelineConfig, connect: Callable[[], None] | None = Non
     metrics (KL, ECE) always favour w_rej = 1, while the threshold h, chosen later on validation
     prompts, can absorb a shift but not a poor ranking."""
     train = config.require_train()
-    manifest, identity, name = check_dataset(config)
     sweep, runs, metric = config.sweep, [], config.sweep.select_by
     grid = [train.model_copy(update={"depth": depth, "w_rej": w_rej, "name": f"{train.name}-D{depth}-wrej{w_rej:g}",
                                      "output": str(Path(train.output) / "sweep" / f"D{depth}-wrej{w_rej:g}")})
             for depth in sweep.depths for w_rej in sweep.w_rej]
-    # train.name too: a plain run of it writes train.output, as the sweep's choice does
+    # train.name too: a plain run of it writes train.output, as the sweep's choice does; held before
+    # the data are hashed, as train_head holds its run
     with checkpoints.runs_held(train.storage, [train.name] + [run.name for run in grid], "train"):
+        manifest, identity, name = check_dataset(config)
         for run in grid:
             check_run(run, identity, manifest)
         manifest["dir"] = config.data.dir

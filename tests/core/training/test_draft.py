@@ -293,6 +293,24 @@ def test_train_resume_and_saved_draft(feature_dataset, tiny_pair, tmp_path):
         train_draft(parse_config({**raw, "draft": other}))
 
 
+def test_a_held_draft_run_is_refused_before_the_dataset_is_hashed(feature_dataset, tmp_path, monkeypatch):
+    """A feature dataset holds the target's states (GBs): their sha256 is not read for a run that
+    another process trains, refused in one line before the data, the target or Ray."""
+    import specdec.training.data as data
+    from specdec.training.checkpoints import runs_held
+
+    hashed, hash_file = [], data.sha256_file
+    monkeypatch.setattr(data, "sha256_file", lambda path: hashed.append(path) or hash_file(path))
+    raw, _ = feature_dataset
+    runs = tmp_path / "runs"
+    raw = {**raw, "draft": {**raw["draft"], "storage": str(runs)}}
+    name, connected = parse_config(raw).draft.name, []
+    with runs_held(str(runs), [name], "draft"):
+        with pytest.raises(ConfigError, match=rf"run '{name}' in .* is being trained by process \d+ on .*; wait"):
+            train_draft(parse_config(raw), connect=lambda: connected.append(1))
+    assert hashed == [] and connected == []
+
+
 def test_a_missing_or_other_target_is_one_line(feature_dataset, tmp_path):
     from tiny import byte_tokenizer, tiny_model
 

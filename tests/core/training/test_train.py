@@ -208,6 +208,28 @@ def test_a_sweep_holds_train_name_beside_its_runs(tiny_dataset, tmp_path):
     assert not any(runs.glob("head-D*"))
 
 
+def test_a_held_run_is_refused_before_the_dataset_is_hashed(tiny_dataset, tmp_path, monkeypatch):
+    """Checking the shards' sha256 reads every byte of the data (tens of seconds on a large
+    dataset): a run that another process trains, which cannot go on whatever the data hold, is
+    refused first, before the data, the draft or Ray."""
+    import specdec.training.data as data
+    from specdec.training.checkpoints import runs_held
+
+    hashed, hash_file = [], data.sha256_file
+    monkeypatch.setattr(data, "sha256_file", lambda path: hashed.append(path) or hash_file(path))
+    raw, _ = tiny_dataset
+    runs = tmp_path / "runs"
+    raw = {**raw, "train": {**raw["train"], "storage": str(runs)}}
+    connected = []
+    with runs_held(str(runs), ["head"], "train"):
+        with pytest.raises(ConfigError, match=r"run 'head' in .* is being trained by process \d+ on .*; wait"):
+            train_head(parse_config(raw), connect=lambda: connected.append(1))
+        with pytest.raises(ConfigError, match=r"run 'head' in .* is being trained"):
+            sweep_heads(parse_config({**raw, "sweep": {"depths": [1], "w_rej": [1.0]}}),
+                        connect=lambda: connected.append(1))
+    assert hashed == [] and connected == []
+
+
 def test_training_refuses_a_foreign_dataset(tiny_dataset, tmp_path):
     """Data made with another draft fail at the identity check, before any features or training."""
     from tiny import byte_tokenizer, tiny_model
@@ -221,7 +243,8 @@ def test_training_refuses_a_foreign_dataset(tiny_dataset, tmp_path):
            "train": {**raw["train"], "storage": str(tmp_path / "runs")}}
     with pytest.raises(IncompatibleModelsError, match="made with another draft model"):
         train_head(parse_config(raw))
-    assert not (tmp_path / "runs").exists()
+    # the run's lock alone (taken before the checks): no features, settings or checkpoints
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["head.lock"]
 
 
 def test_changed_settings_under_the_same_run_name(tmp_path):
