@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -16,7 +18,7 @@ from transformers.utils import logging as hf_logging
 from specdec.engine import SpecDecEngine, check_vocabularies
 from specdec.loop import BatchConfig
 from specdec.errors import IncompatibleModelsError, ModelSourceError, SpecDecError, one_line
-from specdec.head import AcceptanceHead, load_head, read_head_config
+from specdec.head import AcceptanceHead, check_serves, load_head, read_head_config
 from specdec.drafts import draft_dir
 from specdec.heads import resolve_head
 from specdec.models.formats import WeightFormat, apply_weight_format
@@ -25,8 +27,9 @@ from specdec.models.feature_draft import target_layers_of
 from specdec.models.feature_files import is_feature_draft, load_feature_draft, read_config
 from specdec.models.feature_runtime import FeatureDraftRuntime
 from specdec.models.runtime import DraftRole, DraftRuntime, TargetRole, TargetRuntime
-from specdec.models.sources import (DEFAULT_DRAFT_QUANT, REQUANT_FTYPES, SHIPPED, check_gguf_source, check_source,
-                                    model_identity, requantize_gguf, resolve_gguf, resolve_model)
+from specdec.models.sources import (DEFAULT_DRAFT_QUANT, DEFAULTS, REQUANT_FTYPES, SHIPPED, check_gguf_source,
+                                    check_source, gguf_identity, model_identity, requantize_gguf, requantized_identity,
+                                    resolve_gguf, resolve_model)
 from specdec.models.static import StaticOptions
 from specdec.models.suffix import MatchHead, SuffixDraft, fused_with, is_suffix_draft
 from specdec.models.vocab import FULL as FULL_VOCAB
@@ -105,6 +108,8 @@ def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -
         torch.set_num_threads(config.threads)
     check_sources(config)
     check_runtime_settings(config)
+    for name, each in draft_configs(config).items():  # every draft's, before any model loads
+        check_head_identity(each, name)
     drafts = {}
     for name, each in draft_configs(config).items():
         draft, draft_dir = build_draft(each, progress)
@@ -465,14 +470,65 @@ def build_head(config: EngineConfig, draft: DraftRole, name: str = DEFAULT_DRAFT
     path = head_path(config)
     if path is None:
         return None
+    with named_draft(name):
+        return load_head(path, draft_identity=draft.identity, hidden_size=draft.hidden_size, **head_instead(path, name))
+
+
+def head_instead(path: str, name: str) -> dict[str, str]:
+    """load_head's `instead` for draft `name`: --head (or `none`) applies to the first draft only."""
     if name == DEFAULT_DRAFT:
-        return load_head(path, draft_identity=draft.identity, hidden_size=draft.hidden_size)
+        return {}
+    return {"instead": f"a draft besides the first reads the head in its own directory: move {path} out of it, "
+                       "or train one for this draft there"}
+
+
+@contextmanager
+def named_draft(name: str) -> Iterator[None]:
+    """A draft besides the first named in the error the block raises."""
     try:
-        return load_head(path, draft_identity=draft.identity, hidden_size=draft.hidden_size,
-                         instead=f"a draft besides the first reads the head in its own directory: move {path} "
-                                 "out of it, or train one for this draft there")
+        yield
     except SpecDecError as exc:
+        if name == DEFAULT_DRAFT:
+            raise
         raise type(exc)(f"draft {name!r}: {exc}") from None
+
+
+def known_draft_identity(config: EngineConfig) -> str | None:
+    """The identity the draft of `config` carries once loaded, where it is known without fetching,
+    converting, requantizing or loading it: a model directory's or a feature draft's (model_identity
+    reads a few MiB of each weight file), the pinned default's (its GGUF's, with the recipe of its
+    requantization on llama.cpp). None where only resolving the source tells (a hub id, a GGUF file,
+    whose identity is its sha256) and for the suffix draft, which has none."""
+    config = unfused(config)
+    source, backend = config.draft, backend_for(config, "draft")
+    if backend.name == "feature":
+        directory = draft_dir(source)
+    elif source == "default" and backend.name in ("torch", "llamacpp"):
+        quant, identity = resolve_draft_quant(config), gguf_identity(DEFAULTS["draft"].sha256)
+        if quant == SHIPPED:
+            return identity
+        # (torch refuses a requantized draft when it builds it: nothing to check before)
+        return requantized_identity(identity, quant) if backend.name == "llamacpp" else None
+    elif backend.name == "torch" and check_source(source, "draft") == "dir":
+        directory = Path(source).expanduser()
+    else:
+        return None
+    try:
+        return model_identity(directory)
+    except (ModelSourceError, OSError):  # (no weights there: loading it says so)
+        return None
+
+
+def check_head_identity(config: EngineConfig, name: str = DEFAULT_DRAFT) -> None:
+    """A head trained for another draft, refused in one line before the draft loads where its identity
+    is known without loading it (known_draft_identity): a real draft takes seconds to minutes to
+    load. build_head checks it again once the draft loaded, where only that tells."""
+    if is_suffix_draft(config.draft) or (path := head_path(config)) is None:
+        return
+    identity = known_draft_identity(config)
+    if identity is not None:
+        with named_draft(name):
+            check_serves(read_head_config(path), path, identity, **head_instead(path, name))
 
 
 def build_rules(config: EngineConfig, progress: bool = True, devices: dict[Role, str] | None = None) -> RequestRules:

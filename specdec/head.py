@@ -192,11 +192,23 @@ def read_head_config(directory: str | Path) -> HeadConfig:
         raise ModelSourceError(f"corrupt head config {config_path}: {one_line(exc)}") from None
 
 
+FOR_THIS_DRAFT = "pass --head none or a head trained for this draft"
+
+
+def check_serves(config: HeadConfig, directory: str | Path, draft_identity: str, instead: str = FOR_THIS_DRAFT) -> None:
+    """IncompatibleModelsError (one line) where the head at `directory` does not serve the draft of
+    `draft_identity`; `instead`: what the user may do then."""
+    if not config.serves(draft_identity):
+        raise IncompatibleModelsError(
+            f"head {directory} was trained for another draft model ({config.draft_name or 'identity'} "
+            f"{_short(config.draft_identity)}), not this one ({_short(draft_identity)}); {instead}")
+
+
 def load_head(
     directory: str | Path,
     draft_identity: str | None = None,
     hidden_size: int | None = None,
-    instead: str = "pass --head none or a head trained for this draft",
+    instead: str = FOR_THIS_DRAFT,
 ) -> AcceptanceHead:
     """Load a head and check that it belongs to the draft (identity and hidden size) when given;
     `instead`: what the user may do where it does not."""
@@ -206,10 +218,8 @@ def load_head(
     if hidden_size is not None and config.hidden_size != hidden_size:
         raise IncompatibleModelsError(
             f"head {directory} expects hidden size {config.hidden_size} but the draft has {hidden_size}")
-    if draft_identity is not None and not config.serves(draft_identity):
-        raise IncompatibleModelsError(
-            f"head {directory} was trained for another draft model ({config.draft_name or 'identity'} "
-            f"{_short(config.draft_identity)}), not this one ({_short(draft_identity)}); {instead}")
+    if draft_identity is not None:
+        check_serves(config, directory, draft_identity, instead)
     head = AcceptanceHead(config)
     try:
         head.load_state_dict(load_file(weights_path))

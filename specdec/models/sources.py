@@ -259,7 +259,13 @@ def requantize_gguf(source: GGUFSource, weight_type: str, cache: str | Path | No
             _say(progress, f"requantizing {source.gguf.name} to {weight_type} for llama.cpp's fast kernels (once)")
             sha256 = _requantize(source.gguf, path, REQUANT_FTYPES[weight_type])
             marker.write_text(f"{sha256} {path.stat().st_size} {source.sha256}\n")
-    return GGUFSource(path, source.meta_dir, sha256, recipe_of=f"{source.identity}+{weight_type}")
+    return GGUFSource(path, source.meta_dir, sha256, recipe_of=requantized_identity(source.identity, weight_type))
+
+
+def requantized_identity(identity: str, weight_type: str) -> str:
+    """The identity of the GGUF of `identity` requantized to `weight_type` (requantize_gguf), known
+    before it is made: the builder checks a head against it first."""
+    return f"{identity}+{weight_type}"
 
 
 def _requantized_sha256(path: Path, marker: Path, source_sha256: str) -> str | None:
