@@ -167,7 +167,7 @@ class RequestRules:
             return self.encode_messages([{"role": "user", "content": prompt}], raw_fallback=True)
         if not prompt:  # raw text of blanks is tokens to continue, as OpenAI's completions take it
             raise InvalidRequestError("prompt is empty")
-        return list(self._tokenizer().encode(prompt, add_special_tokens=False))
+        return self._encode_raw(prompt)
 
     def encode_messages(self, messages: Sequence[dict], raw_fallback: bool = False, template: bool = True) -> list[int]:
         """A conversation through the chat template, generation prompt appended. Without a template
@@ -187,13 +187,19 @@ class RequestRules:
         if not tokenizer.chat_template or not template:
             if not raw_fallback:
                 raise InvalidRequestError("this model's tokenizer has no chat template: send a prompt")
-            return list(tokenizer.encode("\n".join(m["content"] for m in messages), add_special_tokens=False))
+            return self._encode_raw("\n".join(m["content"] for m in messages))
         try:
             ids = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
                                                 add_generation_prompt=True, tokenize=True, return_dict=False)
         except jinja2.TemplateError as exc:  # the model's rules: raise_exception("roles must alternate ...")
             raise InvalidRequestError(f"the model's chat template refuses these messages: {one_line(exc)}") from None
         return list(ids)
+
+    def _encode_raw(self, text: str) -> list[int]:
+        """Raw text with the tokenizer's special tokens, as vLLM's completions and llama.cpp encode
+        it: a Llama-family target gets the BOS it was trained behind (Qwen's tokenizer adds none).
+        The chat template path does not come here: templates write their own BOS."""
+        return list(self._tokenizer().encode(text, add_special_tokens=True))
 
     def _tokenizer(self):
         if self.tokenizer is None:

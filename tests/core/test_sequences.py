@@ -140,3 +140,41 @@ def test_stop_strings_without_a_tokenizer_are_refused_not_ignored():
     assert rules.validate([1, 2], GenerationParams(max_new_tokens=4)).stop == ()
     with pytest.raises(InvalidRequestError, match="stop strings need a tokenizer"):
         rules.validate([1, 2], GenerationParams(max_new_tokens=4, stop=("\n",)))
+
+
+def llama_like_tokenizer():
+    """The byte tokenizer with a BOS its post-processor puts first (as Llama's does), and a chat
+    template that writes the BOS itself (as Llama 3's does)."""
+    from tokenizers import processors
+
+    tokenizer = byte_tokenizer()
+    tokenizer.add_special_tokens({"bos_token": "<s>"})
+    bos = tokenizer.bos_token_id
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    tokenizer.chat_template = "{{ bos_token }}" + tokenizer.chat_template
+    return tokenizer
+
+
+def test_raw_text_gets_the_tokenizers_bos_a_chat_prompt_gets_one():
+    """A raw prompt was encoded without special tokens: a Llama-family target lost the BOS it was
+    trained behind, which transformers' tokenizer(prompt), vLLM's completions and llama.cpp add.
+    The template writes its own, so a chat prompt has exactly one."""
+    tokenizer = llama_like_tokenizer()
+    bos = tokenizer.bos_token_id
+    rules = RequestRules(tokenizer, eos_token_ids=(), max_context=256, vocab_size=len(tokenizer))
+    assert rules.encode_prompt("hi", chat_template=False) == [bos, *ids("hi")]
+    chat = rules.encode_prompt("hi")
+    assert chat[0] == bos and chat.count(bos) == 1
+    # without the template (none, or turned off): the contents joined, as raw text
+    joined = [bos, *ids("a\nb")]
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert rules.encode_prompt(turns, chat_template=False) == joined
+    tokenizer.chat_template = None
+    assert rules.encode_messages(turns, raw_fallback=True) == joined
+
+
+def test_a_tokenizer_without_bos_encodes_raw_text_as_before():
+    """Qwen's tokenizer has no BOS: a raw prompt is its text's tokens alone."""
+    assert RULES.encode_prompt("hi", chat_template=False) == ids("hi")
+    assert RULES.encode_prompt([{"role": "user", "content": "hi"}], chat_template=False) == ids("hi")
