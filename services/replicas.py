@@ -21,6 +21,7 @@ from ray.serve.schema import ReplicaState
 
 from specdec.builder import build_draft, build_head, build_rules, build_target, draft_configs, resolve_dtype
 from specdec.calls import LocalTransport, RoundTransport
+from specdec.errors import one_line
 from specdec.loop import BatchConfig
 from specdec.params import DEFAULT_DRAFT
 from specdec.sessions import SessionStore
@@ -85,8 +86,9 @@ class LoopHost:
     async def _follow(self) -> None:
         """Every LIVE_CAP_REFRESH_S, the loop's cap toward the one for the holders' replicas running
         (raised as its sessions leave: services/config.py `toward`); kept as it was while Serve's
-        controller does not answer."""
-        loop, retired, first = self.coordinator.loop, 0, True
+        controller does not answer: said once when reading starts failing and once when it is back
+        (a controller restart fails every read until then)."""
+        loop, retired, first, failing = self.coordinator.loop, 0, True, False
         while True:
             try:
                 deployments = await app_deployments()
@@ -99,8 +101,15 @@ class LoopHost:
                 loop.set_live_limits(target if first else toward(loop.batch, target, loop.live_sessions,
                                                                   loop.retired - retired))
                 retired = loop.retired
-            except Exception:  # noqa: BLE001 - the cap stays as it was; the next read may do
-                logger.warning("the live cap could not follow the replicas", exc_info=True)
+            except Exception as exc:  # noqa: BLE001 - the cap stays as it was; the next read may do
+                if not failing:
+                    logger.warning("the live cap cannot follow the replicas (kept as it is): %s", one_line(exc))
+                    logger.debug("the live cap's read of the replicas failed", exc_info=True)
+                failing = True
+            else:
+                if failing:  # (a warning too: where the outage was seen, so is its end)
+                    logger.warning("the live cap follows the replicas again")
+                failing = False
             first = False
             await asyncio.sleep(LIVE_CAP_REFRESH_S)
 

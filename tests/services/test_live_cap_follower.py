@@ -139,3 +139,51 @@ def test_a_status_read_that_hangs_is_waited_for_not_started_again(monkeypatch):
     in_use, deployments = asyncio.run(scenario())
     assert in_use == "the default executor answers"
     assert deployments["Draft"].replica_states[ReplicaState.RUNNING] == 2
+
+
+def test_a_status_that_cannot_be_read_is_logged_once_and_its_return_once(monkeypatch, caplog):
+    """While Serve's controller restarts every read fails: the follower logged a warning with a full
+    traceback each time (every LIVE_CAP_REFRESH_S, for as long as it lasted). Now one line with the
+    reason when reading starts failing, one when it answers again, nothing in between; the cap
+    stays as it was meanwhile."""
+    import logging
+
+    from specdec.errors import Unavailable
+
+    DOWN = 0  # (a read that fails)
+    loop_host = host(CAP, live=0)
+    loop = loop_host.coordinator.loop
+    answers = asyncio.Queue()
+    asked = []
+
+    async def deployments():
+        answer = await answers.get()
+        asked.append(answer)
+        if answer == DOWN:
+            raise Unavailable("Serve's controller did not answer in 5 s")
+        return status(answer)
+
+    monkeypatch.setattr(replicas, "app_deployments", deployments)
+    monkeypatch.setattr(replicas, "LIVE_CAP_REFRESH_S", 0)
+
+    async def scenario():
+        loop_host._follow_replicas()
+        for answer in (8, DOWN, DOWN, DOWN, 8, 8, DOWN, 8):
+            answers.put_nowait(answer)
+        while len(asked) < 8 or answers.qsize():
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        loop_host._following.cancel()
+
+    with caplog.at_level(logging.DEBUG, logger=replicas.logger.name):
+        asyncio.run(scenario())
+    records = [r for r in caplog.records if r.name == replicas.logger.name]
+    shown = [r for r in records if r.levelno >= logging.INFO]
+    failing = "the live cap cannot follow the replicas (kept as it is): Serve's controller did not answer in 5 s"
+    again = "the live cap follows the replicas again"
+    assert [(r.levelname, r.getMessage()) for r in shown] == [("WARNING", failing), ("WARNING", again),
+                                                              ("WARNING", failing), ("WARNING", again)]
+    assert not any(r.exc_info for r in shown)
+    # the traceback at debug level, once per outage
+    assert [r.levelname for r in records if r.exc_info] == ["DEBUG", "DEBUG"]
+    assert loop.batch.max_live_sessions == CAP.batch(BatchConfig(), 8).max_live_sessions
