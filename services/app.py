@@ -17,12 +17,14 @@ too. services/ingress.py holds the ingress, services/errors.py the errors' statu
 
 from __future__ import annotations
 
+from pydantic import ValidationError
 from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
+from ray.serve.exceptions import RayServeException
 
-from specdec.builder import EngineConfig, cache_limits, draft_configs
+from specdec.builder import EngineConfig, cache_limits, check_sources, draft_configs
 from specdec.models.suffix import is_suffix_draft
-from specdec.errors import Overloaded
+from specdec.errors import ModelSourceError, Overloaded, SpecDecError, one_line
 from specdec.params import DEFAULT_DRAFT
 from services.autoscaling import POLICY as ROUND_CALLS_POLICY
 from services.config import CONSISTENT_HASH_ROUTER, AppConfig, LiveCap, ReplicaConfig
@@ -127,9 +129,41 @@ def live_cap(config: AppConfig) -> LiveCap:
     return LiveCap(held, positions, tuple(sorted(shared)), fewest, most, loops, own=loop == "Verifier")
 
 
+class AppConfigError(SpecDecError, RayServeException):
+    """A config the app cannot be built from, its reason in one line. A RayServeException: where
+    Serve's controller runs the builder (`serve deploy`, `serve run CONFIG`), the app's status
+    message is such an error's text, and any other exception's traceback."""
+
+
+def config_reason(exc: ValidationError) -> str:
+    """A config's first error as one line, by the key it sits at as the config file spells it:
+    `policy: unknown policy 'bogus'; ...`."""
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"])
+    # A validator's own ValueError: its text, without pydantic's "Value error, " before it.
+    message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+    return one_line(f"{where}: {message}" if where else message)
+
+
+def checked_config(args: dict | AppConfig | None) -> AppConfig:
+    """The app's config, validated, its model sources and heads checked before any replica starts:
+    a mistyped model failed in every replica as it loaded, and the app ended DEPLOY_FAILED with
+    their tracebacks. A local path is checked where the app is built (under `serve deploy`, a task
+    of Serve's controller on some node), so it must be there as on every node, as the coordinator's
+    tokenizer needs anyway; a hub id is fetched by the replicas, as before. Raises AppConfigError."""
+    try:
+        config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+        check_sources(config.models, here=False)  # (the replicas' GPUs need not be visible here)
+    except ValidationError as exc:
+        raise AppConfigError(config_reason(exc)) from None
+    except ModelSourceError as exc:
+        raise AppConfigError(f"models: {one_line(exc)}") from None
+    return config
+
+
 def build_app(args: dict | AppConfig | None = None) -> serve.Application:
     """`serve run services.app:build_app [key=value ...]` or a config file's `args:`."""
-    config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    config = checked_config(args)
     cap = live_cap(config)
     colocated = config.colocated_drafts()  # decided here, once: the replicas take it as given
     replicas = deployment_replicas(config)

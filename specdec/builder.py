@@ -145,13 +145,13 @@ def unfused(config: EngineConfig) -> EngineConfig:
     return config if model is None else config.model_copy(update={"draft": model, "fuse_suffix": True})
 
 
-def check_sources(config: EngineConfig) -> None:
+def check_sources(config: EngineConfig, here: bool = True) -> None:
     """Every model source checked (models/sources.py `check_source`), and every head's files,
     before any is fetched, converted or loaded: a mistyped --target or --head fails at once, not
-    after minutes of loading."""
-    check_source_of(config, "target")
+    after minutes of loading. `here`: see resolve_device."""
+    check_source_of(config, "target", here)
     for each in draft_configs(config).values():
-        check_source_of(each, "draft")
+        check_source_of(each, "draft", here)
         if not is_suffix_draft(each.draft) and (path := head_path(each)) is not None:
             read_head_config(path)
 
@@ -191,11 +191,11 @@ def check_runtime_settings(config: EngineConfig) -> None:
                                    "and reads no head")
 
 
-def check_source_of(config: EngineConfig, role: Role) -> None:
+def check_source_of(config: EngineConfig, role: Role, here: bool = True) -> None:
     source = config.draft if role == "draft" else config.target
     if role == "draft" and (is_feature_draft(source) or is_suffix_draft(source)):
         return  # a feature draft's directory is checked when it is read, against the target; the suffix has none
-    if backend_for(config, role).name == "llamacpp" and source != "default":
+    if backend_for(config, role, here).name == "llamacpp" and source != "default":
         check_gguf_source(source)
     else:
         check_source(source, role)

@@ -157,3 +157,48 @@ def test_a_key_no_client_could_present_is_refused_given_or_from_the_environment(
             AppConfig()
     monkeypatch.setenv("SPECDEC_API_KEY", "two words")
     assert AppConfig().api_key.get_secret_value() == "two words"
+
+
+@pytest.mark.parametrize("models, reason", [
+    ({"target": "no-such-model"}, "models: 'no-such-model': no such directory or file, and not a hub id"),
+    ({"draft": "/no/such/draft.gguf"}, "models: /no/such/draft.gguf: no such .gguf file"),
+    ({"drafts": {"second": "/no/such/dir"}}, "models: '/no/such/dir': no such directory or file"),
+    ({"head": "/no/such/head"}, "models: no acceptance head at /no/such/head"),
+])
+def test_a_model_that_cannot_be_found_is_named_in_one_line_where_the_app_is_built(models, reason):
+    """`serve deploy` with a mistyped model built the app, and every replica then failed to load it:
+    the app ended DEPLOY_FAILED with the replicas' tracebacks. It is refused where the app is built,
+    before any replica starts, as a RayServeException: Serve's controller, which runs the builder
+    under `serve deploy`, shows such an error's text as the app's status message (any other
+    exception's traceback)."""
+    from ray.serve.exceptions import RayServeException
+
+    from services.app import build_app
+
+    with pytest.raises(RayServeException) as caught:
+        build_app({"models": models})
+    message = str(caught.value)
+    assert message.startswith(reason) and "\n" not in message, message
+
+
+def test_a_config_pydantic_refuses_is_one_line_where_the_app_is_built():
+    """As a missing model: the reason of a config that does not validate (Serve's status message was
+    pydantic's traceback)."""
+    from ray.serve.exceptions import RayServeException
+
+    from services.app import build_app
+
+    with pytest.raises(RayServeException, match=r"^policy: unknown policy 'bogus'") as caught:
+        build_app({"policy": {"name": "bogus"}})
+    assert "\n" not in str(caught.value)
+
+
+def test_the_models_are_checked_for_the_replicas_gpus_not_the_builders():
+    """The builder may run where no GPU is (Serve's controller on a CPU head node): a config putting
+    the models on the replicas' GPUs builds there."""
+    from ray.serve._private.build_app import build_app as flatten_app
+
+    from services.app import build_app
+
+    config = AppConfig(models={"device": "cuda"}, draft=ReplicaConfig(num_gpus=1), verifier=ReplicaConfig(num_gpus=1))
+    assert {d.name for d in flatten_app(build_app(config), name="specdec").deployments} >= {"Draft", "Verifier"}
