@@ -109,8 +109,7 @@ class LoopHost:
             else:
                 if failing:  # (a warning too: where the outage was seen, so is its end)
                     logger.warning("the live cap follows the replicas again")
-                failing = False
-            first = False
+                failing = first = False  # (a first read that failed: the first that does not moves the cap at once)
             await asyncio.sleep(LIVE_CAP_REFRESH_S)
 
 

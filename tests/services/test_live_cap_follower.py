@@ -88,6 +88,39 @@ def test_the_first_read_moves_a_busy_loop_to_the_replicas_running_at_once(serve_
     assert loop.batch.max_live_sessions == CAP.batch(BatchConfig(), 8).max_live_sessions == 42
 
 
+def test_a_first_read_that_failed_leaves_the_move_at_once_to_the_first_that_answers(monkeypatch):
+    """A controller that does not answer the follower's first read (restarting as the coordinator
+    starts): the first read that answers is its first, and moves the cap at once. Before, the failed
+    read counted as the first, and a busy loop kept its fewest-replica cap until its sessions left."""
+    from specdec.errors import Unavailable
+
+    loop_host = host(CAP, live=8)
+    loop = loop_host.coordinator.loop
+    answers, asked = [None, 8], []
+
+    async def deployments():
+        if not answers:  # (no more reads answered)
+            await asyncio.Event().wait()
+        asked.append(answer := answers.pop(0))
+        if answer is None:
+            raise Unavailable("Serve's controller did not answer in 5 s")
+        return status(answer)
+
+    monkeypatch.setattr(replicas, "app_deployments", deployments)
+    monkeypatch.setattr(replicas, "LIVE_CAP_REFRESH_S", 0)
+
+    async def scenario():
+        loop_host._follow_replicas()
+        while answers:
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        loop_host._following.cancel()
+
+    asyncio.run(scenario())
+    assert asked == [None, 8]
+    assert loop.batch.max_live_sessions == CAP.batch(BatchConfig(), 8).max_live_sessions == 42
+
+
 def test_later_reads_raise_a_busy_loops_cap_as_its_sessions_leave(serve_status):
     """After the first read the ramp holds: replicas added later take new sessions only, while the
     live ones stay where they are."""
