@@ -5,7 +5,9 @@ from specdec.policies.base import Decision, DraftStep, PolicyTraits, StoppingPol
 
 class Confidence(StoppingPolicy):
     """HF transformers' dynamic default (`assistant_confidence_threshold`): stop the round after a
-    token drafted while the draft's top probability was below the threshold."""
+    token drafted while the draft's top probability was below the threshold (DESIGN.md's rule).
+    Greedy, that is HF's `ConfidenceCriteria`; sampled, HF reads the probability of the token it
+    drew instead, which is the top one only where the draw took it."""
 
     name = "confidence"
     traits = PolicyTraits(reads_distribution=True, stops_on_q=True, reads_threshold=True)
