@@ -26,6 +26,27 @@ UNARY_THREADS = 4
 MAX_ROUND_MESSAGE_BYTES = 2**31 - 1
 
 
+def keepalive(time_ms: int, timeout_ms: int) -> tuple[tuple, tuple]:
+    """(the coordinator's channel options, the replica's server options) for HTTP/2 keepalive
+    pings every `time_ms` without traffic, a peer that leaves one unanswered for `timeout_ms` taken
+    for gone. A machine that vanishes without closing its TCP connections is otherwise never
+    noticed: a replica kept a gone coordinator's round streams open for good (and refuses streams
+    past MAX_STREAMS), a coordinator waited on a gone replica's reply for the whole call timeout.
+    gRPC's core (grpcio 1.85) waits for a ping's answer as long as `ping_timeout_ms` says (a minute
+    unless set), whatever `keepalive_timeout_ms` does, so both are set. Pings go on while a stream
+    is open with nothing to send (`max_pings_without_data` 0: gRPC's default stops after two), and
+    the server takes them as often as the client sends them (its default takes one more often than
+    every 5 minutes for abuse and closes the connection, GOAWAY "too_many_pings")."""
+    both = (("grpc.keepalive_time_ms", time_ms), ("grpc.keepalive_timeout_ms", timeout_ms),
+            ("grpc.http2.ping_timeout_ms", timeout_ms), ("grpc.http2.max_pings_without_data", 0))
+    return both, both + (("grpc.http2.min_ping_interval_without_data_ms", time_ms // 2),)
+
+
+# A gone peer is noticed within about 40 s, well inside a round call's timeout
+# (services/transports.py CALL_TIMEOUT_S), for a ping of a few bytes each 30 s of silence.
+CHANNEL_KEEPALIVE, SERVER_KEEPALIVE = keepalive(30_000, 10_000)
+
+
 class MalformedRequests(grpc.ServerInterceptor):
     """A request that does not parse as its method's message (a peer built on another version of
     protos/, a corrupt frame) is INVALID_ARGUMENT with one line saying so: gRPC's own answer is
@@ -70,7 +91,7 @@ def start_server(draft: DraftServicer | None = None, verifier: VerifierServicer 
     threads = max_workers or UNARY_THREADS + MAX_STREAMS * ((draft is not None) + (verifier is not None))
     server = grpc.server(executor or futures.ThreadPoolExecutor(max_workers=threads),
                          interceptors=([ApiKeyInterceptor(api_key)] if api_key else []) + [MalformedRequests()],
-                         options=[("grpc.max_receive_message_length", MAX_ROUND_MESSAGE_BYTES)])
+                         options=[("grpc.max_receive_message_length", MAX_ROUND_MESSAGE_BYTES), *SERVER_KEEPALIVE])
     if draft is not None:
         draft_pb2_grpc.add_DraftServicer_to_server(draft, server)
     if verifier is not None:

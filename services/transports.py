@@ -43,7 +43,7 @@ from services.convert import (convert_items, merge_answers, plan_to_proto, propo
                               propose_item_to_proto, timings_from_proto, unpacked_for_verifier, verdict_from_proto,
                               verify_item_to_proto)
 from services.errors import from_grpc
-from services.server import MAX_ROUND_MESSAGE_BYTES
+from services.server import CHANNEL_KEEPALIVE, MAX_ROUND_MESSAGE_BYTES
 from services.servicers import STREAMS_REFUSED
 
 logger = logging.getLogger(__name__)
@@ -310,7 +310,7 @@ class GrpcTransport:
         if address not in self._channels:
             self._channels[address] = grpc.aio.insecure_channel(
                 address, options=[("grpc.max_send_message_length", MAX_ROUND_MESSAGE_BYTES),
-                                  ("grpc.max_receive_message_length", MAX_ROUND_MESSAGE_BYTES)])
+                                  ("grpc.max_receive_message_length", MAX_ROUND_MESSAGE_BYTES), *CHANNEL_KEEPALIVE])
         return self._channels[address]
 
     async def _send(self, served_by: Service, owner: str, method: str, request: Message, routing_key: str) -> Any:
