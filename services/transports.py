@@ -3,11 +3,13 @@
 
 A batch is split by the replica that owns each session, and the groups go out at once, one call
 each. Over gRPC a Propose or Verify goes as a message on a stream kept open to that replica
-(`RoundStreams`), the unary call where the replica holds no more streams. Each draft (by name, `EngineConfig.drafts`) is a service of its own: its replicas hold only
-its sessions, and a Propose goes to the draft it names. A group whose replica does not answer (gone,
-restarting, unreachable, hung past the call timeout) comes back `Unreachable` and its sessions
-forget their replica: the loop retries them, in full, wherever Serve's router sends them next. Any
-other failure of a call comes back `Failed`: that call's sessions fail, the other replicas' go on.
+(`RoundStreams`), the unary call where the replica holds no more streams or serves none (a replica
+of an earlier version, during a rolling upgrade). Each draft (by name, `EngineConfig.drafts`) is a
+service of its own: its replicas hold only its sessions, and a Propose goes to the draft it names.
+A group whose replica does not answer (gone, restarting, unreachable, hung past the call timeout)
+comes back `Unreachable` and its sessions forget their replica: the loop retries them, in full,
+wherever Serve's router sends them next. Any other failure of a call comes back `Failed`: that
+call's sessions fail, the other replicas' go on.
 
     GrpcTransport     our gRPC services at fixed addresses (a draft each, one verifier: tests, benchmarks)
     DirectTransport   our gRPC services on each replica's own server; Serve's consistent-hash
@@ -69,22 +71,27 @@ class RoundStreams:
     """The round streams open to replicas: idle ones by (address, method), taken by one call at a
     time (a lane's step makes one call per replica, and lanes step at once). A stream whose call did
     not end with its reply (an error, a timeout, a cancelled request) is closed, never reused: its
-    reply could still come. A replica that refused a new stream gets unary calls for a while."""
+    reply could still come. A replica that refused a new stream gets unary calls for a while; one
+    that serves no streams (UNIMPLEMENTED: a version from before them, during a rolling upgrade)
+    gets them until it is gone."""
 
     REFUSED_FOR_S = 30.0
 
     def __init__(self):
         self._idle: dict[tuple[str, str], list[grpc.aio.StreamStreamCall]] = {}
         self._refused: dict[str, float] = {}  # address -> when it refused
+        self._unstreamed: set[str] = set()  # addresses whose replica serves no round streams
 
     def open(self, address: str) -> bool:
         """Whether calls to `address` go on streams now."""
+        if address in self._unstreamed:
+            return False
         refused = self._refused.get(address)
         return refused is None or time.monotonic() - refused > self.REFUSED_FOR_S
 
     async def call(self, stub, address: str, method: str, request: Message, timeout_s: float, metadata) -> Any:
         """One request on a stream of `method` to `address`: the reply, or raises grpc.aio.AioRpcError
-        (or TimeoutError); None where the replica refused a new stream (call it unary)."""
+        (or TimeoutError); None where the replica refused a new stream or serves none (call it unary)."""
         idle = self._idle.setdefault((address, method), [])
         while idle and idle[-1].done():  # ended while idle: its replica went or restarted
             idle.pop()
@@ -113,6 +120,9 @@ class RoundStreams:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and exc.details() == STREAMS_REFUSED:
                 self._refused[address] = time.monotonic()
                 return None
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # an earlier version's replica: not gone, and
+                self._unstreamed.add(address)                # its unary calls answer
+                return None
             raise
         finally:
             if answered:
@@ -121,11 +131,13 @@ class RoundStreams:
                 stream.cancel()
 
     def drop(self, address: str) -> None:
-        """Close the idle streams to `address` and forget its refusal (its replica is gone)."""
+        """Close the idle streams to `address` and forget its refusal (its replica is gone: one of
+        another version may come there)."""
         for key in [key for key in self._idle if key[0] == address]:
             for stream in self._idle.pop(key):
                 stream.cancel()
         self._refused.pop(address, None)
+        self._unstreamed.discard(address)
 
     def close(self) -> None:
         for streams in self._idle.values():

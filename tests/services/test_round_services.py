@@ -690,6 +690,47 @@ def test_a_replica_that_holds_its_most_streams_is_called_unary(tiny_engine, monk
     assert result.completions[0].token_ids == engine_ids(tiny_engine, PROMPTS[1], params)[0]
 
 
+class WithoutStreams(grpc.ServerInterceptor):
+    """A replica of a version before the round streams (a rolling upgrade's old replicas): its
+    server knows no ProposeStream or VerifyStream, and gRPC answers them UNIMPLEMENTED. `methods`:
+    the calls that reached it, by method."""
+
+    def __init__(self):
+        self.methods = Counter()
+
+    def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        self.methods[method] += 1
+        return None if method.endswith("Stream") else continuation(handler_call_details)
+
+
+def test_a_replica_without_the_round_streams_is_called_unary(tiny_engine):
+    """A draft and a verifier replica of an earlier version answer the streams UNIMPLEMENTED: the
+    calls go unary there, each replica's stream tried once, and the output is the same (the answer
+    was taken for the replica gone, and the sessions were retried there until they failed)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    old = WithoutStreams()
+    servers = [grpc.server(ThreadPoolExecutor(max_workers=4), interceptors=[old]) for _ in range(2)]
+    draft = DraftServicer(DraftWorker(tiny_engine.draft, tiny_engine.head))
+    draft_pb2_grpc.add_DraftServicer_to_server(draft, servers[0])
+    verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(VerifierWorker(tiny_engine.target)), servers[1])
+    addresses = [f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}" for server in servers]
+    params = build_params(policy="fixed", k=3, max_new_tokens=MAX_NEW_TOKENS)
+    try:
+        for server in servers:
+            server.start()
+        loop = RoundLoop(GrpcTransport(*addresses), tiny_engine.rules, retry=FAST_RETRY)
+        [result] = run(loop, [(PROMPTS[2], params)])
+    finally:
+        for server in servers:
+            server.stop(None)
+    assert not isinstance(result, BaseException), result
+    assert result.completions[0].token_ids == engine_ids(tiny_engine, PROMPTS[2], params)[0]
+    assert old.methods["ProposeStream"] == old.methods["VerifyStream"] == 1
+    assert old.methods["Propose"] > 3 and old.methods["Verify"] > 3  # every round, unary
+
+
 class TwoVerifiers(GrpcTransport):
     """Sessions alternate between two verifier servers, in the order they first show up."""
 
