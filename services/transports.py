@@ -455,7 +455,8 @@ class HandleTransport(DirectTransport):
     routed by its first session's id moved whole each time that session changed, and left its
     copies until their TTL). A reply names the replica that answered (`replica`); where that is not
     the group's, each of its sessions is looked up by its own id, as a new one is, and its copies
-    elsewhere are released. Releases go straight to the owner's own gRPC server."""
+    elsewhere are released. Releases go straight to the owner's own gRPC server. A call given up on
+    (the call timeout, its caller cancelled) is cancelled on its replica."""
 
     RELEASE_TIMEOUT_S = 5.0  # a moved session's old copy: best effort, its TTL frees it otherwise
 
@@ -479,10 +480,14 @@ class HandleTransport(DirectTransport):
         key = self._routes.get(owner, routing_key)
         handle = self._handles[served_by].options(session_id=key)  # affinity is per hop: set it every call
         try:
-            payload = await asyncio.wait_for(
-                own_request(lambda: getattr(handle, method.lower()).remote(request.SerializeToString())),
-                self.timeout_s)
-        except TimeoutError:
+            response = own_request(lambda: getattr(handle, method.lower()).remote(request.SerializeToString()))
+            payload = await asyncio.wait_for(response, self.timeout_s)
+        except (TimeoutError, asyncio.CancelledError) as exc:  # (raised by the wait: `response` is set)
+            # Given up on (no answer in time, or its caller cancelled): cancelled on its replica as
+            # well. Cancelling only the wait left a Ray actor call (`actor`) running there.
+            response.cancel()
+            if not isinstance(exc, TimeoutError):
+                raise
             self._routes.pop(owner, None)
             raise ReplicaGone(f"{served_by}: no answer in {self.timeout_s:g} s") from None
         except self.retryable:

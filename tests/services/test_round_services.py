@@ -19,7 +19,7 @@ from services.convert import pack_distribution, sparsifier, sparsify_logits, unp
 from services.server import start_server
 from services import servicers
 from services.servicers import DraftServicer, VerifierServicer
-from services.transports import GrpcTransport, HandleTransport, RoundStreams, service
+from services.transports import GrpcTransport, HandleTransport, ReplicaGone, RoundStreams, service
 from specdec.sequences import DraftTraits
 from specdec.engine import SpecDecEngine
 from specdec.errors import InvalidRequestError
@@ -893,6 +893,66 @@ def test_handle_calls_follow_a_changed_ring_and_release_what_they_left(tiny_engi
     if change == "swap":
         assert all(len(replicas) == 2 for replicas in where.values())
     assert [len(verifier.sessions) for verifier in verifiers] == [0, 0] and len(draft.sessions) == 0
+
+
+class Unanswered:
+    """A Serve deployment handle whose round calls never answer (a replica stuck in a pass), as
+    HandleTransport calls it: `responses` holds each call's DeploymentResponse stand-in, which
+    records whether it was cancelled (DeploymentResponse.cancel cancels the call on its replica)."""
+
+    class Response:
+        cancelled = False
+
+        def __await__(self):
+            return asyncio.get_running_loop().create_future().__await__()  # (never set)
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    def __init__(self):
+        self.responses: list[Unanswered.Response] = []
+
+    def options(self, **_):
+        return self
+
+    def __getattr__(self, name: str):
+        handle = self
+
+        class Method:
+            def remote(self, payload: bytes | None = None):
+                if name == "address":
+                    return asyncio.sleep(0, "stuck:1")
+                handle.responses.append(Unanswered.Response())
+                return handle.responses[-1]
+
+        return Method()
+
+
+@pytest.mark.parametrize("end", ["timeout", "cancelled"])
+def test_a_handle_call_given_up_is_cancelled_on_its_replica(end):
+    """`serve-grpc` / `actor`: a round call that has no answer within the call timeout, or whose
+    caller is cancelled, is cancelled on its replica: the DeploymentResponse was left running there
+    (a Ray actor call goes on when only its wait is cancelled: test_serve_handle_cancel.py)."""
+    draft = Unanswered()
+    transport = HandleTransport(draft, Unanswered())
+    transport.timeout_s = 0.05 if end == "timeout" else 60.0
+
+    async def call():
+        sent = asyncio.create_task(transport._send(service("draft"), "stuck:1", "Propose",
+                                                   draft_pb2.ProposeBatch(items=[propose_item()]), "s"))
+        if end == "timeout":
+            with pytest.raises(ReplicaGone):
+                await sent
+        else:
+            while not draft.responses:
+                await asyncio.sleep(0)
+            sent.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await sent
+        await transport.close()
+
+    asyncio.run(call())
+    assert len(draft.responses) == 1 and draft.responses[0].cancelled
 
 
 def test_a_cancelled_session_leaves_the_others_unchanged(servers, tiny_engine):
