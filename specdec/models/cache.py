@@ -165,10 +165,16 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(RAGGED_ATTENTION, sdpa_mask)  # plain forw
 
 
 def supports_slots(model) -> bool:
-    """Slots need full attention in every layer and attention through transformers' interface."""
+    """Slots need full attention in every layer and attention through transformers' interface.
+    A model names its sliding layers in `layer_types` (Qwen2, Gemma); one without them (Mistral,
+    Phi-3, Starcoder2) slides in every layer when its config has a `sliding_window` shorter than its
+    context: the slot and static attention ignore the window and would attend every position."""
     config = model.config
-    return ("sliding_attention" not in (getattr(config, "layer_types", None) or [])
-            and getattr(model, "_can_set_attn_implementation", lambda: True)())
+    layer_types = getattr(config, "layer_types", None) or []
+    window = getattr(config, "sliding_window", None)
+    slides = ("sliding_attention" in layer_types if layer_types
+              else window is not None and window < config.max_position_embeddings)
+    return not slides and getattr(model, "_can_set_attn_implementation", lambda: True)()
 
 
 @dataclass
