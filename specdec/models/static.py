@@ -38,7 +38,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from specdec.models.cache import Feed, KVSession, PassRows, StateReader, reading
+from specdec.models.cache import Feed, KVSession, PassRows, StateReader, no_mask, reading
 from specdec.models.pool import SlotPool
 
 STATIC_ATTENTION = "specdec_static"
@@ -240,7 +240,7 @@ class StaticKV:
         its kernels, so a replay hands out the states without running Python."""
         with reading(self.reader):
             hidden = model.model(input_ids=input_ids, position_ids=batch.positions.clamp(max=self.capacity - 1),
-                                 attention_mask={"full_attention": None}, use_cache=False, static=batch,
+                                 attention_mask=no_mask(input_ids.device), use_cache=False, static=batch,
                                  static_kv=self).last_hidden_state
         return hidden, None if self.reader is None else self.reader.take()
 
