@@ -164,12 +164,14 @@ AttentionInterface.register(RAGGED_ATTENTION, ragged_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(RAGGED_ATTENTION, sdpa_mask)  # plain forwards build sdpa's masks
 
 
-def no_mask(device: torch.device) -> torch.Tensor:
-    """The attention mask a ragged or static pass hands the model: a 4D tensor, which transformers'
-    mask builders (`create_causal_mask`, the sliding one) give back as it is, so no mask is built;
-    the pass's attention function brings its own and never reads this one. A mapping
-    {"full_attention": None} skips the builders only in models that take one (those with
-    `layer_types`: Qwen2, Qwen3); Llama, Mistral and Phi-3 pass it to the builder, which fails."""
+def no_mask(model, device: torch.device) -> dict | torch.Tensor:
+    """The attention mask a ragged or static pass hands the model, so that transformers builds none:
+    the pass's attention function brings its own and never reads it. A model with `layer_types`
+    (Qwen2, Qwen3) takes the mapping {"full_attention": None} as its masks, built; every other
+    (Llama, Mistral, Phi-3) hands what it gets to the mask builder, which fails on a mapping and
+    gives a 4D tensor back as it is."""
+    if getattr(model.config, "layer_types", None):
+        return {"full_attention": None}
     return torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
 
 
@@ -283,7 +285,7 @@ class SlotKV:
         positions = torch.tensor([batch.positions], dtype=torch.long, device=device)  # [1, T]
         with reading(self.reader):
             out = model.model(input_ids=input_ids, position_ids=positions, cache=self.cache, use_cache=True,
-                              attention_mask=no_mask(device), ragged=batch)
+                              attention_mask=no_mask(model, device), ragged=batch)
         rows = [i for b, f in enumerate(feeds) for i in range(batch.bounds[b + 1] - f.num_outputs, batch.bounds[b + 1])]
         read = None if self.reader is None else list(self.reader.take()[0].split(counts))
         return out.last_hidden_state[0, rows], read  # [sum num_outputs, H]

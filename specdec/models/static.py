@@ -240,7 +240,7 @@ class StaticKV:
         its kernels, so a replay hands out the states without running Python."""
         with reading(self.reader):
             hidden = model.model(input_ids=input_ids, position_ids=batch.positions.clamp(max=self.capacity - 1),
-                                 attention_mask=no_mask(input_ids.device), use_cache=False, static=batch,
+                                 attention_mask=no_mask(model, input_ids.device), use_cache=False, static=batch,
                                  static_kv=self).last_hidden_state
         return hidden, None if self.reader is None else self.reader.take()
 
