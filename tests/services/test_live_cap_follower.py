@@ -70,6 +70,37 @@ def serve_status(monkeypatch) -> Status:
     return serve_status
 
 
+DOWN = None  # a read of Serve's status that fails
+
+
+def follow_reads(monkeypatch, loop_host: replicas.LoopHost, answers: list) -> list:
+    """Runs the follower of `loop_host` through reads of Serve's status answering `answers` in turn
+    (replicas running, or DOWN) and stops it after the last; returns the answers it read."""
+    from specdec.errors import Unavailable
+
+    answers, asked = list(answers), []
+
+    async def deployments():
+        if not answers:  # (no more reads answered)
+            await asyncio.Event().wait()
+        asked.append(answer := answers.pop(0))
+        if answer is DOWN:
+            raise Unavailable("Serve's controller did not answer in 5 s")
+        return status(answer)
+
+    monkeypatch.setattr(replicas, "app_deployments", deployments)
+    monkeypatch.setattr(replicas, "LIVE_CAP_REFRESH_S", 0)
+
+    async def scenario():
+        loop_host._follow_replicas()
+        while answers:
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        loop_host._following.cancel()
+
+    asyncio.run(scenario())
+    return asked
+
 def test_the_first_read_moves_a_busy_loop_to_the_replicas_running_at_once(serve_status):
     """The follower starts with the loop's first request: the sessions live by its first read were
     placed on the replicas running then (8 here, the loop's cap still at the fewest), not on fewer
@@ -92,34 +123,9 @@ def test_a_first_read_that_failed_leaves_the_move_at_once_to_the_first_that_answ
     """A controller that does not answer the follower's first read (restarting as the coordinator
     starts): the first read that answers is its first, and moves the cap at once. Before, the failed
     read counted as the first, and a busy loop kept its fewest-replica cap until its sessions left."""
-    from specdec.errors import Unavailable
-
     loop_host = host(CAP, live=8)
-    loop = loop_host.coordinator.loop
-    answers, asked = [None, 8], []
-
-    async def deployments():
-        if not answers:  # (no more reads answered)
-            await asyncio.Event().wait()
-        asked.append(answer := answers.pop(0))
-        if answer is None:
-            raise Unavailable("Serve's controller did not answer in 5 s")
-        return status(answer)
-
-    monkeypatch.setattr(replicas, "app_deployments", deployments)
-    monkeypatch.setattr(replicas, "LIVE_CAP_REFRESH_S", 0)
-
-    async def scenario():
-        loop_host._follow_replicas()
-        while answers:
-            await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        loop_host._following.cancel()
-
-    asyncio.run(scenario())
-    assert asked == [None, 8]
-    assert loop.batch.max_live_sessions == CAP.batch(BatchConfig(), 8).max_live_sessions == 42
-
+    assert follow_reads(monkeypatch, loop_host, [DOWN, 8]) == [DOWN, 8]
+    assert loop_host.coordinator.loop.batch.max_live_sessions == CAP.batch(BatchConfig(), 8).max_live_sessions == 42
 
 def test_later_reads_raise_a_busy_loops_cap_as_its_sessions_leave(serve_status):
     """After the first read the ramp holds: replicas added later take new sessions only, while the
@@ -181,35 +187,10 @@ def test_a_status_that_cannot_be_read_is_logged_once_and_its_return_once(monkeyp
     stays as it was meanwhile."""
     import logging
 
-    from specdec.errors import Unavailable
-
-    DOWN = 0  # (a read that fails)
     loop_host = host(CAP, live=0)
     loop = loop_host.coordinator.loop
-    answers = asyncio.Queue()
-    asked = []
-
-    async def deployments():
-        answer = await answers.get()
-        asked.append(answer)
-        if answer == DOWN:
-            raise Unavailable("Serve's controller did not answer in 5 s")
-        return status(answer)
-
-    monkeypatch.setattr(replicas, "app_deployments", deployments)
-    monkeypatch.setattr(replicas, "LIVE_CAP_REFRESH_S", 0)
-
-    async def scenario():
-        loop_host._follow_replicas()
-        for answer in (8, DOWN, DOWN, DOWN, 8, 8, DOWN, 8):
-            answers.put_nowait(answer)
-        while len(asked) < 8 or answers.qsize():
-            await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        loop_host._following.cancel()
-
     with caplog.at_level(logging.DEBUG, logger=replicas.logger.name):
-        asyncio.run(scenario())
+        follow_reads(monkeypatch, loop_host, [8, DOWN, DOWN, DOWN, 8, 8, DOWN, 8])
     records = [r for r in caplog.records if r.name == replicas.logger.name]
     shown = [r for r in records if r.levelno >= logging.INFO]
     failing = "the live cap cannot follow the replicas (kept as it is): Serve's controller did not answer in 5 s"

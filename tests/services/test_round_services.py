@@ -928,32 +928,40 @@ class Unanswered:
         return Method()
 
 
+async def give_up_on_a_call(transport: HandleTransport, end: str, begun) -> None:
+    """A Propose through `transport` that it gives up on: `timeout` (its call timeout passes), or
+    `cancelled` (its caller cancelled, once `begun()` says the replica took it)."""
+    sent = asyncio.create_task(transport._send(service("draft"), "stuck:1", "Propose",
+                                               draft_pb2.ProposeBatch(items=[propose_item()]), "s"))
+    if end == "timeout":
+        with pytest.raises(ReplicaGone):
+            await sent
+    else:
+        while not await begun():
+            await asyncio.sleep(0.01)
+        sent.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await sent
+    await transport.close()
+
+
 @pytest.mark.parametrize("end", ["timeout", "cancelled"])
 def test_a_handle_call_given_up_is_cancelled_on_its_replica(end):
     """`serve-grpc` / `actor`: a round call that has no answer within the call timeout, or whose
     caller is cancelled, is cancelled on its replica: the DeploymentResponse was left running there
     (a Ray actor call goes on when only its wait is cancelled: test_serve_handle_cancel.py)."""
     draft = Unanswered()
-    transport = HandleTransport(draft, Unanswered())
-    transport.timeout_s = 0.05 if end == "timeout" else 60.0
+
+    async def begun() -> bool:
+        return bool(draft.responses)
 
     async def call():
-        sent = asyncio.create_task(transport._send(service("draft"), "stuck:1", "Propose",
-                                                   draft_pb2.ProposeBatch(items=[propose_item()]), "s"))
-        if end == "timeout":
-            with pytest.raises(ReplicaGone):
-                await sent
-        else:
-            while not draft.responses:
-                await asyncio.sleep(0)
-            sent.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await sent
-        await transport.close()
+        transport = HandleTransport(draft, Unanswered())
+        transport.timeout_s = 0.05 if end == "timeout" else 60.0
+        await give_up_on_a_call(transport, end, begun)
 
     asyncio.run(call())
     assert len(draft.responses) == 1 and draft.responses[0].cancelled
-
 
 def test_a_cancelled_session_leaves_the_others_unchanged(servers, tiny_engine):
     transport = RecordingTransport(*servers.addresses)

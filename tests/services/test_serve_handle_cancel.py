@@ -12,10 +12,9 @@ import pytest
 import ray
 from ray import serve
 
-from services.transports import HandleTransport, ReplicaGone, service
-from specdec.v1 import draft_pb2
+from services.transports import HandleTransport
 
-from test_round_services import propose_item
+from test_round_services import give_up_on_a_call
 
 
 @serve.deployment(max_ongoing_requests=8)
@@ -61,21 +60,13 @@ def counts(handle) -> tuple[int, int]:
 def test_a_handle_call_given_up_stops_on_its_replica(stuck, grpc_transport, end):
     begun, cancelled = counts(stuck)
 
+    async def begun_here() -> bool:
+        return (await stuck.counts.remote())[0] > begun
+
     async def call():
         transport = HandleTransport(stuck, None, grpc_transport=grpc_transport)
         transport.timeout_s = 10.0 if end == "timeout" else 120.0
-        sent = asyncio.create_task(transport._send(service("draft"), "stuck:1", "Propose",
-                                                   draft_pb2.ProposeBatch(items=[propose_item()]), "s"))
-        if end == "timeout":
-            with pytest.raises(ReplicaGone):
-                await sent
-        else:
-            while (await stuck.counts.remote())[0] == begun:
-                await asyncio.sleep(0.05)
-            sent.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await sent
-        await transport.close()
+        await give_up_on_a_call(transport, end, begun_here)
 
     asyncio.run(call())
     deadline = time.monotonic() + 60  # (the cancel reaches the replica by Ray's own messages)
