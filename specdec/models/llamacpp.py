@@ -89,12 +89,22 @@ def amx_build() -> bool:
     return AMX_BUILD_MARK in library().llama_print_system_info().decode(errors="replace")
 
 
+def available_cores() -> int:
+    """The cores this process may run on: its CPU affinity (taskset, a container's or a Slurm job's
+    cpuset), which torch's default threads follow too. os.cpu_count() counts the machine's, and
+    llama.cpp's threads wait for each other spinning: more threads than cores slow every pass."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # (no affinity outside Linux)
+        return os.cpu_count() or 1
+
+
 class LlamaCppOptions(BaseModel):
     """A llama.cpp context's settings (the `llamacpp` section of an engine config)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    threads: int | None = Field(None, ge=1)  # None: every core
+    threads: int | None = Field(None, ge=1)  # None: every core the process may run on (available_cores)
     sequences: int = Field(DEFAULT_SEQUENCES, ge=1, le=MAX_SEQUENCES)  # sessions with a cache at once
     context: int = Field(DEFAULT_CONTEXT, ge=16)  # cache cells shared by all sessions; one session's limit too
     batch: int = Field(DEFAULT_BATCH, ge=1)  # tokens per llama_decode call
@@ -154,7 +164,7 @@ class LlamaCppModel:
         params = lib.llama_context_default_params()
         params.n_ctx, params.n_seq_max, params.kv_unified = options.context, options.sequences, True
         params.n_batch = params.n_ubatch = options.batch
-        params.n_threads = params.n_threads_batch = self.threads = options.threads or os.cpu_count() or 1
+        params.n_threads = params.n_threads_batch = self.threads = options.threads or available_cores()
         params.embeddings = hidden
         params.pooling_type = lib.LLAMA_POOLING_TYPE_NONE
         self.context = lib.llama_init_from_model(self.model, params)

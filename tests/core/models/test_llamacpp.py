@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import re
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -186,6 +189,25 @@ def test_a_full_cache_evicts_other_sessions_and_a_session_that_cannot_fit_fails_
     with pytest.raises(LlamaCppError, match="does not fit"):
         target.score([target.new_session()], [list(range(1, 250))], [[3] * 10])
     assert second.tokens == long_b + [2]  # the refused pass changed nothing
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity (Linux)")
+def test_threads_default_to_the_cores_the_process_may_run_on(gguf_pair):
+    """Found by a bug hunt: without `threads` llama.cpp took os.cpu_count(), every core of the machine,
+    where the process may run on fewer (taskset, a container's or Slurm job's cpuset; torch's default
+    follows them): on a 64-core host with 4 cores, 64 threads spinning at each pass's barriers."""
+    cores = os.sched_getaffinity(0)
+    if len(cores) < 2:
+        pytest.skip("one core: nothing to restrict")
+    import specdec
+    code = (f"import os, sys; os.sched_setaffinity(0, {{{min(cores)}}}); "  # (before llama.cpp loads)
+            "from specdec.models.llamacpp import LlamaCppOptions, LlamaCppTargetRuntime; "
+            "r = LlamaCppTargetRuntime(sys.argv[1], options=LlamaCppOptions(context=256, sequences=4)); "
+            "print(r.llama.threads, r.llama.lib.llama_n_threads(r.llama.context), "
+            "r.llama.lib.llama_n_threads_batch(r.llama.context))")
+    done = subprocess.run([sys.executable, "-c", code, str(gguf_pair[1])], capture_output=True, text=True,
+                          cwd=Path(specdec.__file__).parents[1], check=True)
+    assert done.stdout.split() == ["1", "1", "1"]
 
 
 def generate(engine, prompt: list[int], policy: PolicyConfig, max_new_tokens: int = 40) -> list[int]:
