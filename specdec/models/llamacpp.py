@@ -9,7 +9,8 @@ the draft the final hidden state: embeddings with pooling NONE, taken after the 
 transformers' last_hidden_state) are read only at the positions a feed asks for; llama.cpp computes
 them at every token of a pass while hidden states are on, so the draft runs a long pass's unread
 tokens (a prefill, a catch-up) with them off first. Rollback is `llama_memory_seq_rm` from the kept
-length on.
+length on; a recurrent or hybrid model (Mamba, LFM2), whose state llama.cpp cannot cut back, loses
+the session's whole sequence instead and re-prefills it at its next pass.
 
 Sequences and cache cells are finite, and a session's cache is only a cache (models/runtime.py):
 a session gets a sequence from the runtime's slot pool (models/pool.py) at its first pass; when none
@@ -208,9 +209,10 @@ class LlamaCppModel:
         """[H] the final hidden state of the batch's token `index`, copied."""
         return np.ctypeslib.as_array(self.lib.llama_get_embeddings_ith(self.context, index), shape=(self.n_embd,)).copy()
 
-    def remove(self, seq: int, start: int) -> None:
-        """Drop sequence `seq`'s positions from `start` on."""
-        self.lib.llama_memory_seq_rm(self.memory, seq, start, -1)
+    def remove(self, seq: int, start: int) -> bool:
+        """Drop sequence `seq`'s positions from `start` on; False where llama.cpp cannot cut it there
+        (a recurrent or hybrid model: one state per sequence), which leaves it as it was."""
+        return self.lib.llama_memory_seq_rm(self.memory, seq, start, -1)
 
     def close(self) -> None:
         if self.context:
@@ -254,8 +256,12 @@ class LlamaCppRuntime(Runtime):
 
     def rollback(self, session: KVSession, length: int) -> None:
         if length < len(session.tokens):
-            if session.handle is not None:
-                self.llama.remove(session.handle, length)
+            if session.handle is not None and not self.llama.remove(session.handle, length):
+                # A recurrent or hybrid model's state (Mamba, LFM2) holds every position it has seen:
+                # left as it is, the rejected candidates stay in it and the next pass's positions
+                # break the sequence. The whole sequence goes (that never fails) and re-prefills.
+                self.llama.remove(session.handle, 0)
+                length = 0
             del session.tokens[length:]
 
     @torch.inference_mode()

@@ -447,3 +447,77 @@ def test_a_draft_with_another_tokenizer_is_named_as_the_user_gave_it(gguf_pair, 
                           cache_dir=str(tmp_path / "cache"))
     with pytest.raises(IncompatibleModelsError, match=re.escape(f"the draft ({other}) and target tokenizers")):
         build_rules(config, progress=False)
+
+
+# -- a recurrent model (one state per sequence, not a cache cell per position) ---------------------------
+
+def write_tiny_mamba_gguf(path: Path, seed: int = 0, hidden: int = 16, d_state: int = 4, d_conv: int = 4,
+                          dt_rank: int = 2) -> Path:
+    """A one-layer Mamba GGUF over the byte vocabulary (llama.cpp's recurrent memory)."""
+    import gguf
+
+    tokens, d_inner = byte_level_tokens(), 2 * hidden
+    rng = np.random.default_rng(seed)
+
+    def rand(*shape):
+        return rng.normal(0, 0.3, shape).astype(np.float32)
+
+    weights = {"token_embd.weight": rand(len(tokens), hidden), "output_norm.weight": np.ones(hidden, np.float32),
+               "blk.0.attn_norm.weight": np.ones(hidden, np.float32), "blk.0.ssm_in.weight": rand(2 * d_inner, hidden),
+               "blk.0.ssm_conv1d.weight": rand(d_inner, d_conv), "blk.0.ssm_conv1d.bias": rand(d_inner),
+               "blk.0.ssm_x.weight": rand(dt_rank + 2 * d_state, d_inner), "blk.0.ssm_dt.weight": rand(d_inner, dt_rank),
+               "blk.0.ssm_dt.bias": rand(d_inner), "blk.0.ssm_a": -np.abs(rand(d_inner, d_state)) - 0.5,
+               "blk.0.ssm_d": rand(d_inner), "blk.0.ssm_out.weight": rand(hidden, d_inner)}
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.add_block_count(1)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(0)
+    writer.add_head_count(0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_ssm_conv_kernel(d_conv)
+    writer.add_ssm_inner_size(d_inner)
+    writer.add_ssm_state_size(d_state)
+    writer.add_ssm_time_step_rank(dt_rank)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * (len(tokens) - 3) + [gguf.TokenType.CONTROL] * 3)
+    writer.add_token_merges(["Ġ t"])
+    writer.add_eos_token_id(len(tokens) - 1)
+    for name, tensor in weights.items():
+        writer.add_tensor(name, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_recurrent_model_rolled_back_re_prefills_and_scores_as_a_fresh_session(tmp_path):
+    """Found by a bug hunt: llama.cpp cannot cut a recurrent or hybrid model's state (Mamba, LFM2) back to
+    a position (llama_memory_seq_rm returns false), so after the first rejected candidate the cache
+    still held them and the next pass failed ("decode failed (status -1)": its positions no longer
+    followed the sequence's)."""
+    target = LlamaCppTargetRuntime(write_tiny_mamba_gguf(tmp_path / "mamba.gguf"), options=options(sequences=4))
+    session, history = target.new_session(), list(PROMPTS[0])
+    target.score([session], [history], [[1, 2, 3]])
+    target.rollback(session, len(history) + 1)  # y_1 accepted, y_2 and y_3 rejected
+    assert session.tokens in ([], history + [1])  # (re-prefilled from the start where the state cannot be cut)
+    logits = target.score([session], [history + [1, 9]], [[4]])[0]
+    assert session.tokens == history + [1, 9, 4]
+    fresh = target.score([target.new_session()], [history + [1, 9]], [[4]])[0]
+    torch.testing.assert_close(logits, fresh, atol=1e-3, rtol=0)
+
+
+def test_a_recurrent_pair_keeps_greedy_output_equal_to_target_only(tmp_path):
+    engine = SpecDecEngine(LlamaCppDraftRuntime(write_tiny_mamba_gguf(tmp_path / "draft.gguf", seed=1), options=options()),
+                           LlamaCppTargetRuntime(write_tiny_mamba_gguf(tmp_path / "target.gguf"), options=options()))
+    rejected = 0
+    for prompt in PROMPTS:
+        expected = generate(engine, list(prompt), PolicyConfig(name="target-only"), 30)
+        result = engine.generate_ids(list(prompt), GenerationParams(max_new_tokens=30,
+                                                                    policy=PolicyConfig(name="fixed", k=4)))
+        assert result.completions[0].token_ids == expected
+        rejected += result.stats.discarded_tokens
+    assert rejected > 0  # (rounds rolled back)
