@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.utils import logging as hf_logging
 
-from specdec.engine import SpecDecEngine, check_vocabularies
+from specdec.engine import SpecDecEngine
 from specdec.loop import BatchConfig
 from specdec.errors import IncompatibleModelsError, ModelSourceError, SpecDecError, one_line
 from specdec.head import AcceptanceHead, check_serves, load_head, read_head_config
@@ -33,7 +33,7 @@ from specdec.models.sources import (DEFAULT_DRAFT_QUANT, DEFAULTS, REQUANT_FTYPE
 from specdec.models.static import StaticOptions
 from specdec.models.suffix import MatchHead, SuffixDraft, fused_with, is_suffix_draft
 from specdec.models.vocab import FULL as FULL_VOCAB
-from specdec.models.vocab import resolve_draft_vocab, trim_lm_head
+from specdec.models.vocab import fit_keep, resolve_draft_vocab, shared_ids, trim_lm_head
 from specdec.params import DEFAULT_DRAFT, named_drafts
 from specdec.sequences import DraftTraits, RequestRules
 
@@ -110,15 +110,16 @@ def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -
     check_runtime_settings(config)
     for name, each in draft_configs(config).items():  # every draft's, before any model loads
         check_head_identity(each, name)
+    target_rows, tokenizer = target_vocabulary(config, progress)
+    for each in draft_configs(config).values():  # every draft's, before any model loads
+        check_shared_vocabulary(model_dir(each, "draft", progress), target_rows, tokenizer, each.draft)
     drafts = {}
     for name, each in draft_configs(config).items():
-        draft, draft_dir = build_draft(each, progress)
+        draft, draft_dir = build_draft(each, progress, (target_rows, len(tokenizer)))
         drafts[name] = (draft, draft_dir)
     target, target_dir = build_target(config, progress)
-    tokenizer = load_tokenizer(target_dir)
     heads = {}
     for (name, (draft, draft_dir)), each in zip(drafts.items(), draft_configs(config).values()):
-        check_same_tokenizer(draft_dir, tokenizer, each.draft)
         heads[name] = build_head(each, draft, name)
     (draft, _), head = drafts.pop(DEFAULT_DRAFT), heads.pop(DEFAULT_DRAFT)
     return SpecDecEngine(draft, target, tokenizer, head,
@@ -237,7 +238,11 @@ class RuntimeBackend(ABC):
         return None, None
 
     @abstractmethod
-    def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]: ...
+    def draft(self, config: EngineConfig, quant: str, progress: bool,
+              target_vocab: tuple[int, int] | None = None) -> tuple[DraftRole, Path]:
+        """`target_vocab`: (the target's token rows, its tokenizer's ids), which a model draft with
+        other rows fits its logits to (models/runtime.py `DraftRole.fit_vocabulary`); a feature or
+        suffix draft's vocabulary is the target's."""
 
     @abstractmethod
     def target(self, config: EngineConfig, progress: bool, load=None) -> tuple[TargetRole, Path]: ...
@@ -257,15 +262,21 @@ class TorchBackend(RuntimeBackend):
     def cache_limits(self, config: EngineConfig) -> tuple[int | None, int | None]:
         return StaticOptions().slots if resolve_kv_cache(config, here=False) == "static" else None, None
 
-    def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]:
+    def draft(self, config: EngineConfig, quant: str, progress: bool,
+              target_vocab: tuple[int, int] | None = None) -> tuple[DraftRole, Path]:
         if quant != SHIPPED:
             raise ModelSourceError("--draft-quant needs the llamacpp runtime (the torch runtime converts the GGUF "
                                    "as shipped)")
         draft_dir = self.meta_dir(config, config.draft, "draft", progress)
         keep = draft_vocabulary(config.draft_vocab, draft_dir)
+        rows = AutoConfig.from_pretrained(draft_dir).vocab_size
+        target_rows, tokens = target_vocab or (rows, rows)
+        shared = shared_ids(rows, target_rows, tokens)
+        keep, width = fit_keep(keep, shared, target_rows)  # the trimmed head masks and widens
         draft = DraftRuntime(load_model(draft_dir, "draft", config.draft_format, progress, config.device, keep,
-                                        config.dtype),
+                                        config.dtype, width),
                              identity=model_identity(draft_dir), name=config.draft, **runtime_options(config))
+        draft.fit_vocabulary(target_rows, rows, shared)
         return draft, draft_dir
 
     def target(self, config: EngineConfig, progress: bool, load=None) -> tuple[TargetRole, Path]:
@@ -294,14 +305,19 @@ class LlamaCppBackend(RuntimeBackend):
     def cache_limits(self, config: EngineConfig) -> tuple[int | None, int | None]:
         return config.llamacpp.sequences, config.llamacpp.context
 
-    def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]:
+    def draft(self, config: EngineConfig, quant: str, progress: bool,
+              target_vocab: tuple[int, int] | None = None) -> tuple[DraftRole, Path]:
         if config.draft_vocab != FULL_VOCAB:
             raise ModelSourceError("--draft-vocab needs the torch runtime (llama.cpp's output layer is its own)")
         source = resolve_gguf(config.draft, role="draft", cache=config.cache_dir, progress=progress)
         if quant != SHIPPED:
             source = requantize_gguf(source, quant, cache=config.cache_dir, progress=progress)
-        return (LlamaCppDraftRuntime(source.gguf, identity=source.identity, name=config.draft,
-                                     options=llamacpp_options(config)), source.meta_dir)
+        draft = LlamaCppDraftRuntime(source.gguf, identity=source.identity, name=config.draft,
+                                     options=llamacpp_options(config))
+        rows = draft.vocab_size  # its n_vocab
+        target_rows, tokens = target_vocab or (rows, rows)
+        draft.fit_vocabulary(target_rows, rows, shared_ids(rows, target_rows, tokens))
+        return draft, source.meta_dir
 
     def target(self, config: EngineConfig, progress: bool, load=None) -> tuple[TargetRole, Path]:
         source = resolve_gguf(config.target, role="target", cache=config.cache_dir, progress=progress)
@@ -322,7 +338,8 @@ class FeatureDraftBackend(RuntimeBackend):
     def cache_limits(self, config: EngineConfig) -> tuple[int | None, int | None]:
         return StaticOptions().slots if resolve_device(config.device, here=False).type == "cuda" else None, None
 
-    def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]:
+    def draft(self, config: EngineConfig, quant: str, progress: bool,
+              target_vocab: tuple[int, int] | None = None) -> tuple[DraftRole, Path]:
         if quant != SHIPPED or config.draft_vocab != FULL_VOCAB:
             raise ModelSourceError("a feature draft has its own weights and vocabulary: --draft-quant and "
                                    "--draft-vocab do not apply")
@@ -356,7 +373,8 @@ class SuffixDraftBackend(RuntimeBackend):
     def meta_dir(self, config: EngineConfig, source: str, role: Role, progress: bool) -> Path:
         return backend_for(config, "target").meta_dir(config, config.target, "target", progress)
 
-    def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]:
+    def draft(self, config: EngineConfig, quant: str, progress: bool,
+              target_vocab: tuple[int, int] | None = None) -> tuple[DraftRole, Path]:
         if quant != SHIPPED or config.draft_vocab != FULL_VOCAB:
             raise ModelSourceError("the suffix draft has no weights: --draft-quant and --draft-vocab do not apply")
         target_dir = self.meta_dir(config, config.target, "target", progress)
@@ -400,10 +418,17 @@ def resolve_draft_quant(config: EngineConfig) -> str:
     return backend_for(config, "draft").default_draft_quant if config.draft == "default" else SHIPPED
 
 
-def build_draft(config: EngineConfig, progress: bool = True) -> tuple[DraftRole, Path]:
-    """A draft (its config's first), the suffix draft beside it where it is fused."""
+def build_draft(config: EngineConfig, progress: bool = True,
+                target_vocab: tuple[int, int] | None = None) -> tuple[DraftRole, Path]:
+    """A draft (its config's first), the suffix draft beside it where it is fused. `target_vocab`:
+    (the target's token rows, its tokenizer's ids), which a draft with other rows fits its logits to
+    (None: read from the target's config and tokenizer, as a draft replica does)."""
     config = unfused(config)
-    draft, draft_dir = backend_for(config, "draft").draft(config, resolve_draft_quant(config), progress)
+    backend = backend_for(config, "draft")
+    if target_vocab is None and backend.name in ("torch", "llamacpp"):
+        rows, tokenizer = target_vocabulary(config, progress)
+        target_vocab = rows, len(tokenizer)
+    draft, draft_dir = backend.draft(config, resolve_draft_quant(config), progress, target_vocab)
     if config.fuse_suffix:
         draft.suffix = SuffixDraft(draft.vocab_size)
     return draft, draft_dir
@@ -548,8 +573,7 @@ def build_rules(config: EngineConfig, progress: bool = True, devices: dict[Role,
     for name, each in draft_configs(config).items():
         draft_dir = model_dir(each, "draft", progress)
         draft_config = AutoConfig.from_pretrained(draft_dir)
-        check_vocabularies(draft_config.vocab_size, target_config.vocab_size)
-        check_same_tokenizer(draft_dir, tokenizer, each.draft)
+        check_shared_vocabulary(draft_dir, target_config.vocab_size, tokenizer, each.draft)
         limits += [context_limit(each, "draft"), draft_config.max_position_embeddings]
         drafts[name] = DraftTraits(has_head=has_head(each), reads_features=is_feature_draft(each.draft),
                                    model_free=is_suffix_draft(each.draft), fused=each.fuse_suffix)
@@ -605,8 +629,10 @@ def resolve_dtype(dtype: Dtype, device: torch.device) -> torch.dtype:
 
 
 def load_model(model_dir: Path, role: Role, weight_format: WeightFormat = "auto", progress: bool = True,
-               device: str = "auto", keep_tokens: list[int] | None = None, dtype: Dtype = "auto"):
-    """`keep_tokens`: the only ids the LM head scores (a trimmed draft vocabulary, models/vocab.py)."""
+               device: str = "auto", keep_tokens: list[int] | None = None, dtype: Dtype = "auto",
+               width: int | None = None):
+    """`keep_tokens`: the only ids the LM head scores (a trimmed draft vocabulary, models/vocab.py);
+    `width`: its logits' (a draft fitted to a target with other padding rows, models/vocab.py `fit_keep`)."""
     start = time.perf_counter()
     target_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, target_device)
@@ -616,7 +642,7 @@ def load_model(model_dir: Path, role: Role, weight_format: WeightFormat = "auto"
     except Exception as exc:  # transformers raises OSError, ValueError, safetensors errors, ...
         raise ModelSourceError(f"cannot load the {role} model from {model_dir}: {one_line(exc)}") from None
     if keep_tokens is not None:
-        model = trim_lm_head(model, keep_tokens)
+        model = trim_lm_head(model, keep_tokens, width)
     if target_device.type == "cpu":
         model = apply_weight_format(model.eval(), role, weight_format)  # CPU kernels (models/formats.py)
     else:
@@ -635,14 +661,36 @@ def load_tokenizer(model_dir: Path):
         raise ModelSourceError(f"cannot load the tokenizer from {model_dir}: {one_line(exc)}") from None
 
 
-def check_same_tokenizer(draft_dir: Path, target_tokenizer, source: str) -> None:
+def target_vocabulary(config: EngineConfig, progress: bool = True):
+    """(the target's token rows, its tokenizer), from its config: no weights loaded."""
+    target_dir = model_dir(config, "target", progress)
+    return AutoConfig.from_pretrained(target_dir).vocab_size, load_tokenizer(target_dir)
+
+
+def check_shared_vocabulary(draft_dir: Path, target_rows: int, target_tokenizer, source: str) -> None:
     """Draft and target must map text to the same ids, or verification compares different tokens.
+    Their embeddings may differ in padding rows past the tokenizer's last id (Qwen2.5's 0.5B has
+    151,936 rows, its 7B 152,064, the tokenizer 151,665 ids): the tokenizers must then agree on every
+    id below the smaller (a GGUF's token texts, its [PAD] tokens included, as llama.cpp checks), and
+    the draft is fitted to the target's width (`build_draft`; it gives the ids past it q = 0).
     `source`: the draft as the user named it."""
+    draft_rows = AutoConfig.from_pretrained(draft_dir).vocab_size
     try:
         draft_tokenizer = AutoTokenizer.from_pretrained(draft_dir)
     except Exception:
-        return  # a draft directory without a tokenizer: the vocabulary-size check still applies
-    if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        draft_tokenizer = None  # a draft directory without a tokenizer: only the sizes tell
+    if draft_tokenizer is None:
+        if draft_rows != target_rows:
+            raise IncompatibleModelsError(
+                f"draft and target vocabularies differ ({draft_rows} vs {target_rows} tokens) and the draft "
+                f"({source}) has no tokenizer to tell which ids they share")
+        return
+    draft_vocab, target_vocab = draft_tokenizer.get_vocab(), target_tokenizer.get_vocab()
+    if draft_rows != target_rows:
+        shared = min(draft_rows, target_rows)
+        draft_vocab = {text: i for text, i in draft_vocab.items() if i < shared}
+        target_vocab = {text: i for text, i in target_vocab.items() if i < shared}
+    if draft_vocab != target_vocab:
         raise IncompatibleModelsError(
             f"the draft ({source}) and target tokenizers have different vocabularies; "
             "speculative decoding needs one shared vocabulary")

@@ -33,12 +33,14 @@ __all__ = ["Completion", "GenerationResult", "SpecDecEngine", "UpdateCallback"]
 
 
 def check_vocabularies(draft_vocab: int, target_vocab: int) -> None:
-    """Speculative decoding needs one vocabulary (checked from the models, or from their configs where
-    the coordinator loads none: builder.py `build_rules`)."""
+    """Verification compares q with p id by id: the draft's logits must be as wide as the target's.
+    A draft whose embedding has other padding rows than its target's is fitted to it when built
+    (models/runtime.py `DraftRole.fit_vocabulary`); which pairs share a vocabulary is decided from
+    their tokenizers (builder.py `check_shared_vocabulary`)."""
     if draft_vocab != target_vocab:
         raise IncompatibleModelsError(
-            f"draft and target vocabularies differ ({draft_vocab} vs {target_vocab} tokens); "
-            "speculative decoding needs one shared vocabulary")
+            f"the draft scores {draft_vocab} tokens, the target {target_vocab}; a draft with other padding rows "
+            "must be fitted to its target (DraftRole.fit_vocabulary, as the builder does)")
 
 
 def check_pair(draft: DraftRole, target: TargetRole) -> None:

@@ -535,9 +535,11 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
     out = Path(data.dir)
     draft = model_entry(config.models.draft, "draft", config.models.cache_dir)
     target = model_entry(config.models.target, "target", config.models.cache_dir)
-    if draft["vocab_size"] != target["vocab_size"]:
-        raise IncompatibleModelsError(f"draft and target vocabularies differ ({draft['vocab_size']} vs "
-                                      f"{target['vocab_size']} tokens)")
+    if draft["vocab_size"] != target["vocab_size"]:  # other padding rows: the engine's check (builder.py)
+        from specdec.builder import check_shared_vocabulary, load_tokenizer
+
+        check_shared_vocabulary(Path(draft["dir"]), target["vocab_size"], load_tokenizer(Path(target["dir"])),
+                                draft["source"])
     if data.kind == "features" and max(data.features.layers, default=-1) >= target["num_hidden_layers"]:
         raise IncompatibleModelsError(f"data.features.layers: the target has {target['num_hidden_layers']} "
                                       f"decoder layers (0..{target['num_hidden_layers'] - 1})")
