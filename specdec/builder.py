@@ -422,13 +422,11 @@ def build_draft(config: EngineConfig, progress: bool = True,
                 target_vocab: tuple[int, int] | None = None) -> tuple[DraftRole, Path]:
     """A draft (its config's first), the suffix draft beside it where it is fused. `target_vocab`:
     (the target's token rows, its tokenizer's ids), which a draft with other rows fits its logits to
-    (None: read from the target's config and tokenizer, as a draft replica does)."""
+    (build_engine). None: the draft as it is, its target unread (a served draft replica: resolving
+    the target there would fetch or convert it on the draft's machine; a served app refuses a pair
+    whose rows differ, build_rules `served`)."""
     config = unfused(config)
-    backend = backend_for(config, "draft")
-    if target_vocab is None and backend.name in ("torch", "llamacpp"):
-        rows, tokenizer = target_vocabulary(config, progress)
-        target_vocab = rows, len(tokenizer)
-    draft, draft_dir = backend.draft(config, resolve_draft_quant(config), progress, target_vocab)
+    draft, draft_dir = backend_for(config, "draft").draft(config, resolve_draft_quant(config), progress, target_vocab)
     if config.fuse_suffix:
         draft.suffix = SuffixDraft(draft.vocab_size)
     return draft, draft_dir
@@ -556,11 +554,14 @@ def check_head_identity(config: EngineConfig, name: str = DEFAULT_DRAFT) -> None
             check_serves(read_head_config(path), path, identity, **head_instead(path, name))
 
 
-def build_rules(config: EngineConfig, progress: bool = True, devices: dict[Role, str] | None = None) -> RequestRules:
+def build_rules(config: EngineConfig, progress: bool = True, devices: dict[Role, str] | None = None,
+                served: bool = False) -> RequestRules:
     """A request's rules without loading weights (the coordinator): tokenizer, EOS, context,
     vocabulary, and each draft's traits. `devices`: where `device: auto` puts each role's models
     when they load in other processes (a served app's replicas: a GPU where Ray gives them one),
-    whose runtimes then set the context limit; the files are read as this process resolves them."""
+    whose runtimes then set the context limit; the files are read as this process resolves them.
+    `served`: the drafts are built by replicas that do not read the target (build_draft), so a
+    model draft whose rows differ from the target's, which only build_engine fits, is refused."""
     def context_limit(each: EngineConfig, role: Role) -> int | None:
         each = placed(each, role, devices)
         return backend_for(each, role, here=False).context_limit(each)
@@ -574,6 +575,10 @@ def build_rules(config: EngineConfig, progress: bool = True, devices: dict[Role,
         draft_dir = model_dir(each, "draft", progress)
         draft_config = AutoConfig.from_pretrained(draft_dir)
         check_shared_vocabulary(draft_dir, target_config.vocab_size, tokenizer, each.draft)
+        if served and draft_config.vocab_size != target_config.vocab_size and not is_feature_draft(each.draft):
+            raise IncompatibleModelsError(
+                f"the draft ({each.draft}) has {draft_config.vocab_size} token rows and the target "
+                f"{target_config.vocab_size}: such a pair runs in process (specdec generate, bench), not served yet")
         limits += [context_limit(each, "draft"), draft_config.max_position_embeddings]
         drafts[name] = DraftTraits(has_head=has_head(each), reads_features=is_feature_draft(each.draft),
                                    model_free=is_suffix_draft(each.draft), fused=each.fuse_suffix)
