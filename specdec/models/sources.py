@@ -217,7 +217,7 @@ def resolve_gguf(source: str, role: str, cache: str | Path | None = None, progre
                 (meta_dir / COMPLETE_MARKER).unlink(missing_ok=True)
     else:
         gguf_path = check_gguf_source(source)
-        sha256 = sha256_file(gguf_path, progress)
+        sha256 = gguf_sha256(gguf_path, progress)
         meta_dir = root / MODELS_SUBDIR / f"{gguf_path.stem}-{sha256[:GGUF_DIR_HASH_CHARS]}{META_SUFFIX}"
     if not _is_complete(meta_dir, sha256):
         with _locked(root, meta_dir.name):
@@ -225,6 +225,20 @@ def resolve_gguf(source: str, role: str, cache: str | Path | None = None, progre
                 write_gguf_metadata(gguf_path, meta_dir, sha256, progress)
     return GGUFSource(gguf_path, meta_dir, sha256)
 
+
+
+_GGUF_HASHES: dict[tuple[str, int, int], str] = {}
+
+
+def gguf_sha256(path: Path, progress: bool = False) -> str:
+    """A user's GGUF's sha256, hashed once a process while the file stays as it was (its size and
+    modification time): a build resolves each source more than once (its rules, the vocabulary
+    check, the model itself), and a 7B GGUF takes seconds to hash each time."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _GGUF_HASHES:
+        _GGUF_HASHES[key] = sha256_file(path, progress)
+    return _GGUF_HASHES[key]
 
 # -- a GGUF requantized by llama.cpp (the llama.cpp runtime's draft) -------------------------------
 

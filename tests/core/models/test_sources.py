@@ -261,6 +261,21 @@ def test_the_real_pins_are_as_documented():
 
 # -- a .gguf file, a local directory, a hub id --------------------------------------------------------
 
+
+def test_a_gguf_is_hashed_once_a_process_while_it_stays_as_it_was(tiny_gguf, tmp_path, monkeypatch):
+    """A build resolves each source several times (its rules, the vocabulary check, the model): a
+    user's GGUF is hashed once, and again once it changed."""
+    hashed, hash_file = [], sources.sha256_file
+    monkeypatch.setattr(sources, "sha256_file", lambda path, progress=False: hashed.append(path) or hash_file(path))
+    gguf = tmp_path / "copy.gguf"
+    gguf.write_bytes(tiny_gguf.read_bytes())
+    first = sources.resolve_gguf(str(gguf), "target", cache=tmp_path / "cache", progress=False)
+    assert sources.resolve_gguf(str(gguf), "target", cache=tmp_path / "cache", progress=False) == first
+    assert len(hashed) == 1
+    os.utime(gguf, ns=(time.time_ns(), time.time_ns() + 10**9))  # touched: perhaps rewritten
+    sources.resolve_gguf(str(gguf), "target", cache=tmp_path / "cache", progress=False)
+    assert len(hashed) == 2
+
 def test_gguf_file_is_converted_once_into_a_hashed_directory(tiny_gguf, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     out = resolve_model(str(tiny_gguf), "target", cache=cache, progress=False)
