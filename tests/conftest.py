@@ -20,6 +20,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run single-threaded ~10x faster on a busy 2-core machine (no spin-waiting); the
+    module's tests on one torch thread (`pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     """(draft_dir, target_dir) of tiny random Qwen2 models with a byte tokenizer."""

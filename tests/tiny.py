@@ -128,15 +128,23 @@ def write_tiny_gguf(path: Path, weights: dict[str, np.ndarray], tokens: list[str
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_bos_token_id(len(tokens) - 3)
+    writer.add_pad_token_id(len(tokens) - 3)
+    assert vocab == len(tokens), (vocab, len(tokens))
+    return finish_gguf(writer, tokens, weights, path)
+
+
+def finish_gguf(writer, tokens: list[str], weights: dict[str, np.ndarray], path: Path) -> Path:
+    """A tiny GGUF's byte-level BPE tokenizer (its last three tokens control ones, the last EOS) and
+    tensors, written to `path`."""
+    import gguf
+
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)
     writer.add_token_types([gguf.TokenType.NORMAL] * (len(tokens) - 3) + [gguf.TokenType.CONTROL] * 3)
     writer.add_token_merges(["Ġ t"] if "Ġt" in tokens else [])  # BPE needs a merge whose result is in the vocab
-    writer.add_bos_token_id(len(tokens) - 3)
-    writer.add_pad_token_id(len(tokens) - 3)
     writer.add_eos_token_id(len(tokens) - 1)
-    assert vocab == len(tokens), (vocab, len(tokens))
     for name, tensor in weights.items():
         writer.add_tensor(name, tensor)
     writer.write_header_to_file()

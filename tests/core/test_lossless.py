@@ -60,13 +60,7 @@ GREEDY_PROMPTS = ([1, 2, 0], [5])
 GREEDY_NEW_TOKENS = 40
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run single-threaded ~10x faster on a busy 2-core machine (no spin-waiting)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def noisy_copy(model, scale: float, seed: int):
@@ -260,20 +254,25 @@ def test_cost_aware_rounds_with_k_zero_stay_lossless(sampled_engine, monkeypatch
         assert pvalue > SIGNIFICANCE, f"first {length} token(s): chi-squared p = {pvalue:.2e}"
 
 
-def test_a_draft_that_never_proposes_some_tokens_stays_lossless(monkeypatch):
-    """q = 0 off a trimmed draft vocabulary (models/vocab.py): the target's tokens 3 and 4 come only
-    from corrections drawn from the residual, and the output still follows the target."""
-    engine = make_engine(SAMPLED_VOCAB, layers=1, model_seed=0, noise=0.1, noise_seed=100)
-    trim_lm_head(engine.draft.model, [0, 1, 2])
+def counting_proposals(monkeypatch) -> Counter:
+    """The candidates every proposal holds from now on, counted by token."""
     proposed, propose = Counter(), specdec.proposers.propose
 
-    def counting_propose(*args, **kwargs):
+    def counting(*args, **kwargs):
         proposals = propose(*args, **kwargs)
         for proposal in proposals:
             proposed.update(proposal.candidates)
         return proposals
 
-    monkeypatch.setattr(specdec.proposers, "propose", counting_propose)
+    monkeypatch.setattr(specdec.proposers, "propose", counting)
+    return proposed
+
+def test_a_draft_that_never_proposes_some_tokens_stays_lossless(monkeypatch):
+    """q = 0 off a trimmed draft vocabulary (models/vocab.py): the target's tokens 3 and 4 come only
+    from corrections drawn from the residual, and the output still follows the target."""
+    engine = make_engine(SAMPLED_VOCAB, layers=1, model_seed=0, noise=0.1, noise_seed=100)
+    trim_lm_head(engine.draft.model, [0, 1, 2])
+    proposed = counting_proposals(monkeypatch)
     sampling = SAMPLINGS["temperature-1"]
     completions, stats = sample_completions(engine, policy_config("fixed", "temperature-1"), sampling,
                                             SAMPLES_PER_CASE, seed=2000)

@@ -6,12 +6,9 @@ lossless. The draft's padding rows are large, so an unmasked one would be propos
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 
-import specdec.proposers
 from specdec.builder import EngineConfig, build_engine, build_rules
 from specdec.engine import SpecDecEngine
 from specdec.errors import IncompatibleModelsError
@@ -19,21 +16,15 @@ from specdec.models.runtime import DraftRuntime, TargetRuntime
 from specdec.models.vocab import fit_keep, shared_ids, trim_lm_head, widen_logits
 from specdec.params import GenerationParams
 from specdec.policies import PolicyConfig
-from test_lossless import (SIGNIFICANCE, SAMPLES_PER_CASE, SAMPLINGS, noisy_copy, policy_config, prefix_counts,
-                           sample_completions, target_joint)
+from test_lossless import (SIGNIFICANCE, SAMPLES_PER_CASE, SAMPLINGS, counting_proposals, noisy_copy, policy_config,
+                           prefix_counts, sample_completions, target_joint)
 from stats import chi2_pvalue
 from tiny import byte_tokenizer, tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TOKENS = len(byte_tokenizer())  # 259 ids
 PAD_SCALE = 40.0  # the draft's padding rows (tied: its LM head's too): an unmasked one wins its argmax
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def pad_rows(model, tokens: int, scale: float, seed: int):
@@ -60,19 +51,6 @@ def padded_dirs(tmp_path_factory):
     return {"target": save_model(root / "target", 272, 32, 2, 2, 1.0),
             "fewer": save_model(root / "fewer", 264, 16, 1, 1, PAD_SCALE),
             "more": save_model(root / "more", 280, 16, 1, 1, PAD_SCALE)}
-
-
-def counting_proposals(monkeypatch) -> Counter:
-    proposed, propose = Counter(), specdec.proposers.propose
-
-    def counting(*args, **kwargs):
-        proposals = propose(*args, **kwargs)
-        for proposal in proposals:
-            proposed.update(proposal.candidates)
-        return proposals
-
-    monkeypatch.setattr(specdec.proposers, "propose", counting)
-    return proposed
 
 
 @pytest.mark.parametrize("draft", ["fewer", "more"])
@@ -102,8 +80,6 @@ def test_the_rules_in_process_accept_the_padded_pair_from_configs(padded_dirs):
 def test_a_served_app_refuses_the_padded_pair_in_one_line(padded_dirs):
     """A served draft replica builds its draft without reading the target (build_draft), so it is
     not fitted: the coordinator refuses the pair rather than let q and p differ in width."""
-    from specdec.errors import IncompatibleModelsError
-
     config = EngineConfig(draft=str(padded_dirs["more"]), target=str(padded_dirs["target"]), head="none")
     with pytest.raises(IncompatibleModelsError, match="runs in process .* not served yet") as refused:
         build_rules(config, progress=False, served=True)

@@ -33,7 +33,7 @@ from specdec.params import GenerationParams
 from specdec.policies import PolicyConfig
 from specdec.sampling import MAX_SAMPLES_PER_REQUEST, SamplingParams, probs_from_logits
 from stats import chi2_pvalue
-from tiny import byte_level_tokens, noisy_weights, tiny_gguf_weights, write_tiny_gguf
+from tiny import byte_level_tokens, finish_gguf, noisy_weights, tiny_gguf_weights, write_tiny_gguf
 
 HIDDEN = 32
 # llama.cpp (F32 weights, its f16 KV cache) against transformers on the same weights; a wrong position
@@ -479,19 +479,7 @@ def write_tiny_mamba_gguf(path: Path, seed: int = 0, hidden: int = 16, d_state: 
     writer.add_ssm_inner_size(d_inner)
     writer.add_ssm_state_size(d_state)
     writer.add_ssm_time_step_rank(dt_rank)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.NORMAL] * (len(tokens) - 3) + [gguf.TokenType.CONTROL] * 3)
-    writer.add_token_merges(["Ġ t"])
-    writer.add_eos_token_id(len(tokens) - 1)
-    for name, tensor in weights.items():
-        writer.add_tensor(name, tensor)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish_gguf(writer, tokens, weights, path)
 
 
 def test_a_recurrent_model_rolled_back_re_prefills_and_scores_as_a_fresh_session(tmp_path):
