@@ -23,6 +23,7 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from ray.serve.exceptions import RayServeException
 
 from specdec.builder import EngineConfig, cache_limits, check_sources, draft_configs
+from specdec.training.config import config_error_message
 from specdec.models.suffix import is_suffix_draft
 from specdec.errors import ModelSourceError, Overloaded, SpecDecError, one_line
 from specdec.params import DEFAULT_DRAFT
@@ -135,16 +136,6 @@ class AppConfigError(SpecDecError, RayServeException):
     message is such an error's text, and any other exception's traceback."""
 
 
-def config_reason(exc: ValidationError) -> str:
-    """A config's first error as one line, by the key it sits at as the config file spells it:
-    `policy: unknown policy 'bogus'; ...`."""
-    error = exc.errors()[0]
-    where = ".".join(str(part) for part in error["loc"])
-    # A validator's own ValueError: its text, without pydantic's "Value error, " before it.
-    message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
-    return one_line(f"{where}: {message}" if where else message)
-
-
 def checked_config(args: dict | AppConfig | None) -> AppConfig:
     """The app's config, validated, its model sources and heads checked before any replica starts:
     a mistyped model failed in every replica as it loaded, and the app ended DEPLOY_FAILED with
@@ -155,7 +146,7 @@ def checked_config(args: dict | AppConfig | None) -> AppConfig:
         config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
         check_sources(config.models, here=False)  # (the replicas' GPUs need not be visible here)
     except ValidationError as exc:
-        raise AppConfigError(config_reason(exc)) from None
+        raise AppConfigError(one_line(config_error_message(exc))) from None
     except ModelSourceError as exc:
         raise AppConfigError(f"models: {one_line(exc)}") from None
     return config

@@ -33,7 +33,7 @@ from specdec.models.sources import (DEFAULT_DRAFT_QUANT, DEFAULTS, REQUANT_FTYPE
 from specdec.models.static import StaticOptions
 from specdec.models.suffix import MatchHead, SuffixDraft, fused_with, is_suffix_draft
 from specdec.models.vocab import FULL as FULL_VOCAB
-from specdec.models.vocab import fit_keep, resolve_draft_vocab, shared_ids, trim_lm_head
+from specdec.models.vocab import resolve_draft_vocab, trim_lm_head
 from specdec.params import DEFAULT_DRAFT, named_drafts
 from specdec.sequences import DraftTraits, RequestRules
 
@@ -238,11 +238,7 @@ class RuntimeBackend(ABC):
         return None, None
 
     @abstractmethod
-    def draft(self, config: EngineConfig, quant: str, progress: bool,
-              target_vocab: tuple[int, int] | None = None) -> tuple[DraftRole, Path]:
-        """`target_vocab`: (the target's token rows, its tokenizer's ids), which a model draft with
-        other rows fits its logits to (models/runtime.py `DraftRole.fit_vocabulary`); a feature or
-        suffix draft's vocabulary is the target's."""
+    def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]: ...
 
     @abstractmethod
     def target(self, config: EngineConfig, progress: bool, load=None) -> tuple[TargetRole, Path]: ...
@@ -262,21 +258,15 @@ class TorchBackend(RuntimeBackend):
     def cache_limits(self, config: EngineConfig) -> tuple[int | None, int | None]:
         return StaticOptions().slots if resolve_kv_cache(config, here=False) == "static" else None, None
 
-    def draft(self, config: EngineConfig, quant: str, progress: bool,
-              target_vocab: tuple[int, int] | None = None) -> tuple[DraftRole, Path]:
+    def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]:
         if quant != SHIPPED:
             raise ModelSourceError("--draft-quant needs the llamacpp runtime (the torch runtime converts the GGUF "
                                    "as shipped)")
         draft_dir = self.meta_dir(config, config.draft, "draft", progress)
         keep = draft_vocabulary(config.draft_vocab, draft_dir)
-        rows = AutoConfig.from_pretrained(draft_dir).vocab_size
-        target_rows, tokens = target_vocab or (rows, rows)
-        shared = shared_ids(rows, target_rows, tokens)
-        keep, width = fit_keep(keep, shared, target_rows)  # the trimmed head masks and widens
         draft = DraftRuntime(load_model(draft_dir, "draft", config.draft_format, progress, config.device, keep,
-                                        config.dtype, width),
+                                        config.dtype),
                              identity=model_identity(draft_dir), name=config.draft, **runtime_options(config))
-        draft.fit_vocabulary(target_rows, rows, shared)
         return draft, draft_dir
 
     def target(self, config: EngineConfig, progress: bool, load=None) -> tuple[TargetRole, Path]:
@@ -305,19 +295,14 @@ class LlamaCppBackend(RuntimeBackend):
     def cache_limits(self, config: EngineConfig) -> tuple[int | None, int | None]:
         return config.llamacpp.sequences, config.llamacpp.context
 
-    def draft(self, config: EngineConfig, quant: str, progress: bool,
-              target_vocab: tuple[int, int] | None = None) -> tuple[DraftRole, Path]:
+    def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]:
         if config.draft_vocab != FULL_VOCAB:
             raise ModelSourceError("--draft-vocab needs the torch runtime (llama.cpp's output layer is its own)")
         source = resolve_gguf(config.draft, role="draft", cache=config.cache_dir, progress=progress)
         if quant != SHIPPED:
             source = requantize_gguf(source, quant, cache=config.cache_dir, progress=progress)
-        draft = LlamaCppDraftRuntime(source.gguf, identity=source.identity, name=config.draft,
-                                     options=llamacpp_options(config))
-        rows = draft.vocab_size  # its n_vocab
-        target_rows, tokens = target_vocab or (rows, rows)
-        draft.fit_vocabulary(target_rows, rows, shared_ids(rows, target_rows, tokens))
-        return draft, source.meta_dir
+        return (LlamaCppDraftRuntime(source.gguf, identity=source.identity, name=config.draft,
+                                     options=llamacpp_options(config)), source.meta_dir)
 
     def target(self, config: EngineConfig, progress: bool, load=None) -> tuple[TargetRole, Path]:
         source = resolve_gguf(config.target, role="target", cache=config.cache_dir, progress=progress)
@@ -338,8 +323,7 @@ class FeatureDraftBackend(RuntimeBackend):
     def cache_limits(self, config: EngineConfig) -> tuple[int | None, int | None]:
         return StaticOptions().slots if resolve_device(config.device, here=False).type == "cuda" else None, None
 
-    def draft(self, config: EngineConfig, quant: str, progress: bool,
-              target_vocab: tuple[int, int] | None = None) -> tuple[DraftRole, Path]:
+    def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]:
         if quant != SHIPPED or config.draft_vocab != FULL_VOCAB:
             raise ModelSourceError("a feature draft has its own weights and vocabulary: --draft-quant and "
                                    "--draft-vocab do not apply")
@@ -373,8 +357,7 @@ class SuffixDraftBackend(RuntimeBackend):
     def meta_dir(self, config: EngineConfig, source: str, role: Role, progress: bool) -> Path:
         return backend_for(config, "target").meta_dir(config, config.target, "target", progress)
 
-    def draft(self, config: EngineConfig, quant: str, progress: bool,
-              target_vocab: tuple[int, int] | None = None) -> tuple[DraftRole, Path]:
+    def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]:
         if quant != SHIPPED or config.draft_vocab != FULL_VOCAB:
             raise ModelSourceError("the suffix draft has no weights: --draft-quant and --draft-vocab do not apply")
         target_dir = self.meta_dir(config, config.target, "target", progress)
@@ -426,7 +409,9 @@ def build_draft(config: EngineConfig, progress: bool = True,
     the target there would fetch or convert it on the draft's machine; a served app refuses a pair
     whose rows differ, build_rules `served`)."""
     config = unfused(config)
-    draft, draft_dir = backend_for(config, "draft").draft(config, resolve_draft_quant(config), progress, target_vocab)
+    draft, draft_dir = backend_for(config, "draft").draft(config, resolve_draft_quant(config), progress)
+    if target_vocab is not None:
+        draft.fit_vocabulary(*target_vocab)  # (before the fused suffix takes its width)
     if config.fuse_suffix:
         draft.suffix = SuffixDraft(draft.vocab_size)
     return draft, draft_dir
@@ -634,10 +619,8 @@ def resolve_dtype(dtype: Dtype, device: torch.device) -> torch.dtype:
 
 
 def load_model(model_dir: Path, role: Role, weight_format: WeightFormat = "auto", progress: bool = True,
-               device: str = "auto", keep_tokens: list[int] | None = None, dtype: Dtype = "auto",
-               width: int | None = None):
-    """`keep_tokens`: the only ids the LM head scores (a trimmed draft vocabulary, models/vocab.py);
-    `width`: its logits' (a draft fitted to a target with other padding rows, models/vocab.py `fit_keep`)."""
+               device: str = "auto", keep_tokens: list[int] | None = None, dtype: Dtype = "auto"):
+    """`keep_tokens`: the only ids the LM head scores (a trimmed draft vocabulary, models/vocab.py)."""
     start = time.perf_counter()
     target_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, target_device)
@@ -647,7 +630,7 @@ def load_model(model_dir: Path, role: Role, weight_format: WeightFormat = "auto"
     except Exception as exc:  # transformers raises OSError, ValueError, safetensors errors, ...
         raise ModelSourceError(f"cannot load the {role} model from {model_dir}: {one_line(exc)}") from None
     if keep_tokens is not None:
-        model = trim_lm_head(model, keep_tokens, width)
+        model = trim_lm_head(model, keep_tokens)
     if target_device.type == "cpu":
         model = apply_weight_format(model.eval(), role, weight_format)  # CPU kernels (models/formats.py)
     else:

@@ -28,7 +28,7 @@ from specdec.errors import IncompatibleModelsError
 from specdec.models.cache import Feed, KVSession, ReferenceKV, SlotKV, StateReader, supports_slots
 from specdec.models.static import StaticKV, StaticOptions
 from specdec.models.formats import scales_activations_per_pass
-from specdec.models.vocab import widen_logits
+from specdec.models.vocab import shared_ids, widen_logits
 
 __all__ = ["CausalLMRuntime", "DraftOutput", "DraftOutputs", "DraftRole", "DraftRuntime", "Feed", "KVSession",
            "PassOutputs", "Runtime", "Scores", "TargetRole", "TargetRuntime", "common_prefix_length"]
@@ -210,9 +210,7 @@ class CausalLMRuntime(Runtime):
         self.model = model.eval()
         self.identity, self.name = identity, name
         config = model.config  # read once: every session asks for these every step
-        # The logits' width: a fitted draft's head scores at its target's (models/vocab.py `fit_keep`).
-        self._vocab_size = getattr(model.lm_head, "vocab_size", config.vocab_size)
-        self._hidden_size = config.hidden_size
+        self._vocab_size, self._hidden_size = config.vocab_size, config.hidden_size
         if kv != "reference" and not supports_slots(self.model):
             kv = "reference"  # sliding-window layers: one session per pass
         self.kv = StaticKV(self.model, static) if kv == "static" else KV_KINDS[kv](self.model)
@@ -361,8 +359,8 @@ class DraftRole(Runtime):
     suffix = None
 
     # A draft fitted to a target of another width (`fit_vocabulary`): (the ids both have rows for,
-    # the target's rows) where its runtime's logits are its own width, and its own rows where the
-    # target has more, past which a history's id (one the target alone has) is fed as 0.
+    # the target's rows), and its own rows where the target has more, past which a history's id
+    # (one the target alone has) is fed as 0.
     _fitted: tuple[int, int] | None = None
     input_rows: int | None = None
 
@@ -371,16 +369,16 @@ class DraftRole(Runtime):
         """The width of its logits: its target's once fitted."""
         return self._fitted[1] if self._fitted else super().vocab_size
 
-    def fit_vocabulary(self, target_rows: int, rows: int, shared: int | None) -> None:
-        """Fit a draft whose embedding has `rows` rows to a target of `target_rows` (padding rows
-        past the shared tokenizer's ids differ in number; `shared`: models/vocab.py `shared_ids`,
-        None where nothing differs): its logits come out at the target's width with -inf from
-        `shared` on (q = 0: it proposes no padding id and none the target lacks, and verification
-        reads the q it drew from), unless its head does so already (a torch draft's,
-        models/vocab.py `fit_keep`); a history's ids past its rows are fed as 0 (any q stays lossless)."""
+    def fit_vocabulary(self, target_rows: int, tokens: int) -> None:
+        """Fit the draft to a target of `target_rows` rows whose tokenizer has `tokens` ids, where their
+        padding rows past those ids differ in number (models/vocab.py `shared_ids`; nothing where the
+        rows are the same): its logits come out at the target's width with -inf past the ids both
+        have (q = 0: it proposes no padding id and none the target lacks, and verification reads the
+        q it drew from); a history's ids past its rows are fed as 0 (any q stays lossless)."""
+        rows = self.vocab_size
+        shared = shared_ids(rows, target_rows, tokens)
         self.input_rows = rows if rows < target_rows else None
-        own = super().vocab_size
-        self._fitted = (shared, target_rows) if shared is not None and own != target_rows else None
+        self._fitted = None if shared is None else (shared, target_rows)
 
     def capture_graphs(self) -> None:
         """Capture what the runtime replays (CUDA graphs) before anything is timed: a replica's start

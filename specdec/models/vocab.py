@@ -14,12 +14,12 @@ Vocabularies (`--draft-vocab`):
   added token, and the single-byte tokens, so any text can still be spelled.
 - a path to a JSON list of token ids (for instance the ids a deployment's own traffic uses).
 
-The same head fits a draft to a target whose embedding has another number of rows (padding past
-the tokenizer's last id: Qwen2.5's 0.5B-3B have 151,936, its 7B-32B 152,064): the draft scores only
-the ids below the smaller of the two (`fit_keep`) and its logits come out at the target's width,
--inf past them, so it never proposes an id the target has no row for and q is the distribution it
-drew from, at p's width. On llama.cpp, whose output layer is its own, the runtime masks and widens
-its logits the same way (`widen_logits`, models/runtime.py `DraftRole.fit_vocabulary`).
+A draft before a target whose embedding has another number of rows (padding past the tokenizer's
+last id: Qwen2.5's 0.5B-3B have 151,936, its 7B-32B 152,064) scores only the ids below the smaller
+of the two and the tokenizer's count (`shared_ids`), its logits cut there and widened to the
+target's, -inf past them (`widen_logits`, models/runtime.py `DraftRole.fit_vocabulary`, on every
+runtime): it never proposes an id the target has no row for, and q is the distribution it drew
+from, at p's width.
 """
 
 from __future__ import annotations
@@ -43,36 +43,27 @@ _BYTE_FALLBACK = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")  # sentencepiece's byte tok
 
 
 class TrimmedLMHead(nn.Module):
-    """`lm_head` restricted to the rows `keep`; returns logits over `width` ids (default: the head's
-    own rows; a fitted draft's, the target's: `fit_keep`) with -inf (q = 0) at every other id, so
-    samplers and verification see the usual [.., V] shape."""
+    """`lm_head` restricted to the rows `keep`; returns logits over the full vocabulary with -inf
+    (q = 0) at every other id, so samplers and verification see the usual [.., V] shape."""
 
-    def __init__(self, lm_head: nn.Linear, keep: torch.Tensor, width: int | None = None):
+    def __init__(self, lm_head: nn.Linear, keep: torch.Tensor):
         super().__init__()
         if not isinstance(lm_head, nn.Linear):  # a weight format already applied: trim first
             raise TypeError(f"can only trim a plain nn.Linear LM head, not {type(lm_head).__name__}")
-        self.vocab_size = lm_head.out_features if width is None else width
-        rows = min(lm_head.out_features, self.vocab_size)
-        if len(keep) == 0 or int(keep.min()) < 0 or int(keep.max()) >= rows:
-            raise ModelSourceError(f"a draft vocabulary must list token ids in [0, {rows})")
+        if len(keep) == 0 or int(keep.min()) < 0 or int(keep.max()) >= lm_head.out_features:
+            raise ModelSourceError(f"a draft vocabulary must list token ids in [0, {lm_head.out_features})")
+        self.vocab_size = lm_head.out_features
         keep = keep.to(device=lm_head.weight.device, dtype=torch.long)
-        # The first ids (a fitted draft's full vocabulary): the head's own rows, a view, not a copy.
-        self.prefix = bool(torch.equal(keep.cpu(), torch.arange(len(keep))))
         self.proj = nn.Linear(lm_head.in_features, len(keep), bias=lm_head.bias is not None,
                               device=lm_head.weight.device, dtype=lm_head.weight.dtype)
         with torch.no_grad():
-            if self.prefix:
-                self.proj.weight = nn.Parameter(lm_head.weight.detach()[:len(keep)], requires_grad=False)
-            else:
-                self.proj.weight.copy_(lm_head.weight[keep])  # a copy: the input embedding it was tied to stays whole
+            self.proj.weight.copy_(lm_head.weight[keep])  # a copy: the input embedding it was tied to stays whole
             if lm_head.bias is not None:
                 self.proj.bias.copy_(lm_head.bias[keep])
         self.register_buffer("keep", keep, persistent=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         scores = self.proj(hidden)
-        if self.prefix:
-            return widen_logits(scores, len(self.keep), self.vocab_size)
         logits = scores.new_full((*scores.shape[:-1], self.vocab_size), float("-inf"))
         return logits.index_copy_(-1, self.keep, scores)
 
@@ -84,10 +75,10 @@ def widen_logits(logits: torch.Tensor, shared: int, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(logits[..., :shared], (0, width - shared), value=float("-inf"))
 
 
-def trim_lm_head(model: nn.Module, keep: list[int], width: int | None = None) -> nn.Module:
+def trim_lm_head(model: nn.Module, keep: list[int]) -> nn.Module:
     """Replace the model's output layer by a `TrimmedLMHead` over `keep` (before any weight format,
-    so the smaller matrix is the one that gets quantized or reordered), `width` ids wide."""
-    model.lm_head = TrimmedLMHead(model.lm_head, torch.tensor(sorted(set(keep))), width)
+    so the smaller matrix is the one that gets quantized or reordered)."""
+    model.lm_head = TrimmedLMHead(model.lm_head, torch.tensor(sorted(set(keep))))
     return model
 
 
@@ -97,14 +88,6 @@ def shared_ids(draft_rows: int, target_rows: int, tokens: int) -> int | None:
     tokenizer's count, so it proposes neither its own padding rows nor an id the target lacks; None
     where they are the same (the draft as it is)."""
     return None if draft_rows == target_rows else min(draft_rows, target_rows, tokens)
-
-
-def fit_keep(keep: list[int] | None, shared: int | None, target_rows: int) -> tuple[list[int] | None, int | None]:
-    """(the ids the draft's head keeps, the width of its logits) for `shared_ids` (None, None where
-    it is None: the head as it is): only ids below `shared`, scored at the target's width."""
-    if shared is None:
-        return keep, None
-    return (list(range(shared)) if keep is None else [i for i in keep if i < shared]), target_rows
 
 
 def ascii_token_ids(tokenizer, vocab_size: int) -> list[int]:

@@ -1,6 +1,6 @@
 """A draft and target that share one tokenizer but whose embeddings differ in padding rows past its
 last id (Qwen2.5's 0.5B: 151,936 rows, its 7B: 152,064, the tokenizer 151,665 ids): the builder fits
-the draft to the target (models/vocab.py `shared_ids`, `fit_keep`; models/runtime.py
+the draft to the target (models/vocab.py `shared_ids`, `widen_logits`; models/runtime.py
 `DraftRole.fit_vocabulary`), which proposes no padding id and none the target lacks, and decoding stays
 lossless. The draft's padding rows are large, so an unmasked one would be proposed."""
 
@@ -13,7 +13,7 @@ from specdec.builder import EngineConfig, build_engine, build_rules
 from specdec.engine import SpecDecEngine
 from specdec.errors import IncompatibleModelsError
 from specdec.models.runtime import DraftRuntime, TargetRuntime
-from specdec.models.vocab import fit_keep, shared_ids, trim_lm_head, widen_logits
+from specdec.models.vocab import widen_logits
 from specdec.params import GenerationParams
 from specdec.policies import PolicyConfig
 from test_lossless import (SIGNIFICANCE, SAMPLES_PER_CASE, SAMPLINGS, counting_proposals, noisy_copy, policy_config,
@@ -117,12 +117,9 @@ VOCAB_TOKENS, TARGET_ROWS = 5, 7  # a "tokenizer" of 5 ids; the target's 2 paddi
 
 
 def fitted_draft(model, target_rows: int, tokens: int) -> DraftRuntime:
-    """A torch draft fitted as builder.py's TorchBackend does."""
-    rows = model.config.vocab_size
-    shared = shared_ids(rows, target_rows, tokens)
-    keep, width = fit_keep(None, shared, target_rows)
-    draft = DraftRuntime(trim_lm_head(model, keep, width))
-    draft.fit_vocabulary(target_rows, rows, shared)
+    """A torch draft fitted as builder.py's build_draft does."""
+    draft = DraftRuntime(model)
+    draft.fit_vocabulary(target_rows, tokens)
     return draft
 
 
@@ -160,9 +157,9 @@ def test_sampled_output_of_a_padded_pair_follows_the_target(draft_rows, monkeypa
 # llama.cpp's draft: its logits masked and widened in the runtime (no GGUFs of two sizes here)
 
 def test_a_runtime_fitted_by_its_logits_masks_and_widens_them():
-    """The path a llama.cpp draft takes (`DraftRole.fit_vocabulary` without a trimmed head), on a
-    torch draft: its own 9-wide logits come out 7 wide, -inf from the 5th id on; a history's id past
-    a 6-row draft's rows is fed as 0."""
+    """`DraftRole.fit_vocabulary`, the path every runtime's draft takes, on a torch draft: its own
+    9-wide logits come out 7 wide, -inf from the 5th id on; a history's id past a 6-row draft's rows
+    is fed as 0."""
     logits = torch.arange(9.0).repeat(2, 1)
     widened = widen_logits(logits, 5, 7)
     assert widened.shape == (2, 7) and torch.equal(widened[:, :5], logits[:, :5])
@@ -170,13 +167,13 @@ def test_a_runtime_fitted_by_its_logits_masks_and_widens_them():
     assert widen_logits(logits[:, :4], 4, 7).shape == (2, 7)
 
     more = DraftRuntime(pad_rows(tiny_model(9, 16, 1, seed=1), VOCAB_TOKENS, PAD_SCALE, seed=3))
-    more.fit_vocabulary(TARGET_ROWS, 9, shared_ids(9, TARGET_ROWS, VOCAB_TOKENS))
+    more.fit_vocabulary(TARGET_ROWS, VOCAB_TOKENS)
     out = more.start([more.new_session()], [[1, 2, 3]])
     assert more.vocab_size == TARGET_ROWS and out.logits.shape == (1, TARGET_ROWS)
     assert torch.isinf(out.logits[0, VOCAB_TOKENS:]).all() and torch.isfinite(out.logits[0, :VOCAB_TOKENS]).all()
 
     fewer = DraftRuntime(tiny_model(6, 16, 1, seed=1))
-    fewer.fit_vocabulary(TARGET_ROWS, 6, shared_ids(6, TARGET_ROWS, VOCAB_TOKENS))
+    fewer.fit_vocabulary(TARGET_ROWS, VOCAB_TOKENS)
     session = fewer.new_session()
     out = fewer.start([session], [[1, 6, 2]])  # 6: a padding id of the target's, which the draft lacks
     assert session.tokens == [1, 0, 2] and out.logits.shape == (1, TARGET_ROWS)

@@ -15,7 +15,7 @@ from specdec.loop import BatchConfig, RoundLoop
 from specdec.models.runtime import DraftRuntime, TargetRuntime
 from specdec.params import GenerationParams
 from specdec.policies import Heuristic, PolicyConfig
-from specdec.sequences import DraftTraits, RequestRules
+from specdec.sequences import DraftTraits, RequestRules, RoundObserver
 from specdec.workers import DraftWorker, VerifierWorker
 from tiny import tiny_model
 
@@ -37,23 +37,14 @@ def test_a_round_without_candidates_leaves_k():
     assert policy.round_limit() == 5
 
 
-class Rounds:
-    """A metrics sink that keeps each committed round's (K, n), in order."""
+class Rounds(RoundObserver):
+    """A metrics sink that keeps each committed round's (K, n), in order (the rest: the protocol's no-ops)."""
 
     def __init__(self):
         self.rounds: list[tuple[int, int]] = []
 
     def on_round(self, num_candidates, num_accepted, policy, held):
         self.rounds.append((num_candidates, num_accepted))
-
-    def on_call(self, *args):
-        pass
-
-    def on_request(self, *args):
-        pass
-
-    def on_costs(self, *args):
-        pass
 
 
 def test_rounds_drafted_ahead_that_are_all_accepted_never_shrink_k():
