@@ -79,6 +79,11 @@ def byte_level_tokens() -> list[str]:
     return sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt"] + SPECIAL_TOKENS
 
 
+# A 10-token vocabulary (its last three the control tokens): small enough for a chi-squared test over
+# a few generated tokens.
+SMALL_TOKENS = ["Ċ", "a", "b", "c", "Ġ", "t", "Ġt", *SPECIAL_TOKENS]
+
+
 def tiny_gguf_weights(vocab: int, hidden: int = 16, layers: int = 1, heads: int = 4, kv_heads: int = 2,
                       ffn: int = 32, seed: int = 0, scale: float = 0.2) -> dict[str, np.ndarray]:
     """Random qwen2 weights under their GGUF tensor names (numpy shapes are [out, in])."""
@@ -113,7 +118,8 @@ def noisy_weights(weights: dict[str, np.ndarray], scale: float, seed: int) -> di
 def write_tiny_gguf(path: Path, weights: dict[str, np.ndarray], tokens: list[str] | None = None,
                     heads: int = 4, kv_heads: int = 2, context: int = 256) -> Path:
     """A qwen2 GGUF (F32 tensors, tied output) that transformers and llama.cpp load. `tokens` default to
-    the byte-level vocabulary; its last three are the control tokens <|endoftext|> <|im_start|> <|im_end|>."""
+    the byte-level vocabulary; its last three are the control tokens <|endoftext|> <|im_start|> <|im_end|>.
+    Embedding rows past them are padding (`finish_gguf`)."""
     import gguf
 
     tokens = tokens or byte_level_tokens()
@@ -130,19 +136,22 @@ def write_tiny_gguf(path: Path, weights: dict[str, np.ndarray], tokens: list[str
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_bos_token_id(len(tokens) - 3)
     writer.add_pad_token_id(len(tokens) - 3)
-    assert vocab == len(tokens), (vocab, len(tokens))
+    assert vocab >= len(tokens), (vocab, len(tokens))
     return finish_gguf(writer, tokens, weights, path)
 
 
 def finish_gguf(writer, tokens: list[str], weights: dict[str, np.ndarray], path: Path) -> Path:
     """A tiny GGUF's byte-level BPE tokenizer (its last three tokens control ones, the last EOS) and
-    tensors, written to `path`."""
+    tensors, written to `path`. Embedding rows past the tokens are padding, listed as
+    convert_hf_to_gguf.py lists a real one's (Qwen2.5's): unused tokens "[PAD<id>]"."""
     import gguf
 
+    padding = [f"[PAD{i}]" for i in range(len(tokens), weights["token_embd.weight"].shape[0])]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.NORMAL] * (len(tokens) - 3) + [gguf.TokenType.CONTROL] * 3)
+    writer.add_token_list(tokens + padding)
+    writer.add_token_types([gguf.TokenType.NORMAL] * (len(tokens) - 3) + [gguf.TokenType.CONTROL] * 3
+                           + [gguf.TokenType.UNUSED] * len(padding))
     writer.add_token_merges(["Ġ t"] if "Ġt" in tokens else [])  # BPE needs a merge whose result is in the vocab
     writer.add_eos_token_id(len(tokens) - 1)
     for name, tensor in weights.items():

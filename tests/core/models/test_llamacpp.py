@@ -33,7 +33,7 @@ from specdec.params import GenerationParams
 from specdec.policies import PolicyConfig
 from specdec.sampling import MAX_SAMPLES_PER_REQUEST, SamplingParams, probs_from_logits
 from stats import chi2_pvalue
-from tiny import byte_level_tokens, finish_gguf, noisy_weights, tiny_gguf_weights, write_tiny_gguf
+from tiny import SMALL_TOKENS, byte_level_tokens, finish_gguf, noisy_weights, tiny_gguf_weights, write_tiny_gguf
 
 HIDDEN = 32
 # llama.cpp (F32 weights, its f16 KV cache) against transformers on the same weights; a wrong position
@@ -283,7 +283,6 @@ def test_a_context_llamacpp_rounds_up_holds_what_was_asked(gguf_pair):
 
 # -- lossless on llama.cpp: sampled outputs follow the target as llama.cpp runs it ------------------------
 
-SMALL_TOKENS = ["Ċ", "a", "b", "c", "Ġ", "t", "Ġt", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 SAMPLED_PROMPT = [1, 3]
 SAMPLES = 1024  # 16 requests of 64 samples, all in one batch
 SIGNIFICANCE = 1e-3
