@@ -100,7 +100,8 @@ class SpecDecEngine:
             self.loop.costs[name].observe(timings + verified)
 
     def close(self) -> None:
-        """Release the models' captured graphs now (models/static.py `capture`); the engine is not used after."""
+        """Release now what the models hold beyond Python's memory (captured graphs, models/static.py
+        `capture`; llama.cpp's models and contexts); the engine is not used after."""
         for worker in self.draft_workers.values():
             worker.draft.close()
         self.target.close()

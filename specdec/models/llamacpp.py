@@ -222,11 +222,12 @@ class LlamaCppModel:
         return self.lib.llama_memory_seq_rm(self.memory, seq, start, -1)
 
     def close(self) -> None:
+        """Free the batch, context and model (a second call does nothing)."""
         if self.context:
             self.lib.llama_batch_free(self._batch)
             self.lib.llama_free(self.context)
             self.lib.llama_model_free(self.model)
-            self.context = self.model = None
+            self.context = self.model = self.memory = None
 
     def __del__(self):
         self.close()
@@ -246,6 +247,15 @@ class LlamaCppRuntime(Runtime):
         self.max_cached_positions = self.llama.n_ctx
         self.pool = SlotPool(options.sequences, free=lambda seq: self.llama.remove(seq, 0))  # sessions' sequences
 
+    def close(self) -> None:
+        """Free the llama.cpp model and context now (engine.close()): the slot pool's free callback
+        holds the runtime in a reference cycle, so they would wait for the garbage collector."""
+        self.llama.close()
+
+    def _check_open(self) -> None:
+        if not self.llama.context:  # (llama.cpp would read freed memory)
+            raise LlamaCppError(f"the llama.cpp model {self.llama.path.name} was closed; build the engine again")
+
     @property
     def vocab_size(self) -> int:
         return self.llama.n_vocab
@@ -262,6 +272,7 @@ class LlamaCppRuntime(Runtime):
         return KVSession()  # a sequence is attached at its first pass
 
     def rollback(self, session: KVSession, length: int) -> None:
+        self._check_open()
         if length < len(session.tokens):
             if session.handle is not None and not self.llama.remove(session.handle, length):
                 # A recurrent or hybrid model's state (Mamba, LFM2) holds every position it has seen:
@@ -273,6 +284,7 @@ class LlamaCppRuntime(Runtime):
 
     @torch.inference_mode()
     def _forward(self, feeds: list[Feed]) -> PassOutputs:
+        self._check_open()
         for feed in feeds:  # llama.cpp aborts the process on a sequence longer than its cache
             if len(feed.session.tokens) + len(feed.tokens) > self.llama.n_ctx:
                 raise LlamaCppError(f"a session of {len(feed.session.tokens) + len(feed.tokens)} positions does not "

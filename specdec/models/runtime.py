@@ -175,8 +175,8 @@ class Runtime(ABC):
     def new_session(self) -> KVSession: ...
 
     def close(self) -> None:
-        """Release now what the runtime holds beyond Python's memory (captured CUDA graphs), rather
-        than whenever the collector gets to it. The runtime is not used after."""
+        """Release now what the runtime holds beyond Python's memory (captured CUDA graphs, llama.cpp's
+        model and context), rather than whenever the collector gets to it. The runtime is not used after."""
 
     @abstractmethod
     def rollback(self, session: KVSession, length: int) -> None:

@@ -223,6 +223,29 @@ def llama_engine(gguf_pair):
     return build_engine(config, progress=False)
 
 
+def test_a_closed_engine_frees_its_llamacpp_models_at_once_and_builds_again(gguf_pair, monkeypatch):
+    """Found by reading engine.close(): the llama.cpp runtimes had none, and the slot pool's free
+    callback holds each runtime in a reference cycle, so a closed engine's models and contexts
+    waited for the garbage collector (a process that builds engines again held them all)."""
+    draft, target = gguf_pair
+    config = EngineConfig(draft=str(draft), target=str(target), runtime="llamacpp", head="none", threads=1,
+                          llamacpp=options())
+    engine = build_engine(config, progress=False)
+    policy = PolicyConfig(name="fixed", k=4)
+    expected = generate(engine, list(PROMPTS[0]), policy, 20)
+    runtimes = (engine.draft, engine.target)
+    contexts, freed, llama_free = [r.llama.context for r in runtimes], [], engine.target.llama.lib.llama_free
+    monkeypatch.setattr(engine.target.llama.lib, "llama_free", lambda context: (freed.append(context),
+                                                                              llama_free(context)))
+    engine.close()  # (the engine holds the runtimes: no collector frees them here)
+    assert freed == contexts and all(r.llama.context is None and r.llama.model is None for r in runtimes)
+    engine.close()  # a second one does nothing
+    assert freed == contexts
+    with pytest.raises(LlamaCppError, match="closed"):  # a pass after it: one line, not a crash in llama.cpp
+        engine.target.score([engine.target.new_session()], [list(PROMPTS[0])], [[1]])
+    assert generate(build_engine(config, progress=False), list(PROMPTS[0]), policy, 20) == expected
+
+
 def test_the_engine_runs_gguf_sources_on_llamacpp(llama_engine, gguf_pair, tmp_path):
     assert isinstance(llama_engine.draft, LlamaCppRuntime) and isinstance(llama_engine.target, LlamaCppRuntime)
     assert llama_engine.draft.identity.startswith("gguf-sha256:")
