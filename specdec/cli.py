@@ -338,8 +338,9 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     for role in ("draft", "target"):  # a mistyped source fails here, not after Ray started
         check_source(getattr(config.models, role), role)
-    start_training_ray(args.address, config.scaling)
-    manifest = generate_dataset(config, reuse=args.reuse_responses)
+    # Ray once data.dir is held: a second gen-data into it is refused before Ray starts, as train-head's run
+    manifest = generate_dataset(config, reuse=args.reuse_responses,
+                                connect=lambda: start_training_ray(args.address, config.scaling))
     counts = manifest["counts"]
     print(f"{config.data.dir}: {counts['sequences']} sequences, {counts['positions']} response tokens, "
           f"{counts['tokens']} labelled tokens "

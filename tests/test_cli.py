@@ -243,7 +243,8 @@ def test_workers_this_machine_can_never_place_are_refused_not_waited_for(tmp_pat
         assert main(["gen-data", "--config", str(config)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith("error: scaling (") and "this machine has" in err[-1]
-        assert not ray.is_initialized() and not (tmp_path / "data").exists()
+        assert not ray.is_initialized()
+        assert [p.name for p in (tmp_path / "data").iterdir()] == ["gen-data.lock"]  # its lock, taken first, alone
 
 
 def test_gen_data_refuses_a_model_source_that_is_not_one_before_ray_starts(tmp_path, monkeypatch, capsys):
@@ -258,6 +259,36 @@ def test_gen_data_refuses_a_model_source_that_is_not_one_before_ray_starts(tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and "no such directory or file" in err[-1]
     assert not ray.is_initialized()  # (a private Ray started first: 5 s, then the same refusal)
+
+
+def test_gen_data_into_a_data_dir_being_written_is_refused_before_ray_starts(tiny_pair, tmp_path, monkeypatch,
+                                                                             capsys):
+    """As train-head holds its run (test_train.py, test_a_held_run_is_refused_before_the_dataset_is_hashed),
+    gen-data holds its data.dir first: a second one into it is refused in one line before Ray starts
+    (seconds; a cluster's resources) or a model resolves (a download, a GGUF's hash). It started Ray first."""
+    import os
+    import re
+
+    import ray
+
+    import specdec.training.data as data
+    from specdec.files import held
+
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    started, resolved = [], []
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: started.append(1) or pytest.fail("Ray started"))
+    monkeypatch.setattr(data, "model_entry", lambda *args: resolved.append(1) or pytest.fail("a model resolved"))
+    directory = tmp_path / "data"
+    config = tmp_path / "c.yaml"
+    config.write_text(f"models: {{draft: {tiny_pair[0]}, target: {tiny_pair[1]}}}\ndata: {{dir: {directory}}}\n")
+    with held(directory / data.LOCK_FILE, data.DatasetError, "", ""):  # a gen-data writing it meanwhile
+        assert main(["gen-data", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(rf"error: data.dir {re.escape(str(directory))} is being written by process "
+                                          rf"{os.getpid()} on .*; wait for it to end, or use another data.dir", err[0])
+    assert started == resolved == []
 
 
 def test_serve_refuses_replicas_this_machine_could_never_place(tiny_pair, capsys, monkeypatch):

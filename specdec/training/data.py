@@ -66,7 +66,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +77,7 @@ from specdec.files import held, write_atomically
 from specdec.models.feature_files import pack_states
 from specdec.models.vocab import SETTINGS_BEFORE_DRAFT_VOCAB, vocab_setting
 from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.training import checkpoints
 from specdec.training.config import DataSection, ModelsSection, PipelineConfig, PromptsSection, TrainSection
 from specdec.training.labels import sample_draft_tokens, soft_acceptance_labels
 from specdec.training.stdlib_prompts import Prompt
@@ -522,43 +523,50 @@ def reusable_responses(directory: str | Path, settings: dict) -> dict[str, Reuse
 
 
 def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = None,
-                     progress: bool = True, reuse: str | Path | None = None) -> dict:
+                     progress: bool = True, reuse: str | Path | None = None,
+                     connect: Callable[[], None] | None = None) -> dict:
     """Generate the missing shards of `config.data.dir` on Ray workers; returns the manifest.
 
     `prompts` replaces the configured sources (tests); the manifest then names them "custom".
-    `reuse`: a dataset whose responses are labelled again instead of regenerated (reusable_responses)."""
+    `reuse`: a dataset whose responses are labelled again instead of regenerated (reusable_responses).
+    `connect`: Ray, started once the folder is held and before the models resolve (the CLI's: a wrong
+    address, or workers it could never place, fail before a download); None: `ray.init()` where
+    there is work to send."""
     import ray
     from ray.util import ActorPool
     from tqdm.auto import tqdm
 
     data, scaling = config.data, config.scaling
     out = Path(data.dir)
-    draft = model_entry(config.models.draft, "draft", config.models.cache_dir)
-    target = model_entry(config.models.target, "target", config.models.cache_dir)
-    if draft["vocab_size"] != target["vocab_size"]:  # other padding rows: the engine's check (builder.py)
-        from specdec.builder import check_shared_vocabulary, load_tokenizer
-
-        check_shared_vocabulary(Path(draft["dir"]), target["vocab_size"], load_tokenizer(Path(target["dir"])),
-                                draft["source"])
-    if data.kind == "features" and max(data.features.layers, default=-1) >= target["num_hidden_layers"]:
-        raise IncompatibleModelsError(f"data.features.layers: the target has {target['num_hidden_layers']} "
-                                      f"decoder layers (0..{target['num_hidden_layers'] - 1})")
-    settings = settings_of(config, draft, target)
-    if prompts is None:
-        sources, source = source_prompts(data.prompts)
-    else:
-        sources, source = {"custom": list(prompts)}, "custom prompts (passed in by the caller)"
-    selected = select_prompts(data, sources)
-
-    reused = reusable_responses(reuse, settings) if reuse is not None else {}
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise DatasetError(f"data.dir {out}: {exc.strerror or exc}") from None
     if not os.access(out, os.W_OK | os.X_OK):  # (a read-only file system, no permission)
         raise DatasetError(f"data.dir {out} is not writable")
-    # a second gen-data into the folder at once would number its shards as this one's
+    # A second gen-data into the folder at once would number its shards as this one's. Held first, as
+    # a training holds its run (checkpoints.runs_held): that one is refused before Ray or a model.
     with held(out / LOCK_FILE, DatasetError, f"data.dir {out} is being written", "use another data.dir"):
+        if connect is not None:
+            checkpoints.connect_ray(connect)
+        draft = model_entry(config.models.draft, "draft", config.models.cache_dir)
+        target = model_entry(config.models.target, "target", config.models.cache_dir)
+        if draft["vocab_size"] != target["vocab_size"]:  # other padding rows: the engine's check (builder.py)
+            from specdec.builder import check_shared_vocabulary, load_tokenizer
+
+            check_shared_vocabulary(Path(draft["dir"]), target["vocab_size"], load_tokenizer(Path(target["dir"])),
+                                    draft["source"])
+        if data.kind == "features" and max(data.features.layers, default=-1) >= target["num_hidden_layers"]:
+            raise IncompatibleModelsError(f"data.features.layers: the target has {target['num_hidden_layers']} "
+                                          f"decoder layers (0..{target['num_hidden_layers'] - 1})")
+        settings = settings_of(config, draft, target)
+        if prompts is None:
+            sources, source = source_prompts(data.prompts)
+        else:
+            sources, source = {"custom": list(prompts)}, "custom prompts (passed in by the caller)"
+        selected = select_prompts(data, sources)
+
+        reused = reusable_responses(reuse, settings) if reuse is not None else {}
         if (out / MANIFEST_FILE).is_file() and shard_paths(out):  # (a run that wrote no shard binds nothing)
             _check_same_settings(out, read_manifest(out).get("settings", {}), settings)
         tables = {}
