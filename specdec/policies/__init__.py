@@ -8,7 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.errors import InvalidRequestError
 from specdec.head import AcceptanceHead
-from specdec.policies.base import Decision, DraftStep, Estimate, PolicyTraits, StoppingPolicy
+from specdec.policies.base import (Decision, DraftStep, Estimate, PolicyTraits, StoppingPolicy, check_count,
+                                   check_threshold)
 from specdec.policies.confidence import Confidence
 from specdec.policies.fixed import FixedK
 from specdec.policies.heuristic import Heuristic
@@ -67,12 +68,12 @@ def resolve_policy(config: PolicyConfig, has_head: bool) -> PolicyConfig:
     traits = policy_traits(config.name)
     if traits.needs_head and not has_head:
         raise InvalidRequestError(f"policy {config.name!r} needs an acceptance head: pass --head PATH")
-    if config.k is not None and config.k < 1:
-        raise InvalidRequestError(f"k must be at least 1, got {config.k}")
+    if config.k is not None:  # (the rules of the policies' constructors: base.py)
+        check_count("k", config.k)
     if config.k is not None and not traits.uses_draft:  # (a value no policy reads is refused, not ignored)
         raise InvalidRequestError(f"policy {config.name!r}{default} drafts nothing: k does not apply")
-    if config.threshold is not None and not 0.0 < config.threshold < 1.0:
-        raise InvalidRequestError(f"threshold must be in (0, 1), got {config.threshold}")
+    if config.threshold is not None:
+        check_threshold(config.threshold)
     if config.threshold is not None and not traits.reads_threshold:
         readers = ", ".join(name for name in POLICY_NAMES if policy_traits(name).reads_threshold)
         raise InvalidRequestError(f"policy {config.name!r}{default} reads no threshold (those that do: {readers})")

@@ -139,9 +139,12 @@ class StoppingPolicy(ABC):
         return [policy.estimate(step) for policy, step in zip(policies, steps)]
 
 
-def check_threshold(name: str, value: float) -> float:
-    if not 0.0 < value < 1.0:
-        raise InvalidRequestError(f"threshold for policy '{name}' must be in (0, 1), got {value}")
+# The rules of a policy's values, one home each: its constructor checks what it is built with (the
+# engine as a library builds policies itself) and resolve_policy a request's flags, in the same words.
+
+def check_threshold(value: float) -> float:
+    if not 0.0 < value < 1.0:  # (NaN too)
+        raise InvalidRequestError(f"threshold must be in (0, 1), got {value}")
     return value
 
 

@@ -14,7 +14,7 @@ class Confidence(StoppingPolicy):
     DEFAULT_THRESHOLD, DEFAULT_MAX_K = 0.4, 20  # HF's defaults
 
     def __init__(self, threshold: float = DEFAULT_THRESHOLD, max_candidates: int = DEFAULT_MAX_K):
-        self.threshold = check_threshold(self.name, threshold)
+        self.threshold = check_threshold(threshold)
         self.max_candidates = check_count("k", max_candidates)
 
     def decide(self, step: DraftStep) -> Decision:

@@ -118,7 +118,7 @@ class SpecDecPP(StoppingPolicy):
         self.head = head
         if threshold is None:  # the h chosen for this head on validation prompts, when it records one
             threshold = head.config.threshold if head.config.threshold is not None else self.DEFAULT_THRESHOLD
-        self.threshold = check_threshold(self.name, threshold)
+        self.threshold = check_threshold(threshold)
         self.max_candidates = check_count("k", max_candidates)
         self._accept_all = 1.0  # p-hat: predicted probability that every candidate so far is accepted
 

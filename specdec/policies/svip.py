@@ -4,6 +4,7 @@ import math
 
 import torch
 
+from specdec.errors import InvalidRequestError
 from specdec.policies.base import Decision, DraftStep, PolicyTraits, StoppingPolicy, check_count, check_threshold
 
 
@@ -23,7 +24,11 @@ class SVIP(StoppingPolicy):
 
     def __init__(self, threshold: float = DEFAULT_THRESHOLD, gamma: float = DEFAULT_GAMMA,
                  max_candidates: int = DEFAULT_MAX_K):
-        self.threshold = check_threshold(self.name, threshold)
+        self.threshold = check_threshold(threshold)
+        # no request sets gamma, but the engine as a library may: a negative one raised mid-round (the
+        # square root of a negative), 0 or NaN never stopped on the entropy
+        if not 0.0 < gamma < math.inf:
+            raise InvalidRequestError(f"gamma must be positive and finite, got {gamma}")
         self.gamma = gamma
         self.max_candidates = check_count("k", max_candidates)
 

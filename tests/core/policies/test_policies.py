@@ -282,3 +282,29 @@ def test_specdecpp_takes_the_threshold_its_head_records():
     head.config.threshold = 0.3
     assert make_policy(PolicyConfig(name="specdec++"), head=head).threshold == 0.3
     assert make_policy(PolicyConfig(name="specdec++", threshold=0.5), head=head).threshold == 0.5  # the request wins
+
+
+@pytest.mark.parametrize("gamma", [0.0, -0.15, math.nan, math.inf])
+def test_svip_built_directly_refuses_a_gamma_it_cannot_stop_on(gamma):
+    """No request sets gamma, but the engine as a library builds SVIP itself: a negative gamma raised
+    ValueError mid-round (the square root of a negative), 0 and NaN never stopped on the entropy."""
+    with pytest.raises(InvalidRequestError, match=rf"^gamma must be positive and finite, got {gamma}$") as info:
+        SVIP(gamma=gamma)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("config,build", [
+    (PolicyConfig(name="svip", threshold=1.5), lambda: SVIP(threshold=1.5)),
+    (PolicyConfig(name="confidence", threshold=0.0), lambda: Confidence(threshold=0.0)),
+    (PolicyConfig(name="specdec++", threshold=math.nan), lambda: SpecDecPP(constant_head(0.5), threshold=math.nan)),
+    (PolicyConfig(name="fixed", k=0), lambda: FixedK(0)),
+    (PolicyConfig(name="svip", k=-3), lambda: SVIP(max_candidates=-3)),
+])
+def test_a_request_and_a_policy_built_directly_are_refused_by_one_rule(config, build):
+    """A request's flags (resolve_policy) and a policy built as a library (its constructor) are checked
+    by the same rule (policies/base.py), so they are refused in the same words."""
+    with pytest.raises(InvalidRequestError) as request:
+        resolve_policy(config, has_head=True)
+    with pytest.raises(InvalidRequestError) as built:
+        build()
+    assert str(request.value) == str(built.value)
