@@ -33,12 +33,14 @@ class GenerationParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_new_tokens: int = Field(128, ge=1)
-    n: int = Field(1, ge=1, le=MAX_SAMPLES_PER_REQUEST)
+    # Strict, as the OpenAI route's fields (services/openai_api.py) and PolicyConfig's: a bool where a
+    # number is expected is refused (lax mode read true as 1), as is a number for a bool.
+    max_new_tokens: int = Field(128, ge=1, strict=True)
+    n: int = Field(1, ge=1, le=MAX_SAMPLES_PER_REQUEST, strict=True)
     # ("" would stop before the first token.) At most MAX_STOP_STRINGS: every commit of every sample
     # scans its new text for each, on the loop's thread, so thousands would stall every other session.
     stop: tuple[Annotated[str, Field(min_length=1)], ...] = Field((), max_length=MAX_STOP_STRINGS)
-    chat_template: bool = True
+    chat_template: bool = Field(True, strict=True)
     sampling: SamplingParams = SamplingParams()
     policy: PolicyConfig = PolicyConfig()
     # Which of the engine's drafts proposes this request's rounds (None: its first, DEFAULT_DRAFT).

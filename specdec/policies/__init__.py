@@ -44,8 +44,9 @@ class PolicyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str | None = Field(None, min_length=1)
-    k: int | None = None
-    threshold: float | None = None
+    # strict: a bool is no number (lax mode read JSON's true as K = 1); an int is still a float
+    k: int | None = Field(None, strict=True)
+    threshold: float | None = Field(None, strict=True)
 
 
 def policy_traits(name: str) -> PolicyTraits:

@@ -109,6 +109,35 @@ def test_bad_sampling_flags_are_one_line(flags, field):
     assert message.startswith(field) and "\n" not in message
 
 
+@pytest.mark.parametrize("flags, field", [
+    ({"policy": "fixed", "k": True}, "k"),
+    ({"policy": "svip", "threshold": True}, "threshold"),
+    ({"max_new_tokens": True}, "max-new-tokens"),
+    ({"n": True}, "n"),
+    ({"chat_template": 1}, "chat-template"),
+])
+def test_a_bool_for_a_number_is_refused_not_read_as_one(flags, field):
+    """JSON's true is no number: pydantic's lax mode read it as 1 ({"policy": {"name": "fixed",
+    "k": true}} ran with K = 1); refused as vLLM and OpenAI refuse it, as is a number for a bool."""
+    with pytest.raises(InvalidRequestError) as info:
+        build_params(**flags)
+    message = str(info.value)
+    assert message.startswith(f"{field}: Input should be a valid") and "\n" not in message
+
+
+def test_a_json_request_is_refused_a_bool_for_a_number_but_not_an_int_for_a_float():
+    from pydantic import ValidationError
+
+    from specdec.params import GenerationParams
+
+    with pytest.raises(ValidationError, match="policy.k\n  Input should be a valid integer"):
+        GenerationParams.model_validate_json('{"policy": {"name": "fixed", "k": true}}')
+    params = GenerationParams.model_validate_json('{"max_new_tokens": 5, "sampling": {"temperature": 1}, '
+                                                  '"policy": {"name": "svip", "k": 3, "threshold": 0}}')
+    assert (params.sampling.temperature, params.policy.threshold) == (1.0, 0.0)  # (the range is resolve_policy's)
+    assert isinstance(params.policy.threshold, float) and params.max_new_tokens == 5
+
+
 def test_empty_and_overlong_prompts(tiny_engine):
     with pytest.raises(InvalidRequestError, match="prompt is empty"):
         tiny_engine.generate("   ", build_params())

@@ -164,6 +164,11 @@ def test_stream_without_usage_and_n2(client):
     ("completions", {"speculative": {"draft": "eagle"}}, "unknown draft 'eagle'; this engine has 'default'", None),
     ("completions", {"speculative": {"k": 2}, "k": 3}, "k and speculative.k disagree", "speculative"),
     ("completions", {"speculative": {"tree": 2}}, "speculative.tree: Extra inputs are not permitted", "speculative"),
+    # JSON's true is no number (as vLLM's and OpenAI's), here and in process (GenerationParams, PolicyConfig)
+    ("completions", {"k": True}, "k: Input should be a valid integer", "k"),
+    ("completions", {"speculative": {"policy": "fixed", "k": True}}, "speculative.k: Input should be a valid integer",
+     "speculative"),
+    ("completions", {"policy": "svip", "threshold": True}, "threshold: Input should be a valid number", "threshold"),
     ("completions", {"suffix_cache": True}, "a cache of earlier responses is kept per API key: this server has none",
      None),
     ("completions", {"speculative": {"suffix_cache": True}}, "kept per API key", None),
