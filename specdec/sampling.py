@@ -30,10 +30,12 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
-    top_k: int = Field(0, ge=0, description="0 = no top-k filter")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    # Strict, as a request's other numbers (params.py): a bool is none (lax mode read true as 1); an
+    # int is still a float.
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy", strict=True)
+    top_k: int = Field(0, ge=0, description="0 = no top-k filter", strict=True)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True)
+    seed: int | None = Field(None, strict=True)
 
     @field_validator("temperature", "top_p")
     @classmethod

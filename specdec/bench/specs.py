@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from specdec.errors import InvalidRequestError
 from specdec.params import DEFAULT_DRAFT
 from specdec.policies import POLICY_NAMES, PolicyConfig
+from specdec.policies.base import check_count, check_threshold
 
 BASELINE = "target-only"  # plain decoding: what every speedup divides by
 HF_PEERS = ("hf-heuristic", "hf-dynamic")
@@ -120,10 +121,10 @@ def parse_spec(text: str) -> PolicySpec:
     except ValueError:
         kind = "an integer K" if name in K_NAMES else "a threshold"
         raise InvalidRequestError(f"policy spec {text!r}: {raw!r} is not {kind}") from None
-    if name in K_NAMES and value < 1:
-        raise InvalidRequestError(f"policy spec {text!r}: K must be at least 1")
-    if name not in K_NAMES and not 0.0 < value < 1.0:
-        raise InvalidRequestError(f"policy spec {text!r}: the threshold must be in (0, 1)")
+    try:  # the policies' own rules (policies/base.py)
+        check_count("k", value) if name in K_NAMES else check_threshold(value)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"policy spec {text!r}: {exc}") from None
     return PolicySpec(name, value)
 
 

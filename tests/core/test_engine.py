@@ -115,6 +115,9 @@ def test_bad_sampling_flags_are_one_line(flags, field):
     ({"max_new_tokens": True}, "max-new-tokens"),
     ({"n": True}, "n"),
     ({"chat_template": 1}, "chat-template"),
+    ({"temperature": True}, "temperature"),
+    ({"temperature": 1.0, "top_k": True}, "top-k"),
+    ({"seed": True}, "seed"),
 ])
 def test_a_bool_for_a_number_is_refused_not_read_as_one(flags, field):
     """JSON's true is no number: pydantic's lax mode read it as 1 ({"policy": {"name": "fixed",
