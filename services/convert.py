@@ -138,7 +138,9 @@ def propose_item_from_proto(msg: draft_pb2.ProposeRequest) -> ProposeItem:
 
 def plan_to_proto(plan: StepPlan, items: list) -> draft_pb2.ProposeBatch:
     costs = plan.costs
+    target_rows, target_tokens = plan.target_vocab or (0, 0)
     return draft_pb2.ProposeBatch(items=items, other_sessions=plan.other_sessions, acceptance=plan.acceptance,
+                                  target_rows=target_rows, target_tokens=target_tokens,
                                   costs=None if costs is None else
                                   common_pb2.CostProfile(t_draft_ms=costs.t_draft_ms, t_target_ms=costs.t_target_ms,
                                                          t_draft_rows_ms=costs.t_draft_rows_ms, source=costs.source))
@@ -151,14 +153,18 @@ def plan_from_proto(msg: draft_pb2.ProposeBatch) -> StepPlan:
     acceptance = msg.acceptance if msg.HasField("acceptance") else None
     if acceptance is not None and not 0.0 <= acceptance <= 1.0:
         raise InvalidRequestError(f"acceptance must be in [0, 1], got {acceptance}")
+    if msg.target_rows < 0 or msg.target_tokens < 0 or (msg.target_rows > 0) != (msg.target_tokens > 0):
+        raise InvalidRequestError(f"target-rows and target-tokens are both positive or both unset, got "
+                                  f"{msg.target_rows} and {msg.target_tokens}")
+    target_vocab = (msg.target_rows, msg.target_tokens) if msg.target_rows else None
     if not msg.HasField("costs"):
-        return StepPlan(other_sessions=msg.other_sessions, acceptance=acceptance)
+        return StepPlan(other_sessions=msg.other_sessions, acceptance=acceptance, target_vocab=target_vocab)
     try:
         costs = CostProfile(t_draft_ms=msg.costs.t_draft_ms, t_target_ms=dict(msg.costs.t_target_ms),
                             t_draft_rows_ms=dict(msg.costs.t_draft_rows_ms), source=msg.costs.source)
     except ValidationError as exc:
         raise InvalidRequestError(f"bad cost profile: {validation_message(exc)}") from None
-    return StepPlan(costs=costs, other_sessions=msg.other_sessions, acceptance=acceptance)
+    return StepPlan(costs=costs, other_sessions=msg.other_sessions, acceptance=acceptance, target_vocab=target_vocab)
 
 
 def timings_to_proto(timings: list[PassTiming]) -> list[common_pb2.PassTiming]:

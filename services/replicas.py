@@ -271,7 +271,7 @@ def draft_worker(config: AppConfig, name: str, threads: int | None) -> DraftWork
 
 def coordinator(config: AppConfig, transport: RoundTransport, batch: BatchConfig) -> Coordinator:
     """The round loop over `transport`, wherever it runs (`batch`: the config's, capped for it)."""
-    rules = build_rules(config.models, progress=False, devices=config.model_devices(), served=True)
+    rules = build_rules(config.models, progress=False, devices=config.model_devices())
     return Coordinator(transport, rules, config.policy, observer=RayRoundMetrics(), batch=batch, api_key=config.key)
 
 

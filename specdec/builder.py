@@ -406,8 +406,8 @@ def build_draft(config: EngineConfig, progress: bool = True,
     """A draft (its config's first), the suffix draft beside it where it is fused. `target_vocab`:
     (the target's token rows, its tokenizer's ids), which a draft with other rows fits its logits to
     (build_engine). None: the draft as it is, its target unread (a served draft replica: resolving
-    the target there would fetch or convert it on the draft's machine; a served app refuses a pair
-    whose rows differ, build_rules `served`)."""
+    the target there would fetch or convert it on the draft's machine; it fits the draft to the width
+    its coordinator's calls name, workers.py `DraftWorker.fit`)."""
     config = unfused(config)
     draft, draft_dir = backend_for(config, "draft").draft(config, resolve_draft_quant(config), progress)
     if target_vocab is not None:
@@ -539,14 +539,14 @@ def check_head_identity(config: EngineConfig, name: str = DEFAULT_DRAFT) -> None
             check_serves(read_head_config(path), path, identity, **head_instead(path, name))
 
 
-def build_rules(config: EngineConfig, progress: bool = True, devices: dict[Role, str] | None = None,
-                served: bool = False) -> RequestRules:
+def build_rules(config: EngineConfig, progress: bool = True, devices: dict[Role, str] | None = None) -> RequestRules:
     """A request's rules without loading weights (the coordinator): tokenizer, EOS, context,
     vocabulary, and each draft's traits. `devices`: where `device: auto` puts each role's models
     when they load in other processes (a served app's replicas: a GPU where Ray gives them one),
     whose runtimes then set the context limit; the files are read as this process resolves them.
-    `served`: the drafts are built by replicas that do not read the target (build_draft), so a
-    model draft whose rows differ from the target's, which only build_engine fits, is refused."""
+    A draft whose rows differ from the target's is fitted where it runs: by build_engine in
+    process, by a served draft replica to the width the loop's calls name (the rules' vocabulary:
+    calls.py `RoundCalls`)."""
     def context_limit(each: EngineConfig, role: Role) -> int | None:
         each = placed(each, role, devices)
         return backend_for(each, role, here=False).context_limit(each)
@@ -560,10 +560,6 @@ def build_rules(config: EngineConfig, progress: bool = True, devices: dict[Role,
         draft_dir = model_dir(each, "draft", progress)
         draft_config = AutoConfig.from_pretrained(draft_dir)
         check_shared_vocabulary(draft_dir, target_config.vocab_size, tokenizer, each.draft)
-        if served and draft_config.vocab_size != target_config.vocab_size and not is_feature_draft(each.draft):
-            raise IncompatibleModelsError(
-                f"the draft ({each.draft}) has {draft_config.vocab_size} token rows and the target "
-                f"{target_config.vocab_size}: such a pair runs in process (specdec generate, bench), not served yet")
         limits += [context_limit(each, "draft"), draft_config.max_position_embeddings]
         drafts[name] = DraftTraits(has_head=has_head(each), reads_features=is_feature_draft(each.draft),
                                    model_free=is_suffix_draft(each.draft), fused=each.fuse_suffix)

@@ -25,7 +25,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Container, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Protocol
 
@@ -121,12 +121,17 @@ class RoundCalls:
                  observer: RoundObserver | None = None):
         self.transport, self.rules, self.retry, self.observer = transport, rules, retry, observer
         self._wire: dict[str, Wire] = {}
+        # Every Propose names the target's width (StepPlan.target_vocab): a served draft replica builds
+        # its draft without reading the target and fits it to the first width named (rules without a
+        # tokenizer name none: token ids only, the draft as it is).
+        self._target_vocab = None if rules.tokenizer is None else (rules.vocab_size, len(rules.tokenizer))
 
     async def propose(self, sessions: list[LoopSample], plan: StepPlan, draft: str = DEFAULT_DRAFT
                       ) -> tuple[dict[LoopSample, Proposal], list[PassTiming]]:
         """Every session's round drafted by `draft`, theirs (the one that carries the plan's
         off-probe drafts nothing)."""
         item = partial(self._propose_item, probe=plan.probe, held=plan.held)
+        plan = replace(plan, target_vocab=self._target_vocab)
         proposals, timings = await self._call("draft", sessions, item, lambda items: self.transport.propose(items, plan, draft))
         for s in proposals:
             self._drafted(self._wire[s.session_id])
@@ -144,6 +149,7 @@ class RoundCalls:
         items = [self._propose_item(s, wire, ahead=proposals[s].candidates) for s, wire in zip(sessions, wires)]
         for wire in wires:
             wire.contacted.add("draft")
+        plan = replace(plan, target_vocab=self._target_vocab)
         try:
             reply: BatchReply = await self.transport.propose(items, plan, draft)
         except Exception as exc:  # noqa: BLE001 - the round is drafted again as usual

@@ -135,7 +135,8 @@ def q_travels(sampling: SamplingParams) -> bool:
 @dataclass(frozen=True)
 class StepPlan:
     """One step's plan (specdec/planner.py): who calls the draft, and what the draft side spends a
-    budgeted session's round with. Only `costs` and `other_sessions` travel with a Propose.
+    budgeted session's round with. Only `costs`, `other_sessions`, `acceptance` and `target_vocab`
+    travel with a Propose.
 
     `costs` None: nothing priced the step, and a budgeted session drafts nothing (no round drafts on
     costs measured elsewhere)."""
@@ -152,6 +153,10 @@ class StepPlan:
     # draft prices the model's continuation of the suffix's candidates with it (proposers.py
     # `FusedProposer`). None: not planned with one.
     acceptance: float | None = None
+    # (the target's rows, its tokenizer's ids), which the loop's calls name from its rules (calls.py
+    # `RoundCalls`): a draft built without reading its target (a served draft replica's) fits itself to
+    # it (workers.py `DraftWorker.fit`). None: not named, the draft as it is.
+    target_vocab: tuple[int, int] | None = None
 
 
 @dataclass

@@ -234,6 +234,7 @@ class DraftWorker(Worker):
         self.head = head.to(draft.device) if head is not None else None  # it reads the draft's states where they are
         self.sessions: SessionStore[DraftSession] = sessions if sessions is not None else SessionStore()
         self._ended: deque[Callable[[], None]] = deque()  # what released sessions left to do
+        self.width: int | None = None  # the target's rows the first call naming them named (`fit`)
 
     def _before_batch(self) -> None:
         # What a released session left to do runs here, on the thread that drafts: Release arrives on
@@ -261,7 +262,28 @@ class DraftWorker(Worker):
                 self._ended.append(left)
         return [entry is not None for entry in entries]
 
+    def fit(self, target_vocab: tuple[int, int] | None) -> None:
+        """Fit the draft to the target a call names (StepPlan.target_vocab: its rows, its tokenizer's
+        ids) at the first call naming one. A served draft replica builds its draft without reading the
+        target (builder.py `build_draft`: that would fetch or convert it there), so a draft whose
+        padding rows differ from the target's is fitted here (models/runtime.py
+        `DraftRole.fit_vocabulary`, a fused suffix draft's width with it), on the thread that drafts,
+        before the batch and the start-up probe; one fitted already (in process, by build_engine) has
+        the target's width and stays as it is. The width is the first one named: a call naming another
+        (a coordinator of another target) is refused whole, and the first one's sessions go on. None:
+        not named (a coordinator of an earlier version), the draft as it is."""
+        if target_vocab is None or target_vocab[0] == self.width:
+            return
+        rows, tokens = target_vocab
+        if self.width is not None:
+            raise InvalidRequestError(f"the call names a target of {rows} token rows: this draft drafts for its "
+                                      f"first caller's, of {self.width}")
+        if rows != self.draft.vocab_size:
+            self.draft.fit_vocabulary(rows, tokens)
+        self.width = rows
+
     def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan()) -> list[Proposal | SessionMissing | Refused]:
+        self.fit(plan.target_vocab)
         self._before_batch()
         answers = serve_batch(items, self._row, lambda rows: self.proposer.propose(rows, plan, self.timings))
         if any(item.probe for item in items):  # an off-probe: time a drafting step of the step's size

@@ -374,11 +374,14 @@ class DraftRole(Runtime):
         padding rows past those ids differ in number (models/vocab.py `shared_ids`; nothing where the
         rows are the same): its logits come out at the target's width with -inf past the ids both
         have (q = 0: it proposes no padding id and none the target lacks, and verification reads the
-        q it drew from); a history's ids past its rows are fed as 0 (any q stays lossless)."""
+        q it drew from); a history's ids past its rows are fed as 0 (any q stays lossless). The suffix
+        draft fused with it (`suffix`) takes the same width."""
         rows = self.vocab_size
         shared = shared_ids(rows, target_rows, tokens)
         self.input_rows = rows if rows < target_rows else None
         self._fitted = None if shared is None else (shared, target_rows)
+        if self.suffix is not None:
+            self.suffix.fit_vocabulary(target_rows, tokens)
 
     def capture_graphs(self) -> None:
         """Capture what the runtime replays (CUDA graphs) before anything is timed: a replica's start

@@ -369,6 +369,11 @@ class SuffixDraft(DraftRole):
     def vocab_size(self) -> int:
         return self._vocab_size
 
+    def fit_vocabulary(self, target_rows: int, tokens: int) -> None:
+        """Its q (one-hot on a candidate, which its histories hold: an id the target has) at the
+        target's width: fused with a model draft fitted to a target of other rows (DraftRole.fit_vocabulary)."""
+        self._vocab_size = target_rows
+
     @property
     def hidden_size(self) -> int:
         return 0

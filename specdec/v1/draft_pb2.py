@@ -27,7 +27,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xa1\x01\n\x0cProposeBatch\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.specdec.v1.ProposeRequest\x12&\n\x05\x63osts\x18\x02 \x01(\x0b\x32\x17.specdec.v1.CostProfile\x12\x16\n\x0eother_sessions\x18\x03 \x01(\x05\x12\x17\n\nacceptance\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\r\n\x0b_acceptance\"\x83\x01\n\rProposalBatch\x12\'\n\tproposals\x18\x01 \x03(\x0b\x32\x14.specdec.v1.Proposal\x12\x10\n\x08\x64raft_ms\x18\x02 \x01(\x01\x12&\n\x06passes\x18\x03 \x03(\x0b\x32\x16.specdec.v1.PassTiming\x12\x0f\n\x07replica\x18\x04 \x01(\t\"X\n\x0cPolicyConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x01k\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x16\n\tthreshold\x18\x03 \x01(\x01H\x01\x88\x01\x01\x42\x04\n\x02_kB\x0c\n\n_threshold\"<\n\x0cRoundOutcome\x12\x16\n\x0enum_candidates\x18\x01 \x01(\x05\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\x05\"\x8e\x03\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x07history\x18\x02 \x01(\x0b\x32\x18.specdec.v1.HistoryDelta\x12(\n\x06policy\x18\x03 \x01(\x0b\x32\x18.specdec.v1.PolicyConfig\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x16\n\x0emax_candidates\x18\x05 \x01(\x05\x12\x15\n\rnum_generated\x18\x06 \x01(\x05\x12(\n\x06rounds\x18\x07 \x03(\x0b\x32\x18.specdec.v1.RoundOutcome\x12#\n\x04seed\x18\x08 \x01(\x0b\x32\x15.specdec.v1.RoundSeed\x12\r\n\x05probe\x18\t \x01(\x08\x12&\n\x08\x66\x65\x61tures\x18\n \x01(\x0b\x32\x14.specdec.v1.Features\x12\r\n\x05\x61head\x18\x0b \x01(\x08\x12\x0c\n\x04held\x18\x0c \x01(\x08\x12\x13\n\x0b\x63\x61\x63he_scope\x18\r \x01(\t\"\x93\x01\n\x08Proposal\x12\x17\n\x0fsession_missing\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x12\n\ncandidates\x18\x02 \x03(\x05\x12-\n\x0b\x64raft_probs\x18\x03 \x03(\x0b\x32\x18.specdec.v1.Distribution\x12\x16\n\x0e\x66orward_passes\x18\x05 \x01(\x05J\x04\x08\x04\x10\x05\x32\xd2\x01\n\x05\x44raft\x12>\n\x07Propose\x12\x18.specdec.v1.ProposeBatch\x1a\x19.specdec.v1.ProposalBatch\x12H\n\rProposeStream\x12\x18.specdec.v1.ProposeBatch\x1a\x19.specdec.v1.ProposalBatch(\x01\x30\x01\x12?\n\x07Release\x12\x17.specdec.v1.SessionRefs\x1a\x1b.specdec.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xcd\x01\n\x0cProposeBatch\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.specdec.v1.ProposeRequest\x12&\n\x05\x63osts\x18\x02 \x01(\x0b\x32\x17.specdec.v1.CostProfile\x12\x16\n\x0eother_sessions\x18\x03 \x01(\x05\x12\x17\n\nacceptance\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x0btarget_rows\x18\x05 \x01(\x05\x12\x15\n\rtarget_tokens\x18\x06 \x01(\x05\x42\r\n\x0b_acceptance\"\x83\x01\n\rProposalBatch\x12\'\n\tproposals\x18\x01 \x03(\x0b\x32\x14.specdec.v1.Proposal\x12\x10\n\x08\x64raft_ms\x18\x02 \x01(\x01\x12&\n\x06passes\x18\x03 \x03(\x0b\x32\x16.specdec.v1.PassTiming\x12\x0f\n\x07replica\x18\x04 \x01(\t\"X\n\x0cPolicyConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x01k\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x16\n\tthreshold\x18\x03 \x01(\x01H\x01\x88\x01\x01\x42\x04\n\x02_kB\x0c\n\n_threshold\"<\n\x0cRoundOutcome\x12\x16\n\x0enum_candidates\x18\x01 \x01(\x05\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\x05\"\x8e\x03\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x07history\x18\x02 \x01(\x0b\x32\x18.specdec.v1.HistoryDelta\x12(\n\x06policy\x18\x03 \x01(\x0b\x32\x18.specdec.v1.PolicyConfig\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x16\n\x0emax_candidates\x18\x05 \x01(\x05\x12\x15\n\rnum_generated\x18\x06 \x01(\x05\x12(\n\x06rounds\x18\x07 \x03(\x0b\x32\x18.specdec.v1.RoundOutcome\x12#\n\x04seed\x18\x08 \x01(\x0b\x32\x15.specdec.v1.RoundSeed\x12\r\n\x05probe\x18\t \x01(\x08\x12&\n\x08\x66\x65\x61tures\x18\n \x01(\x0b\x32\x14.specdec.v1.Features\x12\r\n\x05\x61head\x18\x0b \x01(\x08\x12\x0c\n\x04held\x18\x0c \x01(\x08\x12\x13\n\x0b\x63\x61\x63he_scope\x18\r \x01(\t\"\x93\x01\n\x08Proposal\x12\x17\n\x0fsession_missing\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x12\n\ncandidates\x18\x02 \x03(\x05\x12-\n\x0b\x64raft_probs\x18\x03 \x03(\x0b\x32\x18.specdec.v1.Distribution\x12\x16\n\x0e\x66orward_passes\x18\x05 \x01(\x05J\x04\x08\x04\x10\x05\x32\xd2\x01\n\x05\x44raft\x12>\n\x07Propose\x12\x18.specdec.v1.ProposeBatch\x1a\x19.specdec.v1.ProposalBatch\x12H\n\rProposeStream\x12\x18.specdec.v1.ProposeBatch\x1a\x19.specdec.v1.ProposalBatch(\x01\x30\x01\x12?\n\x07Release\x12\x17.specdec.v1.SessionRefs\x1a\x1b.specdec.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,17 +35,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.draft_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PROPOSEBATCH']._serialized_start=64
-  _globals['_PROPOSEBATCH']._serialized_end=225
-  _globals['_PROPOSALBATCH']._serialized_start=228
-  _globals['_PROPOSALBATCH']._serialized_end=359
-  _globals['_POLICYCONFIG']._serialized_start=361
-  _globals['_POLICYCONFIG']._serialized_end=449
-  _globals['_ROUNDOUTCOME']._serialized_start=451
-  _globals['_ROUNDOUTCOME']._serialized_end=511
-  _globals['_PROPOSEREQUEST']._serialized_start=514
-  _globals['_PROPOSEREQUEST']._serialized_end=912
-  _globals['_PROPOSAL']._serialized_start=915
-  _globals['_PROPOSAL']._serialized_end=1062
-  _globals['_DRAFT']._serialized_start=1065
-  _globals['_DRAFT']._serialized_end=1275
+  _globals['_PROPOSEBATCH']._serialized_end=269
+  _globals['_PROPOSALBATCH']._serialized_start=272
+  _globals['_PROPOSALBATCH']._serialized_end=403
+  _globals['_POLICYCONFIG']._serialized_start=405
+  _globals['_POLICYCONFIG']._serialized_end=493
+  _globals['_ROUNDOUTCOME']._serialized_start=495
+  _globals['_ROUNDOUTCOME']._serialized_end=555
+  _globals['_PROPOSEREQUEST']._serialized_start=558
+  _globals['_PROPOSEREQUEST']._serialized_end=956
+  _globals['_PROPOSAL']._serialized_start=959
+  _globals['_PROPOSAL']._serialized_end=1106
+  _globals['_DRAFT']._serialized_start=1109
+  _globals['_DRAFT']._serialized_end=1319
 # @@protoc_insertion_point(module_scope)

@@ -10,16 +10,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeBatch(_message.Message):
-    __slots__ = ("items", "costs", "other_sessions", "acceptance")
+    __slots__ = ("items", "costs", "other_sessions", "acceptance", "target_rows", "target_tokens")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     COSTS_FIELD_NUMBER: _ClassVar[int]
     OTHER_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[ProposeRequest]
     costs: _common_pb2.CostProfile
     other_sessions: int
     acceptance: float
-    def __init__(self, items: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ..., costs: _Optional[_Union[_common_pb2.CostProfile, _Mapping]] = ..., other_sessions: _Optional[int] = ..., acceptance: _Optional[float] = ...) -> None: ...
+    target_rows: int
+    target_tokens: int
+    def __init__(self, items: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ..., costs: _Optional[_Union[_common_pb2.CostProfile, _Mapping]] = ..., other_sessions: _Optional[int] = ..., acceptance: _Optional[float] = ..., target_rows: _Optional[int] = ..., target_tokens: _Optional[int] = ...) -> None: ...
 
 class ProposalBatch(_message.Message):
     __slots__ = ("proposals", "draft_ms", "passes", "replica")

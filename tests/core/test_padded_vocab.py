@@ -70,20 +70,16 @@ def test_greedy_output_of_a_padded_pair_equals_target_only(padded_dirs, draft, m
     assert max(proposed) < TOKENS  # neither its own padding rows nor an id the target lacks
 
 
-def test_the_rules_in_process_accept_the_padded_pair_from_configs(padded_dirs):
-    rules = build_rules(EngineConfig(draft=str(padded_dirs["more"]), target=str(padded_dirs["target"]),
-                                     head="none"), progress=False)
-    assert rules.vocab_size == 272
+@pytest.mark.parametrize("draft", ["fewer", "more"])
+def test_the_rules_accept_the_padded_pair_in_process_and_served(padded_dirs, draft):
+    """The coordinator's rules, in process and as a served app's reads them (its replicas' devices,
+    services/replicas.py `coordinator`), name the target's width, which a served draft replica fits
+    its draft to (tests/services/test_round_services_padded.py)."""
+    config = EngineConfig(draft=str(padded_dirs[draft]), target=str(padded_dirs["target"]), head="none")
+    for devices in (None, {"target": "cpu", "draft": "cpu"}):
+        rules = build_rules(config, progress=False, devices=devices)
+        assert rules.vocab_size == 272 and len(rules.tokenizer) == TOKENS
 
-
-
-def test_a_served_app_refuses_the_padded_pair_in_one_line(padded_dirs):
-    """A served draft replica builds its draft without reading the target (build_draft), so it is
-    not fitted: the coordinator refuses the pair rather than let q and p differ in width."""
-    config = EngineConfig(draft=str(padded_dirs["more"]), target=str(padded_dirs["target"]), head="none")
-    with pytest.raises(IncompatibleModelsError, match="runs in process .* not served yet") as refused:
-        build_rules(config, progress=False, served=True)
-    assert "\n" not in str(refused.value)
 
 def test_a_pair_whose_tokenizers_differ_is_refused_in_one_line(padded_dirs, tmp_path):
     """A draft whose byte tokens sit at other ids (shifted by one), with other padding rows too."""
