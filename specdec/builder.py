@@ -33,7 +33,7 @@ from specdec.models.sources import (DEFAULT_DRAFT_QUANT, DEFAULTS, REQUANT_FTYPE
 from specdec.models.static import StaticOptions
 from specdec.models.suffix import MatchHead, SuffixDraft, fused_with, is_suffix_draft
 from specdec.models.vocab import FULL as FULL_VOCAB
-from specdec.models.vocab import resolve_draft_vocab, trim_lm_head
+from specdec.models.vocab import resolve_draft_vocab, tokenizer_ids, trim_lm_head
 from specdec.params import DEFAULT_DRAFT, named_drafts
 from specdec.sequences import DraftTraits, RequestRules
 
@@ -115,7 +115,7 @@ def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -
         check_shared_vocabulary(model_dir(each, "draft", progress), target_rows, tokenizer, each.draft)
     drafts = {}
     for name, each in draft_configs(config).items():
-        draft, draft_dir = build_draft(each, progress, (target_rows, len(tokenizer)))
+        draft, draft_dir = build_draft(each, progress, (target_rows, tokenizer_ids(tokenizer)))
         drafts[name] = (draft, draft_dir)
     target, target_dir = build_target(config, progress)
     heads = {}

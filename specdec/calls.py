@@ -34,6 +34,7 @@ import torch
 from specdec.cost_profile import PassTiming
 from specdec.errors import InvalidRequestError, Unavailable
 from specdec.metrics import MS_PER_S
+from specdec.models.vocab import tokenizer_ids
 from specdec.params import DEFAULT_DRAFT
 from specdec.protocol import (BatchReply, CallTiming, Failed, Proposal, ProposeItem, ProposeReply, Refused,
                               Role, RoundSeed, SessionMissing, StepPlan, Unreachable, VerifyItem, VerifyReply,
@@ -124,7 +125,7 @@ class RoundCalls:
         # Every Propose names the target's width (StepPlan.target_vocab): a served draft replica builds
         # its draft without reading the target and fits it to the first width named (rules without a
         # tokenizer name none: token ids only, the draft as it is).
-        self._target_vocab = None if rules.tokenizer is None else (rules.vocab_size, len(rules.tokenizer))
+        self._target_vocab = None if rules.tokenizer is None else (rules.vocab_size, tokenizer_ids(rules.tokenizer))
 
     async def propose(self, sessions: list[LoopSample], plan: StepPlan, draft: str = DEFAULT_DRAFT
                       ) -> tuple[dict[LoopSample, Proposal], list[PassTiming]]:

@@ -174,14 +174,7 @@ class LlamaCppModel:
             raise ModelSourceError(f"llama.cpp cannot create a context for {self.path} "
                                    f"({options.context} cells, {options.sequences} sequences)")
         self.memory = lib.llama_get_memory(self.context)
-        vocab = lib.llama_model_get_vocab(self.model)
-        self.n_vocab = lib.llama_vocab_n_tokens(vocab)
-        # Its tokenizer's ids: the rows before the padding ones a GGUF lists past its last id as
-        # tokens (convert_hf_to_gguf.py's unused "[PAD<id>]": a Qwen2.5 GGUF's 151,665 ids of 151,936 rows).
-        self.tokens = self.n_vocab
-        while self.tokens and (lib.llama_vocab_get_attr(vocab, self.tokens - 1) & lib.LLAMA_TOKEN_ATTR_UNUSED
-                               or lib.llama_vocab_get_text(vocab, self.tokens - 1) == b"[PAD%d]" % (self.tokens - 1)):
-            self.tokens -= 1
+        self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
         self.n_embd = lib.llama_model_n_embd(self.model)
         self.n_ctx_train = lib.llama_model_n_ctx_train(self.model)
         # The cells asked for: llama.cpp rounds its context up to a multiple of 256, and the builder,
@@ -358,12 +351,6 @@ class LlamaCppDraftRuntime(DraftRole, LlamaCppRuntime):
     def __init__(self, path: str | Path, identity: str = "", name: str = "",
                  options: LlamaCppOptions = LlamaCppOptions()):
         super().__init__(path, identity, name, options, hidden=True)
-
-    def fit_vocabulary(self, target_rows: int, tokens: int) -> None:
-        """DraftRole's, the tokenizer's ids counted without the GGUF's padding tokens: a GGUF's
-        tokenizer as transformers reads it (the builder's `tokens`) lists its [PAD] tokens as ids,
-        which left the draft's own padding rows below the target's proposable."""
-        super().fit_vocabulary(target_rows, min(tokens, self.llama.tokens))
 
 
 class LlamaCppTargetRuntime(TargetRole, LlamaCppRuntime):

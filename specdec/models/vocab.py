@@ -90,6 +90,17 @@ def shared_ids(draft_rows: int, target_rows: int, tokens: int) -> int | None:
     return None if draft_rows == target_rows else min(draft_rows, target_rows, tokens)
 
 
+def tokenizer_ids(tokenizer) -> int:
+    """The tokenizer's ids before the padding a GGUF lists as tokens past its last one
+    (convert_hf_to_gguf.py's unused "[PAD<id>]": a Qwen2.5 GGUF's tokenizer, as transformers reads
+    it, has 151,936 ids, its last 271 such): `shared_ids`' `tokens`, where it counted them, left a
+    draft's own padding rows below a larger target's proposable."""
+    count = len(tokenizer)
+    while count and tokenizer.convert_ids_to_tokens(count - 1) == f"[PAD{count - 1}]":
+        count -= 1
+    return count
+
+
 def ascii_token_ids(tokenizer, vocab_size: int) -> list[int]:
     """Ids below `vocab_size` (the model's rows) whose decoded text is printable ASCII, plus special,
     added and single-byte tokens. Ids the tokenizer does not know decode to "" and are left out."""

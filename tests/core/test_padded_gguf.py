@@ -6,8 +6,8 @@ such pairs in torch; here a llama.cpp draft is fitted as the builder fits it (mo
 draft's padding rows are large, so an unmasked one would be proposed.
 
 A GGUF's tokenizer, as transformers reads it, counts the [PAD] tokens as ids (len(tokenizer) is the
-target's rows): the draft's own token list tells where its real ids end
-(models/llamacpp.py `LlamaCppModel.tokens`)."""
+target's rows): the builder counts the ids before them (models/vocab.py `tokenizer_ids`), on
+llama.cpp and on torch, which converts the GGUFs."""
 
 from __future__ import annotations
 
@@ -44,10 +44,11 @@ def padded(weights: dict[str, np.ndarray], rows: int, tokens: int, seed: int) ->
     return {**weights, "token_embd.weight": rows_now.astype(np.float32)}
 
 
-def engine_of(draft, target, cache, **llamacpp):
-    return build_engine(EngineConfig(draft=str(draft), target=str(target), runtime="llamacpp", head="none", threads=1,
-                                     cache_dir=str(cache), llamacpp=LlamaCppOptions(threads=1, **llamacpp)),
-                        progress=False)
+def engine_of(draft, target, cache, runtime: str, **llamacpp):
+    """On torch (the GGUFs converted into `cache`) or llama.cpp, with `llamacpp`'s options there."""
+    options = {"llamacpp": LlamaCppOptions(threads=1, **llamacpp)} if runtime == "llamacpp" else {}
+    return build_engine(EngineConfig(draft=str(draft), target=str(target), runtime=runtime, head="none", threads=1,
+                                     cache_dir=str(cache), **options), progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +63,14 @@ def padded_ggufs(tmp_path_factory):
                for name, rows in (("fewer", 264), ("more", 280))}}
 
 
+@pytest.mark.parametrize("runtime", ["llamacpp", "torch"])
 @pytest.mark.parametrize("draft, rows", [("fewer", 264), ("more", 280)])
-def test_greedy_output_of_a_padded_gguf_pair_equals_target_only(padded_ggufs, draft, rows, monkeypatch):
-    engine = engine_of(padded_ggufs[draft], padded_ggufs["target"], padded_ggufs["cache"], context=1024, sequences=8)
-    assert engine.draft.llama.n_vocab == rows and engine.draft.llama.tokens == TOKENS
+def test_greedy_output_of_a_padded_gguf_pair_equals_target_only(padded_ggufs, draft, rows, runtime, monkeypatch):
+    engine = engine_of(padded_ggufs[draft], padded_ggufs["target"], padded_ggufs["cache"], runtime,
+                       context=1024, sequences=8)
     assert engine.draft.vocab_size == engine.target.vocab_size == TARGET_ROWS
+    assert engine.draft._fitted == (TOKENS, TARGET_ROWS)  # the ids before the [PAD] tokens, not its rows'
+    assert (engine.draft.llama.n_vocab if runtime == "llamacpp" else engine.draft.model.config.vocab_size) == rows
     proposed = counting_proposals(monkeypatch)
     prompts = ([5, 72, 101, 108, 108, 111], list(range(40, 52)), [7, 7, 7, 120, 250, 31, 64, 9])
     for policy in (PolicyConfig(name="fixed", k=3), PolicyConfig(name="svip", threshold=0.5)):
@@ -83,8 +87,8 @@ def test_greedy_output_of_a_padded_gguf_pair_equals_target_only(padded_ggufs, dr
 def test_sampled_output_of_a_padded_gguf_pair_follows_the_target(draft_rows, tmp_path, monkeypatch):
     """SMALL_TOKENS' 10 ids, a target of 12 rows (its 2 padding rows at normal size, so it samples
     them, and the 11-row draft is fed one it lacks as 0). The engine is built without EOS (every
-    sample runs its full length), its draft fitted as build_draft fits it: with the GGUF tokenizer's
-    count of ids, its [PAD] tokens included."""
+    sample runs its full length), its draft fitted as build_engine fits it: to the ids before the
+    [PAD] tokens."""
     tokens, target_rows = len(SMALL_TOKENS), 12
     target = tiny_gguf_weights(target_rows, 16, layers=1, seed=5, scale=0.6)
     target_path = write_tiny_gguf(tmp_path / "target.gguf", target, tokens=SMALL_TOKENS)
@@ -92,7 +96,7 @@ def test_sampled_output_of_a_padded_gguf_pair_follows_the_target(draft_rows, tmp
                                                                  tokens, 7), tokens=SMALL_TOKENS)
     options = LlamaCppOptions(threads=1, context=4096, sequences=64)
     draft = LlamaCppDraftRuntime(draft_path, options=options)
-    draft.fit_vocabulary(target_rows, target_rows)
+    draft.fit_vocabulary(target_rows, tokens)
     engine = SpecDecEngine(draft, LlamaCppTargetRuntime(target_path, options=options))
     proposed = counting_proposals(monkeypatch)
     sampling, policy = SAMPLINGS["temperature-1"], PolicyConfig(name="fixed", k=3)
