@@ -184,7 +184,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX, strict=True)
     logprobs: bool | None = None
     top_logprobs: int | None = None
 

@@ -169,6 +169,8 @@ def test_stream_without_usage_and_n2(client):
     ("completions", {"speculative": {"policy": "fixed", "k": True}}, "speculative.k: Input should be a valid integer",
      "speculative"),
     ("completions", {"policy": "svip", "threshold": True}, "threshold: Input should be a valid number", "threshold"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": True},
+     "max_completion_tokens: Input should be a valid integer", "max_completion_tokens"),
     ("completions", {"suffix_cache": True}, "a cache of earlier responses is kept per API key: this server has none",
      None),
     ("completions", {"speculative": {"suffix_cache": True}}, "kept per API key", None),
