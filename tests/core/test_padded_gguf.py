@@ -25,6 +25,7 @@ from specdec.sampling import SamplingParams
 from stats import chi2_pvalue
 from test_lossless import (SAMPLED_PROMPT, SAMPLES_PER_CASE, SAMPLINGS, SIGNIFICANCE, counting_proposals, prefix_counts,
                            sample_completions, target_joint)
+from test_padded_vocab import assert_greedy_equals_target_only
 from tiny import SMALL_TOKENS, byte_level_tokens, noisy_weights, tiny_gguf_weights, write_tiny_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -71,16 +72,9 @@ def test_greedy_output_of_a_padded_gguf_pair_equals_target_only(padded_ggufs, dr
     assert engine.draft.vocab_size == engine.target.vocab_size == TARGET_ROWS
     assert engine.draft._fitted == (TOKENS, TARGET_ROWS)  # the ids before the [PAD] tokens, not its rows'
     assert (engine.draft.llama.n_vocab if runtime == "llamacpp" else engine.draft.model.config.vocab_size) == rows
-    proposed = counting_proposals(monkeypatch)
-    prompts = ([5, 72, 101, 108, 108, 111], list(range(40, 52)), [7, 7, 7, 120, 250, 31, 64, 9])
-    for policy in (PolicyConfig(name="fixed", k=3), PolicyConfig(name="svip", threshold=0.5)):
-        for prompt in prompts:
-            got = engine.generate_ids(prompt, GenerationParams(max_new_tokens=32, policy=policy))
-            want = engine.generate_ids(prompt, GenerationParams(max_new_tokens=32,
-                                                                policy=PolicyConfig(name="target-only")))
-            assert got.completions[0].token_ids == want.completions[0].token_ids, policy
-    assert sum(proposed.values()) > 0
-    assert max(proposed) < TOKENS  # neither its own padding rows nor an id the target lacks
+    assert_greedy_equals_target_only(
+        engine, monkeypatch, ([5, 72, 101, 108, 108, 111], list(range(40, 52)), [7, 7, 7, 120, 250, 31, 64, 9]),
+        (PolicyConfig(name="fixed", k=3), PolicyConfig(name="svip", threshold=0.5)), 32, TOKENS)
 
 
 @pytest.mark.parametrize("draft_rows", [11, 14])

@@ -58,16 +58,23 @@ def test_greedy_output_of_a_padded_pair_equals_target_only(padded_dirs, draft, m
     engine = build_engine(EngineConfig(draft=str(padded_dirs[draft]), target=str(padded_dirs["target"]),
                                        head="none"), progress=False)
     assert engine.draft.vocab_size == engine.target.vocab_size == 272
+    assert_greedy_equals_target_only(engine, monkeypatch, ([5, 72, 101, 108, 108, 111], list(range(40, 52))),
+                                     (PolicyConfig(name="fixed", k=3), PolicyConfig(name="svip", threshold=0.5),
+                                      PolicyConfig()), 24, TOKENS)
+
+
+def assert_greedy_equals_target_only(engine, monkeypatch, prompts, policies, max_new_tokens: int, tokens: int):
+    """Each policy's greedy output equals target-only's; the draft proposed, and only ids below `tokens`
+    (neither its own padding rows nor an id the target lacks)."""
     proposed = counting_proposals(monkeypatch)
-    prompts = ([5, 72, 101, 108, 108, 111], list(range(40, 52)))
-    for policy in (PolicyConfig(name="fixed", k=3), PolicyConfig(name="svip", threshold=0.5), PolicyConfig()):
+    for policy in policies:
         for prompt in prompts:
-            got = engine.generate_ids(prompt, GenerationParams(max_new_tokens=24, policy=policy))
-            want = engine.generate_ids(prompt, GenerationParams(max_new_tokens=24,
+            got = engine.generate_ids(prompt, GenerationParams(max_new_tokens=max_new_tokens, policy=policy))
+            want = engine.generate_ids(prompt, GenerationParams(max_new_tokens=max_new_tokens,
                                                                 policy=PolicyConfig(name="target-only")))
             assert got.completions[0].token_ids == want.completions[0].token_ids, policy
     assert sum(proposed.values()) > 0
-    assert max(proposed) < TOKENS  # neither its own padding rows nor an id the target lacks
+    assert max(proposed) < tokens
 
 
 @pytest.mark.parametrize("draft", ["fewer", "more"])
