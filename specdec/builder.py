@@ -238,7 +238,8 @@ class RuntimeBackend(ABC):
         return None, None
 
     @abstractmethod
-    def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]: ...
+    def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path | None]:
+        """The draft and its model's directory (None: it has none, the suffix draft)."""
 
     @abstractmethod
     def target(self, config: EngineConfig, progress: bool, load=None) -> tuple[TargetRole, Path]: ...
@@ -350,18 +351,23 @@ class FeatureDraftBackend(RuntimeBackend):
 
 class SuffixDraftBackend(RuntimeBackend):
     """The suffix draft (models/suffix.py): no model, on any target; the target's tokenizer and
-    vocabulary are its own (its `meta_dir` is the target's)."""
+    vocabulary are its own (its `meta_dir` is the target's: the rules and checks that read it run on
+    the coordinator or in process)."""
 
     name = "suffix"
 
     def meta_dir(self, config: EngineConfig, source: str, role: Role, progress: bool) -> Path:
         return backend_for(config, "target").meta_dir(config, config.target, "target", progress)
 
-    def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, Path]:
+    def draft(self, config: EngineConfig, quant: str, progress: bool) -> tuple[DraftRole, None]:
+        """The draft unsized, no file read (and no directory of its own: None): the target's width,
+        all it takes of the target (its one-hot q's), is given by build_draft's `target_vocab` in
+        process and by the first Propose that names it on a served replica (workers.py
+        `DraftWorker.fit`), both through `SuffixDraft.fit_vocabulary`. Resolving the target for it
+        here downloaded, assembled or converted the target on the replica's node, which may be any."""
         if quant != SHIPPED or config.draft_vocab != FULL_VOCAB:
             raise ModelSourceError("the suffix draft has no weights: --draft-quant and --draft-vocab do not apply")
-        target_dir = self.meta_dir(config, config.target, "target", progress)
-        return SuffixDraft(AutoConfig.from_pretrained(target_dir).vocab_size), target_dir
+        return SuffixDraft(None), None
 
     def target(self, config: EngineConfig, progress: bool, load=None) -> tuple[TargetRole, Path]:
         raise ModelSourceError("the suffix draft is a draft: --target names its target")
@@ -402,16 +408,18 @@ def resolve_draft_quant(config: EngineConfig) -> str:
 
 
 def build_draft(config: EngineConfig, progress: bool = True,
-                target_vocab: tuple[int, int] | None = None) -> tuple[DraftRole, Path]:
-    """A draft (its config's first), the suffix draft beside it where it is fused. `target_vocab`:
-    (the target's token rows, its tokenizer's ids), which a draft with other rows fits its logits to
-    (build_engine). None: the draft as it is, its target unread (a served draft replica: resolving
-    the target there would fetch or convert it on the draft's machine; it fits the draft to the width
-    its coordinator's calls name, workers.py `DraftWorker.fit`)."""
+                target_vocab: tuple[int, int] | None = None) -> tuple[DraftRole, Path | None]:
+    """A draft (its config's first), the suffix draft beside it where it is fused, and its model's
+    directory (None for the plain suffix draft, which has none). `target_vocab`: (the target's token
+    rows, its tokenizer's ids), which a draft with other rows fits its logits to and the plain suffix
+    draft takes as its width (build_engine). None: the draft as it is, its target unread (a served
+    draft replica: resolving the target there would fetch or convert it on the draft's machine; it
+    fits the draft to the width its coordinator's calls name, workers.py `DraftWorker.fit`), the
+    plain suffix draft unsized until then."""
     config = unfused(config)
     draft, draft_dir = backend_for(config, "draft").draft(config, resolve_draft_quant(config), progress)
     if target_vocab is not None:
-        draft.fit_vocabulary(*target_vocab)  # (before the fused suffix takes its width)
+        draft.fit_vocabulary(*target_vocab)  # (before the fused suffix takes its width; the plain suffix's width)
     if config.fuse_suffix:
         draft.suffix = SuffixDraft(draft.vocab_size)
     return draft, draft_dir

@@ -271,8 +271,17 @@ class DraftWorker(Worker):
         before the batch and the start-up probe; one fitted already (in process, by build_engine) has
         the target's width and stays as it is. The width is the first one named: a call naming another
         (a coordinator of another target) is refused whole, and the first one's sessions go on. None:
-        not named (a coordinator of an earlier version), the draft as it is."""
-        if target_vocab is None or target_vocab[0] == self.width:
+        not named (a coordinator of an earlier version, rules without a tokenizer), the draft as it
+        is; the plain suffix draft, built unsized on a replica (its width is all it reads of the
+        target), has no width to go on then: the call is refused whole (its histories' ids could not
+        be checked, nor its q's made) and a later call naming one is served."""
+        if target_vocab is None:
+            if self.draft.vocab_size is None:
+                raise InvalidRequestError("the call names no target width (ProposeBatch target_rows), which this "
+                                          "suffix draft takes its one-hot q's width from: a coordinator of an "
+                                          "earlier version?")
+            return
+        if target_vocab[0] == self.width:
             return
         rows, tokens = target_vocab
         if self.width is not None:

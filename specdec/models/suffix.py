@@ -327,7 +327,12 @@ class SuffixDraft(DraftRole):
     forward_passes = 0
     model_free = True
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int | None):
+        """`vocab_size`: the target's rows, the width of its one-hot q's; None: unsized, as a served
+        replica builds it (builder.py `SuffixDraftBackend.draft`: it reads nothing of the target) until
+        the first call naming the target's width fits it (`fit_vocabulary`, workers.py `DraftWorker.fit`,
+        which refuses a call naming none meanwhile). Nothing else it does reads the width: its walks
+        and the start-up probe's are greedy, without q."""
         self._vocab_size = vocab_size
         self.stats = MatchStats()
         # scope -> the index of its earlier responses, the least recently used scope first
@@ -366,12 +371,13 @@ class SuffixDraft(DraftRole):
         self.cache.move_to_end(scope)
 
     @property
-    def vocab_size(self) -> int:
+    def vocab_size(self) -> int | None:
         return self._vocab_size
 
     def fit_vocabulary(self, target_rows: int, tokens: int) -> None:
         """Its q (one-hot on a candidate, which its histories hold: an id the target has) at the
-        target's width: fused with a model draft fitted to a target of other rows (DraftRole.fit_vocabulary)."""
+        target's width: the plain suffix draft's width (built unsized), or fused with a model draft
+        fitted to a target of other rows (DraftRole.fit_vocabulary)."""
         self._vocab_size = target_rows
 
     @property
