@@ -49,6 +49,10 @@ def save_model(path, rows: int, hidden: int, layers: int, seed: int, pad_scale: 
 
 @pytest.fixture(scope="module")
 def padded(tmp_path_factory):
+    return padded_models(tmp_path_factory)
+
+
+def padded_models(tmp_path_factory) -> dict:
     """A target of 272 rows; drafts of 280 (more) and 264 (fewer) rows, their padding rows large."""
     root = tmp_path_factory.mktemp("padded")
     return {"target": save_model(root / "target", TARGET_ROWS, 32, 2, 2, 1.0),

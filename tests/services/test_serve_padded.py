@@ -6,13 +6,19 @@ output equals the in-process engine's, which the builder fitted. One app (~30 s 
 from __future__ import annotations
 
 import grpc
+import pytest
 
 from services.config import AppConfig, ReplicaConfig
 from specdec.builder import build_engine
 from specdec.loop import BatchConfig
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 from engine_backend import local_serve
-from test_round_services_padded import GREEDY_AND_SAMPLED, PROMPT, padded, pair  # noqa: F401 - padded: the fixture
+from test_round_services_padded import GREEDY_AND_SAMPLED, PROMPT, padded_models, pair
+
+
+@pytest.fixture(scope="module")
+def padded(tmp_path_factory):
+    return padded_models(tmp_path_factory)
 
 
 def test_a_served_padded_pair_equals_the_engine(padded):
