@@ -287,8 +287,7 @@ class DraftWorker(Worker):
         if self.width is not None:
             raise InvalidRequestError(f"the call names a target of {rows} token rows: this draft drafts for its "
                                       f"first caller's, of {self.width}")
-        if rows != self.draft.vocab_size:
-            self.draft.fit_vocabulary(rows, tokens)
+        self.draft.fit_vocabulary(rows, tokens)
         self.width = rows
 
     def propose(self, items: list[ProposeItem], plan: StepPlan = StepPlan()) -> list[Proposal | SessionMissing | Refused]:

@@ -375,8 +375,11 @@ class DraftRole(Runtime):
         rows are the same): its logits come out at the target's width with -inf past the ids both
         have (q = 0: it proposes no padding id and none the target lacks, and verification reads the
         q it drew from); a history's ids past its rows are fed as 0 (any q stays lossless). The suffix
-        draft fused with it (`suffix`) takes the same width."""
+        draft fused with it (`suffix`) takes the same width. A draft at the target's width already
+        (fitted before, or of the same rows) stays as it is: its width is no longer its own rows."""
         rows = self.vocab_size
+        if rows == target_rows:
+            return
         shared = shared_ids(rows, target_rows, tokens)
         self.input_rows = rows if rows < target_rows else None
         self._fitted = None if shared is None else (shared, target_rows)
