@@ -215,3 +215,7 @@ class LlamaLookupPeer:
                 break
         stats = RequestStats(generated_tokens=len(token_ids), wall_time_s=time.perf_counter() - start)
         return PeerResult(token_ids, finish, stats)
+
+    def close(self) -> None:
+        """Free llama.cpp's model and context now (the target's weights, mapped a second time)."""
+        self.llm.close()

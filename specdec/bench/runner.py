@@ -212,6 +212,17 @@ class BenchRun:
         for r in again:
             self.store.append(self._generate(specs[r["spec"]], r["temperature"], r["prompt"], prompt_ids[r["prompt"]]))
 
+    def close(self) -> None:
+        """Free what the run's engine and peers hold beyond Python's memory (llama.cpp's models,
+        captured graphs); the run is not used after."""
+        for peer in self.peers.values():
+            if hasattr(peer, "close"):  # (HF's peer runs the engine's own models)
+                peer.close()
+        self.peers.clear()
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
     # ----------------------------------------------------------------------------------------
 
     def _note_peers(self) -> None:
@@ -490,7 +501,10 @@ def run_bench(config: BenchConfig, progress: bool = True, report_only: bool = Fa
         notes = read_notes(config.out)
     else:
         run = BenchRun(config, specs, prompts, store, progress)
-        notes = run.execute()
+        try:
+            notes = run.execute()
+        finally:
+            run.close()
         specs = run.specs  # the head's own h may have joined the sweep
         if not len(store):  # (a summary of nothing would read as a run that measured)
             reasons = {**notes.get("skipped_prompts", {}), **notes.get("skipped_specs", {})}

@@ -430,6 +430,8 @@ def test_llama_cpp_pythons_prompt_lookup_peer_runs_the_target(llama_engine, gguf
     result = peer.generate(prompt, num_pred_tokens=2, max_new_tokens=24, temperature=0.0, seed=0)
     expected = generate(llama_engine, prompt, PolicyConfig(name="target-only"))
     assert result.token_ids == expected[:len(result.token_ids)] and result.stats.wall_time_s > 0
+    peer.close()  # (the bench closes its peers when a run ends: the target's weights mapped twice)
+    assert peer.llm._model.model is None
 
 
 @pytest.mark.parametrize("update, reason", [
