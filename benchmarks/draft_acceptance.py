@@ -42,15 +42,6 @@ def starts_of(example: Example, stride: int) -> list[int]:
     return list(range(max(example.prompt_length - 2, 0), len(example.tokens) - 2, stride))
 
 
-def matched_run(drafted: list[int], truth: list[int]) -> int:
-    n = 0
-    for d, t in zip(drafted, truth):
-        if d != t:
-            break
-        n += 1
-    return n
-
-
 @torch.inference_mode()
 def feature_teacher_forced(model, example: Example, k: int) -> list[tuple[int, int]]:
     """[(matches, positions)] per draft position 1..k at response positions, in the model's own

@@ -41,7 +41,6 @@ import torch
 FEATURES_HIDDEN = "hidden"
 FEATURES_DISTRIBUTION = "hidden+distribution"
 FeatureKind = Literal["hidden", "hidden+distribution"]
-FEATURE_KINDS: tuple[str, ...] = (FEATURES_HIDDEN, FEATURES_DISTRIBUTION)
 
 SCALAR_FEATURES = ("log_q_token", "log_top1", "log_margin", "entropy", "log_position", "greedy")
 NUM_SCALAR_FEATURES = len(SCALAR_FEATURES)

@@ -7,7 +7,6 @@ import json
 import re
 from importlib import resources
 
-HUMANEVAL_SIZE = 164
 # HumanEval gives a function signature and docstring; instruct models get it as a chat request.
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n{prompt}"
 
