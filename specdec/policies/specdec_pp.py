@@ -8,11 +8,6 @@ from specdec.policies.base import (PAPER_MAX_CANDIDATES, Decision, DraftStep, Po
                                    check_threshold)
 
 
-def rejection_probability(acceptance_probs: torch.Tensor) -> float:
-    """P(at least one candidate is rejected) = 1 - prod_i P(y_i accepted | y_<i accepted)."""
-    return 1.0 - float(torch.prod(acceptance_probs))
-
-
 def head_acceptances(head: AcceptanceHead, hidden: torch.Tensor, probs: torch.Tensor | None, tokens: torch.Tensor,
                      positions: torch.Tensor, greedy: torch.Tensor | bool) -> torch.Tensor:
     """The head's acceptance probability of B candidates at once, [B] on the head's device. A

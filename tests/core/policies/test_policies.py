@@ -14,7 +14,6 @@ from specdec.policies import (
     TargetOnly, make_policy, policy_traits, resolve_policy,
 )
 from specdec.policies.specdec_pp_cost import SpecDecPPCost
-from specdec.policies.specdec_pp import rejection_probability
 from specdec.policies.svip import entropy
 
 HIDDEN = 8
@@ -114,11 +113,6 @@ def test_confidence_stops_iff_top_probability_below_threshold():
 
 # ------------------------------------------------------------------------------------------------
 # specdec++
-
-
-def test_rejection_probability():
-    assert rejection_probability(torch.tensor([0.9, 0.5])) == pytest.approx(0.55)
-    assert rejection_probability(torch.tensor([])) == 0.0
 
 
 def test_specdec_pp_stops_once_predicted_rejection_exceeds_threshold():
