@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from specdec.errors import InvalidRequestError
-from specdec.calls import RetryPolicy, RoundTransport
+from specdec.calls import RoundTransport
 from specdec.loop import BatchConfig, RoundLoop
 from specdec.params import GenerationParams
 from specdec.policies import PolicyConfig, policy_traits
@@ -49,11 +49,11 @@ def check_served_policy(policy: PolicyConfig) -> None:
 
 class Coordinator:
     def __init__(self, transport: RoundTransport, rules: RequestRules, default_policy: PolicyConfig = PolicyConfig(),
-                 observer: RoundObserver | None = None, retry: RetryPolicy = RetryPolicy(),
-                 batch: BatchConfig = BatchConfig(), api_key: str | None = None):
+                 observer: RoundObserver | None = None, batch: BatchConfig = BatchConfig(),
+                 api_key: str | None = None):
         """`api_key`: the server's, whose cache of earlier responses a request may ask for."""
         self.rules, self.default_policy, self.api_key = rules, default_policy, api_key
-        self.loop = RoundLoop(transport, rules, batch, observer, retry)
+        self.loop = RoundLoop(transport, rules, batch, observer)
 
     @property
     def live_sessions(self) -> int:

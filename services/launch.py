@@ -29,13 +29,13 @@ RAY_OPTIONS = {"include_dashboard": False, "logging_level": "WARNING", "log_to_d
 
 
 def start(config: AppConfig, host: str = "127.0.0.1", http_port: int = DEFAULT_HTTP_PORT,
-          grpc_port: int = DEFAULT_GRPC_PORT, num_cpus: int | None = None) -> dict[str, str]:
+          grpc_port: int = DEFAULT_GRPC_PORT) -> dict[str, str]:
     """Start (or join) Ray and run the app; returns its addresses once every replica is up. The
     gRPC proxy's message limit applies only when this call starts Ray (its processes inherit the
     environment); on a cluster set it where `ray start` runs (docs/reliability.md)."""
     if not ray.is_initialized():
         os.environ.setdefault(PROXY_MAX_MESSAGE_ENV, str(PROXY_MAX_MESSAGE_BYTES))
-        ray.init(num_cpus=num_cpus, **RAY_OPTIONS)
+        ray.init(**RAY_OPTIONS)
     # With an API key, reflection (which would list our services to anyone) is off.
     serve.start(http_options={"host": host, "port": http_port},
                 grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS,

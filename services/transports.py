@@ -398,11 +398,10 @@ class DirectTransport(GrpcTransport):
     replica that owns the session; later rounds go straight there. A draft served by the
     verifier's replicas (`colocated`) goes where the session's verifier is."""
 
-    def __init__(self, draft, verifier, api_key: str | None = None, timeout_s: float = CALL_TIMEOUT_S,
-                 colocated: Sequence[str] = ()):
+    def __init__(self, draft, verifier, api_key: str | None = None, colocated: Sequence[str] = ()):
         """`draft`: the default draft's deployment handle, or each draft's by name; `colocated`: the
         drafts the verifier's replicas serve (their calls go through its handle)."""
-        super().__init__(api_key=api_key, timeout_s=timeout_s)
+        super().__init__(api_key=api_key)
         self.retryable = _serve_retryable()
         drafts = draft if isinstance(draft, dict) else {DEFAULT_DRAFT: draft}
         self._colocated = {service("draft", name) for name in colocated}

@@ -154,12 +154,12 @@ def _edit(kind: str, problem: dict) -> str | None:
     return EDIT_KINDS[kind].format(code=code)
 
 
-def editing_prompts(limit: int | None = None) -> list[str | list[dict]]:
+def editing_prompts() -> list[str | list[dict]]:
     """The editing set: EDITS_PER_KIND edits of each kind (HumanEval's problems in order, each used
     once, a problem skipped where a kind does not apply to it) and CONVERSATIONS conversations (a
     list of chat messages: the problem, its solution as the answer, a follow-up from FOLLOW_UPS) on
-    the problems after them; the groups take turns, so that the first prompts (`limit`) hold every
-    kind."""
+    the problems after them; the groups take turns, so that the first prompts (a bench's `--limit`)
+    hold every kind."""
     problems = humaneval_problems()
     groups: list[list] = []
     index = 0
@@ -179,4 +179,4 @@ def editing_prompts(limit: int | None = None) -> list[str | list[dict]]:
             {"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]},
         ])
     prompts = [group[turn] for turn in range(CONVERSATIONS) for group in groups if turn < len(group)]
-    return prompts[:limit]
+    return prompts

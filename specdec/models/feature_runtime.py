@@ -44,10 +44,10 @@ class FeatureDraftRuntime(DraftRole):
     reads_features = True
 
     def __init__(self, model: FeatureDraft, identity: str = "", name: str = "", kv: str = "slots",
-                 static: StaticOptions = StaticOptions(), chain_steps: int = CHAIN_STEPS):
+                 static: StaticOptions = StaticOptions()):
         """`kv`: "slots" (a ragged pass over slots that grow: the CPU's) or "static" (rows of one cache
         allocated at start; greedy drafting steps run as one chain, captured on CUDA with `graphs`:
-        models/feature_chain.py), the chain at most `chain_steps` long."""
+        models/feature_chain.py), the chain at most CHAIN_STEPS long."""
         # serving never trains it: no autograd graph behind its scores (the policies read them as numbers)
         self.model, self.identity, self.name = model.eval().requires_grad_(False), identity, name
         self.layer_config = model.layer_config
@@ -55,7 +55,7 @@ class FeatureDraftRuntime(DraftRole):
         self.kv = StaticKV.of_layers(model.layer_config, model.dtype, self.device,
                                      static) if kv == "static" else None
         self.max_pass_sessions = None if self.kv is None else self.kv.max_pass_sessions  # the workers group by it
-        self.chain_steps = chain_steps if self.kv is not None else 0
+        self.chain_steps = CHAIN_STEPS if self.kv is not None else 0
         self._chains: dict[tuple[int, int, int], CapturedChain] = {}  # by bucket (models/feature_chain.py)
         self._queued: list[tuple[FeatureSession, torch.Tensor, int]] = []  # `add_features`' states, not yet g
 

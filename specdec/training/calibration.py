@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from specdec.errors import SpecDecError
 from specdec.head import Calibration
-from specdec.training.evaluation import DEFAULT_CALIBRATION_BINS, calibration
+from specdec.training.evaluation import calibration
 
 LBFGS_STEPS = 100
 CROSS_FIT_FOLDS = 2
@@ -54,26 +54,24 @@ def fit_platt(logits: torch.Tensor, soft_labels: torch.Tensor) -> Calibration:
     return Calibration(scale=scale, bias=shift)
 
 
-def cross_fitted_predictions(logits: torch.Tensor, soft_labels: torch.Tensor,
-                             folds: int = CROSS_FIT_FOLDS, seed: int = CROSS_FIT_SEED) -> torch.Tensor:
+def cross_fitted_predictions(logits: torch.Tensor, soft_labels: torch.Tensor) -> torch.Tensor:
     """[N] calibrated Phat_i, each from a map fitted on the other folds (tokens assigned at random)."""
     x, y = logits.detach().double().cpu().reshape(-1), soft_labels.detach().double().cpu().reshape(-1)
-    fold = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed)) % folds
+    fold = torch.randperm(len(x), generator=torch.Generator().manual_seed(CROSS_FIT_SEED)) % CROSS_FIT_FOLDS
     out = torch.empty_like(x)
-    for f in range(folds):
+    for f in range(CROSS_FIT_FOLDS):
         held = fold == f
         platt = fit_platt(x[~held], y[~held])
         out[held] = torch.sigmoid(platt.apply(x[held]))
     return out
 
 
-def calibration_report(logits: torch.Tensor, soft_labels: torch.Tensor,
-                       num_bins: int = DEFAULT_CALIBRATION_BINS) -> tuple[Calibration, dict]:
+def calibration_report(logits: torch.Tensor, soft_labels: torch.Tensor) -> tuple[Calibration, dict]:
     """(the map fitted on all tokens, a report: the map, ECE and reliability before and after)."""
     platt = fit_platt(logits, soft_labels)
-    before = calibration(torch.sigmoid(logits.double()), soft_labels, num_bins)
-    after = calibration(cross_fitted_predictions(logits, soft_labels), soft_labels, num_bins)
-    in_sample = calibration(torch.sigmoid(platt.apply(logits.double())), soft_labels, num_bins)
+    before = calibration(torch.sigmoid(logits.double()), soft_labels)
+    after = calibration(cross_fitted_predictions(logits, soft_labels), soft_labels)
+    in_sample = calibration(torch.sigmoid(platt.apply(logits.double())), soft_labels)
     report = {**platt.model_dump(), "ece_before": before.ece, "ece_after": after.ece,
               "ece_after_in_sample": in_sample.ece, "folds": CROSS_FIT_FOLDS,
               "reliability_before": before.__dict__, "reliability_after": after.__dict__}

@@ -35,7 +35,7 @@ from specdec.features import SCALAR_FEATURES
 
 DEFAULT_CALIBRATION_BINS = 10
 # Positions 0..19 get a bucket each and 20+ shares one: the paper caps a round at 20 candidates.
-DEFAULT_POSITION_BUCKETS = 21
+POSITION_BUCKETS = 21
 
 
 def binary_kl(
@@ -173,8 +173,6 @@ def evaluate_head(
     soft_labels: torch.Tensor,  # [N] P_i
     positions: torch.Tensor | None = None,  # [N] response position of each token, 0-based
     mask: torch.Tensor | None = None,  # [N] bool, positions to evaluate (draft positions)
-    num_bins: int = DEFAULT_CALIBRATION_BINS,
-    position_buckets: int = DEFAULT_POSITION_BUCKETS,
 ) -> HeadMetrics:
     """All metrics of one evaluation pass; per-position rows only when positions are given."""
     if soft_labels.shape != logits.shape or (positions is not None and positions.shape != logits.shape):
@@ -185,17 +183,15 @@ def evaluate_head(
     logits, labels = _f64(logits).reshape(-1), _f64(soft_labels).reshape(-1)
     predictions = torch.sigmoid(logits)
     overall = _summary(logits, predictions, labels)
-    reliability = calibration(predictions, labels, num_bins)
+    reliability = calibration(predictions, labels)
     rows = []
     if positions is not None:
-        if position_buckets < 1:
-            raise ValueError(f"position_buckets must be >= 1, got {position_buckets}")
         positions = positions.reshape(-1).cpu().long()
         if bool((positions < 0).any()):
             raise ValueError("positions must be >= 0")
-        last = position_buckets - 1
+        last = POSITION_BUCKETS - 1
         bucket = positions.clamp(max=last)  # [N]
-        for b in range(position_buckets):
+        for b in range(POSITION_BUCKETS):
             selected = bucket == b
             if bool(selected.any()):
                 name = f"{b}+" if b == last else str(b)

@@ -13,8 +13,8 @@ own draft's, both measured alike:
 - the head's calibrated logits on each draft's features (train.pass_features) give AUROC, ECE and
   the mean label, which is the draft's acceptance rate at that temperature.
 
-Accepted (`verdict`) when the new draft's AUROC is at most `auroc_drop` below the reference's and its
-ECE at most `max_ece`: the issue's "AUROC within 0.005, calibration within ECE 0.03".
+Accepted (`verdict`) when the new draft's AUROC is at most AUROC_DROP below the reference's and its
+ECE at most MAX_ECE: the issue's "AUROC within 0.005, calibration within ECE 0.03".
 """
 
 from __future__ import annotations
@@ -85,10 +85,10 @@ def _metrics(tokens: _Tokens) -> dict[str, dict]:
     return out
 
 
-def verdict(reference: dict, candidate: dict, auroc_drop: float = AUROC_DROP, max_ece: float = MAX_ECE) -> bool:
-    """The head serves the candidate draft: AUROC at most `auroc_drop` below the reference's, ECE at
-    most `max_ece` (both over all label sets)."""
-    return candidate["auroc"] >= reference["auroc"] - auroc_drop and candidate["ece"] <= max_ece
+def verdict(reference: dict, candidate: dict) -> bool:
+    """The head serves the candidate draft: AUROC at most AUROC_DROP below the reference's, ECE at
+    most MAX_ECE (both over all label sets)."""
+    return candidate["auroc"] >= reference["auroc"] - AUROC_DROP and candidate["ece"] <= MAX_ECE
 
 
 def validated_draft(identity: str, name: str, reference: dict, candidate: dict, source: str = "") -> ValidatedDraft:
