@@ -314,13 +314,6 @@ def overlap_saving(profile: CostProfile, rounds: Sequence[int], acceptance: floa
     return k * step_ms - next_ms - (overlapped * max(verify_ms, (k + 1) * step_ms) - plain * verify_ms)
 
 
-def replay_round(profile: CostProfile, acceptance: list[float], limit: int) -> tuple[int, int]:
-    """One session's round as rounds.propose spends the budget, for candidates whose acceptance
-    (blind and known alike: greedy) is given in advance -> (K, drafting steps). The offline replay
-    (benchmarks/replay_rules.py) and the tests use it."""
-    return replay_step(profile, [acceptance], [limit])[0]
-
-
 def replay_step(profile: CostProfile, acceptance: list[list[float]], limits: list[int]) -> list[tuple[int, int]]:
     """A step's rounds for several sessions as rounds.propose spends the step's one budget (every
     session budgeted), each session's acceptance given in advance -> per session (K, the drafting

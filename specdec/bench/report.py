@@ -21,8 +21,6 @@ from specdec.bench.specs import BASELINE, SWEPT_FAMILIES, PolicySpec, parse_spec
 from specdec.metrics import RequestStats
 
 RESULTS_FILE, SUMMARY_FILE = "results.json", "summary.md"
-PLOT_FILES = {"plane": "plane-t{t}.png", "throughput": "tokens-per-s.png", "cost": "cost-model.png",
-              "forward": "forward-times.png"}
 NOT_SPECULATIVE = (BASELINE,)  # families left out of the cost-model fit (no draft passes)
 
 # Issue 19's goals, at every temperature (the oracle one greedy, the frontier one sampled): the

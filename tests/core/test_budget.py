@@ -8,7 +8,7 @@ import torch
 
 from specdec.budget import (StepBudget, best_allocation, curve_probe, decide_step, draining_allocation, draining_batch,
                             drafting_pays, drafting_saving, expected_remaining, expected_tokens, geometric,
-                            hopeful_acceptance, overlap_saving, replay_round, replay_step, who_drafts,
+                            hopeful_acceptance, overlap_saving, replay_step, who_drafts,
                             worth_catching_up)
 from specdec.cost_profile import CostProfile, LiveCosts, PassTiming
 from specdec.features import FEATURES_DISTRIBUTION
@@ -25,6 +25,11 @@ LLAMA_CPP = CHEAP_DRAFT.model_copy(update={"t_draft_ms": 22.0})  # the measured 
 FLAT = CostProfile(t_draft_ms=10.0, t_target_ms={1: 100.0})
 # the 2-core AMD EPYC: a drafting step 40.6 ms, a pass over k candidates 61 + 32.5 k, a plain pass 50
 AMD = CostProfile(t_draft_ms=40.6, t_target_ms={1: 50.0, 2: 93.5, 21: 711.0})
+
+
+def replay_round(profile: CostProfile, acceptance: list[float], limit: int) -> tuple[int, int]:
+    """One session's step of replay_step -> (K, drafting steps)."""
+    return replay_step(profile, [acceptance], [limit])[0]
 
 
 def test_expected_tokens_and_the_geometric_sum():
@@ -55,10 +60,9 @@ def test_stops_where_the_next_candidate_stops_paying():
 def test_one_budget_over_a_steps_sessions_drafts_longer_where_acceptance_is_higher():
     """replay_step: two sessions share a step's budget and its pass. The likely session keeps two
     candidates (alone it keeps three: the other's token makes every pass longer), the unlikely one's
-    first is drafted and dropped; one session is replay_round."""
+    first is drafted and dropped."""
     assert replay_step(CHEAP_DRAFT, [[0.95] * 20, [0.1] * 20], [20, 20]) == [(2, 3), (0, 1)]
     assert replay_round(CHEAP_DRAFT, [0.95] * 20, 20) == (3, 3)
-    assert replay_step(FLAT, [[0.9] * 20], [20]) == [replay_round(FLAT, [0.9] * 20, 20)]
     assert replay_step(FLAT, [[0.9] * 20, [0.9] * 20], [3, 20])[0] == (3, 3)  # a limit ends its round
 
 
