@@ -25,10 +25,14 @@ class ClientError(SpecDecError):
 
 def resolve_api_key(value: str | None) -> str | None:
     """The key a client sends: `value`, else $SPECDEC_API_KEY; None: none. A key no header can
-    carry (not printable ASCII) is refused."""
+    carry (not printable ASCII) is refused, and one with blanks at its ends, which no server's key
+    has (services/auth.py check_api_key; an HTTP header cannot end in one)."""
     key = (value if value is not None else os.environ.get(API_KEY_ENV)) or None
     if key is not None and not (key.isascii() and key.isprintable()):
         raise InvalidRequestError(f"the API key must be printable ASCII (it travels in a header): {ascii(key)}")
+    if key is not None and key != key.strip():
+        raise InvalidRequestError(f"the API key has blanks at its ends, which no server's key has (the key given, "
+                                  f"else {API_KEY_ENV})")
     return key
 
 

@@ -57,6 +57,8 @@ def build_request(prompt: Prompt,
     """The request and its call metadata; None values are left unset."""
     fields = {key: value for key, value in options.items() if value is not None}
     session_id = fields.pop("session_id", None)
+    if session_id is not None and not (isinstance(session_id, str) and session_id.isascii() and session_id.isprintable()):
+        raise InvalidRequestError(f"session_id must be printable ASCII (it travels as gRPC metadata): {ascii(session_id)}")
     stop = fields.pop("stop", ())
     try:  # a value the message cannot hold (an int past its field's range, a string that is not UTF-8)
         request = generation_pb2.GenerateRequest(stop=[stop] if isinstance(stop, str) else list(stop), **fields)

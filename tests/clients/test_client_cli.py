@@ -99,6 +99,9 @@ def test_bad_parameter_is_one_line_and_exit_2(servers, capsys, protocol):
     (PROMPT, ["--timeout", "0"], "timeout must be more than 0 seconds"),
     (PROMPT, ["--timeout", "nan"], "timeout must be more than 0 seconds"),
     (PROMPT, ["--api-key", "\u043a\u043b\u044e\u0447"], "the API key must be printable ASCII"),
+    # (a blank at an end: over HTTP "Illegal header value", retried as a transport failure; over gRPC sent)
+    (PROMPT, ["--api-key", "key "], "the API key has blanks at its ends"),
+    (PROMPT, ["--api-key", " "], "the API key has blanks at its ends"),
     (PROMPT, [arg for stop in "abcdefghijklmnopq" for arg in ("--stop", stop)], "stop: Tuple should have at most 16 items"),
 ])
 def test_a_value_the_request_cannot_carry_is_one_line_and_exit_2(servers, capsys, protocol, prompt, flags, message):

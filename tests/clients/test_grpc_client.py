@@ -56,6 +56,15 @@ def test_build_request():
             build_request([message])
 
 
+@pytest.mark.parametrize("session_id", ["a\nb", "s\u00e9ance", "a\x7f"])
+def test_a_session_id_metadata_cannot_carry_is_refused_before_the_call(session_id):
+    """It failed at the call as INTERNAL "Invalid metadata", which named neither the field nor why (and
+    gRPC's core logged its own lines on stderr)."""
+    with pytest.raises(InvalidRequestError) as info:
+        build_request("hi", session_id=session_id)
+    assert str(info.value).startswith("session_id must be printable ASCII (it travels as gRPC metadata)")
+
+
 # ------------------------------------------------------------------------------------------------
 # Outputs equal the engine's
 
