@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from ray.serve.config import AutoscalingConfig
 
-from specdec.builder import EngineConfig, draft_configs
+from specdec.builder import MAX_THREADS, EngineConfig, draft_configs
 from specdec.models.feature_files import is_feature_draft
 from specdec.errors import InvalidRequestError
 from specdec.loop import BatchConfig
@@ -45,7 +45,7 @@ class ReplicaConfig(BaseModel):
     # Custom resources, e.g. {"draft_node": 1}: the node types that advertise them host the replicas.
     resources: dict[str, float] = {}
     max_ongoing_requests: int = Field(16, ge=1)
-    threads: int | None = Field(None, ge=1)
+    threads: int | None = Field(None, ge=1, le=MAX_THREADS)
     # Environment variables of its replicas' processes (Ray's runtime_env env_vars), e.g. OpenMP's
     # (docs/serving.md, "Configuration", measures GOMP_SPINCOUNT where replicas share cores).
     env: dict[str, str] = {}

@@ -42,6 +42,9 @@ DEFAULT_DRAFT_SOURCE = "suffix+default"  # the first draft where none is named: 
 RuntimeName = Literal["auto", "torch", "llamacpp"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DraftQuant = Literal["auto", SHIPPED, *REQUANT_FTYPES]  # type: ignore[valid-type]
+# The most CPU threads a model may be given: past a C int torch.set_num_threads overflows (a
+# traceback), and far past any machine's cores.
+MAX_THREADS = 4096
 
 
 class EngineConfig(BaseModel):
@@ -67,7 +70,7 @@ class EngineConfig(BaseModel):
     target_format: WeightFormat = "auto"
     # The draft's output vocabulary: "full", "ascii" or a JSON file listing token ids (models/vocab.py).
     draft_vocab: str = "full"
-    threads: int | None = Field(None, ge=1)  # torch intra-op threads; None keeps torch's default (all cores)
+    threads: int | None = Field(None, ge=1, le=MAX_THREADS)  # torch intra-op threads; None keeps torch's default (all cores)
     # Where each model runs: "auto" = the first GPU when there is one, else the CPU; or a torch
     # device string ("cpu", "cuda", "cuda:1"). A sharded verifier places itself (models/sharding.py).
     device: str = "auto"

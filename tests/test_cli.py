@@ -110,6 +110,8 @@ def test_several_prompts_run_together(tiny_pair, tmp_path, capsys):
     (["--also-draft", "default=x"], "'default' names the first draft"),
     (["--also-draft", "=suffix"], "--also-draft takes NAME=SOURCE"),
     (["--threads", "0"], "threads: Input should be greater than or equal to 1"),  # (pydantic's, one line)
+    # (past a C int: torch.set_num_threads raised "Overflow when unpacking long", a traceback)
+    (["--threads", "99999999999"], "threads: Input should be less than or equal to 4096"),
     # llama.cpp aborted the process; the reason stands alone (not "request: Value error, ...")
     (["--llamacpp-context", "32"], "error: a context and a batch of at least 64 tokens (one per sequence)"),
     # a flag's error names the flag, not the config key it sets (max-sessions-per-step, context)
@@ -342,6 +344,8 @@ def test_serve_lets_the_requests_in_flight_finish_and_asks_a_gpu_per_shard(tiny_
     (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid'"),
     (["--http-port", "TAKEN"], "Address already in use"),
     (["--verifier-replicas", "0"], "--verifier-replicas must be at least 1, got 0"),  # (it named num-replicas)
+    # (accepted: Ray started and each replica failed in torch.set_num_threads)
+    (["--threads", "99999999999"], "threads: Input should be less than or equal to 4096"),
     (["--draft", "/no/such/draft"], "no such"),  # (the replicas failed after Ray started, with a traceback)
     # (accepted and ignored: refused in process, the replicas here read nothing of them)
     (["--llamacpp-context", "4096"], "no model of this engine runs on llama.cpp"),

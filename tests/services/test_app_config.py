@@ -131,6 +131,13 @@ def test_values_serve_would_refuse_at_deploy_time_are_refused_in_the_config(fiel
         AppConfig(**field)
 
 
+def test_threads_past_any_machines_cores_are_refused_in_the_config():
+    """A replica's torch.set_num_threads overflowed past a C int: each replica failed at start."""
+    with pytest.raises(ValidationError, match="draft.threads\n  Input should be less than or equal to 4096"):
+        AppConfig(draft={"threads": 99_999_999_999})
+    assert AppConfig(verifier={"threads": 4096}).verifier.threads == 4096
+
+
 def test_replicas_sized_two_ways_or_threads_no_replica_reads_are_refused():
     # Serve refuses the first at deploy time (the config dropped num_replicas); the second was never read
     with pytest.raises(ValidationError, match="num_replicas and autoscaling both set"):
