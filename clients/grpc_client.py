@@ -60,7 +60,11 @@ def build_request(prompt: Prompt,
     if session_id is not None and not (isinstance(session_id, str) and session_id.isascii() and session_id.isprintable()):
         raise InvalidRequestError(f"session_id must be printable ASCII (it travels as gRPC metadata): {ascii(session_id)}")
     stop = fields.pop("stop", ())
+    if isinstance(prompt, bytes | bytearray):  # (a sequence of ints: it went as token ids)
+        raise InvalidRequestError("the request cannot be sent: a prompt is text, token ids or chat messages, not bytes")
     try:  # a value the message cannot hold (an int past its field's range, a string that is not UTF-8)
+        if not isinstance(prompt, str):
+            prompt = list(prompt)  # (an iterator is read once)
         request = generation_pb2.GenerateRequest(stop=[stop] if isinstance(stop, str) else list(stop), **fields)
         if isinstance(prompt, str):
             request.text = prompt

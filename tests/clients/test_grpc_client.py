@@ -56,6 +56,16 @@ def test_build_request():
             build_request([message])
 
 
+def test_a_prompt_given_as_an_iterator_or_bytes_is_not_changed():
+    """An iterator of token ids lost its first id (read to tell messages from ids, then sent without
+    it); bytes were sent as the token ids of their byte values."""
+    assert list(build_request(iter([5, 6, 7]))[0].token_ids.ids) == [5, 6, 7]
+    messages = iter([{"role": "user", "content": "hi"}])
+    assert [m.content for m in build_request(messages)[0].messages.messages] == ["hi"]
+    with pytest.raises(InvalidRequestError, match="a prompt is text, token ids or chat messages, not bytes"):
+        build_request(b"hi")
+
+
 @pytest.mark.parametrize("session_id", ["a\nb", "s\u00e9ance", "a\x7f"])
 def test_a_session_id_metadata_cannot_carry_is_refused_before_the_call(session_id):
     """It failed at the call as INTERNAL "Invalid metadata", which named neither the field nor why (and
