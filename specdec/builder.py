@@ -33,7 +33,7 @@ from specdec.models.sources import (DEFAULT_DRAFT_QUANT, DEFAULTS, REQUANT_FTYPE
 from specdec.models.static import StaticOptions
 from specdec.models.suffix import MatchHead, SuffixDraft, fused_with, is_suffix_draft
 from specdec.models.vocab import FULL as FULL_VOCAB
-from specdec.models.vocab import resolve_draft_vocab, tokenizer_ids, trim_lm_head
+from specdec.models.vocab import check_draft_vocab, resolve_draft_vocab, tokenizer_ids, trim_lm_head
 from specdec.params import DEFAULT_DRAFT, named_drafts
 from specdec.sequences import DraftTraits, RequestRules
 
@@ -150,12 +150,14 @@ def unfused(config: EngineConfig) -> EngineConfig:
 
 
 def check_sources(config: EngineConfig, here: bool = True) -> None:
-    """Every model source checked (models/sources.py `check_source`), and every head's files,
-    before any is fetched, converted or loaded: a mistyped --target or --head fails at once, not
-    after minutes of loading. `here`: see resolve_device."""
+    """Every model source checked (models/sources.py `check_source`), every head's files and
+    draft vocabulary file, before any is fetched, converted or loaded: a mistyped --target, --head
+    or --draft-vocab fails at once, not after minutes of loading (or in a served app's replicas
+    after Ray started). `here`: see resolve_device."""
     check_source_of(config, "target", here)
     for each in draft_configs(config).values():
         check_source_of(each, "draft", here)
+        check_draft_vocab(each.draft_vocab)
         if not is_suffix_draft(each.draft) and (path := head_path(each)) is not None:
             read_head_config(path)
 

@@ -347,6 +347,7 @@ def test_serve_lets_the_requests_in_flight_finish_and_asks_a_gpu_per_shard(tiny_
     # (accepted: Ray started and each replica failed in torch.set_num_threads)
     (["--threads", "99999999999"], "threads: Input should be less than or equal to 4096"),
     (["--draft", "/no/such/draft"], "no such"),  # (the replicas failed after Ray started, with a traceback)
+    (["--draft-vocab", "/no/such/vocab.json"], "expected 'full', 'ascii' or a JSON file"),  # (the replicas failed)
     # (accepted and ignored: refused in process, the replicas here read nothing of them)
     (["--llamacpp-context", "4096"], "no model of this engine runs on llama.cpp"),
     # (it joined whatever Ray `ray start` left on the machine, and served where the flags did not say)

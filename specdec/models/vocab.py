@@ -129,15 +129,29 @@ def resolve_draft_vocab(vocab: str, vocab_size: int, load_tokenizer=None) -> lis
         return None
     if vocab == ASCII:
         return ascii_token_ids(load_tokenizer(), vocab_size)
-    path = Path(vocab)
+    ids = read_vocab_file(vocab)
+    if not all(i < vocab_size for i in ids):
+        raise ModelSourceError(f"--draft-vocab {vocab}: must be a non-empty JSON list of token ids in "
+                               f"[0, {vocab_size})")
+    return ids
+
+
+def check_draft_vocab(vocab: str) -> None:
+    """A `--draft-vocab` value checked before any model loads: a name, or a file that lists ids
+    (their range is checked against the draft's vocabulary when it loads)."""
+    if vocab not in (FULL, ASCII):
+        read_vocab_file(vocab)
+
+
+def read_vocab_file(vocab: str) -> list[int]:
+    """The ids a `--draft-vocab` file lists: a non-empty JSON list of non-negative ints."""
     try:
-        ids = json.loads(path.read_text())
+        ids = json.loads(Path(vocab).read_text())
     except (OSError, ValueError) as exc:
         raise ModelSourceError(f"--draft-vocab {vocab!r}: expected 'full', 'ascii' or a JSON file listing token ids "
                                f"({type(exc).__name__})") from None
-    if not isinstance(ids, list) or not ids or not all(type(i) is int and 0 <= i < vocab_size for i in ids):
-        raise ModelSourceError(f"--draft-vocab {vocab}: must be a non-empty JSON list of token ids in "
-                               f"[0, {vocab_size})")
+    if not isinstance(ids, list) or not ids or not all(type(i) is int and i >= 0 for i in ids):
+        raise ModelSourceError(f"--draft-vocab {vocab}: must be a non-empty JSON list of token ids")
     return ids
 
 

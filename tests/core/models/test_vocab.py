@@ -13,8 +13,8 @@ from transformers import PreTrainedTokenizerFast
 from specdec.builder import EngineConfig, build_engine
 from specdec.errors import ModelSourceError
 from specdec.models.formats import apply_weight_format
-from specdec.models.vocab import (TrimmedLMHead, ascii_token_ids, is_byte_token, resolve_draft_vocab, trim_lm_head,
-                                  vocab_setting)
+from specdec.models.vocab import (TrimmedLMHead, ascii_token_ids, check_draft_vocab, is_byte_token, resolve_draft_vocab,
+                                  trim_lm_head, vocab_setting)
 from specdec.params import GenerationParams
 from specdec.policies import PolicyConfig
 from tiny import tiny_model
@@ -84,12 +84,20 @@ def test_a_vocabulary_file_must_list_valid_ids(tmp_path):
     good.write_text(json.dumps([1, 2, 3]))
     assert resolve_draft_vocab(str(good), vocab_size=10) == [1, 2, 3]
     assert resolve_draft_vocab("full", vocab_size=10) is None
-    for ids in ([1, 99], [], [1, True], {"ids": [1]}):
+    bad.write_text(json.dumps([1, 99]))
+    with pytest.raises(ModelSourceError, match=r"token ids in \[0, 10\)"):
+        resolve_draft_vocab(str(bad), vocab_size=10)
+    check_draft_vocab(str(bad))  # (before any model loads: the draft's vocabulary is not known yet)
+    for ids in ([], [1, True], [-1], {"ids": [1]}):
         bad.write_text(json.dumps(ids))
-        with pytest.raises(ModelSourceError, match=r"token ids in \[0, 10\)"):
-            resolve_draft_vocab(str(bad), vocab_size=10)
-    with pytest.raises(ModelSourceError, match="expected 'full', 'ascii' or a JSON file"):
-        resolve_draft_vocab(str(tmp_path / "missing.json"), vocab_size=10)
+        for check in (lambda: resolve_draft_vocab(str(bad), vocab_size=10), lambda: check_draft_vocab(str(bad))):
+            with pytest.raises(ModelSourceError, match="must be a non-empty JSON list of token ids"):
+                check()
+    for check in (lambda: resolve_draft_vocab(str(tmp_path / "missing.json"), vocab_size=10),
+                  lambda: check_draft_vocab(str(tmp_path / "missing.json"))):
+        with pytest.raises(ModelSourceError, match="expected 'full', 'ascii' or a JSON file"):
+            check()
+    check_draft_vocab("full"), check_draft_vocab("ascii")
     with pytest.raises(ModelSourceError, match=r"token ids in \[0, 4\)"):
         TrimmedLMHead(nn.Linear(8, 4), torch.tensor([1, 4]))
 
