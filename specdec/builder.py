@@ -70,7 +70,8 @@ class EngineConfig(BaseModel):
     target_format: WeightFormat = "auto"
     # The draft's output vocabulary: "full", "ascii" or a JSON file listing token ids (models/vocab.py).
     draft_vocab: str = "full"
-    threads: int | None = Field(None, ge=1, le=MAX_THREADS)  # torch intra-op threads; None keeps torch's default (all cores)
+    # torch intra-op threads (and llama.cpp's); None keeps torch's default (all cores)
+    threads: int | None = Field(None, ge=1, le=MAX_THREADS)
     # Where each model runs: "auto" = the first GPU when there is one, else the CPU; or a torch
     # device string ("cpu", "cuda", "cuda:1"). A sharded verifier places itself (models/sharding.py).
     device: str = "auto"
