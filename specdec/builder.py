@@ -26,7 +26,7 @@ from specdec.models.llamacpp import LlamaCppDraftRuntime, LlamaCppOptions, Llama
 from specdec.models.feature_draft import target_layers_of
 from specdec.models.feature_files import is_feature_draft, load_feature_draft, read_config
 from specdec.models.feature_runtime import FeatureDraftRuntime
-from specdec.models.runtime import DraftRole, DraftRuntime, TargetRole, TargetRuntime
+from specdec.models.runtime import MAX_THREADS, DraftRole, DraftRuntime, TargetRole, TargetRuntime
 from specdec.models.sources import (DEFAULT_DRAFT_QUANT, DEFAULTS, REQUANT_FTYPES, SHIPPED, check_gguf_source,
                                     check_source, gguf_identity, model_identity, requantize_gguf, requantized_identity,
                                     resolve_gguf, resolve_model)
@@ -42,9 +42,6 @@ DEFAULT_DRAFT_SOURCE = "suffix+default"  # the first draft where none is named: 
 RuntimeName = Literal["auto", "torch", "llamacpp"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DraftQuant = Literal["auto", SHIPPED, *REQUANT_FTYPES]  # type: ignore[valid-type]
-# The most CPU threads a model may be given: past a C int torch.set_num_threads overflows (a
-# traceback), and far past any machine's cores.
-MAX_THREADS = 4096
 
 
 class EngineConfig(BaseModel):

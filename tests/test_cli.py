@@ -116,6 +116,8 @@ def test_several_prompts_run_together(tiny_pair, tmp_path, capsys):
     (["--llamacpp-context", "32"], "error: a context and a batch of at least 64 tokens (one per sequence)"),
     # a flag's error names the flag, not the config key it sets (max-sessions-per-step, context)
     (["--llamacpp-context", "1"], "error: llamacpp-context: Input should be greater than or equal to 16"),
+    # (ctypes cut it to its low 32 bits, a cache of 1,215,752,191 cells for llama.cpp to allocate)
+    (["--llamacpp-context", "99999999999"], "error: llamacpp-context: Input should be less than or equal to 2147483647"),
     (["--max-batch-sessions", "0"], "error: max-batch-sessions: Input should be greater than or equal to 1"),
     (["--max-pass-tokens", "0"], "error: max-pass-tokens: Input should be greater than or equal to 1"),
     (["--stop", ""], "stop.0: String should have at least 1 character"),

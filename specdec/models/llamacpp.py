@@ -35,11 +35,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specdec.errors import ModelSourceError, SpecDecError
 from specdec.models.pool import SlotPool
-from specdec.models.runtime import DraftRole, Feed, KVSession, PassOutputs, Runtime, TargetRole
+from specdec.models.runtime import MAX_THREADS, DraftRole, Feed, KVSession, PassOutputs, Runtime, TargetRole
 
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
 DEFAULT_SEQUENCES = 64
 DEFAULT_CONTEXT = 8192  # cache cells shared by every session of a model (f16 keys and values)
+C_INT32_MAX = 2**31 - 1  # past it ctypes cuts a number of llama.cpp's context settings to its low bits
 DEFAULT_BATCH = 512  # tokens per llama_decode call; a larger pass takes several
 NO_KV_SLOT = 1  # llama_decode: no room in the cache for the batch
 # With hidden states on (the draft), llama.cpp outputs logits and hidden states at every token of a
@@ -105,10 +106,12 @@ class LlamaCppOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    threads: int | None = Field(None, ge=1)  # None: every core the process may run on (available_cores)
+    # None: every core the process may run on (available_cores)
+    threads: int | None = Field(None, ge=1, le=MAX_THREADS)
     sequences: int = Field(DEFAULT_SEQUENCES, ge=1, le=MAX_SEQUENCES)  # sessions with a cache at once
-    context: int = Field(DEFAULT_CONTEXT, ge=16)  # cache cells shared by all sessions; one session's limit too
-    batch: int = Field(DEFAULT_BATCH, ge=1)  # tokens per llama_decode call
+    # cache cells shared by all sessions; one session's limit too (llama.cpp's fields are 32-bit)
+    context: int = Field(DEFAULT_CONTEXT, ge=16, le=C_INT32_MAX)
+    batch: int = Field(DEFAULT_BATCH, ge=1, le=C_INT32_MAX)  # tokens per llama_decode call
 
     @model_validator(mode="after")
     def _room_for_every_sequence(self) -> LlamaCppOptions:

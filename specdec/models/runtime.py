@@ -30,6 +30,11 @@ from specdec.models.static import StaticKV, StaticOptions
 from specdec.models.formats import scales_activations_per_pass
 from specdec.models.vocab import shared_ids, widen_logits
 
+# The most CPU threads a model may be given (torch's or llama.cpp's): far past any machine's cores,
+# and below what their C ints hold (torch.set_num_threads overflowed with a traceback; ctypes cuts
+# a larger number down to its low bits).
+MAX_THREADS = 4096
+
 __all__ = ["CausalLMRuntime", "DraftOutput", "DraftOutputs", "DraftRole", "DraftRuntime", "Feed", "KVSession",
            "PassOutputs", "Runtime", "Scores", "TargetRole", "TargetRuntime", "common_prefix_length"]
 
