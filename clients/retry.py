@@ -51,9 +51,6 @@ class RetryPolicy:
         return backoff
 
 
-NO_RETRIES = RetryPolicy(retries=0)
-
-
 def retry_policy(retries: int | RetryPolicy | None) -> RetryPolicy:
     if isinstance(retries, RetryPolicy):
         return retries
