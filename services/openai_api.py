@@ -143,7 +143,7 @@ class GenerationFields(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # Extensions (vLLM-style extra_body)
-    top_k: int | None = Field(None, ge=-1, le=INT32_MAX, strict=True)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX, strict=True)  # -1 or 0 = off (SamplingParams)
     policy: Name | None = None
     k: int | None = Field(None, ge=-INT32_MAX - 1, le=INT32_MAX, strict=True)
     threshold: float | None = Field(None, strict=True)
@@ -206,7 +206,7 @@ def generate_request(body: GenerationFields, max_tokens: int | None, request_id:
     """The fields both routes share; unset stays unset (the server's default)."""
     check_supported(body)
     fields = {"max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "n": body.n,
-              "seed": body.seed, "top_k": None if body.top_k is None else max(body.top_k, 0)}
+              "seed": body.seed, "top_k": body.top_k}
     for name in SPECULATIVE_FIELDS:  # flat, or grouped under `speculative`
         flat, grouped = getattr(body, name), getattr(body.speculative, name, None)
         if flat is not None and grouped is not None and flat != grouped:

@@ -33,7 +33,9 @@ class SamplingParams(BaseModel):
     # Strict, as a request's other numbers (params.py): a bool is none (lax mode read true as 1); an
     # int is still a float.
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy", strict=True)
-    top_k: int = Field(0, ge=0, description="0 = no top-k filter", strict=True)
+    # -1 or 0 = no top-k filter: -1 is the OpenAI ecosystem's "off" (vLLM's), 0 HF's; both taken on
+    # every entry point (HTTP, gRPC, in process), held as 0 (one transform, one value on the round wire).
+    top_k: int = Field(0, ge=-1, description="-1 or 0 = no top-k filter", strict=True)
     top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True)
     seed: int | None = Field(None, strict=True)
 
@@ -43,6 +45,11 @@ class SamplingParams(BaseModel):
         if not math.isfinite(value):
             raise ValueError("must be a finite number")
         return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _off_is_zero(cls, value: int) -> int:
+        return max(value, 0)
 
     @property
     def greedy(self) -> bool:

@@ -142,6 +142,18 @@ def test_invalid_argument(client):
         assert isinstance(info.value, SpecDecError)
 
 
+def test_a_top_k_of_minus_one_is_off_as_over_http(client):
+    """-1 or 0 = no top-k filter (vLLM's -1), as the OpenAI route and in process: -1 was refused
+    here; below -1 is refused on every entry point with the same reason."""
+    flags = {"temperature": 1.0, "seed": 3, "max_new_tokens": 8}
+    off = client.generate(PROMPTS[0], top_k=-1, **flags).completions[0].token_ids
+    assert list(off) == list(client.generate(PROMPTS[0], top_k=0, **flags).completions[0].token_ids)
+    with pytest.raises(ClientError) as info:
+        client.generate(PROMPTS[0], top_k=-2, **flags)
+    assert (info.value.code, str(info.value)) == ("INVALID_ARGUMENT",
+                                                  "top-k: Input should be greater than or equal to -1")
+
+
 def test_async_invalid_argument(address):
     async def run():
         async with AsyncGrpcClient(address) as aio:

@@ -99,6 +99,7 @@ def test_bad_policy_flags(tiny_engine, flags, message):
     ({"temperature": float("nan")}, "temperature"),
     ({"top_p": 0.0}, "top-p"),
     ({"top_p": 1.5}, "top-p"),
+    ({"top_k": -2}, "top-k: Input should be greater than or equal to -1"),
     ({"max_new_tokens": 0}, "max-new-tokens"),
     ({"n": 0}, "n"),
 ])
@@ -107,6 +108,14 @@ def test_bad_sampling_flags_are_one_line(flags, field):
         build_params(**flags)
     message = str(info.value)
     assert message.startswith(field) and "\n" not in message
+
+
+def test_a_top_k_of_minus_one_is_off_in_process(tiny_engine):
+    """As over HTTP and gRPC (and `--top-k -1`): -1 or 0 = no top-k filter, as vLLM's."""
+    assert build_params(top_k=-1).sampling.top_k == 0
+    flags = {"temperature": 1.0, "seed": 3, "max_new_tokens": 8}
+    off = tiny_engine.generate("hi", build_params(top_k=-1, **flags)).completions[0].token_ids
+    assert off == tiny_engine.generate("hi", build_params(top_k=0, **flags)).completions[0].token_ids
 
 
 @pytest.mark.parametrize("flags, field", [

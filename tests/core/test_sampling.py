@@ -112,12 +112,22 @@ def test_greedy_returns_the_plain_softmax():
     {"top_p": 0.0},
     {"top_p": 1.01},
     {"top_p": math.nan},
-    {"top_k": -1},
+    {"top_k": -2},
     {"typo": 1},
 ])
 def test_sampling_params_reject_out_of_range_values(fields):
     with pytest.raises(ValidationError):
         SamplingParams(**fields)
+
+
+def test_a_top_k_of_minus_one_is_off_as_zero():
+    """-1 is the OpenAI ecosystem's "no top-k filter" (vLLM's), 0 HF's: both off on every entry point
+    (it was accepted over HTTP only), held as 0 (one transform, one value on the round wire)."""
+    assert SamplingParams(temperature=1.0, top_k=-1) == SamplingParams(temperature=1.0, top_k=0)
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert torch.equal(probs_from_logits(LOGITS, SamplingParams(temperature=1.0, top_k=-1)), torch.softmax(LOGITS, -1))
+    with pytest.raises(ValidationError, match="greater than or equal to -1"):
+        SamplingParams(top_k=-2)
 
 
 def test_sampling_params_defaults_are_greedy_and_frozen():

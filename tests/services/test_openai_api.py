@@ -157,6 +157,7 @@ def test_stream_without_usage_and_n2(client):
 @pytest.mark.parametrize(("route", "body", "message", "param"), [
     ("completions", {"temperature": -1}, "temperature: Input should be greater than or equal to 0", "temperature"),
     ("completions", {"n": 0}, "n: Input should be greater than or equal to 1", "n"),
+    ("completions", {"top_k": -2}, "top_k: Input should be greater than or equal to -1", "top_k"),
     ("completions", {"policy": "nope"}, "unknown policy 'nope'", None),
     ("completions", {"policy": ""}, "policy: String should have at least 1 character", "policy"),
     ("completions", {"policy": "nope", "stream": True}, "unknown policy 'nope'", None),
@@ -215,6 +216,15 @@ def test_bad_requests(client, route, body, message, param):
     error = response.json()["error"]
     assert message in error["message"] and "\n" not in error["message"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["code"] is None
+
+
+def test_a_top_k_of_minus_one_is_off_as_zero(client):
+    """-1 or 0 = no top-k filter (vLLM's -1), over gRPC and in process too: the engine's
+    SamplingParams reads -1 as off, and this route sends it as given."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 1.0, "seed": 3}
+    off = client.post("/v1/completions", json=body | {"top_k": -1})
+    assert off.status_code == 200, off.text
+    assert off.json()["choices"] == client.post("/v1/completions", json=body | {"top_k": 0}).json()["choices"]
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted(client):
