@@ -36,12 +36,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from google.protobuf import json_format
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
-from pydantic_core import PydanticCustomError
+from pydantic_core import PydanticCustomError, PydanticKnownError
 from starlette.authentication import AuthenticationBackend, AuthenticationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.authentication import AuthenticationMiddleware
 
 from specdec.errors import one_line
+from specdec.params import few_stops
 from specdec.sampling import MAX_SAMPLES_PER_REQUEST
 from specdec.v1 import generation_pb2
 from services.auth import MISSING_KEY, key_matches
@@ -84,7 +85,17 @@ def unicode_text(value: str) -> str:
     return value
 
 
+def non_empty(value: str) -> str:
+    """GenerationParams' own reason for an empty string, refused here in this layer's form (`stop[0]`, with
+    its param). (Not min_length: a constrained string's lone surrogate gets pydantic's reason, above.)"""
+    if not value:
+        raise PydanticKnownError("string_too_short", {"min_length": 1})
+    return value
+
+
 Text = Annotated[str, AfterValidator(unicode_text)]
+# A stop string: GenerationParams' domain ("" would stop before the first token; `few_stops` of them).
+StopText = Annotated[Text, AfterValidator(non_empty)]
 # A policy's or a draft's name: "" names none. (A string with constraints is checked as Unicode by
 # pydantic itself: "Input should be a valid string, unable to parse raw data as a unicode string".)
 Name = Annotated[str, Field(min_length=1)]
@@ -134,7 +145,8 @@ class GenerationFields(BaseModel):
     temperature: float | None = Field(None, ge=0, strict=True, allow_inf_nan=False)  # unset = 0, greedy
     top_p: float | None = Field(None, gt=0, le=1, strict=True, allow_inf_nan=False)
     n: int | None = Field(None, ge=1, le=MAX_SAMPLES_PER_REQUEST, strict=True)
-    stop: Annotated[list[Text] | None, BeforeValidator(lambda value: [value] if isinstance(value, str) else value)] = None
+    stop: Annotated[Annotated[list[StopText], AfterValidator(few_stops)] | None,
+                    BeforeValidator(lambda value: [value] if isinstance(value, str) else value)] = None
     seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX, strict=True)
     stream: Flag = False
     stream_options: StreamOptions | None = None

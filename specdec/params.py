@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticCustomError
 
 from specdec.errors import InvalidRequestError, ModelSourceError, validation_message
 from specdec.policies import PolicyConfig
@@ -26,6 +27,16 @@ def named_drafts(first: T, more: Mapping[str, T]) -> dict[str, T]:
 
 
 MAX_STOP_STRINGS = 16  # (OpenAI's API takes 4)
+S = TypeVar("S", bound=Sequence[str])
+
+
+def few_stops(stop: S) -> S:
+    """At most MAX_STOP_STRINGS, with one reason wherever they are given (pydantic's max_length said
+    "Tuple should have ..." here, "List should have ..." for the OpenAI route's array)."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise PydanticCustomError("too_long", "at most {most} stop strings, got {count}",
+                                  {"most": MAX_STOP_STRINGS, "count": len(stop)})
+    return stop
 
 
 class GenerationParams(BaseModel):
@@ -39,7 +50,7 @@ class GenerationParams(BaseModel):
     n: int = Field(1, ge=1, le=MAX_SAMPLES_PER_REQUEST, strict=True)
     # ("" would stop before the first token.) At most MAX_STOP_STRINGS: every commit of every sample
     # scans its new text for each, on the loop's thread, so thousands would stall every other session.
-    stop: tuple[Annotated[str, Field(min_length=1)], ...] = Field((), max_length=MAX_STOP_STRINGS)
+    stop: Annotated[tuple[Annotated[str, Field(min_length=1)], ...], AfterValidator(few_stops)] = ()
     chat_template: bool = Field(True, strict=True)
     sampling: SamplingParams = SamplingParams()
     policy: PolicyConfig = PolicyConfig()

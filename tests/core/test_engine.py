@@ -102,6 +102,7 @@ def test_bad_policy_flags(tiny_engine, flags, message):
     ({"top_k": -2}, "top-k: Input should be greater than or equal to -1"),
     ({"max_new_tokens": 0}, "max-new-tokens"),
     ({"n": 0}, "n"),
+    ({"stop": tuple("abcdefghijklmnopq")}, "stop: at most 16 stop strings, got 17"),  # (as over HTTP)
 ])
 def test_bad_sampling_flags_are_one_line(flags, field):
     with pytest.raises(InvalidRequestError) as info:

@@ -178,7 +178,11 @@ def test_stream_without_usage_and_n2(client):
     ("completions", {"echo": True}, "echo is not supported", "echo"),
     ("completions", {"logprobs": 2}, "logprobs is not supported", "logprobs"),
     ("completions", {"logprobs": 0}, "logprobs is not supported", "logprobs"),  # (0: the sampled tokens' own)
-    ("completions", {"stop": [str(i) for i in range(17)]}, "stop: Tuple should have at most 16 items", None),
+    # stop's domain is the engine's (GenerationParams), refused in this layer's own form: `stop[i]`, param
+    # stop (the engine's "stop.0: ..." without a param), with the engine's reason for too many
+    ("completions", {"stop": [str(i) for i in range(17)]}, "stop: at most 16 stop strings, got 17", "stop"),
+    ("completions", {"stop": ""}, "stop[0]: String should have at least 1 character", "stop"),
+    ("completions", {"stop": ["x", ""]}, "stop[1]: String should have at least 1 character", "stop"),
     ("completions", {"best_of": 3}, "best_of is not supported", "best_of"),
     ("completions", {"presence_penalty": 0.5}, "presence_penalty is not supported", "presence_penalty"),
     ("completions", {"prompt": ["a", "b"]}, "prompt: batched prompts are not supported", "prompt"),
