@@ -509,6 +509,8 @@ def create_app(backend_factory: Callable[[], GenerationBackend], model_name: str
         message = one_line(str(exc.detail))
         if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not read the body
             message = "the request body is not valid JSON (UTF-8)"
+            if isinstance(exc.__cause__, RecursionError):  # (Python's JSON parser stops at its recursion limit)
+                message = "the request body's JSON is nested too deeply to parse"
         return JSONResponse(error_json(message), status_code=exc.status_code, headers=exc.headers)
 
     return app

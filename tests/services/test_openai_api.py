@@ -253,6 +253,16 @@ def test_invalid_json(client):
     assert response.status_code == 400 and response.json()["error"]["message"] == "the request body is not valid JSON"
 
 
+def test_a_body_nested_too_deeply_says_so(client):
+    """Python's JSON parser gives up at its recursion limit: such a body was "not valid JSON (UTF-8)",
+    which it is. A body that is not UTF-8 still says that."""
+    deep = b'{"prompt": "x", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for body, message in ((deep, "the request body's JSON is nested too deeply to parse"),
+                          (b'{"prompt": "\xff"}', "the request body is not valid JSON (UTF-8)")):
+        response = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert response.status_code == 400 and response.json()["error"]["message"] == message
+
+
 def test_model_mismatch_is_404(client):
     response = client.post("/v1/completions", json={"model": "gpt-4o", "prompt": "x"})
     assert response.status_code == 404
