@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.utils import logging as hf_logging
 
@@ -99,9 +99,15 @@ class EngineConfig(BaseModel):
     # DEFAULT_DRAFT_QUANT for the default draft on llama.cpp, any other draft as shipped. The target
     # is never requantized.
     draft_quant: DraftQuant = "auto"
-    # The suffix draft fused with this draft (proposers.py `FusedProposer`): set where the source
-    # is "suffix+SOURCE" (`draft_configs` reads it so: the draft's config names SOURCE).
-    fuse_suffix: bool = False
+    # The suffix draft fused with this draft (proposers.py `FusedProposer`): set by `unfused` where
+    # the source is "suffix+SOURCE" (`draft_configs` reads it so: the draft's config names SOURCE).
+    # Not a field: "suffix+SOURCE" is the one way to ask for it, and a config naming it is refused
+    # (extra="forbid"); copies (model_copy) and pickles (the replicas' configs) keep it.
+    _fuse_suffix: bool = PrivateAttr(False)
+
+    @property
+    def fuse_suffix(self) -> bool:
+        return self._fuse_suffix
 
 
 def build_engine(config: EngineConfig = EngineConfig(), progress: bool = True) -> SpecDecEngine:
@@ -144,7 +150,11 @@ def unfused(config: EngineConfig) -> EngineConfig:
     """A fused draft's config ("suffix+SOURCE") as its model draft's (`draft` SOURCE) with the suffix
     beside it (`fuse_suffix`); any other as it is."""
     model = fused_with(config.draft)
-    return config if model is None else config.model_copy(update={"draft": model, "fuse_suffix": True})
+    if model is None:
+        return config
+    fused = config.model_copy(update={"draft": model})
+    fused._fuse_suffix = True
+    return fused
 
 
 def check_sources(config: EngineConfig, here: bool = True) -> None:

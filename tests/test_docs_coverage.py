@@ -20,11 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EXEMPT_FLAGS = {
     "--help",  # argparse's own, on every parser
 }
-EXEMPT_FIELDS = {
-    # Set by the builder itself from a `suffix+SOURCE` draft source (builder.py `unfused`), which
-    # is how users ask for it: not an option of its own.
-    "EngineConfig.fuse_suffix",
-}
+# (EngineConfig.fuse_suffix was one: the builder's own flag, now outside the fields, builder.py `unfused`.)
+EXEMPT_FIELDS: set[str] = set()
 
 
 def docs_text() -> str:

@@ -158,3 +158,28 @@ def test_a_second_drafts_foreign_head_names_the_draft_and_what_to_do(tiny_pair, 
                                                       r"a draft besides the first reads the head in its own directory"):
         build_engine(EngineConfig(draft=str(draft), target=str(target), head="none", drafts={"h": str(second)}),
                      progress=False)
+
+
+def test_fusing_the_suffix_draft_is_said_by_the_source_only():
+    """`suffix+SOURCE` is how a user fuses the suffix draft; the flag the builder sets from it
+    (draft_configs: the draft's config names SOURCE) is no field a config can set: a Serve config's
+    `models: {fuse_suffix: true}` was a second, undocumented way to say it."""
+    import pickle
+
+    from pydantic import ValidationError
+
+    from services.config import AppConfig
+    from specdec.builder import draft_configs
+
+    with pytest.raises(ValidationError, match="fuse_suffix\n  Extra inputs are not permitted"):
+        EngineConfig(draft="default", fuse_suffix=True)
+    with pytest.raises(ValidationError, match="fuse_suffix\n  Extra inputs are not permitted"):
+        AppConfig.model_validate({"models": {"fuse_suffix": True}})
+    config = EngineConfig(draft="suffix+default", drafts={"plain": "default", "suffix": "suffix"})
+    drafts = draft_configs(config)
+    assert [(each.draft, each.fuse_suffix) for each in drafts.values()] == [
+        ("default", True), ("default", False), ("suffix", False)]
+    # as the replicas take it (services/replicas.py draft_worker: a copy; Ray: pickled)
+    fused = pickle.loads(pickle.dumps(drafts["default"].model_copy(update={"threads": 2})))
+    assert (fused.draft, fused.fuse_suffix, fused.threads) == ("default", True, 2)
+    assert "fuse_suffix" not in fused.model_dump() and not config.fuse_suffix
