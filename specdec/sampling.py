@@ -31,20 +31,14 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # Strict, as a request's other numbers (params.py): a bool is none (lax mode read true as 1); an
-    # int is still a float.
-    temperature: float = Field(0.0, ge=0.0, description="0 = greedy", strict=True)
+    # int is still a float. Finite, checked before the bounds, as the OpenAI route's fields: NaN is
+    # "Input should be a finite number" on every entry point (it read as out of whichever bound it failed).
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy", strict=True, allow_inf_nan=False)
     # -1 or 0 = no top-k filter: -1 is the OpenAI ecosystem's "off" (vLLM's), 0 HF's; both taken on
     # every entry point (HTTP, gRPC, in process), held as 0 (one transform, one value on the round wire).
     top_k: int = Field(0, ge=-1, description="-1 or 0 = no top-k filter", strict=True)
-    top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True, allow_inf_nan=False)
     seed: int | None = Field(None, strict=True)
-
-    @field_validator("temperature", "top_p")
-    @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        return value
 
     @field_validator("top_k")
     @classmethod

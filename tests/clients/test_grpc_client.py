@@ -154,6 +154,13 @@ def test_a_top_k_of_minus_one_is_off_as_over_http(client):
                                                   "top-k: Input should be greater than or equal to -1")
 
 
+def test_a_number_that_is_not_finite_is_refused_as_over_http(client):
+    for name in ("temperature", "top_p"):
+        with pytest.raises(ClientError) as info:
+            client.generate(PROMPTS[0], **{name: float("nan")})
+        assert str(info.value) == f"{name.replace('_', '-')}: Input should be a finite number"
+
+
 def test_async_invalid_argument(address):
     async def run():
         async with AsyncGrpcClient(address) as aio:

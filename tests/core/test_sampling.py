@@ -120,6 +120,16 @@ def test_sampling_params_reject_out_of_range_values(fields):
         SamplingParams(**fields)
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_a_number_that_is_not_finite_is_refused_as_such(field, value):
+    """As the OpenAI route refuses it: NaN read as 'greater than or equal to 0' (temperature) or 'less
+    than or equal to 1' (top_p), whichever bound it failed first, in process and over gRPC."""
+    with pytest.raises(ValidationError) as info:
+        SamplingParams(**{field: value})
+    assert info.value.errors()[0]["msg"] == "Input should be a finite number"
+
+
 def test_a_top_k_of_minus_one_is_off_as_zero():
     """-1 is the OpenAI ecosystem's "no top-k filter" (vLLM's), 0 HF's: both off on every entry point
     (it was accepted over HTTP only), held as 0 (one transform, one value on the round wire)."""

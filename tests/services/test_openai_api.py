@@ -157,6 +157,7 @@ def test_stream_without_usage_and_n2(client):
 @pytest.mark.parametrize(("route", "body", "message", "param"), [
     ("completions", {"temperature": -1}, "temperature: Input should be greater than or equal to 0", "temperature"),
     ("completions", {"n": 0}, "n: Input should be greater than or equal to 1", "n"),
+    ("completions", {"temperature": float("nan")}, "temperature: Input should be a finite number", "temperature"),
     ("completions", {"top_k": -2}, "top_k: Input should be greater than or equal to -1", "top_k"),
     ("completions", {"policy": "nope"}, "unknown policy 'nope'", None),
     ("completions", {"policy": ""}, "policy: String should have at least 1 character", "policy"),
