@@ -7,6 +7,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import ray
@@ -23,6 +24,9 @@ DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT = 8000, 9000  # Serve's defaults
 # request or response. Requests are refused beyond AppConfig.max_request_bytes anyway; responses of
 # n samples of a long context need more.
 PROXY_MAX_MESSAGE_ENV, PROXY_MAX_MESSAGE_BYTES = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", 32 * 1024 * 1024
+# Serve's graceful_shutdown_timeout_s where a deployment sets none, and the time its controller takes
+# past a replica's to see it gone.
+SERVE_GRACEFUL_SHUTDOWN_S, DELETE_SLACK_S = 20.0, 30.0
 # ray.init's options for a served app: the replicas' logs stay in Ray's log files
 RAY_OPTIONS = {"include_dashboard": False, "logging_level": "WARNING", "log_to_driver": False,
                "configure_logging": False}
@@ -57,6 +61,21 @@ def deploy_failure() -> str | None:
             kind, sep, reason = lines[-1].partition(": ")
             return f"{name}: {reason if sep and ' ' not in kind else lines[-1]}"
     return None
+
+
+def delete_app(config: AppConfig, poll_s: float = 0.5) -> bool:
+    """Delete the app, waiting as long as its replicas may take to let their requests in flight
+    finish (their graceful_shutdown_timeout_s, the longest of them): serve.delete's own wait gives up
+    after 60 s with a TimeoutError, which ended `specdec serve` with a traceback while a coordinator
+    still let its generations finish, and skipped the shutdown after it. Whether the app went."""
+    serve.delete(APP_NAME, _blocking=False)
+    graces = [r.graceful_shutdown_timeout_s for r in deployment_replicas(config).values()]
+    deadline = time.monotonic() + max(SERVE_GRACEFUL_SHUTDOWN_S if g is None else g for g in graces) + DELETE_SLACK_S
+    while APP_NAME in serve.status().applications:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 def client_addresses(host: str, http_port: int, grpc_port: int) -> dict[str, str]:
@@ -122,9 +141,11 @@ def serve_forever(config: AppConfig, host: str, http_port: int, grpc_port: int,
     except KeyboardInterrupt:
         print("stopping: the requests in flight finish first", file=sys.stderr, flush=True)
     finally:
-        if deployed:
-            serve.delete(APP_NAME)  # drains: each replica waits for its requests in flight
-        if not joined:
-            serve.shutdown()
-        ray.shutdown()
+        try:
+            if deployed and not delete_app(config):  # drains: each replica waits for its requests in flight
+                print("the app did not stop in time: stopping it now", file=sys.stderr, flush=True)
+        finally:
+            if not joined:
+                serve.shutdown()
+            ray.shutdown()
     return 0

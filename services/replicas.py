@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 # How often a loop whose session-holding replicas autoscale reads how many run (LiveCap): their
 # replicas start in tens of seconds at the soonest (Serve's upscale delay, a model's loading).
 LIVE_CAP_REFRESH_S = 10.0
+# How often a replica being stopped looks whether its sessions are all released (RoundReplica.__del__).
+DRAIN_POLL_S = 0.2
 
 
 def set_threads(threads: int | None) -> None:
@@ -157,8 +159,32 @@ class RoundReplica:
         return self._address
 
     def __del__(self):
-        if self._server is not None:
+        """Serve calls this when it stops the replica (downscale, upgrade, the app deleted), once
+        the calls that passed through Serve have ended, and awaits what it returns. The `direct`
+        transport's round calls do not pass through it: a coordinator's generations go on calling
+        this server for the sessions it holds, and stopped at once it failed them where there is no
+        other replica (the app deleted: Ctrl-C of `specdec serve`). So it serves until it holds no
+        session and no round call (each request releases its sessions as it ends; abandoned ones
+        expire), then stops its server; Serve ends it at its graceful_shutdown_timeout_s whatever it
+        holds. Collected outside an event loop (a replica built without Serve), it stops at once."""
+        if self._server is None:
+            return None
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
             self._server.stop(grace=None)
+            return None
+        return self._drain()
+
+    async def _drain(self) -> None:
+        while self._draining():
+            await asyncio.sleep(DRAIN_POLL_S)
+        self._server.stop(grace=DRAIN_POLL_S)
+
+    def _draining(self) -> bool:
+        """Whether a round call is being served or a session's cache held (expired ones dropped)."""
+        self.check_health()
+        return any(servicer.round_calls or len(servicer.sessions) for servicer in self.servicers.values())
 
     async def _serve(self, method: Callable, request_type, payload: bytes) -> bytes:
         """A handle call (the `serve-grpc` and `actor` transports): off the event loop, the servicer
