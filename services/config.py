@@ -66,7 +66,10 @@ class ReplicaConfig(BaseModel):
         if unknown:
             raise ValueError(f"unknown autoscaling keys {unknown}; Serve's autoscaling_config takes "
                              f"{sorted(AutoscalingConfig.model_fields)}")
-        AutoscalingConfig.model_validate(value)
+        try:
+            AutoscalingConfig.model_validate(value)
+        except (ImportError, AttributeError) as error:  # Serve imports a named policy as it checks it
+            raise ValueError(f"policy: cannot import its policy_function ({error})") from None
         if any(isinstance(v, float) and not math.isfinite(v) for v in value.values()):
             raise ValueError("autoscaling values must be finite numbers")  # (Serve's model takes inf)
         return value

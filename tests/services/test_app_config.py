@@ -19,6 +19,22 @@ def test_inconsistent_autoscaling_is_rejected_by_serves_own_rules():
         ReplicaConfig(autoscaling={"min_replicas": 3, "max_replicas": 1})
 
 
+@pytest.mark.parametrize(("policy", "reason"), [("nope", "No module named 'nop'"),
+                                                ("services.autoscaling:nope", "has no attribute 'nope'")])
+def test_an_autoscaling_policy_that_cannot_be_imported_is_refused_in_one_line(policy, reason):
+    """Serve imports the policy as it checks the config: a missing one escaped as the import's own
+    exception (ModuleNotFoundError, AttributeError), a traceback where the app is built."""
+    from ray.serve.exceptions import RayServeException
+
+    from services.app import build_app
+
+    with pytest.raises(RayServeException) as caught:
+        build_app({"draft": {"autoscaling": {"policy": {"policy_function": policy}}}})
+    message = str(caught.value)
+    assert message.startswith("draft.autoscaling: policy: cannot import") and reason in message, message
+    assert "\n" not in message
+
+
 @pytest.mark.parametrize("resources", [{"GPU": 1}, {"CPU": 2}, {"draft_node": -1}])
 def test_resources_are_custom_and_non_negative(resources):
     with pytest.raises(ValidationError):
