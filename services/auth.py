@@ -4,7 +4,8 @@ One key (AppConfig.api_key, else the SPECDEC_API_KEY environment variable). Clie
 OpenAI's clients do: `Authorization: Bearer <key>`, as an HTTP header or as gRPC metadata
 (`authorization`). Keys are compared in constant time.
 
-    HTTP (FastAPI)      an app-wide dependency (services/openai_api.py)      -> 401
+    HTTP (FastAPI)      Starlette's AuthenticationMiddleware, before routing -> 401
+                        or reading the body (services/openai_api.py)
     gRPC public         checked by the ingress servicer: Serve's gRPC proxy  -> UNAUTHENTICATED
                         in Ray 2.60 takes no server interceptors
     gRPC round services a grpc.ServerInterceptor on each replica's server    -> UNAUTHENTICATED
