@@ -172,14 +172,16 @@ class RoundReplica:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            self._server.stop(grace=None)
+            server, self._server = self._server, None
+            server.stop(grace=None)
             return None
         return self._drain()
 
     async def _drain(self) -> None:
         while self._draining():
             await asyncio.sleep(DRAIN_POLL_S)
-        self._server.stop(grace=DRAIN_POLL_S)
+        server, self._server = self._server, None  # (the collector's __del__ after Serve's does nothing)
+        server.stop(grace=DRAIN_POLL_S)
 
     def _draining(self) -> bool:
         """Whether a round call is being served or a session's cache held (expired ones dropped)."""
