@@ -232,8 +232,12 @@ class ExampleWriter:
 
         if threads:
             torch.set_num_threads(threads)
-        self.models, self.data = models, data
-        self.engine = build_engine(models.engine_config(threads), progress=False)
+        self.models, self.data, self.refused = models, data, None
+        try:
+            self.engine = build_engine(models.engine_config(threads), progress=False)
+        except SpecDecError as error:  # the config's fault: raised by `rows`, whose task error the driver
+            self.refused = error       # prints in one line (an actor that fails to start dies with a traceback)
+            return
         self.target = self.engine.verifier_worker.target = RecordingTarget(self.engine.target)
 
     def rows(self, prompts: Sequence[Prompt], reused: dict[str, Reused] | None = None) -> list[dict]:
@@ -241,6 +245,8 @@ class ExampleWriter:
         `reused` with the same prompt tokens keeps its response."""
         from specdec.params import GenerationParams
 
+        if self.refused is not None:
+            raise self.refused
         reused, response = reused or {}, self.data.response
         limit = min(self.data.prompts.max_prompt_tokens, self.engine.max_context - 1)
         rows, to_generate = [], []
@@ -536,6 +542,8 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
     from ray.util import ActorPool
     from tqdm.auto import tqdm
 
+    from specdec.builder import draft_vocabulary
+
     data, scaling = config.data, config.scaling
     out = Path(data.dir)
     try:
@@ -551,6 +559,7 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
             checkpoints.connect_ray(connect)
         draft = model_entry(config.models.draft, "draft", config.models.cache_dir)
         target = model_entry(config.models.target, "target", config.models.cache_dir)
+        draft_vocabulary(config.models.draft_vocab, Path(draft["dir"]))  # its ids' range, before the workers load
         if draft["vocab_size"] != target["vocab_size"]:  # other padding rows: the engine's check (builder.py)
             from specdec.builder import check_shared_vocabulary, load_tokenizer
 
@@ -607,7 +616,7 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
             def submit(actor, chunk):
                 return actor.rows.remote(chunk, {p.id: reused[p.id] for p in chunk if p.id in reused})
 
-            for rows in pool.map_unordered(submit, chunks):
+            for rows in worker_results(pool.map_unordered(submit, chunks)):
                 path = write_shard(out, next_index, rows, data.kind,
                                    data.features.compute if data.kind == "features" else None)
                 next_index += 1
@@ -620,9 +629,31 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
             bar.close()
             for actor in actors:
                 ray.kill(actor)
+            pool._pending_submits.clear()  # (ActorPool's queue: no task for the killed actors)
+            while pool.has_next():  # the tasks in flight, refused or failed by the kill: their errors are
+                try:                # taken here, not logged with their tracebacks as unhandled at exit
+                    pool.get_next_unordered(timeout=30)
+                except TimeoutError:
+                    break
+                except Exception:
+                    pass
         manifest["complete"] = True
         write_manifest(out, manifest)
         return manifest
+
+
+def worker_results(results: Iterable):
+    """`results` of the workers, where a worker's refusal on the config's behalf (a SpecDecError: a
+    `data.response.k` past the models' context, a `models.draft_vocab` id past the draft's vocabulary)
+    is raised as itself, one line, not as Ray's task error that carries the worker's traceback."""
+    from ray.exceptions import RayTaskError
+
+    try:
+        yield from results
+    except RayTaskError as error:
+        if isinstance(error.cause, SpecDecError):
+            raise error.cause from None
+        raise
 
 
 def _check_same_settings(directory: Path, found: dict, wanted: dict) -> None:
