@@ -44,11 +44,12 @@ from specdec.features import (
 )
 from specdec.files import written_together
 from specdec.head import AcceptanceHead, HeadConfig
+from specdec.models.vocab import SETTINGS_BEFORE_DRAFT_VOCAB, vocab_setting
 from specdec.sampling import SamplingParams, probs_from_logits
 from specdec.training import checkpoints
 from specdec.training.calibration import calibration_report, cross_fitted_predictions
 from specdec.training.config import SELECT_BY, ConfigError, PipelineConfig, TrainSection
-from specdec.training.data import SPLITS, head_sequences, load_dataset, read_manifest
+from specdec.training.data import SPLITS, DatasetError, head_sequences, load_dataset, read_manifest
 from specdec.training.evaluation import calibration, evaluate_head, feature_aurocs, soft_label_auroc
 from specdec.training.loss import weighted_bce_loss
 from specdec.training.feature_labels import (LABEL_STEPS, cache_settings, check_feature_head_data,
@@ -345,11 +346,25 @@ def check_dataset(config: PipelineConfig) -> tuple[dict, str, str]:
     draft_dir = resolve_model(config.models.draft, role="draft", cache=config.models.cache_dir)
     identity = model_identity(draft_dir)
     manifest, rows = load_dataset(config.data.dir, draft_identity=identity)
+    check_draft_settings(config, manifest)
     counts = {split: sum(len(labels) for r in rows if r["split"] == split for labels in r["labels"]) for split in SPLITS}
     if not counts["train"] or not counts["validation"]:
         raise SpecDecError(f"dataset {config.data.dir} needs labelled tokens in both splits "
                            f"(train {counts['train']}, validation {counts['validation']})")
     return manifest, identity, config.models.draft
+
+
+def check_draft_settings(config: PipelineConfig, manifest: dict) -> None:
+    """The draft runs as the data were labelled with: the features' pass reads `models.draft_format` and
+    `models.draft_vocab` from the config (and the feature cache's key holds neither), so other ones
+    would pair q and hidden states of another draft with the data's labels (gen-data refuses them in
+    the same data.dir)."""
+    made = {**SETTINGS_BEFORE_DRAFT_VOCAB, **manifest.get("settings", {})}
+    for key, value in (("draft_format", config.models.draft_format),
+                       ("draft_vocab", vocab_setting(config.models.draft_vocab))):
+        if key in made and made[key] != value:
+            raise DatasetError(f"dataset {config.data.dir} was labelled with models.{key} {made[key]!r}, not "
+                               f"{getattr(config.models, key)!r}: use the setting the data were made with")
 
 
 def ensure_features(config: PipelineConfig, manifest: dict, draft_identity: str) -> str:
