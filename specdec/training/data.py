@@ -629,7 +629,10 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
             bar.close()
             for actor in actors:
                 ray.kill(actor)
-            pool._pending_submits.clear()  # (ActorPool's queue: no task for the killed actors)
+            # ActorPool's queue of chunks not yet submitted: none will run on the killed actors. (Private
+            # in Ray 2.60, the pinned version; without it the wait below ends at its first timeout.)
+            if (queued := getattr(pool, "_pending_submits", None)) is not None:
+                queued.clear()
             while pool.has_next():  # the tasks in flight, refused or failed by the kill: their errors are
                 try:                # taken here, not logged with their tracebacks as unhandled at exit
                     pool.get_next_unordered(timeout=30)
