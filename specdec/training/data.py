@@ -633,13 +633,15 @@ def generate_dataset(config: PipelineConfig, prompts: Sequence[Prompt] | None = 
             # in Ray 2.60, the pinned version; without it the wait below ends at its first timeout.)
             if (queued := getattr(pool, "_pending_submits", None)) is not None:
                 queued.clear()
-            while pool.has_next():  # the tasks in flight, refused or failed by the kill: their errors are
-                try:                # taken here, not logged with their tracebacks as unhandled at exit
+            # The tasks in flight, refused or failed by the kill: their errors are taken here, which is
+            # all they need (else Ray logs each with its traceback as unhandled at exit).
+            while pool.has_next():
+                try:
                     pool.get_next_unordered(timeout=30)
                 except TimeoutError:
                     break
-                except Exception:
-                    pass
+                except Exception:  # noqa: BLE001 - whatever the task ended with, taken
+                    continue
         manifest["complete"] = True
         write_manifest(out, manifest)
         return manifest
